@@ -1,0 +1,140 @@
+"""Shared benchmark plumbing: environment stamp, timing with percentiles, CSV rows and PNG plots.
+
+Every benchmark compares kvforge with its peers in the same run, refuses to report a provider whose output
+failed the reference check, and appends one row per (workload, provider) to ``bench/results/<name>.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import subprocess
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class ReferenceMismatch(RuntimeError):
+    """A provider's output disagreed with the reference: its timing must not be reported."""
+
+
+def git_revision() -> str:
+    rev = os.environ.get("KVFORGE_GIT_REV")
+    if rev:
+        return rev
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def env_stamp() -> dict[str, str]:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": str(torch.version.cuda),
+        "git_rev": git_revision(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def time_gpu(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> dict[str, float]:
+    """Median and p20/p80 in ms (triton.testing.do_bench on prebuilt inputs, after warm-up)."""
+    from triton.testing import do_bench
+
+    p50, p20, p80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return {"ms": p50, "ms_p20": p20, "ms_p80": p80}
+
+
+def time_graph(fn: Callable[[], Any], *, rep: int = 100) -> dict[str, float]:
+    """Time ``fn`` replayed from a CUDA graph (launch overhead as a serving step sees it)."""
+    from triton.testing import do_bench_cudagraph
+
+    p50, p20, p80 = do_bench_cudagraph(fn, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return {"ms": p50, "ms_p20": p20, "ms_p80": p80}
+
+
+def append_csv(name: str, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """Append rows (each stamped with GPU, versions, git revision, date) to bench/results/<name>.csv."""
+    rows = list(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.csv"
+    stamp = env_stamp()
+    rows = [{**stamp, **r} for r in rows]
+    fields: list[str] = []
+    if path.exists():
+        with path.open() as f:
+            fields = next(csv.reader(f), [])
+    for r in rows:
+        for k in r:
+            if k not in fields:
+                fields.append(k)
+    if path.exists() and fields != next(csv.reader(path.open()), []):
+        # A new column: rewrite the file with the widened header so older rows stay readable.
+        old = list(csv.DictReader(path.open()))
+        rows = old + rows
+        mode = "w"
+    else:
+        mode = "a" if path.exists() else "w"
+    with path.open(mode, newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if mode == "w":
+            w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def bar_plot(
+    path: Path,
+    title: str,
+    groups: list[str],
+    series: Mapping[str, list[float]],
+    ylabel: str,
+    log: bool = False,
+) -> Path:
+    """Grouped bars (one group per workload, one bar per provider) as a PNG via matplotlib's Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(series)) / 3), 4))
+    n = max(1, len(series))
+    width = 0.8 / n
+    for i, (label, vals) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, vals, width, label=label)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=15, fontsize=8)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,205 @@
+"""Where kernels run and with which launch configuration.
+
+* ``interpreting()``: True under ``TRITON_INTERPRET=1`` (set automatically by ``kvforge.kernels`` when torch
+  sees no CUDA device), where kernels run on CPU tensors.
+* ``device_capability()`` / ``num_sms()``: queried lazily and cached, never at import, so importing kvforge on a
+  machine without a driver works.
+* ``TunedKernel``: per-SM launch configuration. Candidates come from a table keyed by compute capability with a
+  fallback. On a GPU the best candidate per (arch, key) is taken from the committed file ``tuned/sm<XY>.json``
+  when present, else measured once with ``triton.testing.do_bench`` and remembered. In the interpreter (where
+  multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter config is used.
+  The key holds only what changes the best tile (head dims, dtypes, flags), never batch size or lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+_TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        try:
+            return bool(knobs.runtime.interpret)
+        except AttributeError:
+            pass
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_device() -> torch.device:
+    """The device kernels take their tensors on: CUDA when present, else the CPU (interpreter)."""
+    if interpreting() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device | None = None) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, or None in the interpreter / on CPU."""
+    if interpreting() or not torch.cuda.is_available():
+        return None
+    if device is None or device.index is None:
+        index = torch.cuda.current_device()
+    else:
+        index = device.index
+    return _capability(index)
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of the device; a small stand-in in the interpreter."""
+    if device_capability(device) is None:
+        return 4
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return _sm_count(index)
+
+
+def arch_name(cap: tuple[int, int] | None) -> str:
+    return "interpreter" if cap is None else f"sm{cap[0]}{cap[1]}"
+
+
+ConfigKey = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class ConfigTable:
+    """Launch-config candidates per architecture.
+
+    ``by_arch`` maps ``(major, minor)`` or ``major`` to a candidate list; the most specific match wins, then
+    ``fallback``. ``interpreter`` is the single config used under TRITON_INTERPRET (small tiles keep it fast).
+    ``keep`` filters candidates for a given key (e.g. tiles too large for a head dim), like tutorial 06's keep().
+    """
+
+    fallback: Sequence[triton.Config]
+    interpreter: triton.Config
+    by_arch: Mapping[Any, Sequence[triton.Config]] = field(default_factory=dict)
+    keep: Callable[[triton.Config, ConfigKey], bool] | None = None
+
+    def candidates(self, cap: tuple[int, int] | None, key: ConfigKey) -> list[triton.Config]:
+        if cap is None:
+            return [self.interpreter]
+        configs = self.by_arch.get(cap) or self.by_arch.get(cap[0]) or self.fallback
+        kept = [c for c in configs if self.keep is None or self.keep(c, key)]
+        return kept or list(self.fallback[:1])
+
+
+def config_to_json(cfg: triton.Config) -> dict[str, Any]:
+    return {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def config_from_json(d: Mapping[str, Any]) -> triton.Config:
+    return triton.Config(dict(d["kwargs"]), num_warps=int(d["num_warps"]), num_stages=int(d["num_stages"]))
+
+
+def _key_str(key: ConfigKey) -> str:
+    return ",".join(str(k) for k in key)
+
+
+@cache
+def _committed(arch: str) -> dict[str, dict[str, Any]]:
+    path = _TUNED_DIR / f"{arch}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+_REGISTRY: dict[str, TunedKernel] = {}
+
+
+class TunedKernel:
+    """A Triton kernel launched with a per-SM, per-key configuration.
+
+    ``launch(grid, key, *args, **kwargs)``: ``grid`` is a callable of the chosen config's kwargs (``META``).
+    Tuning runs only on a GPU, only for keys without a committed config, and only when the kernel's
+    launches are idempotent (every kernel here writes outputs it does not read).
+    """
+
+    def __init__(self, name: str, fn: Any, table: ConfigTable) -> None:
+        self.name = name
+        self.fn = fn
+        self.table = table
+        self._chosen: dict[tuple[str, ConfigKey], triton.Config] = {}
+        self._lock = threading.Lock()
+        _REGISTRY[name] = self
+
+    def config_for(self, key: ConfigKey, run: Callable[[triton.Config], None] | None = None) -> triton.Config:
+        cap = device_capability()
+        arch = arch_name(cap)
+        memo = (arch, key)
+        cfg = self._chosen.get(memo)
+        if cfg is not None:
+            return cfg
+        committed = _committed(arch).get(self.name, {}).get(_key_str(key))
+        if committed is not None and os.environ.get("KVFORGE_RETUNE", "0") != "1":
+            cfg = config_from_json(committed)
+        else:
+            candidates = self.table.candidates(cap, key)
+            if len(candidates) == 1 or run is None:
+                cfg = candidates[0]
+            else:
+                cfg = self._tune(candidates, run)
+        with self._lock:
+            self._chosen[memo] = cfg
+        return cfg
+
+    @staticmethod
+    def _tune(candidates: Sequence[triton.Config], run: Callable[[triton.Config], None]) -> triton.Config:
+        from triton.testing import do_bench
+
+        best, best_ms = candidates[0], float("inf")
+        for cfg in candidates:
+            try:
+                ms = do_bench(lambda cfg=cfg: run(cfg), warmup=5, rep=20)
+            except Exception:  # a config that does not compile or fit (shared memory) is skipped
+                continue
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+        return best
+
+    def launch(self, grid: Callable[[Mapping[str, Any]], tuple[int, ...]], key: ConfigKey, *args: Any, **kwargs: Any):
+        def run(cfg: triton.Config) -> Any:
+            meta = {**kwargs, **cfg.kwargs}
+            return self.fn[grid(meta)](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+        cfg = self.config_for(key, run)
+        return run(cfg)
+
+    def chosen(self) -> dict[str, dict[str, Any]]:
+        return {f"{arch}|{_key_str(key)}": config_to_json(cfg) for (arch, key), cfg in self._chosen.items()}
+
+
+def export_tuned(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Write every config chosen so far (per arch, kernel and key) as JSON, in the committed-file layout."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, tk in _REGISTRY.items():
+        for (arch, key), cfg in tk._chosen.items():
+            if arch == "interpreter":
+                continue
+            out.setdefault(arch, {}).setdefault(name, {})[_key_str(key)] = config_to_json(cfg)
+    if path is not None:
+        base = Path(path)
+        base.mkdir(parents=True, exist_ok=True)
+        for arch, kernels in out.items():
+            (base / f"{arch}.json").write_text(json.dumps(kernels, indent=1, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,42 @@
+"""Shared test helpers: poisoned outputs and write checks."""
+
+from __future__ import annotations
+
+import torch
+
+INT_POISON = -0x2A2A2A2A
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output with values no kernel writes on purpose (NaN for floats), in place."""
+    if t.dtype == torch.bool:
+        t.fill_(True)
+    elif t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).fill_(0x7F)  # NaN
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.uint8:
+        t.fill_(0xAB)
+    else:
+        t.fill_(max(INT_POISON, torch.iinfo(t.dtype).min))
+    return t
+
+
+def poisoned(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return poison(torch.empty(shape, dtype=dtype, device=device))
+
+
+def assert_all_written(t: torch.Tensor, what: str = "output") -> None:
+    """Every element differs from the poison value (floats: no NaN left)."""
+    if t.dtype == torch.float8_e4m3fn:
+        left = (t.view(torch.uint8) & 0x7F) == 0x7F
+    elif t.is_floating_point():
+        left = torch.isnan(t)
+    elif t.dtype == torch.uint8:
+        left = t == 0xAB
+    elif t.dtype == torch.bool:
+        return
+    else:
+        left = t == max(INT_POISON, torch.iinfo(t.dtype).min)
+    n = int(left.sum())
+    assert n == 0, f"{what}: {n} of {t.numel()} elements were not written"
