@@ -1,0 +1,134 @@
+"""Per-server load as the sum of what each in-flight request reserved, reclaimed after a time-to-live.
+
+A router adds a request's weight to its server when it places it and subtracts exactly that weight when the
+request finishes. A request whose finish never arrives (a crashed client, a lost message) would otherwise
+hold its load forever and steer traffic away from a healthy server; like llm-d's pending-token scorer, each
+reservation carries a deadline after which it is reclaimed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.errors import KvforgeError
+
+__all__ = ["LoadLedger", "RequestInFlightError", "Reservation", "server_tuple"]
+
+
+class RequestInFlightError(KvforgeError):
+    """A request id was placed again while its first placement is still in flight; nothing was changed."""
+
+
+def server_tuple(servers: Sequence[Hashable]) -> tuple[Hashable, ...]:
+    """Validate a router's server list: a non-empty sequence of distinct hashable ids."""
+    if isinstance(servers, (str, bytes)) or not isinstance(servers, Sequence):
+        raise TypeError(f"servers: expected a sequence of server ids, got {type(servers).__name__}")
+    out = tuple(servers)
+    if not out:
+        raise ValueError("servers: expected at least one server, got none")
+    try:
+        distinct = len(set(out))
+    except TypeError:
+        raise TypeError("servers: expected hashable server ids") from None
+    if distinct != len(out):
+        raise ValueError(f"servers: expected distinct ids, got {list(out)}")
+    return out
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What one in-flight request holds: ``weight`` units of load on server index ``server``."""
+
+    request_id: Hashable
+    server: int
+    weight: int
+    deadline: float
+    seq: int
+    payload: Any = None
+
+
+class LoadLedger:
+    """In-flight reservations per server; ``ttl_s=None`` never expires them."""
+
+    def __init__(self, num_servers: int, ttl_s: float | None) -> None:
+        if not isinstance(num_servers, int) or num_servers <= 0:
+            raise ValueError(f"num_servers: expected a positive int, got {num_servers!r}")
+        if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
+            raise ValueError(f"ttl_s: expected a positive number of seconds or None, got {ttl_s!r}")
+        self.ttl_s = ttl_s
+        self._loads = [0] * num_servers
+        self._counts = [0] * num_servers
+        self._live: dict[Hashable, Reservation] = {}
+        # (deadline, seq, request_id); entries of released requests stay until they surface (lazy deletion).
+        self._deadlines: list[tuple[float, int, Hashable]] = []
+        self._seq = 0
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def loads(self) -> list[int]:
+        """Load per server index (a copy)."""
+        return list(self._loads)
+
+    def load(self, server: int) -> int:
+        return self._loads[server]
+
+    def in_flight(self, server: int) -> int:
+        """Number of requests in flight on server index ``server``."""
+        return self._counts[server]
+
+    def reservations(self) -> list[Reservation]:
+        """The live reservations (a snapshot)."""
+        return list(self._live.values())
+
+    def get(self, request_id: Hashable) -> Reservation | None:
+        return self._live.get(request_id)
+
+    def reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any = None) -> Reservation:
+        if request_id in self._live:
+            raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
+        if weight < 0:
+            raise ValueError(f"weight: expected a non-negative load, got {weight}")
+        self._seq += 1
+        deadline = now + self.ttl_s if self.ttl_s is not None else float("inf")
+        res = Reservation(request_id, server, weight, deadline, self._seq, payload)
+        self._live[request_id] = res
+        self._loads[server] += weight
+        self._counts[server] += 1
+        if self.ttl_s is not None:
+            heapq.heappush(self._deadlines, (deadline, self._seq, request_id))
+            if len(self._deadlines) > 2 * len(self._live) + 1024:
+                self._compact()
+        return res
+
+    def release(self, request_id: Hashable) -> Reservation | None:
+        """Remove a reservation and its load; None when it is unknown (never placed, finished or expired)."""
+        res = self._live.pop(request_id, None)
+        if res is not None:
+            self._loads[res.server] -= res.weight
+            self._counts[res.server] -= 1
+        return res
+
+    def expire(self, now: float) -> list[Reservation]:
+        """Release every reservation whose deadline is at or before ``now``."""
+        out: list[Reservation] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, seq, request_id = heapq.heappop(heap)
+            res = self._live.get(request_id)
+            if res is not None and res.seq == seq:
+                self.release(request_id)
+                out.append(res)
+        return out
+
+    def _compact(self) -> None:
+        # Released requests leave their heap entries behind; rebuild so the heap tracks live requests only.
+        self._deadlines = [(r.deadline, r.seq, r.request_id) for r in self._live.values()]
+        heapq.heapify(self._deadlines)

@@ -1,0 +1,170 @@
+"""Baseline routing policies, with the same interface as :class:`~kvforge.routing.router.ConversationRouter`.
+
+- :class:`RoundRobinRouter`: servers in turn.
+- :class:`LeastLoadRouter`: the server with the fewest prompt tokens in flight.
+- :class:`CacheAwareRouter`: SGLang-router-like. When the fleet is imbalanced (max - min in-flight requests
+  above ``balance_abs_threshold`` *and* max above ``balance_rel_threshold`` * min) it takes the shortest queue;
+  otherwise the server whose approximate prefix tree (the blocks the router sent it, LRU-bounded) matches the
+  largest share of the request, if that share exceeds ``cache_threshold``, else the server with the smallest
+  tree. Defaults are SGLang's (0.3, 64, 1.5).
+
+All of them charge a server the whole prompt in tokens and reclaim unfinished requests after a time-to-live.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from kvforge.kvcache.events import KVEvent
+from kvforge.routing.load import LoadLedger, RequestInFlightError, server_tuple
+from kvforge.routing.request import RouteRequest, request_content
+from kvforge.routing.trie import ServerPrefixIndex
+
+__all__ = ["CacheAwareRouter", "LeastLoadRouter", "RoundRobinRouter", "Router"]
+
+
+@runtime_checkable
+class Router(Protocol):
+    """What a server front end or a simulator drives: place, finish, feed cache events."""
+
+    servers: tuple[Hashable, ...]
+
+    def route(self, request: RouteRequest) -> Hashable: ...
+
+    def finish(self, request_id: Hashable, success: bool = True) -> bool: ...
+
+    def on_event(self, server: Hashable, event: KVEvent) -> None: ...
+
+    def loads(self) -> dict[Hashable, int]: ...
+
+
+class _LedgerRouter:
+    """Shared plumbing: server ids, whole-prompt token load with a time-to-live, content hashing."""
+
+    def __init__(
+        self,
+        servers: Sequence[Hashable],
+        *,
+        tokens_per_block: int = 128,
+        chars_per_token: float = 4.0,
+        request_ttl_s: float | None = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(tokens_per_block, int) or isinstance(tokens_per_block, bool) or tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block: expected a positive int, got {tokens_per_block!r}")
+        if not isinstance(chars_per_token, (int, float)) or not chars_per_token > 0:
+            raise ValueError(f"chars_per_token: expected a positive number, got {chars_per_token!r}")
+        if not callable(clock):
+            raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
+        self.servers = server_tuple(servers)
+        self.tokens_per_block = tokens_per_block
+        self.chars_per_token = chars_per_token
+        self._ledger = LoadLedger(len(self.servers), request_ttl_s)
+        self._clock = clock
+        self._index_of = {s: i for i, s in enumerate(self.servers)}
+
+    def loads(self) -> dict[Hashable, int]:
+        return dict(zip(self.servers, self._ledger.loads))
+
+    def load(self, server: Hashable) -> int:
+        return self._ledger.load(self._server_index(server))
+
+    def _server_index(self, server: Hashable) -> int:
+        try:
+            return self._index_of[server]
+        except (KeyError, TypeError):
+            raise ValueError(f"server: expected one of {list(self.servers)}, got {server!r}") from None
+
+    def route(self, request: RouteRequest) -> Hashable:
+        if not isinstance(request, RouteRequest):
+            raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
+        now = self._clock()
+        self._ledger.expire(now)
+        if request.request_id in self._ledger:
+            raise RequestInFlightError(f"request {request.request_id!r} is already in flight")
+        hashes, num_tokens = request_content(request, self.tokens_per_block, self.chars_per_token)
+        server = self._pick(hashes, num_tokens)
+        self._ledger.reserve(request.request_id, server, num_tokens, now)
+        return self.servers[server]
+
+    def finish(self, request_id: Hashable, success: bool = True) -> bool:
+        self._ledger.expire(self._clock())
+        return self._ledger.release(request_id) is not None
+
+    def on_event(self, server: Hashable, event: KVEvent) -> None:
+        self._server_index(server)  # baselines ignore cache events, but still reject an unknown server
+
+    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+        raise NotImplementedError
+
+
+class RoundRobinRouter(_LedgerRouter):
+    def __init__(self, servers: Sequence[Hashable], **kwargs: Any) -> None:
+        super().__init__(servers, **kwargs)
+        self._next = 0
+
+    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+        s = self._next
+        self._next = (s + 1) % len(self.servers)
+        return s
+
+
+class LeastLoadRouter(_LedgerRouter):
+    def __init__(self, servers: Sequence[Hashable], **kwargs: Any) -> None:
+        super().__init__(servers, **kwargs)
+        self._rotor = 0
+
+    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+        loads = self._ledger.loads
+        n = len(loads)
+        best = self._rotor % n
+        for j in range(1, n):
+            s = (self._rotor + j) % n
+            if loads[s] < loads[best]:
+                best = s
+        self._rotor = best + 1  # idle servers take turns
+        return best
+
+
+class CacheAwareRouter(_LedgerRouter):
+    """SGLang-router-like cache-aware policy (see the module docstring)."""
+
+    def __init__(
+        self,
+        servers: Sequence[Hashable],
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        tree_capacity_blocks: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(servers, **kwargs)
+        if not isinstance(cache_threshold, (int, float)) or not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold: expected a number in [0, 1], got {cache_threshold!r}")
+        if not isinstance(balance_abs_threshold, int) or balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold: expected an int >= 0, got {balance_abs_threshold!r}")
+        if not isinstance(balance_rel_threshold, (int, float)) or balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold: expected a number >= 1, got {balance_rel_threshold!r}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self._trees = ServerPrefixIndex(len(self.servers), tree_capacity_blocks)
+
+    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+        n = len(self.servers)
+        queued = [self._ledger.in_flight(s) for s in range(n)]
+        lo, hi = min(queued), max(queued)
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            server = queued.index(lo)
+        else:
+            matched = self._trees.match_lengths(hashes)
+            best = max(range(n), key=lambda s: (matched[s], -queued[s]))
+            if hashes and matched[best] / len(hashes) > self.cache_threshold:
+                server = best
+            else:
+                server = min(range(n), key=lambda s: (self._trees.blocks(s), queued[s]))
+        self._trees.store(server, hashes)
+        return server

@@ -1,0 +1,585 @@
+"""The conversation router: places each request on one of several servers, where its prefix is cached.
+
+Decision, in order:
+
+1. **Sticky**: a request with a known ``conversation_id`` goes to its session's server (bounded LRU table).
+2. **Implicit match**: a request without an id whose leading blocks cover at least ``match_threshold`` of its
+   blocks in the trie continues the conversation that last added the deepest matched block.
+3. **New conversation**: it follows the matched prefix's server when the match has at least
+   ``new_conversation_min_match_blocks`` blocks and either the mode is ``"always"`` or (``"specific"``) the
+   prefix is held by at most ``specific_max_conversations`` conversations, so that a preamble shared by many
+   conversations spreads them out. Otherwise it goes to the least-loaded server.
+
+Load, per server, is the sum of the weights of its in-flight requests, in tokens (text estimated at
+``chars_per_token``; the direct and the coordinator paths use the same unit). ``"specific"`` weighs a request
+by its whole prompt. ``"always"`` weighs it by its estimated uncached prompt: a known conversation by the growth
+of its prompt since its previous request (at least one block), a followed new conversation by its prompt past
+the matched prefix, any other request by its whole prompt (or, with cache events, past what the chosen server
+holds). A finish subtracts exactly what was added; a failed request restores its conversation's baseline unless
+a newer request has replaced it; a request never finished is reclaimed after ``request_ttl_s``.
+
+Beyond the reference system: ``use_cache_events`` makes the router consume the servers' ``BlockStored`` /
+``BlockRemoved`` events (:meth:`ConversationRouter.on_event`) so it knows what each server can reuse instead of
+guessing from its own placements, and ``imbalance_guard`` keeps prefix affinity only among servers whose
+backlog after placing the request is near the minimum.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvforge.routing.load import LoadLedger, RequestInFlightError, server_tuple
+from kvforge.routing.request import RouteRequest, RoutingKey, request_content
+from kvforge.routing.trie import BlockTrie, ServerPrefixIndex
+
+__all__ = ["FOLLOW_MODES", "ConversationRouter", "ImbalanceGuard", "RouterConfig", "RouterStats"]
+
+logger = logging.getLogger("kvforge.routing")
+
+FOLLOW_MODES = ("specific", "always")
+
+# How a request was matched (decides its weight on the affinity server).
+_NEW, _FOLLOWED, _KNOWN = 0, 1, 2
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ImbalanceGuard:
+    """Keep affinity only while the affine server's backlog (after placing the request) stays within
+    ``min * (1 + rel_slack) + abs_slack_tokens`` of the least backlog any server would have; otherwise place
+    the request among the servers within that bound (the one caching most of it, then the least loaded).
+
+    Moving a conversation recomputes its prompt elsewhere, which the whole fleet pays for, so the slack is
+    wide: the defaults come from the Mooncake replay (``bench/bench_router_replay.py``), where tighter bounds
+    lost prefix hits without shortening waits.
+    """
+
+    rel_slack: float = 2.0
+    abs_slack_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rel_slack, (int, float)) or isinstance(self.rel_slack, bool) or self.rel_slack < 0:
+            raise ValueError(f"rel_slack: expected a number >= 0, got {self.rel_slack!r}")
+        _positive_int("abs_slack_tokens", self.abs_slack_tokens, minimum=0)
+
+    def limit(self, min_backlog: float) -> float:
+        return min_backlog * (1.0 + self.rel_slack) + self.abs_slack_tokens
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings; the defaults are the reference system's (128 tokens/block, 0.75, 100,000, "specific")."""
+
+    tokens_per_block: int = 128
+    match_threshold: float = 0.75
+    max_sessions: int = 100_000
+    new_conversation_follow: str = "specific"
+    new_conversation_min_match_blocks: int = 2
+    specific_max_conversations: int = 4
+    chars_per_token: float = 4.0
+    request_ttl_s: float | None = 600.0
+    use_cache_events: bool = False
+    imbalance_guard: ImbalanceGuard | None = None
+    log_every_new_conversations: int = 256
+
+    def __post_init__(self) -> None:
+        _positive_int("tokens_per_block", self.tokens_per_block)
+        t = self.match_threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 < t <= 1.0:
+            raise ValueError(f"match_threshold: expected a number in (0, 1], got {t!r}")
+        _positive_int("max_sessions", self.max_sessions)
+        if self.new_conversation_follow not in FOLLOW_MODES:
+            raise ValueError(
+                f"new_conversation_follow: expected one of {FOLLOW_MODES}, got {self.new_conversation_follow!r}"
+            )
+        _positive_int("new_conversation_min_match_blocks", self.new_conversation_min_match_blocks, minimum=0)
+        _positive_int("specific_max_conversations", self.specific_max_conversations)
+        c = self.chars_per_token
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 0:
+            raise ValueError(f"chars_per_token: expected a positive number, got {c!r}")
+        ttl = self.request_ttl_s
+        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0):
+            raise ValueError(f"request_ttl_s: expected a positive number of seconds or None, got {ttl!r}")
+        if not isinstance(self.use_cache_events, bool):
+            raise TypeError(f"use_cache_events: expected a bool, got {type(self.use_cache_events).__name__}")
+        if self.imbalance_guard is not None and not isinstance(self.imbalance_guard, ImbalanceGuard):
+            raise TypeError(
+                f"imbalance_guard: expected an ImbalanceGuard or None, got {type(self.imbalance_guard).__name__}"
+            )
+        _positive_int("log_every_new_conversations", self.log_every_new_conversations)
+
+    @property
+    def always(self) -> bool:
+        return self.new_conversation_follow == "always"
+
+    @property
+    def matching(self) -> bool:
+        """New conversations may follow a matched prefix (0 minimum blocks turns that off)."""
+        return self.new_conversation_min_match_blocks > 0
+
+
+@dataclass
+class RouterStats:
+    """Counters since construction (what the INFO line and a bench report)."""
+
+    routed: int = 0
+    sticky: int = 0
+    implicit: int = 0
+    new_conversations: int = 0
+    followed: int = 0
+    guard_moves: int = 0
+    failed: int = 0
+    expired: int = 0
+    evicted_sessions: int = 0
+
+
+class _Session:
+    """A conversation: its server, its latest prompt's blocks, and the tokens assumed cached there."""
+
+    __slots__ = ("baseline", "hashes", "key", "last", "server")
+
+    def __init__(self, key: Hashable, server: int, hashes: Sequence[int], baseline: int) -> None:
+        self.key = key
+        self.server = server
+        self.hashes = hashes
+        self.baseline = baseline
+        self.last: _Placement | None = None  # the placement that set ``baseline``
+
+
+@dataclass(slots=True, eq=False)
+class _Placement:
+    """Undo information a reservation carries so a failure can restore its conversation's baseline.
+
+    ``prev`` is the placement whose baseline this one replaced, kept only while it may still be needed: a
+    finished or reclaimed placement drops it, so a chain only spans requests still in flight or failed.
+    """
+
+    session_key: Hashable  # the key, not the session: a reference back from it would make a garbage cycle
+    baseline_before: int
+    prev: _Placement | None
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class _Decision:
+    kind: int = _NEW
+    session: _Session | None = None
+    target: int | None = None
+    target_cached_blocks: int = 0
+    known_base: int = 0
+    common_blocks: int = 0
+    cached: list[int] | None = field(default=None)
+
+
+class ConversationRouter:
+    """Routes requests over ``servers`` (any distinct hashable ids).
+
+    Direct path: ``route(request) -> server``, then ``finish(request_id, success)``. Coordinator path:
+    ``routing_key(request)`` on the front end, ``route_by_key(request_id, key)`` and
+    ``finish_request_by_id(request_id, success)`` where the load lives. Cache events: ``on_event(server, ev)``.
+    ``clock`` (seconds, monotonic) is injectable for the time-to-live.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[Hashable],
+        *,
+        tokens_per_block: int = 128,
+        match_threshold: float = 0.75,
+        max_sessions: int = 100_000,
+        new_conversation_follow: str = "specific",
+        new_conversation_min_match_blocks: int = 2,
+        specific_max_conversations: int = 4,
+        chars_per_token: float = 4.0,
+        request_ttl_s: float | None = 600.0,
+        use_cache_events: bool = False,
+        imbalance_guard: ImbalanceGuard | None = None,
+        log_every_new_conversations: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config = RouterConfig(
+            tokens_per_block=tokens_per_block,
+            match_threshold=match_threshold,
+            max_sessions=max_sessions,
+            new_conversation_follow=new_conversation_follow,
+            new_conversation_min_match_blocks=new_conversation_min_match_blocks,
+            specific_max_conversations=specific_max_conversations,
+            chars_per_token=chars_per_token,
+            request_ttl_s=request_ttl_s,
+            use_cache_events=use_cache_events,
+            imbalance_guard=imbalance_guard,
+            log_every_new_conversations=log_every_new_conversations,
+        )
+        self._setup(servers, config, clock)
+
+    @classmethod
+    def from_config(
+        cls, servers: Sequence[Hashable], config: RouterConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> ConversationRouter:
+        if not isinstance(config, RouterConfig):
+            raise TypeError(f"config: expected a RouterConfig, got {type(config).__name__}")
+        self = cls.__new__(cls)
+        self._setup(servers, config, clock)
+        return self
+
+    def _setup(self, servers: Sequence[Hashable], config: RouterConfig, clock: Callable[[], float]) -> None:
+        if not callable(clock):
+            raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
+        self.servers = server_tuple(servers)
+        self.config = config
+        self.stats = RouterStats()
+        self._clock = clock
+        self._index_of = {s: i for i, s in enumerate(self.servers)}
+        self._ledger = LoadLedger(len(self.servers), config.request_ttl_s)
+        self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
+        self._trie = BlockTrie()
+        self._cache_index = ServerPrefixIndex(len(self.servers))
+        self._implicit_ids = count()
+        self._rotor = 0
+        self._followed_at_last_log = 0
+
+    # ---------------------------------------------------------------- queries
+
+    def load(self, server: Hashable) -> int:
+        """The server's load (tokens in flight by this router's estimate)."""
+        return self._ledger.load(self._server_index(server))
+
+    def loads(self) -> dict[Hashable, int]:
+        return dict(zip(self.servers, self._ledger.loads))
+
+    def in_flight(self) -> int:
+        return len(self._ledger)
+
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def session_server(self, conversation_id: str) -> Hashable | None:
+        """The server an explicit conversation sticks to (None if unknown); does not refresh its recency."""
+        s = self._sessions.get(conversation_id)
+        return None if s is None else self.servers[s.server]
+
+    def cached_blocks(self, server: Hashable) -> int:
+        """Blocks the server's cache events say it holds."""
+        return self._cache_index.blocks(self._server_index(server))
+
+    def _server_index(self, server: Hashable) -> int:
+        try:
+            return self._index_of[server]
+        except (KeyError, TypeError):
+            raise ValueError(f"server: expected one of {list(self.servers)}, got {server!r}") from None
+
+    def sanity_check(self) -> None:
+        """Raise AssertionError if the internal state is inconsistent (for tests and simulators; O(state))."""
+        loads = [0] * len(self.servers)
+        for res in self._ledger.reservations():
+            loads[res.server] += res.weight
+        assert loads == self._ledger.loads, f"loads {self._ledger.loads} != reservations {loads}"
+        assert min(loads) >= 0, f"negative load {loads}"
+        assert len(self._sessions) <= self.config.max_sessions
+        refs: dict[int, int] = {}
+        for s in self._sessions.values():
+            for h in s.hashes:
+                refs[h] = refs.get(h, 0) + 1
+        assert len(refs) == len(self._trie), f"trie holds {len(self._trie)} blocks, sessions {len(refs)}"
+        for h, n in refs.items():
+            node = self._trie.node(h)
+            assert node is not None and node.refs == n, f"block {h:#x}: {n} sessions, node {node and node.refs}"
+
+    # ---------------------------------------------------------------- routing
+
+    def route(self, request: RouteRequest) -> Hashable:
+        """Place ``request`` and reserve its load on the chosen server."""
+        if not isinstance(request, RouteRequest):
+            raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
+        hashes, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
+        return self.servers[self._place(request.request_id, request.conversation_id, hashes, num_tokens)]
+
+    def routing_key(self, request: RouteRequest) -> RoutingKey:
+        """What a coordinator forwards: ``{conversation_id, num_tokens}`` (tokens, text estimated) + hashes."""
+        if not isinstance(request, RouteRequest):
+            raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
+        hashes, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
+        return RoutingKey(request.conversation_id, num_tokens, tuple(hashes))
+
+    def route_by_key(self, request_id: Hashable, key: RoutingKey | Mapping[str, Any]) -> Hashable:
+        """Coordinator path: place a request from its routing key (same rules and weights as ``route``)."""
+        if request_id is None:
+            raise ValueError("request_id: expected a hashable id, got None")
+        if not isinstance(key, RoutingKey):
+            key = RoutingKey.from_mapping(key)
+        return self.servers[self._place(request_id, key.conversation_id, key.block_hashes, key.num_tokens)]
+
+    def finish_request_by_id(self, request_id: Hashable, success: bool = True) -> bool:
+        """Remove exactly the load the request added; False if it is not in flight (unknown or expired).
+
+        A failed request restores its conversation's token baseline, so a retry reserves its uncached prompt
+        again, unless a newer request of that conversation has set a baseline since.
+        """
+        self._reclaim(self._clock())
+        res = self._ledger.release(request_id)
+        if res is None:
+            return False
+        undo: _Placement = res.payload
+        if success:
+            undo.prev = None
+            return True
+        self.stats.failed += 1
+        undo.failed = True
+        s = self._sessions.get(undo.session_key)
+        if s is not None and s.last is undo:
+            # Roll back past every failed placement at the head of the chain: their prompts were never
+            # cached. A failure of an older placement, superseded by a newer one, leaves the baseline alone.
+            q = undo
+            while q.prev is not None and q.prev.failed:
+                q = q.prev
+            s.baseline = q.baseline_before
+            s.last = q.prev
+        return True
+
+    finish = finish_request_by_id
+
+    def reclaim_expired(self) -> int:
+        """Release requests older than the time-to-live now; returns how many."""
+        return self._reclaim(self._clock())
+
+    def _reclaim(self, now: float) -> int:
+        if self.config.request_ttl_s is None:
+            return 0
+        expired = self._ledger.expire(now)
+        for res in expired:
+            res.payload.prev = None
+        self.stats.expired += len(expired)
+        return len(expired)
+
+    # ---------------------------------------------------------------- cache events
+
+    def on_event(self, server: Hashable, event: KVEvent) -> None:
+        """Consume one block event of ``server``'s KV cache (data only; the router never calls back).
+
+        Events are validated always but indexed only with ``use_cache_events``, so a router that does not use
+        them spends no memory on them.
+        """
+        idx = self._server_index(server)
+        use = self.config.use_cache_events
+        if isinstance(event, BlockStored):
+            if event.tokens_per_block != self.config.tokens_per_block:
+                raise ValueError(
+                    f"event.tokens_per_block: expected {self.config.tokens_per_block} (the router's block size), "
+                    f"got {event.tokens_per_block}"
+                )
+            if use:
+                self._cache_index.store(idx, event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            if use:
+                self._cache_index.remove(idx, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            if use:
+                self._cache_index.clear(idx)
+        else:
+            raise TypeError(
+                f"event: expected a BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}"
+            )
+
+    def on_events(self, server: Hashable, events: Iterable[KVEvent]) -> None:
+        for ev in events:
+            self.on_event(server, ev)
+
+    # ---------------------------------------------------------------- core
+
+    def _place(self, request_id: Hashable, conv: str | None, hashes: Sequence[int], num_tokens: int) -> int:
+        now = self._clock()
+        self._reclaim(now)
+        if request_id in self._ledger:
+            raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
+        d = self._match(conv, hashes)
+        chosen = self._choose(d, num_tokens)
+        weight = self._weight(d, chosen, num_tokens)
+        cfg = self.config
+        if d.kind == _KNOWN:
+            s = d.session
+            assert s is not None
+            if chosen == s.server:
+                baseline_before = s.baseline
+            else:
+                baseline_before = d.cached[chosen] * cfg.tokens_per_block if d.cached is not None else 0
+            undo = _Placement(s.key, baseline_before, s.last)
+            s.server = chosen
+            self._update_session_blocks(s, hashes, d.common_blocks)
+            self._sessions.move_to_end(s.key)
+        else:
+            if d.kind == _FOLLOWED and chosen == d.target:
+                baseline_before = d.target_cached_blocks * cfg.tokens_per_block
+            else:
+                baseline_before = d.cached[chosen] * cfg.tokens_per_block if d.cached is not None else 0
+            s = self._new_session(conv, chosen, hashes)
+            undo = _Placement(s.key, min(baseline_before, num_tokens), None)
+            self._count_new_conversation(followed=d.kind == _FOLLOWED and chosen == d.target)
+        s.baseline = num_tokens
+        s.last = undo
+        self._ledger.reserve(request_id, chosen, weight, now, undo)
+        self.stats.routed += 1
+        return chosen
+
+    def _match(self, conv: str | None, hashes: Sequence[int]) -> _Decision:
+        cfg = self.config
+        d = _Decision()
+        if cfg.use_cache_events:
+            d.cached = self._cache_index.match_lengths(hashes)
+        session = self._sessions.get(conv) if conv is not None else None
+        if session is not None:
+            self.stats.sticky += 1
+        else:
+            matched = self._trie.match(hashes)
+            if conv is None and matched and matched >= cfg.match_threshold * len(hashes):
+                session = self._sessions.get(self._trie.node(hashes[matched - 1]).owner)
+                if session is not None:
+                    self.stats.implicit += 1
+            if session is None:
+                self._match_new(d, hashes, matched)
+                return d
+        d.kind = _KNOWN
+        d.session = session
+        d.target = session.server
+        old = session.hashes
+        k = self._common_blocks(old, hashes)
+        d.common_blocks = k
+        # An edited history (the prompt no longer extends the previous one) is only cached up to the fork.
+        d.known_base = session.baseline if k == len(old) else min(session.baseline, k * cfg.tokens_per_block)
+        return d
+
+    def _match_new(self, d: _Decision, hashes: Sequence[int], matched: int) -> None:
+        cfg = self.config
+        if not cfg.matching:
+            return
+        if matched >= cfg.new_conversation_min_match_blocks:
+            node = self._trie.node(hashes[matched - 1])
+            if cfg.always or node.refs <= cfg.specific_max_conversations:
+                owner = self._sessions.get(node.owner)
+                d.kind = _FOLLOWED
+                d.target = owner.server if owner is not None else node.server
+                d.target_cached_blocks = matched
+        if d.cached is not None and (d.kind == _FOLLOWED or cfg.always):
+            # The servers' own events beat the router's memory: follow where the prefix is actually cached,
+            # and among servers caching equally much (a preamble held everywhere), the least loaded.
+            cached = d.cached
+            loads = self._ledger.loads
+            best = max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
+            have = cached[best]
+            if have >= cfg.new_conversation_min_match_blocks and (
+                d.target is None or (have, -loads[best]) > (cached[d.target], -loads[d.target])
+            ):
+                d.kind = _FOLLOWED
+                d.target = best
+                d.target_cached_blocks = have
+
+    def _weight(self, d: _Decision, server: int, num_tokens: int) -> int:
+        cfg = self.config
+        if not cfg.always:
+            return num_tokens
+        if server == d.target:
+            if d.kind == _KNOWN:
+                return max(num_tokens - d.known_base, cfg.tokens_per_block)
+            return max(num_tokens - d.target_cached_blocks * cfg.tokens_per_block, 0)
+        if d.cached is not None:
+            return max(num_tokens - d.cached[server] * cfg.tokens_per_block, 0)
+        return num_tokens
+
+    def _choose(self, d: _Decision, num_tokens: int) -> int:
+        loads = self._ledger.loads
+        guard = self.config.imbalance_guard
+        if d.target is not None and guard is None:
+            return d.target
+        varying = self.config.always and d.cached is not None
+        if d.target is None and not varying:
+            return self._pick_min(loads)
+        if varying:
+            tpb = self.config.tokens_per_block
+            backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, d.cached)]
+        else:
+            backlog = [load + num_tokens for load in loads]
+        if d.target is not None:
+            backlog[d.target] = loads[d.target] + self._weight(d, d.target, num_tokens)
+        if d.target is None:
+            return self._pick_min(backlog)
+        assert guard is not None
+        limit = guard.limit(min(backlog))
+        if backlog[d.target] <= limit:
+            return d.target
+        self.stats.guard_moves += 1
+        near = [s for s in range(len(backlog)) if backlog[s] <= limit]
+        if d.cached is not None:
+            return min(near, key=lambda s: (-d.cached[s], backlog[s]))
+        return min(near, key=backlog.__getitem__)
+
+    def _pick_min(self, values: list[int]) -> int:
+        # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation.
+        n = len(values)
+        best = self._rotor % n
+        best_v = values[best]
+        for j in range(1, n):
+            s = (self._rotor + j) % n
+            if values[s] < best_v:
+                best, best_v = s, values[s]
+        self._rotor = best + 1
+        return best
+
+    # ---------------------------------------------------------------- sessions
+
+    @staticmethod
+    def _common_blocks(old: Sequence[int], new: Sequence[int]) -> int:
+        n = len(old)
+        # Chained hashes: equal last blocks mean equal prefixes, so a growing prompt costs one comparison.
+        if n == 0 or (len(new) >= n and new[n - 1] == old[n - 1]):
+            return n
+        k = 0
+        for a, b in zip(old, new):
+            if a != b:
+                break
+            k += 1
+        return k
+
+    def _update_session_blocks(self, s: _Session, hashes: Sequence[int], common: int) -> None:
+        if common < len(s.hashes):
+            self._trie.remove(s.hashes[common:])
+        if common < len(hashes):
+            self._trie.add(hashes[common:], s.key, s.server)
+        s.hashes = tuple(hashes)
+
+    def _new_session(self, conv: str | None, server: int, hashes: Sequence[int]) -> _Session:
+        key: Hashable = conv if conv is not None else next(self._implicit_ids)
+        s = _Session(key, server, tuple(hashes), 0)
+        self._sessions[key] = s
+        self._trie.add(s.hashes, s.key, server)
+        while len(self._sessions) > self.config.max_sessions:
+            _, old = self._sessions.popitem(last=False)
+            self._trie.remove(old.hashes)
+            self.stats.evicted_sessions += 1
+        return s
+
+    def _count_new_conversation(self, followed: bool) -> None:
+        st = self.stats
+        st.new_conversations += 1
+        st.followed += followed
+        every = self.config.log_every_new_conversations
+        if self.config.matching and st.new_conversations % every == 0:
+            recent = st.followed - self._followed_at_last_log
+            self._followed_at_last_log = st.followed
+            logger.info(
+                "router: %d new conversations, %d of the last %d followed a prefix match (%d in total, %.1f%%)",
+                st.new_conversations,
+                recent,
+                every,
+                st.followed,
+                100.0 * st.followed / st.new_conversations,
+            )
