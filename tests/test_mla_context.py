@@ -1,0 +1,491 @@
+"""MLA context attention over cached prefixes: kernel vs the independent plain-torch reference.
+
+CPU (interpreter) cases are small and combined so the file stays well inside its time budget; the ``gpu`` cases
+run the benchmark workloads at full size on the H200.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvforge.kernels.mla_context as mc
+from kvforge.kernels._checks import FP8
+from kvforge.kernels.mla_context import (
+    MLAContextPlan,
+    mla_context_attention,
+    mla_context_attention_ref,
+    quantize_kv_e4m3,
+    v_to_dim_major,
+)
+from tests.helpers import assert_all_written, poison, poisoned
+from tests.tolerances import assert_close, rel_rmse, tol
+
+# (q_len per request, cached per request): a single request, three requests, and an empty request inside a batch.
+ONE = ([33], [17])
+THREE = ([1, 5, 33], [64, 0, 17])
+EMPTY_INSIDE = ([5, 0, 33], [17, 64, 0])
+
+
+def _cu(lens: list[int], start: int = 0) -> torch.Tensor:
+    out = [start]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _make(
+    gen: torch.Generator,
+    device: torch.device,
+    q_lens: list[int],
+    cached: list[int],
+    *,
+    heads: int = 2,
+    kv_heads: int | None = None,
+    d_qk: int = 192,
+    d_v: int = 128,
+    extra_rows: int = 3,
+    kv_start: int = 0,
+):
+    """fp32 q/k/v; K/V get ``kv_start`` rows before the batch and ``extra_rows`` after it, both NaN."""
+    kv_heads = kv_heads or heads
+    kv_lens = [a + b for a, b in zip(q_lens, cached)]
+    cu_q, cu_kv = _cu(q_lens), _cu(kv_lens, kv_start)
+    tq, tkv = int(cu_q[-1]), int(cu_kv[-1])
+    g = gen
+    if device.type != "cpu":  # full sizes: draw on the device (seeded from the test's generator)
+        g = torch.Generator(device=device).manual_seed(int(torch.randint(1 << 31, (1,), generator=gen)))
+    q = torch.randn(tq, heads, d_qk, generator=g, device=device)
+    k = torch.randn(tkv + extra_rows, kv_heads, d_qk, generator=g, device=device)
+    v = torch.randn(tkv + extra_rows, kv_heads, d_v, generator=g, device=device)
+    for t in (k, v):  # rows no request owns: reading any of them would turn outputs into NaN
+        t[:kv_start] = float("nan")
+        t[tkv:] = float("nan")
+    return q, k, v, cu_q.to(device), cu_kv.to(device)
+
+
+def _cast(mode: str, q, k, v, s: float):
+    """mode: 'bf16' | 'fp16' | 'fp8kv' (bf16 q, FP8 k/v) | 'fp8' (FP8 q, k, v); FP8 holds e4m3(x / s)."""
+    if mode in ("bf16", "fp16"):
+        dt = torch.bfloat16 if mode == "bf16" else torch.float16
+        return q.to(dt), k.to(dt), v.to(dt)
+    k8, v8 = quantize_kv_e4m3(k, 1.0 / s), quantize_kv_e4m3(v, 1.0 / s)
+    q8 = quantize_kv_e4m3(q, 1.0 / s) if mode == "fp8" else q.to(torch.bfloat16)
+    return q8, k8, v8
+
+
+def _dim_major(v: torch.Tensor, padded: bool = True) -> torch.Tensor:
+    """Padded token stride (what a cache writer allocates; the TMA path needs it) or packed (pointer path)."""
+    return v_to_dim_major(v) if padded else v.permute(1, 2, 0).contiguous()
+
+
+def _out_tol(mode: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, FP8)
+
+
+CASES = [
+    # mode, batch, (d_qk, d_v), s, v_layout, heads, kv_heads, kv_start
+    ("bf16", THREE, (192, 128), 1.0, "token_major", 2, 2, 0),
+    ("bf16", ONE, (128, 128), 1.0, "token_major", 2, 2, 0),
+    ("fp16", EMPTY_INSIDE, (192, 128), 1.0, "token_major", 4, 2, 5),
+    ("fp8kv", THREE, (192, 128), 1.5, "token_major", 2, 2, 0),
+    ("fp8kv", EMPTY_INSIDE, (128, 128), 2.0, "dim_major", 2, 1, 0),
+    ("fp8", EMPTY_INSIDE, (192, 128), 2.0, "token_major", 2, 2, 4),
+    ("fp8", ONE, (128, 128), 1.0, "token_major", 2, 2, 0),
+    ("fp8", THREE, (192, 128), 1.5, "dim_major", 2, 2, 0),
+]
+
+
+@pytest.mark.parametrize(
+    "mode,batch,dims,s,v_layout,heads,kv_heads,kv_start",
+    CASES,
+    ids=[f"{c[0]}-{len(c[1][0])}req-{c[2][0]}-s{c[3]}-{c[4]}-h{c[5]}/{c[6]}" for c in CASES],
+)
+def test_matches_reference(gen, device, mode, batch, dims, s, v_layout, heads, kv_heads, kv_start):
+    q_lens, cached = batch
+    q, k, v, cu_q, cu_kv = _make(
+        gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, d_qk=dims[0], d_v=dims[1], kv_start=kv_start
+    )
+    q, k, v = _cast(mode, q, k, v, s)
+    out = poisoned((q.shape[0], heads, dims[1]), torch.float16 if mode == "fp16" else torch.bfloat16, device)
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    res, lse = mla_context_attention(
+        q, k, vk, cu_q, cu_kv, kv_scale_quant_orig=s, out=out, return_lse=True, v_layout=v_layout
+    )
+    assert res is out
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=s)
+    assert_close(out, ref, _out_tol(mode))
+    # LSE is natural-log of the scaled scores: the reference's logsumexp, to fp32 rounding.
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-5)
+    assert rel_rmse(out, ref) < (0.03 if mode.startswith("fp8") else 0.01)
+
+
+TILE_CASES = [
+    # mode, BLOCK_M, BLOCK_N, EXP_POLY, USE_TMA, v_layout, kv_start
+    ("bf16", 32, 16, 0, 0, "token_major", 0),
+    ("bf16", 16, 32, 1, 1, "token_major", 3),
+    ("fp16", 16, 16, 0, 1, "dim_major", 5),
+    ("fp8", 32, 32, 1, 0, "dim_major", 7),
+    ("fp8", 16, 32, 0, 1, "dim_major", 9),
+    ("fp8kv", 16, 16, 1, 1, "token_major", 0),
+]
+
+
+@pytest.mark.parametrize("mode,bm,bn,poly,tma,v_layout,kv_start", TILE_CASES)
+def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly, tma, v_layout, kv_start):
+    """Other tile shapes, the polynomial exp2 split and the descriptor (TMA) loads: the unmasked/diagonal split,
+    the aligned head block of dim-major V (kv_start not a multiple of 16) and NaN rows around the batch."""
+    q_lens, cached = [1, 40, 17], [64, 23, 0]
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, kv_start=kv_start)
+    s = 1.0 if mode in ("bf16", "fp16") else 1.5
+    q, k, v = _cast(mode, q, k, v, s)
+    used = []
+    real = mc._descriptors
+    monkeypatch.setattr(mc, "_descriptors", lambda *a: used.append(real(*a)) or used[-1])
+    plan = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128,
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, poly, tma),
+    )  # fmt: skip
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    out, lse = plan.run(q, k, vk, kv_scale_quant_orig=s, return_lse=True)
+    assert [d is not None for d in used] == ([True] if tma else [])
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=s)
+    assert_close(out, ref, _out_tol(mode))
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-3, rtol=1e-4)
+
+
+def test_tma_falls_back_to_pointers_on_unaligned_layout(gen, device):
+    """A packed dim-major V whose token stride is not 16-byte aligned cannot be a descriptor: same result."""
+    q, k, v, cu_q, cu_kv = _make(gen, device, [5, 30], [11, 3], extra_rows=0)
+    q, k, v = _cast("fp8", q, k, v, 2.0)
+    assert (v.shape[0] % 16) != 0
+    kw = dict(num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, q_dtype=FP8, kv_dtype=FP8)
+    packed = _dim_major(v, padded=False)
+    assert mc._descriptors(q, k, packed, mc._Shapes(2, 2, 192, 128, FP8, FP8, "dim_major"), 16, 16, 128, 64) is None
+    a = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 16, 4, 1, 0, 1), **kw)
+    b = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 16, 4, 1, 0, 0), **kw)
+    ra = a.run(q, k, packed, kv_scale_quant_orig=2.0)
+    rb = b.run(q, k, _dim_major(v), kv_scale_quant_orig=2.0)
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=2.0)
+    assert_close(ra, ref, FP8)
+    assert torch.equal(ra, rb)
+
+
+def test_fp8_scale_direction_against_full_precision(gen, device):
+    """FP8 holds e4m3(x / s); the kernel must multiply by s. Checked against attention of the ORIGINAL data:
+    a kernel that divided by s instead would be off by s² in the scores and s² in the output (at s = 2: 4×)."""
+    q_lens, cached = [9, 30], [40, 3]
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, extra_rows=0)
+    full, full_lse = mla_context_attention_ref(q, k, v, cu_q, cu_kv, dtype=torch.float64)
+    errs = {}
+    for s in (1.0, 1.5, 2.0):
+        q8, k8, v8 = _cast("fp8", q, k, v, s)
+        out, lse = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=s, return_lse=True)
+        errs[s] = rel_rmse(out, full)
+        print(f"s={s}: rel-RMSE vs full precision {errs[s]:.4f}")
+        assert errs[s] < 0.07, f"s={s}: FP8 output vs full precision rel-RMSE {errs[s]:.3g}"
+        assert (lse.double() - full_lse).abs().max().item() < 0.5
+        # The same quantised data read with the inverted scale is far off: the check above can fail.
+        wrong = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=1.0 / s) if s != 1.0 else None
+        if wrong is not None:
+            assert rel_rmse(wrong, full) > 0.3
+    # FP8 error is real quantisation error (not an unused FP8 path): above bf16's.
+    out16 = mla_context_attention(*_cast("bf16", q, k, v, 1.0), cu_q, cu_kv)
+    assert min(errs.values()) > rel_rmse(out16, full)
+
+
+def test_kv_scale_tensor_equals_float(gen, device):
+    q, k, v, cu_q, cu_kv = _make(gen, device, *THREE)
+    q8, k8, v8 = _cast("fp8", q, k, v, 1.5)
+    a = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=1.5)
+    b = mla_context_attention(
+        q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=torch.tensor([1.5], device=device, dtype=torch.float32)
+    )
+    assert torch.equal(a, b)
+
+
+def test_plan_run_equals_function_and_is_reused(gen, device):
+    q_lens, cached = [5, 0, 33], [17, 64, 0]
+    layers = [_cast("fp8", *_make(gen, device, q_lens, cached)[:3], 2.0) for _ in range(2)]
+    _, _, _, cu_q, cu_kv = _make(gen, device, q_lens, cached)
+    plan = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, q_dtype=FP8, kv_dtype=FP8
+    )
+    out = poisoned((plan.total_q, 2, 128), torch.bfloat16, device)
+    lse = poisoned((plan.total_q, 2), torch.float32, device)
+    for q, k, v in layers:  # one plan, several layers
+        poison(out)
+        poison(lse)
+        got = plan.run(q, k, v, kv_scale_quant_orig=2.0, out=out, lse_out=lse)
+        assert got[0] is out and got[1] is lse
+        want, want_lse = mla_context_attention(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=2.0, return_lse=True)
+        assert torch.equal(out, want)
+        assert torch.equal(lse, want_lse)
+
+
+def test_plan_orders_heaviest_first_and_covers_every_tile():
+    q_lens, cached = [40, 0, 3, 70], [0, 9, 100, 5]
+    cu_q, cu_kv = _cu(q_lens), _cu([a + b for a, b in zip(q_lens, cached)])
+    cfg = mc._cfg(16, 16, 4, 1)
+    plan = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=1, num_kv_heads=1, head_dim_qk=128, head_dim_v=128, config=cfg, device="cpu"
+    )
+    w = plan.work.tolist()
+    costs = [diag0 + n_rows for _, n_rows, _, diag0 in w]  # keys swept by the tile's last row
+    assert costs == sorted(costs, reverse=True)
+    rows = sorted(r for q0, n, _, _ in w for r in range(q0, q0 + n))
+    assert rows == list(range(sum(q_lens)))  # every query row in exactly one tile
+    assert plan.n_items == sum(math.ceil(n / 16) for n in q_lens)
+
+
+@pytest.mark.parametrize("q_lens", [[0, 0], []])
+def test_empty_batch_launches_nothing(device, monkeypatch, q_lens):
+    def boom(*a, **k):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(MLAContextPlan, "_launch", boom)
+    cu_q = _cu(q_lens).to(device)
+    cu_kv = _cu([4] * len(q_lens)).to(device)
+    q = torch.empty(0, 2, 192, device=device, dtype=torch.bfloat16)
+    k = torch.randn(4 * len(q_lens), 2, 192, device=device).to(torch.bfloat16)
+    v = torch.randn(4 * len(q_lens), 2, 128, device=device).to(torch.bfloat16)
+    out, lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True)
+    assert out.shape == (0, 2, 128) and out.dtype == torch.bfloat16 and lse.shape == (0, 2)
+
+
+# ----------------------------------------------------------------------------------------------------- validation
+
+
+def _valid(device):
+    g = torch.Generator().manual_seed(1)
+    q, k, v, cu_q, cu_kv = _make(g, device, [3, 4], [2, 0], extra_rows=0)
+    q, k, v = _cast("fp8", q, k, v, 1.0)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv)
+
+
+def _bad_cases(device):
+    bf = torch.bfloat16
+
+    def with_(**kw):
+        return lambda a: {**a, **kw}
+
+    def noncontig(t):  # same shape, last dim strided
+        return torch.empty(*t.shape[:-1], t.shape[-1] * 2, dtype=t.dtype, device=t.device)[..., ::2]
+
+    cu = lambda *xs: torch.tensor(xs, dtype=torch.int32, device=device)
+    return [
+        ("q float32", lambda a: {**a, "q": a["q"].float()}, TypeError, "q: expected dtype"),
+        ("q not a tensor", with_(q=[1.0]), TypeError, "q: expected a torch.Tensor"),
+        ("k bf16 with fp8 q", lambda a: {**a, "k": a["k"].to(bf)}, TypeError, "k/v: an FP8 q"),
+        ("v dtype differs from k", lambda a: {**a, "v": a["v"].to(bf)}, TypeError, "v: expected dtype"),
+        (
+            "bf16 q with fp16 k",
+            lambda a: {**a, "q": a["q"].to(bf), "k": a["k"].half(), "v": a["v"].half()},
+            TypeError,
+            "k/v: expected dtype",
+        ),
+        ("k one row short", lambda a: {**a, "k": a["k"][:-1]}, ValueError, "k: has 8 rows, fewer than total_kv"),
+        ("v one row short", lambda a: {**a, "v": a["v"][:-1]}, ValueError, "v: has 8 token rows"),
+        (
+            "v dim_major one row short",
+            lambda a: {**a, "v": _dim_major(a["v"])[..., :-1], "v_layout": "dim_major"},
+            ValueError,
+            "v: has 8 token rows",
+        ),
+        ("v_layout unknown", with_(v_layout="transposed"), ValueError, "v_layout"),
+        ("cu_seqlens_q decreasing", with_(cu_seqlens_q=cu(0, 5, 4)), ValueError, "cu_seqlens_q: must be non-decr"),
+        ("cu_seqlens_kv decreasing", with_(cu_seqlens_kv=cu(0, 6, 5)), ValueError, "cu_seqlens_kv: must be non-d"),
+        ("cu_seqlens_q int64", lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()}, TypeError, "cu_seqlens_q"),
+        ("cu_seqlens lengths differ", with_(cu_seqlens_kv=cu(0, 9)), ValueError, "cu_seqlens_kv: expected 3"),
+        ("cu_seqlens_q 2-D", with_(cu_seqlens_q=cu(0, 3, 7)[None]), ValueError, "cu_seqlens_q: expected 1 dim"),
+        ("cu_seqlens_q not from 0", with_(cu_seqlens_q=cu(1, 3, 7)), ValueError, "cu_seqlens_q: must start at 0"),
+        ("q_len > kv_len", with_(cu_seqlens_kv=cu(0, 2, 9)), ValueError, "request 0 has q_len 3 > kv_len 2"),
+        ("total_q != q rows", with_(cu_seqlens_q=cu(0, 3, 6)), ValueError, "q: expected shape [6, 2, 192]"),
+        ("H_kv does not divide H", lambda a: {**a, "q": a["q"].repeat(1, 2, 1)[:, :3]}, ValueError, "must divide"),
+        ("q last dim strided", lambda a: {**a, "q": noncontig(a["q"])}, ValueError, "q: expected the last dim"),
+        ("k last dim strided", lambda a: {**a, "k": noncontig(a["k"])}, ValueError, "k: expected the last dim"),
+        ("v last dim strided", lambda a: {**a, "v": noncontig(a["v"])}, ValueError, "v: expected the last dim"),
+        ("k on another device", lambda a: {**a, "k": a["k"].to("meta")}, ValueError, "k: expected a tensor on"),
+        ("cu on another device", with_(cu_seqlens_q=cu(0, 3, 7).to("meta")), ValueError, "cu_seqlens_q: expected"),
+        (
+            "head_dim_qk unsupported",
+            lambda a: {**a, "q": a["q"][..., :72].contiguous(), "k": a["k"][..., :72].contiguous()},
+            ValueError,
+            "head_dim_qk: 72",
+        ),
+        ("head_dim_v unsupported", lambda a: {**a, "v": a["v"][..., :96].contiguous()}, ValueError, "head_dim_v"),
+        (
+            "k/v head counts differ",
+            lambda a: {**a, "v": a["v"][:, :1].contiguous()},
+            ValueError,
+            "v: expected shape [>= 9, 2, 128]",
+        ),
+        ("scale zero", with_(kv_scale_quant_orig=0.0), ValueError, "kv_scale_quant_orig: expected a positive"),
+        ("scale nan", with_(kv_scale_quant_orig=float("nan")), ValueError, "kv_scale_quant_orig"),
+        ("scale a string", with_(kv_scale_quant_orig="2"), TypeError, "kv_scale_quant_orig"),
+        (
+            "scale tensor of 2",
+            with_(kv_scale_quant_orig=torch.ones(2, device=device)),
+            ValueError,
+            "kv_scale_quant_orig: expected a 1-element",
+        ),
+        (
+            "scale != 1 with bf16 k/v",
+            lambda a: {
+                **a,
+                "q": a["q"].to(bf),
+                "k": a["k"].to(bf),
+                "v": a["v"].to(bf),
+                "kv_scale_quant_orig": 2.0,
+            },
+            ValueError,
+            "must be 1.0",
+        ),
+        ("softmax_scale negative", with_(softmax_scale=-1.0), ValueError, "softmax_scale"),
+        ("max_seqlen_q too small", with_(max_seqlen_q=3), ValueError, "max_seqlen_q"),
+        ("max_seqlen_kv too small", with_(max_seqlen_kv=4), ValueError, "max_seqlen_kv"),
+        ("out wrong dtype", with_(out=torch.empty(7, 2, 128, device=device)), TypeError, "out: expected dtype"),
+        (
+            "out wrong shape",
+            with_(out=torch.empty(7, 2, 64, device=device, dtype=bf)),
+            ValueError,
+            "out: expected shape [7, 2, 128]",
+        ),
+    ]
+
+
+def test_every_validation_error_raises_before_launch(device, monkeypatch):
+    launched = []
+    monkeypatch.setattr(MLAContextPlan, "_launch", lambda *a, **k: launched.append(1))
+    failures = []
+    for name, mutate, exc, text in _bad_cases(device):
+        args = mutate(_valid(device))
+        out = args.get("out")
+        if out is not None:
+            poison(out)
+        try:
+            mla_context_attention(**args)
+        except exc as e:
+            if text not in str(e):
+                failures.append(f"{name}: message {e!r} lacks {text!r}")
+        except Exception as e:  # a different exception type is a failure, reported with the others
+            failures.append(f"{name}: raised {type(e).__name__}: {e}")
+        else:
+            failures.append(f"{name}: did not raise")
+        if out is not None and out.is_floating_point():
+            assert torch.isnan(out).all(), f"{name}: out was written"
+    assert not failures, "\n".join(failures)
+    assert not launched
+    # The unmodified arguments do launch (the harness would otherwise pass vacuously).
+    mla_context_attention(**_valid(device))
+    assert launched
+
+
+def test_run_validates_against_its_plan(device):
+    a = _valid(device)
+    plan = MLAContextPlan.plan(
+        a["cu_seqlens_q"], a["cu_seqlens_kv"], num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128,
+        q_dtype=FP8, kv_dtype=FP8,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="k: has 8 rows"):
+        plan.run(a["q"], a["k"][:-1], a["v"])
+    with pytest.raises(TypeError, match="q: expected dtype"):
+        plan.run(a["q"].to(torch.bfloat16), a["k"], a["v"])
+    with pytest.raises(ValueError, match="lse_out: expected shape"):
+        plan.run(a["q"], a["k"], a["v"], lse_out=torch.empty(7, 3, device=device))
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+
+
+BENCH_WORKLOADS = [(4, 8192, 2048), (1, 0, 16384), (16, 4096, 512), (64, 16384, 64)]
+
+
+def _uniform(device, batch, prefix, new, heads, gen):
+    q_lens, cached = [new] * batch, [prefix] * batch
+    return _make(gen, device, q_lens, cached, heads=heads, extra_rows=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", [*BENCH_WORKLOADS, "mixed"], ids=lambda w: str(w))
+def test_gpu_bench_workloads_fp8(device, gen, wl):
+    heads = 32
+    if wl == "mixed":
+        q_lens, cached = [16384] + [256] * 32, [0] + [4096] * 32
+        q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, extra_rows=0)
+    else:
+        q, k, v, cu_q, cu_kv = _uniform(device, *wl, heads, gen)
+    s = 1.5
+    q8, k8, v8 = _cast("fp8", q, k, v, s)
+    del q, k, v
+    ref, ref_lse = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s, head_chunk=4)
+    atol, rtol = tol(FP8)
+    for layout in ("token_major", "dim_major"):
+        vk = _dim_major(v8) if layout == "dim_major" else v8
+        out = poisoned((q8.shape[0], heads, 128), torch.bfloat16, device)
+        _, lse = mla_context_attention(
+            q8, k8, vk, cu_q, cu_kv, kv_scale_quant_orig=s, out=out, return_lse=True, v_layout=layout
+        )
+        del vk
+        assert_all_written(out)
+        torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-3, rtol=1e-4)
+        # FP8 P (e4m3) over thousands of keys: ~0.025 measured on the H200 against the same-input reference.
+        assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_error_band_vs_full_precision(device, gen):
+    """FP8 inputs vs full-precision math on the original data, reported and kept inside a band."""
+    q, k, v, cu_q, cu_kv = _uniform(device, 2, 4096, 1024, 16, gen)
+    full, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), head_chunk=4)
+    bands = {}
+    for s in (1.0, 1.5, 2.0):
+        q8, k8, v8 = _cast("fp8", q, k, v, s)
+        out = mla_context_attention(q8, k8, _dim_major(v8), cu_q, cu_kv, kv_scale_quant_orig=s, v_layout="dim_major")
+        bands[s] = rel_rmse(out, full)
+    out16 = mla_context_attention(*_cast("bf16", q, k, v, 1.0), cu_q, cu_kv)
+    e16 = rel_rmse(out16, full)
+    print(f"rel-RMSE vs full precision: bf16 {e16:.4f}, fp8 " + ", ".join(f"s={s}: {e:.4f}" for s, e in bands.items()))
+    assert e16 < 0.01
+    for s, e in bands.items():
+        assert e16 < e < 0.06, f"s={s}: fp8 rel-RMSE {e:.4f} outside ({e16:.4f}, 0.06)"
+
+
+@pytest.mark.gpu
+def test_gpu_plan_run_cuda_graph(device, gen):
+    q_lens, cached = [1000, 0, 77, 3000], [500, 64, 4096, 0]
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=16, extra_rows=0)
+    q8, k8, v8 = _cast("fp8", q, k, v, 2.0)
+    v8 = _dim_major(v8)
+    plan = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=16, num_kv_heads=16, head_dim_qk=192, head_dim_v=128, q_dtype=FP8, kv_dtype=FP8,
+        v_layout="dim_major",
+    )  # fmt: skip
+    scale = torch.tensor([2.0], device=device)
+    out = torch.empty(plan.total_q, 16, 128, device=device, dtype=torch.bfloat16)
+    lse = torch.empty(plan.total_q, 16, device=device, dtype=torch.float32)
+    plan.run(q8, k8, v8, kv_scale_quant_orig=scale, out=out, lse_out=lse)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q8, k8, v8, kv_scale_quant_orig=scale, out=out, lse_out=lse)
+    poison(out)
+    poison(lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    want, want_lse = mla_context_attention(
+        q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=2.0, v_layout="dim_major", return_lse=True
+    )
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    # New data in the same buffers, same graph: the replay reads the current contents.
+    q8.copy_(_cast("fp8", torch.randn(q.shape, generator=gen).to(device), k, v, 2.0)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(
+        out, mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=2.0, v_layout="dim_major")
+    )
