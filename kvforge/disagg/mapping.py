@@ -1,0 +1,170 @@
+"""Which context rank sends which layers, heads and blocks to which generation rank.
+
+Ranks inside an instance are numbered ``instance_rank = (pp_rank * cp_size + cp_rank) * tp_size + tp_rank``.
+
+* PP: stage p holds target layers ``[sum(layers_per_pp[:p]), sum(layers_per_pp[:p+1]))``; draft layers live on
+  the last stage. A piece carries the intersection of a context stage's layers with a generation stage's.
+* TP: a non-MLA cache splits its KV heads evenly over the attention TP ranks; a piece carries the intersection
+  of the two sides' head ranges, kept as a fraction of the head space (``heads_lo/heads_den`` to
+  ``heads_hi/heads_den``) so target and draft layers with different head counts split alike. An MLA cache is
+  replicated across TP: each generation rank receives everything from one context TP rank, chosen round-robin so
+  the context ranks share the sending.
+* CP (helix): the generation instance deals the prompt's blocks round-robin over its CP ranks, rank r holding
+  blocks r, r + cp, r + 2 cp, ... (lower ranks take the extra block). The context side has cp = 1 and holds all.
+
+Attention DP (requests spread over DP ranks) is not mapped here; ``plan_pieces`` rejects dp_size > 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvforge.disagg.peer import draft_layers_shared
+from kvforge.disagg.rank_info import RankInfo
+
+
+def helix_blocks(num_blocks: int, cp_rank: int, cp_size: int) -> range:
+    """Global block ids held by generation CP rank ``cp_rank`` (round-robin deal)."""
+    return range(cp_rank, num_blocks, cp_size)
+
+
+def helix_block_count(num_blocks: int, cp_rank: int, cp_size: int) -> int:
+    return len(helix_blocks(num_blocks, cp_rank, cp_size))
+
+
+@dataclass(frozen=True)
+class InstanceLayout:
+    """The parallel layout of one instance, as far as the KV cache is concerned."""
+
+    tp_size: int
+    pp_size: int
+    cp_size: int
+    layers_per_pp: tuple[int, ...]
+    num_draft_layers: int
+    is_mla: bool
+
+    @classmethod
+    def of(cls, info: RankInfo, *, with_draft: bool) -> InstanceLayout:
+        if info.dp_size > 1:
+            raise ValueError(f"dp_size: attention DP transfers are not mapped yet, got dp_size {info.dp_size}")
+        return cls(
+            tp_size=info.attention_tp_size,
+            pp_size=info.pp_size,
+            cp_size=info.cp_size,
+            layers_per_pp=tuple(info.layers_per_pp),
+            num_draft_layers=(info.num_draft_layers or 0) if with_draft else 0,
+            is_mla=info.is_mla,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.cp_size
+
+    def rank(self, tp: int, pp: int, cp: int) -> int:
+        return (pp * self.cp_size + cp) * self.tp_size + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, pp_rank, cp_rank) of an instance rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank: expected an instance rank in [0, {self.world_size}), got {rank}")
+        tp = rank % self.tp_size
+        cp = (rank // self.tp_size) % self.cp_size
+        pp = rank // (self.tp_size * self.cp_size)
+        return tp, pp, cp
+
+    def target_layers(self, pp: int) -> range:
+        start = sum(self.layers_per_pp[:pp])
+        return range(start, start + self.layers_per_pp[pp])
+
+    def draft_layers(self, pp: int) -> range:
+        return range(self.num_draft_layers) if pp == self.pp_size - 1 else range(0)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One message of a transfer: what context rank ``ctx_rank`` sends generation rank ``gen_rank``."""
+
+    ctx_rank: int
+    gen_rank: int
+    target_layers: tuple[int, ...]
+    draft_layers: tuple[int, ...]
+    heads_lo: int
+    heads_hi: int
+    heads_den: int
+    cp_rank: int
+    cp_size: int
+
+    def layer_keys(self) -> list[tuple[str, int]]:
+        """Layers in message order: target layers ascending, then draft layers ascending."""
+        return [("target", i) for i in self.target_layers] + [("draft", i) for i in self.draft_layers]
+
+    def blocks(self, num_blocks: int) -> range:
+        return helix_blocks(num_blocks, self.cp_rank, self.cp_size)
+
+    def head_range(self, total_heads: int) -> tuple[int, int]:
+        """Global head range [lo, hi) of a layer with ``total_heads`` KV heads (1 for MLA)."""
+        if (total_heads * self.heads_lo) % self.heads_den or (total_heads * self.heads_hi) % self.heads_den:
+            raise ValueError(
+                f"total_heads: {total_heads} heads do not split at {self.heads_lo}/{self.heads_den} and "
+                f"{self.heads_hi}/{self.heads_den} of the head space"
+            )
+        return total_heads * self.heads_lo // self.heads_den, total_heads * self.heads_hi // self.heads_den
+
+
+def plan_pieces(ctx: InstanceLayout, gen: InstanceLayout) -> list[Piece]:
+    """Every (context rank, generation rank) message of a transfer between two instances."""
+    if ctx.cp_size != 1:
+        raise ValueError(
+            f"ctx.cp_size: context parallelism is supported on the generation side only, got {ctx.cp_size}"
+        )
+    if sum(ctx.layers_per_pp) != sum(gen.layers_per_pp):
+        raise ValueError(f"layers_per_pp: {ctx.layers_per_pp} and {gen.layers_per_pp} cover different layer counts")
+    if ctx.num_draft_layers != gen.num_draft_layers:
+        raise ValueError(f"num_draft_layers: {ctx.num_draft_layers} vs {gen.num_draft_layers}")
+    if ctx.is_mla != gen.is_mla:
+        raise ValueError(f"is_mla: {ctx.is_mla} vs {gen.is_mla}")
+    den = math.lcm(ctx.tp_size, gen.tp_size)
+    pieces = []
+    for g_rank in range(gen.world_size):
+        g_tp, g_pp, g_cp = gen.coords(g_rank)
+        g_targets = gen.target_layers(g_pp)
+        g_drafts = gen.draft_layers(g_pp)
+        for c_pp in range(ctx.pp_size):
+            c_targets = ctx.target_layers(c_pp)
+            targets = tuple(range(max(g_targets.start, c_targets.start), min(g_targets.stop, c_targets.stop)))
+            drafts = tuple(i for i in g_drafts if i in ctx.draft_layers(c_pp))
+            if not targets and not drafts:
+                continue
+            if ctx.is_mla:
+                c_tp = (g_cp * gen.tp_size + g_tp) % ctx.tp_size
+                spans = [(c_tp, 0, 1, 1)]
+            else:
+                g_lo, g_hi = g_tp * den // gen.tp_size, (g_tp + 1) * den // gen.tp_size
+                spans = []
+                for c_tp in range(ctx.tp_size):
+                    c_lo, c_hi = c_tp * den // ctx.tp_size, (c_tp + 1) * den // ctx.tp_size
+                    lo, hi = max(g_lo, c_lo), min(g_hi, c_hi)
+                    if lo < hi:
+                        spans.append((c_tp, lo, hi, den))
+            for c_tp, lo, hi, d in spans:
+                pieces.append(
+                    Piece(
+                        ctx_rank=ctx.rank(c_tp, c_pp, 0),
+                        gen_rank=g_rank,
+                        target_layers=targets,
+                        draft_layers=drafts,
+                        heads_lo=lo,
+                        heads_hi=hi,
+                        heads_den=d,
+                        cp_rank=g_cp,
+                        cp_size=gen.cp_size,
+                    )
+                )
+    return pieces
+
+
+def layouts_for(ctx: RankInfo, gen: RankInfo) -> tuple[InstanceLayout, InstanceLayout]:
+    """Both sides' layouts; draft layers count only when both sides have a drafter sharing the cache."""
+    shared = draft_layers_shared(ctx, gen)
+    return InstanceLayout.of(ctx, with_draft=shared), InstanceLayout.of(gen, with_draft=shared)

@@ -1,0 +1,194 @@
+"""Rank metadata exchanged at registration, and its msgpack wire format.
+
+Wire format (``WIRE_VERSION`` 1): one msgpack map from field name to value.
+
+* Required keys, always present: ``version`` (int) and every field of ``RankInfo`` without a default.
+* Optional keys (``OPTIONAL_FIELDS``): present only when set (not None). An older reader that builds the
+  dataclass with ``cls(**fields)`` and therefore rejects unknown keys still decodes a message from a newer
+  writer as long as the newer optional fields are unset, and an unset field costs the wire nothing.
+* Tuples travel as msgpack arrays; dtypes as torch's names (``"bfloat16"``, ``"float8_e4m3fn"``).
+* ``version`` changes only for incompatible changes (a field removed, renamed or re-typed, a meaning changed);
+  adding an optional field does not change it. A reader rejects another version with ``WireVersionError``.
+
+This module does not import torch: metadata is plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+WIRE_VERSION = 1
+OPTIONAL_FIELDS = ("num_draft_layers", "draft_kv_dtype", "draft_kv_heads")
+
+# Element sizes of the KV dtypes a peer may announce (torch names).
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class WireVersionError(ValueError):
+    """A RankInfo message was written with a wire version this reader does not speak."""
+
+
+def _positive(name: str, v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+
+
+def _rank(name: str, rank: object, size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"{name}: expected an int in [0, {size}), got {rank!r}")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank of a serving instance tells its peers about its KV cache and parallelism.
+
+    ``layers_per_pp[p]`` counts the target layers of PP stage p (draft layers sit on the last stage).
+    ``kv_heads`` is the KV head count of a target layer over the whole TP group (1 for MLA, whose latent cache
+    is replicated across TP) and ``head_dim`` the elements per head per token (576 for DeepSeek-style MLA).
+    ``page_groups`` describes the page table: the layer group of each of this rank's layers, targets then drafts.
+    ``transport_rank`` is this rank's address in the transport (torch.distributed global rank) and
+    ``instance_rank`` its rank inside the instance, ``(pp_rank * cp_size + cp_rank) * tp_size + tp_rank``.
+    """
+
+    instance_name: str
+    instance_rank: int
+    transport_rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    cp_size: int
+    cp_rank: int
+    attention_dp: bool
+    layers_per_pp: tuple[int, ...]
+    is_mla: bool
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    element_bytes: int
+    tokens_per_block: int
+    page_groups: tuple[int, ...]
+    version: int = WIRE_VERSION
+    num_draft_layers: int | None = None
+    draft_kv_dtype: str | None = None
+    draft_kv_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.instance_name, str) or not self.instance_name:
+            raise ValueError(f"instance_name: expected a non-empty str, got {self.instance_name!r}")
+        for name in ("tp_size", "pp_size", "dp_size", "cp_size", "kv_heads", "head_dim", "tokens_per_block"):
+            _positive(name, getattr(self, name))
+        for name in ("tp", "pp", "dp", "cp"):
+            _rank(f"{name}_rank", getattr(self, f"{name}_rank"), getattr(self, f"{name}_size"))
+        expected = (self.pp_rank * self.cp_size + self.cp_rank) * self.tp_size + self.tp_rank
+        if self.instance_rank != expected:
+            raise ValueError(
+                f"instance_rank: expected (pp_rank * cp_size + cp_rank) * tp_size + tp_rank = {expected}, "
+                f"got {self.instance_rank!r}"
+            )
+        if isinstance(self.transport_rank, bool) or not isinstance(self.transport_rank, int) or self.transport_rank < 0:
+            raise ValueError(f"transport_rank: expected an int >= 0, got {self.transport_rank!r}")
+        if len(self.layers_per_pp) != self.pp_size or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.layers_per_pp
+        ):
+            raise ValueError(
+                f"layers_per_pp: expected {self.pp_size} non-negative ints (one per PP stage), "
+                f"got {self.layers_per_pp!r}"
+            )
+        if self.kv_dtype not in DTYPE_BYTES:
+            raise ValueError(f"kv_dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.kv_dtype!r}")
+        if self.element_bytes != DTYPE_BYTES[self.kv_dtype]:
+            raise ValueError(
+                f"element_bytes: {self.kv_dtype} has {DTYPE_BYTES[self.kv_dtype]} bytes, got {self.element_bytes!r}"
+            )
+        if self.attention_dp and self.tp_size % self.dp_size:
+            raise ValueError(
+                f"dp_size: attention DP needs tp_size % dp_size == 0, got {self.tp_size} and {self.dp_size}"
+            )
+        if self.is_mla and self.kv_heads != 1:
+            raise ValueError(f"kv_heads: an MLA cache has one latent head, got {self.kv_heads}")
+        if self.num_draft_layers is not None:
+            _positive("num_draft_layers", self.num_draft_layers)
+        if self.draft_kv_dtype is not None and self.draft_kv_dtype not in DTYPE_BYTES:
+            raise ValueError(f"draft_kv_dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.draft_kv_dtype!r}")
+        if self.draft_kv_heads is not None:
+            _positive("draft_kv_heads", self.draft_kv_heads)
+        drafts = (self.num_draft_layers, self.draft_kv_dtype, self.draft_kv_heads)
+        if any(d is not None for d in drafts) and any(d is None for d in drafts):
+            raise ValueError(
+                "num_draft_layers/draft_kv_dtype/draft_kv_heads: set all three (a drafter sharing the cache) or none, "
+                f"got {drafts!r}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        """Target layers of the whole model (all PP stages)."""
+        return sum(self.layers_per_pp)
+
+    @property
+    def attention_tp_size(self) -> int:
+        """Ranks that split one request's attention heads: the TP size per DP group under attention DP."""
+        return self.tp_size // self.dp_size if self.attention_dp else self.tp_size
+
+    @property
+    def has_draft(self) -> bool:
+        return self.num_draft_layers is not None
+
+    def fields(self) -> dict[str, Any]:
+        """The wire map: required fields always, optional fields only when set."""
+        out: dict[str, Any] = {"version": self.version}
+        for f in dataclasses.fields(self):
+            if f.name == "version":
+                continue
+            v = getattr(self, f.name)
+            if f.name in OPTIONAL_FIELDS and v is None:
+                continue
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb(self.fields(), use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> RankInfo:
+        """Decode a message; raises ``WireVersionError`` on another version, ``ValueError`` on a malformed one."""
+        try:
+            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+            raise ValueError(f"data: not a msgpack RankInfo message ({exc})") from exc
+        if not isinstance(fields, dict):
+            raise ValueError(f"data: expected a msgpack map, got {type(fields).__name__}")
+        version = fields.get("version")
+        if version != WIRE_VERSION:
+            raise WireVersionError(
+                f"RankInfo wire version: this reader speaks version {WIRE_VERSION}, the message has version {version!r}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"data: unknown RankInfo fields {unknown} (written by a newer, incompatible writer?)")
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in fields and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        if missing:
+            raise ValueError(f"data: RankInfo message lacks required fields {missing}")
+        for name in ("layers_per_pp", "page_groups"):
+            if isinstance(fields[name], list):
+                fields[name] = tuple(fields[name])
+        return cls(**fields)

@@ -1,0 +1,680 @@
+"""Context-side sender and generation-side receiver of KV caches, with sessions, deadlines and status polling.
+
+Life of a transfer (``transfer_id``: an int in ``[0, MAX_TRANSFER_ID)``, unique per attempt, known to both sides):
+
+1. Registration (once per peer instance): ``connect(peer, ranks)`` on both sides exchanges ``RankInfo`` (msgpack)
+   with every rank of the peer instance and runs the peer checks; both sides then derive the same message plan
+   (``kvforge.disagg.mapping.plan_pieces``).
+2. The generation side calls ``KVReceiver.request(transfer_id, request, peer)`` on every rank of its instance
+   with the pages it allocated; each rank posts one receive per context rank that sends to it.
+3. The context side calls ``KVSender.send(transfer_id, request, peer)`` on every rank of its instance; each rank
+   packs, for each generation rank it serves, the blocks of its layers (target and draft, each in its own dtype)
+   into one message and sends it.
+4. A receiving rank unpacks each message into its pages once all of its messages have arrived, and reports the
+   transfer complete only when every rank of its instance has (the consensus in ``check_status``).
+
+Message layout: a 32-byte header (int64 magic, transfer id, payload bytes, piece index) followed by the packed
+blocks (``kvforge.kernels.kv_pack`` layout) of the piece's layers in ``Piece.layer_keys()`` order.
+
+Failures are bounded: every session has a deadline. A dead or silent peer, a malformed message or a cancellation
+ends the session with a reason; the pages go back through ``release`` exactly once (receiver: on failure or
+cancellation; on success they hold the request's KV. Sender: when the transfer ends in any way). Buffers of
+operations still posted when a session ends are kept (``orphans``) until the transport finishes or drops them, so
+a late message never lands in memory that was handed back. The same request can then be retried under a new
+transfer id, from the same or another context instance, or recomputed.
+
+Status polling on the generation side (``check_status``): non-blocking, blocking, or until at least N transfers
+completed. Under helix (cp > 1, no attention DP, one PP stage, the group being the TP x CP ranks) a non-blocking
+poll first all-gathers one int64 vector of per-rank receive-session counts and skips the consensus when every
+count is zero. The decision comes from the collective, so every rank takes the same branch.
+
+Ordering: gloo matches messages by tag (the transfer id), so transfers may start in any order. NCCL matches a
+pair's messages in posting order, so over NCCL both sides must start the transfers between two ranks in the
+same order, and a transfer that ends with a receive still posted makes that pair unusable (the transport
+refuses it afterwards instead of letting the stale receive swallow the next message).
+
+Neither class is thread-safe: drive each from one thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.disagg.layers import KVLayer, RequestKV, check_layers
+from kvforge.disagg.mapping import InstanceLayout, Piece, helix_block_count, layouts_for, plan_pieces
+from kvforge.disagg.peer import check_peer
+from kvforge.disagg.rank_info import RankInfo
+from kvforge.disagg.transport import Group, Handle, Transport
+from kvforge.errors import TransferError
+from kvforge.kernels.kv_pack import KVPackPlan
+
+HEADER_BYTES = 32
+_MAGIC = 0x4B5646470001  # "KVFG", message format 1
+MAX_TRANSFER_ID = 2**30
+# Registration frames (int64 length + msgpack RankInfo, zero-padded) use a tag above every transfer id.
+_TAG_INFO = 2**30 + 1
+_INFO_BYTES = 4096
+_POLL_SLEEP_S = 0.002
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    LOCAL_DONE = "local_done"  # this rank has all its data; the instance may not
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class TransferStatus:
+    """Transfers that ended since the last poll: ``completed`` ids and ``failed`` id -> reason."""
+
+    completed: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def raise_for_failures(self) -> None:
+        if self.failed:
+            raise TransferError("; ".join(f"transfer {i}: {why}" for i, why in sorted(self.failed.items())))
+
+    def merge(self, other: TransferStatus) -> None:
+        self.completed.extend(other.completed)
+        self.failed.update(other.failed)
+
+
+@dataclass
+class PollStats:
+    """Counters of the collectives a receiver ran (the idle probe's effect is visible here)."""
+
+    polls: int = 0
+    probes: int = 0
+    probe_skips: int = 0
+    consensus_rounds: int = 0
+
+
+@dataclass
+class _Op:
+    piece: Piece
+    handle: Handle
+    buf: torch.Tensor
+    peer_rank: int
+    plan: KVPackPlan | None = None
+    index: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Session:
+    transfer_id: int
+    request: RequestKV
+    peer: str
+    deadline: float
+    timeout_s: float
+    ops: list[_Op]
+    state: State = State.PENDING
+    reason: str = ""
+    released: bool = False
+
+
+@dataclass
+class _Peer:
+    name: str
+    infos: list[RankInfo]  # by instance rank
+    pieces: list[Piece]
+    ctx: InstanceLayout
+    gen: InstanceLayout
+
+
+def _header(transfer_id: int, nbytes: int, index: int) -> torch.Tensor:
+    return torch.tensor([_MAGIC, transfer_id, nbytes, index], dtype=torch.int64).view(torch.uint8)
+
+
+class _Endpoint:
+    side = ""
+
+    def __init__(
+        self,
+        transport: Transport,
+        info: RankInfo,
+        layers: Sequence[KVLayer],
+        *,
+        release: Callable[[RequestKV], None] | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
+        if not isinstance(info, RankInfo):
+            raise TypeError(f"info: expected a RankInfo, got {type(info).__name__}")
+        if info.transport_rank != transport.rank:
+            raise ValueError(
+                f"info.transport_rank: expected this process's rank {transport.rank}, got {info.transport_rank}"
+            )
+        tpb = check_layers(layers)
+        if tpb != info.tokens_per_block:
+            raise ValueError(
+                f"layers: tokens_per_block {tpb} differs from info.tokens_per_block {info.tokens_per_block}"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        self.transport = transport
+        self.info = info
+        self.layers = {ly.key: ly for ly in layers}
+        self.tokens_per_block = tpb
+        self.release_fn = release
+        self.timeout_s = float(timeout_s)
+        self.peers: dict[str, _Peer] = {}
+        self.sessions: dict[int, _Session] = {}
+        self.orphans: list[_Op] = []
+
+    # -- registration -------------------------------------------------------------------------------------------
+
+    def connect(self, peer: str, ranks: Sequence[int], *, timeout_s: float | None = None) -> None:
+        """Exchange RankInfo with every rank of instance ``peer`` (transport ranks ``ranks``) and check them."""
+        if peer in self.peers:
+            raise ValueError(f"peer: {peer!r} is already connected")
+        ranks = [int(r) for r in ranks]
+        if not ranks or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks: expected distinct transport ranks of instance {peer!r}, got {ranks}")
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        dev = self.transport.device
+        wire = self.info.to_wire()
+        if len(wire) > _INFO_BYTES - 8:
+            raise ValueError(f"info: its wire form takes {len(wire)} bytes, more than the {_INFO_BYTES - 8} allowed")
+        frame = bytearray(_INFO_BYTES)
+        frame[:8] = len(wire).to_bytes(8, "little")
+        frame[8 : 8 + len(wire)] = wire
+        mine = torch.frombuffer(frame, dtype=torch.uint8).to(dev)
+        theirs = {r: torch.empty(_INFO_BYTES, dtype=torch.uint8, device=dev) for r in ranks}
+        ops = []
+        for r in ranks:
+            # NCCL serialises a pair's operations in posting order: the lower rank sends first, the higher
+            # receives first, so the two directions cannot wait on each other.
+            if self.transport.rank < r:
+                ops += [self.transport.isend(mine, r, _TAG_INFO), self.transport.irecv(theirs[r], r, _TAG_INFO)]
+            else:
+                ops += [self.transport.irecv(theirs[r], r, _TAG_INFO), self.transport.isend(mine, r, _TAG_INFO)]
+        self._wait_all(ops, deadline, f"registration with {peer!r} (transport ranks {ranks})")
+        payloads = {}
+        for r in ranks:
+            raw = theirs[r].cpu().numpy().tobytes()
+            n = int.from_bytes(raw[:8], "little")
+            if n > _INFO_BYTES - 8:
+                raise TransferError(f"registration with {peer!r}: rank {r} sent a malformed RankInfo frame ({n} bytes)")
+            payloads[r] = raw[8 : 8 + n]
+        infos = [RankInfo.from_wire(payloads[r]) for r in ranks]
+        for r, inf in zip(ranks, infos):
+            if inf.transport_rank != r:
+                raise ValueError(f"ranks: transport rank {r} announced itself as rank {inf.transport_rank}")
+        self.add_peer(peer, infos)
+
+    def add_peer(self, peer: str, infos: Sequence[RankInfo]) -> None:
+        """Register instance ``peer`` from its ranks' RankInfo obtained another way (e.g. from a coordinator).
+
+        Runs the peer checks and derives the transfer plan; sends nothing, so the peer must register this
+        instance likewise. ``connect`` exchanges the RankInfo over the transport and then calls this.
+        """
+        if peer in self.peers:
+            raise ValueError(f"peer: {peer!r} is already connected")
+        infos = sorted(infos, key=lambda i: i.instance_rank)
+        if not infos or not all(isinstance(i, RankInfo) for i in infos):
+            raise TypeError(f"infos: expected RankInfo of every rank of {peer!r}")
+        for inf in infos:
+            check_peer(self.info, inf)
+        first = infos[0]
+        for inf in infos:
+            for attr in ("instance_name", "tp_size", "pp_size", "cp_size", "dp_size", "layers_per_pp"):
+                if getattr(inf, attr) != getattr(first, attr):
+                    raise ValueError(
+                        f"peer {peer!r}: ranks disagree on {attr}: {getattr(first, attr)!r} vs {getattr(inf, attr)!r}"
+                    )
+        world = first.tp_size * first.pp_size * first.cp_size
+        if [i.instance_rank for i in infos] != list(range(world)):
+            raise ValueError(
+                f"infos: instance {peer!r} has {world} ranks, got instance ranks {[i.instance_rank for i in infos]}"
+            )
+        ctx_info, gen_info = (self.info, first) if self.side == "context" else (first, self.info)
+        ctx, gen = layouts_for(ctx_info, gen_info)
+        self.peers[peer] = _Peer(peer, infos, plan_pieces(ctx, gen), ctx, gen)
+
+    def _wait_all(self, handles, deadline: float, what: str) -> None:
+        pending = list(handles)
+        while pending:
+            pending = [h for h in pending if not h.done()]
+            if pending and time.monotonic() > deadline:
+                raise TransferError(f"{what}: timed out ({len(pending)} operations unfinished)")
+            if pending:
+                time.sleep(_POLL_SLEEP_S)
+
+    # -- shared helpers -----------------------------------------------------------------------------------------
+
+    def _peer(self, peer: str) -> _Peer:
+        if peer not in self.peers:
+            raise ValueError(f"peer: {peer!r} is not connected (connected: {sorted(self.peers)})")
+        return self.peers[peer]
+
+    def _check_new(self, transfer_id: int, request: RequestKV, timeout_s: float | None) -> float:
+        if isinstance(transfer_id, bool) or not isinstance(transfer_id, int) or not 0 <= transfer_id < MAX_TRANSFER_ID:
+            raise ValueError(f"transfer_id: expected an int in [0, {MAX_TRANSFER_ID}), got {transfer_id!r}")
+        if transfer_id in self.sessions:
+            raise ValueError(f"transfer_id: transfer {transfer_id} is already in flight; retry under a new id")
+        if not isinstance(request, RequestKV):
+            raise TypeError(f"request: expected a RequestKV, got {type(request).__name__}")
+        t = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not t > 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+        return t
+
+    def _layer_cols(self, layer: KVLayer, piece: Piece, tp_rank: int) -> tuple[int, int]:
+        """Columns of ``layer``'s token rows that ``piece`` carries, from this rank's head range."""
+        info = self.info
+        if info.is_mla:
+            return 0, layer.elems_per_token
+        total = layer.heads * info.attention_tp_size
+        lo, hi = piece.head_range(total)
+        start = tp_rank * layer.heads
+        if lo < start or hi > start + layer.heads:
+            raise ValueError(
+                f"layers: {layer.owner} layer {layer.layer_id} holds heads [{start}, {start + layer.heads}), "
+                f"the transfer plan needs [{lo}, {hi})"
+            )
+        return (lo - start) * layer.head_elems, (hi - start) * layer.head_elems
+
+    def _piece_plan(self, piece: Piece, request: RequestKV, positions: Sequence[int], *, unpack: bool) -> KVPackPlan:
+        pools, pages, cols = [], [], []
+        for key in piece.layer_keys():
+            layer = self.layers.get(key)
+            if layer is None:
+                raise ValueError(
+                    f"layers: this rank has no {key[0]} layer {key[1]}, which the transfer plan assigns to it"
+                )
+            if layer.group >= len(request.page_indices):
+                raise ValueError(f"request.page_indices: no page list for layer group {layer.group}")
+            group_pages = request.page_indices[layer.group]
+            pools.append(layer.pool)
+            pages.append([group_pages[k] for k in positions])
+            cols.append(self._layer_cols(layer, piece, self.info.tp_rank))
+        return KVPackPlan(pools, pages, cols, unpack=unpack)
+
+    def _check_pages(self, request: RequestKV, expected: int, *, unique: bool) -> None:
+        """Every group this rank's layers use lists ``expected`` valid pages (distinct ones where we write)."""
+        pages_of: dict[int, int] = {}
+        for ly in self.layers.values():
+            pages_of[ly.group] = min(pages_of.get(ly.group, ly.num_pages), ly.num_pages)
+        for g in sorted(pages_of):
+            pages = request.page_indices[g] if g < len(request.page_indices) else None
+            name = f"request.page_indices[{g}]"
+            if pages is None or len(pages) != expected:
+                n = None if pages is None else len(pages)
+                raise ValueError(
+                    f"{name}: expected {expected} pages (the blocks this rank holds of {request.num_tokens} tokens), "
+                    f"got {n}"
+                )
+            bad = [p for p in pages if not 0 <= p < pages_of[g]]
+            if bad:
+                raise ValueError(f"{name}: pages must lie in [0, {pages_of[g]}), got {bad[:4]}")
+            if unique and len(set(pages)) != len(pages):
+                dup = sorted({p for p in pages if pages.count(p) > 1})[:4]
+                raise ValueError(f"{name}: page(s) {dup} appear more than once")
+
+    def _release(self, s: _Session) -> None:
+        if not s.released:
+            s.released = True
+            if self.release_fn is not None:
+                self.release_fn(s.request)
+
+    def _end(self, s: _Session, state: State, reason: str, *, release: bool) -> None:
+        s.state = state
+        s.reason = reason
+        for op in s.ops:
+            if not op.done:
+                self.orphans.append(op)
+                # An operation left posted may match the peer's next message (NCCL matches in order); the
+                # transport decides whether that makes the peer unusable.
+                self.transport.mark_broken(op.peer_rank, f"transfer {s.transfer_id} ended with an operation posted")
+        if release:
+            self._release(s)
+
+    def _sweep_orphans(self) -> None:
+        kept = []
+        for op in self.orphans:
+            try:
+                finished = op.handle.done()
+            except TransferError:
+                finished = True
+            if not finished:
+                kept.append(op)
+        self.orphans = kept
+
+    def _progress_ops(self, s: _Session) -> None:
+        for op in s.ops:
+            if op.done:
+                continue
+            try:
+                op.done = op.handle.done()
+            except TransferError as exc:
+                got = sum(o.done for o in s.ops)
+                self._fail(
+                    s,
+                    f"{exc} ({self._counterpart} rank {op.peer_rank} of {s.peer!r}; "
+                    f"{got} of {len(s.ops)} messages done)",
+                )
+                return
+        if s.state is State.PENDING and not all(op.done for op in s.ops) and time.monotonic() > s.deadline:
+            waiting = sorted({op.peer_rank for op in s.ops if not op.done})
+            got = sum(op.done for op in s.ops)
+            self._fail(
+                s,
+                f"timed out after {s.timeout_s:g} s waiting for {self._counterpart} rank(s) {waiting} of {s.peer!r} "
+                f"({got} of {len(s.ops)} messages done)",
+            )
+
+    def _fail(self, s: _Session, reason: str) -> None:
+        self._end(s, State.FAILED, reason, release=True)
+
+    _counterpart = ""
+
+    def _post_all(self, posts, transfer_id: int) -> list[_Op]:
+        """Post every operation of a transfer; if posting fails midway, what was posted becomes orphaned."""
+        ops: list[_Op] = []
+        try:
+            for post in posts:
+                ops.append(post())
+        except Exception:
+            for op in ops:
+                self.orphans.append(op)
+                self.transport.mark_broken(op.peer_rank, f"transfer {transfer_id}: posting failed midway")
+            raise
+        return ops
+
+    def cancel(self, transfer_id: int) -> None:
+        """End a transfer in flight now; its pages are released and it is reported as cancelled."""
+        s = self.sessions.get(transfer_id)
+        if s is None or s.state in (State.FAILED, State.CANCELLED, State.DONE):
+            raise ValueError(f"transfer_id: no transfer {transfer_id} in flight to cancel")
+        self._end(s, State.CANCELLED, "cancelled", release=True)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.sessions)
+
+
+class KVSender(_Endpoint):
+    """Context side: packs a request's blocks for every generation rank it serves and sends them.
+
+    ``release(request)`` is called once per transfer when it ends (sent, failed or cancelled): the pages are no
+    longer needed for sending.
+    """
+
+    side = "context"
+    _counterpart = "generation"
+
+    def __init__(self, transport: Transport, info: RankInfo, layers: Sequence[KVLayer], **kw) -> None:
+        super().__init__(transport, info, layers, **kw)
+        if info.cp_size != 1:
+            raise ValueError(
+                "info.cp_size: a context instance must have cp_size 1 (helix splits the generation side), "
+                f"got {info.cp_size}"
+            )
+
+    def send(self, transfer_id: int, request: RequestKV, peer: str, *, timeout_s: float | None = None) -> None:
+        """Start sending ``request``'s KV to instance ``peer``; every check runs before anything is sent."""
+        t = self._check_new(transfer_id, request, timeout_s)
+        p = self._peer(peer)
+        nb = request.num_blocks(self.tokens_per_block)
+        self._check_pages(request, nb, unique=False)
+        me = self.info.instance_rank
+        planned = []
+        for index, piece in enumerate(p.pieces):
+            if piece.ctx_rank != me:
+                continue
+            blocks = list(piece.blocks(nb))
+            if not blocks:
+                continue
+            planned.append((index, piece, self._piece_plan(piece, request, blocks, unpack=False)))
+        for _, piece, _ in planned:
+            self.transport.check_peer(p.infos[piece.gen_rank].transport_rank)
+
+        def post(index: int, piece: Piece, plan: KVPackPlan):
+            def run() -> _Op:
+                dev = plan.device
+                buf = torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=dev)
+                buf[:HEADER_BYTES].copy_(_header(transfer_id, plan.nbytes, index))
+                plan.pack(out=buf[HEADER_BYTES:])
+                wire = buf if dev.type == self.transport.device.type else buf.to(self.transport.device)
+                dst = p.infos[piece.gen_rank].transport_rank
+                return _Op(piece, self.transport.isend(wire, dst, transfer_id), wire, dst, index=index)
+
+            return run
+
+        ops = self._post_all([post(*x) for x in planned], transfer_id)
+        s = _Session(transfer_id, request, peer, time.monotonic() + t, t, ops)
+        self.sessions[transfer_id] = s
+
+    def poll(self) -> TransferStatus:
+        """Advance every send; report (and forget) the ones that ended."""
+        st = TransferStatus()
+        self._sweep_orphans()
+        for tid, s in list(self.sessions.items()):
+            if s.state is State.PENDING:
+                self._progress_ops(s)
+                if s.state is State.PENDING and all(op.done for op in s.ops):
+                    s.state = State.DONE
+                    self._release(s)
+            if s.state is State.DONE:
+                st.completed.append(tid)
+            elif s.state in (State.FAILED, State.CANCELLED):
+                st.failed[tid] = s.reason
+            else:
+                continue
+            del self.sessions[tid]
+        return st
+
+    def wait(self) -> TransferStatus:
+        """Poll until every send in flight has ended (each bounded by its deadline)."""
+        st = TransferStatus()
+        while True:
+            st.merge(self.poll())
+            if not self.sessions:
+                return st
+            time.sleep(_POLL_SLEEP_S)
+
+
+class KVReceiver(_Endpoint):
+    """Generation side: receives a request's blocks into the pages it registered.
+
+    ``group``: the transport group of this generation instance's ranks (from ``transport.new_group``); None for
+    a one-rank instance. ``release(request)`` is called once when a transfer fails or is cancelled.
+    """
+
+    side = "generation"
+    _counterpart = "context"
+
+    def __init__(
+        self,
+        transport: Transport,
+        info: RankInfo,
+        layers: Sequence[KVLayer],
+        *,
+        group: Group | None = None,
+        **kw,
+    ) -> None:
+        super().__init__(transport, info, layers, **kw)
+        world = info.tp_size * info.pp_size * info.cp_size
+        if group is None and world != 1:
+            raise ValueError(f"group: an instance of {world} ranks needs its transport group for the consensus")
+        if group is not None:
+            if transport.rank not in group.ranks:
+                raise ValueError(f"group: this rank ({transport.rank}) is not in {group.ranks}")
+            if group.size != world:
+                raise ValueError(f"group: expected the instance's {world} ranks, got {group.size}")
+        self.group = group
+        self.stats = PollStats()
+        # The reference system's eligibility for the idle probe: helix, no attention DP, one PP stage, and a
+        # group that is exactly the TP x CP ranks.
+        self.probe_eligible = (
+            info.cp_size > 1
+            and not info.attention_dp
+            and info.dp_size == 1
+            and info.pp_size == 1
+            and group is not None
+            and group.size == info.tp_size * info.cp_size
+        )
+
+    def request(self, transfer_id: int, request: RequestKV, peer: str, *, timeout_s: float | None = None) -> None:
+        """Register the pages of ``request`` on this rank and post the receives; checks run before any is posted.
+
+        ``request.page_indices[g]`` lists this rank's pages of group g, one per block it holds: all blocks, or
+        under helix its round-robin share.
+        """
+        t = self._check_new(transfer_id, request, timeout_s)
+        p = self._peer(peer)
+        nb = request.num_blocks(self.tokens_per_block)
+        info = self.info
+        self._check_pages(request, helix_block_count(nb, info.cp_rank, info.cp_size), unique=True)
+        me = info.instance_rank
+        planned = []
+        for index, piece in enumerate(p.pieces):
+            if piece.gen_rank != me:
+                continue
+            n = len(piece.blocks(nb))
+            if n == 0:
+                continue
+            planned.append((index, piece, self._piece_plan(piece, request, range(n), unpack=True)))
+        for _, piece, _ in planned:
+            self.transport.check_peer(p.infos[piece.ctx_rank].transport_rank)
+
+        def post(index: int, piece: Piece, plan: KVPackPlan):
+            def run() -> _Op:
+                buf = torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=self.transport.device)
+                src = p.infos[piece.ctx_rank].transport_rank
+                return _Op(piece, self.transport.irecv(buf, src, transfer_id), buf, src, plan, index)
+
+            return run
+
+        ops = self._post_all([post(*x) for x in planned], transfer_id)
+        s = _Session(transfer_id, request, peer, time.monotonic() + t, t, ops)
+        self.sessions[transfer_id] = s
+        if not ops:
+            s.state = State.LOCAL_DONE
+
+    def _finish_local(self, s: _Session) -> None:
+        """All messages arrived: check their headers, then unpack every one into the pages."""
+        for op in s.ops:
+            hdr = op.buf[:HEADER_BYTES].cpu().view(torch.int64).tolist()
+            assert op.plan is not None
+            want = [_MAGIC, s.transfer_id, op.plan.nbytes, op.index]
+            if hdr != want:
+                self._fail(
+                    s,
+                    f"malformed message from rank {op.peer_rank}: header [magic, transfer, bytes, piece] = {hdr}, "
+                    f"expected {want}",
+                )
+                return
+        for op in s.ops:
+            payload = op.buf[HEADER_BYTES:]
+            assert op.plan is not None
+            if payload.device != op.plan.device:
+                payload = payload.to(op.plan.device)
+            op.plan.unpack(payload)
+        s.state = State.LOCAL_DONE
+
+    def _progress(self) -> None:
+        self._sweep_orphans()
+        now = time.monotonic()
+        for s in self.sessions.values():
+            if s.state is State.PENDING:
+                self._progress_ops(s)
+                if s.state is State.PENDING and all(op.done for op in s.ops):
+                    self._finish_local(s)
+            elif s.state is State.LOCAL_DONE and now > s.deadline and self.group is not None:
+                # This rank has its share but the instance never agreed: another rank lost its data. Bounded too.
+                self._end(
+                    s,
+                    State.FAILED,
+                    f"timed out after {s.timeout_s:g} s waiting for the other generation ranks",
+                    release=True,
+                )
+
+    def _local_lists(self) -> tuple[list[int], list[int], list[int]]:
+        pending, done, failed = [], [], []
+        for tid, s in self.sessions.items():
+            if s.state is State.LOCAL_DONE:
+                done.append(tid)
+            elif s.state in (State.FAILED, State.CANCELLED):
+                failed.append(tid)
+            else:
+                pending.append(tid)
+        return pending, done, failed
+
+    def _consensus(self) -> tuple[TransferStatus, int]:
+        """Agree on ended transfers over the group; returns the status and the transfers still open anywhere."""
+        pending, done, failed = self._local_lists()
+        if self.group is None or self.group.size == 1:
+            per_rank = [(set(pending), set(done), set(failed))]
+        else:
+            self.stats.consensus_rounds += 1
+            vec = [len(pending), len(done), len(failed), *pending, *done, *failed]
+            sizes = self.transport.all_gather_int64(torch.tensor([len(vec)], dtype=torch.int64), self.group)
+            width = int(sizes.max())
+            padded = torch.full((width,), -1, dtype=torch.int64)
+            padded[: len(vec)] = torch.tensor(vec, dtype=torch.int64)
+            rows = self.transport.all_gather_int64(padded, self.group).tolist()
+            per_rank = []
+            for row in rows:
+                a, b, c = row[0], row[1], row[2]
+                ids = row[3 : 3 + a + b + c]
+                per_rank.append((set(ids[:a]), set(ids[a : a + b]), set(ids[a + b :])))
+        every = set().union(*(p | d | f for p, d, f in per_rank))
+        failed_any = set().union(*(f for _, _, f in per_rank))
+        done_all = set.intersection(*(d for _, d, _ in per_rank)) - failed_any
+        st = TransferStatus()
+        for tid in sorted(done_all):
+            s = self.sessions.pop(tid)
+            s.state = State.DONE
+            st.completed.append(tid)
+        for tid in sorted(failed_any):
+            s = self.sessions.pop(tid, None)
+            ranks = [self.group.ranks[i] if self.group else 0 for i, (_, _, f) in enumerate(per_rank) if tid in f]
+            if s is not None and s.state in (State.FAILED, State.CANCELLED):
+                st.failed[tid] = s.reason
+            else:
+                st.failed[tid] = f"failed on generation rank(s) {ranks} of this instance"
+                if s is not None:
+                    self._end(s, State.FAILED, st.failed[tid], release=True)
+        return st, len(every - done_all - failed_any)
+
+    def check_status(self, *, blocking: bool = False, at_least: int | None = None) -> TransferStatus:
+        """Report the transfers that ended on every rank of the instance since the last call.
+
+        * default (non-blocking): one round; under helix the idle probe may skip it (see the module docstring);
+        * ``blocking=True``: until no transfer is open on any rank;
+        * ``at_least=N``: until N transfers completed in this call or none is open.
+        Every rank of the instance must call it with the same arguments (it runs collectives).
+        """
+        if at_least is not None and (isinstance(at_least, bool) or not isinstance(at_least, int) or at_least < 1):
+            raise ValueError(f"at_least: expected an int >= 1, got {at_least!r}")
+        self.stats.polls += 1
+        result = TransferStatus()
+        if not blocking and at_least is None:
+            self._progress()
+            if self.probe_eligible:
+                self.stats.probes += 1
+                counts = self.transport.all_gather_int64(
+                    torch.tensor([len(self.sessions)], dtype=torch.int64), self.group
+                )
+                if int(counts.abs().sum()) == 0:
+                    self.stats.probe_skips += 1
+                    return result
+            st, _ = self._consensus()
+            return st
+        while True:
+            self._progress()
+            st, still_open = self._consensus()
+            result.merge(st)
+            if still_open == 0 or (at_least is not None and len(result.completed) >= at_least):
+                return result
+            time.sleep(_POLL_SLEEP_S)

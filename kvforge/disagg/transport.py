@@ -1,0 +1,195 @@
+"""The transport a transceiver moves bytes with: a small interface and its torch.distributed implementation.
+
+A transport sends and receives uint8 tensors point to point, asynchronously, and all-gathers small int64
+vectors inside a group. Completion is polled (``Handle.done()``), never waited on without a bound: the
+transceiver owns the deadlines, so a dead or silent peer costs a timeout, not a hang. Another engine (NIXL, UCX)
+fits behind the same interface.
+
+``TorchDistTransport`` wraps the default torch.distributed process group:
+
+* gloo (CPU): messages live in host memory and are matched by tag, so transfers may be started in any order.
+  gloo's point-to-point work reports completion only from a blocking ``wait()`` (``is_completed()`` stays
+  False until then, and ``wait(timeout)`` closes the connection to the peer when it expires), so each operation
+  is waited on by a daemon thread and polled through a flag. A dead peer ends that wait at once with gloo's
+  "connection closed" error; a silent one is bounded by the transceiver's deadline, while the thread keeps
+  waiting until the message arrives or the process group's own timeout (choose it longer than any transfer
+  timeout: when it expires gloo closes the pair).
+* NCCL (GPU): messages live on the current CUDA device; NCCL ignores tags and matches the sends and receives of
+  a pair in the order they are posted, so both sides must start transfers with a given peer in the same order.
+  A receive that timed out stays posted on NCCL's stream; the pair is unusable afterwards (recreate the process
+  group), which ``TorchDistTransport.mark_broken`` records so later transfers fail at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvforge.errors import TransferError
+
+
+class Handle(ABC):
+    """An asynchronous operation in flight."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once finished; raises ``TransferError`` if it failed."""
+
+
+class Group:
+    """A set of transport ranks that run collectives together (created on every rank, in the same order)."""
+
+    def __init__(self, ranks: Sequence[int], handle: Any = None) -> None:
+        self.ranks = tuple(ranks)
+        self.handle = handle
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Transport(ABC):
+    rank: int
+    world_size: int
+    device: torch.device
+    supports_tags: bool
+
+    @abstractmethod
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle: ...
+
+    @abstractmethod
+    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Handle: ...
+
+    @abstractmethod
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """Collective over the whole world: every rank calls it with the same ranks, in the same order."""
+
+    @abstractmethod
+    def all_gather_int64(self, values: torch.Tensor, group: Group) -> torch.Tensor:
+        """``values`` (1-D int64, the same length on every member) -> ``[group.size, len]`` int64 on the CPU."""
+
+    def mark_broken(self, peer: int, reason: str) -> None:  # noqa: B027 (optional hook)
+        """Record that a peer can no longer be used (optional)."""
+
+    def check_peer(self, peer: int) -> None:  # noqa: B027 (optional hook)
+        """Raise ``TransferError`` if the peer was marked broken (optional)."""
+
+
+class _WorkHandle(Handle):
+    """NCCL: ``is_completed()`` queries the op's CUDA event without blocking."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self.work = work
+        self.what = what
+
+    def done(self) -> bool:
+        try:
+            if not self.work.is_completed():
+                return False
+            # On a finished op wait() returns at once (gloo) or only orders the current CUDA stream after it
+            # (NCCL); it raises the op's error if there was one.
+            self.work.wait()
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"{self.what} failed: {type(exc).__name__}: {exc}") from exc
+        return True
+
+
+class _WaitThreadHandle(Handle):
+    """gloo: a daemon thread runs the blocking ``wait()``; ``done()`` reads its outcome without blocking."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self.work = work
+        self.what = what
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, name=f"kvforge-wait {what}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as exc:  # reported through done(), never raised in this thread
+            self._error = exc
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        if not self._finished.is_set():
+            return False
+        if self._error is not None:
+            raise TransferError(f"{self.what} failed: {type(self._error).__name__}: {self._error}")
+        return True
+
+
+class TorchDistTransport(Transport):
+    """torch.distributed point-to-point and all-gather over the default process group (initialised by the caller)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("torch.distributed: initialise the default process group before building the transport")
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = str(dist.get_backend()).lower()
+        if self.backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.supports_tags = False
+        else:
+            self.device = torch.device("cpu")
+            self.supports_tags = True
+        self._broken: dict[int, str] = {}
+
+    def _check_buf(self, buf: torch.Tensor) -> None:
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError(f"buf: expected a contiguous 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
+        if buf.device.type != self.device.type:
+            raise ValueError(f"buf: the {self.backend} transport sends {self.device.type} tensors, got {buf.device}")
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
+        self._check_buf(buf)
+        self.check_peer(dst)
+        kw = {"tag": tag} if self.supports_tags else {}
+        return self._handle(self._dist.isend(buf, dst=dst, **kw), f"send of {buf.numel()} bytes to rank {dst}")
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Handle:
+        self._check_buf(buf)
+        self.check_peer(src)
+        kw = {"tag": tag} if self.supports_tags else {}
+        return self._handle(self._dist.irecv(buf, src=src, **kw), f"receive of {buf.numel()} bytes from rank {src}")
+
+    def _handle(self, work: Any, what: str) -> Handle:
+        return _WorkHandle(work, what) if self.backend == "nccl" else _WaitThreadHandle(work, what)
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        ranks = sorted(int(r) for r in ranks)
+        handle = self._dist.new_group(ranks=ranks) if len(ranks) < self.world_size else None
+        return Group(ranks, handle)
+
+    def all_gather_int64(self, values: torch.Tensor, group: Group) -> torch.Tensor:
+        if values.dtype != torch.int64 or values.dim() != 1:
+            raise ValueError(f"values: expected a 1-D int64 tensor, got {values.dtype} {tuple(values.shape)}")
+        if self.rank not in group.ranks:
+            raise ValueError(f"group: rank {self.rank} is not a member of {group.ranks}")
+        x = values.to(self.device)
+        out = torch.empty((group.size, x.numel()), dtype=torch.int64, device=self.device)
+        if self.backend == "nccl":
+            self._dist.all_gather_into_tensor(out, x, group=group.handle)
+        else:
+            self._dist.all_gather(list(out.unbind(0)), x, group=group.handle)
+        return out.cpu()
+
+    def mark_broken(self, peer: int, reason: str) -> None:
+        # gloo matches by tag, so a receive left posted cannot swallow a later message: only NCCL needs this.
+        if not self.supports_tags:
+            self._broken.setdefault(peer, reason)
+
+    def check_peer(self, peer: int) -> None:
+        if peer in self._broken:
+            raise TransferError(f"rank {peer} is unusable after an earlier failure ({self._broken[peer]})")

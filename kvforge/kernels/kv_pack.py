@@ -1,0 +1,432 @@
+"""Gather KV blocks from per-layer page pools into one contiguous buffer (pack) and scatter them back (unpack).
+
+This is the data path of a disaggregated KV transfer: the context side packs a request's blocks of every layer
+into a send buffer, the generation side unpacks the received buffer into its own pages.
+
+Inputs
+* ``pools``: one tensor per layer, ``[num_pages, tokens_per_block, elems_per_token]``, each in its own dtype (e.g.
+  bf16 target layers and an FP8 draft layer); the last dimension contiguous, the page and token strides free.
+* ``page_indices``: per layer, the pages to copy in block order (a 1-D integer tensor or a list of ints). Layers of
+  one layer group usually share one list.
+* ``col_ranges`` (optional): per layer, the element range ``(start, stop)`` of each token row to copy (a slice of
+  KV heads when tensor parallelism differs between the two sides); the whole row by default.
+
+Buffer layout (the wire layout, no padding): for each layer in order, its blocks in order, each block
+``[tokens_per_block, stop - start]`` elements of the layer's dtype, row-major. ``kv_pack_nbytes`` gives its size.
+
+The copy is a byte copy: NaN payloads and FP8 bit patterns travel unchanged. One launch handles every layer: the
+kernel addresses all pools relative to the buffer's pointer, in the widest word (4, 2 or 1 bytes) that divides
+every address, stride and row length, and tells the compiler how far those are aligned so it can use 16-byte
+accesses. ``KVPackPlan`` splits host work (checks, page tables, per-layer metadata; once per transfer) from the
+launches (``pack`` / ``unpack``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvforge.kernels._checks import check_tensor, same_device
+from kvforge.kernels._runtime import ConfigTable, TunedKernel
+
+# Per-layer metadata row (int64): one row per layer, read by the kernel.
+_M_POOL_OFF = 0  # words from the buffer's first word to the pool's element 0 (may be negative)
+_M_PAGE_STRIDE = 1  # words between pages
+_M_ROW_STRIDE = 2  # words between token rows of a page
+_M_COL_OFF = 3  # first word copied within a row
+_M_COLS = 4  # words copied per row
+_M_ROWS = 5  # rows per block (1 when whole blocks are contiguous and copied as one row)
+_M_BUF_OFF = 6  # words from the buffer's first word to the layer's segment
+_M_PAGE_START = 7  # index of the layer's first page in the flat page table
+_M_NBLOCKS = 8  # blocks of the layer
+_NMETA = 9
+
+# Triton caps grid axes 1 and 2 at 65,535.
+MAX_LAYERS = 65535
+
+
+@triton.jit
+def _kv_block_copy_kernel(
+    base_ptr,
+    meta_ptr,
+    page_ptr,
+    UNPACK: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NMETA: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    meta = meta_ptr + layer * NMETA
+    pool_off = tl.load(meta + 0)
+    page_stride = tl.load(meta + 1)
+    row_stride = tl.load(meta + 2)
+    col_off = tl.load(meta + 3)
+    cols = tl.multiple_of(tl.load(meta + 4), ALIGN)
+    rows = tl.load(meta + 5)
+    buf_off = tl.load(meta + 6)
+    page_start = tl.load(meta + 7)
+    n_blocks = tl.load(meta + 8)
+    valid = j < n_blocks
+    # Layers with fewer blocks than the grid's first axis leave their extra programs idle (zero rows).
+    page = tl.load(page_ptr + page_start + j, mask=valid, other=0).to(tl.int64)
+    rows = tl.where(valid, rows, 0)
+    pool_block = pool_off + page * page_stride + col_off
+    buf_block = buf_off + j * rows * cols
+    offs = tl.arange(0, BLOCK)
+    for r in range(0, rows):
+        src = tl.multiple_of(pool_block + r * row_stride, ALIGN)
+        dst = tl.multiple_of(buf_block + r * cols, ALIGN)
+        for c in range(0, cols, BLOCK):
+            idx = c + offs
+            m = idx < cols
+            if UNPACK:
+                x = tl.load(base_ptr + dst + idx, mask=m)
+                tl.store(base_ptr + src + idx, x, mask=m)
+            else:
+                x = tl.load(base_ptr + src + idx, mask=m)
+                tl.store(base_ptr + dst + idx, x, mask=m)
+
+
+def _cfg(block: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK": block}, num_warps=warps, num_stages=1)
+
+
+_CONFIGS = ConfigTable(
+    fallback=[_cfg(2048, 4), _cfg(4096, 8), _cfg(1024, 4)],
+    interpreter=_cfg(1024, 1),
+    by_arch={9: [_cfg(2048, 4), _cfg(4096, 4), _cfg(4096, 8), _cfg(8192, 8), _cfg(1024, 4)]},
+)
+_COPY = TunedKernel("kv_block_copy", _kv_block_copy_kernel, _CONFIGS)
+
+_WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _as_index_list(name: str, idx: object, num_pages: int, *, unique: bool) -> list[int]:
+    if isinstance(idx, torch.Tensor):
+        if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise TypeError(
+                f"{name}: expected a 1-D integer tensor or a list of ints, got {idx.dtype} {tuple(idx.shape)}"
+            )
+        values = [int(v) for v in idx.tolist()]
+    elif isinstance(idx, Sequence) and not isinstance(idx, (str, bytes)):
+        values = []
+        for v in idx:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected ints, got {type(v).__name__}")
+            values.append(int(v))
+    else:
+        raise TypeError(f"{name}: expected a 1-D integer tensor or a list of ints, got {type(idx).__name__}")
+    bad = [v for v in values if not 0 <= v < num_pages]
+    if bad:
+        raise ValueError(f"{name}: page indices must lie in [0, {num_pages}), got {bad[:4]}")
+    if unique and len(set(values)) != len(values):
+        dup = sorted({v for v in values if values.count(v) > 1})[:4]
+        raise ValueError(f"{name}: a destination page appears more than once ({dup}); unpack would race")
+    return values
+
+
+@dataclass(frozen=True)
+class _Layer:
+    pool: torch.Tensor
+    pages: list[int]
+    col_start: int
+    col_stop: int
+
+    @property
+    def esize(self) -> int:
+        return self.pool.element_size()
+
+
+def _check_layers(
+    pools: Sequence[torch.Tensor],
+    page_indices: Sequence[object],
+    col_ranges: Sequence[tuple[int, int] | None] | None,
+    *,
+    unique: bool,
+) -> list[_Layer]:
+    if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence):
+        raise TypeError(f"pools: expected a sequence of tensors, got {type(pools).__name__}")
+    if isinstance(page_indices, torch.Tensor) or not isinstance(page_indices, Sequence):
+        raise TypeError(f"page_indices: expected a sequence (one entry per layer), got {type(page_indices).__name__}")
+    if len(page_indices) != len(pools):
+        raise ValueError(f"page_indices: expected {len(pools)} entries (one per pool), got {len(page_indices)}")
+    if col_ranges is not None and len(col_ranges) != len(pools):
+        raise ValueError(f"col_ranges: expected {len(pools)} entries (one per pool), got {len(col_ranges)}")
+    if len(pools) > MAX_LAYERS:
+        raise ValueError(f"pools: at most {MAX_LAYERS} layers per launch, got {len(pools)}")
+    layers = []
+    device = None
+    for i, pool in enumerate(pools):
+        check_tensor(f"pools[{i}]", pool, ndim=3)
+        if pool.is_complex() or pool.dtype == torch.bool:
+            raise TypeError(f"pools[{i}]: expected a real KV dtype, got {pool.dtype}")
+        if device is None:
+            device = pool.device
+        elif not same_device(pool.device, device):
+            raise ValueError(f"pools[{i}]: expected every pool on {device}, got one on {pool.device}")
+        if pool.shape[2] > 1 and pool.stride(2) != 1:
+            raise ValueError(f"pools[{i}]: expected the last dimension contiguous (stride 1), got {pool.stride()}")
+        if pool.stride(0) < 0 or pool.stride(1) < 0:
+            raise ValueError(f"pools[{i}]: negative strides are not supported ({pool.stride()})")
+        elems = pool.shape[2]
+        cr = None if col_ranges is None else col_ranges[i]
+        start, stop = (0, elems) if cr is None else (int(cr[0]), int(cr[1]))
+        if not 0 <= start < stop <= elems:
+            raise ValueError(f"col_ranges[{i}]: expected 0 <= start < stop <= {elems}, got ({start}, {stop})")
+        pages = _as_index_list(f"page_indices[{i}]", page_indices[i], pool.shape[0], unique=unique)
+        layers.append(_Layer(pool, pages, start, stop))
+    return layers
+
+
+def _segments(layers: Sequence[_Layer]) -> list[tuple[int, int]]:
+    """(byte offset, byte length) of each layer's segment in the buffer."""
+    out, off = [], 0
+    for ly in layers:
+        n = len(ly.pages) * ly.pool.shape[1] * (ly.col_stop - ly.col_start) * ly.esize
+        out.append((off, n))
+        off += n
+    return out
+
+
+def kv_pack_nbytes(
+    pools: Sequence[torch.Tensor],
+    page_indices: Sequence[object],
+    col_ranges: Sequence[tuple[int, int] | None] | None = None,
+) -> int:
+    """Size in bytes of the packed buffer for these pools, pages and column ranges."""
+    layers = _check_layers(pools, page_indices, col_ranges, unique=False)
+    return sum(n for _, n in _segments(layers))
+
+
+class KVPackPlan:
+    """Host metadata of one transfer (checks, page table, per-layer rows), built once; ``pack``/``unpack`` launch.
+
+    ``unpack=True`` plans a scatter and therefore rejects a destination page listed twice in one layer.
+    The plan keeps references to the pools; their storage must not move while the plan is used.
+    """
+
+    def __init__(
+        self,
+        pools: Sequence[torch.Tensor],
+        page_indices: Sequence[object],
+        col_ranges: Sequence[tuple[int, int] | None] | None = None,
+        *,
+        unpack: bool = False,
+    ) -> None:
+        self.layers = _check_layers(pools, page_indices, col_ranges, unique=unpack)
+        self.for_unpack = unpack
+        self.segments = _segments(self.layers)
+        self.nbytes = sum(n for _, n in self.segments)
+        self.device = self.layers[0].pool.device if self.layers else torch.device("cpu")
+        self._meta: torch.Tensor | None = None
+        self._pages: torch.Tensor | None = None
+        self._meta_key: tuple[int, int] | None = None
+        self._max_blocks = max((len(ly.pages) for ly in self.layers), default=0)
+        flat: list[int] = []
+        self._page_start: list[int] = []
+        for ly in self.layers:
+            self._page_start.append(len(flat))
+            flat.extend(ly.pages)
+        self._flat_pages = flat
+
+    def _word_bytes(self, buf_ptr: int) -> tuple[int, int]:
+        """(word bytes, alignment in words): the widest word dividing every byte quantity, and 16-byte hints."""
+        g = buf_ptr
+        for ly, (off, _) in zip(self.layers, self.segments):
+            es = ly.esize
+            p = ly.pool
+            for v in (
+                p.data_ptr(),
+                p.stride(0) * es,
+                p.stride(1) * es,
+                ly.col_start * es,
+                (ly.col_stop - ly.col_start) * es,
+                off,
+            ):
+                g = math.gcd(g, v)
+        g = math.gcd(g, 16)
+        word = 4 if g % 4 == 0 else (2 if g % 2 == 0 else 1)
+        return word, max(1, g // word)
+
+    def _metadata(self, buf: torch.Tensor, word: int) -> torch.Tensor:
+        base = buf.data_ptr()
+        rows = []
+        for ly, start, (off, _) in zip(self.layers, self._page_start, self.segments):
+            p, es = ly.pool, ly.esize
+            tpb, elems = p.shape[1], p.shape[2]
+            cols = (ly.col_stop - ly.col_start) * es
+            row_stride = p.stride(1) * es
+            n_rows = tpb
+            # Whole rows stored back to back: one row per block lets the kernel stream the block in one loop.
+            if ly.col_start == 0 and ly.col_stop == elems and (tpb == 1 or p.stride(1) == elems):
+                cols, n_rows, row_stride = cols * tpb, 1, cols * tpb
+            pool_off = p.data_ptr() - base
+            rows.append(
+                [
+                    pool_off // word,
+                    p.stride(0) * es // word,
+                    row_stride // word,
+                    ly.col_start * es // word,
+                    cols // word,
+                    n_rows,
+                    off // word,
+                    start,
+                    len(ly.pages),
+                ]
+            )
+        return torch.tensor(rows, dtype=torch.int64).reshape(-1, _NMETA).to(self.device)
+
+    def _check_buffer(self, name: str, buf: object) -> torch.Tensor:
+        check_tensor(name, buf, dtype=torch.uint8, ndim=1, contiguous=True, device=self.device)
+        assert isinstance(buf, torch.Tensor)
+        if buf.numel() < self.nbytes:
+            raise ValueError(f"{name}: expected at least {self.nbytes} bytes, got {buf.numel()}")
+        return buf
+
+    def _launch(self, buf: torch.Tensor, unpack: bool) -> None:
+        if self.nbytes == 0:
+            return
+        word, align = self._word_bytes(buf.data_ptr())
+        key = (buf.data_ptr(), word)
+        if self._meta is None or self._meta_key != key:
+            self._meta = self._metadata(buf, word)
+            self._meta_key = key
+        if self._pages is None:
+            self._pages = torch.tensor(self._flat_pages or [0], dtype=torch.int32).to(self.device)
+        # Only the first word of the typed view matters: pools are reached through offsets from it.
+        base = buf[: (buf.numel() // word) * word].view(_WORD_DTYPE[word])
+        n_layers = len(self.layers)
+        _COPY.launch(
+            lambda meta: (self._max_blocks, n_layers),
+            (word, align, unpack),
+            base,
+            self._meta,
+            self._pages,
+            UNPACK=unpack,
+            ALIGN=align,
+            NMETA=_NMETA,
+        )
+
+    def pack(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather into ``out`` (uint8, at least ``nbytes``; allocated when None) and return the written bytes."""
+        if out is None:
+            out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            out = self._check_buffer("out", out)
+        self._launch(out, unpack=False)
+        return out[: self.nbytes]
+
+    def unpack(self, buf: torch.Tensor) -> None:
+        """Scatter ``buf`` (laid out as ``pack`` writes it) into the pools' pages."""
+        if not self.for_unpack:
+            raise ValueError("plan: built for pack; build it with unpack=True (checks destination pages are unique)")
+        buf = self._check_buffer("buf", buf)
+        self._launch(buf, unpack=True)
+
+
+def pack_kv_blocks(
+    pools: Sequence[torch.Tensor],
+    page_indices: Sequence[object],
+    *,
+    col_ranges: Sequence[tuple[int, int] | None] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gather the listed pages of every pool into one uint8 buffer (layout in the module docstring)."""
+    return KVPackPlan(pools, page_indices, col_ranges).pack(out)
+
+
+def unpack_kv_blocks(
+    buf: torch.Tensor,
+    pools: Sequence[torch.Tensor],
+    page_indices: Sequence[object],
+    *,
+    col_ranges: Sequence[tuple[int, int] | None] | None = None,
+) -> None:
+    """Scatter a packed buffer into the listed pages of every pool (in place)."""
+    KVPackPlan(pools, page_indices, col_ranges, unpack=True).unpack(buf)
+
+
+def pack_kv_blocks_ref(
+    pools: Sequence[torch.Tensor],
+    page_indices: Sequence[object],
+    *,
+    col_ranges: Sequence[tuple[int, int] | None] | None = None,
+) -> torch.Tensor:
+    """Plain-torch reference of ``pack_kv_blocks``: index, slice, reinterpret as bytes, concatenate."""
+    parts = []
+    for i, pool in enumerate(pools):
+        idx = torch.as_tensor(page_indices[i], dtype=torch.int64, device=pool.device).reshape(-1)
+        start, stop = (0, pool.shape[2]) if col_ranges is None or col_ranges[i] is None else col_ranges[i]
+        blocks = pool.index_select(0, idx)[:, :, start:stop].contiguous()
+        parts.append(blocks.view(torch.uint8).reshape(-1))
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts)
+
+
+def unpack_kv_blocks_ref(
+    buf: torch.Tensor,
+    pools: Sequence[torch.Tensor],
+    page_indices: Sequence[object],
+    *,
+    col_ranges: Sequence[tuple[int, int] | None] | None = None,
+) -> None:
+    """Plain-torch reference of ``unpack_kv_blocks`` (in place)."""
+    off = 0
+    for i, pool in enumerate(pools):
+        idx = torch.as_tensor(page_indices[i], dtype=torch.int64, device=pool.device).reshape(-1)
+        start, stop = (0, pool.shape[2]) if col_ranges is None or col_ranges[i] is None else col_ranges[i]
+        shape = (idx.numel(), pool.shape[1], stop - start)
+        n = math.prod(shape) * pool.element_size()
+        chunk = buf[off : off + n].clone().view(pool.dtype).reshape(shape)
+        for k in range(idx.numel()):
+            pool[int(idx[k]), :, start:stop] = chunk[k]
+        off += n
+
+
+def selfcheck(device: torch.device) -> list:
+    """Pack and unpack against the references: bf16 target layers, an FP8 draft layer, head slices."""
+    from kvforge.kernels._selfcheck import timed_check
+
+    def build(gen: torch.Generator, pages: int, tpb: int, elems: int, n_bf16: int):
+        pools = [
+            torch.randint(0, 256, (pages, tpb, elems * 2), generator=gen, dtype=torch.uint8)
+            .view(torch.bfloat16)
+            .to(device)
+            for _ in range(n_bf16)
+        ]
+        pools.append(
+            torch.randint(0, 256, (pages, tpb, elems), generator=gen, dtype=torch.uint8)
+            .to(device)
+            .view(torch.float8_e4m3fn)
+        )
+        return pools
+
+    def case(pages: int, tpb: int, elems: int, n_bf16: int, n_blocks: int, heads: bool):
+        def run() -> tuple[float, bool]:
+            gen = torch.Generator().manual_seed(1234 + pages)
+            src = build(gen, pages, tpb, elems, n_bf16)
+            dst = build(gen, pages, tpb, elems, n_bf16)
+            idx = [torch.randperm(pages, generator=gen)[:n_blocks].tolist() for _ in src]
+            cr = [(elems // 4, elems // 2) for _ in src] if heads else None
+            buf = pack_kv_blocks(src, idx, col_ranges=cr)
+            ok = torch.equal(buf.cpu(), pack_kv_blocks_ref(src, idx, col_ranges=cr).cpu())
+            expect = [p.clone() for p in dst]
+            unpack_kv_blocks_ref(buf, expect, idx, col_ranges=cr)
+            unpack_kv_blocks(buf, dst, idx, col_ranges=cr)
+            ok = ok and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst, expect))
+            return (0.0 if ok else 1.0), ok
+
+        shapes = f"L={n_bf16}+1 pages={pages} tpb={tpb} elems={elems} blocks={n_blocks}" + (" heads" if heads else "")
+        return timed_check("kv_pack", device, shapes, run, note="byte-exact pack+unpack")
+
+    small = device.type != "cuda"
+    if small:
+        return [case(13, 4, 40, 3, 7, False), case(9, 3, 24, 2, 5, True)]
+    return [case(600, 64, 576, 8, 512, False), case(200, 32, 256, 4, 150, True)]
