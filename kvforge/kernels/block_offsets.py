@@ -1,0 +1,281 @@
+"""The device page table: per-request block offsets for every pool, from a host or device page-index table.
+
+``copy_block_offsets(page_indices, copy_index, index_scales, kv_offset, out)`` writes, for each selected row
+``i < n_seq = len(copy_index)``, pool ``p`` and block ``b`` (``page = page_indices[p, copy_index[i], b]``)::
+
+    out[p, i, 0, b] = index_scales[p] * page            (0 when page < 0; -1 is the bad-page marker)
+    out[p, i, 1, b] = out[p, i, 0, b] + kv_offset[p]    (0 when page < 0)
+
+Rows ``i >= n_seq`` of ``out`` are left untouched; ``n_seq == 0`` launches nothing. The arithmetic is int32
+and wraps like the reference system's int32 planes.
+
+Where the inputs may live (``out`` decides the device):
+* on a GPU, ``page_indices``, ``copy_index``, ``index_scales`` and ``kv_offset`` may each be a tensor on
+  ``out``'s device or a *pinned* host tensor, which the kernel reads directly through unified addressing
+  (no staging copy). A pageable host tensor cannot be read by the device: ValueError.
+* in the Triton interpreter (a CPU machine) everything is an ordinary CPU tensor.
+* on a GPU machine with a CPU ``out`` (a KV cache manager kept on the host, tests), the same values are
+  computed on the host with torch ops, after the same checks: a compiled kernel cannot write pageable memory.
+``index_scales`` / ``kv_offset`` may also be Python sequences of ints; their device copy is made once and
+cached, so a steady-state call allocates nothing.
+
+``page_indices`` is ``[pools, row_capacity, blocks]`` int32 with any strides, or the reference system's
+``[pools, rows, 2, blocks]`` table, of which plane 0 is read through strides (no copy).
+
+Row indices are checked on the host when ``copy_index`` is a host tensor. A device ``copy_index`` cannot be
+checked without a synchronisation; there, an out-of-range row is treated as a row of bad pages (zeros in both
+planes) instead of reading outside the table.
+
+Grid: axis 0 splits each row into chunks of BLOCK blocks (axis 0 allows 2**31 - 1 programs, so a row of a
+million blocks is just more chunks); axis 1 walks the selected rows and is folded (each program loops over
+rows with a stride of the grid size) past 65,535; axis 2 is the pool, rejected past 65,535.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from kvforge.kernels._checks import check_tensor, same_device
+from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
+from kvforge.kernels._selfcheck import CheckRow, timed_check
+
+__all__ = ["copy_block_offsets", "copy_block_offsets_ref", "selfcheck"]
+
+_MAX_GRID_YZ = 65535
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit(do_not_specialize=["n_seq", "row_capacity"])
+def _block_offsets_kernel(
+    page_ptr,
+    index_ptr,
+    scale_ptr,
+    kv_offset_ptr,
+    out_ptr,
+    n_seq,
+    n_blocks,
+    row_capacity,
+    sp_pool,
+    sp_row,
+    sp_block,
+    s_index,
+    s_scale,
+    s_kv_offset,
+    so_pool,
+    so_row,
+    so_plane,
+    so_block,
+    BLOCK: tl.constexpr,
+):
+    pool = tl.program_id(2).to(tl.int64)
+    blocks = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_row = blocks < n_blocks
+    scale = tl.load(scale_ptr + pool * s_scale).to(tl.int32)
+    kv_offset = tl.load(kv_offset_ptr + pool * s_kv_offset).to(tl.int32)
+    for i in range(tl.program_id(1), n_seq, tl.num_programs(1)):
+        seq = tl.cast(i, tl.int64)
+        row = tl.load(index_ptr + seq * s_index).to(tl.int64)
+        # A device index cannot be checked on the host: an out-of-range row reads as bad pages, never past
+        # the table.
+        row_ok = (row >= 0) & (row < row_capacity)
+        # Clamp-then-select instead of folding row_ok into the load mask: the interpreter (Triton 3.9) gives a
+        # scalar comparison the wrong dtype when it is broadcast into a mask.
+        src = page_ptr + pool * sp_pool + tl.where(row_ok, row, 0) * sp_row + blocks * sp_block
+        page = tl.where(row_ok, tl.load(src, mask=in_row, other=-1), -1)
+        bad = page < 0
+        plane0 = tl.where(bad, 0, page * scale)
+        plane1 = tl.where(bad, 0, plane0 + kv_offset)
+        dst = out_ptr + pool * so_pool + seq * so_row + blocks * so_block
+        tl.store(dst, plane0, mask=in_row)
+        tl.store(dst + so_plane, plane1, mask=in_row)
+
+
+_SM90 = [
+    triton.Config({"BLOCK": b}, num_warps=w)
+    for b, w in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16)]
+]
+_TABLE = ConfigTable(
+    fallback=[triton.Config({"BLOCK": 1024}, num_warps=4)],
+    interpreter=triton.Config({"BLOCK": 64}, num_warps=1),
+    by_arch={(9, 0): _SM90},
+    # A block wider than the row only masks lanes off.
+    keep=lambda cfg, key: cfg.kwargs["BLOCK"] <= max(512, key[0]),
+)
+_KERNEL = TunedKernel("copy_block_offsets", _block_offsets_kernel, _TABLE)
+
+
+def _readable(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """A tensor the kernel can read: on ``device``, or pinned host memory when ``device`` is a GPU."""
+    if same_device(t.device, device):
+        return
+    if device.type == "cuda" and t.device.type == "cpu":
+        if not t.is_pinned():
+            raise ValueError(
+                f"{name}: a pageable host tensor cannot be read by the kernel; pin it (tensor.pin_memory()) "
+                f"or move it to {device}"
+            )
+        return
+    raise ValueError(f"{name}: expected a tensor on {device} (or pinned host memory), got one on {t.device}")
+
+
+@lru_cache(maxsize=64)
+def _pool_constants(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _per_pool(name: str, v: object, pools: int, device: torch.device) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        check_tensor(name, v, dtype=torch.int32, ndim=1)
+        _readable(name, v, device)
+        t = v
+    elif isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise TypeError(f"{name}: expected a sequence of ints")
+        if any(not -(2**31) <= x < 2**31 for x in v):
+            raise ValueError(f"{name}: values must fit in int32, got {list(v)}")
+        t = _pool_constants(tuple(v), device)
+    else:
+        raise TypeError(f"{name}: expected an int32 tensor or a sequence of ints, got {type(v).__name__}")
+    if t.shape[0] != pools:
+        raise ValueError(f"{name}: expected {pools} values (one per pool), got {t.shape[0]}")
+    return t
+
+
+def _plane0(page_indices: torch.Tensor) -> torch.Tensor:
+    check_tensor("page_indices", page_indices, dtype=torch.int32)
+    if page_indices.dim() == 4:
+        if page_indices.shape[2] != 2:
+            raise ValueError(
+                f"page_indices: a 4-D table must be [pools, rows, 2, blocks], got {list(page_indices.shape)}"
+            )
+        return page_indices[:, :, 0, :]
+    if page_indices.dim() != 3:
+        raise ValueError(
+            f"page_indices: expected [pools, row_capacity, blocks] or [pools, rows, 2, blocks], "
+            f"got shape {list(page_indices.shape)}"
+        )
+    return page_indices
+
+
+def copy_block_offsets(
+    page_indices: torch.Tensor,
+    copy_index: torch.Tensor,
+    index_scales: torch.Tensor | Sequence[int],
+    kv_offset: torch.Tensor | Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """Write the block offsets of rows ``copy_index`` into ``out[:, :n_seq]`` (see the module docstring).
+
+    Shapes: ``page_indices [pools, row_capacity, blocks]`` (or ``[pools, rows, 2, blocks]``) int32,
+    ``copy_index [n_seq]`` int32/int64, ``index_scales`` / ``kv_offset`` ``[pools]`` int32 (or int
+    sequences), ``out [pools, >= n_seq, 2, blocks]`` int32. Every check runs before the launch.
+    """
+    check_tensor("out", out, dtype=torch.int32, ndim=4)
+    device = out.device
+    pages = _plane0(page_indices)
+    _readable("page_indices", page_indices, device)
+    check_tensor("copy_index", copy_index, dtype=_INDEX_DTYPES, ndim=1)
+    _readable("copy_index", copy_index, device)
+    pools, row_capacity, n_blocks = pages.shape
+    n_seq = copy_index.shape[0]
+    if out.shape[0] != pools or out.shape[2] != 2 or out.shape[3] != n_blocks:
+        raise ValueError(
+            f"out: expected [pools={pools}, >= n_seq, 2, blocks={n_blocks}] to match page_indices, "
+            f"got {list(out.shape)}"
+        )
+    if out.shape[1] < n_seq:
+        raise ValueError(f"out: has {out.shape[1]} rows, fewer than n_seq = len(copy_index) = {n_seq}")
+    scales = _per_pool("index_scales", index_scales, pools, device)
+    offsets = _per_pool("kv_offset", kv_offset, pools, device)
+    if pools > _MAX_GRID_YZ:
+        raise ValueError(f"page_indices: {pools} pools exceed the grid limit of {_MAX_GRID_YZ}")
+    if n_seq > 0 and row_capacity == 0:
+        raise ValueError("page_indices: the table has no rows, so no copy_index value is valid")
+    if copy_index.device.type == "cpu" and n_seq > 0:
+        # Host memory: checking costs no device synchronisation.
+        lo, hi = int(copy_index.min()), int(copy_index.max())
+        if lo < 0 or hi >= row_capacity:
+            raise ValueError(f"copy_index: values must lie in [0, {row_capacity}), got min {lo}, max {hi}")
+    if n_seq == 0 or n_blocks == 0 or pools == 0:
+        return
+    if device.type == "cpu" and not interpreting():
+        _host_path(pages, copy_index, scales, offsets, out)
+        return
+    key = (min(triton.next_power_of_2(n_blocks), 1 << 16), pages.device.type)
+    _KERNEL.launch(
+        lambda m: (triton.cdiv(n_blocks, m["BLOCK"]), min(n_seq, _MAX_GRID_YZ), pools),
+        key,
+        pages,
+        copy_index,
+        scales,
+        offsets,
+        out,
+        n_seq,
+        n_blocks,
+        row_capacity,
+        *pages.stride(),
+        copy_index.stride(0),
+        scales.stride(0),
+        offsets.stride(0),
+        *out.stride(),
+    )
+
+
+def _host_path(
+    pages: torch.Tensor, copy_index: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor
+) -> None:
+    """CPU ``out`` on a machine whose kernels are compiled for a GPU: the kernel's arithmetic in torch ops."""
+    rows = pages.index_select(1, copy_index.long())
+    bad = rows < 0
+    plane0 = torch.where(bad, 0, rows * scales.cpu().view(-1, 1, 1))
+    n = copy_index.shape[0]
+    out[:, :n, 0] = plane0
+    out[:, :n, 1] = torch.where(bad, 0, plane0 + offsets.cpu().view(-1, 1, 1))
+
+
+def copy_block_offsets_ref(
+    page_indices: torch.Tensor,
+    copy_index: torch.Tensor,
+    index_scales: torch.Tensor | Sequence[int],
+    kv_offset: torch.Tensor | Sequence[int],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch, int64 arithmetic wrapped to int32: returns what ``out`` should hold afterwards (a copy)."""
+    pages = page_indices[:, :, 0, :] if page_indices.dim() == 4 else page_indices
+    dev = out.device
+    rows = pages.to(dev, torch.int64)[:, copy_index.to(dev, torch.int64)]  # [pools, n_seq, blocks]
+    scale = torch.as_tensor(index_scales).to(dev, torch.int64).view(-1, 1, 1)
+    offset = torch.as_tensor(kv_offset).to(dev, torch.int64).view(-1, 1, 1)
+    bad = rows < 0
+    plane0 = torch.where(bad, 0, rows * scale)
+    plane1 = torch.where(bad, 0, plane0 + offset)
+    expected = out.clone()
+    n = rows.shape[1]
+    expected[:, :n, 0] = plane0.to(torch.int32)  # int64 -> int32 keeps the low 32 bits, as the kernel's wrap
+    expected[:, :n, 1] = plane1.to(torch.int32)
+    return expected
+
+
+def selfcheck(device: torch.device) -> list[CheckRow]:
+    g = torch.Generator().manual_seed(3)
+    pools, rows, blocks, n_seq = 2, 19, 150, 7
+    table = torch.randint(-1, 5000, (pools, rows, 2, blocks), generator=g, dtype=torch.int32)
+    if device.type == "cuda":
+        table = table.pin_memory()
+    index = torch.randperm(rows, generator=g)[:n_seq].to(device)
+    out = torch.full((pools, n_seq + 2, 2, blocks), -7, dtype=torch.int32, device=device)
+
+    def run() -> tuple[float, bool]:
+        expected = copy_block_offsets_ref(table, index, [2, 3], [0, 11], out)
+        copy_block_offsets(table, index, [2, 3], [0, 11], out)
+        diff = (out != expected).sum()
+        return float(diff), bool(diff == 0)
+
+    where = "pinned host" if device.type == "cuda" else "host"
+    shapes = f"table[{pools},{rows},2,{blocks}] ({where}) -> out[{pools},{n_seq}+2,2,{blocks}]"
+    return [timed_check("copy_block_offsets", device, shapes, run, note="mismatched entries")]

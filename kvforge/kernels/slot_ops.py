@@ -1,0 +1,537 @@
+"""Speculative-decoding bookkeeping: one launch to store a step's outputs per slot, one to build the next inputs.
+
+A *slot* is a request's row in the slot stores, which keep the reference system's layouts and meanings
+(``S`` slots; store widths ``W_new``, ``W_next``, ``W_draft``)::
+
+    SlotStores.new_tokens         [W_new,  S]  tokens accepted this step (column per slot; 0 past the count)
+    SlotStores.next_new_tokens    [W_next, S]  the tokens the next step feeds for the slot (golden + drafts)
+    SlotStores.new_token_counts   [S]          how many tokens were accepted this step
+    SlotStores.next_draft_tokens  [S, W_draft] the draft tokens the next step verifies
+
+``slot_scatter`` (one launch, replacing four ``index_copy_``): for each row ``r < N`` of the step, with
+``src = row_begin + r``, ``s = slot_ids[r]`` and ``n = new_token_counts[src]``::
+
+    stores.new_tokens[w, s]        = new_tokens[src, w]      if w < a and w < n else 0    (w < W_new)
+    stores.next_new_tokens[w, s]   = next_new_tokens[src, w] if w < b else 0              (w < W_next)
+    stores.new_token_counts[s]     = n
+    stores.next_draft_tokens[s, w] = next_draft_tokens[src, w] if w < c else 0           (w < W_draft)
+
+so every row is zero-padded or truncated to its store's width. Slots not named in ``slot_ids`` are untouched.
+
+``step_gather`` (one launch) builds the inputs of the next step for ``N`` rows of ``T`` tokens each
+(``T = 1 + draft length``), with ``s = slot_ids[r]`` and ``n = stores.new_token_counts[s]``::
+
+    input_ids[r*T + t]        = stores.next_new_tokens[t, s]      (t < T)
+    position_offsets[r*T + t] = n - T                             (the same for the row's T tokens)
+    draft_tokens[r, k]        = stores.next_draft_tokens[s, k]    (k < K, K = T - 1 unless given)
+    kv_offsets[r]             = n - T
+
+The offsets correct positions and KV lengths that the host advanced by ``T`` assuming every draft token was
+accepted (``n - T <= 0`` when ``1 <= n <= T``).
+
+Slot ids. Host-side (CPU) ``slot_ids`` are checked before the launch: each in ``[0, S)``, and for a scatter no
+duplicates (two rows writing one slot would race; a gather may read a slot twice). Device ``slot_ids`` cannot
+be checked without a synchronisation; the kernels then skip a scatter row whose slot is out of range and
+gather zeros for it. Duplicate device slot ids in a scatter leave the slot holding one of the rows,
+unspecified which (as ``index_copy_`` would).
+
+Both functions accept preallocated outputs and allocate nothing else, so a captured CUDA graph replays them
+after the caller rewrites ``slot_ids`` and the step outputs in place. Call each once before capture (the
+first call compiles and, on a GPU without a committed config, tunes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kvforge.kernels._checks import check_tensor
+from kvforge.kernels._runtime import ConfigTable, TunedKernel, kernel_device
+from kvforge.kernels._selfcheck import CheckRow, timed_check
+
+__all__ = [
+    "SlotStores",
+    "StepInputs",
+    "selfcheck",
+    "slot_scatter",
+    "slot_scatter_ref",
+    "step_gather",
+    "step_gather_ref",
+]
+
+_INT = (torch.int32, torch.int64)
+
+
+@triton.jit(do_not_specialize=["n_rows", "row_begin"])
+def _slot_scatter_kernel(
+    slot_ptr,
+    s_slot,
+    n_rows,
+    row_begin,
+    n_slots,
+    new_ptr,
+    s_new_r,
+    s_new_w,
+    w_new_src,
+    next_ptr,
+    s_next_r,
+    s_next_w,
+    w_next_src,
+    count_ptr,
+    s_count,
+    draft_ptr,
+    s_draft_r,
+    s_draft_w,
+    w_draft_src,
+    st_new_ptr,
+    st_new_w,
+    st_new_s,
+    w_new,
+    st_next_ptr,
+    st_next_w,
+    st_next_s,
+    w_next,
+    st_count_ptr,
+    st_count_s,
+    st_draft_ptr,
+    st_draft_s,
+    st_draft_w,
+    w_draft,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_step = rows < n_rows
+    slot = tl.load(slot_ptr + rows * s_slot, mask=in_step, other=-1).to(tl.int64)
+    # A device slot id cannot be range-checked on the host: a row with a bad slot writes nothing.
+    ok = in_step & (slot >= 0) & (slot < n_slots)
+    src = row_begin + rows
+    count = tl.load(count_ptr + src * s_count, mask=ok, other=0)
+    tl.store(st_count_ptr + slot * st_count_s, count.to(st_count_ptr.dtype.element_ty), mask=ok)
+
+    w = tl.arange(0, BLOCK_W)[None, :]
+    okw = ok[:, None]
+    src2 = src[:, None]
+    slot2 = slot[:, None]
+    # Zero padding comes from the masked loads' other=0; truncation from the store masks.
+    v = tl.load(new_ptr + src2 * s_new_r + w * s_new_w, mask=okw & (w < w_new_src) & (w < count[:, None]), other=0)
+    tl.store(st_new_ptr + w * st_new_w + slot2 * st_new_s, v.to(st_new_ptr.dtype.element_ty), mask=okw & (w < w_new))
+    v = tl.load(next_ptr + src2 * s_next_r + w * s_next_w, mask=okw & (w < w_next_src), other=0)
+    tl.store(
+        st_next_ptr + w * st_next_w + slot2 * st_next_s, v.to(st_next_ptr.dtype.element_ty), mask=okw & (w < w_next)
+    )
+    v = tl.load(draft_ptr + src2 * s_draft_r + w * s_draft_w, mask=okw & (w < w_draft_src), other=0)
+    tl.store(
+        st_draft_ptr + slot2 * st_draft_s + w * st_draft_w,
+        v.to(st_draft_ptr.dtype.element_ty),
+        mask=okw & (w < w_draft),
+    )
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _step_gather_kernel(
+    slot_ptr,
+    s_slot,
+    n_rows,
+    n_slots,
+    T,
+    K,
+    st_next_ptr,
+    st_next_w,
+    st_next_s,
+    st_count_ptr,
+    st_count_s,
+    st_draft_ptr,
+    st_draft_s,
+    st_draft_w,
+    ids_ptr,
+    s_ids,
+    pos_ptr,
+    s_pos,
+    draft_ptr,
+    s_draft_r,
+    s_draft_k,
+    kv_ptr,
+    s_kv,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_step = rows < n_rows
+    slot = tl.load(slot_ptr + rows * s_slot, mask=in_step, other=-1).to(tl.int64)
+    # A device slot id cannot be range-checked on the host: a bad slot gathers zeros.
+    ok = in_step & (slot >= 0) & (slot < n_slots)
+    count = tl.load(st_count_ptr + slot * st_count_s, mask=ok, other=0).to(tl.int32)
+    offset = tl.where(ok, count - T, 0)
+    tl.store(kv_ptr + rows * s_kv, offset.to(kv_ptr.dtype.element_ty), mask=in_step)
+
+    t = tl.arange(0, BLOCK_T)[None, :]
+    tok = rows[:, None] * T + t
+    row_t = in_step[:, None] & (t < T)
+    ids = tl.load(st_next_ptr + t * st_next_w + slot[:, None] * st_next_s, mask=ok[:, None] & (t < T), other=0)
+    tl.store(ids_ptr + tok * s_ids, ids.to(ids_ptr.dtype.element_ty), mask=row_t)
+    pos = tl.zeros([BLOCK_R, BLOCK_T], dtype=tl.int32) + offset[:, None]
+    tl.store(pos_ptr + tok * s_pos, pos.to(pos_ptr.dtype.element_ty), mask=row_t)
+
+    k = tl.arange(0, BLOCK_K)[None, :]
+    d = tl.load(st_draft_ptr + slot[:, None] * st_draft_s + k * st_draft_w, mask=ok[:, None] & (k < K), other=0)
+    dst = draft_ptr + rows[:, None] * s_draft_r + k * s_draft_k
+    tl.store(dst, d.to(draft_ptr.dtype.element_ty), mask=in_step[:, None] & (k < K))
+
+
+def _row_configs(pairs: list[tuple[int, int]]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in pairs]
+
+
+# Rows per program trade parallelism (a few hundred rows: more, smaller programs) against per-program cost.
+_SM90_ROWS = _row_configs([(8, 1), (16, 1), (32, 1), (32, 2), (64, 2), (128, 4)])
+
+
+_SCATTER_TABLE = ConfigTable(
+    fallback=[triton.Config({"BLOCK_R": 32}, num_warps=2)],
+    interpreter=triton.Config({"BLOCK_R": 16}, num_warps=1),
+    by_arch={(9, 0): _SM90_ROWS},
+)
+_GATHER_TABLE = ConfigTable(
+    fallback=[triton.Config({"BLOCK_R": 32}, num_warps=2)],
+    interpreter=triton.Config({"BLOCK_R": 16}, num_warps=1),
+    by_arch={(9, 0): _SM90_ROWS},
+)
+_SCATTER = TunedKernel("slot_scatter", _slot_scatter_kernel, _SCATTER_TABLE)
+_GATHER = TunedKernel("step_gather", _step_gather_kernel, _GATHER_TABLE)
+
+
+@dataclass(frozen=True)
+class SlotStores:
+    """The four per-slot stores (layouts in the module docstring). Validates shapes, dtypes and device."""
+
+    new_tokens: torch.Tensor
+    next_new_tokens: torch.Tensor
+    new_token_counts: torch.Tensor
+    next_draft_tokens: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_tensor("stores.new_tokens", self.new_tokens, dtype=_INT, ndim=2)
+        device = self.new_tokens.device
+        check_tensor("stores.next_new_tokens", self.next_new_tokens, dtype=_INT, ndim=2, device=device)
+        check_tensor("stores.new_token_counts", self.new_token_counts, dtype=_INT, ndim=1, device=device)
+        check_tensor("stores.next_draft_tokens", self.next_draft_tokens, dtype=_INT, ndim=2, device=device)
+        s = self.num_slots
+        for name, n in [
+            ("stores.next_new_tokens", self.next_new_tokens.shape[1]),
+            ("stores.new_token_counts", self.new_token_counts.shape[0]),
+            ("stores.next_draft_tokens", self.next_draft_tokens.shape[0]),
+        ]:
+            if n != s:
+                raise ValueError(f"{name}: expected {s} slots (as stores.new_tokens [W_new, S]), got {n}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.new_tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.new_tokens.device
+
+    @classmethod
+    def zeros(
+        cls,
+        num_slots: int,
+        new_width: int,
+        next_width: int,
+        draft_width: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.int32,
+    ) -> SlotStores:
+        z = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)
+        return cls(z(new_width, num_slots), z(next_width, num_slots), z(num_slots), z(num_slots, draft_width))
+
+    def clone(self) -> SlotStores:
+        return SlotStores(*(t.clone() for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.new_tokens, self.next_new_tokens, self.new_token_counts, self.next_draft_tokens)
+
+
+class StepInputs(NamedTuple):
+    """The next step's inputs gathered from the stores (shapes for N rows of T tokens, K draft tokens)."""
+
+    input_ids: torch.Tensor  # [N*T]
+    position_offsets: torch.Tensor  # [N*T]
+    draft_tokens: torch.Tensor  # [N, K]
+    kv_offsets: torch.Tensor  # [N]
+
+
+def _check_stores(stores: object) -> SlotStores:
+    if not isinstance(stores, SlotStores):
+        raise TypeError(f"stores: expected SlotStores, got {type(stores).__name__}")
+    if stores.device.type != kernel_device().type:
+        raise ValueError(f"stores: expected tensors on {kernel_device()} (where kernels run), got {stores.device}")
+    return stores
+
+
+def _check_slot_ids(slot_ids: object, stores: SlotStores, *, unique: bool) -> torch.Tensor:
+    check_tensor("slot_ids", slot_ids, dtype=_INT, ndim=1, device=stores.device)
+    assert isinstance(slot_ids, torch.Tensor)
+    n = slot_ids.shape[0]
+    if n and slot_ids.device.type == "cpu":
+        # Host memory: range and uniqueness cost no device synchronisation.
+        lo, hi = int(slot_ids.min()), int(slot_ids.max())
+        if lo < 0 or hi >= stores.num_slots:
+            raise ValueError(f"slot_ids: values must lie in [0, {stores.num_slots}), got min {lo}, max {hi}")
+        if unique and torch.unique(slot_ids).numel() != n:
+            raise ValueError("slot_ids: duplicate slots (two rows would write one slot)")
+    return slot_ids
+
+
+def _check_row_begin(row_begin: object) -> int:
+    if isinstance(row_begin, bool) or not isinstance(row_begin, int):
+        raise TypeError(f"row_begin: expected an int, got {type(row_begin).__name__}")
+    if row_begin < 0:
+        raise ValueError(f"row_begin: expected >= 0, got {row_begin}")
+    return row_begin
+
+
+def slot_scatter(
+    stores: SlotStores,
+    slot_ids: torch.Tensor,
+    new_tokens: torch.Tensor,
+    next_new_tokens: torch.Tensor,
+    new_token_counts: torch.Tensor,
+    next_draft_tokens: torch.Tensor,
+    *,
+    row_begin: int = 0,
+) -> None:
+    """Store one step's per-row outputs into their slots, in one launch (semantics in the module docstring).
+
+    ``slot_ids [N]`` int32/int64; ``new_tokens [M, a]``, ``next_new_tokens [M, b]``, ``new_token_counts [M]``,
+    ``next_draft_tokens [M, c]`` integer tensors (any strides) of which rows ``row_begin .. row_begin + N - 1``
+    are stored; everything on ``stores.device``. Values are cast to each store's dtype.
+    """
+    dev = _check_stores(stores).device
+    slot_ids = _check_slot_ids(slot_ids, stores, unique=True)
+    row_begin = _check_row_begin(row_begin)
+    n = slot_ids.shape[0]
+    outputs = [
+        ("new_tokens", new_tokens, 2),
+        ("next_new_tokens", next_new_tokens, 2),
+        ("new_token_counts", new_token_counts, 1),
+        ("next_draft_tokens", next_draft_tokens, 2),
+    ]
+    for name, t, nd in outputs:
+        check_tensor(name, t, dtype=_INT, ndim=nd, device=dev)
+        if t.shape[0] < row_begin + n:
+            raise ValueError(f"{name}: has {t.shape[0]} rows, needs row_begin + len(slot_ids) = {row_begin + n}")
+    if n == 0:
+        return
+    st = stores
+    widths = (st.new_tokens.shape[0], st.next_new_tokens.shape[0], st.next_draft_tokens.shape[1])
+    block_w = triton.next_power_of_2(max(1, *widths))
+    _SCATTER.launch(
+        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
+        (block_w,),
+        slot_ids,
+        slot_ids.stride(0),
+        n,
+        row_begin,
+        st.num_slots,
+        new_tokens,
+        *new_tokens.stride(),
+        new_tokens.shape[1],
+        next_new_tokens,
+        *next_new_tokens.stride(),
+        next_new_tokens.shape[1],
+        new_token_counts,
+        new_token_counts.stride(0),
+        next_draft_tokens,
+        *next_draft_tokens.stride(),
+        next_draft_tokens.shape[1],
+        st.new_tokens,
+        *st.new_tokens.stride(),
+        widths[0],
+        st.next_new_tokens,
+        *st.next_new_tokens.stride(),
+        widths[1],
+        st.new_token_counts,
+        st.new_token_counts.stride(0),
+        st.next_draft_tokens,
+        *st.next_draft_tokens.stride(),
+        widths[2],
+        BLOCK_W=block_w,
+    )
+
+
+def _check_out(out: StepInputs, n: int, t: int, dev: torch.device) -> int:
+    if not isinstance(out, StepInputs):
+        raise TypeError(f"out: expected StepInputs, got {type(out).__name__}")
+    for name, x, shape in [
+        ("out.input_ids", out.input_ids, (n * t,)),
+        ("out.position_offsets", out.position_offsets, (n * t,)),
+        ("out.kv_offsets", out.kv_offsets, (n,)),
+    ]:
+        check_tensor(name, x, dtype=_INT, device=dev)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(x.shape)}")
+    check_tensor("out.draft_tokens", out.draft_tokens, dtype=_INT, ndim=2, device=dev)
+    if out.draft_tokens.shape[0] != n:
+        raise ValueError(f"out.draft_tokens: expected {n} rows, got {out.draft_tokens.shape[0]}")
+    return out.draft_tokens.shape[1]
+
+
+def step_gather(
+    stores: SlotStores,
+    slot_ids: torch.Tensor,
+    tokens_per_row: int,
+    *,
+    draft_len: int | None = None,
+    out: StepInputs | None = None,
+) -> StepInputs:
+    """Build the next step's inputs for ``N = len(slot_ids)`` rows of ``T = tokens_per_row`` tokens, one launch.
+
+    Returns ``StepInputs`` (``out`` when given; its ``draft_tokens`` width sets K, else ``draft_len``, else
+    ``T - 1``). Allocated outputs take the store dtypes for tokens and int32 for offsets.
+    """
+    dev = _check_stores(stores).device
+    slot_ids = _check_slot_ids(slot_ids, stores, unique=False)
+    t = tokens_per_row
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise TypeError(f"tokens_per_row: expected an int, got {type(t).__name__}")
+    w_next, w_draft = stores.next_new_tokens.shape[0], stores.next_draft_tokens.shape[1]
+    if not 1 <= t <= w_next:
+        raise ValueError(f"tokens_per_row: expected 1 <= T <= W_next = {w_next}, got {t}")
+    n = slot_ids.shape[0]
+    if out is not None:
+        if draft_len is not None:
+            raise ValueError("draft_len: give either draft_len or out (whose draft_tokens width sets it), not both")
+        k = _check_out(out, n, t, dev)
+    else:
+        k = t - 1 if draft_len is None else draft_len
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"draft_len: expected an int, got {type(k).__name__}")
+    if not 0 <= k <= w_draft:
+        raise ValueError(f"draft_len: expected 0 <= K <= W_draft = {w_draft}, got {k}")
+    if out is None:
+        out = StepInputs(
+            torch.empty(n * t, dtype=stores.next_new_tokens.dtype, device=dev),
+            torch.empty(n * t, dtype=torch.int32, device=dev),
+            torch.empty((n, k), dtype=stores.next_draft_tokens.dtype, device=dev),
+            torch.empty(n, dtype=torch.int32, device=dev),
+        )
+    if n == 0:
+        return out
+    st = stores
+    block_t, block_k = triton.next_power_of_2(t), triton.next_power_of_2(max(k, 1))
+    _GATHER.launch(
+        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
+        (block_t, block_k),
+        slot_ids,
+        slot_ids.stride(0),
+        n,
+        st.num_slots,
+        t,
+        k,
+        st.next_new_tokens,
+        *st.next_new_tokens.stride(),
+        st.new_token_counts,
+        st.new_token_counts.stride(0),
+        st.next_draft_tokens,
+        *st.next_draft_tokens.stride(),
+        out.input_ids,
+        out.input_ids.stride(0),
+        out.position_offsets,
+        out.position_offsets.stride(0),
+        out.draft_tokens,
+        *out.draft_tokens.stride(),
+        out.kv_offsets,
+        out.kv_offsets.stride(0),
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+    )
+    return out
+
+
+def _fit(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad or truncate [N, w] rows to [N, width] (int64)."""
+    fitted = torch.zeros(rows.shape[0], width, dtype=torch.int64, device=rows.device)
+    w = min(width, rows.shape[1])
+    fitted[:, :w] = rows[:, :w].long()
+    return fitted
+
+
+def slot_scatter_ref(
+    stores: SlotStores,
+    slot_ids: torch.Tensor,
+    new_tokens: torch.Tensor,
+    next_new_tokens: torch.Tensor,
+    new_token_counts: torch.Tensor,
+    next_draft_tokens: torch.Tensor,
+    *,
+    row_begin: int = 0,
+) -> SlotStores:
+    """Plain torch: returns the stores as ``slot_scatter`` leaves them (new tensors; ``stores`` untouched)."""
+    n = slot_ids.shape[0]
+    rows = slice(row_begin, row_begin + n)
+    slots = slot_ids.long()
+    counts = new_token_counts[rows].long()
+    res = stores.clone()
+    new = _fit(new_tokens[rows], res.new_tokens.shape[0])
+    cols = torch.arange(new.shape[1], device=new.device)
+    new = torch.where(cols[None, :] < counts[:, None], new, 0)
+    res.new_tokens[:, slots] = new.t().to(res.new_tokens.dtype)
+    res.next_new_tokens[:, slots] = (
+        _fit(next_new_tokens[rows], res.next_new_tokens.shape[0]).t().to(res.next_new_tokens.dtype)
+    )
+    res.new_token_counts[slots] = counts.to(res.new_token_counts.dtype)
+    res.next_draft_tokens[slots] = _fit(next_draft_tokens[rows], res.next_draft_tokens.shape[1]).to(
+        res.next_draft_tokens.dtype
+    )
+    return res
+
+
+def step_gather_ref(
+    stores: SlotStores, slot_ids: torch.Tensor, tokens_per_row: int, *, draft_len: int | None = None
+) -> StepInputs:
+    """Plain torch, int64: the inputs ``step_gather`` builds (offsets as int64)."""
+    t = tokens_per_row
+    k = t - 1 if draft_len is None else draft_len
+    slots = slot_ids.long()
+    counts = stores.new_token_counts.long()[slots]
+    offsets = counts - t
+    return StepInputs(
+        stores.next_new_tokens.long()[:t, slots].t().reshape(-1),
+        offsets.repeat_interleave(t),
+        stores.next_draft_tokens.long()[slots, :k],
+        offsets,
+    )
+
+
+def selfcheck(device: torch.device) -> list[CheckRow]:
+    g = torch.Generator().manual_seed(4)
+    slots, n, t = 37, 11, 4
+    stores = SlotStores.zeros(slots, 8, 8, 7, device)
+    slot_ids = torch.randperm(slots, generator=g)[:n].to(device)
+    rand = lambda *shape: torch.randint(1, 32000, shape, generator=g, dtype=torch.int32).to(device)
+    new, nxt, draft = rand(n, t), rand(n, t), rand(n, t - 1)
+    counts = torch.randint(1, t + 1, (n,), generator=g, dtype=torch.int32).to(device)
+
+    def scatter() -> tuple[float, bool]:
+        want = slot_scatter_ref(stores, slot_ids, new, nxt, counts, draft)
+        slot_scatter(stores, slot_ids, new, nxt, counts, draft)
+        bad = sum(int((a.long() != b.long()).sum()) for a, b in zip(stores.tensors(), want.tensors()))
+        return float(bad), bad == 0
+
+    def gather() -> tuple[float, bool]:
+        got, want = step_gather(stores, slot_ids, t), step_gather_ref(stores, slot_ids, t)
+        bad = sum(int((a.long() != b.long()).sum()) for a, b in zip(got, want))
+        return float(bad), bad == 0
+
+    shapes = f"{n} of {slots} slots, T={t}, stores W=8"
+    return [
+        timed_check("slot_scatter", device, shapes, scatter, note="mismatched entries"),
+        timed_check("step_gather", device, shapes, gather, note="mismatched entries"),
+    ]
