@@ -9,6 +9,9 @@
   when present, else measured once with ``triton.testing.do_bench`` and remembered. In the interpreter (where
   multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter config is used.
   The key holds only what changes the best tile (head dims, dtypes, flags), never batch size or lengths.
+* ``TunedKernel.launch_fast``: the same launch for hot paths. The first call per ``spec`` goes through
+  ``JITFunction.run`` (compiles, tunes); later calls with an equal ``spec`` hand the arguments straight to the
+  compiled kernel's launcher, skipping the per-argument binder, cache-key string and launch-metadata work.
 """
 
 from __future__ import annotations
@@ -126,6 +129,19 @@ def _committed(arch: str) -> dict[str, dict[str, Any]]:
 
 _REGISTRY: dict[str, TunedKernel] = {}
 
+# Escape hatch: KVFORGE_FAST_LAUNCH=0 sends every launch through Triton's own path (e.g. to rule the direct
+# launcher out when debugging, or on a Triton whose CompiledKernel.run signature differs).
+_FAST_LAUNCH = os.environ.get("KVFORGE_FAST_LAUNCH", "1") != "0"
+
+
+def _hooks_active() -> bool:
+    """True when a launch enter/exit hook (e.g. a profiler) is set: such launches take Triton's full path."""
+    rt = triton.knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
 
 class TunedKernel:
     """A Triton kernel launched with a per-SM, per-key configuration.
@@ -140,6 +156,7 @@ class TunedKernel:
         self.fn = fn
         self.table = table
         self._chosen: dict[tuple[str, ConfigKey], triton.Config] = {}
+        self._fast: dict[Any, tuple[Any, ...]] = {}
         self._lock = threading.Lock()
         _REGISTRY[name] = self
 
@@ -184,6 +201,64 @@ class TunedKernel:
 
         cfg = self.config_for(key, run)
         return run(cfg)
+
+    def launch_fast(
+        self,
+        grid: Callable[[Mapping[str, Any]], tuple[int, ...]],
+        key: ConfigKey,
+        spec: Any,
+        args: Sequence[Any],
+        **kwargs: Any,
+    ) -> None:
+        """``launch(grid, key, *args, **kwargs)`` with a cached compiled kernel per ``spec``.
+
+        ``spec`` must be hashable and must determine everything Triton specialises the compiled kernel on:
+        the tensor dtypes and devices, each pointer's 16-byte alignment, the values of integer arguments not
+        marked ``do_not_specialize`` (1, multiples of 16, int32 vs int64) and the constexpr kwargs. Arguments
+        that change per call without being in ``spec`` must be ``do_not_specialize`` ints or tensors (pointers).
+        ``args`` are the kernel's runtime arguments in signature order, followed in the signature by the
+        constexpr ``kwargs`` only. The direct path runs on a GPU only, when no launch hook (profiler) is set and
+        the current device is the one the kernel was loaded on; otherwise the full path runs.
+        """
+        fast = self._fast.get(spec) if _FAST_LAUNCH else None
+        if fast is not None and not _hooks_active():
+            kernel, meta, device, current_device, current_stream, consts = fast
+            if current_device() == device:
+                g = grid(meta)
+                kernel.run(
+                    g[0],
+                    g[1] if len(g) > 1 else 1,
+                    g[2] if len(g) > 2 else 1,
+                    current_stream(device),
+                    kernel.function,
+                    kernel.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                    *consts,
+                )
+                return
+        cfg_box: list[triton.Config] = []
+
+        def run(cfg: triton.Config) -> Any:
+            meta = {**kwargs, **cfg.kwargs}
+            cfg_box.append(cfg)
+            return self.fn[grid(meta)](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+        cfg = self.config_for(key, run)
+        kernel = run(cfg)
+        if interpreting() or not hasattr(kernel, "packed_metadata"):
+            return
+        from triton.runtime import driver
+
+        meta = {**kwargs, **cfg.kwargs}
+        names = [p.name for p in self.fn.params]
+        consts = tuple(meta[name] for name in names[len(args) :])
+        active = driver.active
+        device = active.get_current_device()
+        with self._lock:
+            self._fast[spec] = (kernel, meta, device, active.get_current_device, active.get_current_stream, consts)
 
     def chosen(self) -> dict[str, dict[str, Any]]:
         return {f"{arch}|{_key_str(key)}": config_to_json(cfg) for (arch, key), cfg in self._chosen.items()}

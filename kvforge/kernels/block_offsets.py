@@ -206,23 +206,16 @@ def copy_block_offsets(
     if device.type == "cpu" and not interpreting():
         _host_path(pages, copy_index, scales, offsets, out)
         return
-    key = (min(triton.next_power_of_2(n_blocks), 1 << 16), pages.device.type)
-    _KERNEL.launch(
+    key = (min(1 << max(n_blocks - 1, 0).bit_length(), 1 << 16), pages.device.type)
+    ints = (*pages.stride(), copy_index.stride(0), scales.stride(0), offsets.stride(0), *out.stride())
+    tensors = (pages, copy_index, scales, offsets, out)
+    # n_seq and row_capacity are do_not_specialize; everything else Triton specialises on is in the spec.
+    spec = (key, n_blocks, ints, tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
+    _KERNEL.launch_fast(
         lambda m: (triton.cdiv(n_blocks, m["BLOCK"]), min(n_seq, _MAX_GRID_YZ), pools),
         key,
-        pages,
-        copy_index,
-        scales,
-        offsets,
-        out,
-        n_seq,
-        n_blocks,
-        row_capacity,
-        *pages.stride(),
-        copy_index.stride(0),
-        scales.stride(0),
-        offsets.stride(0),
-        *out.stride(),
+        spec,
+        (*tensors, n_seq, n_blocks, row_capacity, *ints),
     )
 
 

@@ -177,21 +177,21 @@ def quantize_fp8(
     if triton.cdiv(d, 16) > _MAX_GRID_YZ:
         raise ValueError(f"x: last dimension {d} is too wide for one launch (at most {_MAX_GRID_YZ * 16})")
     key = (str(x.dtype), d, bool(transpose_tokens))
-    _KERNEL.launch(
+    scale_arg = scale_t if scale_t is not None else x
+    o8 = out.view(torch.uint8)
+    ints = (d, sx_outer, sx_inner, so_outer, so_inner, so_d)
+    # n_inner / n_outer are do_not_specialize; scale_val is a float (never specialised).
+    spec = (
+        key,
+        ints,
+        scale_t is not None,
+        tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in (x, o8, scale_arg)),
+    )
+    _KERNEL.launch_fast(
         lambda m: (triton.cdiv(n_inner, m["BLOCK_R"]), min(n_outer, _MAX_GRID_YZ), triton.cdiv(d, m["BLOCK_D"])),
         key,
-        x,
-        out.view(torch.uint8),
-        scale_t if scale_t is not None else x,
-        scale_v,
-        n_inner,
-        n_outer,
-        d,
-        sx_outer,
-        sx_inner,
-        so_outer,
-        so_inner,
-        so_d,
+        spec,
+        (x, o8, scale_arg, scale_v, n_inner, n_outer, *ints),
         SCALE_IS_PTR=scale_t is not None,
     )
     return out

@@ -43,6 +43,7 @@ first call compiles and, on a GPU without a committed config, tunes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -64,6 +65,22 @@ __all__ = [
 ]
 
 _INT = (torch.int32, torch.int64)
+
+
+@cache
+def _kernel_device_type() -> str:
+    # Fixed for the process (CUDA present or not, interpreter on or not): queried once, not per call.
+    return kernel_device().type
+
+
+def _pow2(x: int) -> int:
+    """triton.next_power_of_2 without its per-call wrapper cost (hot path)."""
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _spec(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What Triton specialises a pointer on: dtype and 16-byte alignment (and the device)."""
+    return (*((t.dtype, t.data_ptr() % 16 == 0) for t in tensors), tensors[0].device)
 
 
 @triton.jit(do_not_specialize=["n_rows", "row_begin"])
@@ -270,7 +287,7 @@ class StepInputs(NamedTuple):
 def _check_stores(stores: object) -> SlotStores:
     if not isinstance(stores, SlotStores):
         raise TypeError(f"stores: expected SlotStores, got {type(stores).__name__}")
-    if stores.device.type != kernel_device().type:
+    if stores.device.type != _kernel_device_type():
         raise ValueError(f"stores: expected tensors on {kernel_device()} (where kernels run), got {stores.device}")
     return stores
 
@@ -331,37 +348,55 @@ def slot_scatter(
         return
     st = stores
     widths = (st.new_tokens.shape[0], st.next_new_tokens.shape[0], st.next_draft_tokens.shape[1])
-    block_w = triton.next_power_of_2(max(1, *widths))
-    _SCATTER.launch(
-        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
-        (block_w,),
-        slot_ids,
+    block_w = _pow2(max(widths))
+    tensors = (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, *st.tensors())
+    ints = (
         slot_ids.stride(0),
-        n,
-        row_begin,
         st.num_slots,
-        new_tokens,
         *new_tokens.stride(),
         new_tokens.shape[1],
-        next_new_tokens,
         *next_new_tokens.stride(),
         next_new_tokens.shape[1],
-        new_token_counts,
         new_token_counts.stride(0),
-        next_draft_tokens,
         *next_draft_tokens.stride(),
         next_draft_tokens.shape[1],
-        st.new_tokens,
         *st.new_tokens.stride(),
-        widths[0],
-        st.next_new_tokens,
         *st.next_new_tokens.stride(),
-        widths[1],
-        st.new_token_counts,
         st.new_token_counts.stride(0),
-        st.next_draft_tokens,
         *st.next_draft_tokens.stride(),
-        widths[2],
+        *widths,
+    )
+    # n and row_begin are do_not_specialize: they change per step without a new compiled kernel.
+    _SCATTER.launch_fast(
+        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
+        (block_w,),
+        (_spec(tensors), ints, block_w),
+        (
+            slot_ids,
+            ints[0],
+            n,
+            row_begin,
+            ints[1],
+            new_tokens,
+            *ints[2:5],
+            next_new_tokens,
+            *ints[5:8],
+            new_token_counts,
+            ints[8],
+            next_draft_tokens,
+            *ints[9:12],
+            st.new_tokens,
+            *ints[12:14],
+            widths[0],
+            st.next_new_tokens,
+            *ints[14:16],
+            widths[1],
+            st.new_token_counts,
+            ints[16],
+            st.next_draft_tokens,
+            *ints[17:19],
+            widths[2],
+        ),
         BLOCK_W=block_w,
     )
 
@@ -425,10 +460,9 @@ def step_gather(
     if n == 0:
         return out
     st = stores
-    block_t, block_k = triton.next_power_of_2(t), triton.next_power_of_2(max(k, 1))
-    _GATHER.launch(
-        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
-        (block_t, block_k),
+    block_t, block_k = _pow2(t), _pow2(max(k, 1))
+    tensors = (slot_ids, *st.tensors()[1:], *out)
+    args = (
         slot_ids,
         slot_ids.stride(0),
         n,
@@ -449,6 +483,14 @@ def step_gather(
         *out.draft_tokens.stride(),
         out.kv_offsets,
         out.kv_offsets.stride(0),
+    )
+    # Every int but n (do_not_specialize) is part of the spec.
+    ints = tuple(a for i, a in enumerate(args) if i != 2 and type(a) is int)
+    _GATHER.launch_fast(
+        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
+        (block_t, block_k),
+        (_spec(tensors), ints, block_t, block_k),
+        args,
         BLOCK_T=block_t,
         BLOCK_K=block_k,
     )
