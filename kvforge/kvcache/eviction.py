@@ -1,0 +1,139 @@
+"""Eviction policies: which unlocked page of a pool leaves first.
+
+A policy instance serves one pool (one tier of one pool group). The manager decides *which* pages are
+candidates (unlocked committed pages; in the last tier only droppable ones) and tells the policy through
+:meth:`EvictionPolicy.add` / :meth:`EvictionPolicy.discard`; the policy only orders them. A page's
+``priority`` (0..100) and ``last_used`` (the manager's clock when it was last unlocked) are set before
+``add``; the page's tree block (``page.block``: ``depth``, ``num_tokens``, ...) is available for policies
+that value pages by what they stand for (the cost-aware snapshot policy of the hybrid manager).
+
+:class:`PrioritizedLRU` (the default): lowest priority first, least recently used within a priority, and at
+equal recency the deepest block first (a request unlocks its whole path at once; its leaf must go before its
+ancestors, which full attention needs to keep its descendants reachable).
+
+To plug a policy in, pass ``eviction_policy=factory`` to the manager; the factory is called once per pool as
+``factory(group_spec, tier)`` and returns an object satisfying :class:`EvictionPolicy`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from kvforge.kvcache.config import PoolGroupSpec, Tier
+    from kvforge.kvcache.pools import Page
+
+__all__ = [
+    "DEFAULT_PRIORITY",
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
+    "EvictionPolicy",
+    "EvictionPolicyFactory",
+    "PrioritizedLRU",
+    "check_priority",
+]
+
+PRIORITY_MIN = 0
+PRIORITY_MAX = 100
+DEFAULT_PRIORITY = 35
+
+
+def check_priority(value: object, what: str = "priority") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what}: expected an int in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {type(value).__name__}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValueError(f"{what}: expected an int in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
+    return value
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Orders one pool's eviction candidates. Every method is O(log n) or better in the default policy."""
+
+    def add(self, page: Page) -> None:
+        """``page`` became a candidate (it is not one already)."""
+
+    def discard(self, page: Page) -> None:
+        """``page`` stops being a candidate (locked again, freed, moved); a no-op if it is not one."""
+
+    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
+        """Remove and return the first candidate (for which ``accept`` holds, when given), or None."""
+
+    def __len__(self) -> int:
+        """Number of candidates."""
+
+    def __contains__(self, page: object) -> bool: ...
+
+
+EvictionPolicyFactory = Callable[["PoolGroupSpec", "Tier"], EvictionPolicy]
+
+
+class PrioritizedLRU:
+    """Lowest priority first, then least recently used, then deepest block; one heap with lazy deletion.
+
+    ``page.policy_data`` holds the page's heap entry; discarding blanks the entry's page slot so the heap never
+    needs a search.
+    """
+
+    __slots__ = ("_heap", "_live", "_seq")
+
+    def __init__(self, group: PoolGroupSpec | None = None, tier: Tier | None = None) -> None:
+        self._heap: list[list] = []
+        self._live = 0
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, page: object) -> bool:
+        entry = getattr(page, "policy_data", None)
+        return entry is not None and entry[4] is page
+
+    def add(self, page: Page) -> None:
+        if page.policy_data is not None:
+            raise AssertionError(f"{page!r} is already an eviction candidate")
+        block = page.block
+        depth = block.depth if block is not None else 0
+        self._seq += 1
+        entry = [page.priority, page.last_used, -depth, self._seq, page]
+        page.policy_data = entry
+        heapq.heappush(self._heap, entry)
+        self._live += 1
+
+    def discard(self, page: Page) -> None:
+        entry = page.policy_data
+        if entry is None:
+            return
+        entry[4] = None
+        page.policy_data = None
+        self._live -= 1
+        # Lazy deletion leaves dead entries behind; rebuild once they outnumber the live ones.
+        if len(self._heap) > 2 * self._live + 1024:
+            self._heap = [e for e in self._heap if e[4] is not None]
+            heapq.heapify(self._heap)
+
+    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
+        heap = self._heap
+        rejected = []
+        victim = None
+        while heap:
+            entry = heapq.heappop(heap)
+            page = entry[4]
+            if page is None:
+                continue
+            if accept is not None and not accept(page):
+                rejected.append(entry)
+                continue
+            page.policy_data = None
+            self._live -= 1
+            victim = page
+            break
+        for entry in rejected:
+            heapq.heappush(heap, entry)
+        return victim
+
+    def ordered(self) -> list[Page]:
+        """Candidates in eviction order (for tests and introspection; O(n log n))."""
+        return [e[4] for e in sorted(e for e in self._heap if e[4] is not None)]
