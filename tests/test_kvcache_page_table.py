@@ -76,7 +76,6 @@ def test_table_rejects_bad_arguments_and_overflow():
 
 
 def test_materialize_block_offsets_through_the_kernel():
-    # Temporary guard while kvforge/kernels/block_offsets.py is being committed by its owner.
     mgr = _mgr()
     table = DevicePageTable(mgr, max_rows=5, max_blocks=7, index_scales=[3, 2], kv_offsets=[1, 100])
     caches = [mgr.create_cache() for _ in range(3)]
