@@ -108,8 +108,8 @@ def _chunked_case(gen, device, dtype, chunks):
         outs.append(o.to(dtype).to(device))
         lses.append(lse.float().to(device))
     got, got_lse = merge_attention_states(outs, lses)
-    assert_close(got, full.to(dtype), dtype)
-    assert_close(got_lse, full_lse.float(), torch.float32)
+    assert_close(got.cpu(), full.to(dtype), dtype)
+    assert_close(got_lse.cpu(), full_lse.float(), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
