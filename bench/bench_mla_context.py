@@ -8,11 +8,15 @@ FlashInfer FP8 (ragged) where it builds. Every provider's output is checked agai
 a provider that fails the check is not reported. FLOPs = Σ_r 2·H·(d_qk + d_v)·q_len·(kv_len − (q_len − 1)/2).
 
     python bench/bench_mla_context.py [--out DIR] [--quick] [--tune] [--warm-peers] [--precompile N]
+        [--only REGEX] [--max-tune-seconds S] [--jobs N] [--no-warm] [--deadline-s S] [--workloads A,B]
 
-``--tune`` sweeps the sm_90 candidates per key on the workloads, keeps the fastest correct one, writes
-``sm90.json`` (this kernel only) to ``--out`` and benchmarks with it. ``--warm-peers`` only JIT-compiles the
-peers (FlashInfer, FlexAttention) so a parallel process can overlap that with other work; ``--precompile N``
-compiles the sweep's kvforge variants in N processes (Triton's disk cache then serves the timing process).
+``--tune`` (one command, time-boxed): starts the peers' JIT warm-up (FlashInfer's FA3 build, FlexAttention's
+compiles) in a niced background process, compiles the sweep's kvforge kernels in ``--jobs`` processes, times
+the sweep candidates per key (each row with its seconds), keeps the fastest correct one per key, writes
+``DIR/sm90.json`` in the committed-file layout (the committed file with this kernel's keys replaced: copy it
+over ``kvforge/kernels/tuned/sm90.json``), waits for the warm-up and benchmarks every provider with the chosen
+configs: the target pairs first, so ``--deadline-s`` (skip whatever is left after S seconds) drops only the
+least important ones. ``--warm-peers`` only JIT-compiles the peers; ``--precompile N`` only compiles the sweep.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 import kvforge.kernels  # noqa: F401  (before triton: turns on the interpreter on CPU-only machines)
 from bench._common import RESULTS, ReferenceMismatch, append_csv, bar_plot, env_stamp, time_gpu
 from kvforge.kernels import mla_context as mc
-from kvforge.kernels._runtime import arch_name, device_capability, export_tuned
+from kvforge.kernels._runtime import arch_name, config_to_json, device_capability
 
 H, DQK, DV = 32, 192, 128
 FP8 = torch.float8_e4m3fn
@@ -51,22 +55,40 @@ WORKLOADS: dict[str, tuple[list[int], list[int]]] = {
 ANCHORS = ["4x(8192+2048)", "1x(0+16384)", "16x(4096+512)"]
 
 # Sweep candidates (BLOCK_M, BLOCK_N, warps, stages, EXP_POLY, USE_TMA) per kernel key; the table in
-# kvforge.kernels.mla_context holds the safe defaults, this list what the H200 is asked.
+# kvforge.kernels.mla_context holds the safe defaults, this list what the H200 is asked. A "/short" key is the
+# short-query class (batches whose longest query has <= mc.SHORT_Q_ROWS rows), timed on such workloads only.
+# The first candidate of each key is the current choice (always measured); the rest are what the 2026-11-29
+# sweep (bench/results/mla_context_h200.log) left open: 4 stages (never measured), 128x128 bf16 now that the
+# diagonal no longer round-trips K/V through registers, 64-row tiles for short queries. Every one compiles for
+# sm_90 without spills (.gpu_out/cc.py, Triton 3.9). Kept small: the whole --tune run fits ~4 GPU minutes.
 _C = mc._cfg
 SWEEP: dict[str, list] = {
-    "bf16": [
-        _C(128, 64, 8, 2), _C(128, 64, 8, 3), _C(64, 64, 4, 2), _C(128, 64, 8, 2, 0, 1), _C(128, 64, 8, 3, 0, 1),
-        _C(128, 128, 8, 2, 0, 1), _C(64, 64, 4, 2, 0, 1), _C(64, 64, 4, 3, 0, 1), _C(128, 64, 8, 2, 1, 1),
-        _C(128, 64, 8, 4, 0, 1),
+    "fp8_dim": [_C(128, 128, 8, 3, 0, 1), _C(128, 128, 8, 4, 0, 1), _C(64, 128, 4, 2, 0, 1)],
+    "bf16": [_C(128, 64, 8, 3, 0, 1), _C(128, 64, 8, 4, 0, 1), _C(128, 128, 8, 2, 0, 1)],
+    "fp8_dim/short": [
+        _C(64, 64, 4, 3, 0, 1), _C(64, 64, 4, 4, 0, 1), _C(64, 128, 4, 2, 0, 1), _C(128, 128, 8, 3, 0, 1),
     ],
-    "fp8_dim": [
-        _C(128, 64, 8, 3), _C(128, 128, 8, 2), _C(128, 128, 8, 2, 0, 1), _C(128, 128, 8, 3, 0, 1),
-        _C(128, 64, 8, 2, 0, 1), _C(128, 64, 8, 3, 0, 1), _C(64, 64, 4, 2, 0, 1), _C(64, 64, 4, 3, 0, 1),
-        _C(64, 128, 4, 2, 0, 1), _C(128, 128, 8, 2, 1, 1), _C(128, 64, 8, 3, 1, 1), _C(64, 64, 4, 3, 1, 1),
-        _C(128, 128, 8, 4, 0, 1),
-    ],
-    "fp8_tok": [_C(128, 64, 8, 2), _C(128, 128, 8, 3, 0, 1), _C(64, 64, 4, 3, 0, 1)],
+    "bf16/short": [_C(64, 64, 4, 2, 0, 1), _C(128, 64, 8, 3, 0, 1)],
+    "fp8_tok": [_C(128, 128, 8, 3, 0, 1), _C(128, 128, 8, 4, 0, 1)],
+    "fp8_tok/short": [_C(64, 64, 4, 3, 0, 1), _C(128, 128, 8, 3, 0, 1)],
 }  # fmt: skip
+
+
+def sweep_order() -> list[tuple[str, object]]:
+    """(key, config) in measuring order: round r takes every key's r-th candidate, so a time box that stops
+    the sweep early still has each key's current choice and its most likely challengers measured."""
+    out = []
+    for r in range(max(len(c) for c in SWEEP.values())):
+        out += [(key, cands[r]) for key, cands in SWEEP.items() if r < len(cands)]
+    return out
+
+
+def base_mode(key: str) -> str:
+    return key.split("/")[0]
+
+
+def is_short(inp: Inputs) -> bool:
+    return bool(inp.q_lens) and 0 < max(inp.q_lens) <= mc.SHORT_Q_ROWS
 
 
 def cfg_str(cfg) -> str:
@@ -262,34 +284,60 @@ def resources(handle) -> dict[str, int]:
         return {}
 
 
-def tune(inputs: dict[str, Inputs], refs: dict[tuple[str, bool], torch.Tensor], log) -> dict[str, object]:
-    """Time every sweep candidate per key on the workloads; keep the fastest whose output passes the check."""
-    chosen = {}
-    names = [n for n in inputs if n != "64x(16384+64)"] or list(inputs)
-    for mode, cands in SWEEP.items():
+def tune(
+    inputs: dict[str, Inputs],
+    refs: dict[tuple[str, bool], torch.Tensor],
+    log,
+    *,
+    only: str | None = None,
+    max_seconds: float = float("inf"),
+) -> dict[str, object]:
+    """Time the sweep candidates per key; keep the fastest whose output passes the reference check.
+
+    Normal keys are timed on every workload with longer queries, "/short" keys on the short-query workloads.
+    ``only``: a regular expression on "KEY CONFIG" (e.g. ``fp8_dim.*s4``) limiting the candidates, besides each
+    key's first (current) one. After ``max_seconds`` only the first candidate of each untimed key is measured.
+    """
+    import re
+
+    t0 = time.time()
+    rows: dict[str, list] = {}
+    for key, cfg in sweep_order():
+        mode, short = base_mode(key), key.endswith("/short")
         fp8 = mode.startswith("fp8")
-        rows = []
-        for cfg in cands:
-            try:
-                tf = []
-                for n in names:
-                    fn, plan = kvforge_provider(inputs[n], mode, cfg)
-                    out = fn()
-                    check(f"{mode} {cfg_str(cfg)} {n}", out, refs[(n, fp8)], fp8)
-                    tf.append(inputs[n].flops / time_gpu(fn, warmup=10, rep=40)["ms"] / 1e9)
-                h = plan._launch(*_launch_args(plan, inputs[names[-1]], mode))
-                geo = math.exp(sum(math.log(x) for x in tf) / len(tf))
-                rows.append((geo, cfg, tf, resources(h)))
-                log(f"  {mode:8s} {cfg_str(cfg):24s} geo {geo:7.1f} TFLOP/s  " + " ".join(f"{x:6.1f}" for x in tf)
-                    + f"  {resources(h)}")  # fmt: skip
-            except ReferenceMismatch as e:
-                log(f"  {mode:8s} {cfg_str(cfg):24s} WRONG: {e}")
-            except Exception as e:  # a config that does not compile or fit is skipped
-                log(f"  {mode:8s} {cfg_str(cfg):24s} FAILED: {type(e).__name__}: {str(e)[:200]}")
-        if rows:
-            best = max(rows, key=lambda r: r[0])
-            chosen[mode] = best[1]
-            log(f"  -> {mode}: {cfg_str(best[1])} ({best[0]:.1f} TFLOP/s geomean over {names})")
+        first = cfg is SWEEP[key][0]
+        label = f"{key:14s} {cfg_str(cfg):20s}"
+        if not first and only and not re.search(only, f"{key} {cfg_str(cfg)}"):
+            continue
+        if not first and time.time() - t0 > max_seconds:
+            log(f"  {label} not measured (--max-tune-seconds {max_seconds:.0f} reached)")
+            continue
+        names = [n for n in inputs if is_short(inputs[n]) == short]
+        if not names:
+            continue
+        t_cand = time.time()
+        try:
+            tf = []
+            for n in names:
+                fn, plan = kvforge_provider(inputs[n], mode, cfg)
+                out = fn()
+                check(f"{key} {cfg_str(cfg)} {n}", out, refs[(n, fp8)], fp8)
+                tf.append(inputs[n].flops / time_gpu(fn, warmup=10, rep=40)["ms"] / 1e9)
+            res = resources(plan._launch(*_launch_args(plan, inputs[names[-1]], mode)))
+            geo = math.exp(sum(math.log(x) for x in tf) / len(tf))
+            rows.setdefault(key, []).append((geo, cfg, tf, names))
+            log(f"  {label} geo {geo:7.1f} TFLOP/s  " + " ".join(f"{x:6.1f}" for x in tf)
+                + f"  {res}  [{time.time() - t_cand:.1f}s, at {time.time() - t0:.0f}s]")  # fmt: skip
+        except ReferenceMismatch as e:
+            log(f"  {label} WRONG: {e}")
+        except Exception as e:  # a config that does not compile or fit is skipped
+            log(f"  {label} FAILED: {type(e).__name__}: {str(e)[:200]}")
+    chosen = {}
+    for key, rs in rows.items():
+        best = max(rs, key=lambda r: r[0])
+        chosen[key] = best[1]
+        log(f"  -> {key}: {cfg_str(best[1])} ({best[0]:.1f} TFLOP/s geomean over {best[3]})")
+    log(f"  sweep: {time.time() - t0:.0f}s")
     return chosen
 
 
@@ -301,23 +349,46 @@ def _launch_args(plan, inp: Inputs, mode: str):
     return q, k, v, out, None, 1.0 / math.sqrt(DQK), KV_SCALE if fp8 else 1.0, None
 
 
+_KEYS = {
+    "bf16": (DQK, DV, "bf16", "bf16", "token_major"),
+    "fp8_dim": (DQK, DV, "e4m3", "e4m3", "dim_major"),
+    "fp8_tok": (DQK, DV, "e4m3", "e4m3", "token_major"),
+}
+
+
+def kernel_key(key: str) -> tuple:
+    return _KEYS[base_mode(key)] + (("short_q",) if key.endswith("/short") else ())
+
+
 def record_chosen(chosen: dict[str, object]) -> None:
-    """Make the tuned configs this process's choice for their keys (so export_tuned writes them)."""
+    """Make the tuned configs this process's choice for their keys (what ``plan()`` without a config uses)."""
     arch = arch_name(device_capability())
-    keys = {
-        "bf16": (DQK, DV, "bf16", "bf16", "token_major"),
-        "fp8_dim": (DQK, DV, "e4m3", "e4m3", "dim_major"),
-        "fp8_tok": (DQK, DV, "e4m3", "e4m3", "token_major"),
-    }
-    for mode, cfg in chosen.items():
-        mc._KERNEL._chosen[(arch, keys[mode])] = cfg
+    for key, cfg in chosen.items():
+        mc._KERNEL._chosen[(arch, kernel_key(key))] = cfg
+
+
+def write_tuned(out_dir: Path, chosen: dict[str, object]) -> Path:
+    """``<out_dir>/sm90.json`` in the committed-file layout: the committed file (every kernel's section) with this
+    kernel's tuned keys replaced, so it can be copied over ``kvforge/kernels/tuned/sm90.json`` as it is."""
+    arch = arch_name(device_capability())
+    committed = Path(mc.__file__).with_name("tuned") / f"{arch}.json"
+    data = json.loads(committed.read_text()) if committed.exists() else {}
+    section = data.setdefault(mc._KERNEL.name, {})
+    for key, cfg in chosen.items():
+        section[",".join(str(x) for x in kernel_key(key))] = config_to_json(cfg)
+    path = out_dir / f"{arch}.json"
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path
 
 
 def warm_peers(names: list[str], device) -> None:
-    """JIT-compile FlashInfer and FlexAttention for every workload (no timing)."""
-    for n in names:
-        inp = Inputs(n, device)
-        for peer in [p for p in PEERS if not p.startswith("SDPA")]:
+    """JIT-compile FlashInfer and FlexAttention for every workload (no timing). FlashInfer first: one module
+    serves every workload, and its build is the longest."""
+    peers = [p for p in PEERS if not p.startswith("SDPA")]
+    peers.sort(key=lambda p: not p.startswith("FlashInfer"))
+    for peer in peers:
+        for n in names if not peer.startswith("FlashInfer") else names[:1]:
+            inp = Inputs(n, device)
             t0 = time.time()
             try:
                 fn, _ = PEERS[peer](inp)
@@ -326,8 +397,8 @@ def warm_peers(names: list[str], device) -> None:
                 print(f"warm {peer} {n}: {time.time() - t0:.1f}s", flush=True)
             except Exception as e:
                 print(f"warm {peer} {n}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        del inp
-        torch.cuda.empty_cache()
+            del inp
+            torch.cuda.empty_cache()
 
 
 def _compile_one(args) -> str:
@@ -351,15 +422,43 @@ def _compile_one(args) -> str:
         return f"compile {mode} {cfg_str(cfg)} FAILED: {type(e).__name__}: {str(e)[:300]}"
 
 
-def precompile(n_proc: int) -> None:
+def precompile(n_proc: int, log=print, timeout: float | None = None) -> None:
+    """Compile every distinct sweep kernel in ``n_proc`` processes; Triton's disk cache then serves the timing.
+    After ``timeout`` seconds the unfinished compiles are abandoned (the sweep compiles those inline)."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    jobs = [(mode, dict(c.kwargs), c.num_warps, c.num_stages) for mode, cs in SWEEP.items() for c in cs]
-    ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx) as ex:
-        for line in ex.map(_compile_one, jobs):
-            print(line, flush=True)
+    jobs = {}
+    for key, cs in SWEEP.items():
+        for c in cs:
+            job = (base_mode(key), dict(c.kwargs), c.num_warps, c.num_stages)
+            jobs[repr(job)] = job
+    ex = cf.ProcessPoolExecutor(max_workers=n_proc, mp_context=mp.get_context("spawn"))
+    futures = [ex.submit(_compile_one, job) for job in jobs.values()]
+    done, pending = cf.wait(futures, timeout=timeout)
+    for f in futures:
+        if f in done:
+            log(f.result() if f.exception() is None else f"compile FAILED: {f.exception()!r}")
+    if pending:
+        log(f"precompile: {len(pending)} of {len(futures)} unfinished after {timeout:.0f}s, left to the sweep")
+        workers = list(getattr(ex, "_processes", {}).values())  # the pool's own worker processes
+        ex.shutdown(wait=False, cancel_futures=True)
+        for proc in workers:
+            proc.kill()
+    else:
+        ex.shutdown(wait=True)
+
+
+def start_peer_warmup(names: list[str], log_path: Path):
+    """``--warm-peers`` in a niced background process (CPU-bound JIT builds overlap the kvforge sweep)."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--warm-peers", "--workloads", ",".join(names)]
+    f = log_path.open("w")
+    # Own session: stopping it (time box) ends its JIT workers too, and nothing else.
+    return subprocess.Popen(
+        cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10), start_new_session=True
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -374,13 +473,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile", type=int, default=0, help="compile the sweep variants in N processes")
     ap.add_argument("--no-peers", action="store_true", help="kvforge providers only")
     ap.add_argument("--try-flashinfer-fp8", action="store_true", help="also try FlashInfer's FP8 ragged prefill")
+    ap.add_argument("--workloads", default=None, help="comma-separated workload names (default: all)")
+    ap.add_argument("--only", default=None, help="--tune: regex on 'KEY CONFIG' limiting the challengers")
+    ap.add_argument("--max-tune-seconds", type=float, default=75.0, help="--tune: stop adding challengers after this")
+    ap.add_argument("--jobs", type=int, default=8, help="--tune: processes compiling the sweep kernels first")
+    ap.add_argument("--no-warm", action="store_true", help="--tune: no background JIT warm-up of the peers")
+    ap.add_argument(
+        "--deadline-s", type=float, default=None, help="skip remaining measurements after this many seconds (time box)"
+    )
     args = ap.parse_args(argv)
+    t_start = time.time()
 
     if not torch.cuda.is_available():
         print("bench_mla_context: needs a CUDA GPU (the H200); nothing measured", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     names = ANCHORS if args.quick else list(WORKLOADS)
+    if args.workloads:
+        names = [n for n in args.workloads.split(",") if n in WORKLOADS]
     if args.try_flashinfer_fp8:
         PEERS[FLASHINFER_FP8] = lambda inp: flashinfer_provider(inp, True)
     if args.precompile:
@@ -394,61 +504,100 @@ def main(argv: list[str] | None = None) -> int:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []
+    log_file = (out_dir / "bench_mla_context.log").open("w") if out_dir is not None else None
 
     def log(msg: str) -> None:
+        # Written as it goes: a run stopped by an outer time limit still leaves its log.
         print(msg, flush=True)
         log_lines.append(msg)
+        if log_file is not None:
+            log_file.write(msg + "\n")
+            log_file.flush()
 
+    def elapsed() -> float:
+        return time.time() - t_start
+
+    warm = None
+    if args.tune and not args.no_peers and not args.no_warm:
+        # Peers in comparison order: the anchors first (they carry the targets).
+        warm_log = (out_dir or Path("/tmp")) / "warm_peers.log"
+        warm = start_peer_warmup(names, warm_log)
     stamp = env_stamp()
     log(f"# {stamp['gpu']} torch {stamp['torch']} triton {stamp['triton']} cuda {stamp['cuda']} rev {stamp['git_rev']}")
     mm = fp8_matmul_tflops(dev)
     log(f"fp8 e4m3 matmul 8192^3 (torch._scaled_mm): {mm:.0f} TFLOP/s")
+
+    chosen = {}
+    if args.tune and args.jobs > 0:
+        t0 = time.time()
+        try:
+            precompile(args.jobs, log=lambda m: log("  " + m), timeout=args.max_tune_seconds)
+        except Exception as e:  # the sweep then compiles inline
+            log(f"precompile FAILED: {type(e).__name__}: {str(e)[:200]}")
+        log(f"precompile ({args.jobs} processes): {time.time() - t0:.1f}s, at {elapsed():.0f}s")
 
     t0 = time.time()
     inputs = {n: Inputs(n, dev, seed=i) for i, n in enumerate(names)}
     refs = {(n, fp8): inputs[n].reference(fp8) for n in names for fp8 in (False, True)}
     log(f"inputs + references: {time.time() - t0:.1f}s")
 
-    chosen = {}
     if args.tune:
-        log("== sweep (TFLOP/s per workload, geomean; regs/spills/smem of the compiled kernel)")
-        chosen = tune(inputs, refs, log)
+        log("== sweep (TFLOP/s per workload, geomean; regs/spills/smem of the compiled kernel; seconds)")
+        chosen = tune(inputs, refs, log, only=args.only, max_seconds=args.max_tune_seconds)
         record_chosen(chosen)
-        if out_dir is not None:
-            export_tuned(out_dir)
+        if out_dir is not None and chosen:
+            log(f"tuned configs: {write_tuned(out_dir, chosen)} (at {elapsed():.0f}s)")
+    if warm is not None:
+        budget = None if args.deadline_s is None else max(5.0, 0.6 * args.deadline_s - elapsed())
+        try:
+            warm.wait(timeout=budget)
+            log(f"peer warm-up finished (rc {warm.returncode}) at {elapsed():.0f}s")
+        except Exception:  # still compiling: stop it; the rest compiles inline (or is skipped by the deadline)
+            import signal
+
+            os.killpg(warm.pid, signal.SIGKILL)
+            warm.wait()
+            log(f"peer warm-up stopped at {elapsed():.0f}s (time box)")
 
     results: dict[tuple[str, str], dict] = {}
     providers = list(KVFORGE) + ([] if args.no_peers else list(PEERS))
     rep = 40 if args.quick else 100
-    for n in names:
+    # Targets first (anchor workloads x kvforge fp8/bf16, FlashInfer FA3, FlexAttention), then the rest, so a
+    # time box drops the least important measurements.
+    target_provs = ["kvforge fp8", "kvforge bf16", "FlashInfer FA3 bf16", "FlexAttention bf16"]
+    pairs = [(n, p) for n in names if n in ANCHORS for p in providers if p in target_provs]
+    pairs += [(n, p) for n in names for p in providers if (n, p) not in pairs]
+    for n, prov in pairs:
         inp = inputs[n]
-        for prov in providers:
-            fp8 = "fp8" in prov
-            try:
-                if prov in KVFORGE:
-                    mode = KVFORGE[prov]
-                    fn, plan = kvforge_provider(inp, mode, chosen.get(mode))
-                    to_ragged = lambda o: o
-                    note = cfg_str(plan.config)
-                    res = resources(plan._launch(*_launch_args(plan, inp, mode)))
-                    if res:
-                        note += f" regs {res['regs']} spills {res['spills']} smem {res['smem']}"
-                else:
-                    fn, to_ragged = PEERS[prov](inp)
-                    note = "per-request loop" if (prov.startswith("SDPA") and not inp.uniform) else ""
-                out = to_ragged(fn())
-                rel = check(f"{prov} {n}", out, refs[(n, fp8)], fp8)
-                t = time_gpu(fn, warmup=25, rep=rep)
-                results[(n, prov)] = {**t, "tflops": inp.flops / t["ms"] / 1e9, "rel_rmse": rel, "note": note}
-                log(f"{n:26s} {prov:28s} {t['ms']:8.3f} ms {inp.flops / t['ms'] / 1e9:7.1f} TFLOP/s  {note}")
-            except ReferenceMismatch as e:
-                log(f"{n:26s} {prov:28s} NOT REPORTED (reference mismatch): {e}")
-            except Exception as e:
-                log(f"{n:26s} {prov:28s} SKIP {type(e).__name__}: {str(e)[:240]}")
-                if os.environ.get("KVFORGE_BENCH_TRACE"):
-                    traceback.print_exc()
-            torch.cuda.synchronize()
-        del inp
+        fp8 = "fp8" in prov
+        if args.deadline_s is not None and elapsed() > args.deadline_s:
+            log(f"{n:26s} {prov:28s} SKIP (deadline {args.deadline_s:.0f}s reached)")
+            continue
+        try:
+            if prov in KVFORGE:
+                mode = KVFORGE[prov]
+                key = mode + ("/short" if is_short(inp) else "")
+                fn, plan = kvforge_provider(inp, mode, chosen.get(key))
+                to_ragged = lambda o: o
+                note = cfg_str(plan.config)
+                res = resources(plan._launch(*_launch_args(plan, inp, mode)))
+                if res:
+                    note += f" regs {res['regs']} spills {res['spills']} smem {res['smem']}"
+            else:
+                fn, to_ragged = PEERS[prov](inp)
+                note = "per-request loop" if (prov.startswith("SDPA") and not inp.uniform) else ""
+            out = to_ragged(fn())
+            rel = check(f"{prov} {n}", out, refs[(n, fp8)], fp8)
+            t = time_gpu(fn, warmup=25, rep=rep)
+            results[(n, prov)] = {**t, "tflops": inp.flops / t["ms"] / 1e9, "rel_rmse": rel, "note": note}
+            log(f"{n:26s} {prov:28s} {t['ms']:8.3f} ms {inp.flops / t['ms'] / 1e9:7.1f} TFLOP/s  {note}")
+        except ReferenceMismatch as e:
+            log(f"{n:26s} {prov:28s} NOT REPORTED (reference mismatch): {e}")
+        except Exception as e:
+            log(f"{n:26s} {prov:28s} SKIP {type(e).__name__}: {str(e)[:240]}")
+            if os.environ.get("KVFORGE_BENCH_TRACE"):
+                traceback.print_exc()
+        torch.cuda.synchronize()
     del inputs, refs
     torch.cuda.empty_cache()
 
@@ -509,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
             (out_dir / "bench.json").write_text(
                 json.dumps({"stamp": stamp, "fp8_mm": mm, "chosen": {k: cfg_str(v) for k, v in chosen.items()}})
             )
-    if out_dir is not None:
-        (out_dir / "bench_mla_context.log").write_text("\n".join(log_lines) + "\n")
+    if log_file is not None:
+        log_file.close()
     return 0
 
 

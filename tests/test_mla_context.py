@@ -132,13 +132,15 @@ TILE_CASES = [
     ("fp8", 32, 32, 1, 0, "dim_major", 7),
     ("fp8", 16, 32, 0, 1, "dim_major", 9),
     ("fp8kv", 16, 16, 1, 1, "token_major", 0),
+    ("fp8", 32, 16, 0, 1, "dim_major", 16),
 ]
 
 
 @pytest.mark.parametrize("mode,bm,bn,poly,tma,v_layout,kv_start", TILE_CASES)
 def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly, tma, v_layout, kv_start):
-    """Other tile shapes, the polynomial exp2 split and the descriptor (TMA) loads: the unmasked/diagonal split,
-    the aligned head block of dim-major V (kv_start not a multiple of 16) and NaN rows around the batch."""
+    """Other tile shapes, the polynomial exp2 split and the descriptor (TMA) loads: the unmasked / causal-only
+    diagonal / bounds-masked split, the aligned head block of dim-major V (kv_start not a multiple of 16) and
+    NaN rows around the batch."""
     q_lens, cached = [1, 40, 17], [64, 23, 0]
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, kv_start=kv_start)
     s = 1.0 if mode in ("bf16", "fp16") else 1.5
@@ -240,6 +242,48 @@ def test_plan_orders_heaviest_first_and_covers_every_tile():
     rows = sorted(r for q0, n, _, _ in w for r in range(q0, q0 + n))
     assert rows == list(range(sum(q_lens)))  # every query row in exactly one tile
     assert plan.n_items == sum(math.ceil(n / 16) for n in q_lens)
+
+
+@pytest.mark.parametrize(
+    "q_lens,cached,short",
+    [([64] * 3, [500] * 3, True), ([1, 0, 64], [9, 3, 0], True), ([65, 1], [0, 40], False), ([16384], [0], False)],
+)
+def test_plan_picks_short_query_key(monkeypatch, q_lens, cached, short):
+    """Batches whose longest query has <= 64 rows plan with the short-query config key (64-row tiles)."""
+    keys = []
+    real = mc._KERNEL.config_for
+    monkeypatch.setattr(mc._KERNEL, "config_for", lambda key, run=None: keys.append(key) or real(key, run))
+    cu_q, cu_kv = _cu(q_lens), _cu([a + b for a, b in zip(q_lens, cached)])
+    MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, q_dtype=FP8, kv_dtype=FP8,
+        v_layout="dim_major", device="cpu",
+    )  # fmt: skip
+    base = (192, 128, "e4m3", "e4m3", "dim_major")
+    assert keys == [(*base, "short_q") if short else base]
+
+
+def test_sm90_candidates_per_key():
+    """Untuned sm_90 defaults (the first kept candidate) and the shared-memory / short-query filters."""
+    sm90 = (9, 0)
+    fp8 = (192, 128, "e4m3", "e4m3", "dim_major")
+    bf16 = (192, 128, "bf16", "bf16", "token_major")
+
+    def first(key):
+        c = mc._CONFIGS.candidates(sm90, key)[0]
+        return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["USE_TMA"])
+
+    assert first(fp8) == (128, 128, 8, 3, 1)
+    assert first(bf16) == (128, 64, 8, 3, 1)
+    assert first((*fp8, "short_q")) == (64, 64, 4, 3, 1)
+    assert first((*bf16, "short_q")) == (64, 64, 4, 2, 1)  # 3 stages (148 KB) would allow one program per SM
+    for key in (fp8, bf16, (*fp8, "short_q"), (*bf16, "short_q")):
+        for c in mc._CONFIGS.candidates(sm90, key):
+            assert mc._smem_estimate(c, key) <= mc._SMEM_BYTES
+            if key[-1] == "short_q":
+                assert c.kwargs["BLOCK_M"] <= mc.SHORT_Q_ROWS and 2 * mc._smem_estimate(c, key) <= mc._SMEM_BYTES
+    stages = {(c.kwargs["BLOCK_M"], c.num_stages) for c in mc._CONFIGS.candidates(sm90, fp8)}
+    assert (128, 4) in stages  # the 4-stage FP8 tile (189 KB) is a tuning candidate
+    assert mc._smem_estimate(mc._cfg(128, 128, 8, 3), bf16) > mc._SMEM_BYTES
 
 
 @pytest.mark.parametrize("q_lens", [[0, 0], []])

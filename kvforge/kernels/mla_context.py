@@ -19,7 +19,10 @@ exactly as ``O = Σ_i exp(lse_i − lse) · O_i`` with ``lse = log Σ_i exp(lse_
 Layout of the work: the host plans (request, query-tile) items once per batch, heaviest first, so a batch that
 mixes one long prefill with many short extends does not end on a tail of idle SMs; the grid is
 ``items × heads`` with heads innermost. Per tile, keys that every row of the tile sees are swept without any
-mask; only the last ``≈ BLOCK_M / BLOCK_N + 1`` key blocks (the causal diagonal) pay for masks.
+mask; only the last ``≈ BLOCK_M / BLOCK_N + 1`` key blocks (the causal diagonal) pay for a score mask, and only
+a block that reaches outside the request's keys (at most the aligned head and the block holding the tile's last
+key) also zeroes its V rows. A batch whose longest query has at most ``SHORT_Q_ROWS`` (64) rows plans with its
+own config key (64-row tiles), so 64-row extends over long prefixes do not leave half of every tile idle.
 
 Speed-relevant choices (why; measured on the H200, see bench/results/mla_context_h200.log):
 * scores are kept in log2 units (``log2(e)`` folded into the one score multiplier) so each probability is one
@@ -35,6 +38,10 @@ Speed-relevant choices (why; measured on the H200, see bench/results/mla_context
   masked), which legal descriptor offsets and 16-byte vector loads both need.
 * 3 software-pipeline stages instead of 2: +26-45% (FP8) / +28% (bf16); the FP8 kernel then holds 255 registers
   per thread (no spills) and 147.5 KB of shared memory, one 8-warp program per SM.
+* Masked blocks never zero K: a masked score is replaced by -inf whatever its K row held, so K stays in shared
+  memory for the matrix unit. Zeroing a descriptor-loaded tile forces it through registers and back (an sm_90
+  compile showed 1,474 instructions per diagonal iteration against 577 unmasked); the causal-only diagonal
+  body is 766 (FP8 128x128, Triton 3.9), and only bounds blocks still zero V.
 """
 
 from __future__ import annotations
@@ -149,7 +156,8 @@ def _attend_block(
     stride_kt,
     stride_vt,
     qk_scale,
-    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
     D_A: tl.constexpr,
     D_B: tl.constexpr,
     Q_FP8: tl.constexpr,
@@ -164,22 +172,31 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
 ):
     """One key block of the online softmax. Block positions count from ``kv_tok0`` (the request's first KV row
-    rounded down to the alignment), so key index = position - ``shift``. ``MASKED`` blocks: the aligned head
-    (keys < 0 belong to the previous request), the causal diagonal and the request's end."""
+    rounded down to the alignment), so key index = position - ``shift``.
+
+    ``CAUSAL`` blocks (the diagonal) mask scores past each row's last visible key. ``BOUNDS`` blocks reach
+    outside the request's keys ``[0, n_end)`` (the aligned head, keys < 0, and the block holding ``n_end``):
+    their scores are masked too and their V rows zeroed, because a 0-weighted row that holds NaN (memory no
+    request owns) would still poison the sum. K rows are never zeroed: a masked score is replaced by -inf
+    whatever the K row held, so the K tiles stay in shared memory (no register round trip)."""
     pos = start_n + offs_n
     toks = pos - shift
     ok = (toks >= 0) & (toks < n_end)
     row = kv_tok0 + start_n
-    ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, ok, stride_kt, MASKED, USE_TMA)
+    ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
     s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     s = _qk_dot(qa, ka, s, Q_FP8, UPCAST)
     if D_B > 0:
-        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, ok, stride_kt, MASKED, USE_TMA)
+        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
         s = _qk_dot(qb, kb, s, Q_FP8, UPCAST)
-    if MASKED:
-        # key_limit[i]: last key row i may see (prefix + i). Keys outside the request are excluded too, so rows
-        # of the tile past the request (never stored) stay finite whatever those keys hold.
+    # key_limit[i]: last key row i may see (prefix + i). Keys outside the request are excluded too, so rows of
+    # the tile past the request (never stored) stay finite whatever those keys hold.
+    if CAUSAL and BOUNDS:
         s = tl.where((toks[None, :] <= key_limit[:, None]) & ok[None, :], s, float("-inf"))
+    elif CAUSAL:
+        s = tl.where(toks[None, :] <= key_limit[:, None], s, float("-inf"))
+    elif BOUNDS:
+        s = tl.where(ok[None, :], s, float("-inf"))
     # Scores stay raw; the single multiplier (softmax scale, dequant scales, log2 e) goes into one FMA per score.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
@@ -189,15 +206,15 @@ def _attend_block(
     if V_DIM_MAJOR:  # V stored [d_v, tokens]: the block is read as [d_v, BLOCK_N] and used transposed
         if USE_TMA:
             vt = vd.load([v_col, row])
-            if MASKED:
+            if BOUNDS:
                 vt = tl.where(ok[None, :], vt, tl.zeros_like(vt))
-        elif MASKED:
+        elif BOUNDS:
             vt = tl.load(v_ptrs + pos[None, :].to(tl.int64) * stride_vt, mask=ok[None, :], other=0.0)
         else:
             vt = tl.load(v_ptrs + pos[None, :].to(tl.int64) * stride_vt)
         v = tl.trans(vt)
     else:
-        v = _load_kv(v_ptrs, vd, row, v_col, pos, ok, stride_vt, MASKED, USE_TMA)
+        v = _load_kv(v_ptrs, vd, row, v_col, pos, ok, stride_vt, BOUNDS, USE_TMA)
     if KV_FP8:
         if NATIVE_FP8:
             # p is in [0, 2**P_OFFSET] by construction, so the hardware's saturating cast needs no clamp.
@@ -321,31 +338,44 @@ def _mla_context_fwd_kernel(
     acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
     key_limit = diag0 + offs_m
     n_end = diag0 + n_rows  # one past the last key the tile's last real row sees (<= kv_len)
-    # In block positions (key + shift): blocks wholly below diag0 + 1 keys are seen by every row (no masks),
-    # except an aligned head block that reaches into the previous request.
+    # In block positions (key + shift), four sweeps, each a multiple of BLOCK_N long:
+    #   [0, head_end)        the aligned head (dim-major V, shift > 0): keys < 0 belong to the previous request;
+    #   [head_end, n_full)   keys every row of the tile sees: no masks at all (almost every block);
+    #   [diag_lo, in_end)    the causal diagonal inside the request's keys: score mask only;
+    #   [tail_lo, pos_end)   at most one block reaching past n_end: score mask and zeroed V rows.
+    head_end = tl.where(shift > 0, BLOCK_N, 0)
     n_full = ((diag0 + shift + 1) // BLOCK_N) * BLOCK_N
-    head_end = tl.minimum(tl.where(shift > 0, BLOCK_N, 0), n_full)
     pos_end = n_end + shift
+    diag_lo = tl.maximum(n_full, head_end)
+    in_end = ((n_end + shift) // BLOCK_N) * BLOCK_N
+    tail_lo = tl.maximum(diag_lo, in_end)
 
     for start_n in tl.range(0, head_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
             start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
+            True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
     for start_n in tl.range(head_end, n_full, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
             start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
+            False, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    for start_n in tl.range(n_full, pos_end, BLOCK_N):
+    for start_n in tl.range(diag_lo, in_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
             start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
+            True, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    for start_n in tl.range(tail_lo, pos_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
+            start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
+            True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
 
@@ -378,19 +408,30 @@ def _smem_estimate(cfg: triton.Config, key: tuple) -> int:
     return bm * d_qk * qb + max(1, cfg.num_stages) * bn * (d_qk + d_v) * kvb
 
 
+# A batch whose longest query has at most this many rows plans with the short-query key (key + ("short_q",)):
+# 128-row tiles would leave half their rows idle (64 new rows over a long cached prefix, e.g. decode-like
+# extends), so that key keeps only 64-row, one-warpgroup tiles that leave room for two programs per SM.
+SHORT_Q_ROWS = 64
+_SHORT_Q = "short_q"
+
+
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # The polynomial split halves BLOCK_N; below 32 columns it only adds reshapes.
     if cfg.kwargs["EXP_POLY"] and cfg.kwargs["BLOCK_N"] < 32:
         return False
+    if _SHORT_Q in key[5:]:
+        return cfg.kwargs["BLOCK_M"] <= SHORT_Q_ROWS and 2 * _smem_estimate(cfg, key) <= _SMEM_BYTES
     return _smem_estimate(cfg, key) <= _SMEM_BYTES
 
 
-# Key: (d_qk, d_v, q dtype, kv dtype, v_layout). The sm_90 list is ordered by what the H200 sweep measured
-# (bench/bench_mla_context.py --tune, 2026-11-29, Triton 3.6): the first candidate that fits a key's shared
-# memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA for FP8 K/V (690 TFLOP/s geomean at
-# 192/128, 255 registers, 147.5 KB shared); 128x64, 8 warps, 3 stages, TMA for 16-bit K/V (452; 169 registers,
-# 172 KB). Two stages instead of three lost 20-25% everywhere; the exp2 polynomial split and BLOCK_M = 64 lost.
-# Committed per-key choices live in tuned/sm90.json.
+# Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]). The sm_90 list is ordered by what the H200 sweep
+# measured (bench/bench_mla_context.py --tune, 2026-11-29, Triton 3.6): the first candidate that fits a key's
+# shared memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA for FP8 K/V (690 TFLOP/s geomean
+# at 192/128, 255 registers, 147.5 KB shared); 128x64, 8 warps, 3 stages, TMA for 16-bit K/V (452; 169
+# registers, 172 KB). Two stages instead of three lost 20-25% everywhere; the exp2 polynomial split and
+# BLOCK_M = 64 lost on long queries. Four stages (fp8 128x128: 189 KB; bf16 128x64: 214 KB, both compiled
+# offline for sm_90 without spills) are candidates the tuner measures. Short-query keys default to 64x64, 4 warps
+# (fp8: 3 stages, 74 KB; 16-bit: 2 stages, 107 KB). Committed per-key choices live in tuned/sm90.json.
 _CONFIGS = ConfigTable(
     fallback=[_cfg(64, 64, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
@@ -398,9 +439,14 @@ _CONFIGS = ConfigTable(
         (9, 0): [
             _cfg(128, 128, 8, 3, 0, 1),
             _cfg(128, 64, 8, 3, 0, 1),
+            _cfg(64, 64, 4, 3, 0, 1),
+            _cfg(64, 64, 4, 2, 0, 1),
+            _cfg(128, 128, 8, 4, 0, 1),
+            _cfg(128, 64, 8, 4, 0, 1),
+            _cfg(64, 128, 4, 2, 0, 1),
+            _cfg(64, 64, 4, 4, 0, 1),
             _cfg(128, 64, 8, 3),
             _cfg(128, 128, 8, 2, 0, 1),
-            _cfg(64, 64, 4, 3, 0, 1),
             _cfg(64, 64, 4, 2),
         ],
         8: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
@@ -534,7 +580,8 @@ class MLAContextPlan:
         if max_seqlen_kv is not None and kv_lens and max(kv_lens) > max_seqlen_kv:
             raise ValueError(f"max_seqlen_kv: {max_seqlen_kv} is below the longest KV length {max(kv_lens)}")
         if config is None:
-            config = _KERNEL.config_for(_config_key(shapes))
+            short_q = bool(q_lens) and 0 < max(q_lens) <= SHORT_Q_ROWS
+            config = _KERNEL.config_for(_config_key(shapes, short_q))
         bm = int(config.kwargs["BLOCK_M"])
         items: list[tuple[int, int, int, int, int]] = []  # (cost, q_row0, n_rows, kv_row0, diag0)
         for r, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
@@ -678,8 +725,11 @@ def _tensor_device(name: str, t: object) -> torch.device:
     return t.device
 
 
-def _config_key(sh: _Shapes) -> tuple:
-    return (sh.head_dim_qk, sh.head_dim_v, _dtype_kind(sh.q_dtype), _dtype_kind(sh.kv_dtype), sh.v_layout)
+def _config_key(sh: _Shapes, short_q: bool = False) -> tuple:
+    """Per-SM config key: head dims, dtypes and V layout, plus ``"short_q"`` for batches of short queries (a
+    two-valued class decided once per plan, so serving never retunes on lengths)."""
+    key = (sh.head_dim_qk, sh.head_dim_v, _dtype_kind(sh.q_dtype), _dtype_kind(sh.kv_dtype), sh.v_layout)
+    return (*key, _SHORT_Q) if short_q else key
 
 
 def _check_shape_exact(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
