@@ -119,8 +119,11 @@ def test_matches_reference(gen, device, mode, batch, dims, s, v_layout, heads, k
     assert_all_written(lse, "lse")
     ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=s)
     assert_close(out, ref, _out_tol(mode))
-    # LSE is natural-log of the scaled scores: the reference's logsumexp, to fp32 rounding.
-    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-5)
+    # LSE is natural-log of the scaled scores: the reference's logsumexp, to fp32 rounding. On Hopper an FP8
+    # matrix product accumulates with fewer mantissa bits than fp32 (about 14, as the DeepSeek-V3 report
+    # measured), which moves FP8 scores by ~1e-4 relative; the interpreter's fp8 dot accumulates in fp32.
+    lse_atol, lse_rtol = (1e-3, 1e-4) if mode.startswith("fp8") and device.type == "cuda" else (1e-4, 1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=lse_atol, rtol=lse_rtol)
     assert rel_rmse(out, ref) < (0.03 if mode.startswith("fp8") else 0.01)
 
 
@@ -131,8 +134,9 @@ TILE_CASES = [
     ("fp16", 16, 16, 0, 1, "dim_major", 5),
     ("fp8", 32, 32, 1, 0, "dim_major", 7),
     ("fp8", 16, 32, 0, 1, "dim_major", 9),
-    ("fp8kv", 16, 16, 1, 1, "token_major", 0),
-    ("fp8", 32, 16, 0, 1, "dim_major", 16),
+    # FP8 tiles keep BLOCK_N >= 32: P·V reduces over BLOCK_N and Hopper's FP8 dot needs K >= 32.
+    ("fp8kv", 16, 32, 1, 1, "token_major", 0),
+    ("fp8", 32, 32, 0, 1, "dim_major", 16),
 ]
 
 
@@ -168,8 +172,8 @@ def test_tma_falls_back_to_pointers_on_unaligned_layout(gen, device):
     kw = dict(num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, q_dtype=FP8, kv_dtype=FP8)
     packed = _dim_major(v, padded=False)
     assert mc._descriptors(q, k, packed, mc._Shapes(2, 2, 192, 128, FP8, FP8, "dim_major"), 16, 16, 128, 64) is None
-    a = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 16, 4, 1, 0, 1), **kw)
-    b = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 16, 4, 1, 0, 0), **kw)
+    a = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 32, 4, 1, 0, 1), **kw)
+    b = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 32, 4, 1, 0, 0), **kw)
     ra = a.run(q, k, packed, kv_scale_quant_orig=2.0)
     rb = b.run(q, k, _dim_major(v), kv_scale_quant_orig=2.0)
     ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=2.0)
