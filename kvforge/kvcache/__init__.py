@@ -23,6 +23,7 @@ from kvforge.kvcache.config import (
 )
 from kvforge.kvcache.eviction import DEFAULT_PRIORITY, PRIORITY_MAX, PRIORITY_MIN, EvictionPolicy, PrioritizedLRU
 from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks, resolve_kv_cache_manager_cls, runtime_hooks_of
+from kvforge.kvcache.hybrid import HybridCacheManager, HybridCounters, HybridKVCache, StateIndexUpload, UploadPath
 from kvforge.kvcache.manager import (
     AdmissionPlan,
     CacheStatus,
@@ -34,17 +35,23 @@ from kvforge.kvcache.manager import (
     SwaPriorities,
 )
 from kvforge.kvcache.pools import Page, PageState
+from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE, CostAwareSnapshotPolicy, ModelCostSpec, cost_aware_eviction
 
 __all__ = [
     "DEFAULT_PRIORITY",
     "FULL_ATTENTION",
+    "KIMI_K3_LIKE",
     "PRIORITY_MAX",
     "PRIORITY_MIN",
     "RECURRENT_STATE",
     "AdmissionPlan",
     "CacheStatus",
+    "CostAwareSnapshotPolicy",
     "EvictionPolicy",
+    "HybridCacheManager",
     "HybridCachePolicy",
+    "HybridCounters",
+    "HybridKVCache",
     "KVCache",
     "KVCacheConfig",
     "KVCacheManager",
@@ -52,6 +59,7 @@ __all__ = [
     "LayerSpec",
     "LifeCycle",
     "LifeCycleKind",
+    "ModelCostSpec",
     "Page",
     "PageCopy",
     "PageState",
@@ -60,9 +68,12 @@ __all__ = [
     "PriorityCallback",
     "ReuseMatch",
     "RuntimeHooks",
+    "StateIndexUpload",
     "SwaPriorities",
     "Tier",
     "TierConfig",
+    "UploadPath",
+    "cost_aware_eviction",
     "resolve_kv_cache_manager_cls",
     "runtime_hooks_of",
 ]

@@ -729,12 +729,14 @@ class KVCacheManager:
                 blocks.append(child)
                 node = child
         n = len(blocks)
-        if self._swa or self._rec:
+        partial, ptoks = None, 0
+        if tokens is not None and n_avail > n * tpb:
+            # Tried before the cut: a usable partial tail (e.g. a recurrent snapshot saved where a sequence ended)
+            # makes the full blocks before it usable whether or not a snapshot lies at their end.
+            partial, ptoks = self._match_partial(blocks, node, tokens, n * tpb, n_avail)
+        if partial is None and (self._swa or self._rec):
             while n and not self._usable(blocks, n, None, 0):
                 n -= 1
-        partial, ptoks = None, 0
-        if n == len(blocks) and tokens is not None and n_avail > n * tpb:
-            partial, ptoks = self._match_partial(blocks, node, tokens, n * tpb, n_avail)
         return ReuseMatch(root, tuple(blocks[:n]), partial, ptoks, tpb)
 
     def _usable(self, blocks: Sequence[Block], n: int, partial: Block | None, ptoks: int) -> bool:

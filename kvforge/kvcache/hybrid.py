@@ -1,0 +1,786 @@
+"""The hybrid cache manager: attention pages plus recurrent-state (linear attention / SSM) snapshots.
+
+A recurrent state is reusable only at the exact token where it was saved, and one snapshot takes a whole
+state page whatever the prefix it stands for. So, on top of :class:`~kvforge.kvcache.manager.KVCacheManager`
+(whose matches are already cut back to the last block holding a snapshot of every recurrent group), this
+manager decides **where** snapshots are taken and keeps the bookkeeping a runtime and a scheduler need:
+
+* **Live state**: every active cache holds one live state page per recurrent group (the base manager's
+  ``live_page``); a cache that reuses a prefix starts from a copy of the snapshot there.
+* **Snapshot points** (block boundaries, tokens from the start): multiples of ``snapshot_interval``; for each
+  ``d`` in ``prompt_end_offsets`` the last block boundary at or before ``prompt_len - d`` (the default ``(0,)``
+  keeps the furthest point a longer next-turn prompt can reuse); the **branch point** (the end of the longest
+  prefix of the prompt whose attention blocks are cached, when no snapshot lies there: where this prompt
+  diverges from cached history, so the next prompt sharing that prefix reuses it); and points that requests
+  waiting for this request's prefix asked for (``request_snapshot_point``). A commit snapshots the live state
+  at a block end that is a point when the cache's history is exactly there (a step ends at it). When a cache
+  closes or is suspended with its live state at its committed end, that state becomes the snapshot there
+  (the page itself moves into the tree: no copy).
+* **Marks for the scheduler**: :meth:`HybridCacheManager.mark_context_request` (the scheduler's optional
+  hook) sets ``request.set_snapshot_marks(points, alignment=..., pass_point=...)``: the future points, the
+  manager's mid-chunk alignment (``MIDCHUNK_SNAPSHOT_ALIGNMENT``, a constant of the class, None when the
+  manager cannot take mid-chunk snapshots) and, when at least two points remain, the next one as the pass
+  point.
+* **Pending snapshot slot** (mid-chunk snapshots): before a step that passes point ``P`` inside it, the runtime
+  calls ``slot = cache.acquire_ssm_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
+  that page; after the step it commits up to ``P`` with ``cache.commit(..., ssm_from_pending=True)`` (the
+  pending page moves into the tree block ending at ``P``, with the cache's priority) and then the rest. If that
+  commit records no snapshot at its end (the block is already covered, it ends inside a block or at no
+  snapshot point, committing stopped, or the commit raised) the pending page is released. Suspend,
+  stop committing and close release it too.
+* **Short prompts**: with ``HybridCachePolicy.low_priority_snapshot_prompt_len = L > 0`` a context request
+  whose prompt is shorter than ``L`` gets its recurrent pages (live state and snapshots) at priority 0;
+  attention pages keep the default (or the caller's callback).
+* **Counters** (:class:`HybridCounters`), logged at INFO at most once per ``log_interval_s`` (a minute) on the
+  injected clock.
+* **State-index upload** (:class:`StateIndexUpload`): the per-step live-state indices and dummy-request mask
+  reach the device through ``kernels.copy_small_pinned_pair`` when ``HybridCachePolicy.state_index_upload_kernel``
+  is on, through ordinary copies otherwise, and not at all when neither changed.
+
+Which snapshots survive pressure is the eviction policy's business (``eviction_policy=``; see
+:mod:`kvforge.kvcache.snapshot_policy` for the cost-aware one). Pure Python except :class:`StateIndexUpload`,
+which imports torch when built.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+from kvforge.errors import CacheStateError
+from kvforge.kvcache.config import KVCacheConfig, Tier
+from kvforge.kvcache.eviction import PRIORITY_MIN
+from kvforge.kvcache.hooks import HybridCachePolicy
+from kvforge.kvcache.manager import KVCache, KVCacheManager, PageCopy, PriorityCallback
+from kvforge.kvcache.pools import Page
+from kvforge.kvcache.radix import Block
+
+__all__ = [
+    "HybridCacheManager",
+    "HybridCounters",
+    "HybridKVCache",
+    "StateIndexUpload",
+    "UploadPath",
+]
+
+logger = logging.getLogger("kvforge.kvcache.hybrid")
+
+_DEFAULT = object()
+
+
+@dataclass
+class HybridCounters:
+    """Running totals of a hybrid manager (logged at most once a minute).
+
+    ``snapshots``: snapshots that entered the tree (all kinds); ``branch_snapshots``: those at a branch point;
+    ``pending_committed`` / ``pending_released``: pending (mid-chunk) pages moved into the tree / given back;
+    ``prefix_waits``: requests that waited for a prefix another request was computing; ``points_requested``:
+    distinct snapshot points asked of prefix owners; ``points_requested_committed``: those that got their
+    snapshot; ``pruned_tokens``: prompt tokens whose attention blocks were cached but could not be reused because
+    no snapshot lay at or after them (the match was cut back).
+    """
+
+    snapshots: int = 0
+    branch_snapshots: int = 0
+    pending_committed: int = 0
+    pending_released: int = 0
+    prefix_waits: int = 0
+    points_requested: int = 0
+    points_requested_committed: int = 0
+    pruned_tokens: int = 0
+
+
+def _align_down(x: int, a: int) -> int:
+    return x - x % a
+
+
+class HybridKVCache(KVCache):
+    """A request's cache in a :class:`HybridCacheManager`: the base cache plus snapshot points and the pending
+    snapshot slot. Created only by the manager."""
+
+    __slots__ = (
+        "_branch_point",
+        "_commit_end",
+        "_context_len",
+        "_ending",
+        "_from_pending",
+        "_pending",
+        "_points",
+        "_prompt_len",
+        "_requested",
+        "_short_rule_done",
+    )
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        cache_id: Hashable,
+        scope: Hashable | None,
+        root: Block,
+        key_mode: bool,
+        priority_callback: PriorityCallback | None,
+    ) -> None:
+        super().__init__(manager, cache_id, scope, root, key_mode, priority_callback)
+        self._pending: Page | None = None
+        self._from_pending = False
+        self._commit_end = -1
+        self._ending = False
+        self._prompt_len = 0
+        self._context_len = 0
+        self._branch_point: int | None = None
+        self._requested: set[int] = set()
+        self._points: frozenset[int] | None = None
+        self._short_rule_done = False
+
+    # --- views ---------------------------------------------------------------------------------------------------
+
+    @property
+    def pending_ssm_snapshot_slot(self) -> int | None:
+        """The GPU page index of the pending snapshot page (None when the cache holds none)."""
+        return None if self._pending is None else self._pending.index
+
+    @property
+    def prompt_len(self) -> int:
+        return self._prompt_len
+
+    @property
+    def branch_point(self) -> int | None:
+        """Where this prompt diverges from cached history (a block boundary), when a snapshot is wanted there."""
+        return self._branch_point
+
+    @property
+    def snapshot_points(self) -> tuple[int, ...]:
+        """Every explicit snapshot point of this cache (periodic ones up to its context length included)."""
+        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+        return tuple(sorted(mgr._points_of(self)))
+
+    # --- snapshot points -----------------------------------------------------------------------------------------
+
+    def request_snapshot_point(self, position: int) -> bool:
+        """Ask for a snapshot at ``position`` (rounded down to a block boundary); True when the point is new."""
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(f"position: expected an int, got {type(position).__name__}")
+        if position < 1:
+            raise ValueError(f"position: expected an int >= 1, got {position}")
+        self._require_active("request_snapshot_point")
+        p = _align_down(position, self.manager.tokens_per_block)
+        if p == 0 or p in self._requested:
+            return False
+        self._requested.add(p)
+        self._points = None
+        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+        mgr.counters.points_requested += 1
+        mgr._record()
+        return True
+
+    def _require_active(self, op: str) -> None:
+        if not self.is_active:
+            raise CacheStateError(f"{op}: cache {self.id!r} is {self.status.value}, expected active")
+
+    # --- pending snapshot slot -----------------------------------------------------------------------------------
+
+    def acquire_ssm_snapshot_slot(self) -> int | None:
+        """Reserve a GPU page of the recurrent group for a mid-step snapshot; returns its index, or None when
+        committing has stopped or no page is free even after eviction.
+
+        Raises CacheStateError unless the manager has exactly one recurrent pool group (with several, the
+        others would snapshot the live state at the end of the step, a different point), when the cache is not
+        active, or when it already holds a pending page.
+        """
+        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+        g = mgr._pending_group()
+        self._require_active("acquire_ssm_snapshot_slot")
+        if self._pending is not None:
+            raise CacheStateError(
+                f"acquire_ssm_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
+            )
+        if not self.committing:
+            return None
+        page = mgr._alloc_page(g)
+        mgr._flush_events()
+        if page is None:
+            return None
+        self._pending = page
+        return page.index
+
+    def release_ssm_snapshot_slot(self) -> bool:
+        """Give the pending page back; False when the cache holds none."""
+        if self._pending is None:
+            return False
+        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+        mgr._release_pending(self)
+        return True
+
+    # --- commit --------------------------------------------------------------------------------------------------
+
+    def commit(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        num_tokens: int | None = None,
+        block_keys: Sequence[int] | None = None,
+        ssm_from_pending: bool = False,
+        is_end: bool = False,
+    ) -> None:
+        """:meth:`KVCache.commit`, plus:
+
+        ``ssm_from_pending``: the snapshot at this commit's end comes from the pending page (written mid-step),
+        not from the live state. Raises CacheStateError, changing nothing, without a pending page or with
+        ``is_end``; otherwise the pending page ends up in the tree or released, whatever happens (an error in
+        the commit itself releases it and propagates).
+
+        ``is_end``: this is the sequence's last commit: its partial tail is inserted into the tree now (with
+        the live state as its snapshot when the state is exactly there) and the cache stops committing.
+        """
+        if ssm_from_pending:
+            if is_end:
+                raise CacheStateError(
+                    f"commit: cache {self.id!r}: ssm_from_pending cannot end the sequence (is_end); the state at "
+                    "the end is the live one"
+                )
+            if self._pending is None:
+                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (ssm_from_pending)")
+            mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+            try:
+                n = len(tokens) if tokens is not None else num_tokens
+                self._commit_end = self.num_committed_tokens + (n if isinstance(n, int) else 0)
+                self._from_pending = True
+                super().commit(tokens, num_tokens=num_tokens, block_keys=block_keys)
+            finally:
+                self._from_pending = False
+                self._commit_end = -1
+                if self._pending is not None:
+                    mgr._release_pending(self)
+            return
+        super().commit(tokens, num_tokens=num_tokens, block_keys=block_keys)
+        if is_end:
+            mgr = self.manager  # type: ignore[assignment]
+            mgr._end_sequence(self)
+
+
+class HybridCacheManager(KVCacheManager):
+    """KV cache manager for hybrid attention + recurrent models (see the module docstring).
+
+    ``policy``: the model's :class:`~kvforge.kvcache.hooks.HybridCachePolicy` (short-prompt priority, upload
+    path). ``snapshot_interval``: periodic snapshot points every that many tokens (a multiple of
+    ``tokens_per_block``; 0 = off). ``prompt_end_offsets``: points at ``align_down(prompt_len - d)``.
+    ``midchunk_snapshot_alignment``: defaults to the class constant ``MIDCHUNK_SNAPSHOT_ALIGNMENT``; None never
+    marks requests for mid-chunk snapshots. ``clock`` (seconds) and ``log_interval_s`` rate-limit the counter
+    log line. Other keyword arguments go to :class:`~kvforge.kvcache.manager.KVCacheManager`.
+    """
+
+    cache_class = HybridKVCache
+    # The recurrent prefill kernel's chunk (KDA processes 64-token chunks): the state can be stored at any
+    # multiple of it counted from a step's first token.
+    MIDCHUNK_SNAPSHOT_ALIGNMENT: int | None = 64
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        *,
+        policy: HybridCachePolicy | None = None,
+        snapshot_interval: int = 0,
+        prompt_end_offsets: Sequence[int] = (0,),
+        midchunk_snapshot_alignment: Any = _DEFAULT,
+        clock: Callable[[], float] = time.monotonic,
+        log_interval_s: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        if policy is None:
+            policy = HybridCachePolicy()
+        if not isinstance(policy, HybridCachePolicy):
+            raise TypeError(f"policy: expected a HybridCachePolicy, got {type(policy).__name__}")
+        if isinstance(snapshot_interval, bool) or not isinstance(snapshot_interval, int):
+            raise TypeError(f"snapshot_interval: expected an int, got {type(snapshot_interval).__name__}")
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
+        tpb = config.tokens_per_block
+        if snapshot_interval < 0 or snapshot_interval % tpb:
+            raise ValueError(
+                f"snapshot_interval: expected 0 or a positive multiple of tokens_per_block ({tpb}), got "
+                f"{snapshot_interval}"
+            )
+        offsets = tuple(prompt_end_offsets)
+        for i, d in enumerate(offsets):
+            if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+                raise ValueError(f"prompt_end_offsets[{i}]: expected an int >= 0, got {d!r}")
+        if midchunk_snapshot_alignment is _DEFAULT:
+            midchunk_snapshot_alignment = self.MIDCHUNK_SNAPSHOT_ALIGNMENT
+        a = midchunk_snapshot_alignment
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
+            raise ValueError(f"midchunk_snapshot_alignment: expected an int >= 1 or None, got {a!r}")
+        if not callable(clock):
+            raise TypeError(f"clock: expected a callable, got {type(clock).__name__}")
+        if log_interval_s < 0:
+            raise ValueError(f"log_interval_s: expected >= 0, got {log_interval_s}")
+        super().__init__(config, **kwargs)
+        if not self._rec:
+            raise ValueError("config: a hybrid cache manager needs at least one recurrent layer")
+        self.policy = policy
+        self.snapshot_interval = snapshot_interval
+        self.prompt_end_offsets = offsets
+        self.midchunk_snapshot_alignment: int | None = a if len(self._rec) == 1 else None
+        self.counters = HybridCounters()
+        self._clock_fn = clock
+        self.log_interval_s = float(log_interval_s)
+        self._last_log: float | None = None
+        if policy.low_priority_snapshot_prompt_len:
+            logger.info(
+                "hybrid cache: recurrent pages of prompts shorter than %d tokens (low_priority_snapshot_prompt_len) "
+                "are evicted first (priority %d)",
+                policy.low_priority_snapshot_prompt_len,
+                PRIORITY_MIN,
+            )
+
+    # --- creation ------------------------------------------------------------------------------------------------
+
+    def create_cache(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_keys: Sequence[int] | None = None,
+        scope: Hashable | None = None,
+        capacity: int | None = None,
+        reuse: bool = True,
+        max_reuse_tokens: int | None = None,
+        priority_callback: PriorityCallback | None = None,
+        cache_id: Hashable | None = None,
+        prompt_len: int | None = None,
+    ) -> HybridKVCache:
+        """:meth:`KVCacheManager.create_cache`, plus ``prompt_len`` (the prompt's length in tokens, for key-mode
+        prompts whose keys cover full blocks only; default ``len(tokens)`` or ``len(block_keys) *
+        tokens_per_block``). Finds the branch point and counts the tokens the snapshot cut pruned."""
+        if prompt_len is not None and (isinstance(prompt_len, bool) or not isinstance(prompt_len, int)):
+            raise TypeError(f"prompt_len: expected an int or None, got {type(prompt_len).__name__}")
+        if prompt_len is not None and prompt_len < 0:
+            raise ValueError(f"prompt_len: expected an int >= 0, got {prompt_len}")
+        cache: HybridKVCache = super().create_cache(  # type: ignore[assignment]
+            tokens,
+            block_keys=block_keys,
+            scope=scope,
+            capacity=capacity,
+            reuse=reuse,
+            max_reuse_tokens=max_reuse_tokens,
+            priority_callback=priority_callback,
+            cache_id=cache_id,
+        )
+        # Keys cover full blocks only: without prompt_len a key-mode prompt's length is known only up to its
+        # last full block, so the short-prompt rule waits for mark_context_request (which knows it exactly).
+        exact = prompt_len is not None or tokens is not None
+        if prompt_len is None:
+            prompt_len = len(tokens) if tokens is not None else len(block_keys or ()) * self.tokens_per_block
+        cache._prompt_len = cache._context_len = prompt_len
+        if exact:
+            self._apply_short_prompt_rule(cache, prompt_len)
+        if reuse and (tokens is not None or block_keys is not None):
+            limit = prompt_len if max_reuse_tokens is None else min(prompt_len, max_reuse_tokens)
+            cached = self._attention_prefix_tokens(cache, tokens, block_keys, limit)
+            reused = cache.num_reused_tokens
+            if cached > reused:
+                self.counters.pruned_tokens += cached - reused
+                # Only a point this request will pass is useful (the end of the prompt is a point anyway).
+                if cached < prompt_len:
+                    cache._branch_point = cached
+                self._record()
+        return cache
+
+    def _attention_prefix_tokens(
+        self, cache: HybridKVCache, tokens: Sequence[int] | None, keys: Sequence[int] | None, limit: int
+    ) -> int:
+        """Tokens of the prompt's leading full blocks present in the tree (ignoring the snapshot cut), capped to
+        ``limit`` rounded down to a block. Continues from the blocks the cache reused: read-only."""
+        tpb = self.tokens_per_block
+        max_full = limit // tpb
+        blocks = cache._blocks
+        n = len(blocks)
+        node = blocks[-1] if blocks else cache._root
+        while n < max_full:
+            if keys is not None and n < len(keys):
+                h = keys[n]
+            elif tokens is not None:
+                h = hash((node.key, tuple(tokens[n * tpb : (n + 1) * tpb])))
+            else:
+                break
+            child = node.children.get(h)
+            if child is None or child.num_tokens != tpb:
+                break
+            node = child
+            n += 1
+        return n * tpb
+
+    def _apply_short_prompt_rule(self, cache: HybridKVCache, prompt_len: int) -> None:
+        if cache._short_rule_done:
+            return
+        cache._short_rule_done = True
+        threshold = self.policy.low_priority_snapshot_prompt_len
+        if not threshold or prompt_len >= threshold:
+            return
+        rec = frozenset(self._rec)
+        inner = cache._priority_cb
+        default = self.default_priority
+
+        def short_prompt_priority(ordinal: int, group: int) -> int:
+            if group in rec:
+                return PRIORITY_MIN
+            return default if inner is None else inner(ordinal, group)
+
+        cache._priority_cb = short_prompt_priority
+
+    # --- snapshot points -----------------------------------------------------------------------------------------
+
+    def _points_of(self, cache: HybridKVCache) -> frozenset[int]:
+        pts = cache._points
+        if pts is not None:
+            return pts
+        tpb = self.tokens_per_block
+        ctx = max(cache._context_len, cache._prompt_len)
+        out: set[int] = set()
+        if self.snapshot_interval:
+            out.update(range(self.snapshot_interval, ctx + 1, self.snapshot_interval))
+        for d in self.prompt_end_offsets:
+            p = _align_down(cache._prompt_len - d, tpb)
+            if p > 0:
+                out.add(p)
+        if cache._branch_point is not None:
+            out.add(cache._branch_point)
+        out.update(cache._requested)
+        pts = cache._points = frozenset(out)
+        return pts
+
+    def _is_point(self, cache: HybridKVCache, end: int) -> bool:
+        if self.snapshot_interval and end % self.snapshot_interval == 0:
+            return True
+        return end in self._points_of(cache)
+
+    def snapshot_points(self, cache: HybridKVCache, after: int = 0) -> tuple[int, ...]:
+        """The cache's snapshot points past ``after``, in order (for runtimes and replays without a scheduler)."""
+        return tuple(p for p in sorted(self._points_of(cache)) if p > after)
+
+    def mark_context_request(self, request: Any) -> None:
+        """Scheduler hook, before each context chunk is sized: set the request's snapshot points (those still
+        ahead of it, before its context end), the mid-chunk alignment and a pass point (the next point when at
+        least two remain). Reads ``prompt_len``, ``context_len``, ``num_computed_tokens`` and
+        ``requested_snapshot_points`` of the request; a request without an active cache of this manager is left
+        unmarked."""
+        cache = getattr(request, "cache", None)
+        if not isinstance(cache, HybridKVCache) or cache.manager is not self or not cache.is_active:
+            return
+        if cache._prompt_len != request.prompt_len or cache._context_len != request.context_len:
+            cache._prompt_len = request.prompt_len
+            cache._context_len = request.context_len
+            cache._points = None
+        self._apply_short_prompt_rule(cache, request.prompt_len)
+        for p in request.requested_snapshot_points:
+            cache.request_snapshot_point(p)
+        start = request.num_computed_tokens
+        end = request.context_len
+        pts = [p for p in sorted(self._points_of(cache)) if start < p < end]
+        if not pts:
+            request.clear_snapshot_marks()
+            return
+        alignment = self.midchunk_snapshot_alignment
+        pass_point = pts[0] if alignment is not None and len(pts) >= 2 else None
+        request.set_snapshot_marks(pts, alignment=alignment, pass_point=pass_point)
+
+    def count_prefix_waits(self, requests: Sequence[Any]) -> None:
+        """Scheduler hook: these requests started waiting for a prefix another request is computing."""
+        if requests:
+            self.counters.prefix_waits += len(requests)
+            self._record()
+
+    # --- snapshots (base-manager hooks) --------------------------------------------------------------------------
+
+    def _snapshot_pages(self, cache: KVCache, block: Block, ordinal: int) -> dict[int, Page]:
+        assert isinstance(cache, HybridKVCache)
+        end = ordinal * self.tokens_per_block + block.num_tokens
+        if cache._from_pending:
+            if end != cache._commit_end:
+                return {}
+            g = self._rec[0]
+            page = cache._pending
+            if page is None or block.pages[g] is not None or not self._is_point(cache, end):
+                return {}
+            cache._pending = None
+            self.counters.pending_committed += 1
+            self._count_snapshot(cache, end)
+            return {g: page}
+        if end != cache.history:
+            return {}
+        partial = block.num_tokens < self.tokens_per_block
+        # A partial tail is inserted only when a sequence ends: its state is what the next turn reuses.
+        if not partial and not self._is_point(cache, end):
+            return {}
+        if all(block.pages[g] is not None for g in self._rec):
+            return {}
+        out = self._take_live(cache, block) if cache._ending else self._copy_live(cache, block)
+        if out:
+            self._count_snapshot(cache, end)
+        return out
+
+    def _copy_live(self, cache: HybridKVCache, block: Block) -> dict[int, Page]:
+        out: dict[int, Page] = {}
+        for g in self._rec:
+            if block.pages[g] is not None:
+                continue
+            page = self._alloc_page(g)
+            if page is None:
+                continue
+            live = cache._live[g]
+            assert live is not None
+            self._copies.append(PageCopy(g, Tier.GPU, live.index, Tier.GPU, page.index))
+            out[g] = page
+        return out
+
+    def _take_live(self, cache: HybridKVCache, block: Block) -> dict[int, Page]:
+        """The ending cache's live pages become the snapshots themselves (no copy, no allocation)."""
+        out: dict[int, Page] = {}
+        for g in self._rec:
+            live = cache._live[g]
+            if live is not None and block.pages[g] is None:
+                cache._live[g] = None
+                out[g] = live
+        return out
+
+    def _count_snapshot(self, cache: HybridKVCache, end: int) -> None:
+        c = self.counters
+        c.snapshots += 1
+        if end == cache._branch_point:
+            c.branch_snapshots += 1
+            self._record()
+        if end in cache._requested:
+            c.points_requested_committed += 1
+            self._record()
+
+    def _end_snapshot(self, cache: HybridKVCache) -> None:
+        """Snapshot the live state at the committed end when that is a full-block boundary without one (the
+        partial-tail case goes through ``_insert_partial``)."""
+        tpb = self.tokens_per_block
+        committed = cache._committed
+        if not committed or committed % tpb or cache._history != committed:
+            return
+        block = cache._blocks[-1]
+        if all(block.pages[g] is not None for g in self._rec):
+            return
+        ordinal = committed // tpb - 1
+        prios = {g: self._priority(cache, ordinal, g, committed) for g in self._rec}
+        snaps = self._take_live(cache, block) if cache._ending else self._copy_live(cache, block)
+        if not snaps:
+            return
+        self._count_snapshot(cache, committed)
+        self._clock += 1
+        for g, page in snaps.items():
+            block.pages[g] = page
+            page.block = block
+            page.priority = prios[g]
+            self._unlock(page)
+
+    def _end_sequence(self, cache: HybridKVCache) -> None:
+        """``commit(..., is_end=True)``: insert the tail now (snapshots copied from the live state) and stop."""
+        if not cache._committing:
+            return
+        prios = self._release_priorities(cache)
+        self._end_snapshot(cache)
+        self._insert_partial(cache, prios)
+        self._flush_events()
+        cache.stop_committing()
+
+    # --- life-cycle hooks ----------------------------------------------------------------------------------------
+
+    def _release_pending(self, cache: HybridKVCache) -> None:
+        page = cache._pending
+        if page is None:
+            return
+        cache._pending = None
+        self._free_page(page)
+        self.counters.pending_released += 1
+
+    def _on_suspend(self, cache: KVCache) -> None:
+        assert isinstance(cache, HybridKVCache)
+        self._release_pending(cache)
+        cache._ending = True
+        self._end_snapshot(cache)
+
+    def _on_close(self, cache: KVCache) -> None:
+        assert isinstance(cache, HybridKVCache)
+        self._release_pending(cache)
+        cache._ending = True
+        self._end_snapshot(cache)
+
+    def _on_stop_committing(self, cache: KVCache) -> None:
+        assert isinstance(cache, HybridKVCache)
+        self._release_pending(cache)
+
+    def _suspend(self, cache: KVCache) -> None:
+        try:
+            super()._suspend(cache)
+        finally:
+            cache._ending = False  # type: ignore[attr-defined]
+
+    def _close(self, cache: KVCache) -> None:
+        try:
+            super()._close(cache)
+        finally:
+            cache._ending = False  # type: ignore[attr-defined]
+
+    def _extra_page_refs(self) -> Iterable[Page]:
+        for cache in self._caches.values():
+            page = cache._pending  # type: ignore[attr-defined]
+            if page is not None:
+                yield page
+
+    def _pending_group(self) -> int:
+        if len(self._rec) != 1:
+            raise CacheStateError(
+                f"acquire_ssm_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
+                f"manager has {len(self._rec)} ({list(self._rec)})"
+            )
+        return self._rec[0]
+
+    # --- counters ------------------------------------------------------------------------------------------------
+
+    def _record(self) -> None:
+        """A counter changed: log them all at INFO unless a line was logged less than ``log_interval_s`` ago."""
+        now = self._clock_fn()
+        last = self._last_log
+        if last is not None and now - last < self.log_interval_s:
+            return
+        self._last_log = now
+        logger.info("hybrid cache counters: %s", ", ".join(f"{k} {v}" for k, v in asdict(self.counters).items()))
+
+    # --- verification --------------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """The base invariants, plus: a pending page is held only by an active cache, is a locked GPU page of the
+        recurrent group in no tree block, and is nobody's live page nor another cache's pending page."""
+        super().check_invariants()
+        seen: set[int] = set()
+        live = {id(p) for c in self._caches.values() for p in c._live if p is not None}
+        for cache in self._caches.values():
+            page = cache._pending  # type: ignore[attr-defined]
+            if page is None:
+                continue
+            assert cache.is_active, f"{cache!r} is not active but holds pending {page!r}"
+            assert len(self._rec) == 1 and page.pool is self._gpu[self._rec[0]], f"pending {page!r} of a wrong pool"
+            assert page.ref_count == 1 and page.block is None, f"pending {page!r} is not a locked uncommitted page"
+            assert id(page) not in live, f"pending {page!r} is also a live page"
+            assert id(page) not in seen, f"pending {page!r} is held twice"
+            seen.add(id(page))
+
+    # --- state-index upload --------------------------------------------------------------------------------------
+
+    def step_state_indices(
+        self, caches: Sequence[KVCache], num_dummy: int = 0, *, group: int | None = None, pad_index: int = 0
+    ) -> tuple[list[int], list[bool]]:
+        """Per step row: the live state page index of ``group`` (default: the first recurrent group) for each
+        cache, then ``num_dummy`` padding rows (``pad_index``) flagged in the dummy-request mask."""
+        g = self._rec[0] if group is None else group
+        if g not in self._rec:
+            raise ValueError(f"group: {g} is not a recurrent pool group (those are {list(self._rec)})")
+        idx = []
+        for c in caches:
+            page = c._live[g]
+            if page is None:
+                raise CacheStateError(f"step_state_indices: cache {c.id!r} is {c.status.value}, expected active")
+            idx.append(page.index)
+        return idx + [pad_index] * num_dummy, [False] * len(caches) + [True] * num_dummy
+
+    def state_index_upload(self, max_requests: int, **kwargs: Any) -> StateIndexUpload:
+        """A :class:`StateIndexUpload` whose path follows ``policy.state_index_upload_kernel``."""
+        return StateIndexUpload(max_requests, use_kernel=self.policy.state_index_upload_kernel, **kwargs)
+
+
+class UploadPath(Enum):
+    NONE = "none"  # neither buffer changed: nothing written
+    KERNEL = "kernel"  # one copy_small_pinned_pair launch wrote both
+    COPIES = "copies"  # ordinary copies of the buffers that changed
+
+
+class StateIndexUpload:
+    """Per-step upload of the recurrent state indices (int32) and the dummy-request mask (bool) to the device.
+
+    The host buffers are pinned when CUDA is present. :meth:`upload` writes them and, when either changed since
+    the last upload, sends them with one ``pair_copy`` launch (default ``kernels.copy_small_pinned_pair``) when
+    ``use_kernel`` is on and that function accepts the buffers, else with ordinary copies of the changed
+    buffers. ``pair_copy`` is injectable so the kernel path can be observed on a CPU-only machine.
+    """
+
+    def __init__(
+        self,
+        max_requests: int,
+        *,
+        use_kernel: bool,
+        device: Any = None,
+        pin_memory: bool | None = None,
+        pair_copy: Callable[..., bool] | None = None,
+    ) -> None:
+        import torch
+
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
+            raise ValueError(f"max_requests: expected an int >= 1, got {max_requests!r}")
+        if not isinstance(use_kernel, bool):
+            raise TypeError(f"use_kernel: expected a bool, got {type(use_kernel).__name__}")
+        cuda = torch.cuda.is_available()
+        if device is None:
+            device = "cuda" if cuda else "cpu"
+        pin = cuda if pin_memory is None else bool(pin_memory)
+        if pair_copy is None and use_kernel:
+            from kvforge.kernels.pinned_pair import copy_small_pinned_pair
+
+            pair_copy = copy_small_pinned_pair
+        self.use_kernel = use_kernel
+        self.max_requests = max_requests
+        self._pair_copy = pair_copy
+        self.host_indices = torch.zeros(max_requests, dtype=torch.int32, pin_memory=pin)
+        self.host_mask = torch.zeros(max_requests, dtype=torch.bool, pin_memory=pin)
+        self.dev_indices = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.dev_mask = torch.zeros(max_requests, dtype=torch.bool, device=device)
+        self._last: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())
+        self._event: Any = None
+        self.last_path = UploadPath.NONE
+        self.num_rows = 0
+
+    def upload(self, indices: Sequence[int], dummy_mask: Sequence[bool]) -> UploadPath:
+        """Make ``dev_indices[:n]`` / ``dev_mask[:n]`` hold these values (n rows); returns the path taken."""
+        import torch
+
+        idx = tuple(int(i) for i in indices)
+        mask = tuple(bool(m) for m in dummy_mask)
+        n = len(idx)
+        if len(mask) != n:
+            raise ValueError(f"dummy_mask: expected {n} entries (one per row of indices), got {len(mask)}")
+        if n > self.max_requests:
+            raise ValueError(f"indices: {n} rows exceed max_requests ({self.max_requests})")
+        old_idx, old_mask = self._last
+        idx_changed, mask_changed = idx != old_idx, mask != old_mask
+        if not idx_changed and not mask_changed:
+            self.last_path = UploadPath.NONE
+            return UploadPath.NONE
+        if self._event is not None:
+            # An earlier ordinary copy may still read the pinned host buffers.
+            self._event.synchronize()
+            self._event = None
+        hi, hm = self.host_indices[:n], self.host_mask[:n]
+        if n:
+            hi.copy_(torch.tensor(idx, dtype=torch.int32))
+            hm.copy_(torch.tensor(mask, dtype=torch.bool))
+        di, dm = self.dev_indices[:n], self.dev_mask[:n]
+        path = UploadPath.COPIES
+        if self.use_kernel and self._pair_copy is not None and self._pair_copy(hi, hm, di, dm):
+            path = UploadPath.KERNEL
+        else:
+            non_blocking = hi.is_pinned()
+            if idx_changed:
+                di.copy_(hi, non_blocking=non_blocking)
+            if mask_changed:
+                dm.copy_(hm, non_blocking=non_blocking)
+            if non_blocking and di.device.type == "cuda":
+                self._event = torch.cuda.Event()
+                self._event.record()
+        self._last = (idx, mask)
+        self.num_rows = n
+        self.last_path = path
+        return path
