@@ -13,14 +13,18 @@ pages are prioritised LRU throughout):
 
 * ``lru``: prioritised LRU, every page at the default priority.
 * ``short<L>``: the reference system's rule, ``HybridCachePolicy.low_priority_snapshot_prompt_len = L``.
-* ``cost``: :func:`~kvforge.kvcache.snapshot_policy.cost_aware_eviction` (GreedyDual-Size-Frequency on the
-  prefill FLOPs of the prefix a snapshot stands for, per byte).
+* ``cost``: :func:`~kvforge.kvcache.snapshot_policy.cost_aware_eviction` with its defaults
+  (GreedyDual-Size-Frequency on the *marginal* prefill FLOPs a snapshot saves over the nearest snapshot below it,
+  per byte; a new snapshot that continues an unbranched path takes over the reuse count of the one it supersedes).
+* ``cost_prefix`` (ablation, the earlier cost-aware policy): the same with the whole prefix's FLOPs as the value
+  and no superseding (``marginal=False, supersede=False``).
 
 Reported: token hit rate (reused / prompt tokens) and the share of prefill FLOPs saved (the reused prefixes' FLOPs
 over the whole prompts' FLOPs, :meth:`ModelCostSpec.prefill_flops`). Rows go to ``bench/results/snapshot_policy.csv``
 and a plot to ``bench/results/snapshot_policy.png``. Host-only: no GPU is used. Run::
 
-    python bench/bench_snapshot_policy.py [--memory-gb 150,300,600] [--snapshot-share 0.2] [--short-lens 4096,16384]
+    python bench/bench_snapshot_policy.py [--memory-gb 75,150,300,600,1200] [--snapshot-share 0.2] \\
+        [--short-lens 4096,16384]
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class ReplayOutcome:
 def build_manager(
     model: ModelCostSpec, memory_bytes: int, snapshot_share: float, policy: str, short_len: int = 0
 ) -> HybridCacheManager:
-    """The hybrid manager of one replay: ``policy`` is ``lru``, ``short`` (with ``short_len``) or ``cost``."""
+    """The hybrid manager of one replay: ``policy`` is ``lru``, ``short`` (with ``short_len``), ``cost`` or
+    ``cost_prefix``."""
     layers = model.layer_specs()
     groups = KVCacheConfig(TPB, layers).groups
     ratios = tuple(
@@ -80,7 +85,11 @@ def build_manager(
     )
     cfg = KVCacheConfig(TPB, layers, (TierConfig(quota_bytes=memory_bytes),), pool_ratios=ratios)
     hybrid = HybridCachePolicy(low_priority_snapshot_prompt_len=short_len if policy == "short" else 0)
-    factory = cost_aware_eviction(model, TPB) if policy == "cost" else None
+    factory = None
+    if policy == "cost":
+        factory = cost_aware_eviction(model, TPB)
+    elif policy == "cost_prefix":
+        factory = cost_aware_eviction(model, TPB, marginal=False, supersede=False)
     # No scheduler here: steps end at the snapshot points themselves, so mid-chunk marks are not needed.
     return HybridCacheManager(cfg, policy=hybrid, eviction_policy=factory, midchunk_snapshot_alignment=None)
 
@@ -141,7 +150,9 @@ def replay(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--memory-gb", default="150,300,600", help="GPU bytes for KV + snapshots, comma-separated (GB)")
+    ap.add_argument(
+        "--memory-gb", default="75,150,300,600,1200", help="GPU bytes for KV + snapshots, comma-separated (GB)"
+    )
     ap.add_argument("--snapshot-share", type=float, default=0.2, help="share of the bytes for recurrent snapshots")
     ap.add_argument("--short-lens", default="4096,16384", help="low_priority_snapshot_prompt_len values to try")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -164,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     outcomes: list[ReplayOutcome] = []
     for mem in mems:
-        runs = [("lru", 0), *(("short", L) for L in shorts), ("cost", 0)]
+        runs = [("lru", 0), *(("short", L) for L in shorts), ("cost_prefix", 0), ("cost", 0)]
         for policy, short_len in runs:
             o = replay(reqs, model, mem, args.snapshot_share, policy, short_len)
             outcomes.append(o)
@@ -181,9 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for o in rows:
             gain = "" if o is cost else f"{cost.saved_flops / o.saved_flops - 1:+.1%}" if o.saved_flops else "inf"
             print(f"| {mem:.0f} | {o.policy} | {o.hit_rate:.4f} | {o.flops_saved_frac:.4f} | {gain} |")
-        best = max((o for o in rows if o is not cost), key=lambda o: o.saved_flops)
+        # The target compares with the baselines (LRU, the short-prompt rule), not with the cost ablation.
+        best = max((o for o in rows if not o.policy.startswith("cost")), key=lambda o: o.saved_flops)
         gain = cost.saved_flops / best.saved_flops - 1
-        print(f"| {mem:.0f} | **cost vs best other ({best.policy})** | | | {gain:+.1%} |")
+        verdict = "meets" if gain >= 0.10 else "misses"
+        print(f"| {mem:.0f} | **cost vs best baseline ({best.policy})** | | | {gain:+.1%} ({verdict} +10%) |")
     if args.no_save:
         return 0
     from bench._common import RESULTS, append_csv, bar_plot

@@ -22,13 +22,26 @@ numbers are not public):
   the MLA cache of 10,600 tokens. Its per-token compute (``~4 * heads * 128 * 128`` per layer) is small.
 
 :class:`CostAwareSnapshotPolicy` is an :class:`~kvforge.kvcache.eviction.EvictionPolicy` for recurrent pools:
-within a priority it evicts the snapshot with the lowest *GreedyDual* score ``H = clock + value``, where
-``value = (prefill FLOPs of the prefix the snapshot ends / bytes it holds) ** cost_exponent`` and ``clock`` is
-the score of the last victim. The clock is what ages entries: a page's score is fixed when it becomes a
-candidate (each reuse refreshes it), and every eviction raises the bar that newer pages start from, so an
-expensive snapshot that nobody touches is eventually evicted by cheap fresh ones. ``cost_exponent`` trades
-cost against recency (0: pure FIFO-by-last-use, i.e. LRU; 1: classic GreedyDual-Size). Plug it in with
-:func:`cost_aware_eviction`, which keeps :class:`~kvforge.kvcache.eviction.PrioritizedLRU` for attention pools.
+within a priority it evicts the snapshot with the lowest *GreedyDual* score ``H = clock + weight * value`` and
+``clock`` is the score of the last victim. The clock is what ages entries: a page's score is fixed when it becomes
+a candidate (each reuse refreshes it), and every eviction raises the bar that newer pages start from, so an
+expensive snapshot that nobody touches is eventually evicted by cheap fresh ones. ``cost_exponent`` trades cost
+against recency (0: pure FIFO-by-last-use, i.e. LRU; 1: classic GreedyDual-Size). What the defaults of
+:func:`cost_aware_eviction` add (each can be turned off):
+
+* ``marginal``: ``value`` is the prefill FLOPs (per byte) a snapshot saves *over the nearest snapshot below it*,
+  not its whole prefix's: evicting it makes a request fall back there. Evicting a snapshot below raises it
+  (re-scored lazily when it comes up as a victim).
+* ``frequency``: ``weight`` counts the snapshot's uses (GreedyDual-Size-Frequency).
+* ``supersede``: a new snapshot continuing an unbranched path (a conversation's next turn) takes over the use
+  count of the snapshot it replaces, whose weight drops to 0: the next turn will extend the new one. So the
+  deepest snapshot of a live conversation is protected and the turns it superseded go first; branch points
+  (blocks with several children) keep their counts.
+
+Only the snapshot a match actually starts from is refreshed: the manager locks and unlocks just the source of
+the live-state copy, not the other snapshots on the matched path (SGLang's finding, NOTES §2). Plug the policy
+in with :func:`cost_aware_eviction`, which keeps :class:`~kvforge.kvcache.eviction.PrioritizedLRU` for
+attention pools.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ from kvforge.kvcache.eviction import EvictionPolicy, EvictionPolicyFactory, Prio
 if TYPE_CHECKING:
     from kvforge.kvcache.config import PoolGroupSpec, Tier
     from kvforge.kvcache.pools import Page
+    from kvforge.kvcache.radix import Block
 
 __all__ = [
     "KIMI_K3_LIKE",
@@ -150,22 +164,61 @@ KIMI_K3_LIKE = _kimi_k3_like()
 
 
 class CostAwareSnapshotPolicy:
-    """GreedyDual eviction of recurrent snapshots by saved prefill FLOPs per byte (module docstring).
+    """GreedyDual eviction of recurrent snapshots by the prefill FLOPs they save per byte (module docstring).
 
     Order: lowest ``priority`` first (so the manager's priorities, e.g. the short-prompt rule, still apply),
-    then lowest score, then the deepest block. One heap with lazy deletion, like ``PrioritizedLRU``.
-    ``value_fn(prefix_tokens) -> float`` gives a page's value; the page's prefix is read from its tree block.
-    ``frequency``: multiply the value by the number of times the page became a candidate in the same block
-    (every reuse unlocks it once more), i.e. GreedyDual-Size-Frequency.
+    then lowest score ``H = clock_at_last_use + weight * value``, then the deepest block. One heap with lazy
+    deletion, like ``PrioritizedLRU``. ``value_fn(prefix_tokens) -> float`` is the (non-decreasing) value of a
+    snapshot after ``prefix_tokens`` tokens when nothing below it is cached; the page's prefix is read from its
+    tree block.
+
+    * ``marginal``: the value is ``value_fn(L) - value_fn(L')``, where ``L'`` is the end of the nearest ancestor
+      block holding a snapshot of the same group (0 when none within ``max_walk`` blocks): what evicting the
+      snapshot actually costs a request that would have used it, which falls back to ``L'``. A snapshot close
+      to the one below it saves little. Values only grow when an ancestor goes, so a victim whose value has
+      grown since it was scored is re-scored and pushed back (lazily, in :meth:`pop_victim`).
+    * ``frequency``: ``weight`` is the number of times the page became a candidate in the same block (every
+      reuse unlocks it once more), i.e. GreedyDual-Size-Frequency; otherwise 1.
+    * ``supersede`` (with ``frequency``): a new snapshot whose nearest ancestor snapshot ``A`` lies on an
+      unbranched path (``A``'s block has one child) continues ``A``'s stream: the next request extending that
+      path will match the new snapshot, not ``A``. The new snapshot inherits ``A``'s reuse count and ``A``'s
+      weight drops to 0 (evicted first unless a request reuses it again); a snapshot at a branch point keeps its
+      count. This protects the deepest snapshot of a live conversation rather than the turns it replaces.
+
+    Each operation is O(log n) plus, with ``marginal`` or ``supersede``, a walk of at most ``max_walk`` blocks up
+    the tree.
     """
 
-    __slots__ = ("_clock", "_freq", "_heap", "_live", "_seq", "_tpb", "_value_fn", "frequency")
+    __slots__ = (
+        "_clock",
+        "_freq",
+        "_heap",
+        "_live",
+        "_seq",
+        "_tpb",
+        "_value_fn",
+        "frequency",
+        "marginal",
+        "max_walk",
+        "supersede",
+    )
 
-    def __init__(self, value_fn: Callable[[int], float], tokens_per_block: int, *, frequency: bool = False) -> None:
+    def __init__(
+        self,
+        value_fn: Callable[[int], float],
+        tokens_per_block: int,
+        *,
+        frequency: bool = False,
+        marginal: bool = False,
+        supersede: bool = False,
+        max_walk: int = 256,
+    ) -> None:
         if not callable(value_fn):
             raise TypeError(f"value_fn: expected a callable, got {type(value_fn).__name__}")
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block: expected >= 1, got {tokens_per_block}")
+        if max_walk < 1:
+            raise ValueError(f"max_walk: expected >= 1, got {max_walk}")
         self._value_fn = value_fn
         self._tpb = tokens_per_block
         self._heap: list[list] = []
@@ -173,7 +226,10 @@ class CostAwareSnapshotPolicy:
         self._seq = 0
         self._clock = 0.0
         self.frequency = frequency
-        # id(page) -> (block, times it became a candidate while in that block): GreedyDual-Size-Frequency.
+        self.marginal = marginal
+        self.supersede = supersede
+        self.max_walk = max_walk
+        # id(page) -> (block, reuse weight while in that block): GreedyDual-Size-Frequency.
         self._freq: dict[int, tuple[object, int]] = {}
 
     @property
@@ -188,29 +244,88 @@ class CostAwareSnapshotPolicy:
         entry = getattr(page, "policy_data", None)
         return entry is not None and entry[4] is page
 
+    # --- values ------------------------------------------------------------------------------------------------
+
+    def _prefix(self, block: Block | None) -> int:
+        return 0 if block is None or block.depth < 0 else block.depth * self._tpb + block.num_tokens
+
+    def _ancestor(self, page: Page) -> tuple[Block | None, Page | None]:
+        """The nearest ancestor block holding a snapshot of ``page``'s group, and that snapshot (bounded walk)."""
+        block = page.block
+        g = page.pool.group
+        node = None if block is None else block.parent
+        for _ in range(self.max_walk):
+            if node is None or node.depth < 0:
+                return None, None
+            other = node.pages[g]
+            if other is not None:
+                return node, other
+            node = node.parent
+        return None, None
+
+    def value(self, page: Page) -> float:
+        """What evicting ``page`` costs one request that would have used it (before the reuse weight)."""
+        v = self._value_fn(self._prefix(page.block))
+        if self.marginal:
+            anc, _ = self._ancestor(page)
+            if anc is not None:
+                v -= self._value_fn(self._prefix(anc))
+        return max(v, 0.0)
+
+    def weight(self, page: Page) -> int:
+        """The reuse weight ``page`` has now (1 without ``frequency``)."""
+        if not self.frequency:
+            return 1
+        seen = self._freq.get(id(page))
+        return seen[1] if seen is not None and seen[0] is page.block else 1
+
     def score(self, page: Page) -> float:
         """The score ``page`` would get if it became a candidate now."""
-        block = page.block
-        prefix = 0 if block is None else block.depth * self._tpb + block.num_tokens
-        value = self._value_fn(prefix)
+        w = 1
         if self.frequency:
             seen = self._freq.get(id(page))
-            value *= seen[1] + 1 if seen is not None and seen[0] is block else 1
-        return self._clock + value
+            w = seen[1] + 1 if seen is not None and seen[0] is page.block else 1
+        return self._clock + w * self.value(page)
+
+    # --- EvictionPolicy ------------------------------------------------------------------------------------------
 
     def add(self, page: Page) -> None:
         if page.policy_data is not None:
             raise AssertionError(f"{page!r} is already an eviction candidate")
         block = page.block
         self._seq += 1
-        score = self.score(page)
+        w = 1
         if self.frequency:
             seen = self._freq.get(id(page))
-            self._freq[id(page)] = (block, seen[1] + 1 if seen is not None and seen[0] is block else 1)
-        entry = [page.priority, score, -(block.depth if block is not None else 0), self._seq, page]
+            if seen is not None and seen[0] is block:
+                w = seen[1] + 1
+            elif self.supersede:
+                w = self._inherit(page)
+            self._freq[id(page)] = (block, w)
+        score = self._clock + w * self.value(page)
+        entry = [page.priority, score, -(block.depth if block is not None else 0), self._seq, page, self._clock]
         page.policy_data = entry
         heapq.heappush(self._heap, entry)
         self._live += 1
+
+    def _inherit(self, page: Page) -> int:
+        """A new snapshot's weight under ``supersede``: 1 plus the reuses of the ancestor snapshot it replaces."""
+        anc, other = self._ancestor(page)
+        if anc is None or other is None or len(anc.children) != 1:
+            return 1
+        seen = self._freq.get(id(other))
+        if seen is None or seen[0] is not anc:
+            return 1
+        self._freq[id(other)] = (anc, 0)
+        entry = other.policy_data
+        if entry is not None and entry[4] is other and entry[1] > entry[5]:
+            # Re-score the superseded snapshot at its own last-use clock with weight 0.
+            entry[4] = None
+            self._seq += 1
+            new = [entry[0], entry[5], entry[2], self._seq, other, entry[5]]
+            other.policy_data = new
+            heapq.heappush(self._heap, new)
+        return max(1, seen[1])
 
     def discard(self, page: Page) -> None:
         entry = page.policy_data
@@ -219,6 +334,9 @@ class CostAwareSnapshotPolicy:
         entry[4] = None
         page.policy_data = None
         self._live -= 1
+        self._compact()
+
+    def _compact(self) -> None:
         if len(self._heap) > 2 * self._live + 1024:
             self._heap = [e for e in self._heap if e[4] is not None]
             heapq.heapify(self._heap)
@@ -226,6 +344,7 @@ class CostAwareSnapshotPolicy:
     def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
         heap = self._heap
         rejected = []
+        rescored: set[int] = set()
         victim = None
         while heap:
             entry = heapq.heappop(heap)
@@ -235,6 +354,14 @@ class CostAwareSnapshotPolicy:
             if accept is not None and not accept(page):
                 rejected.append(entry)
                 continue
+            if self.marginal and id(page) not in rescored:
+                # An ancestor snapshot may have gone since this one was scored: its value can only have grown.
+                fresh = entry[5] + self.weight(page) * self.value(page)
+                if fresh > entry[1] * (1.0 + 1e-12) + 1e-300:
+                    rescored.add(id(page))
+                    entry[1] = fresh
+                    heapq.heappush(heap, entry)
+                    continue
             page.policy_data = None
             self._live -= 1
             # Aging: whatever enters from now on starts at the victim's score (scores never go backwards, so a
@@ -258,13 +385,18 @@ def cost_aware_eviction(
     *,
     cost_exponent: float = 1.0,
     frequency: bool = True,
+    marginal: bool = True,
+    supersede: bool = True,
+    max_walk: int = 256,
     attention_policy: EvictionPolicyFactory = PrioritizedLRU,
 ) -> EvictionPolicyFactory:
     """An ``eviction_policy`` factory: :class:`CostAwareSnapshotPolicy` for recurrent pools (value = the
-    prefix's prefill FLOPs per byte of one page of that pool, to the power ``cost_exponent``, times the times
-    the snapshot was used when ``frequency``), and ``attention_policy`` (default prioritised LRU) for every other
-    pool. ``frequency`` defaults on: on the Mooncake replay (bench/bench_snapshot_policy.py) it saved more
-    compute than the plain size-cost score in most memory configurations tried."""
+    prefix's prefill FLOPs per byte of one page of that pool, to the power ``cost_exponent``, taken over the
+    nearest snapshot below when ``marginal``; times the times the snapshot was used when ``frequency``, with
+    ``supersede`` handing a replaced snapshot's count to its successor), and ``attention_policy`` (default
+    prioritised LRU) for every other pool. ``marginal`` and ``supersede`` follow from what a snapshot's eviction
+    costs; ``frequency`` defaults on because the Mooncake replay (bench/bench_snapshot_policy.py) saved more
+    compute with it. ``max_walk`` bounds the walk up the tree for the snapshot below."""
     if not isinstance(model, ModelCostSpec):
         raise TypeError(f"model: expected a ModelCostSpec, got {type(model).__name__}")
     if cost_exponent < 0:
@@ -278,6 +410,8 @@ def cost_aware_eviction(
         def value(prefix_tokens: int) -> float:
             return (model.prefill_flops(prefix_tokens) / size) ** cost_exponent
 
-        return CostAwareSnapshotPolicy(value, tokens_per_block, frequency=frequency)
+        return CostAwareSnapshotPolicy(
+            value, tokens_per_block, frequency=frequency, marginal=marginal, supersede=supersede, max_walk=max_walk
+        )
 
     return factory
