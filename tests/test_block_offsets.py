@@ -275,3 +275,33 @@ def test_cpu_out_on_the_gpu_machine(gen):
     table = _table(2, 7, 300, gen)
     index = torch.tensor([6, 1, 3])
     _run_and_check(table, index, [2, 3], [4, 5], poisoned((2, 4, 2, 300), torch.int32, "cpu"))
+
+
+def test_repeated_calls_reuse_the_checked_plan_and_still_check_what_varies(device, gen):
+    table = _table(2, 9, 40, gen).to(device)
+    index = torch.tensor([8, 0, 3], device=device)
+    scales, offsets = torch.tensor([2, 3], dtype=torch.int32, device=device), [7, 1]
+    out = poisoned((2, 4, 2, 40), torch.int32, device)
+    for _ in range(3):  # the later calls take the cached plan
+        _run_and_check(table, index, scales, offsets, out)
+    before = out.clone()
+    if device.type == "cpu":
+        index[1] = 9  # same tensor and metadata, new values: still range-checked
+        with pytest.raises(ValueError, match="copy_index: values must lie"):
+            copy_block_offsets(table, index, scales, offsets, out)
+        index[1] = 0
+    with pytest.raises(TypeError, match="kv_offset"):
+        copy_block_offsets(table, index, scales, [7, 1.0], out)
+    with pytest.raises(TypeError, match="kv_offset"):
+        copy_block_offsets(table, index, scales, [7, True], out)
+    with pytest.raises(ValueError, match="kv_offset: expected 2 values"):
+        copy_block_offsets(table, index, scales, [7, 1, 0], out)
+    with pytest.raises(TypeError, match="out"):
+        copy_block_offsets(table, index, scales, offsets, out.view(torch.float32))
+    assert torch.equal(out, before)
+    out.resize_(2, 2, 2, 40)  # same address, fewer rows than n_seq: the checked path again
+    with pytest.raises(ValueError, match="out: has 2 rows"):
+        copy_block_offsets(table, index, scales, offsets, out)
+    assert torch.equal(out.reshape(-1), before.reshape(-1)[: out.numel()])  # nothing written
+    plan = next(iter(bomod._PLANS._plans.values()))
+    assert not any(isinstance(v, torch.Tensor) for v in plan.ptr_args)

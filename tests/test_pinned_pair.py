@@ -90,7 +90,7 @@ class _FakeEvent:
         self.pending = False
         self.waits = 0
 
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         self.pending = True
 
     def query(self) -> bool:
@@ -241,3 +241,80 @@ def test_more_uploads_in_flight_than_ring_slots(device, gen):
     torch.cuda.synchronize()
     for i, (ca, cb) in zip(expected, captured):
         assert bool((ca == i).all()) and bool((cb == i % 251).all())
+
+
+class _FakeStream:
+    cuda_stream = 0
+
+
+@pytest.fixture
+def staged_on_cpu(monkeypatch):
+    """The kernel path end to end on a CPU machine: CUDA queries faked, pinned memory stood in by host memory,
+    events pending until the test completes them; the kernel itself runs in the interpreter."""
+    if HAS_GPU:
+        pytest.skip("the real path runs on the GPU (test_back_to_back_uploads_keep_their_own_values)")
+    events: list[_FakeEvent] = []
+
+    def new_event() -> _FakeEvent:
+        events.append(_FakeEvent())
+        return events[-1]
+
+    monkeypatch.setattr(pmod, "interpreting", lambda: False)
+    monkeypatch.setattr(pmod, "_kernel_path_applies", lambda host, dev: True)
+    monkeypatch.setattr(pmod, "_pinned_bytes", lambda n: torch.zeros(n, dtype=torch.uint8))
+    monkeypatch.setattr(pmod, "_STAGING", {})
+    monkeypatch.setattr(pmod, "_PLANS", pmod.PlanCache())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", new_event)
+    return events
+
+
+def test_staged_uploads_snapshot_into_distinct_slots_while_in_flight(staged_on_cpu, gen):
+    events = staged_on_cpu
+    ha, hb = _host(512, torch.int32, gen), _host(509, torch.bool, gen)  # b: bytes, not whole words
+    da = torch.empty(512, dtype=torch.int32)
+    db = torch.empty(509, dtype=torch.bool)
+    plans = []
+    for i in range(pmod._RING_SLOTS):
+        ha.copy_(_host(512, torch.int32, gen))
+        hb.copy_(_host(509, torch.bool, gen))
+        assert copy_small_pinned_pair(ha, hb, da, db) is True
+        assert torch.equal(da, ha) and torch.equal(db, hb)  # the interpreter runs the kernel at once
+        plans.append(len(pmod._PLANS))
+        # Every upload so far is still in flight (its event pending): each took a slot of its own, whose
+        # snapshot still holds that upload's values.
+        staging = pmod._STAGING[0]
+        assert staging.ring.created == i + 1 and len(events) == i + 1
+        slab = staging.slab[i * pmod._SLOT_BYTES :]
+        assert torch.equal(slab[: 512 * 4].view(torch.int32), ha)
+        assert torch.equal(slab[pmod.MAX_PAIR_BYTES : pmod.MAX_PAIR_BYTES + 509].view(torch.bool), hb)
+    assert plans == [1] * len(plans)  # one checked plan, reused
+    assert all(e.pending and e.waits == 0 for e in events)
+    # The ring is full: the next upload waits for the oldest and reuses its slot (no new pinned memory).
+    assert copy_small_pinned_pair(ha, hb, da, db) is True
+    assert events[0].waits == 1 and pmod._STAGING[0].ring.created == pmod._RING_SLOTS
+    # Completed uploads free their slots without waiting.
+    for e in events:
+        e.pending = False
+    assert copy_small_pinned_pair(ha, hb, da, db) is True
+    assert sum(e.waits for e in events) == 1
+
+
+def test_staged_path_rechecks_changed_buffers(staged_on_cpu, gen):
+    ha, hb = _host(64, torch.int32, gen), _host(64, torch.uint8, gen)
+    da, db = torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.uint8)
+    assert copy_small_pinned_pair(ha, hb, da, db) is True
+    assert torch.equal(da, ha) and torch.equal(db, hb)
+    with pytest.raises(ValueError, match="dev_b"):
+        copy_small_pinned_pair(ha, hb, da, db[:-1])
+    with pytest.raises(TypeError, match="dev_a"):
+        copy_small_pinned_pair(ha, hb, da.view(torch.float32), db)
+    db.resize_(63)  # same tensor and address, one element fewer
+    with pytest.raises(ValueError, match="dev_b"):
+        copy_small_pinned_pair(ha, hb, da, db)
+    # An empty pair needs no launch but still reports the kernel path.
+    e = torch.empty(0, dtype=torch.int32)
+    assert copy_small_pinned_pair(e, e[:0], e.clone(), e.clone()) is True

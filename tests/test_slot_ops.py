@@ -347,3 +347,48 @@ def test_host_stores_are_rejected_on_a_gpu_machine(device, gen):
     gpu = _stores(8, 4, 4, 3, device)
     with pytest.raises(ValueError, match="slot_ids: expected a tensor on cuda"):
         slot_scatter(gpu, torch.tensor([1]), *_step(1, 4, 4, 3, gen, device))
+
+
+def test_repeated_calls_reuse_the_checked_plan_and_still_check_what_varies(device, gen):
+    # A second call with the same buffers skips re-validation of their metadata, but row_begin, host slot id
+    # values and any tensor whose shape/strides/dtype changed are checked again, with the same errors.
+    st, ids, outs = _scatter_args(device, gen)
+    for row_begin in (0, 2, 1):
+        want = slot_scatter_ref(st, ids, *outs, row_begin=row_begin)
+        slot_scatter(st, ids, *outs, row_begin=row_begin)
+        _assert_stores_equal(st, want)
+    before = st.clone()
+    with pytest.raises(ValueError, match="new_tokens: has 5 rows"):
+        slot_scatter(st, ids, *outs, row_begin=4)
+    with pytest.raises(TypeError, match="row_begin"):
+        slot_scatter(st, ids, *outs, row_begin=True)
+    with pytest.raises(ValueError, match="row_begin"):
+        slot_scatter(st, ids, *outs, row_begin=-1)
+    if device.type == "cpu":
+        ids[1] = ids[0]  # same tensor, same metadata, new values: still duplicate-checked
+        with pytest.raises(ValueError, match="duplicate"):
+            slot_scatter(st, ids, *outs)
+        ids[1] = 99
+        with pytest.raises(ValueError, match="slot_ids: values must lie"):
+            slot_scatter(st, ids, *outs)
+        ids[1] = 3
+    # The same tensor object resized in place (same address, fewer rows) takes the checked path again.
+    counts = outs[2]
+    counts.resize_(1)
+    with pytest.raises(ValueError, match="new_token_counts: has 1 rows"):
+        slot_scatter(st, ids, *outs)
+    # Same address and shape, other dtype.
+    with pytest.raises(TypeError, match="new_tokens"):
+        slot_scatter(st, ids, outs[0].view(torch.float32), *outs[1:])
+    _assert_stores_equal(st, before)
+
+
+def test_plan_cache_is_bounded_and_holds_no_tensors(device, gen):
+    st = _stores(16, 4, 4, 3, device)
+    for i in range(smod._SCATTER_PLANS.maxsize + 5):
+        ids = torch.tensor([i % 16], device=device)
+        outs = _step(1 + i % 3, 4, 4, 3, gen, device)
+        slot_scatter(st, ids, *outs)
+    assert len(smod._SCATTER_PLANS) <= smod._SCATTER_PLANS.maxsize
+    for plan in smod._SCATTER_PLANS._plans.values():
+        assert not any(isinstance(v, torch.Tensor) for v in plan.ptr_args)

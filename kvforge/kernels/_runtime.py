@@ -12,6 +12,11 @@
 * ``TunedKernel.launch_fast``: the same launch for hot paths. The first call per ``spec`` goes through
   ``JITFunction.run`` (compiles, tunes); later calls with an equal ``spec`` hand the arguments straight to the
   compiled kernel's launcher, skipping the per-argument binder, cache-key string and launch-metadata work.
+* ``TunedKernel.direct(spec)`` / ``DirectLaunch``: that cached launcher itself, for wrappers that keep a per-call
+  launch plan (prebuilt argument tuples, raw device pointers) and call it with no Python layer in between.
+* ``tensor_key`` / ``PlanCache``: a small cache of such plans keyed by what validation and launch depend on (each
+  tensor's address, shape, strides, dtype and device), so repeated calls with the same buffers skip
+  re-validation while a changed buffer takes the fully checked path again.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -132,6 +137,63 @@ _REGISTRY: dict[str, TunedKernel] = {}
 # Escape hatch: KVFORGE_FAST_LAUNCH=0 sends every launch through Triton's own path (e.g. to rule the direct
 # launcher out when debugging, or on a Triton whose CompiledKernel.run signature differs).
 _FAST_LAUNCH = os.environ.get("KVFORGE_FAST_LAUNCH", "1") != "0"
+
+
+def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a cached launch plan depends on for one tensor: address, shape, strides, dtype, device."""
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+class PlanCache:
+    """A bounded map from argument keys (built from ``tensor_key``) to launch plans; oldest entry evicted first.
+
+    A plan must hold no tensors (only addresses and sizes), so the cache keeps no caller buffer alive. Lookups
+    take no lock (a dict read is atomic); inserts do.
+    """
+
+    def __init__(self, maxsize: int = 32) -> None:
+        if maxsize < 1:
+            raise ValueError(f"maxsize: expected >= 1, got {maxsize}")
+        self.maxsize = maxsize
+        self._plans: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self.get = self._plans.get
+
+    def put(self, key: Any, plan: Any) -> Any:
+        with self._lock:
+            if key not in self._plans and len(self._plans) >= self.maxsize:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+class DirectLaunch(NamedTuple):
+    """A compiled kernel's launcher as ``launch_fast`` calls it; see ``TunedKernel.direct``.
+
+    Launch with ``run(gx, gy, gz, current_stream(device), function, packed_metadata, None, None, None, *args,
+    *consts)`` when ``current_device() == device`` and ``hooks_active()`` is False.
+    """
+
+    run: Callable[..., Any]
+    function: Any
+    packed_metadata: Any
+    consts: tuple[Any, ...]
+    device: int
+    current_device: Callable[[], int]
+    current_stream: Callable[[int], int]
+    meta: Mapping[str, Any]  # the chosen config's kwargs and the constexpr kwargs (what ``grid`` is given)
+
+
+def hooks_active() -> bool:
+    """True when a launch enter/exit hook (e.g. a profiler) is set: launches must then take Triton's full path."""
+    return _hooks_active()
 
 
 def _hooks_active() -> bool:
@@ -259,6 +321,18 @@ class TunedKernel:
         device = active.get_current_device()
         with self._lock:
             self._fast[spec] = (kernel, meta, device, active.get_current_device, active.get_current_stream, consts)
+
+    def direct(self, spec: Any) -> DirectLaunch | None:
+        """The launcher ``launch_fast`` uses for ``spec`` once a call has compiled it, else None (also when fast
+        launch is off). Pointer arguments may then be given as raw device addresses (ints) instead of tensors;
+        a host (pinned) tensor must still be passed as the tensor, whose address the launcher translates."""
+        fast = self._fast.get(spec) if _FAST_LAUNCH else None
+        if fast is None:
+            return None
+        kernel, meta, device, current_device, current_stream, consts = fast
+        return DirectLaunch(
+            kernel.run, kernel.function, kernel.packed_metadata, consts, device, current_device, current_stream, meta
+        )
 
     def chosen(self) -> dict[str, dict[str, Any]]:
         return {f"{arch}|{_key_str(key)}": config_to_json(cfg) for (arch, key), cfg in self._chosen.items()}

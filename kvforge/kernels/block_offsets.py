@@ -41,7 +41,15 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import check_tensor, same_device
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
+from kvforge.kernels._runtime import (
+    ConfigTable,
+    DirectLaunch,
+    PlanCache,
+    TunedKernel,
+    hooks_active,
+    interpreting,
+    tensor_key,
+)
 from kvforge.kernels._selfcheck import CheckRow, timed_check
 
 __all__ = ["copy_block_offsets", "copy_block_offsets_ref", "selfcheck"]
@@ -128,11 +136,15 @@ def _pool_constants(values: tuple[int, ...], device: torch.device) -> torch.Tens
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def _per_pool(name: str, v: object, pools: int, device: torch.device) -> torch.Tensor:
+def _per_pool(
+    name: str, v: object, pools: int, device: torch.device, *, resolved: torch.Tensor | None = None
+) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         check_tensor(name, v, dtype=torch.int32, ndim=1)
         _readable(name, v, device)
         t = v
+    elif resolved is not None:  # a valid int sequence whose device copy the caller already looked up
+        t = resolved
     elif isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             raise TypeError(f"{name}: expected a sequence of ints")
@@ -162,6 +174,66 @@ def _plane0(page_indices: torch.Tensor) -> torch.Tensor:
     return page_indices
 
 
+class _OffsetsPlan:
+    """What a validated ``copy_block_offsets`` argument set launches with; holds no tensors.
+
+    ``ptr_args`` are the kernel arguments with each device tensor replaced by its address; a pinned host tensor
+    stays a position in ``host_args`` (filled from the call's own tensors, so the launcher translates it).
+    """
+
+    __slots__ = (
+        "direct",
+        "grid",
+        "host_args",
+        "host_index",
+        "key",
+        "n_seq",
+        "out_cpu",
+        "ptr_args",
+        "row_capacity",
+        "spec",
+    )
+
+    def __init__(self, n_seq: int, row_capacity: int, host_index: bool, out_cpu: bool) -> None:
+        self.n_seq = n_seq
+        self.row_capacity = row_capacity
+        self.host_index = host_index
+        self.out_cpu = out_cpu
+        self.spec: tuple = ()
+        self.key: tuple = ()
+        self.grid: tuple[int, int, int] = (0, 0, 0)
+        self.direct: DirectLaunch | None = None
+        self.ptr_args: tuple = ()
+        self.host_args: tuple[int, ...] = ()
+
+
+_PLANS = PlanCache()
+
+
+def _plan_key(
+    page_indices: torch.Tensor, copy_index: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor
+) -> tuple:
+    return (
+        tensor_key(page_indices),
+        tensor_key(copy_index),
+        tensor_key(scales),
+        tensor_key(offsets),
+        tensor_key(out),
+        _MAX_GRID_YZ,
+    )
+
+
+def _seq_constants(v: object, device: torch.device) -> torch.Tensor | None:
+    """The cached device copy of a per-pool int sequence, or None when ``v`` is not a valid one."""
+    if isinstance(v, torch.Tensor) or not isinstance(v, Sequence) or isinstance(v, (str, bytes)):
+        return None
+    vt = tuple(v)
+    for x in vt:
+        if type(x) is not int or not -(2**31) <= x < 2**31:
+            return None
+    return _pool_constants(vt, device)
+
+
 def copy_block_offsets(
     page_indices: torch.Tensor,
     copy_index: torch.Tensor,
@@ -173,8 +245,51 @@ def copy_block_offsets(
 
     Shapes: ``page_indices [pools, row_capacity, blocks]`` (or ``[pools, rows, 2, blocks]``) int32,
     ``copy_index [n_seq]`` int32/int64, ``index_scales`` / ``kv_offset`` ``[pools]`` int32 (or int
-    sequences), ``out [pools, >= n_seq, 2, blocks]`` int32. Every check runs before the launch.
+    sequences), ``out [pools, >= n_seq, 2, blocks]`` int32. Every check runs before the launch; a call whose
+    tensors have the same addresses, shapes, strides, dtypes and devices as an earlier valid call reuses that
+    call's checked launch plan (host ``copy_index`` values are still range-checked each time).
     """
+    plan = None
+    try:
+        dev = out.device
+        # A per-pool int sequence is looked up in its device-copy cache once per call, on either path.
+        scales = index_scales if isinstance(index_scales, torch.Tensor) else _seq_constants(index_scales, dev)
+        offsets = kv_offset if isinstance(kv_offset, torch.Tensor) else _seq_constants(kv_offset, dev)
+        if scales is not None and offsets is not None:
+            plan = _PLANS.get(_plan_key(page_indices, copy_index, scales, offsets, out))
+    except (AttributeError, TypeError):  # not tensors: the checked path names the argument
+        scales = offsets = plan = None
+    if plan is None:
+        plan, scales, offsets = _offsets_plan(page_indices, copy_index, index_scales, kv_offset, out, scales, offsets)
+    elif plan.host_index:
+        _check_host_rows(copy_index, plan.row_capacity)
+    if plan.n_seq == 0:
+        return
+    if plan.out_cpu and not interpreting():
+        _host_path(_plane0(page_indices), copy_index, scales, offsets, out)
+        return
+    _launch(plan, page_indices, copy_index, scales, offsets, out)
+
+
+def _check_host_rows(copy_index: torch.Tensor, row_capacity: int) -> None:
+    """Host memory: checking costs no device synchronisation."""
+    if copy_index.shape[0] > 0:
+        lo, hi = int(copy_index.min()), int(copy_index.max())
+        if lo < 0 or hi >= row_capacity:
+            raise ValueError(f"copy_index: values must lie in [0, {row_capacity}), got min {lo}, max {hi}")
+
+
+def _offsets_plan(
+    page_indices: torch.Tensor,
+    copy_index: torch.Tensor,
+    index_scales: torch.Tensor | Sequence[int],
+    kv_offset: torch.Tensor | Sequence[int],
+    out: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    offsets: torch.Tensor | None = None,
+) -> tuple[_OffsetsPlan, torch.Tensor, torch.Tensor]:
+    """Every check of ``copy_block_offsets``; returns (and caches) the plan of this argument set, with the
+    per-pool tensors. ``scales`` / ``offsets``: sequences already resolved to their cached device copies."""
     check_tensor("out", out, dtype=torch.int32, ndim=4)
     device = out.device
     pages = _plane0(page_indices)
@@ -190,33 +305,69 @@ def copy_block_offsets(
         )
     if out.shape[1] < n_seq:
         raise ValueError(f"out: has {out.shape[1]} rows, fewer than n_seq = len(copy_index) = {n_seq}")
-    scales = _per_pool("index_scales", index_scales, pools, device)
-    offsets = _per_pool("kv_offset", kv_offset, pools, device)
+    scales = _per_pool("index_scales", index_scales, pools, device, resolved=scales)
+    offsets = _per_pool("kv_offset", kv_offset, pools, device, resolved=offsets)
     if pools > _MAX_GRID_YZ:
         raise ValueError(f"page_indices: {pools} pools exceed the grid limit of {_MAX_GRID_YZ}")
     if n_seq > 0 and row_capacity == 0:
         raise ValueError("page_indices: the table has no rows, so no copy_index value is valid")
-    if copy_index.device.type == "cpu" and n_seq > 0:
-        # Host memory: checking costs no device synchronisation.
-        lo, hi = int(copy_index.min()), int(copy_index.max())
-        if lo < 0 or hi >= row_capacity:
-            raise ValueError(f"copy_index: values must lie in [0, {row_capacity}), got min {lo}, max {hi}")
-    if n_seq == 0 or n_blocks == 0 or pools == 0:
-        return
-    if device.type == "cpu" and not interpreting():
-        _host_path(pages, copy_index, scales, offsets, out)
-        return
-    key = (min(1 << max(n_blocks - 1, 0).bit_length(), 1 << 16), pages.device.type)
-    ints = (*pages.stride(), copy_index.stride(0), scales.stride(0), offsets.stride(0), *out.stride())
+    host_index = copy_index.device.type == "cpu"
+    if host_index:
+        _check_host_rows(copy_index, row_capacity)
+    if n_blocks == 0 or pools == 0:
+        n_seq = 0  # nothing to write: no launch
+    plan = _OffsetsPlan(n_seq, row_capacity, host_index, device.type == "cpu")
     tensors = (pages, copy_index, scales, offsets, out)
-    # n_seq and row_capacity are do_not_specialize; everything else Triton specialises on is in the spec.
-    spec = (key, n_blocks, ints, tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
+    if n_seq:
+        key = (min(1 << max(n_blocks - 1, 0).bit_length(), 1 << 16), pages.device.type)
+        ints = (*pages.stride(), copy_index.stride(0), scales.stride(0), offsets.stride(0), *out.stride())
+        plan.key = key
+        # n_seq and row_capacity are do_not_specialize; everything else Triton specialises on is in the spec.
+        plan.spec = (key, n_blocks, ints, tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
+        args = (*tensors, n_seq, n_blocks, row_capacity, *ints)
+        # A device tensor's address is its kernel pointer; a pinned host tensor is passed as itself so that the
+        # launcher translates (and re-checks) it.
+        plan.host_args = tuple(i for i, t in enumerate(tensors) if t.device.type != "cuda")
+        plan.ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    _PLANS.put(_plan_key(page_indices, copy_index, scales, offsets, out), plan)
+    return plan, scales, offsets
+
+
+def _launch(
+    plan: _OffsetsPlan,
+    page_indices: torch.Tensor,
+    copy_index: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    d = plan.direct
+    if d is not None and not hooks_active() and d.current_device() == d.device:
+        args = plan.ptr_args
+        if plan.host_args:
+            args = list(args)
+            tensors = (page_indices, copy_index, scales, offsets, out)
+            for i in plan.host_args:
+                args[i] = tensors[i]
+        g = plan.grid
+        d.run(g[0], g[1], g[2], d.current_stream(d.device), d.function, d.packed_metadata, None, None, None, *args)
+        return
+    pages = _plane0(page_indices)
+    n_seq, n_blocks, pools = plan.n_seq, pages.shape[2], pages.shape[0]
+    tensors = (pages, copy_index, scales, offsets, out)
+
+    def grid_fn(m: object) -> tuple[int, int, int]:
+        return (triton.cdiv(n_blocks, m["BLOCK"]), min(n_seq, _MAX_GRID_YZ), pools)  # type: ignore[index]
+
     _KERNEL.launch_fast(
-        lambda m: (triton.cdiv(n_blocks, m["BLOCK"]), min(n_seq, _MAX_GRID_YZ), pools),
-        key,
-        spec,
-        (*tensors, n_seq, n_blocks, row_capacity, *ints),
+        grid_fn, plan.key, plan.spec, (*tensors, n_seq, n_blocks, plan.row_capacity, *plan.ptr_args[8:])
     )
+    if plan.direct is None:
+        d = _KERNEL.direct(plan.spec)
+        if d is not None:
+            plan.grid = grid_fn(d.meta)
+            plan.ptr_args = (*plan.ptr_args, *d.consts)
+            plan.direct = d
 
 
 def _host_path(

@@ -4,11 +4,17 @@ Why a kernel: two ``copy_(non_blocking=True)`` are two copy-engine hand-offs tha
 front of the next step's inputs; one kernel reading pinned memory through unified addressing is one launch.
 
 Why a snapshot: the kernel runs later than the call returns, and callers refill their host buffers for the
-next step at once (admission, scheduling). So the call first copies both host buffers (on the CPU) into a
-pinned staging buffer of its own and the kernel reads that snapshot. torch's pinned allocator keeps a block
-alive for a ``copy_`` it saw, but it does not see a kernel's reads, so the staging buffers are not handed back
-to it: they live in a ring (``StagingRing``) and a buffer is reused only after the event recorded behind its
-kernel has completed. With the ring full (64 uploads in flight) the next call waits for the oldest.
+next step at once (admission, scheduling). So the call first copies both host buffers (on the CPU, one
+``memmove`` each) into a pinned staging slot of its own and the kernel reads that snapshot. torch's pinned
+allocator keeps a block alive for a ``copy_`` it saw, but it does not see a kernel's reads, so the staging
+slots are not handed back to it: per device, one pinned slab holds 64 slots of 2 x 4 KiB, handed out by a
+ring (``StagingRing``), and a slot is reused only after the event recorded behind its kernel (on the stream
+that launched it) has completed. With the ring full (64 uploads in flight) the next call waits for the oldest.
+
+Hot path: the checks of a (host_a, host_b, dev_a, dev_b) set whose addresses, shapes, strides, dtypes and
+devices were seen before are reused (a plan cache, no tensors held); the call then only checks the current
+device and graph capture, takes a slot, snapshots, launches the compiled kernel's launcher with raw device
+addresses for the destinations, and records the slot's event (one driver call each).
 
 ``copy_small_pinned_pair`` returns False and launches nothing when the kernel path does not apply, and the
 caller then copies as usual: no CUDA device (CPU torch has no pinned memory), a host buffer that is not a
@@ -19,6 +25,7 @@ pairs (dtype, element count) are errors, not fallbacks.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -30,28 +37,38 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import check_tensor
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
+from kvforge.kernels._runtime import (
+    ConfigTable,
+    DirectLaunch,
+    PlanCache,
+    TunedKernel,
+    hooks_active,
+    interpreting,
+    tensor_key,
+)
 from kvforge.kernels._selfcheck import CheckRow, timed_check
 
 __all__ = ["MAX_PAIR_BYTES", "StagingRing", "copy_small_pinned_pair", "copy_small_pinned_pair_ref", "selfcheck"]
 
 MAX_PAIR_BYTES = 4096
 _RING_SLOTS = 64
+_SLOT_BYTES = 2 * MAX_PAIR_BYTES  # snapshot a at offset 0, b at MAX_PAIR_BYTES
 
 
-@triton.jit(do_not_specialize=["n_a", "n_b"])
-def _pinned_pair_kernel(src_a, dst_a, n_a, src_b, dst_b, n_b, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["off_a", "n_a", "off_b", "n_b"])
+def _pinned_pair_kernel(src_a, off_a, dst_a, n_a, src_b, off_b, dst_b, n_b, BLOCK: tl.constexpr):
     # Program 0 copies the first buffer, program 1 the second, so both PCIe reads are in flight together.
+    # off_a / off_b: where the snapshot starts in src (elements), so one staging slab serves every slot.
     if tl.program_id(0) == 0:
         for start in range(0, n_a, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n_a
-            tl.store(dst_a + offs, tl.load(src_a + offs, mask=m), mask=m)
+            tl.store(dst_a + offs, tl.load(src_a + off_a + offs, mask=m), mask=m)
     else:
         for start in range(0, n_b, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n_b
-            tl.store(dst_b + offs, tl.load(src_b + offs, mask=m), mask=m)
+            tl.store(dst_b + offs, tl.load(src_b + off_b + offs, mask=m), mask=m)
 
 
 # 4 KiB is at most 1,024 words: one pass of a 1,024-wide block, nothing to tune.
@@ -74,9 +91,9 @@ def _launch_pair(src_a: torch.Tensor, dst_a: torch.Tensor, src_b: torch.Tensor, 
     """Copy src_a -> dst_a and src_b -> dst_b (contiguous, equal byte sizes) in one launch. No checks."""
     sa, da = _words(src_a, dst_a)
     sb, db = _words(src_b, dst_b)
-    # n_a / n_b are do_not_specialize; the spec holds the rest of what the compiled kernel depends on.
+    # The offsets and n_a / n_b are do_not_specialize; the spec holds the rest the compiled kernel depends on.
     spec = tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in (sa, da, sb, db))
-    _KERNEL.launch_fast(_GRID2, (), spec, (sa, da, sa.numel(), sb, db, sb.numel()))
+    _KERNEL.launch_fast(_GRID2, (), spec, (sa, 0, da, sa.numel(), sb, 0, db, sb.numel()))
 
 
 def _grid2(meta: object) -> tuple[int]:
@@ -88,7 +105,7 @@ _GRID2 = _grid2
 
 @dataclass
 class _Slot:
-    buffer: Any  # pinned uint8 staging, 2 * MAX_PAIR_BYTES
+    buffer: Any  # staging: (pinned uint8 tensor, its int32 view, byte offset of the slot in it)
     event: Any  # recorded after the kernel that reads ``buffer``
 
 
@@ -148,21 +165,53 @@ class StagingRing:
             return len(self._free), len(self._busy)
 
 
-_RINGS: dict[int, StagingRing] = {}
-_RINGS_LOCK = threading.Lock()
+def _pinned_bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
-def _ring(device_index: int) -> StagingRing:
-    with _RINGS_LOCK:
-        ring = _RINGS.get(device_index)
-        if ring is None:
+class _Staging:
+    """One device's staging: a pinned slab of ``_RING_SLOTS`` slots, the ring handing them out, and the torch
+    stream objects that slot events are recorded on (cached per raw stream handle)."""
 
-            def new_slot() -> _Slot:
-                buf = torch.empty(2 * MAX_PAIR_BYTES, dtype=torch.uint8, pin_memory=True)
-                return _Slot(buf, torch.cuda.Event())
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self.slab = _pinned_bytes(_RING_SLOTS * _SLOT_BYTES)
+        self.words = self.slab.view(torch.int32)
+        self._made = 0
+        self.ring = StagingRing(_RING_SLOTS, self._new_slot)
+        self._streams: dict[int, torch.cuda.Stream] = {}
 
-            ring = _RINGS[device_index] = StagingRing(_RING_SLOTS, new_slot)
-        return ring
+    def _new_slot(self) -> _Slot:
+        # Called under the ring's lock. Past the slab (only when concurrent callers hold every slot) a slot
+        # gets a pinned buffer of its own.
+        i, self._made = self._made, self._made + 1
+        if i < _RING_SLOTS:
+            buffer = (self.slab, self.words, i * _SLOT_BYTES)
+        else:
+            own = _pinned_bytes(_SLOT_BYTES)
+            buffer = (own, own.view(torch.int32), 0)
+        return _Slot(buffer, torch.cuda.Event())
+
+    def stream(self, raw: int) -> torch.cuda.Stream:
+        """The torch stream object of the current stream, whose raw handle is ``raw``."""
+        s = self._streams.get(raw)
+        if s is None:
+            s = torch.cuda.current_stream(self.device_index)
+            if s.cuda_stream == raw:
+                self._streams[raw] = s
+        return s
+
+
+_STAGING: dict[int, _Staging] = {}
+_STAGING_LOCK = threading.Lock()
+
+
+def _staging(device_index: int) -> _Staging:
+    with _STAGING_LOCK:
+        st = _STAGING.get(device_index)
+        if st is None:
+            st = _STAGING[device_index] = _Staging(device_index)
+        return st
 
 
 def _check_pair(name_h: str, host: object, name_d: str, dev: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +235,32 @@ def _kernel_path_applies(host: torch.Tensor, dev: torch.Tensor) -> bool:
     )
 
 
+class _PairPlan:
+    """A checked (host_a, host_b, dev_a, dev_b) set whose upload takes the kernel path; addresses only."""
+
+    __slots__ = ("dev_a", "dev_b", "device", "direct", "host_a", "host_b", "n_a", "n_b", "nbytes_a", "nbytes_b")
+    __slots__ += ("spec", "staging", "word_a", "word_b")
+
+    def __init__(self, host_a: torch.Tensor, host_b: torch.Tensor, dev_a: torch.Tensor, dev_b: torch.Tensor) -> None:
+        index = dev_a.device.index
+        self.device = index if index is not None else torch.cuda.current_device()
+        self.host_a, self.host_b = host_a.data_ptr(), host_b.data_ptr()
+        self.dev_a, self.dev_b = dev_a.data_ptr(), dev_b.data_ptr()
+        self.nbytes_a = host_a.numel() * host_a.element_size()
+        self.nbytes_b = host_b.numel() * host_b.element_size()
+        # int32 words when the size and the destination allow (staging slots are always word-aligned).
+        self.word_a = self.nbytes_a % 4 == 0 and self.dev_a % 4 == 0
+        self.word_b = self.nbytes_b % 4 == 0 and self.dev_b % 4 == 0
+        self.n_a = self.nbytes_a // 4 if self.word_a else self.nbytes_a
+        self.n_b = self.nbytes_b // 4 if self.word_b else self.nbytes_b
+        self.spec = ("staged", self.device, self.word_a, self.word_b, self.dev_a % 16 == 0, self.dev_b % 16 == 0)
+        self.staging: _Staging | None = None
+        self.direct: DirectLaunch | None = None
+
+
+_PLANS = PlanCache()
+
+
 def copy_small_pinned_pair(
     host_a: torch.Tensor, host_b: torch.Tensor, dev_a: torch.Tensor, dev_b: torch.Tensor
 ) -> bool:
@@ -195,34 +270,94 @@ def copy_small_pinned_pair(
     the kernel path does not apply (module docstring); the caller then copies as usual. The host buffers may
     be rewritten as soon as this returns: the kernel reads a snapshot.
     """
+    try:
+        plan = _PLANS.get((tensor_key(host_a), tensor_key(host_b), tensor_key(dev_a), tensor_key(dev_b)))
+    except (AttributeError, TypeError):  # not tensors: the checked path names the argument
+        plan = None
+    if plan is None:
+        plan = _pair_plan(host_a, host_b, dev_a, dev_b)
+        if plan is None:
+            return False
+    if torch.cuda.current_device() != plan.device:
+        with torch.cuda.device(plan.device):
+            return _upload(plan, dev_a, dev_b)
+    return _upload(plan, dev_a, dev_b)
+
+
+def _pair_plan(
+    host_a: torch.Tensor, host_b: torch.Tensor, dev_a: torch.Tensor, dev_b: torch.Tensor
+) -> _PairPlan | None:
+    """Every check of ``copy_small_pinned_pair``: the plan (cached) when the kernel path applies, else None."""
     host_a, dev_a = _check_pair("host_a", host_a, "dev_a", dev_a)
     host_b, dev_b = _check_pair("host_b", host_b, "dev_b", dev_b)
     if interpreting() or not torch.cuda.is_available():
-        return False
+        return None
     if not (_kernel_path_applies(host_a, dev_a) and _kernel_path_applies(host_b, dev_b)):
-        return False
+        return None
     if dev_a.device != dev_b.device:
         raise ValueError(f"dev_b: expected a tensor on {dev_a.device} (as dev_a), got one on {dev_b.device}")
-    with torch.cuda.device(dev_a.device):
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        na = host_a.numel() * host_a.element_size()
-        nb = host_b.numel() * host_b.element_size()
-        if na + nb == 0:
-            return True
-        ring = _ring(dev_a.device.index if dev_a.device.index is not None else torch.cuda.current_device())
-        slot = ring.acquire()
-        try:
-            snap_a = slot.buffer[:na]
-            snap_b = slot.buffer[MAX_PAIR_BYTES : MAX_PAIR_BYTES + nb]
-            snap_a.copy_(host_a.reshape(-1).view(torch.uint8))
-            snap_b.copy_(host_b.reshape(-1).view(torch.uint8))
-            _launch_pair(snap_a, dev_a, snap_b, dev_b)
-            slot.event.record()
-        except BaseException:
-            ring.give_back(slot)
-            raise
-        ring.release(slot)
+    plan = _PairPlan(host_a, host_b, dev_a, dev_b)
+    return _PLANS.put((tensor_key(host_a), tensor_key(host_b), tensor_key(dev_a), tensor_key(dev_b)), plan)
+
+
+_memmove = ctypes.memmove
+
+
+def _upload(plan: _PairPlan, dev_a: torch.Tensor, dev_b: torch.Tensor) -> bool:
+    """Snapshot and launch on ``plan.device`` (the current device here)."""
+    if torch.cuda.is_current_stream_capturing():
+        return False  # a graph would bake one staging slot in
+    if plan.nbytes_a + plan.nbytes_b == 0:
+        return True
+    staging = plan.staging
+    if staging is None:
+        staging = plan.staging = _staging(plan.device)
+    ring = staging.ring
+    slot = ring.acquire()
+    try:
+        slab, words, off = slot.buffer
+        base = slab.data_ptr() + off
+        # Plain host memory copies (no torch dispatch): the snapshot the kernel reads.
+        if plan.nbytes_a:
+            _memmove(base, plan.host_a, plan.nbytes_a)
+        if plan.nbytes_b:
+            _memmove(base + MAX_PAIR_BYTES, plan.host_b, plan.nbytes_b)
+        src_a = words if plan.word_a else slab
+        off_a = off >> 2 if plan.word_a else off
+        src_b = words if plan.word_b else slab
+        off_b = (off + MAX_PAIR_BYTES) >> 2 if plan.word_b else off + MAX_PAIR_BYTES
+        d = plan.direct
+        if d is not None and not hooks_active():
+            raw = d.current_stream(plan.device)
+            # The staging slab is passed as a tensor (the launcher translates a pinned host address); the
+            # destinations, device memory, as their addresses.
+            d.run(
+                2, 1, 1, raw, d.function, d.packed_metadata, None, None, None,
+                src_a, off_a, plan.dev_a, plan.n_a, src_b, off_b, plan.dev_b, plan.n_b, *d.consts,
+            )  # fmt: skip
+        else:
+            dst_a = dev_a.reshape(-1).view(torch.uint8)
+            dst_b = dev_b.reshape(-1).view(torch.uint8)
+            args = (
+                src_a,
+                off_a,
+                dst_a.view(torch.int32) if plan.word_a else dst_a,
+                plan.n_a,
+                src_b,
+                off_b,
+                dst_b.view(torch.int32) if plan.word_b else dst_b,
+                plan.n_b,
+            )
+            _KERNEL.launch_fast(_GRID2, (), plan.spec, args)
+            if plan.direct is None:
+                plan.direct = _KERNEL.direct(plan.spec)
+            raw = torch.cuda.current_stream(plan.device).cuda_stream
+        # Recorded behind the kernel on the stream that launched it: the slot is reused only once it completed.
+        slot.event.record(staging.stream(raw))
+    except BaseException:
+        ring.give_back(slot)
+        raise
+    ring.release(slot)
     return True
 
 

@@ -51,7 +51,15 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import check_tensor
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, kernel_device
+from kvforge.kernels._runtime import (
+    ConfigTable,
+    DirectLaunch,
+    PlanCache,
+    TunedKernel,
+    hooks_active,
+    kernel_device,
+    tensor_key,
+)
 from kvforge.kernels._selfcheck import CheckRow, timed_check
 
 __all__ = [
@@ -134,8 +142,10 @@ def _slot_scatter_kernel(
     okw = ok[:, None]
     src2 = src[:, None]
     slot2 = slot[:, None]
-    # Zero padding comes from the masked loads' other=0; truncation from the store masks.
-    v = tl.load(new_ptr + src2 * s_new_r + w * s_new_w, mask=okw & (w < w_new_src) & (w < count[:, None]), other=0)
+    # Zero padding comes from the masked loads' other=0; truncation from the store masks. The count mask is
+    # applied after the load so that the load does not wait for the count's (one memory round trip fewer).
+    v = tl.load(new_ptr + src2 * s_new_r + w * s_new_w, mask=okw & (w < w_new_src), other=0)
+    v = tl.where(w < count[:, None], v, 0)
     tl.store(st_new_ptr + w * st_new_w + slot2 * st_new_s, v.to(st_new_ptr.dtype.element_ty), mask=okw & (w < w_new))
     v = tl.load(next_ptr + src2 * s_next_r + w * s_next_w, mask=okw & (w < w_next_src), other=0)
     tl.store(
@@ -295,15 +305,21 @@ def _check_stores(stores: object) -> SlotStores:
 def _check_slot_ids(slot_ids: object, stores: SlotStores, *, unique: bool) -> torch.Tensor:
     check_tensor("slot_ids", slot_ids, dtype=_INT, ndim=1, device=stores.device)
     assert isinstance(slot_ids, torch.Tensor)
-    n = slot_ids.shape[0]
-    if n and slot_ids.device.type == "cpu":
-        # Host memory: range and uniqueness cost no device synchronisation.
-        lo, hi = int(slot_ids.min()), int(slot_ids.max())
-        if lo < 0 or hi >= stores.num_slots:
-            raise ValueError(f"slot_ids: values must lie in [0, {stores.num_slots}), got min {lo}, max {hi}")
-        if unique and torch.unique(slot_ids).numel() != n:
-            raise ValueError("slot_ids: duplicate slots (two rows would write one slot)")
+    if slot_ids.device.type == "cpu":
+        _check_host_slot_values(slot_ids, stores.num_slots, unique=unique)
     return slot_ids
+
+
+def _check_host_slot_values(slot_ids: torch.Tensor, num_slots: int, *, unique: bool) -> None:
+    """Host memory: range and uniqueness cost no device synchronisation."""
+    n = slot_ids.shape[0]
+    if n == 0:
+        return
+    lo, hi = int(slot_ids.min()), int(slot_ids.max())
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"slot_ids: values must lie in [0, {num_slots}), got min {lo}, max {hi}")
+    if unique and torch.unique(slot_ids).numel() != n:
+        raise ValueError("slot_ids: duplicate slots (two rows would write one slot)")
 
 
 def _check_row_begin(row_begin: object) -> int:
@@ -312,6 +328,42 @@ def _check_row_begin(row_begin: object) -> int:
     if row_begin < 0:
         raise ValueError(f"row_begin: expected >= 0, got {row_begin}")
     return row_begin
+
+
+class _ScatterPlan:
+    """What a validated ``slot_scatter`` argument set launches with; holds no tensors (addresses only).
+
+    ``ptr_args`` are the kernel arguments with every tensor replaced by its device address and ``row_begin``
+    (argument 3, the only per-call value) left as None. ``direct`` / ``grid`` are filled once the kernel for
+    ``spec`` is compiled (on a GPU; in the interpreter every launch takes Triton's path).
+    """
+
+    __slots__ = ("block_w", "direct", "grid", "host_ids", "min_rows", "n", "num_slots", "ptr_args", "spec")
+
+    def __init__(self, n: int, min_rows: int, num_slots: int, host_ids: bool) -> None:
+        self.n = n
+        self.min_rows = min_rows
+        self.num_slots = num_slots
+        self.host_ids = host_ids
+        self.spec: tuple = ()
+        self.block_w = 0
+        self.ptr_args: tuple = ()
+        self.direct: DirectLaunch | None = None
+        self.grid = 0
+
+
+_SCATTER_PLANS = PlanCache()
+
+
+def _scatter_key(stores: SlotStores, tensors: tuple[torch.Tensor, ...]) -> tuple:
+    st = stores
+    return (
+        tensor_key(st.new_tokens),
+        tensor_key(st.next_new_tokens),
+        tensor_key(st.new_token_counts),
+        tensor_key(st.next_draft_tokens),
+        *[tensor_key(t) for t in tensors],
+    )
 
 
 def slot_scatter(
@@ -329,7 +381,40 @@ def slot_scatter(
     ``slot_ids [N]`` int32/int64; ``new_tokens [M, a]``, ``next_new_tokens [M, b]``, ``new_token_counts [M]``,
     ``next_draft_tokens [M, c]`` integer tensors (any strides) of which rows ``row_begin .. row_begin + N - 1``
     are stored; everything on ``stores.device``. Values are cast to each store's dtype.
+
+    Every argument is checked on every call; a call whose tensors have the same addresses, shapes, strides,
+    dtypes and devices as an earlier valid call reuses that call's checked launch plan (host ``slot_ids``
+    values are still range- and duplicate-checked each time).
     """
+    plan = None
+    if type(stores) is SlotStores:
+        try:
+            key = _scatter_key(stores, (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens))
+        except (AttributeError, TypeError):  # not tensors: the checked path names the argument
+            key = None
+        if key is not None:
+            plan = _SCATTER_PLANS.get(key)
+    if plan is None or type(row_begin) is not int or row_begin < 0 or row_begin + plan.n > plan.min_rows:
+        plan = _scatter_plan(
+            stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, row_begin
+        )
+    elif plan.host_ids:
+        _check_host_slot_values(slot_ids, plan.num_slots, unique=True)
+    if plan.n == 0:
+        return
+    _scatter_launch(plan, row_begin, stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens)
+
+
+def _scatter_plan(
+    stores: SlotStores,
+    slot_ids: torch.Tensor,
+    new_tokens: torch.Tensor,
+    next_new_tokens: torch.Tensor,
+    new_token_counts: torch.Tensor,
+    next_draft_tokens: torch.Tensor,
+    row_begin: object,
+) -> _ScatterPlan:
+    """Every check of ``slot_scatter``; returns (and caches) the plan of this argument set."""
     dev = _check_stores(stores).device
     slot_ids = _check_slot_ids(slot_ids, stores, unique=True)
     row_begin = _check_row_begin(row_begin)
@@ -344,9 +429,27 @@ def slot_scatter(
         check_tensor(name, t, dtype=_INT, ndim=nd, device=dev)
         if t.shape[0] < row_begin + n:
             raise ValueError(f"{name}: has {t.shape[0]} rows, needs row_begin + len(slot_ids) = {row_begin + n}")
-    if n == 0:
-        return
-    st = stores
+    plan = _ScatterPlan(n, min(t.shape[0] for _, t, _ in outputs), stores.num_slots, slot_ids.device.type == "cpu")
+    if n:
+        args, plan.spec, plan.block_w = _scatter_args(
+            stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, n, 0
+        )
+        plan.ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    tensors = (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens)
+    return _SCATTER_PLANS.put(_scatter_key(stores, tensors), plan)
+
+
+def _scatter_args(
+    st: SlotStores,
+    slot_ids: torch.Tensor,
+    new_tokens: torch.Tensor,
+    next_new_tokens: torch.Tensor,
+    new_token_counts: torch.Tensor,
+    next_draft_tokens: torch.Tensor,
+    n: int,
+    row_begin: int,
+) -> tuple[tuple, tuple, int]:
+    """The scatter kernel's runtime arguments (signature order), its launch spec and BLOCK_W."""
     widths = (st.new_tokens.shape[0], st.next_new_tokens.shape[0], st.next_draft_tokens.shape[1])
     block_w = _pow2(max(widths))
     tensors = (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, *st.tensors())
@@ -366,39 +469,65 @@ def slot_scatter(
         *st.next_draft_tokens.stride(),
         *widths,
     )
-    # n and row_begin are do_not_specialize: they change per step without a new compiled kernel.
-    _SCATTER.launch_fast(
-        lambda m: (triton.cdiv(n, m["BLOCK_R"]),),
-        (block_w,),
-        (_spec(tensors), ints, block_w),
-        (
-            slot_ids,
-            ints[0],
-            n,
-            row_begin,
-            ints[1],
-            new_tokens,
-            *ints[2:5],
-            next_new_tokens,
-            *ints[5:8],
-            new_token_counts,
-            ints[8],
-            next_draft_tokens,
-            *ints[9:12],
-            st.new_tokens,
-            *ints[12:14],
-            widths[0],
-            st.next_new_tokens,
-            *ints[14:16],
-            widths[1],
-            st.new_token_counts,
-            ints[16],
-            st.next_draft_tokens,
-            *ints[17:19],
-            widths[2],
-        ),
-        BLOCK_W=block_w,
+    args = (
+        slot_ids,
+        ints[0],
+        n,
+        row_begin,
+        ints[1],
+        new_tokens,
+        *ints[2:5],
+        next_new_tokens,
+        *ints[5:8],
+        new_token_counts,
+        ints[8],
+        next_draft_tokens,
+        *ints[9:12],
+        st.new_tokens,
+        *ints[12:14],
+        widths[0],
+        st.next_new_tokens,
+        *ints[14:16],
+        widths[1],
+        st.new_token_counts,
+        ints[16],
+        st.next_draft_tokens,
+        *ints[17:19],
+        widths[2],
     )
+    # n and row_begin are do_not_specialize: they change per step without a new compiled kernel.
+    return args, (_spec(tensors), ints, block_w), block_w
+
+
+def _scatter_launch(
+    plan: _ScatterPlan,
+    row_begin: int,
+    stores: SlotStores,
+    slot_ids: torch.Tensor,
+    new_tokens: torch.Tensor,
+    next_new_tokens: torch.Tensor,
+    new_token_counts: torch.Tensor,
+    next_draft_tokens: torch.Tensor,
+) -> None:
+    d = plan.direct
+    if d is not None and not hooks_active() and d.current_device() == d.device:
+        a = plan.ptr_args
+        d.run(
+            plan.grid, 1, 1, d.current_stream(d.device), d.function, d.packed_metadata, None, None, None,
+            *a[:3], row_begin, *a[4:], *d.consts,
+        )  # fmt: skip
+        return
+    n = plan.n
+    args, spec, block_w = _scatter_args(
+        stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, n, row_begin
+    )
+    _SCATTER.launch_fast(lambda m: (triton.cdiv(n, m["BLOCK_R"]),), (block_w,), spec, args, BLOCK_W=block_w)
+    if plan.direct is None:
+        # Every tensor is on the kernel's GPU (checked), so raw addresses stand for them from now on.
+        d = _SCATTER.direct(spec)
+        if d is not None:
+            plan.grid = triton.cdiv(n, d.meta["BLOCK_R"])
+            plan.direct = d
 
 
 def _check_out(out: StepInputs, n: int, t: int, dev: torch.device) -> int:
