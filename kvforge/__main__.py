@@ -1,6 +1,8 @@
 """``python -m kvforge`` / ``kvforge``: command-line entry point.
 
 Subcommands:
+  simulate    (the default) trace-driven serving simulator: router -> schedulers -> cache managers, in simulated
+              time; with no arguments it runs the embedded synthetic workload (see ``kvforge simulate --help``)
   selfcheck   run every kernel against its reference on this machine (the Triton interpreter without a GPU)
 """
 
@@ -28,14 +30,35 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from kvforge.sim.cli import run_safely
+
+    return run_safely(args)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit status 2 (no usage dump, no traceback)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvforge", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
+    from kvforge.sim.cli import add_arguments
+
+    parser = _Parser(prog="kvforge", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    p = sub.add_parser("simulate", help="trace-driven serving simulator (the default command)")
+    add_arguments(p)
+    p.set_defaults(func=_simulate)
     p = sub.add_parser("selfcheck", help="check every kernel against its reference")
     p.set_defaults(func=_selfcheck)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        # No subcommand: the main job, simulate, with whatever options were given.
+        argv = ["simulate", *argv]
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["selfcheck", *(argv or [])])
     return int(args.func(args))
 
 

@@ -1,0 +1,377 @@
+"""The event loop: requests arrive, the router places them, each server's scheduler steps in simulated time.
+
+Composition (nothing here decides a policy): a :class:`~kvforge.routing.Router` (``route`` on arrival,
+``finish`` when the request's last token is out, ``on_event`` fed by every server manager's block events) →
+one :class:`~kvforge.sim.server.SimServer` per server (the real ``Scheduler`` over the real cache manager) →
+the step-time model for durations.
+
+Events, in time order: an arrival is routed and queued on its server, which starts a step if idle; a step's
+end reports the batch to the scheduler (finished requests leave the router's load) and starts the next step
+at once while the server has unfinished requests. Ties go to step ends first, so a request that finishes at
+the instant another arrives has already left the router's load.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.errors import SchedulerDeadlockError
+from kvforge.kvcache.config import LifeCycleKind
+from kvforge.routing import (
+    CacheAwareRouter,
+    ConversationRouter,
+    ImbalanceGuard,
+    LeastLoadRouter,
+    RoundRobinRouter,
+    Router,
+    RouteRequest,
+)
+from kvforge.scheduling import SchedulerConfig
+from kvforge.sim.model import KIMI_K3_LIKE, ModelSpec, StepTimeModel, Throughputs
+from kvforge.sim.server import GiB, SimServer, make_cache_manager, plan_cache_layout, snapshot_policies
+from kvforge.sim.workload import SimRequest
+
+__all__ = ["ROUTER_POLICIES", "RunResult", "SimConfig", "SimulationError", "make_router", "simulate"]
+
+ROUTER_POLICIES: dict[str, str] = {
+    "conversation": "ConversationRouter: sticky sessions, prefix trie, 'specific' follow mode (the default)",
+    "conversation-always": "ConversationRouter, 'always' follow mode (weighs load by uncached tokens)",
+    "conversation-events": "ConversationRouter, 'always' + the servers' cache events + imbalance guard",
+    "cache-aware": "SGLang-router-like: best approximate prefix match unless imbalanced, then shortest queue",
+    "least-load": "fewest prompt tokens in flight",
+    "round-robin": "servers in turn",
+}
+
+
+class SimulationError(ValueError):
+    """The simulation cannot run with these inputs (the message says why, in one line)."""
+
+
+def make_router(name: str, servers: Sequence[Hashable], tokens_per_block: int, tree_blocks: int) -> Router:
+    """A router by policy name (see :data:`ROUTER_POLICIES`). Requests always finish in the simulator, so the
+    time-to-live that reclaims leaked load is off."""
+    common: dict[str, Any] = {"tokens_per_block": tokens_per_block, "request_ttl_s": None}
+    if name == "conversation":
+        return ConversationRouter(servers, **common)
+    if name == "conversation-always":
+        return ConversationRouter(servers, new_conversation_follow="always", **common)
+    if name == "conversation-events":
+        return ConversationRouter(
+            servers,
+            new_conversation_follow="always",
+            use_cache_events=True,
+            imbalance_guard=ImbalanceGuard(),
+            **common,
+        )
+    if name == "cache-aware":
+        return CacheAwareRouter(servers, tree_capacity_blocks=tree_blocks, **common)
+    if name == "least-load":
+        return LeastLoadRouter(servers, **common)
+    if name == "round-robin":
+        return RoundRobinRouter(servers, **common)
+    raise SimulationError(f"--router: unknown policy {name!r}; expected one of {', '.join(ROUTER_POLICIES)}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated fleet. ``cache_gib``: KV bytes per server (attention latent + recurrent states);
+    ``state_fraction``: the share of them for recurrent states; ``max_num_tokens``: the real per-step token
+    budget (the scheduler gets ``decode_quantum`` times it, see :mod:`kvforge.sim.server`)."""
+
+    servers: int = 4
+    model: ModelSpec = KIMI_K3_LIKE
+    throughputs: Throughputs = field(default_factory=Throughputs)
+    cache_gib: float = 64.0
+    state_fraction: float = 0.5
+    tokens_per_block: int = 128
+    snapshot_policy: str | None = None  # None: the best the model allows (cost-aware for a hybrid model)
+    max_num_tokens: int = 8192
+    max_num_requests: int = 256
+    decode_quantum: int = 8
+    demote_uncached_tokens: int = 0
+    exact_demotion: bool = False
+    load_samples: int = 200
+
+    def __post_init__(self) -> None:
+        if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
+            raise SimulationError(f"--servers: expected an int >= 1, got {self.servers!r}")
+        if not isinstance(self.model, ModelSpec):
+            raise TypeError(f"model: expected a ModelSpec, got {type(self.model).__name__}")
+        if not (isinstance(self.cache_gib, (int, float)) and math.isfinite(self.cache_gib) and self.cache_gib > 0):
+            raise SimulationError(f"--cache-gib: expected a positive number, got {self.cache_gib!r}")
+        if not 0.0 < self.state_fraction < 1.0:
+            raise SimulationError(f"--state-fraction: expected a number in (0, 1), got {self.state_fraction!r}")
+        for name in ("tokens_per_block", "max_num_tokens", "max_num_requests", "decode_quantum", "load_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SimulationError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.demote_uncached_tokens < 0:
+            raise SimulationError(f"--demote: expected tokens >= 0, got {self.demote_uncached_tokens}")
+        if self.snapshot_policy is None:
+            object.__setattr__(self, "snapshot_policy", snapshot_policies(self.model)[0])
+        if self.exact_demotion and not self.demote_uncached_tokens:
+            raise SimulationError("--exact-demotion needs a demotion threshold (--demote TOKENS)")
+
+
+@dataclass
+class RunResult:
+    """The figures of one run (one router policy over one workload)."""
+
+    policy: str
+    snapshot_policy: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    hit_rate: float
+    hit_tokens: int
+    prefill_computed: int
+    prefill_saved: int
+    snapshots: dict[str, float]
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+    throughput_tok_s: float
+    makespan_s: float
+    imbalance: float
+    load_imbalance_p99: float
+    preemptions: int
+    demotions: int
+    deferrals: int
+    wall_s: float
+    load_times: list[float] = field(default_factory=list, repr=False)
+    load_series: list[list[int]] = field(default_factory=list, repr=False)
+    ttfts: dict[int, float] = field(default_factory=dict, repr=False)  # request id -> time to first token
+
+    def row(self) -> dict[str, Any]:
+        """The CSV row (time series left out)."""
+        out = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("load_times", "load_series", "ttfts", "snapshots") and not k.startswith("_")
+        }
+        for k, v in self.snapshots.items():
+            out[f"snapshot_{k}"] = v
+        return out
+
+
+def _percentile(values: Sequence[float], q: float, weights: Sequence[float] | None = None) -> float:
+    if not values:
+        return float("nan")
+    if weights is None:
+        xs = sorted(values)
+        k = (len(xs) - 1) * q / 100.0
+        lo = math.floor(k)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    pairs = sorted(zip(values, weights))
+    total = sum(w for _, w in pairs)
+    target = total * q / 100.0
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= target:
+            return v
+    return pairs[-1][0]
+
+
+def _snapshot_stats(managers: Sequence[Any]) -> dict[str, float]:
+    """The hybrid managers' counters (``HybridCounters``), summed over servers, plus the snapshot pages held at
+    the end; empty for plain managers."""
+    out: dict[str, float] = {}
+    for m in managers:
+        counters = getattr(m, "counters", None)
+        if counters is None:
+            continue
+        for k, v in vars(counters).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+        held = 0
+        for g in m.groups:
+            if g.life_cycle.kind is LifeCycleKind.RECURRENT:
+                pool = m.pool(g.group_id)
+                held += pool.capacity - m.num_free_pages(g.group_id)
+        # Every request has finished, so no live state is left: what the recurrent pools hold are snapshots.
+        out["held_at_end"] = out.get("held_at_end", 0) + held
+    return out
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    config: SimConfig,
+    policy: str,
+    *,
+    progress: bool = False,
+    desc: str | None = None,
+) -> RunResult:
+    """Replay ``requests`` (sorted by arrival) over ``config.servers`` servers under router ``policy``."""
+    t_wall = time.perf_counter()
+    if not requests:
+        raise SimulationError("workload: no requests")
+    tpb = config.tokens_per_block
+    try:
+        layout = plan_cache_layout(config.model, int(config.cache_gib * GiB), tpb, config.state_fraction)
+    except ValueError as exc:
+        raise SimulationError(f"--cache-gib: {exc}") from None
+    quantum = config.decode_quantum
+    step_tokens = quantum * (1 + config.model.draft_len)
+    longest = max(r.prompt_tokens + r.output_tokens for r in requests) + step_tokens
+    if longest > layout.attention_tokens:
+        raise SimulationError(
+            f"--cache-gib: {config.cache_gib:g} GiB per server holds {layout.attention_tokens:,} tokens of "
+            f"{config.model.name} KV, but the longest request needs {longest:,}; raise --cache-gib"
+        )
+    server_ids = list(range(config.servers))
+    router = make_router(policy, server_ids, tpb, layout.attention_tokens // tpb)
+    step_model = StepTimeModel(config.model, config.throughputs)
+    sched_cfg = SchedulerConfig(
+        max_num_tokens=quantum * config.max_num_tokens,
+        max_num_requests=config.max_num_requests,
+        demote_uncached_tokens=config.demote_uncached_tokens,
+        exact_context_demotion=config.exact_demotion,
+    )
+    servers: list[SimServer] = []
+    clock = [0.0]
+    for s in server_ids:
+        sink: Callable[[Any], None] = lambda ev, s=s: router.on_event(s, ev)
+        try:
+            mgr = make_cache_manager(layout, config.model, config.snapshot_policy, sink, lambda: clock[0])
+        except ValueError as exc:
+            raise SimulationError(str(exc)) from None
+        servers.append(
+            SimServer(
+                s,
+                mgr,
+                sched_cfg,
+                step_model,
+                decode_quantum=quantum,
+                real_step_tokens=config.max_num_tokens,
+                exact_context_demotion=config.exact_demotion,
+            )
+        )
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc=desc or policy, unit="req", file=sys.stderr, leave=False, mininterval=0.5)
+
+    t0 = requests[0].arrival_s
+    horizon = max(requests[-1].arrival_s - t0, 1e-9)
+    sample_dt = horizon / config.load_samples
+    next_sample = t0
+    load_times: list[float] = []
+    load_series: list[list[int]] = []
+    ttfts: dict[int, float] = {}
+    last_finish = t0
+    # Step ends, as (time, seq, server, batch); seq breaks ties in a stable order.
+    ends: list[tuple[float, int, int, Any]] = []
+    seq = 0
+    n = len(requests)
+    i = 0
+    inf = math.inf
+    done = 0
+    try:
+        while i < n or ends:
+            t_arr = requests[i].arrival_s if i < n else inf
+            t_end = ends[0][0] if ends else inf
+            t = t_end if t_end <= t_arr else t_arr
+            clock[0] = t
+            while next_sample <= t:
+                load_times.append(next_sample - t0)
+                load_series.append([sv.num_unfinished for sv in servers])
+                next_sample += sample_dt
+            if t_end <= t_arr:
+                _, _, s, batch = heapq.heappop(ends)
+                sv = servers[s]
+                finished = sv.finish_step(batch, t)
+                for r in finished:
+                    router.finish(r.request_id)
+                    ttfts[r.request_id] = r.first_token_time - r.arrival_time  # type: ignore[index,operator]
+                    last_finish = t
+                if finished:
+                    done += len(finished)
+                    if bar is not None:
+                        bar.update(len(finished))
+                if sv.num_unfinished:
+                    b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
+                    seq += 1
+                    heapq.heappush(ends, (t + dt, seq, s, b))
+                else:
+                    sv.busy = False
+            else:
+                r = requests[i]
+                i += 1
+                s = router.route(
+                    RouteRequest(
+                        request_id=r.request_id,
+                        block_hashes=r.block_keys,
+                        num_tokens=r.prompt_tokens,
+                        conversation_id=r.conversation_id,
+                    )
+                )
+                sv = servers[s]  # type: ignore[index]
+                sv.submit(r)
+                if not sv.busy:
+                    sv.busy = True
+                    b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
+                    seq += 1
+                    heapq.heappush(ends, (t + dt, seq, s, b))
+    except SchedulerDeadlockError as exc:
+        raise SimulationError(
+            f"--cache-gib: a server deadlocked ({str(exc).split(':', 1)[0]}); raise --cache-gib"
+        ) from None
+    finally:
+        if bar is not None:
+            bar.close()
+
+    leaked = {k: v for k, v in router.loads().items() if v}
+    if leaked or any(sv.num_unfinished for sv in servers):
+        # Every request finished, so the router must hold no load: anything else is a bug in the composition.
+        raise RuntimeError(
+            f"simulation ended with load left: router {leaked}, servers {[sv.num_unfinished for sv in servers]}"
+        )
+    hit = sum(sv.stats.first_admission_reused for sv in servers)
+    managers = [sv.manager for sv in servers]
+    prompt = sum(r.prompt_tokens for r in requests)
+    output = sum(r.output_tokens for r in requests)
+    busy = [sv.stats.busy_s for sv in servers]
+    mean_busy = sum(busy) / len(busy)
+    inst = [max(v) / (sum(v) / len(v)) for v in load_series if sum(v) >= len(v)]
+    itl_v = [x for sv in servers for x in sv.stats.itl_values]
+    itl_w = [x for sv in servers for x in sv.stats.itl_weights]
+    makespan = max(last_finish - t0, 1e-9)
+    stats = [sv.scheduler.stats for sv in servers]
+    return RunResult(
+        policy=policy,
+        snapshot_policy=config.snapshot_policy,
+        requests=n,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        hit_rate=hit / prompt,
+        hit_tokens=hit,
+        prefill_computed=sum(s.context_tokens for s in stats),
+        prefill_saved=sum(m.stats.reused_tokens for m in managers),
+        snapshots=_snapshot_stats(managers),
+        ttft_p50=_percentile(list(ttfts.values()), 50),
+        ttft_p99=_percentile(list(ttfts.values()), 99),
+        itl_p50=_percentile(itl_v, 50, itl_w),
+        itl_p99=_percentile(itl_v, 99, itl_w),
+        throughput_tok_s=output / makespan,
+        makespan_s=makespan,
+        imbalance=max(busy) / mean_busy if mean_busy > 0 else float("nan"),
+        load_imbalance_p99=_percentile(inst, 99) if inst else float("nan"),
+        preemptions=sum(s.preemptions for s in stats),
+        demotions=sum(s.demotions for s in stats),
+        deferrals=sum(s.deferrals for s in stats),
+        wall_s=time.perf_counter() - t_wall,
+        load_times=load_times,
+        load_series=load_series,
+        ttfts=ttfts,
+    )
