@@ -26,8 +26,12 @@ python3 -m kvforge selfcheck 2>&1 | tee "$OUT_DIR/selfcheck.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ "$PYTEST_ARGS" != "none" ]; then
   echo "== tests"
+  # Small-size tests in parallel; the full-size GPU tests one at a time (in parallel they run out of memory).
   # shellcheck disable=SC2086
-  python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 300 $PYTEST_ARGS 2>&1 | tee "$OUT_DIR/tests.log"
+  python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 300 -m "not gpu" $PYTEST_ARGS 2>&1 | tee "$OUT_DIR/tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # shellcheck disable=SC2086
+  python3 -m pytest -q -p no:cacheprovider --timeout 300 -m gpu $PYTEST_ARGS 2>&1 | tee "$OUT_DIR/tests_gpu.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
