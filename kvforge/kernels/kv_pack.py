@@ -79,10 +79,16 @@ def _kv_block_copy_kernel(
     pool_block = pool_off + page * page_stride + col_off
     buf_block = buf_off + j * rows * cols
     offs = tl.arange(0, BLOCK)
-    for r in range(0, rows):
+    # The trip counts come from memory, so the loops are `while` loops: Triton 3.6's interpreter cannot use a loaded
+    # value (a shape-(1,) array) as a `range` bound under NumPy >= 2.4. Compiled, they lower to the same loops; the
+    # hint on `c` restores the divisibility a `range(0, cols, BLOCK)` induction variable would carry.
+    r = tl.zeros_like(rows)
+    while r < rows:
         src = tl.multiple_of(pool_block + r * row_stride, ALIGN)
         dst = tl.multiple_of(buf_block + r * cols, ALIGN)
-        for c in range(0, cols, BLOCK):
+        c = tl.zeros_like(cols)
+        while c < cols:
+            c = tl.multiple_of(c, BLOCK)
             idx = c + offs
             m = idx < cols
             if UNPACK:
@@ -91,6 +97,8 @@ def _kv_block_copy_kernel(
             else:
                 x = tl.load(base_ptr + src + idx, mask=m)
                 tl.store(base_ptr + dst + idx, x, mask=m)
+            c += BLOCK
+        r += 1
 
 
 def _cfg(block: int, warps: int) -> triton.Config:

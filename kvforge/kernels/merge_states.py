@@ -62,22 +62,28 @@ def _merge_states_kernel(
     cmask = cols < D
     lse_row = t * s_lt + h * s_lh
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    for s in range(0, S):
+    # `while` rather than `range(0, S)`: Triton 3.6's interpreter cannot turn a runtime int argument (a shape-(1,)
+    # array) into a `range` bound under NumPy >= 2.4. Compiled, both lower to the same counted loop.
+    s = 0
+    while s < S:
         lse_s = tl.load(lse_ptr + s * s_ls + lse_row, mask=rmask, other=float("-inf"))
         m = tl.maximum(m, lse_s)
+        s += 1
     # All shares empty: shift by 0 so every weight is exp(-inf) = 0 instead of exp(nan).
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     denom = tl.zeros((BLOCK_R,), tl.float32)
     o_row = t * s_ot + h * s_oh
     mask2 = rmask[:, None] & cmask[None, :]
-    for s in range(0, S):
+    s = 0
+    while s < S:
         lse_s = tl.load(lse_ptr + s * s_ls + lse_row, mask=rmask, other=float("-inf"))
         w = tl.exp(lse_s - m_safe)
         o = tl.load(o_ptr + s * s_os + o_row[:, None] + cols[None, :], mask=mask2, other=0.0).to(tl.float32)
         # An empty share's output may be NaN (0/0); weight 0 must drop it, not turn it into 0 * NaN.
         acc += tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0)
         denom += w
+        s += 1
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     out_row = t * s_out_t + h * s_out_h
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask2)
