@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
-import os
 import sys
 import time
 from collections import OrderedDict
@@ -50,6 +48,7 @@ if __package__ in (None, ""):
 
 from bench._common import RESULTS, append_csv
 from kvforge.kvcache.events import BlockRemoved, BlockStored, KVEvent
+from kvforge.kvcache.replay import TRACE_TOKENS_PER_BLOCK, TraceRequest, default_trace_path, load_trace
 from kvforge.routing import (
     CacheAwareRouter,
     ConversationRouter,
@@ -60,31 +59,8 @@ from kvforge.routing import (
     RouteRequest,
 )
 
-TOKENS_PER_BLOCK = 512  # the trace's hash_ids block size
+TOKENS_PER_BLOCK = TRACE_TOKENS_PER_BLOCK  # the trace's hash_ids block size
 README_CEILINGS = {40_000: 0.358, 80_000: 0.369}  # one LRU of the fleet's capacity (shared/data/README.md)
-
-
-def default_trace() -> Path:
-    env = os.environ.get("KVFORGE_TRACE")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    t_s: float
-    num_tokens: int
-    hashes: tuple[int, ...]
-
-
-def load_trace(path: Path) -> list[TraceRequest]:
-    out = []
-    with path.open() as f:
-        for line in f:
-            r = json.loads(line)
-            out.append(TraceRequest(r["timestamp"] / 1000.0, int(r["input_length"]), tuple(r["hash_ids"])))
-    return out
 
 
 class LruBlockCache:
@@ -127,8 +103,8 @@ def ceiling_hit_rate(trace: Sequence[TraceRequest], capacity: int) -> float:
     cache = LruBlockCache(capacity)
     hit = total = 0
     for r in trace:
-        hit += min(cache.access(r.hashes) * TOKENS_PER_BLOCK, r.num_tokens)
-        total += r.num_tokens
+        hit += min(cache.access(r.hash_ids) * TOKENS_PER_BLOCK, r.input_length)
+        total += r.input_length
     return hit / total
 
 
@@ -184,7 +160,8 @@ def replay(
         return max(0.0, backlog[s] - rate_tokens_per_s * (t - last[s]))
 
     for rid, r in enumerate(trace):
-        while next_sample <= r.t_s:
+        t_s = r.timestamp / 1000.0
+        while next_sample <= t_s:
             b = [drained(s, next_sample) for s in servers]
             for s, v in zip(servers, b):
                 per_server[s].append(v)
@@ -196,20 +173,20 @@ def replay(
                 busy += 1
                 ratios.append(max(b) / mean)
             next_sample += sample_every_s
-        while done and done[0][0] <= r.t_s:
+        while done and done[0][0] <= t_s:
             t_done, done_id = heapq.heappop(done)
             now[0] = t_done
             router.finish(done_id)
-        now[0] = r.t_s
-        s = router.route(RouteRequest(request_id=rid, block_hashes=r.hashes, num_tokens=r.num_tokens))
-        cached = min(caches[s].access(r.hashes) * TOKENS_PER_BLOCK, r.num_tokens)
+        now[0] = t_s
+        s = router.route(RouteRequest(request_id=rid, block_hashes=r.hash_ids, num_tokens=r.input_length))
+        cached = min(caches[s].access(r.hash_ids) * TOKENS_PER_BLOCK, r.input_length)
         hit += cached
-        total += r.num_tokens
-        b = drained(s, r.t_s)
+        total += r.input_length
+        b = drained(s, t_s)
         waits.append(b / rate_tokens_per_s)
-        backlog[s] = b + (r.num_tokens - cached)
-        last[s] = r.t_s
-        heapq.heappush(done, (r.t_s + backlog[s] / rate_tokens_per_s, rid))
+        backlog[s] = b + (r.input_length - cached)
+        last[s] = t_s
+        heapq.heappush(done, (t_s + backlog[s] / rate_tokens_per_s, rid))
     while done:
         t_done, done_id = heapq.heappop(done)
         now[0] = t_done
@@ -283,13 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
 
-    path = args.trace or default_trace()
-    if not path.exists():
-        print(f"SKIP: trace not found at {path} (set KVFORGE_TRACE); nothing to replay")
+    path = args.trace or default_trace_path()
+    if path is None or not path.exists():
+        print(f"SKIP: trace not found at {path or '../shared/data/'} (set KVFORGE_TRACE); nothing to replay")
         return 0
     trace = load_trace(path)
-    duration = trace[-1].t_s - trace[0].t_s
-    prompt_tokens = sum(r.num_tokens for r in trace)
+    duration = (trace[-1].timestamp - trace[0].timestamp) / 1000.0
+    prompt_tokens = sum(r.input_length for r in trace)
     guard = ImbalanceGuard(rel_slack=args.guard_rel, abs_slack_tokens=args.guard_abs)
     print(f"trace: {len(trace)} requests, {prompt_tokens / 1e6:.1f}M prompt tokens over {duration:.0f} s")
 

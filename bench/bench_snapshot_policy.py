@@ -41,8 +41,9 @@ if __package__ in (None, ""):
 
 from kvforge.kvcache import HybridCachePolicy, KVCacheConfig, LifeCycleKind, TierConfig
 from kvforge.kvcache.hybrid import HybridCacheManager
+from kvforge.kvcache.replay import find_trace
 from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE, ModelCostSpec, cost_aware_eviction
-from kvforge.sim.workload import MOONCAKE_BLOCK_TOKENS, SimRequest, default_trace_path, load_mooncake_trace
+from kvforge.sim.workload import MOONCAKE_BLOCK_TOKENS, SimRequest, load_mooncake_trace
 
 TPB = MOONCAKE_BLOCK_TOKENS
 
@@ -158,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--no-save", action="store_true", help="print only (no CSV / PNG)")
     args = ap.parse_args(argv)
-    path = default_trace_path()
-    if path is None or not Path(path).is_file():
+    path = find_trace()
+    if path is None:
         print("bench_snapshot_policy: trace not found ($KVFORGE_TRACE or ../shared/data/); skipped")
         return 0
     if not 0.0 < args.snapshot_share < 1.0:

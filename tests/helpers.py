@@ -1,8 +1,10 @@
-"""Shared test helpers: poisoned outputs and write checks."""
+"""Shared test helpers: poisoned outputs and write checks; a RankInfo with defaults."""
 
 from __future__ import annotations
 
 import torch
+
+from kvforge.disagg.rank_info import RankInfo
 
 INT_POISON = -0x2A2A2A2A
 
@@ -40,3 +42,31 @@ def assert_all_written(t: torch.Tensor, what: str = "output") -> None:
         left = t == max(INT_POISON, torch.iinfo(t.dtype).min)
     n = int(left.sum())
     assert n == 0, f"{what}: {n} of {t.numel()} elements were not written"
+
+
+def rank_info(**kw) -> RankInfo:
+    """A single-rank MLA RankInfo (bf16, 4 layers, 64-token blocks); ``kw`` overrides fields."""
+    base = dict(
+        instance_name="a",
+        instance_rank=0,
+        transport_rank=0,
+        tp_size=1,
+        tp_rank=0,
+        pp_size=1,
+        pp_rank=0,
+        dp_size=1,
+        dp_rank=0,
+        cp_size=1,
+        cp_rank=0,
+        attention_dp=False,
+        layers_per_pp=(4,),
+        is_mla=True,
+        kv_heads=1,
+        head_dim=576,
+        kv_dtype="bfloat16",
+        element_bytes=2,
+        tokens_per_block=64,
+        page_groups=(0,),
+    )
+    base.update(kw)
+    return RankInfo(**base)

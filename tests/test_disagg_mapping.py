@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvforge.disagg.mapping import InstanceLayout, helix_block_count, helix_blocks, layouts_for, plan_pieces
-from kvforge.disagg.rank_info import RankInfo
+from tests.helpers import rank_info
 
 SIZES = [1, 2, 4, 8]
 
@@ -98,27 +98,6 @@ def test_unsupported_layouts_are_rejected():
         plan_pieces(layout(cp=2), layout())
     with pytest.raises(ValueError, match="layers_per_pp"):
         plan_pieces(layout(layers=8), layout(layers=9))
-    info = RankInfo(
-        instance_name="a",
-        instance_rank=0,
-        transport_rank=0,
-        tp_size=2,
-        tp_rank=0,
-        pp_size=1,
-        pp_rank=0,
-        dp_size=2,
-        dp_rank=0,
-        cp_size=1,
-        cp_rank=0,
-        attention_dp=True,
-        layers_per_pp=(4,),
-        is_mla=True,
-        kv_heads=1,
-        head_dim=576,
-        kv_dtype="bfloat16",
-        element_bytes=2,
-        tokens_per_block=64,
-        page_groups=(0,),
-    )
+    info = rank_info(tp_size=2, dp_size=2, attention_dp=True)
     with pytest.raises(ValueError, match="dp_size"):
         layouts_for(info, info)

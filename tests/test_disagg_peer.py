@@ -5,35 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvforge.disagg.peer import PeerMismatchError, check_peer, draft_layers_shared, peer_mismatches
-from kvforge.disagg.rank_info import RankInfo
-
-
-def info(**kw) -> RankInfo:
-    base = dict(
-        instance_name="a",
-        instance_rank=0,
-        transport_rank=0,
-        tp_size=1,
-        tp_rank=0,
-        pp_size=1,
-        pp_rank=0,
-        dp_size=1,
-        dp_rank=0,
-        cp_size=1,
-        cp_rank=0,
-        attention_dp=False,
-        layers_per_pp=(4,),
-        is_mla=True,
-        kv_heads=1,
-        head_dim=576,
-        kv_dtype="bfloat16",
-        element_bytes=2,
-        tokens_per_block=64,
-        page_groups=(0,),
-    )
-    base.update(kw)
-    return RankInfo(**base)
-
+from tests.helpers import rank_info as info
 
 DRAFT = dict(num_draft_layers=1, draft_kv_dtype="float8_e4m3fn", draft_kv_heads=1)
 GQA = dict(is_mla=False, kv_heads=8, head_dim=128)

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from kvforge.disagg.rank_info import OPTIONAL_FIELDS, WIRE_VERSION, RankInfo, WireVersionError
+from tests.helpers import rank_info
 
 
 def info(**kw) -> RankInfo:
@@ -20,22 +21,11 @@ def info(**kw) -> RankInfo:
         tp_rank=1,
         pp_size=2,
         pp_rank=1,
-        dp_size=1,
-        dp_rank=0,
-        cp_size=1,
-        cp_rank=0,
-        attention_dp=False,
         layers_per_pp=(31, 30),
-        is_mla=True,
-        kv_heads=1,
-        head_dim=576,
-        kv_dtype="bfloat16",
-        element_bytes=2,
-        tokens_per_block=64,
         page_groups=(0, 0, 1),
     )
     base.update(kw)
-    return RankInfo(**base)
+    return rank_info(**base)
 
 
 DRAFT = dict(num_draft_layers=1, draft_kv_dtype="float8_e4m3fn", draft_kv_heads=1)

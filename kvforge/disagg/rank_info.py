@@ -21,19 +21,10 @@ from typing import Any
 
 import msgpack
 
+from kvforge.kvcache.config import DTYPE_BYTES  # the KV dtypes a peer may announce (torch names)
+
 WIRE_VERSION = 1
 OPTIONAL_FIELDS = ("num_draft_layers", "draft_kv_dtype", "draft_kv_heads")
-
-# Element sizes of the KV dtypes a peer may announce (torch names).
-DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 
 class WireVersionError(ValueError):

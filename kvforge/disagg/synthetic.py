@@ -20,8 +20,9 @@ import torch
 
 from kvforge.disagg.layers import KVLayer, RequestKV
 from kvforge.disagg.mapping import helix_blocks
-from kvforge.disagg.rank_info import DTYPE_BYTES, RankInfo
+from kvforge.disagg.rank_info import RankInfo
 from kvforge.disagg.transport import Transport
+from kvforge.kvcache.config import DTYPE_BYTES
 
 _POISON = 0xAB
 _OWNER_CODE = {"target": 1, "draft": 2}

@@ -53,14 +53,3 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int | None, ...]) ->
     if not ok:
         want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-
-
-def scalar_value(name: str, v: object) -> float:
-    """A Python number, or a 1-element tensor (read on the host: only for values given outside hot paths)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, torch.Tensor)):
-        raise TypeError(f"{name}: expected a float or a 1-element tensor, got {type(v).__name__}")
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            raise ValueError(f"{name}: expected a 1-element tensor, got shape {tuple(v.shape)}")
-        return float(v.item())
-    return float(v)

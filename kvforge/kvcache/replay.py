@@ -7,13 +7,16 @@ The ids therefore stand for chained block hashes, and each request is created an
 (the last, partial one included, as the trace's own measurement does). A request's hit is the reused
 blocks' tokens, capped at its prompt length.
 
-The trace file is not part of the repository: :func:`find_trace` looks for it in ``$KVFORGE_TRACE`` or
-``<repo>/../shared/data/mooncake_conversation_trace.jsonl`` and returns None when it is absent.
+The trace file is not part of the repository: :func:`default_trace_path` names it (``$KVFORGE_TRACE``, else
+``shared/data/mooncake_conversation_trace.jsonl`` beside the checkout or a folder above it) and
+:func:`find_trace` returns it only when the file is there. :func:`load_trace` is the one reader of the
+format, used by the replay here, by the simulator's workloads and by the benches.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,16 +25,30 @@ from pathlib import Path
 from kvforge.kvcache.config import KVCacheConfig, LayerSpec, TierConfig
 from kvforge.kvcache.manager import KVCacheManager
 
-__all__ = ["TRACE_ENV", "ReplayResult", "TraceRequest", "find_trace", "load_trace", "replay_prefix_hits"]
+__all__ = [
+    "TRACE_ENV",
+    "TRACE_TOKENS_PER_BLOCK",
+    "ReplayResult",
+    "TraceFormatError",
+    "TraceRequest",
+    "default_trace_path",
+    "find_trace",
+    "load_trace",
+    "replay_prefix_hits",
+]
 
 TRACE_ENV = "KVFORGE_TRACE"
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
-TRACE_TOKENS_PER_BLOCK = 512
+TRACE_TOKENS_PER_BLOCK = 512  # tokens per hash_id
+
+
+class TraceFormatError(ValueError):
+    """A trace line is missing a field or holds a value of the wrong type; the message names the line."""
 
 
 @dataclass(frozen=True)
 class TraceRequest:
-    timestamp: int
+    timestamp: float  # milliseconds, as in the file
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
@@ -49,27 +66,66 @@ class ReplayResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def find_trace() -> Path | None:
-    """The trace file from ``$KVFORGE_TRACE``, else ``<repo>/../shared/data/``; None when absent."""
+def default_trace_path() -> Path | None:
+    """``$KVFORGE_TRACE`` as given (present or not, so a caller can name it), else the shared trace in
+    ``shared/data/`` beside the checkout or beside a folder above it; None when neither is set or found."""
     env = os.environ.get(TRACE_ENV)
     if env:
-        p = Path(env)
-        return p if p.is_file() else None
-    p = Path(__file__).resolve().parents[2].parent / "shared" / "data" / TRACE_NAME
-    return p if p.is_file() else None
+        return Path(env)
+    for parent in Path(__file__).resolve().parents:
+        cand = parent.parent / "shared" / "data" / TRACE_NAME
+        if cand.is_file():
+            return cand
+    return None
 
 
-def load_trace(path: str | os.PathLike[str]) -> list[TraceRequest]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
+def find_trace() -> Path | None:
+    """:func:`default_trace_path` when that file exists; None otherwise."""
+    p = default_trace_path()
+    return p if p is not None and p.is_file() else None
+
+
+def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[TraceRequest]:
+    """Read a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids per 512 tokens),
+    skipping blank lines and stopping after ``limit`` requests. Raises ``FileNotFoundError`` or
+    ``TraceFormatError`` naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace: no such file: {path}")
+    out: list[TraceRequest] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            try:
                 d = json.loads(line)
-                out.append(
-                    TraceRequest(
-                        int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]), tuple(d["hash_ids"])
-                    )
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            if not isinstance(d, dict):
+                raise TraceFormatError(f"{path}:{lineno}: expected a JSON object")
+            try:
+                ts, n_in, n_out, ids = d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"]
+            except KeyError as exc:
+                raise TraceFormatError(f"{path}:{lineno}: missing field {exc.args[0]!r}") from None
+            ok = (
+                isinstance(ts, (int, float))
+                and not isinstance(ts, bool)
+                and math.isfinite(ts)
+                and isinstance(n_in, int)
+                and n_in >= 1
+                and isinstance(n_out, int)
+                and n_out >= 1
+                and isinstance(ids, list)
+                and all(isinstance(h, int) for h in ids)
+            )
+            if not ok:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: expected numeric timestamp, positive integer "
+                    "input_length/output_length and a list of integer hash_ids"
                 )
+            out.append(TraceRequest(ts, n_in, n_out, tuple(ids)))
     return out
 
 

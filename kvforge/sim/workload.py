@@ -11,14 +11,18 @@ they hold the same segments at the same offsets up to that block's end, which is
 
 from __future__ import annotations
 
-import json
-import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvforge.kvcache.hashing import scope_root
+from kvforge.kvcache.replay import (  # noqa: F401  (default_trace_path, TraceFormatError: re-exported)
+    TRACE_TOKENS_PER_BLOCK,
+    TraceFormatError,
+    default_trace_path,
+    load_trace,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,76 +156,31 @@ class SyntheticWorkload:
         ]
 
 
-class TraceFormatError(ValueError):
-    """A trace line is missing a field or holds a value of the wrong type; the message names the line."""
-
-
-MOONCAKE_BLOCK_TOKENS = 512
+MOONCAKE_BLOCK_TOKENS = TRACE_TOKENS_PER_BLOCK
 
 
 def load_mooncake_trace(path: str | Path, *, limit: int | None = None) -> list[SimRequest]:
-    """Read a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids per 512 tokens).
+    """Read a Mooncake-format JSONL trace (:func:`kvforge.kvcache.replay.load_trace`) as ``SimRequest``s.
 
-    ``hash_ids`` are chained by prefix in the trace, so they are mapped to block keys as they are; requests
-    have no conversation ids (matching is by prefix). Raises ``FileNotFoundError`` or ``TraceFormatError``
-    naming the line.
+    ``hash_ids`` are chained by prefix in the trace, so they are mapped to block keys as they are (full blocks
+    only); requests have no conversation ids (matching is by prefix). Raises ``FileNotFoundError`` or
+    ``TraceFormatError`` naming the line.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"trace: no such file: {path}")
-    reqs: list[SimRequest] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(reqs) >= limit:
-                break
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            if not isinstance(d, dict):
-                raise TraceFormatError(f"{path}:{lineno}: expected a JSON object")
-            try:
-                ts, n_in, n_out, ids = d["timestamp"], d["input_length"], d["output_length"], d["hash_ids"]
-            except KeyError as exc:
-                raise TraceFormatError(f"{path}:{lineno}: missing field {exc.args[0]!r}") from None
-            ok = (
-                isinstance(ts, (int, float))
-                and not isinstance(ts, bool)
-                and math.isfinite(ts)
-                and isinstance(n_in, int)
-                and n_in >= 1
-                and isinstance(n_out, int)
-                and n_out >= 1
-                and isinstance(ids, list)
-                and all(isinstance(h, int) for h in ids)
-            )
-            if not ok:
-                raise TraceFormatError(
-                    f"{path}:{lineno}: expected numeric timestamp, positive integer "
-                    "input_length/output_length and a list of integer hash_ids"
-                )
-            n_full = n_in // MOONCAKE_BLOCK_TOKENS
-            reqs.append(SimRequest(len(reqs), ts / 1000.0, n_in, n_out, tuple(ids[:n_full]), None, "trace"))
+    reqs = [
+        SimRequest(
+            i,
+            r.timestamp / 1000.0,
+            r.input_length,
+            r.output_length,
+            r.hash_ids[: r.input_length // MOONCAKE_BLOCK_TOKENS],
+            None,
+            "trace",
+        )
+        for i, r in enumerate(load_trace(path, limit=limit))
+    ]
     if not reqs:
-        raise TraceFormatError(f"{path}: no requests")
+        raise TraceFormatError(f"{Path(path)}: no requests")
     return reqs
-
-
-def default_trace_path() -> Path | None:
-    """The shared Mooncake trace beside the checkout (``../shared/data``), or ``$KVFORGE_TRACE``."""
-    import os
-
-    env = os.environ.get("KVFORGE_TRACE")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
-        if cand.is_file():
-            return cand
-    return None
 
 
 @dataclass
@@ -240,8 +199,3 @@ def describe(reqs: Sequence[SimRequest]) -> WorkloadStats:
         st.output_tokens += r.output_tokens
         st.kinds[r.kind] = st.kinds.get(r.kind, 0) + 1
     return st
-
-
-def iter_blocks(reqs: Sequence[SimRequest]) -> Iterator[int]:
-    for r in reqs:
-        yield from r.block_keys
