@@ -100,12 +100,47 @@ def _median_time(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def part_transfer(rank: int, world: int, cfg: dict, device: torch.device, transport) -> list[dict]:
-    import torch.distributed as dist
+class Ctx:
+    """What a scenario's worker has: its rank, the world, the transport, host barriers and a progress log."""
 
+    def __init__(self, rank: int, world: int, cfg: dict, device: torch.device, transport, ctrl, scenario: str):
+        self.rank, self.world, self.cfg, self.device = rank, world, cfg, device
+        self.transport, self.ctrl, self.scenario = transport, ctrl, scenario
+
+    def log(self, step: str) -> None:
+        print(f"[{time.time() - self.cfg['t0']:7.1f}s] rank {self.rank} {self.scenario}: {step}", flush=True)
+
+    def barrier(self, step: str) -> None:
+        """Host-side barrier over gloo: never an NCCL kernel queued next to a posted receive."""
+        import torch.distributed as dist
+
+        self.log(f"barrier {step} ...")
+        dist.all_reduce(torch.zeros(1), group=self.ctrl)
+        self.log(f"barrier {step} passed")
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (pickled, over the gloo control group)."""
+        import pickle
+
+        import torch.distributed as dist
+
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.world, 1, dtype=torch.int64)
+        dist.all_gather(list(sizes.unbind(0)), torch.tensor([data.numel()]), group=self.ctrl)
+        sizes = sizes[:, 0]
+        width = int(sizes.max())
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = torch.zeros(self.world, width, dtype=torch.uint8)
+        dist.all_gather(list(out.unbind(0)), padded, group=self.ctrl)
+        return [pickle.loads(out[i, : int(sizes[i])].numpy().tobytes()) for i in range(self.world)]
+
+
+def part_transfer(c: Ctx) -> list[dict]:
     from kvforge.disagg import synthetic as syn
     from kvforge.disagg.transceiver import KVReceiver, KVSender
 
+    rank, cfg, device, transport = c.rank, c.cfg, c.device, c.transport
     model = syn.ModelSpec(
         num_layers=cfg["layers"], head_dim=cfg["elems"], tokens_per_block=cfg["tpb"], num_groups=1, num_draft_layers=1
     )
@@ -114,15 +149,13 @@ def part_transfer(rank: int, world: int, cfg: dict, device: torch.device, transp
     ctx = syn.InstanceSpec("ctx", (0,), num_pages=n_req * nb + 8)
     gen = syn.InstanceSpec("gen", (1,), num_pages=n_req * nb + 8)
     rows: list[dict] = []
-    if rank not in (0, 1):
-        return rows
-    pair = _pair_group()
     inst = ctx if rank == 0 else gen
     layers = syn.make_layers(model, inst, 0, device)
     alloc = syn.PageAllocator(model.total_groups, inst.num_pages, seed=rank)
     reqs = [alloc.alloc(i, cfg["tokens"], [nb] * model.total_groups) for i in range(n_req)]
     info = syn.make_rank_info(model, inst, 0)
     payload = sum(nb * model.tokens_per_block * ly.elems_per_token * ly.pool.element_size() for ly in layers) * n_req
+    c.log(f"{n_req} requests x {nb} blocks, {payload / 1e9:.3f} GB; connecting")
     if rank == 0:
         ep = KVSender(transport, info, layers, timeout_s=cfg["timeout"])
         ep.connect("gen", gen.ranks)
@@ -132,24 +165,34 @@ def part_transfer(rank: int, world: int, cfg: dict, device: torch.device, transp
     else:
         ep = KVReceiver(transport, info, layers, timeout_s=cfg["timeout"])
         ep.connect("ctx", ctx.ranks)
-        for i, r in enumerate(reqs):
-            ep.request(i, r, "ctx")
-    dist.barrier(group=pair)
-    t0 = time.perf_counter()
-    if rank == 0:
-        for i, r in enumerate(reqs):
-            ep.send(i, r, "gen")
-        st = ep.wait()
-        assert st.completed == list(range(n_req)) and not st.failed, st.failed
-    else:
-        st = ep.check_status(blocking=True)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        assert sorted(st.completed) == list(range(n_req)) and not st.failed, st.failed
+    c.log("connected")
+    # An untimed round first (one request): compiles and tunes pack/unpack, warms NCCL's channels.
+    for rnd, ids in (("warm-up", [100]), ("timed", list(range(n_req)))):
+        if rank == 1:
+            for tid in ids:
+                ep.request(tid, reqs[tid % 100], "ctx")
+            c.log(f"{rnd}: {len(ids)} receives posted")
+        c.barrier(f"before {rnd} transfer")
+        t0 = time.perf_counter()
+        if rank == 0:
+            for tid in ids:
+                ep.send(tid, reqs[tid % 100], "gen")
+            c.log(f"{rnd}: {len(ids)} sends posted")
+            st = ep.wait()
+            assert sorted(st.completed) == ids and not st.failed, st.failed
+            c.log(f"{rnd}: sends done")
+        else:
+            st = ep.check_status(blocking=True)
+            _sync(device)
+            seconds = time.perf_counter() - t0
+            assert sorted(st.completed) == ids and not st.failed, st.failed
+            c.log(f"{rnd}: received and unpacked in {seconds:.3f} s")
+    if rank == 1:
         checked = bad = 0
         for r in reqs:
-            c, b = _verify(layers, r, list(range(nb)), device)
-            checked, bad = checked + c, bad + b
+            n_checked, n_bad = _verify(layers, r, list(range(nb)), device)
+            checked, bad = checked + n_checked, bad + n_bad
+        c.log(f"verified {checked} blocks, {bad} differ")
         rows.append(
             {
                 "part": "transfer",
@@ -162,7 +205,7 @@ def part_transfer(rank: int, world: int, cfg: dict, device: torch.device, transp
                 "byte_exact": bad == 0 and checked == len(layers) * nb * n_req,
             }
         )
-    dist.barrier(group=pair)
+    c.barrier("after transfer")
     del layers
     # Raw transport: one message of the same bytes.
     buf = torch.empty(payload, dtype=torch.uint8, device=device)
@@ -172,29 +215,22 @@ def part_transfer(rank: int, world: int, cfg: dict, device: torch.device, transp
         while not h.done():
             pass
 
-    for _ in range(2):
-        dist.barrier(group=pair)
-        raw_msg()
     raw = []
-    for _ in range(cfg["reps"]):
-        dist.barrier(group=pair)
+    for i in range(2 + cfg["reps"]):
+        c.barrier(f"raw message {i}")
         _sync(device)
         t0 = time.perf_counter()
         raw_msg()
         _sync(device)
         raw.append(time.perf_counter() - t0)
     if rank == 1:
-        s = statistics.median(raw)
+        s = statistics.median(raw[2:])
         rows.append(
-            {
-                "part": "transfer",
-                "provider": f"raw {transport.backend} message",
-                "seconds": s,
-                "bytes": payload,
-                "GBps": payload / s / 1e9,
-            }
+            {"part": "transfer", "provider": f"raw {transport.backend} message", "seconds": s, "bytes": payload}
         )
-    dist.barrier(group=pair)
+        rows[-1]["GBps"] = payload / s / 1e9
+    c.log("raw messages done")
+    # GPU-to-GPU copies from rank 0 while rank 1 waits on the host (its GPU idle).
     if rank == 0 and device.type == "cuda" and torch.cuda.device_count() > 1:
         other = torch.device("cuda", 1)
         to_s = _median_time(lambda: buf.to(other), other, cfg["reps"])
@@ -204,6 +240,8 @@ def part_transfer(rank: int, world: int, cfg: dict, device: torch.device, transp
             rows.append(
                 {"part": "transfer", "provider": name, "seconds": s, "bytes": payload, "GBps": payload / s / 1e9}
             )
+        c.log("GPU-to-GPU copies done")
+    c.barrier("end")
     return rows
 
 
@@ -218,12 +256,13 @@ def _decode_attention(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor
     return torch.bmm(p, v), lse
 
 
-def part_helix(rank: int, world: int, cfg: dict, device: torch.device) -> list[dict]:
+def part_helix(c: Ctx) -> list[dict]:
     import torch.distributed as dist
 
     from kvforge.disagg.mapping import helix_blocks
     from kvforge.kernels.merge_states import merge_attention_states
 
+    rank, world, cfg, device = c.rank, c.world, c.cfg, c.device
     B, H, N, tpb = cfg["helix_batch"], cfg["helix_heads"], cfg["helix_tokens"], cfg["tpb"]
     dk, dv = cfg["elems"], cfg["elems"] - 64
     scale = 1.0 / dk**0.5
@@ -233,12 +272,16 @@ def part_helix(rank: int, world: int, cfg: dict, device: torch.device) -> list[d
     kv = torch.randn(B, N, dk, generator=g).to(torch.bfloat16).to(device)
     rows: list[dict] = []
     cps = [c for c in (2, 4, 8) if c <= world]
-    groups = {c: dist.new_group(list(range(c))) if c < world else None for c in cps}
+    # One group per CP size, every one created by every rank in the same order (NCCL: a split of the default
+    # communicator; non-members take part in the split too).
+    groups = {cp: dist.new_group(list(range(cp))) for cp in cps}
+    c.log(f"groups for CP {cps} created")
     full = None
     if rank == 0:
         full, _ = _decode_attention(q, kv, kv[..., :dv], scale)
         single = _median_time(lambda: _decode_attention(q, kv, kv[..., :dv], scale), device, cfg["reps"] * 5)
         rows.append({"part": "helix", "provider": "single GPU", "cp": 1, "seconds": single})
+        c.log(f"single-device step {single * 1e3:.3f} ms")
     for cp in cps:
         if rank < cp:
             nb = -(-N // tpb)
@@ -255,7 +298,10 @@ def part_helix(rank: int, world: int, cfg: dict, device: torch.device) -> list[d
                 dist.all_gather_into_tensor(lses, lse.contiguous(), group=group)
                 return merge_attention_states(outs.view(cp, B, H, dv), lses.view(cp, B, H))[0]
 
+            c.log(f"CP={cp}: first step ...")
             merged = step()
+            _sync(device)
+            c.log(f"CP={cp}: first step done; timing")
             t = _median_time(step, device, cfg["reps"] * 5)
             if rank == 0:
                 # Relative RMSE over the whole output (outputs are averages of many values, so an absolute
@@ -272,18 +318,19 @@ def part_helix(rank: int, world: int, cfg: dict, device: torch.device) -> list[d
                         "within_bf16_tol": rel <= 1e-2,
                     }
                 )
-        dist.barrier()
+                c.log(f"CP={cp}: {t * 1e3:.3f} ms per step, relative RMSE {rel:.2e}")
+        c.barrier(f"after CP={cp}")
     return rows
 
 
-def part_probe_and_faults(rank: int, world: int, cfg: dict, device: torch.device, transport) -> list[dict]:
-    import torch.distributed as dist
-
+def part_probe_and_faults(c: Ctx) -> list[dict]:
     from kvforge.disagg import synthetic as syn
     from kvforge.disagg.transceiver import KVReceiver, KVSender
 
+    rank, world, cfg, device, transport = c.rank, c.world, c.cfg, c.device, c.transport
     model = syn.ModelSpec(num_layers=2, head_dim=64, tokens_per_block=cfg["tpb"], num_groups=1)
     rows: list[dict] = []
+    c.log("probe: start")
     # (a) The probe over every rank as one helix generation group, peers registered without messages.
     gen_all = syn.InstanceSpec("gen_all", tuple(range(world)), cp=world)
     ctx0 = syn.InstanceSpec("ctx0", (0,))
@@ -303,14 +350,14 @@ def part_probe_and_faults(rank: int, world: int, cfg: dict, device: torch.device
     if rank == world - 1:
         rx.request(900, alloc.alloc(900, 0, [0] * model.total_groups), "ctx0")  # an empty prompt: no messages
     poll()
-    dist.barrier()
+    c.barrier("probe: after the uneven polls")
     if rank != world - 1:
         rx.request(900, alloc.alloc(900, 0, [0] * model.total_groups), "ctx0")
     st = rx.check_status(blocking=True)
     trace.append(("blocking", tuple(st.completed)))
     poll()
-    traces = [None] * world
-    dist.all_gather_object(traces, trace)
+    c.log("probe: polls done")
+    traces = c.gather(trace)
     if rank == 0:
         same = all(t == traces[0] for t in traces)
         expect = [(1, 0, ()), (0, 1, ()), ("blocking", (900,)), (1, 0, ())]
@@ -326,6 +373,7 @@ def part_probe_and_faults(rank: int, world: int, cfg: dict, device: torch.device
 
     # (b) With 3+ GPUs: a real helix transfer 0 -> (1, 2) with the probe on between polls.
     if world >= 3:
+        c.log("helix transfer 0 -> (1, 2): start")
         tpb = model.tokens_per_block
         prompts = [0, tpb + tpb // 2, 9 * tpb, 32 * tpb]  # 0, 2, 9 and 32 blocks
         res = syn.run_pair(
@@ -339,8 +387,8 @@ def part_probe_and_faults(rank: int, world: int, cfg: dict, device: torch.device
             device=device,
             timeout_s=60,
         )
-        collected = [None] * world
-        dist.all_gather_object(collected, res)
+        c.log("helix transfer 0 -> (1, 2): done")
+        collected = c.gather(res)
         if rank == 0:
             g = [collected[1], collected[2]]
             ok = all(not x.failed and not x.check.problems for x in g)
@@ -354,9 +402,10 @@ def part_probe_and_faults(rank: int, world: int, cfg: dict, device: torch.device
             )
 
     # (c) Faults: the context side stops mid-batch; its unsent transfers time out on the generation side.
-    dist.barrier()
+    c.barrier("faults: start")
+    fctx, fgen = syn.InstanceSpec("fctx", (0,)), syn.InstanceSpec("fgen", (1,))
+    ep = rx2 = None
     if rank in (0, 1):
-        fctx, fgen = syn.InstanceSpec("fctx", (0,)), syn.InstanceSpec("fgen", (1,))
         inst = fctx if rank == 0 else fgen
         flayers = syn.make_layers(model, inst, 0, device)
         falloc = syn.PageAllocator(model.total_groups, inst.num_pages)
@@ -368,75 +417,131 @@ def part_probe_and_faults(rank: int, world: int, cfg: dict, device: torch.device
             ep.connect("fgen", fgen.ranks)
             for r in reqs:
                 _fill(flayers, r, model.tokens_per_block, device)
-            dist.barrier(group=_pair_group())
-            for i in range(2):  # then it stops: transfers 2002 and 2003 are never sent
-                ep.send(2000 + i, reqs[i], "fgen")
-            ep.wait()
         else:
             rx2 = KVReceiver(transport, info, flayers, release=falloc.release, timeout_s=cfg["fault_timeout"])
             rx2.connect("fctx", fctx.ranks)
             for i, r in enumerate(reqs):
                 rx2.request(2000 + i, r, "fctx")
-            dist.barrier(group=_pair_group())
-            t0 = time.perf_counter()
-            st = rx2.check_status(blocking=True)
-            waited = time.perf_counter() - t0
-            for tid in st.completed:
-                falloc.release(reqs[tid - 2000])
-            late = falloc.alloc(2010, 1, [1] * model.total_groups)
-            try:
-                rx2.request(2010, late, "fctx")
-                refused = "accepted (gloo matches by tag, so the peer stays usable)"
-                rx2.cancel(2010)
-            except Exception as exc:  # reported in the table, whatever it is
-                refused = f"{type(exc).__name__}: {exc}"
-                falloc.release(late)
-            rows.append(
-                {
-                    "part": "faults",
-                    "provider": "context stops after 2 of 4 transfers",
-                    "completed": str(sorted(st.completed)),
-                    "failed": str(st.failed),
-                    "seconds": waited,
-                    "timeout_s": cfg["fault_timeout"],
-                    "leaked_pages": falloc.leaked,
-                    "next_transfer": refused,
-                }
-            )
-        # The context side stays alive (stopped, not dead) until the generation side has given up.
-        dist.barrier(group=_pair_group())
+        c.log("faults: connected")
+    c.barrier("faults: receives posted")
+    if ep is not None:
+        for i in range(2):  # then it stops: transfers 2002 and 2003 are never sent
+            ep.send(2000 + i, reqs[i], "fgen")
+        ep.wait()
+        c.log("faults: context sent 2 of 4 and stopped")
+    if rx2 is not None:
+        t0 = time.perf_counter()
+        st = rx2.check_status(blocking=True)
+        waited = time.perf_counter() - t0
+        c.log(
+            f"faults: generation side ended after {waited:.2f} s: completed {st.completed}, failed {sorted(st.failed)}"
+        )
+        for tid in st.completed:
+            falloc.release(reqs[tid - 2000])
+        late = falloc.alloc(2010, 1, [1] * model.total_groups)
+        try:
+            rx2.request(2010, late, "fctx")
+            refused = "accepted (gloo matches by tag, so the peer stays usable)"
+            rx2.cancel(2010)
+        except Exception as exc:  # reported in the table, whatever it is
+            refused = f"{type(exc).__name__}: {exc}"
+            falloc.release(late)
+        rows.append(
+            {
+                "part": "faults",
+                "provider": "context stops after 2 of 4 transfers",
+                "completed": str(sorted(st.completed)),
+                "failed": str(st.failed),
+                "seconds": waited,
+                "timeout_s": cfg["fault_timeout"],
+                "leaked_pages": falloc.leaked,
+                "next_transfer": refused,
+            }
+        )
+    # The context side stays alive (stopped, not dead) until the generation side has given up. No device-wide
+    # synchronisation after this point: the generation side's two unmatched NCCL receives stay posted.
+    c.barrier("faults: end")
     return rows
 
 
-_PAIR = None
+SCENARIOS = {"transfer": part_transfer, "helix": part_helix, "probe_faults": part_probe_and_faults}
+# Share of the run's time each scenario may take (a scenario that ends early leaves its time to the next).
+_SHARES = {"transfer": 0.4, "helix": 0.25, "probe_faults": 0.35}
 
 
-def _pair_group():
-    return _PAIR
-
-
-def worker(rank: int, world: int, cfg: dict) -> list[dict]:
+def scenario_entry(rank: int, world: int, port: int, backend: str, pg_timeout_s: float, name: str, cfg: dict):
+    """One scenario's worker: its own process group (a hang or crash stays inside the scenario)."""
+    import datetime
     import warnings
 
     import torch.distributed as dist
 
     # torch 2.13 renamed all_gather_into_tensor; torch 2.11 (the GPU machine) has only the old name.
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*all_gather_into_tensor.*")
+    t_start = time.time()
 
+    def log(step: str) -> None:
+        print(f"[{time.time() - cfg['t0']:7.1f}s] rank {rank} {name}: {step}", flush=True)
+
+    log("process started")
+    if backend == "nccl":
+        # Set the device before any CUDA or NCCL call, and bind it to the group: NCCL then creates the world's
+        # communicator now (eager), every rank's collectives run on its own GPU (no guessed device), and a
+        # send/receive uses that communicator instead of creating a 2-rank one on a rank's first P2P call
+        # (which blocks that rank until its peer makes its own first P2P call).
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
     import kvforge.kernels  # noqa: F401
     from kvforge.disagg.transport import TorchDistTransport
 
-    global _PAIR
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg["backend"] == "nccl" else torch.device("cpu")
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+    kw = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s), **kw
+    )
+    log(f"process group up ({backend}, device {device}) in {time.time() - t_start:.1f} s")
+    # Host-side control (barriers, result gathering): gloo, never NCCL. Every rank creates the groups here, in
+    # the same order: the bench's control group, then the transport's.
+    ctrl = (
+        dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout_s)) if backend == "nccl" else None
+    )
     transport = TorchDistTransport()
-    _PAIR = dist.new_group([0, 1])
-    rows = []
-    rows += part_transfer(rank, world, cfg, device, transport)
-    dist.barrier()
-    rows += part_helix(rank, world, cfg, device)
-    dist.barrier()
-    rows += part_probe_and_faults(rank, world, cfg, device, transport)
+    c = Ctx(rank, world, cfg, device, transport, ctrl, name)
+    c.barrier("start")
+    rows = SCENARIOS[name](c)
+    log(f"finished, {len(rows)} rows")
     return rows
+
+
+def run_scenario(name: str, world: int, backend: str, cfg: dict, budget_s: float, env: dict) -> tuple[list, str]:
+    """Run one scenario in a fresh process world bounded by ``budget_s``; returns (rows, status line)."""
+    import torch.distributed as dist
+
+    from kvforge.disagg.launch import launch_workers
+
+    t0 = time.time()
+    print(f"[{t0 - cfg['t0']:7.1f}s] scenario {name}: {world} processes, budget {budget_s:.0f} s", flush=True)
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    try:
+        results = launch_workers(
+            scenario_entry,
+            world,
+            env_overrides=env,
+            args=(store.port, backend, max(30.0, budget_s), name, cfg),
+            timeout_s=budget_s,
+        )
+    finally:
+        del store
+    rows = [row for r in results if r.value for row in r.value]
+    failed = [r for r in results if not r.reported]
+    for r in failed:
+        print(f"scenario {name}: rank {r.rank} failed (exit {r.exitcode}):\n{r.error}", file=sys.stderr, flush=True)
+    status = "ok" if not failed else f"FAILED on rank(s) {[r.rank for r in failed]}"
+    line = f"[{time.time() - cfg['t0']:7.1f}s] scenario {name}: {status} in {time.time() - t0:.1f} s"
+    print(line, flush=True)
+    return rows, status
 
 
 def report(rows: list[dict], out: Path, stamp: dict[str, str], smoke: bool) -> None:
@@ -445,7 +550,12 @@ def report(rows: list[dict], out: Path, stamp: dict[str, str], smoke: bool) -> N
     print(f"\n{'part':9s} {'provider':42s} {'ms':>9s} {'GB/s':>8s}  notes")
     for r in rows:
         notes = {k: v for k, v in r.items() if k not in ("part", "provider", "seconds", "GBps", "bytes", "trace")}
-        if r["part"] == "transfer" and best_copy and not r["provider"].startswith(("tensor.to", "copy_")):
+        if (
+            r["part"] == "transfer"
+            and best_copy
+            and "GBps" in r
+            and not r["provider"].startswith(("tensor.to", "copy_"))
+        ):
             r["ratio_vs_gpu_copy"] = r["GBps"] / best_copy
             r["target"] = TARGET
             r["met"] = r["ratio_vs_gpu_copy"] >= TARGET
@@ -460,8 +570,8 @@ def report(rows: list[dict], out: Path, stamp: dict[str, str], smoke: bool) -> N
         return
     _common.RESULTS = out
     path = append_csv("bench_multi_gpu", [{k: v for k, v in r.items()} for r in rows])
-    tr = [r for r in rows if r["part"] == "transfer"]
-    hx = [r for r in rows if r["part"] == "helix"]
+    tr = [r for r in rows if r["part"] == "transfer" and "GBps" in r]
+    hx = [r for r in rows if r["part"] == "helix" and "seconds" in r]
     png = out / "bench_multi_gpu.png"
     bar_plot(
         png,
@@ -489,8 +599,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="3 CPU processes over gloo, toy sizes")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds before every worker is stopped")
     args = parser.parse_args(argv)
-    from kvforge.disagg.launch import run_world
-
     smoke = args.cpu_smoke
     if smoke:
         world, backend = 3, "gloo"
@@ -532,20 +640,35 @@ def main(argv: list[str] | None = None) -> int:
             timeout=120,
             fault_timeout=5.0,
         )
-        env = {}
+        # Mute the note that unbatched P2P ops share the eagerly created communicator (intended: nothing else runs
+        # on it). A stuck NCCL op ends its process when the group's timeout (the scenario's budget) expires.
+        env = {"TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING": "false"}
     cfg["backend"] = backend
+    cfg["t0"] = time.time()
+    deadline = cfg["t0"] + args.timeout - 10.0  # leaves time to write the CSV and PNGs
     stamp = env_stamp()
     print(" ".join(f"{k}={v}" for k, v in stamp.items()), f"world={world} backend={backend}", flush=True)
-    results = run_world(
-        worker, world, backend=backend, args=(cfg,), timeout_s=1500, pg_timeout_s=1800, env_overrides=env
-    )
-    failed = [r for r in results if not r.reported]
-    for r in failed:
-        print(f"rank {r.rank} failed (exit {r.exitcode}):\n{r.error}", file=sys.stderr)
+    rows: list[dict] = []
+    statuses: dict[str, str] = {}
+    names = list(SCENARIOS)
+    for i, name in enumerate(names):
+        left = deadline - time.time()
+        budget = left * _SHARES[name] / sum(_SHARES[n] for n in names[i:])
+        if budget < 20:
+            statuses[name] = f"skipped (only {left:.0f} s left)"
+            print(f"scenario {name}: {statuses[name]}", flush=True)
+            continue
+        n = 2 if name == "transfer" else world
+        got, statuses[name] = run_scenario(name, n, backend, cfg, budget, env)
+        rows += got
     order = ["transfer", "helix", "probe", "faults"]
-    rows = sorted((row for r in results if r.value for row in r.value), key=lambda row: order.index(row["part"]))
+    rows.sort(key=lambda row: order.index(row["part"]))
+    for name, st in statuses.items():
+        rows.append({"part": "faults" if name == "probe_faults" else name, "provider": f"scenario {name}: {st}"})
     report(rows, args.out, stamp, smoke)
-    return 1 if failed else 0
+    ok = all(st == "ok" for st in statuses.values())
+    print(f"result: {'all scenarios completed' if ok else 'some scenarios failed'}: {statuses}", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

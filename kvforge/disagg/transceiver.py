@@ -31,7 +31,10 @@ count is zero. The decision comes from the collective, so every rank takes the s
 Ordering: gloo matches messages by tag (the transfer id), so transfers may start in any order. NCCL matches a
 pair's messages in posting order, so over NCCL both sides must start the transfers between two ranks in the
 same order, and a transfer that ends with a receive still posted makes that pair unusable (the transport
-refuses it afterwards instead of letting the stale receive swallow the next message).
+refuses it afterwards instead of letting the stale receive swallow the next message). A posted NCCL receive keeps
+its kernel spinning until the data arrives, so nothing here synchronises the whole device while operations are
+posted: the sender packs every message of a transfer before posting its sends, and the receiver runs each new
+kind of unpack once when it registers a request while idle (kernel tuning synchronises the device).
 
 Neither class is thread-safe: drive each from one thread.
 """
@@ -438,19 +441,24 @@ class KVSender(_Endpoint):
         for _, piece, _ in planned:
             self.transport.check_peer(p.infos[piece.gen_rank].transport_rank)
 
-        def post(index: int, piece: Piece, plan: KVPackPlan):
+        # Pack every message before posting any send: packing may tune its kernel on first use, and tuning
+        # synchronises the device, which must not happen behind this transfer's own posted NCCL sends.
+        packed = []
+        for index, piece, plan in planned:
+            buf = torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=plan.device)
+            buf[:HEADER_BYTES].copy_(_header(transfer_id, plan.nbytes, index))
+            plan.pack(out=buf[HEADER_BYTES:])
+            wire = buf if buf.device == self.transport.device else buf.to(self.transport.device)
+            packed.append((index, piece, wire))
+
+        def post(index: int, piece: Piece, wire: torch.Tensor):
             def run() -> _Op:
-                dev = plan.device
-                buf = torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=dev)
-                buf[:HEADER_BYTES].copy_(_header(transfer_id, plan.nbytes, index))
-                plan.pack(out=buf[HEADER_BYTES:])
-                wire = buf if dev.type == self.transport.device.type else buf.to(self.transport.device)
                 dst = p.infos[piece.gen_rank].transport_rank
                 return _Op(piece, self.transport.isend(wire, dst, transfer_id), wire, dst, index=index)
 
             return run
 
-        ops = self._post_all([post(*x) for x in planned], transfer_id)
+        ops = self._post_all([post(*x) for x in packed], transfer_id)
         s = _Session(transfer_id, request, peer, time.monotonic() + t, t, ops)
         self.sessions[transfer_id] = s
 
@@ -513,6 +521,7 @@ class KVReceiver(_Endpoint):
                 raise ValueError(f"group: expected the instance's {world} ranks, got {group.size}")
         self.group = group
         self.stats = PollStats()
+        self._warmed: set = set()
         # The reference system's eligibility for the idle probe: helix, no attention DP, one PP stage, and a
         # group that is exactly the TP x CP ranks.
         self.probe_eligible = (
@@ -547,19 +556,44 @@ class KVReceiver(_Endpoint):
         for _, piece, _ in planned:
             self.transport.check_peer(p.infos[piece.ctx_rank].transport_rank)
 
-        def post(index: int, piece: Piece, plan: KVPackPlan):
+        bufs = [
+            torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=self.transport.device)
+            for _, _, plan in planned
+        ]
+        self._warm_unpack([(plan, buf) for (_, _, plan), buf in zip(planned, bufs)])
+
+        def post(index: int, piece: Piece, plan: KVPackPlan, buf: torch.Tensor):
             def run() -> _Op:
-                buf = torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=self.transport.device)
                 src = p.infos[piece.ctx_rank].transport_rank
                 return _Op(piece, self.transport.irecv(buf, src, transfer_id), buf, src, plan, index)
 
             return run
 
-        ops = self._post_all([post(*x) for x in planned], transfer_id)
+        ops = self._post_all([post(*x, buf) for x, buf in zip(planned, bufs)], transfer_id)
         s = _Session(transfer_id, request, peer, time.monotonic() + t, t, ops)
         self.sessions[transfer_id] = s
         if not ops:
             s.state = State.LOCAL_DONE
+
+    def _warm_unpack(self, plans: Sequence[tuple[KVPackPlan, torch.Tensor]]) -> None:
+        """NCCL: run each new kind of unpack once now, while no operation of this endpoint is posted.
+
+        The first launch of the unpack kernel for a layer set may tune it, and tuning synchronises the whole
+        device. Done later (when the messages have arrived) it would wait for every receive still posted on
+        NCCL's stream, including those of a peer that stopped, which never finish: the host would hang where
+        the deadline cannot fire. Unpacking the not yet received buffer writes garbage into this request's own
+        pages, which the real unpack overwrites (or which are released if the transfer fails).
+        """
+        if self.transport.supports_tags or self.transport.device.type != "cuda":
+            return
+        if self.orphans or any(not op.done for s in self.sessions.values() for op in s.ops):
+            return  # not safe now; the kernel tunes on first real use instead
+        for plan, buf in plans:
+            key = tuple((ly.pool.data_ptr(), ly.pool.stride(), ly.col_start, ly.col_stop) for ly in plan.layers)
+            if plan.nbytes == 0 or key in self._warmed:
+                continue
+            plan.unpack(buf[HEADER_BYTES:])
+            self._warmed.add(key)
 
     def _finish_local(self, s: _Session) -> None:
         """All messages arrived: check their headers, then unpack every one into the pages."""

@@ -14,10 +14,21 @@ fits behind the same interface.
   "connection closed" error; a silent one is bounded by the transceiver's deadline, while the thread keeps
   waiting until the message arrives or the process group's own timeout (choose it longer than any transfer
   timeout: when it expires gloo closes the pair).
-* NCCL (GPU): messages live on the current CUDA device; NCCL ignores tags and matches the sends and receives of
+* NCCL (GPU): messages live on this rank's CUDA device; NCCL ignores tags and matches the sends and receives of
   a pair in the order they are posted, so both sides must start transfers with a given peer in the same order.
-  A receive that timed out stays posted on NCCL's stream; the pair is unusable afterwards (recreate the process
-  group), which ``TorchDistTransport.mark_broken`` records so later transfers fail at once instead of hanging.
+  NCCL operations run on NCCL's stream and a receive posted before its send *occupies the GPU* (its kernel spins
+  until the data arrives), so the transport keeps every host-side exchange off NCCL: ``all_gather_int64`` (the
+  transceiver's consensus and idle probe) runs over a gloo group of the whole world (``control``, created when
+  the transport is built: building it is collective over the world) and, for a subgroup, over tagged gloo
+  point-to-point messages inside it, so no NCCL collective ever queues behind (or competes with) a posted
+  receive, and ``new_group`` creates no NCCL communicator. Completion is polled with ``work.is_completed()`` (it
+  queries the op's CUDA end event and never blocks); ``work.wait()`` on NCCL only makes the current stream wait
+  for the op, so it is called once the op is known complete, to order later kernels (unpacking) after it.
+  Initialise the default group with ``device_id`` (eager: one communicator for the world, no per-pair
+  communicator created lazily on a rank's first send or receive, which blocks that rank until its peer posts
+  too). A receive that timed out stays posted on NCCL's stream; the pair is unusable afterwards (recreate the
+  process group), which ``TorchDistTransport.mark_broken`` records so later transfers fail at once instead of
+  hanging. Never synchronise the whole device while such a receive is posted: it would wait forever.
 """
 
 from __future__ import annotations
@@ -85,8 +96,11 @@ class _WorkHandle(Handle):
     def __init__(self, work: Any, what: str) -> None:
         self.work = work
         self.what = what
+        self._done = False
 
     def done(self) -> bool:
+        if self._done:
+            return True
         try:
             if not self.work.is_completed():
                 return False
@@ -97,6 +111,7 @@ class _WorkHandle(Handle):
             raise
         except Exception as exc:
             raise TransferError(f"{self.what} failed: {type(exc).__name__}: {exc}") from exc
+        self._done = True
         return True
 
 
@@ -126,10 +141,22 @@ class _WaitThreadHandle(Handle):
         return True
 
 
-class TorchDistTransport(Transport):
-    """torch.distributed point-to-point and all-gather over the default process group (initialised by the caller)."""
+class _HostGroup:
+    """A transport subgroup under NCCL: no torch.distributed group, only an id and a call counter for tags."""
 
-    def __init__(self) -> None:
+    def __init__(self, gid: int) -> None:
+        self.gid = gid
+        self.calls = 0
+
+
+class TorchDistTransport(Transport):
+    """torch.distributed point-to-point and all-gather over the default process group (initialised by the caller).
+
+    ``control_group``: NCCL only, a gloo group over the whole world for host-side control (created here, a
+    collective over the world, when not given).
+    """
+
+    def __init__(self, control_group: Any = None) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -141,16 +168,20 @@ class TorchDistTransport(Transport):
         if self.backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.supports_tags = False
+            # Every rank builds its transport at the same point, so the group is created in the same order.
+            self.control = control_group if control_group is not None else dist.new_group(backend="gloo")
         else:
             self.device = torch.device("cpu")
             self.supports_tags = True
+            self.control = None  # the default (gloo) group
         self._broken: dict[int, str] = {}
+        self._groups = 0
 
     def _check_buf(self, buf: torch.Tensor) -> None:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
             raise ValueError(f"buf: expected a contiguous 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
-        if buf.device.type != self.device.type:
-            raise ValueError(f"buf: the {self.backend} transport sends {self.device.type} tensors, got {buf.device}")
+        if buf.device != self.device:
+            raise ValueError(f"buf: the {self.backend} transport sends tensors on {self.device}, got {buf.device}")
 
     def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         self._check_buf(buf)
@@ -169,6 +200,11 @@ class TorchDistTransport(Transport):
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         ranks = sorted(int(r) for r in ranks)
+        if self.backend == "nccl":
+            # No torch.distributed group: a gloo subgroup with non-members would make those non-members call
+            # ncclCommSplit on an eagerly initialised default group that the members never match.
+            self._groups += 1
+            return Group(ranks, _HostGroup(self._groups))
         handle = self._dist.new_group(ranks=ranks) if len(ranks) < self.world_size else None
         return Group(ranks, handle)
 
@@ -177,13 +213,35 @@ class TorchDistTransport(Transport):
             raise ValueError(f"values: expected a 1-D int64 tensor, got {values.dtype} {tuple(values.shape)}")
         if self.rank not in group.ranks:
             raise ValueError(f"group: rank {self.rank} is not a member of {group.ranks}")
+        if self.backend == "nccl":
+            return self._host_all_gather(values.cpu().contiguous(), group)
         x = values.to(self.device)
         out = torch.empty((group.size, x.numel()), dtype=torch.int64, device=self.device)
-        if self.backend == "nccl":
-            self._dist.all_gather_into_tensor(out, x, group=group.handle)
-        else:
-            self._dist.all_gather(list(out.unbind(0)), x, group=group.handle)
+        self._dist.all_gather(list(out.unbind(0)), x, group=group.handle)
         return out.cpu()
+
+    def _host_all_gather(self, x: torch.Tensor, group: Group) -> torch.Tensor:
+        """NCCL transport: the all-gather over gloo, on the host (never queued behind a posted NCCL receive)."""
+        out = torch.empty((group.size, x.numel()), dtype=torch.int64)
+        if group.size == self.world_size:
+            self._dist.all_gather(list(out.unbind(0)), x, group=self.control)
+            return out
+        hg = group.handle
+        if not isinstance(hg, _HostGroup):
+            raise ValueError("group: expected a group from this transport's new_group")
+        hg.calls += 1
+        # Unique per (group, call) on the control group; gloo's own collective tags are small counters.
+        tag = (1 << 30) | ((hg.gid % 1024) << 20) | (hg.calls % (1 << 20))
+        works = []
+        for i, r in enumerate(group.ranks):
+            if r == self.rank:
+                out[i].copy_(x)
+                continue
+            works.append(self._dist.isend(x, r, group=self.control, tag=tag))
+            works.append(self._dist.irecv(out[i], r, group=self.control, tag=tag))
+        for w in works:
+            w.wait()
+        return out
 
     def mark_broken(self, peer: int, reason: str) -> None:
         # gloo matches by tag, so a receive left posted cannot swallow a later message: only NCCL needs this.
