@@ -66,6 +66,7 @@ from kvforge.kvcache.eviction import (
     PrioritizedLRU,
     check_priority,
 )
+from kvforge.kvcache.hashing import chain_hashes
 from kvforge.kvcache.pools import Page, PagePool
 from kvforge.kvcache.radix import Block, RadixTree
 
@@ -1266,62 +1267,66 @@ class KVCacheManager:
         blocks = cache._blocks
         root = cache._root
         parent = blocks[-1] if blocks else root
-        num_groups = self.num_groups
         rec = self._rec
-        attn_pages = [(g, cache._pages[g]) for g in self._attn]
-        new_keys: list[int] = []
-        new_parent_key: int | None = None
         partial = cache._partial
         fill = len(partial) if tokens is not None else 0
         if tokens is not None and keys is None:
             keys = self._chain_keys(parent.key, partial, tokens, n_full)
-        pos = 0
-        last = n_full - 1
+        assert keys is not None
         if n_full and parent is not root and not parent.children:
             self._gain_child(parent)
-        for i in range(n_full):
-            ordinal = first + i
-            h = keys[i]  # type: ignore[index]
-            if tokens is None:
-                blk = None
-            else:
-                # Only some blocks keep their tokens (see the module docstring): copying every block's tuple
-                # would double the cost of a long insert.
-                if i == 0 and fill:
-                    pos = tpb - fill
-                    blk = (*partial, *tokens[:pos])
-                else:
-                    blk = tuple(tokens[pos : pos + tpb]) if i == last else None
-                    pos += tpb
-            children = parent.children
-            child = children.get(h)
-            if child is not None and child.num_tokens != tpb:
+        # Blocks the tree already has (another request committed them): share them.
+        i = 0
+        while i < n_full:
+            child = parent.children.get(keys[i])
+            if child is None:
+                break
+            if child.num_tokens != tpb:
                 # A partial block under the same key (only a hash collision can do that): the full one wins.
                 self._remove_block(child)
-                child = None
-            if child is None:
-                child = Block(h, parent, ordinal, tpb, blk, num_groups)
-                children[h] = child
-                cpages = child.pages
-                for g, lst in attn_pages:
-                    p = lst[ordinal]
-                    if p is not None:
-                        cpages[g] = p
-                        p.block = child
-                        p.priority = default if prios is None else prios[i][g]
-                if not new_keys:
-                    new_parent_key = None if parent is root else parent.key
-                new_keys.append(h)
-            else:
-                cache._shared.add(ordinal)
-                self._merge_into(cache, child, ordinal, default if prios is None else prios[i])
+                break
+            ordinal = first + i
+            cache._shared.add(ordinal)
+            self._merge_into(cache, child, ordinal, default if prios is None else prios[i])
             if rec:
                 self._attach_snapshots(cache, child, ordinal, default if prios is None else prios[i])
             blocks.append(child)
             parent = child
+            i += 1
+        # The rest are new. Each is the first child of a block created just before it, so no lookup can find
+        # anything: this loop, the cost of inserting a long prompt, only creates blocks and hands them pages.
+        first_new = i
+        new_keys = list(keys[first_new:])
+        new_parent_key = None if parent is root else parent.key
+        attn_pages = [(g, cache._pages[g]) for g in self._attn]
+        num_groups = self.num_groups
+        for h in new_keys:
+            ordinal = first + i
+            child = Block(h, parent, ordinal, tpb, None, num_groups)
+            parent.children[h] = child
+            cpages = child.pages
+            for g, lst in attn_pages:
+                p = lst[ordinal]
+                if p is not None:
+                    cpages[g] = p
+                    p.block = child
+                    p.priority = default if prios is None else prios[i][g]
+            if rec:
+                self._attach_snapshots(cache, child, ordinal, default if prios is None else prios[i])
+            blocks.append(child)
+            parent = child
+            i += 1
         if tokens is not None:
+            # Only some new blocks keep their tokens (see the module docstring): copying every block's tuple
+            # would double the cost of a long insert. Block j > 0 starts at j * tpb - fill in ``tokens``.
+            base = len(blocks) - n_full
+            if fill and first_new == 0:
+                blocks[base].tokens = (*partial, *tokens[: tpb - fill])
+            last = n_full - 1
+            if last >= first_new and (last or not fill):
+                blocks[base + last].tokens = tuple(tokens[last * tpb - fill : n_full * tpb - fill])
             if n_full:
-                cache._partial = list(tokens[pos:])
+                cache._partial = list(tokens[n_full * tpb - fill :])
             else:
                 partial.extend(tokens)
         cache._committed = end
@@ -1335,21 +1340,13 @@ class KVCacheManager:
 
     def _chain_keys(self, parent_key: int, partial: Sequence[int], tokens: Sequence[int], n_full: int) -> list[int]:
         """Chained hashes of the ``n_full`` blocks that ``partial`` followed by ``tokens`` completes."""
-        tpb = self.tokens_per_block
-        h = parent_key
-        out = []
-        pos = 0
-        start = 0
-        if partial and n_full:
-            pos = tpb - len(partial)
-            h = hash((h, (*partial, *tokens[:pos])))
-            out.append(h)
-            start = 1
-        for _ in range(start, n_full):
-            h = hash((h, tuple(tokens[pos : pos + tpb])))
-            out.append(h)
-            pos += tpb
-        return out
+        if not n_full:
+            return []
+        if not partial:
+            return chain_hashes(parent_key, tokens, 0, n_full, self.tokens_per_block)
+        pos = self.tokens_per_block - len(partial)
+        h = hash((parent_key, (*partial, *tokens[:pos])))
+        return [h, *chain_hashes(h, tokens, pos, n_full - 1, self.tokens_per_block)]
 
     def _merge_into(self, cache: KVCache, block: Block, ordinal: int, prios: Sequence[int] | int) -> None:
         """The tree already has the block this cache just completed: share the tree's GPU pages (freeing the
