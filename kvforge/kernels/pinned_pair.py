@@ -384,7 +384,11 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
             bad = int((da != ra).sum()) + int((db != rb).sum())
             return float(bad), bad == 0
 
-        return [timed_check("copy_small_pinned_pair", device, "512 int32 + 509 bool (pinned)", run, note="bad")]
+        return [
+            timed_check(
+                "copy_small_pinned_pair", device, "512 int32 + 509 bool (pinned)", run, note="err: wrong elements"
+            )
+        ]
 
     def fallback() -> tuple[float, bool]:
         da = torch.full((512,), -1, dtype=torch.int32)
@@ -401,5 +405,7 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
 
     return [
         timed_check("copy_small_pinned_pair", device, "512 int32 + 509 bool", fallback, note="no pinned memory: False"),
-        timed_check("copy_small_pinned_pair (kernel)", device, "512 int32 + 509 bool", kernel, note="bad elements"),
+        timed_check(
+            "copy_small_pinned_pair (kernel)", device, "512 int32 + 509 bool", kernel, note="err: wrong elements"
+        ),
     ]
