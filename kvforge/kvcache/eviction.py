@@ -70,16 +70,17 @@ class EvictionPolicy(Protocol):
 EvictionPolicyFactory = Callable[["PoolGroupSpec", "Tier"], EvictionPolicy]
 
 
-class PrioritizedLRU:
-    """Lowest priority first, then least recently used, then deepest block; one heap with lazy deletion.
+class LazyHeapPolicy:
+    """The mechanics every heap-ordered policy shares: one heap of list entries with lazy deletion.
 
-    ``page.policy_data`` holds the page's heap entry; discarding blanks the entry's page slot so the heap never
-    needs a search.
+    An entry is a list ordered by its leading items, with the page at index 4; ``page.policy_data`` holds the
+    page's entry, and discarding blanks the entry's page slot so the heap never needs a search. Subclasses build
+    entries in ``add`` (via :meth:`_push`) and may veto or re-key a popped candidate in :meth:`_settle`.
     """
 
     __slots__ = ("_heap", "_live", "_seq")
 
-    def __init__(self, group: PoolGroupSpec | None = None, tier: Tier | None = None) -> None:
+    def __init__(self) -> None:
         self._heap: list[list] = []
         self._live = 0
         self._seq = 0
@@ -91,13 +92,12 @@ class PrioritizedLRU:
         entry = getattr(page, "policy_data", None)
         return entry is not None and entry[4] is page
 
-    def add(self, page: Page) -> None:
+    @staticmethod
+    def _require_new(page: Page) -> None:
         if page.policy_data is not None:
             raise AssertionError(f"{page!r} is already an eviction candidate")
-        block = page.block
-        depth = block.depth if block is not None else 0
-        self._seq += 1
-        entry = [page.priority, page.last_used, -depth, self._seq, page]
+
+    def _push(self, page: Page, entry: list) -> None:
         page.policy_data = entry
         heapq.heappush(self._heap, entry)
         self._live += 1
@@ -114,9 +114,15 @@ class PrioritizedLRU:
             self._heap = [e for e in self._heap if e[4] is not None]
             heapq.heapify(self._heap)
 
+    def _settle(self, entry: list, settled: set[int]) -> bool:
+        """Whether the popped, accepted ``entry`` is the victim. A subclass whose keys can go stale re-keys the
+        entry, pushes it back, records ``id(page)`` in ``settled`` (once per page and call) and returns False."""
+        return True
+
     def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
         heap = self._heap
         rejected = []
+        settled: set[int] = set()
         victim = None
         while heap:
             entry = heapq.heappop(heap)
@@ -125,6 +131,8 @@ class PrioritizedLRU:
                 continue
             if accept is not None and not accept(page):
                 rejected.append(entry)
+                continue
+            if not self._settle(entry, settled):
                 continue
             page.policy_data = None
             self._live -= 1
@@ -137,3 +145,19 @@ class PrioritizedLRU:
     def ordered(self) -> list[Page]:
         """Candidates in eviction order (for tests and introspection; O(n log n))."""
         return [e[4] for e in sorted(e for e in self._heap if e[4] is not None)]
+
+
+class PrioritizedLRU(LazyHeapPolicy):
+    """Lowest priority first, then least recently used, then deepest block (see :class:`LazyHeapPolicy`)."""
+
+    __slots__ = ()
+
+    def __init__(self, group: PoolGroupSpec | None = None, tier: Tier | None = None) -> None:
+        super().__init__()
+
+    def add(self, page: Page) -> None:
+        self._require_new(page)
+        block = page.block
+        depth = block.depth if block is not None else 0
+        self._seq += 1
+        self._push(page, [page.priority, page.last_used, -depth, self._seq, page])

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvforge.kvcache.config import LayerSpec, LifeCycle, LifeCycleKind
-from kvforge.kvcache.eviction import EvictionPolicy, EvictionPolicyFactory, PrioritizedLRU
+from kvforge.kvcache.eviction import EvictionPolicy, EvictionPolicyFactory, LazyHeapPolicy, PrioritizedLRU
 
 if TYPE_CHECKING:
     from kvforge.kvcache.config import PoolGroupSpec, Tier
@@ -163,14 +163,14 @@ def _kimi_k3_like() -> ModelCostSpec:
 KIMI_K3_LIKE = _kimi_k3_like()
 
 
-class CostAwareSnapshotPolicy:
+class CostAwareSnapshotPolicy(LazyHeapPolicy):
     """GreedyDual eviction of recurrent snapshots by the prefill FLOPs they save per byte (module docstring).
 
     Order: lowest ``priority`` first (so the manager's priorities, e.g. the short-prompt rule, still apply),
     then lowest score ``H = clock_at_last_use + weight * value``, then the deepest block. One heap with lazy
-    deletion, like ``PrioritizedLRU``. ``value_fn(prefix_tokens) -> float`` is the (non-decreasing) value of a
-    snapshot after ``prefix_tokens`` tokens when nothing below it is cached; the page's prefix is read from its
-    tree block.
+    deletion (:class:`~kvforge.kvcache.eviction.LazyHeapPolicy`). ``value_fn(prefix_tokens) -> float`` is the
+    (non-decreasing) value of a snapshot after ``prefix_tokens`` tokens when nothing below it is cached; the
+    page's prefix is read from its tree block.
 
     * ``marginal``: the value is ``value_fn(L) - value_fn(L')``, where ``L'`` is the end of the nearest ancestor
       block holding a snapshot of the same group (0 when none within ``max_walk`` blocks): what evicting the
@@ -192,9 +192,6 @@ class CostAwareSnapshotPolicy:
     __slots__ = (
         "_clock",
         "_freq",
-        "_heap",
-        "_live",
-        "_seq",
         "_tpb",
         "_value_fn",
         "frequency",
@@ -219,11 +216,9 @@ class CostAwareSnapshotPolicy:
             raise ValueError(f"tokens_per_block: expected >= 1, got {tokens_per_block}")
         if max_walk < 1:
             raise ValueError(f"max_walk: expected >= 1, got {max_walk}")
+        super().__init__()
         self._value_fn = value_fn
         self._tpb = tokens_per_block
-        self._heap: list[list] = []
-        self._live = 0
-        self._seq = 0
         self._clock = 0.0
         self.frequency = frequency
         self.marginal = marginal
@@ -236,13 +231,6 @@ class CostAwareSnapshotPolicy:
     def clock(self) -> float:
         """The GreedyDual clock: the score of the last victim (new candidates start above it)."""
         return self._clock
-
-    def __len__(self) -> int:
-        return self._live
-
-    def __contains__(self, page: object) -> bool:
-        entry = getattr(page, "policy_data", None)
-        return entry is not None and entry[4] is page
 
     # --- values ------------------------------------------------------------------------------------------------
 
@@ -290,8 +278,7 @@ class CostAwareSnapshotPolicy:
     # --- EvictionPolicy ------------------------------------------------------------------------------------------
 
     def add(self, page: Page) -> None:
-        if page.policy_data is not None:
-            raise AssertionError(f"{page!r} is already an eviction candidate")
+        self._require_new(page)
         block = page.block
         self._seq += 1
         w = 1
@@ -303,10 +290,9 @@ class CostAwareSnapshotPolicy:
                 w = self._inherit(page)
             self._freq[id(page)] = (block, w)
         score = self._clock + w * self.value(page)
-        entry = [page.priority, score, -(block.depth if block is not None else 0), self._seq, page, self._clock]
-        page.policy_data = entry
-        heapq.heappush(self._heap, entry)
-        self._live += 1
+        self._push(
+            page, [page.priority, score, -(block.depth if block is not None else 0), self._seq, page, self._clock]
+        )
 
     def _inherit(self, page: Page) -> int:
         """A new snapshot's weight under ``supersede``: 1 plus the reuses of the ancestor snapshot it replaces."""
@@ -327,56 +313,21 @@ class CostAwareSnapshotPolicy:
             heapq.heappush(self._heap, new)
         return max(1, seen[1])
 
-    def discard(self, page: Page) -> None:
-        entry = page.policy_data
-        if entry is None:
-            return
-        entry[4] = None
-        page.policy_data = None
-        self._live -= 1
-        self._compact()
-
-    def _compact(self) -> None:
-        if len(self._heap) > 2 * self._live + 1024:
-            self._heap = [e for e in self._heap if e[4] is not None]
-            heapq.heapify(self._heap)
-
-    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
-        heap = self._heap
-        rejected = []
-        rescored: set[int] = set()
-        victim = None
-        while heap:
-            entry = heapq.heappop(heap)
-            page = entry[4]
-            if page is None:
-                continue
-            if accept is not None and not accept(page):
-                rejected.append(entry)
-                continue
-            if self.marginal and id(page) not in rescored:
-                # An ancestor snapshot may have gone since this one was scored: its value can only have grown.
-                fresh = entry[5] + self.weight(page) * self.value(page)
-                if fresh > entry[1] * (1.0 + 1e-12) + 1e-300:
-                    rescored.add(id(page))
-                    entry[1] = fresh
-                    heapq.heappush(heap, entry)
-                    continue
-            page.policy_data = None
-            self._live -= 1
-            # Aging: whatever enters from now on starts at the victim's score (scores never go backwards, so a
-            # victim of a lower priority class, scored earlier, cannot pull the clock down).
-            if entry[1] > self._clock:
-                self._clock = entry[1]
-            victim = page
-            break
-        for entry in rejected:
-            heapq.heappush(heap, entry)
-        return victim
-
-    def ordered(self) -> list[Page]:
-        """Candidates in eviction order (tests and introspection; O(n log n))."""
-        return [e[4] for e in sorted(e for e in self._heap if e[4] is not None)]
+    def _settle(self, entry: list, settled: set[int]) -> bool:
+        page = entry[4]
+        if self.marginal and id(page) not in settled:
+            # An ancestor snapshot may have gone since this one was scored: its value can only have grown.
+            fresh = entry[5] + self.weight(page) * self.value(page)
+            if fresh > entry[1] * (1.0 + 1e-12) + 1e-300:
+                settled.add(id(page))
+                entry[1] = fresh
+                heapq.heappush(self._heap, entry)
+                return False
+        # Aging: whatever enters from now on starts at the victim's score (scores never go backwards, so a
+        # victim of a lower priority class, scored earlier, cannot pull the clock down).
+        if entry[1] > self._clock:
+            self._clock = entry[1]
+        return True
 
 
 def cost_aware_eviction(
