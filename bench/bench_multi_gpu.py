@@ -89,6 +89,37 @@ def _verify(layers, req, block_ids: list[int], device: torch.device) -> tuple[in
     return checked, bad
 
 
+def _profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    # The host's Python time too: the sender's posting rate is what bounds a batch of transfers.
+    import cProfile
+
+    prof.py = cProfile.Profile()
+    prof.py.enable()
+    return prof
+
+
+def _profile_dump(prof, device: torch.device, path: Path) -> None:
+    import io
+    import pstats
+
+    prof.py.disable()
+    _sync(device)
+    prof.__exit__(None, None, None)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    text = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    text += "\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    py = io.StringIO()
+    pstats.Stats(prof.py, stream=py).sort_stats("tottime").print_stats(30)
+    text += "\n\n" + py.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
 def _median_time(fn, device: torch.device, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -166,28 +197,44 @@ def part_transfer(c: Ctx) -> list[dict]:
         ep = KVReceiver(transport, info, layers, timeout_s=cfg["timeout"])
         ep.connect("ctx", ctx.ranks)
     c.log("connected")
-    # An untimed round first (one request): compiles and tunes pack/unpack, warms NCCL's channels.
-    for rnd, ids in (("warm-up", [100]), ("timed", list(range(n_req)))):
+    # An untimed round first (one request): compiles and tunes pack/unpack, warms NCCL's channels. Then
+    # ``reps`` timed rounds of the whole batch (fresh transfer ids each); the median is reported and every page
+    # of the last round is verified.
+    rounds = [("warm-up", [(10_000, 0)])]
+    rounds += [(f"timed {k}", [(1_000 * k + i, i) for i in range(n_req)]) for k in range(cfg["reps"])]
+    if cfg.get("profile_dir"):  # one more round under the profilers, after (and not among) the timed ones
+        rounds.append(("profiled", [(1_000 * cfg["reps"] + i, i) for i in range(n_req)]))
+    timed: list[float] = []
+    for rnd, ids in rounds:
+        profile = rnd == "profiled"
         if rank == 1:
-            for tid in ids:
-                ep.request(tid, reqs[tid % 100], "ctx")
+            for tid, i in ids:
+                ep.request(tid, reqs[i], "ctx")
             c.log(f"{rnd}: {len(ids)} receives posted")
         c.barrier(f"before {rnd} transfer")
+        prof = _profiler(device) if profile else None
         t0 = time.perf_counter()
         if rank == 0:
-            for tid in ids:
-                ep.send(tid, reqs[tid % 100], "gen")
-            c.log(f"{rnd}: {len(ids)} sends posted")
+            for tid, i in ids:
+                ep.send(tid, reqs[i], "gen")
+            posted = time.perf_counter() - t0
             st = ep.wait()
-            assert sorted(st.completed) == ids and not st.failed, st.failed
-            c.log(f"{rnd}: sends done")
+            assert sorted(st.completed) == sorted(t for t, _ in ids) and not st.failed, st.failed
+            c.log(
+                f"{rnd}: sends posted after {posted * 1e3:.2f} ms, done after {(time.perf_counter() - t0) * 1e3:.2f} ms"
+            )
         else:
             st = ep.check_status(blocking=True)
             _sync(device)
             seconds = time.perf_counter() - t0
-            assert sorted(st.completed) == ids and not st.failed, st.failed
-            c.log(f"{rnd}: received and unpacked in {seconds:.3f} s")
+            assert sorted(st.completed) == sorted(t for t, _ in ids) and not st.failed, st.failed
+            c.log(f"{rnd}: received and unpacked in {seconds * 1e3:.2f} ms")
+            if rnd.startswith("timed"):
+                timed.append(seconds)
+        if prof is not None:
+            _profile_dump(prof, device, Path(cfg["profile_dir"]) / f"transfer_profile_rank{rank}.txt")
     if rank == 1:
+        seconds = statistics.median(timed)
         checked = bad = 0
         for r in reqs:
             n_checked, n_bad = _verify(layers, r, list(range(nb)), device)
@@ -203,6 +250,7 @@ def part_transfer(c: Ctx) -> list[dict]:
                 "blocks_checked": checked,
                 "blocks_bad": bad,
                 "byte_exact": bad == 0 and checked == len(layers) * nb * n_req,
+                "rounds_ms": [round(t * 1e3, 2) for t in timed],
             }
         )
     c.barrier("after transfer")
@@ -597,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=_common.RESULTS, help="folder for the CSV and PNGs")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs to use (default: all, at most 8)")
     parser.add_argument("--cpu-smoke", action="store_true", help="3 CPU processes over gloo, toy sizes")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables of one timed transfer round")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds before every worker is stopped")
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -644,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         # on it). A stuck NCCL op ends its process when the group's timeout (the scenario's budget) expires.
         env = {"TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING": "false"}
     cfg["backend"] = backend
+    if args.profile:
+        cfg["profile_dir"] = str(args.out)
     cfg["t0"] = time.time()
     deadline = cfg["t0"] + args.timeout - 10.0  # leaves time to write the CSV and PNGs
     stamp = env_stamp()

@@ -256,7 +256,7 @@ def test_malformed_message_fails_the_transfer_and_releases_pages():
         barrier(world, rank, (0, 1))
         # A rogue message of the right size but a header naming another transfer.
         n = ep.peers["gen"].pieces[0]
-        plan = ep._piece_plan(n, alloc.alloc(3, 8, [2, 2, 2]), [0, 1], unpack=False)
+        plan = ep._piece_plan("gen", 0, n, alloc.alloc(3, 8, [2, 2, 2]), [0, 1], unpack=False)
         buf = torch.zeros(HEADER_BYTES + plan.nbytes, dtype=torch.uint8)
         buf[:HEADER_BYTES].view(torch.int64)[:] = torch.tensor([1, 2, 3, 4])
         t.isend(buf, 1, 3)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvforge.kernels.kv_pack import (
+    KVPackLayout,
     KVPackPlan,
     kv_pack_nbytes,
     pack_kv_blocks,
@@ -135,6 +136,65 @@ def test_plan_is_reusable_and_empty_transfers_launch_nothing(gen, device):
     assert empty.nbytes == 0
     empty.unpack(torch.empty(0, dtype=torch.uint8, device=device))
     assert pack_kv_blocks([], []).numel() == 0
+
+
+def test_layout_plans_match_the_reference_for_any_block_counts(gen, device):
+    """One layout (layers sharing page tables, a head slice, an FP8 layer) planned for several requests."""
+    src = [random_pool(gen, 9, 3, 10, dt, device) for dt in (torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn)]
+    cols = [None, (2, 7), None]
+    layout = KVPackLayout(src, cols, tables=[0, 0, 1])
+    dst = [torch.zeros_like(p) for p in src]
+    dst_layout = KVPackLayout(dst, cols, tables=[0, 0, 1])
+    for n_group, n_draft in ((4, 2), (0, 3), (7, 7), (1, 0)):
+        pages = [pick_pages(gen, 9, n_group), pick_pages(gen, 9, n_draft)]
+        per_layer = [pages[0], pages[0], pages[1]]
+        buf = layout.plan(pages).pack()
+        assert torch.equal(buf.cpu(), pack_kv_blocks_ref(src, per_layer, col_ranges=cols).cpu())
+        dst_pages = [pick_pages(gen, 9, n_group), pick_pages(gen, 9, n_draft)]
+        dst_layout.plan(dst_pages, unpack=True).unpack(buf)
+        for s, d, c, si, di in zip(src, dst, cols, per_layer, [dst_pages[0], dst_pages[0], dst_pages[1]]):
+            lo, hi = c or (0, s.shape[2])
+            assert torch.equal(s[si][:, :, lo:hi].view(torch.uint8).cpu(), d[di][:, :, lo:hi].view(torch.uint8).cpu())
+
+
+def test_pack_with_a_header_frames_the_message(gen, device):
+    src = [random_pool(gen, 6, 3, 5, torch.float16, device), random_pool(gen, 6, 3, 5, torch.float8_e4m3fn, device)]
+    idx = [[5, 0, 2], [1]]
+    plan = KVPackPlan(src, idx)
+    out = torch.full((32 + plan.nbytes + 7,), POISON, dtype=torch.uint8, device=device)
+    head = [7, -(2**63), 2**63 - 1, plan.nbytes]
+    got = plan.pack(out=out, header=head)
+    assert got.data_ptr() == out.data_ptr() + 32 and got.numel() == plan.nbytes
+    assert out[:32].cpu().view(torch.int64).tolist() == head
+    assert torch.equal(out[32 : 32 + plan.nbytes].cpu(), pack_kv_blocks_ref(src, idx).cpu())
+    assert (out[32 + plan.nbytes :].cpu() == POISON).all(), "wrote past the message"
+    empty = KVPackPlan(src, [[], []])  # no blocks: the header alone is still written
+    short = torch.zeros(16, dtype=torch.uint8, device=device)
+    empty.pack(out=short, header=[3, 4])
+    assert short.cpu().view(torch.int64).tolist() == [3, 4]
+    with pytest.raises(ValueError, match=r"^out: expected at least"):
+        plan.pack(out=out[: 31 + plan.nbytes], header=head)
+    with pytest.raises(ValueError, match=r"^header: expected int64 values"):
+        plan.pack(header=[2**63])
+    with pytest.raises(TypeError, match=r"^header: expected a sequence of ints"):
+        plan.pack(header=torch.tensor([1]))
+
+
+def test_layout_rejects_bad_tables_and_page_lists(gen, device):
+    pools = [random_pool(gen, 4, 2, 8, torch.bfloat16, device) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"^tables: expected 2 entries"):
+        KVPackLayout(pools, tables=[0])
+    with pytest.raises(ValueError, match=r"^tables: expected non-negative ints"):
+        KVPackLayout(pools, tables=[0, -1])
+    layout = KVPackLayout(pools, tables=[0, 0])
+    with pytest.raises(ValueError, match=r"^pages: expected 1 page lists"):
+        layout.plan([[0], [1]])
+    with pytest.raises(TypeError, match=r"^pages: expected a sequence"):
+        layout.plan(torch.tensor([[0]]))
+    with pytest.raises(ValueError, match=r"^pages\[0\]: page indices must lie in \[0, 4\)"):
+        layout.plan([[4]])
+    with pytest.raises(ValueError, match=r"^pages\[0\]: a destination page appears more than once"):
+        layout.plan([[1, 1]], unpack=True)
 
 
 def _bad_calls(pool, fp8, buf):

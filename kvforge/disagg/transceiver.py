@@ -54,7 +54,7 @@ from kvforge.disagg.peer import check_peer
 from kvforge.disagg.rank_info import RankInfo
 from kvforge.disagg.transport import Group, Handle, Transport
 from kvforge.errors import TransferError
-from kvforge.kernels.kv_pack import KVPackPlan
+from kvforge.kernels.kv_pack import KVPackLayout, KVPackPlan
 
 HEADER_BYTES = 32
 _MAGIC = 0x4B5646470001  # "KVFG", message format 1
@@ -62,7 +62,27 @@ MAX_TRANSFER_ID = 2**30
 # Registration frames (int64 length + msgpack RankInfo, zero-padded) use a tag above every transfer id.
 _TAG_INFO = 2**30 + 1
 _INFO_BYTES = 4096
-_POLL_SLEEP_S = 0.002
+_POLL_SLEEP_S = 0.002  # longest sleep between polls of a blocking wait
+_POLL_MIN_S = 2e-5  # first sleep after progress: a message of a batch lands every few hundred microseconds
+
+
+class _Backoff:
+    """Sleeps of a polling loop: short right after progress, doubling up to ``_POLL_SLEEP_S`` while idle.
+
+    A fixed 2 ms sleep delayed each unpack (and the end of a batch) by up to 2 ms, several times the NCCL time
+    of a request's KV; spinning without sleeps would take a host core from the serving loop.
+    """
+
+    def __init__(self, progress: Callable[[], int]) -> None:
+        self._progress = progress
+        self._seen = progress()
+        self._sleep = _POLL_MIN_S
+
+    def sleep(self) -> None:
+        now = self._progress()
+        self._sleep = _POLL_MIN_S if now != self._seen else min(2 * self._sleep, _POLL_SLEEP_S)
+        self._seen = now
+        time.sleep(self._sleep)
 
 
 class State(enum.Enum):
@@ -132,10 +152,6 @@ class _Peer:
     gen: InstanceLayout
 
 
-def _header(transfer_id: int, nbytes: int, index: int) -> torch.Tensor:
-    return torch.tensor([_MAGIC, transfer_id, nbytes, index], dtype=torch.int64).view(torch.uint8)
-
-
 class _Endpoint:
     side = ""
 
@@ -170,6 +186,12 @@ class _Endpoint:
         self.release_fn = release
         self.timeout_s = float(timeout_s)
         self.peers: dict[str, _Peer] = {}
+        self._layouts: dict[tuple[str, int], tuple[KVPackLayout, list[int]]] = {}
+        # Pages of each layer group (the smallest pool of the group bounds its page indices).
+        self._group_pages: dict[int, int] = {}
+        for ly in layers:
+            self._group_pages[ly.group] = min(self._group_pages.get(ly.group, ly.num_pages), ly.num_pages)
+        self.ops_done = 0  # operations seen finished (polling loops back off while it stays put)
         self.sessions: dict[int, _Session] = {}
         self.orphans: list[_Op] = []
 
@@ -242,15 +264,18 @@ class _Endpoint:
         ctx_info, gen_info = (self.info, first) if self.side == "context" else (first, self.info)
         ctx, gen = layouts_for(ctx_info, gen_info)
         self.peers[peer] = _Peer(peer, infos, plan_pieces(ctx, gen), ctx, gen)
+        for key in [k for k in self._layouts if k[0] == peer]:  # a re-registered peer may cut pieces differently
+            del self._layouts[key]
 
     def _wait_all(self, handles, deadline: float, what: str) -> None:
         pending = list(handles)
+        backoff = _Backoff(lambda: len(pending))
         while pending:
             pending = [h for h in pending if not h.done()]
             if pending and time.monotonic() > deadline:
                 raise TransferError(f"{what}: timed out ({len(pending)} operations unfinished)")
             if pending:
-                time.sleep(_POLL_SLEEP_S)
+                backoff.sleep()
 
     # -- shared helpers -----------------------------------------------------------------------------------------
 
@@ -286,27 +311,42 @@ class _Endpoint:
             )
         return (lo - start) * layer.head_elems, (hi - start) * layer.head_elems
 
-    def _piece_plan(self, piece: Piece, request: RequestKV, positions: Sequence[int], *, unpack: bool) -> KVPackPlan:
-        pools, pages, cols = [], [], []
-        for key in piece.layer_keys():
-            layer = self.layers.get(key)
+    def _piece_layout(self, peer: str, index: int, piece: Piece) -> tuple[KVPackLayout, list[int]]:
+        """The pack layout of a piece's layers (built once per peer and piece) and the layer group of each table."""
+        key = (peer, index)
+        got = self._layouts.get(key)
+        if got is not None:
+            return got
+        pools, cols, tables, groups = [], [], [], []
+        for lk in piece.layer_keys():
+            layer = self.layers.get(lk)
             if layer is None:
                 raise ValueError(
-                    f"layers: this rank has no {key[0]} layer {key[1]}, which the transfer plan assigns to it"
+                    f"layers: this rank has no {lk[0]} layer {lk[1]}, which the transfer plan assigns to it"
                 )
-            if layer.group >= len(request.page_indices):
-                raise ValueError(f"request.page_indices: no page list for layer group {layer.group}")
-            group_pages = request.page_indices[layer.group]
+            if layer.group not in groups:
+                groups.append(layer.group)
             pools.append(layer.pool)
-            pages.append([group_pages[k] for k in positions])
             cols.append(self._layer_cols(layer, piece, self.info.tp_rank))
-        return KVPackPlan(pools, pages, cols, unpack=unpack)
+            tables.append(groups.index(layer.group))
+        got = self._layouts[key] = (KVPackLayout(pools, cols, tables), groups)
+        return got
+
+    def _piece_plan(
+        self, peer: str, index: int, piece: Piece, request: RequestKV, positions: Sequence[int], *, unpack: bool
+    ) -> KVPackPlan:
+        layout, groups = self._piece_layout(peer, index, piece)
+        pages = []
+        for g in groups:  # one list per layer group: every layer of the group reads it
+            if g >= len(request.page_indices):
+                raise ValueError(f"request.page_indices: no page list for layer group {g}")
+            src = request.page_indices[g]
+            pages.append([src[k] for k in positions])
+        return layout.plan(pages, unpack=unpack)
 
     def _check_pages(self, request: RequestKV, expected: int, *, unique: bool) -> None:
         """Every group this rank's layers use lists ``expected`` valid pages (distinct ones where we write)."""
-        pages_of: dict[int, int] = {}
-        for ly in self.layers.values():
-            pages_of[ly.group] = min(pages_of.get(ly.group, ly.num_pages), ly.num_pages)
+        pages_of = self._group_pages
         for g in sorted(pages_of):
             pages = request.page_indices[g] if g < len(request.page_indices) else None
             name = f"request.page_indices[{g}]"
@@ -358,6 +398,7 @@ class _Endpoint:
                 continue
             try:
                 op.done = op.handle.done()
+                self.ops_done += op.done
             except TransferError as exc:
                 got = sum(o.done for o in s.ops)
                 self._fail(
@@ -437,7 +478,7 @@ class KVSender(_Endpoint):
             blocks = list(piece.blocks(nb))
             if not blocks:
                 continue
-            planned.append((index, piece, self._piece_plan(piece, request, blocks, unpack=False)))
+            planned.append((index, piece, self._piece_plan(peer, index, piece, request, blocks, unpack=False)))
         for _, piece, _ in planned:
             self.transport.check_peer(p.infos[piece.gen_rank].transport_rank)
 
@@ -446,8 +487,7 @@ class KVSender(_Endpoint):
         packed = []
         for index, piece, plan in planned:
             buf = torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=plan.device)
-            buf[:HEADER_BYTES].copy_(_header(transfer_id, plan.nbytes, index))
-            plan.pack(out=buf[HEADER_BYTES:])
+            plan.pack(out=buf, header=(_MAGIC, transfer_id, plan.nbytes, index))
             wire = buf if buf.device == self.transport.device else buf.to(self.transport.device)
             packed.append((index, piece, wire))
 
@@ -484,11 +524,12 @@ class KVSender(_Endpoint):
     def wait(self) -> TransferStatus:
         """Poll until every send in flight has ended (each bounded by its deadline)."""
         st = TransferStatus()
+        backoff = _Backoff(lambda: self.ops_done)
         while True:
             st.merge(self.poll())
             if not self.sessions:
                 return st
-            time.sleep(_POLL_SLEEP_S)
+            backoff.sleep()
 
 
 class KVReceiver(_Endpoint):
@@ -552,7 +593,7 @@ class KVReceiver(_Endpoint):
             n = len(piece.blocks(nb))
             if n == 0:
                 continue
-            planned.append((index, piece, self._piece_plan(piece, request, range(n), unpack=True)))
+            planned.append((index, piece, self._piece_plan(peer, index, piece, request, range(n), unpack=True)))
         for _, piece, _ in planned:
             self.transport.check_peer(p.infos[piece.ctx_rank].transport_rank)
 
@@ -589,7 +630,7 @@ class KVReceiver(_Endpoint):
         if self.orphans or any(not op.done for s in self.sessions.values() for op in s.ops):
             return  # not safe now; the kernel tunes on first real use instead
         for plan, buf in plans:
-            key = tuple((ly.pool.data_ptr(), ly.pool.stride(), ly.col_start, ly.col_stop) for ly in plan.layers)
+            key = plan.layout  # layouts are cached per peer and piece, so each is warmed once
             if plan.nbytes == 0 or key in self._warmed:
                 continue
             plan.unpack(buf[HEADER_BYTES:])
@@ -597,8 +638,9 @@ class KVReceiver(_Endpoint):
 
     def _finish_local(self, s: _Session) -> None:
         """All messages arrived: check their headers, then unpack every one into the pages."""
-        for op in s.ops:
-            hdr = op.buf[:HEADER_BYTES].cpu().view(torch.int64).tolist()
+        # Every header of the session in one download (one wait on the stream, not one per message).
+        got = torch.stack([op.buf[:HEADER_BYTES] for op in s.ops]).cpu().view(torch.int64).tolist()
+        for op, hdr in zip(s.ops, got):
             assert op.plan is not None
             want = [_MAGIC, s.transfer_id, op.plan.nbytes, op.index]
             if hdr != want:
@@ -705,10 +747,11 @@ class KVReceiver(_Endpoint):
                     return result
             st, _ = self._consensus()
             return st
+        backoff = _Backoff(lambda: self.ops_done)
         while True:
             self._progress()
             st, still_open = self._consensus()
             result.merge(st)
             if still_open == 0 or (at_least is not None and len(result.completed) >= at_least):
                 return result
-            time.sleep(_POLL_SLEEP_S)
+            backoff.sleep()

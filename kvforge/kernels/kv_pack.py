@@ -23,10 +23,12 @@ launches (``pack`` / ``unpack``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,7 @@ _M_BUF_OFF = 6  # words from the buffer's first word to the layer's segment
 _M_PAGE_START = 7  # index of the layer's first page in the flat page table
 _M_NBLOCKS = 8  # blocks of the layer
 _NMETA = 9
+_WORD_COLS = [_M_POOL_OFF, _M_PAGE_STRIDE, _M_ROW_STRIDE, _M_COL_OFF, _M_COLS, _M_BUF_OFF]  # bytes -> words
 
 # Triton caps grid axes 1 and 2 at 65,535.
 MAX_LAYERS = 65535
@@ -116,6 +119,15 @@ _WORD_DTYPE = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _as_index_list(name: str, idx: object, num_pages: int, *, unique: bool) -> list[int]:
+    # The common case, a list of plain ints, checked without building a new list.
+    if type(idx) is list and all(type(v) is int for v in idx):
+        if idx and not (min(idx) >= 0 and max(idx) < num_pages):
+            bad = [v for v in idx if not 0 <= v < num_pages]
+            raise ValueError(f"{name}: page indices must lie in [0, {num_pages}), got {bad[:4]}")
+        if unique and len(set(idx)) != len(idx):
+            dup = sorted({v for v in idx if idx.count(v) > 1})[:4]
+            raise ValueError(f"{name}: a destination page appears more than once ({dup}); unpack would race")
+        return idx
     if isinstance(idx, torch.Tensor):
         if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
             raise TypeError(
@@ -141,65 +153,115 @@ def _as_index_list(name: str, idx: object, num_pages: int, *, unique: bool) -> l
 
 @dataclass(frozen=True)
 class _Layer:
+    """One layer of a layout with its byte quantities, read once from the pool (the plan path is pure integers)."""
+
     pool: torch.Tensor
-    pages: list[int]
     col_start: int
     col_stop: int
+    table: int  # which page list the layer reads (layers of one group share one)
+    ptr: int
+    page_stride: int
+    row_stride: int
+    col_off: int
+    row_bytes: int  # bytes copied per row
+    rows: int  # rows per block
 
     @property
     def esize(self) -> int:
         return self.pool.element_size()
 
-
-def _check_layers(
-    pools: Sequence[torch.Tensor],
-    page_indices: Sequence[object],
-    col_ranges: Sequence[tuple[int, int] | None] | None,
-    *,
-    unique: bool,
-) -> list[_Layer]:
-    if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence):
-        raise TypeError(f"pools: expected a sequence of tensors, got {type(pools).__name__}")
-    if isinstance(page_indices, torch.Tensor) or not isinstance(page_indices, Sequence):
-        raise TypeError(f"page_indices: expected a sequence (one entry per layer), got {type(page_indices).__name__}")
-    if len(page_indices) != len(pools):
-        raise ValueError(f"page_indices: expected {len(pools)} entries (one per pool), got {len(page_indices)}")
-    if col_ranges is not None and len(col_ranges) != len(pools):
-        raise ValueError(f"col_ranges: expected {len(pools)} entries (one per pool), got {len(col_ranges)}")
-    if len(pools) > MAX_LAYERS:
-        raise ValueError(f"pools: at most {MAX_LAYERS} layers per launch, got {len(pools)}")
-    layers = []
-    device = None
-    for i, pool in enumerate(pools):
-        check_tensor(f"pools[{i}]", pool, ndim=3)
-        if pool.is_complex() or pool.dtype == torch.bool:
-            raise TypeError(f"pools[{i}]: expected a real KV dtype, got {pool.dtype}")
-        if device is None:
-            device = pool.device
-        elif not same_device(pool.device, device):
-            raise ValueError(f"pools[{i}]: expected every pool on {device}, got one on {pool.device}")
-        if pool.shape[2] > 1 and pool.stride(2) != 1:
-            raise ValueError(f"pools[{i}]: expected the last dimension contiguous (stride 1), got {pool.stride()}")
-        if pool.stride(0) < 0 or pool.stride(1) < 0:
-            raise ValueError(f"pools[{i}]: negative strides are not supported ({pool.stride()})")
-        elems = pool.shape[2]
-        cr = None if col_ranges is None else col_ranges[i]
-        start, stop = (0, elems) if cr is None else (int(cr[0]), int(cr[1]))
-        if not 0 <= start < stop <= elems:
-            raise ValueError(f"col_ranges[{i}]: expected 0 <= start < stop <= {elems}, got ({start}, {stop})")
-        pages = _as_index_list(f"page_indices[{i}]", page_indices[i], pool.shape[0], unique=unique)
-        layers.append(_Layer(pool, pages, start, stop))
-    return layers
+    @property
+    def block_bytes(self) -> int:
+        return self.rows * self.row_bytes
 
 
-def _segments(layers: Sequence[_Layer]) -> list[tuple[int, int]]:
-    """(byte offset, byte length) of each layer's segment in the buffer."""
-    out, off = [], 0
-    for ly in layers:
-        n = len(ly.pages) * ly.pool.shape[1] * (ly.col_stop - ly.col_start) * ly.esize
-        out.append((off, n))
-        off += n
-    return out
+def _layout_layer(i: int, pool: object, cr: object, table: int, device: torch.device | None) -> _Layer:
+    check_tensor(f"pools[{i}]", pool, ndim=3)
+    assert isinstance(pool, torch.Tensor)
+    if pool.is_complex() or pool.dtype == torch.bool:
+        raise TypeError(f"pools[{i}]: expected a real KV dtype, got {pool.dtype}")
+    if device is not None and not same_device(pool.device, device):
+        raise ValueError(f"pools[{i}]: expected every pool on {device}, got one on {pool.device}")
+    if pool.shape[2] > 1 and pool.stride(2) != 1:
+        raise ValueError(f"pools[{i}]: expected the last dimension contiguous (stride 1), got {pool.stride()}")
+    if pool.stride(0) < 0 or pool.stride(1) < 0:
+        raise ValueError(f"pools[{i}]: negative strides are not supported ({pool.stride()})")
+    tpb, elems, es = pool.shape[1], pool.shape[2], pool.element_size()
+    start, stop = (0, elems) if cr is None else (int(cr[0]), int(cr[1]))  # type: ignore[index]
+    if not 0 <= start < stop <= elems:
+        raise ValueError(f"col_ranges[{i}]: expected 0 <= start < stop <= {elems}, got ({start}, {stop})")
+    row_bytes, rows, row_stride = (stop - start) * es, tpb, pool.stride(1) * es
+    # Whole rows stored back to back: one row per block lets the kernel stream the block in one loop.
+    if start == 0 and stop == elems and (tpb == 1 or pool.stride(1) == elems):
+        row_bytes, rows, row_stride = row_bytes * tpb, 1, row_bytes * tpb
+    return _Layer(
+        pool, start, stop, table, pool.data_ptr(), pool.stride(0) * es, row_stride, start * es, row_bytes, rows
+    )
+
+
+class KVPackLayout:
+    """The static half of a transfer: the pools, their column ranges and which page list each layer reads.
+
+    Checked and reduced to integers once (a transceiver keeps one per peer and piece), so that planning a
+    request's transfer (``plan``) touches only its page lists: the per-layer work of a 61-layer model was most
+    of the host time of a transfer when it was redone per request.
+
+    ``tables``: per layer, the index of the page list it reads in ``plan(pages)``; by default every layer reads
+    its own (``tables = range(len(pools))``). The layout keeps references to the pools; their storage must not
+    move while it is used.
+    """
+
+    def __init__(
+        self,
+        pools: Sequence[torch.Tensor],
+        col_ranges: Sequence[tuple[int, int] | None] | None = None,
+        tables: Sequence[int] | None = None,
+    ) -> None:
+        if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence):
+            raise TypeError(f"pools: expected a sequence of tensors, got {type(pools).__name__}")
+        if col_ranges is not None and len(col_ranges) != len(pools):
+            raise ValueError(f"col_ranges: expected {len(pools)} entries (one per pool), got {len(col_ranges)}")
+        if len(pools) > MAX_LAYERS:
+            raise ValueError(f"pools: at most {MAX_LAYERS} layers per launch, got {len(pools)}")
+        if tables is None:
+            tables = range(len(pools))
+        elif len(tables) != len(pools):
+            raise ValueError(f"tables: expected {len(pools)} entries (one per pool), got {len(tables)}")
+        elif any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tables):
+            raise ValueError(f"tables: expected non-negative ints, got {list(tables)[:8]}")
+        self.device = pools[0].device if len(pools) and isinstance(pools[0], torch.Tensor) else torch.device("cpu")
+        self.layers = [
+            _layout_layer(i, pool, None if col_ranges is None else col_ranges[i], int(t), self.device)
+            for i, (pool, t) in enumerate(zip(pools, tables))
+        ]
+        self.num_tables = max((ly.table + 1 for ly in self.layers), default=0)
+        # Every address, stride and length the kernel forms is a sum of multiples of these (segment offsets are
+        # sums of whole blocks, multiples of a row): their gcd with the buffer's address, per launch, sets the
+        # word width and the alignment the compiler may assume.
+        g = 0
+        for ly in self.layers:
+            for v in (ly.ptr, ly.page_stride, ly.row_stride, ly.col_off, ly.row_bytes):
+                g = math.gcd(g, v)
+        self._gcd = g
+        # Per layer, as arrays, so that a plan's rows are a few vector operations rather than a loop over layers.
+        cols = [[ly.ptr, ly.page_stride, ly.row_stride, ly.col_off, ly.row_bytes, ly.rows] for ly in self.layers]
+        self._static = np.array(cols, dtype=np.int64).reshape(-1, 6)
+        self._block_bytes = self._static[:, 4] * self._static[:, 5]
+        self._table = np.array([ly.table for ly in self.layers], dtype=np.int64)
+        # A table's bound is the smallest pool reading it (pools of one table normally have the same pages).
+        bounds: list[int | None] = [None] * self.num_tables
+        for ly in self.layers:
+            n = ly.pool.shape[0]
+            bounds[ly.table] = n if bounds[ly.table] is None else min(n, bounds[ly.table])  # type: ignore[type-var]
+        self._bounds = bounds
+
+    def plan(self, pages: Sequence[object], *, unpack: bool = False) -> KVPackPlan:
+        """The plan of one transfer: ``pages[t]`` lists, in block order, the pages of every layer reading table t."""
+        if isinstance(pages, torch.Tensor) or not isinstance(pages, Sequence):
+            raise TypeError(f"pages: expected a sequence (one page list per table), got {type(pages).__name__}")
+        if len(pages) != self.num_tables:
+            raise ValueError(f"pages: expected {self.num_tables} page lists (one per table), got {len(pages)}")
+        return KVPackPlan._from_layout(self, [f"pages[{t}]" for t in range(self.num_tables)], pages, unpack)
 
 
 def kv_pack_nbytes(
@@ -208,15 +270,16 @@ def kv_pack_nbytes(
     col_ranges: Sequence[tuple[int, int] | None] | None = None,
 ) -> int:
     """Size in bytes of the packed buffer for these pools, pages and column ranges."""
-    layers = _check_layers(pools, page_indices, col_ranges, unique=False)
-    return sum(n for _, n in _segments(layers))
+    return KVPackPlan(pools, page_indices, col_ranges).nbytes
 
 
 class KVPackPlan:
     """Host metadata of one transfer (checks, page table, per-layer rows), built once; ``pack``/``unpack`` launch.
 
-    ``unpack=True`` plans a scatter and therefore rejects a destination page listed twice in one layer.
-    The plan keeps references to the pools; their storage must not move while the plan is used.
+    ``KVPackPlan(pools, page_indices, ...)`` plans from scratch (layers given the same list object share one page
+    table, checked once); ``KVPackLayout.plan`` reuses a layout's checked layers. ``unpack=True`` plans a scatter
+    and therefore rejects a destination page listed twice in one layer. The plan keeps references to the pools;
+    their storage must not move while the plan is used.
     """
 
     def __init__(
@@ -227,114 +290,151 @@ class KVPackPlan:
         *,
         unpack: bool = False,
     ) -> None:
-        self.layers = _check_layers(pools, page_indices, col_ranges, unique=unpack)
+        if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence):
+            raise TypeError(f"pools: expected a sequence of tensors, got {type(pools).__name__}")
+        if isinstance(page_indices, torch.Tensor) or not isinstance(page_indices, Sequence):
+            raise TypeError(
+                f"page_indices: expected a sequence (one entry per layer), got {type(page_indices).__name__}"
+            )
+        if len(page_indices) != len(pools):
+            raise ValueError(f"page_indices: expected {len(pools)} entries (one per pool), got {len(page_indices)}")
+        # One table per distinct list object (alive for the whole call, so ids are not reused) and pool size.
+        seen: dict[tuple[int, int], int] = {}
+        tables, lists, names = [], [], []
+        for i, (pool, idx) in enumerate(zip(pools, page_indices)):
+            key = (id(idx), pool.shape[0] if isinstance(pool, torch.Tensor) and pool.dim() == 3 else -1)
+            if key not in seen:
+                seen[key] = len(lists)
+                lists.append(idx)
+                names.append(f"page_indices[{i}]")
+            tables.append(seen[key])
+        self._init(KVPackLayout(pools, col_ranges, tables), names, lists, unpack)
+
+    @classmethod
+    def _from_layout(cls, layout: KVPackLayout, names: list[str], pages: Sequence[object], unpack: bool) -> KVPackPlan:
+        plan = cls.__new__(cls)
+        plan._init(layout, names, pages, unpack)
+        return plan
+
+    def _init(self, layout: KVPackLayout, names: list[str], pages: Sequence[object], unpack: bool) -> None:
+        self.layout = layout
+        self.layers = layout.layers
         self.for_unpack = unpack
-        self.segments = _segments(self.layers)
-        self.nbytes = sum(n for _, n in self.segments)
-        self.device = self.layers[0].pool.device if self.layers else torch.device("cpu")
+        self.device = layout.device
+        tables = [
+            [] if bound is None else _as_index_list(names[t], pages[t], bound, unique=unpack)
+            for t, bound in enumerate(layout._bounds)
+        ]
+        counts = np.array([len(t) for t in tables], dtype=np.int64)
+        n_blocks = counts[layout._table]
+        sizes = n_blocks * layout._block_bytes
+        offsets = np.cumsum(sizes) - sizes
+        self.nbytes = int(sizes.sum())
+        self._sizes, self._offsets = sizes, offsets
+        self._max_blocks = int(n_blocks.max()) if len(n_blocks) else 0
+        starts = (np.cumsum(counts) - counts)[layout._table]
+        # The kernel's rows in bytes (pool address absolute); ``_device_tables`` rebases and converts to words.
+        self._rows = np.concatenate(
+            [layout._static, offsets[:, None], starts[:, None], n_blocks[:, None]], axis=1
+        ).reshape(-1, _NMETA)
+        self._flat_pages = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(counts.sum()))
         self._meta: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
         self._meta_key: tuple[int, int] | None = None
-        self._max_blocks = max((len(ly.pages) for ly in self.layers), default=0)
-        flat: list[int] = []
-        self._page_start: list[int] = []
-        for ly in self.layers:
-            self._page_start.append(len(flat))
-            flat.extend(ly.pages)
-        self._flat_pages = flat
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """(byte offset, byte length) of each layer's segment in the buffer."""
+        return list(zip(self._offsets.tolist(), self._sizes.tolist()))
 
     def _word_bytes(self, buf_ptr: int) -> tuple[int, int]:
         """(word bytes, alignment in words): the widest word dividing every byte quantity, and 16-byte hints."""
-        g = buf_ptr
-        for ly, (off, _) in zip(self.layers, self.segments):
-            es = ly.esize
-            p = ly.pool
-            for v in (
-                p.data_ptr(),
-                p.stride(0) * es,
-                p.stride(1) * es,
-                ly.col_start * es,
-                (ly.col_stop - ly.col_start) * es,
-                off,
-            ):
-                g = math.gcd(g, v)
-        g = math.gcd(g, 16)
+        g = math.gcd(self.layout._gcd, buf_ptr, 16)
         word = 4 if g % 4 == 0 else (2 if g % 2 == 0 else 1)
         return word, max(1, g // word)
 
-    def _metadata(self, buf: torch.Tensor, word: int) -> torch.Tensor:
-        base = buf.data_ptr()
-        rows = []
-        for ly, start, (off, _) in zip(self.layers, self._page_start, self.segments):
-            p, es = ly.pool, ly.esize
-            tpb, elems = p.shape[1], p.shape[2]
-            cols = (ly.col_stop - ly.col_start) * es
-            row_stride = p.stride(1) * es
-            n_rows = tpb
-            # Whole rows stored back to back: one row per block lets the kernel stream the block in one loop.
-            if ly.col_start == 0 and ly.col_stop == elems and (tpb == 1 or p.stride(1) == elems):
-                cols, n_rows, row_stride = cols * tpb, 1, cols * tpb
-            pool_off = p.data_ptr() - base
-            rows.append(
-                [
-                    pool_off // word,
-                    p.stride(0) * es // word,
-                    row_stride // word,
-                    ly.col_start * es // word,
-                    cols // word,
-                    n_rows,
-                    off // word,
-                    start,
-                    len(ly.pages),
-                ]
-            )
-        return torch.tensor(rows, dtype=torch.int64).reshape(-1, _NMETA).to(self.device)
+    def _device_tables(
+        self, base: int, word: int, header: Sequence[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(header, metadata, page table) on the device, from one upload: ``[header | rows | pages]`` int64.
 
-    def _check_buffer(self, name: str, buf: object) -> torch.Tensor:
+        One upload per transfer, written in place into pinned memory: the sender's host time per request is what
+        limits a batch of transfers (NCCL moves a request's blocks faster than the host posted them when each
+        table was built from Python lists and uploaded on its own). Without a header the tables are kept for the
+        next launch on the same buffer.
+        """
+        key = (base, word)
+        if not header and self._meta is not None and self._pages is not None and self._meta_key == key:
+            return None, self._meta, self._pages
+        h, n, p = len(header), self._rows.size, max(1, self._flat_pages.size)
+        cuda = self.device.type == "cuda"
+        host = torch.empty(h + n + p, dtype=torch.int64, pin_memory=cuda)
+        a = host.numpy()
+        a[:h] = header
+        rows = a[h : h + n].reshape(-1, _NMETA)
+        rows[:] = self._rows
+        rows[:, 0] -= base
+        rows[:, _WORD_COLS] //= word
+        a[h + n :] = 0
+        a[h + n : h + n + self._flat_pages.size] = self._flat_pages
+        dev = host.to(self.device, non_blocking=True) if cuda else host
+        self._meta, self._pages, self._meta_key = dev[h : h + n], dev[h + n :], key
+        return (dev[:h] if h else None), self._meta, self._pages
+
+    def _check_buffer(self, name: str, buf: object, nbytes: int) -> torch.Tensor:
         check_tensor(name, buf, dtype=torch.uint8, ndim=1, contiguous=True, device=self.device)
         assert isinstance(buf, torch.Tensor)
-        if buf.numel() < self.nbytes:
-            raise ValueError(f"{name}: expected at least {self.nbytes} bytes, got {buf.numel()}")
+        if buf.numel() < nbytes:
+            raise ValueError(f"{name}: expected at least {nbytes} bytes, got {buf.numel()}")
         return buf
 
-    def _launch(self, buf: torch.Tensor, unpack: bool) -> None:
+    def _launch(self, data: torch.Tensor, unpack: bool, header: Sequence[int] = (), head_out=None) -> None:
+        if self.nbytes == 0 and not header:
+            return
+        word, align = self._word_bytes(data.data_ptr())
+        head, meta, pages = self._device_tables(data.data_ptr(), word, header)
+        if head is not None:
+            head_out.copy_(head.view(torch.uint8))
         if self.nbytes == 0:
             return
-        word, align = self._word_bytes(buf.data_ptr())
-        key = (buf.data_ptr(), word)
-        if self._meta is None or self._meta_key != key:
-            self._meta = self._metadata(buf, word)
-            self._meta_key = key
-        if self._pages is None:
-            self._pages = torch.tensor(self._flat_pages or [0], dtype=torch.int32).to(self.device)
         # Only the first word of the typed view matters: pools are reached through offsets from it.
-        base = buf[: (buf.numel() // word) * word].view(_WORD_DTYPE[word])
+        base = data[: (data.numel() // word) * word].view(_WORD_DTYPE[word])
         n_layers = len(self.layers)
         _COPY.launch(
             lambda meta: (self._max_blocks, n_layers),
             (word, align, unpack),
             base,
-            self._meta,
-            self._pages,
+            meta,
+            pages,
             UNPACK=unpack,
             ALIGN=align,
             NMETA=_NMETA,
         )
 
-    def pack(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Gather into ``out`` (uint8, at least ``nbytes``; allocated when None) and return the written bytes."""
+    def pack(self, out: torch.Tensor | None = None, *, header: Sequence[int] = ()) -> torch.Tensor:
+        """Gather into ``out`` (uint8; allocated when None) and return the packed bytes.
+
+        ``header``: int64 values written in front of the packed bytes (a message frame), which then start at
+        byte ``8 * len(header)`` of ``out``; ``out`` needs room for both.
+        """
+        if isinstance(header, (str, bytes, torch.Tensor)) or not isinstance(header, Sequence):
+            raise TypeError(f"header: expected a sequence of ints, got {type(header).__name__}")
+        if any(isinstance(v, bool) or not isinstance(v, int) or not -(2**63) <= v < 2**63 for v in header):
+            raise ValueError(f"header: expected int64 values, got {list(header)[:8]}")
+        hb = 8 * len(header)
         if out is None:
-            out = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            out = torch.empty(hb + self.nbytes, dtype=torch.uint8, device=self.device)
         else:
-            out = self._check_buffer("out", out)
-        self._launch(out, unpack=False)
-        return out[: self.nbytes]
+            out = self._check_buffer("out", out, hb + self.nbytes)
+        data = out[hb:]
+        self._launch(data, False, header, out[:hb])
+        return data[: self.nbytes]
 
     def unpack(self, buf: torch.Tensor) -> None:
         """Scatter ``buf`` (laid out as ``pack`` writes it) into the pools' pages."""
         if not self.for_unpack:
             raise ValueError("plan: built for pack; build it with unpack=True (checks destination pages are unique)")
-        buf = self._check_buffer("buf", buf)
+        buf = self._check_buffer("buf", buf, self.nbytes)
         self._launch(buf, unpack=True)
 
 
