@@ -135,23 +135,27 @@ def _slot_scatter_kernel(
     # A device slot id cannot be range-checked on the host: a row with a bad slot writes nothing.
     ok = in_step & (slot >= 0) & (slot < n_slots)
     src = row_begin + rows
-    count = tl.load(count_ptr + src * s_count, mask=ok, other=0)
+    # Every source load is masked by the row alone, never by the slot: the host checked that the step's rows
+    # exist, and a load that waited for the slot id would add a second memory round trip to the kernel's
+    # critical path (slot id, then sources, then stores; now slot ids and sources load together).
+    count = tl.load(count_ptr + src * s_count, mask=in_step, other=0)
     tl.store(st_count_ptr + slot * st_count_s, count.to(st_count_ptr.dtype.element_ty), mask=ok)
 
     w = tl.arange(0, BLOCK_W)[None, :]
     okw = ok[:, None]
+    inw = in_step[:, None]
     src2 = src[:, None]
     slot2 = slot[:, None]
     # Zero padding comes from the masked loads' other=0; truncation from the store masks. The count mask is
     # applied after the load so that the load does not wait for the count's (one memory round trip fewer).
-    v = tl.load(new_ptr + src2 * s_new_r + w * s_new_w, mask=okw & (w < w_new_src), other=0)
+    v = tl.load(new_ptr + src2 * s_new_r + w * s_new_w, mask=inw & (w < w_new_src), other=0)
     v = tl.where(w < count[:, None], v, 0)
     tl.store(st_new_ptr + w * st_new_w + slot2 * st_new_s, v.to(st_new_ptr.dtype.element_ty), mask=okw & (w < w_new))
-    v = tl.load(next_ptr + src2 * s_next_r + w * s_next_w, mask=okw & (w < w_next_src), other=0)
+    v = tl.load(next_ptr + src2 * s_next_r + w * s_next_w, mask=inw & (w < w_next_src), other=0)
     tl.store(
         st_next_ptr + w * st_next_w + slot2 * st_next_s, v.to(st_next_ptr.dtype.element_ty), mask=okw & (w < w_next)
     )
-    v = tl.load(draft_ptr + src2 * s_draft_r + w * s_draft_w, mask=okw & (w < w_draft_src), other=0)
+    v = tl.load(draft_ptr + src2 * s_draft_r + w * s_draft_w, mask=inw & (w < w_draft_src), other=0)
     tl.store(
         st_draft_ptr + slot2 * st_draft_s + w * st_draft_w,
         v.to(st_draft_ptr.dtype.element_ty),
