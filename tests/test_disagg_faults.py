@@ -8,6 +8,7 @@ context instance "B". The steps run in order, separated by barriers of the ranks
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -20,6 +21,16 @@ A = syn.InstanceSpec("A", (1, 2), pp=2)
 B = syn.InstanceSpec("B", (3,))
 TOKENS = 13  # 4 blocks
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+
+
+def drain_orphans(ep, timeout_s: float = 10.0) -> None:
+    """Poll until the orphaned receives end (bounded). The sender saw its send complete; the receiving side
+    learns it from gloo's wait thread a moment later, so one poll right after a barrier may be too early."""
+    deadline = time.monotonic() + timeout_s
+    ep.check_status()
+    while ep.orphans and time.monotonic() < deadline:
+        time.sleep(0.01)
+        ep.check_status()
 
 
 def fault_world(rank: int, world: int, seed: int) -> dict:
@@ -120,7 +131,7 @@ def fault_world(rank: int, world: int, seed: int) -> dict:
         out["b3_late"] = ctx_send(3, fill_seed=seed + 1).completed
     sync()
     if rank == 0:
-        ep.check_status()
+        drain_orphans(ep)
         out["after_late"] = (len(ep.orphans), verify(req4), verify(req2))
     sync()
 
@@ -135,7 +146,7 @@ def fault_world(rank: int, world: int, seed: int) -> dict:
         out["b6"] = ctx_send(6).completed
     sync()
     if rank == 0:
-        ep.check_status()
+        drain_orphans(ep)
         out["orphans_after_cancel"] = len(ep.orphans)
 
     # 7. The generation side never asks for transfer 7: the sender gives up at its deadline.
