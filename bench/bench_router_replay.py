@@ -1,29 +1,41 @@
 """Replay the Mooncake conversation trace over simulated servers and compare routing policies.
 
 Each simulated server has its own LRU prefix cache (a hit needs the whole leading run of blocks present; hits
-and inserts refresh recency) and drains its backlog of uncached prompt tokens at a fixed rate over trace time,
-so a policy that piles conversations onto one server shows up as backlog imbalance, and one that scatters
-them shows up as lost prefix hits. The caches publish ``BlockStored`` / ``BlockRemoved`` events, which only the
-event-consuming policy reads. The ceiling is one LRU cache holding all servers' capacity, computed in the same
-run (and quoted from the data README).
+and inserts refresh recency) and computes its queue of uncached prompt tokens first come, first served at a
+fixed rate over trace time, so a policy that piles conversations onto one server shows up as backlog imbalance,
+and one that scatters them shows up as lost prefix hits. The caches publish ``BlockStored`` / ``BlockRemoved``
+events, which only the event-consuming policies read. The ceiling is one LRU cache holding all servers'
+capacity, computed in the same run (and quoted from the data README).
 
-    python bench/bench_router_replay.py [--servers 4 8] [--utilisation 0.8] [--trace PATH]
+    python bench/bench_router_replay.py [--servers 4 8] [--utilisation 0.8 [0.9 ...]] [--calibrate policy]
 
-Service model: every server drains its backlog of uncached prompt tokens at one fixed rate, chosen so that the
-fleet would run at ``--utilisation`` if every policy reached the ceiling's hit rate (a policy that loses hits
-overloads it). A request finishes (``router.finish``) when its prefill drains; caches change when a request is
-placed, and events are delivered then.
+Service model: every server drains its backlog at one rate. ``--calibrate ceiling`` (the default) picks the
+rate so that the fleet runs at ``--utilisation`` at the ceiling's hit rate: the same servers for every policy,
+so a policy that loses hits overloads them (``rho`` > 1). ``--calibrate policy`` replays each policy a second
+time at the rate that puts its own post-hit load at ``--utilisation``: equal queueing, to compare balance
+alone. A request finishes (``router.finish``) when its prefill is computed; caches change when a request is
+placed, and events are delivered then. Decode is not modelled.
 
-Metrics, per policy:
+Metrics, per policy (backlogs sampled every second of trace time):
 - ``hit``: prompt tokens served from the chosen server's cache over all prompt tokens; ``/ceil`` divides by the
-  same-run ceiling (one LRU cache of all servers' capacity).
-- ``inst avg`` / ``inst p99``: every second of trace time at which the fleet's mean backlog is at least one
-  block, the ratio max over servers / mean over servers of the backlog; its mean and 99th percentile. With
-  one or two requests queued per server this ratio stays far above 1 whatever the policy (a single 20k-token
-  prompt is most of a server's backlog), so it measures granularity as much as routing.
-- ``srv avg`` / ``srv p99``: the same ratio taken over each server's time-averaged (99th-percentile) backlog:
-  whether some server carries more than the others over the run (a death spiral shows up here).
-- ``wait``: queueing delay before a request's prefill starts (backlog ahead of it over the drain rate).
+  same-run ceiling (one LRU cache of all servers' capacity). ``rho``: uncached tokens over the fleet's capacity.
+- ``inst`` / ``p99``: at every sample where the fleet's mean backlog is at least one block, max over servers /
+  mean over servers of the backlog; its time-mean and 99th percentile.
+- ``wtd``: the same ratio weighted by the fleet's backlog, i.e. sum over samples of the max / sum of the mean
+  (idle moments weigh nothing).
+- ``floor``: the backlog-weighted mean of max(largest single request's remaining work, mean backlog) / mean:
+  no placement of the requests queued at that moment could do better than this, because a request is computed
+  on one server.
+- ``LWL`` (after ``floor``): ``wtd`` for the oracle that places the same per-request work (this policy's hits
+  kept) on the server with the least true backlog; after ``wait``, that oracle's mean wait.
+- ``srv`` / ``p99``: max / mean over servers of each server's time-averaged (99th-percentile) backlog: whether
+  some server carries more than the others over the run (a death spiral shows up here).
+- ``wait``: queueing delay before a request's prefill starts (mean; p99).
+
+At the default load the queues are short (about two requests per server on 8 servers), so the instantaneous
+ratios are set by single long prompts: ``floor`` and the oracle's ``LWL`` stay far above 1.3, and a policy
+that overloads the fleet (losing hits) lowers them by lengthening every queue. ``--utilisation 0.8 0.9 0.95
+0.99`` shows the ratio falling with load for every policy alike.
 
 The trace is read from ``$KVFORGE_TRACE`` or ``<repo>/../shared/data/mooncake_conversation_trace.jsonl``; it is
 never copied into the repository. Rows go to ``bench/results/router_replay.csv``, the figure to
@@ -36,7 +48,7 @@ import argparse
 import heapq
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +64,7 @@ from kvforge.kvcache.replay import TRACE_TOKENS_PER_BLOCK, TraceRequest, default
 from kvforge.routing import (
     CacheAwareRouter,
     ConversationRouter,
+    CostGuard,
     ImbalanceGuard,
     LeastLoadRouter,
     RoundRobinRouter,
@@ -108,22 +121,118 @@ def ceiling_hit_rate(trace: Sequence[TraceRequest], capacity: int) -> float:
     return hit / total
 
 
+class Fleet:
+    """``n`` servers, each computing its queue of prompt work first come, first served at ``rate`` tokens/s.
+
+    Every ``sample_every_s`` of trace time it records each server's backlog (tokens still to compute) and the
+    largest piece of work any one request still has, for the imbalance metrics of :meth:`summary`.
+    """
+
+    def __init__(self, n: int, rate: float, sample_every_s: float = 1.0) -> None:
+        self.n = n
+        self.rate = rate
+        self.sample_every_s = sample_every_s
+        self._drained_at = [0.0] * n  # when each server's queue empties
+        self._jobs: list[deque[tuple[float, float]]] = [deque() for _ in range(n)]  # (finish time, work)
+        self._next_sample = 0.0
+        self._ratios: list[float] = []
+        self._per_server: list[list[float]] = [[] for _ in range(n)]
+        self._max_sum = self._mean_sum = self._floor_sum = 0.0
+        self._samples = self._busy = 0
+        self.waits: list[float] = []
+        self.work = 0.0
+
+    def backlog(self, s: int, t: float) -> float:
+        return max(0.0, self._drained_at[s] - t) * self.rate
+
+    def backlogs(self, t: float) -> list[float]:
+        return [self.backlog(s, t) for s in range(self.n)]
+
+    def add(self, s: int, t: float, work: float) -> float:
+        """Queue ``work`` tokens on server ``s`` at time ``t``; returns when that prefill finishes."""
+        self.sample_until(t)
+        start = max(self._drained_at[s], t)
+        self.waits.append(start - t)
+        self._drained_at[s] = done = start + work / self.rate
+        self._jobs[s].append((done, work))
+        self.work += work
+        return done
+
+    def sample_until(self, t: float) -> None:
+        while self._next_sample <= t:
+            self._sample(self._next_sample)
+            self._next_sample += self.sample_every_s
+
+    def _sample(self, tau: float) -> None:
+        b = self.backlogs(tau)
+        largest = 0.0
+        for jobs in self._jobs:
+            while jobs and jobs[0][0] <= tau:
+                jobs.popleft()
+            for done, work in jobs:
+                largest = max(largest, min(work, (done - tau) * self.rate))
+        for v, series in zip(b, self._per_server):
+            series.append(v)
+        mean = sum(b) / self.n
+        self._samples += 1
+        self._max_sum += max(b)
+        self._mean_sum += mean
+        # No placement of the requests queued now can put less than the largest of them on one server.
+        self._floor_sum += max(largest, mean)
+        if mean >= TOKENS_PER_BLOCK:  # a fleet with less than one block queued on average counts as idle
+            self._busy += 1
+            self._ratios.append(max(b) / mean)
+
+    def summary(self) -> dict[str, float]:
+        means = [sum(v) / len(v) for v in self._per_server]
+        p99s = [_p99(v) for v in self._per_server]
+        weighted = self._mean_sum > 0
+        return {
+            "imbalance_mean": sum(self._ratios) / len(self._ratios) if self._ratios else float("nan"),
+            "imbalance_p99": _p99(self._ratios),
+            "imbalance_of_means": self._max_sum / self._mean_sum if weighted else float("nan"),
+            "granularity_floor": self._floor_sum / self._mean_sum if weighted else float("nan"),
+            "server_imbalance_mean": max(means) / (sum(means) / self.n),
+            "server_imbalance_p99": max(p99s) / (sum(p99s) / self.n),
+            "busy_fraction": self._busy / max(1, self._samples),
+            "wait_mean_s": sum(self.waits) / len(self.waits),
+            "wait_p99_s": _p99(self.waits),
+        }
+
+
 @dataclass
 class ReplayResult:
     hit_rate: float
+    rho: float  # uncached prompt tokens over the fleet's drain capacity during the trace
     imbalance_mean: float
     imbalance_p99: float
     imbalance_of_means: float
+    granularity_floor: float
     server_imbalance_mean: float
     server_imbalance_p99: float
     busy_fraction: float
     wait_mean_s: float
     wait_p99_s: float
+    lwl_imbalance_mean: float
+    lwl_imbalance_of_means: float
+    lwl_wait_mean_s: float
     seconds: float
+    work: list[float]
 
 
 def _p99(xs: list[float]) -> float:
     return float(np.percentile(xs, 99)) if xs else float("nan")
+
+
+def least_work_left(trace: Sequence[TraceRequest], work: Sequence[float], n: int, rate: float) -> dict[str, float]:
+    """The oracle: the same per-request work (a policy's own hits kept), each request on the server with the
+    least true backlog (what a router with perfect knowledge of every queue would do, were hits free to keep)."""
+    fleet = Fleet(n, rate)
+    for r, w in zip(trace, work):
+        t = r.timestamp / 1000.0
+        b = fleet.backlogs(t)
+        fleet.add(b.index(min(b)), t, w)
+    return fleet.summary()
 
 
 def replay(
@@ -133,7 +242,6 @@ def replay(
     blocks_per_server: int,
     rate_tokens_per_s: float,
     feed_events: bool,
-    sample_every_s: float = 1.0,
 ) -> ReplayResult:
     """Route every request, serve it on the chosen server's cache and queue; sample backlogs on a time grid."""
     t0 = time.perf_counter()
@@ -144,35 +252,13 @@ def replay(
         LruBlockCache(blocks_per_server, (lambda ev, s=s: router.on_event(s, ev)) if feed_events else None)
         for s in servers
     ]
-    backlog = [0.0] * n_servers
-    last = [0.0] * n_servers
+    fleet = Fleet(n_servers, rate_tokens_per_s)
     done: list[tuple[float, int]] = []
-    ratios: list[float] = []
-    per_server: list[list[float]] = [[] for _ in servers]
-    max_sum = mean_sum = 0.0
-    samples = busy = 0
-    next_sample = 0.0
-    waits: list[float] = []
+    work: list[float] = []
     hit = total = 0
-    busy_floor = TOKENS_PER_BLOCK  # a fleet with less than one block queued on average counts as idle
-
-    def drained(s: int, t: float) -> float:
-        return max(0.0, backlog[s] - rate_tokens_per_s * (t - last[s]))
-
     for rid, r in enumerate(trace):
         t_s = r.timestamp / 1000.0
-        while next_sample <= t_s:
-            b = [drained(s, next_sample) for s in servers]
-            for s, v in zip(servers, b):
-                per_server[s].append(v)
-            mean = sum(b) / n_servers
-            samples += 1
-            max_sum += max(b)
-            mean_sum += mean
-            if mean >= busy_floor:
-                busy += 1
-                ratios.append(max(b) / mean)
-            next_sample += sample_every_s
+        fleet.sample_until(t_s)
         while done and done[0][0] <= t_s:
             t_done, done_id = heapq.heappop(done)
             now[0] = t_done
@@ -182,40 +268,39 @@ def replay(
         cached = min(caches[s].access(r.hash_ids) * TOKENS_PER_BLOCK, r.input_length)
         hit += cached
         total += r.input_length
-        b = drained(s, t_s)
-        waits.append(b / rate_tokens_per_s)
-        backlog[s] = b + (r.input_length - cached)
-        last[s] = t_s
-        heapq.heappush(done, (t_s + backlog[s] / rate_tokens_per_s, rid))
+        work.append(r.input_length - cached)
+        heapq.heappush(done, (fleet.add(s, t_s, r.input_length - cached), rid))
     while done:
         t_done, done_id = heapq.heappop(done)
         now[0] = t_done
         router.finish(done_id)
-    server_means = [sum(v) / len(v) for v in per_server]
-    server_p99 = [_p99(v) for v in per_server]
     leaked = sum(router.loads().values())
     if leaked:
         raise RuntimeError(f"router leaked load after every request finished: {router.loads()}")
+    seconds = time.perf_counter() - t0
+    duration = (trace[-1].timestamp - trace[0].timestamp) / 1000.0
+    lwl = least_work_left(trace, work, n_servers, rate_tokens_per_s)
     return ReplayResult(
         hit_rate=hit / total,
-        imbalance_mean=sum(ratios) / len(ratios) if ratios else float("nan"),
-        imbalance_p99=_p99(ratios),
-        imbalance_of_means=max_sum / mean_sum if mean_sum else float("nan"),
-        server_imbalance_mean=max(server_means) / (sum(server_means) / n_servers),
-        server_imbalance_p99=max(server_p99) / (sum(server_p99) / n_servers),
-        busy_fraction=busy / max(1, samples),
-        wait_mean_s=sum(waits) / len(waits),
-        wait_p99_s=_p99(waits),
-        seconds=time.perf_counter() - t0,
+        rho=fleet.work / (n_servers * rate_tokens_per_s * duration),
+        **fleet.summary(),
+        lwl_imbalance_mean=lwl["imbalance_mean"],
+        lwl_imbalance_of_means=lwl["imbalance_of_means"],
+        lwl_wait_mean_s=lwl["wait_mean_s"],
+        seconds=seconds,
+        work=work,
     )
 
 
-def policies(blocks_per_server: int, guard: ImbalanceGuard) -> dict[str, tuple[Callable, bool]]:
+def policies(
+    blocks_per_server: int, guard: ImbalanceGuard, cost: CostGuard, router_rate: float
+) -> dict[str, tuple[Callable, bool]]:
     """name -> (factory(servers, clock), consumes cache events).
 
     The "(min 1)" rows let a new conversation follow a one-block match: on this trace every prompt starts
     with the same block, so "always" then sends every new conversation after the previous one (the death
-    spiral the imbalance guard exists for).
+    spiral the imbalance guard exists for). The "+drain" rows are told the servers' prefill rate
+    (``router_rate``: the simulated one times ``--router-rate-scale``).
     """
     common = dict(tokens_per_block=TOKENS_PER_BLOCK, request_ttl_s=3600.0)
     out: dict[str, tuple[Callable, bool]] = {
@@ -226,6 +311,7 @@ def policies(blocks_per_server: int, guard: ImbalanceGuard) -> dict[str, tuple[C
             False,
         ),
     }
+    always = dict(common, new_conversation_follow="always")
     for min_blocks, suffix in ((2, ""), (1, " (min 1)")):
         conv = dict(common, new_conversation_min_match_blocks=min_blocks)
         if not suffix:
@@ -240,6 +326,22 @@ def policies(blocks_per_server: int, guard: ImbalanceGuard) -> dict[str, tuple[C
             ),
             True,
         )
+    out["always+events+guard+drain"] = (
+        lambda s, c: ConversationRouter(
+            s, clock=c, use_cache_events=True, imbalance_guard=guard, prefill_tokens_per_s=router_rate, **always
+        ),
+        True,
+    )
+    out["always+events+cost"] = (
+        lambda s, c: ConversationRouter(s, clock=c, use_cache_events=True, imbalance_guard=cost, **always),
+        True,
+    )
+    out["always+events+cost+drain"] = (
+        lambda s, c: ConversationRouter(
+            s, clock=c, use_cache_events=True, imbalance_guard=cost, prefill_tokens_per_s=router_rate, **always
+        ),
+        True,
+    )
     return out
 
 
@@ -251,14 +353,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--utilisation",
         type=float,
-        default=0.8,
-        help="offered uncached load (at the ceiling's hit rate) over the fleet's drain capacity",
+        nargs="+",
+        default=[0.8],
+        help="offered uncached load over the fleet's drain capacity (several values: a sweep)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        choices=("ceiling", "policy"),
+        default="ceiling",
+        help="drain rate from the ceiling's hit rate (one rate for all policies) or from each policy's own hits",
     )
     ap.add_argument("--guard-rel", type=float, default=ImbalanceGuard.rel_slack)
     ap.add_argument("--guard-abs", type=int, default=ImbalanceGuard.abs_slack_tokens)
+    ap.add_argument("--recompute-weight", type=float, default=CostGuard.recompute_weight)
+    ap.add_argument(
+        "--router-rate-scale",
+        type=float,
+        default=1.0,
+        help="the +drain policy is told the simulated prefill rate times this (its error)",
+    )
     ap.add_argument("--policies", nargs="*", default=None, help="subset of policy names")
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
+    for u in args.utilisation:
+        if not u > 0:
+            ap.error(f"--utilisation: expected positive numbers, got {u}")
+    if not args.router_rate_scale > 0:
+        ap.error(f"--router-rate-scale: expected a positive number, got {args.router_rate_scale}")
 
     path = args.trace or default_trace_path()
     if path is None or not path.exists():
@@ -268,57 +389,84 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = (trace[-1].timestamp - trace[0].timestamp) / 1000.0
     prompt_tokens = sum(r.input_length for r in trace)
     guard = ImbalanceGuard(rel_slack=args.guard_rel, abs_slack_tokens=args.guard_abs)
+    cost = CostGuard(recompute_weight=args.recompute_weight)
     print(f"trace: {len(trace)} requests, {prompt_tokens / 1e6:.1f}M prompt tokens over {duration:.0f} s")
 
     rows = []
     table = []
-    for n in args.servers:
-        capacity = n * args.blocks_per_server
-        t = time.perf_counter()
-        ceiling = ceiling_hit_rate(trace, capacity)
-        print(f"\n{n} servers, {capacity} blocks in all: ceiling {ceiling:.1%} ({time.perf_counter() - t:.1f} s)")
-        rate = prompt_tokens * (1.0 - ceiling) / duration / (n * args.utilisation)
-        print(f"drain rate {rate:.0f} tokens/s per server (utilisation {args.utilisation} at the ceiling)")
-        header = (
-            f"{'policy':<29}{'hit':>7}{'/ceil':>7}{'inst avg':>9}{'inst p99':>9}{'srv avg':>8}{'srv p99':>8}"
-            f"{'wait s':>10}{'wait p99':>10}{'sec':>6}"
-        )
-        print(header)
-        for name, (factory, events) in policies(args.blocks_per_server, guard).items():
-            if args.policies and name not in args.policies:
-                continue
-            res = replay(trace, factory, n, args.blocks_per_server, rate, events)
-            frac = res.hit_rate / ceiling
+    ceilings: dict[int, float] = {}
+    for util in args.utilisation:
+        for n in args.servers:
+            capacity = n * args.blocks_per_server
+            if n not in ceilings:
+                ceilings[n] = ceiling_hit_rate(trace, capacity)
+            ceiling = ceilings[n]
+            rate = prompt_tokens * (1.0 - ceiling) / duration / (n * util)
             print(
-                f"{name:<29}{res.hit_rate:>7.1%}{frac:>7.1%}{res.imbalance_mean:>9.2f}{res.imbalance_p99:>9.2f}"
-                f"{res.server_imbalance_mean:>8.2f}{res.server_imbalance_p99:>8.2f}"
-                f"{res.wait_mean_s:>10.2f}{res.wait_p99_s:>10.2f}{res.seconds:>6.1f}"
+                f"\n{n} servers, {capacity} blocks in all: ceiling {ceiling:.1%}; utilisation {util} "
+                f"({args.calibrate}): drain rate {rate:.0f} tokens/s per server at the ceiling's hits"
             )
-            table.append((n, name, res, ceiling))
-            rows.append(
-                {
-                    "bench": "router_replay",
-                    "servers": n,
-                    "blocks_per_server": args.blocks_per_server,
-                    "utilisation": args.utilisation,
-                    "policy": name,
-                    "guard_rel": args.guard_rel if events else "",
-                    "guard_abs_tokens": args.guard_abs if events else "",
-                    "hit_rate": round(res.hit_rate, 5),
-                    "ceiling_same_run": round(ceiling, 5),
-                    "ceiling_readme": README_CEILINGS.get(capacity, ""),
-                    "hit_over_ceiling": round(frac, 4),
-                    "imbalance_mean": round(res.imbalance_mean, 4),
-                    "imbalance_p99": round(res.imbalance_p99, 4),
-                    "imbalance_of_means": round(res.imbalance_of_means, 4),
-                    "server_imbalance_mean": round(res.server_imbalance_mean, 4),
-                    "server_imbalance_p99": round(res.server_imbalance_p99, 4),
-                    "busy_fraction": round(res.busy_fraction, 4),
-                    "wait_mean_s": round(res.wait_mean_s, 4),
-                    "wait_p99_s": round(res.wait_p99_s, 4),
-                    "replay_s": round(res.seconds, 2),
-                }
+            header = (
+                f"{'policy':<27}{'hit':>6}{'/ceil':>7}{'rho':>6}{'inst':>6}{'p99':>6}{'wtd':>6}{'floor':>6}"
+                f"{'LWL':>6}{'srv':>6}{'p99':>6}{'wait':>9}{'LWL':>8}{'p99':>9}{'sec':>5}"
             )
+            print(header)
+            names = list(policies(args.blocks_per_server, guard, cost, rate))
+            for name in names:
+                if args.policies and name not in args.policies:
+                    continue
+                factory, events = policies(args.blocks_per_server, guard, cost, rate * args.router_rate_scale)[name]
+                res = replay(trace, factory, n, args.blocks_per_server, rate, events)
+                policy_rate = rate
+                if args.calibrate == "policy":
+                    # Same post-hit utilisation for every policy: a second pass at the rate its own hits call for.
+                    policy_rate = sum(res.work) / duration / (n * util)
+                    factory, events = policies(
+                        args.blocks_per_server, guard, cost, policy_rate * args.router_rate_scale
+                    )[name]
+                    res = replay(trace, factory, n, args.blocks_per_server, policy_rate, events)
+                frac = res.hit_rate / ceiling
+                print(
+                    f"{name:<27}{res.hit_rate:>6.1%}{frac:>7.1%}{res.rho:>6.2f}{res.imbalance_mean:>6.2f}"
+                    f"{res.imbalance_p99:>6.2f}{res.imbalance_of_means:>6.2f}{res.granularity_floor:>6.2f}"
+                    f"{res.lwl_imbalance_of_means:>6.2f}{res.server_imbalance_mean:>6.2f}"
+                    f"{res.server_imbalance_p99:>6.2f}{res.wait_mean_s:>9.2f}{res.lwl_wait_mean_s:>8.2f}"
+                    f"{res.wait_p99_s:>9.1f}{res.seconds:>5.1f}"
+                )
+                table.append((util, n, name, res, ceiling))
+                rows.append(
+                    {
+                        "bench": "router_replay",
+                        "servers": n,
+                        "blocks_per_server": args.blocks_per_server,
+                        "utilisation": util,
+                        "calibrate": args.calibrate,
+                        "drain_tokens_per_s": round(policy_rate, 1),
+                        "policy": name,
+                        "guard_rel": args.guard_rel if "guard" in name else "",
+                        "guard_abs_tokens": args.guard_abs if "guard" in name else "",
+                        "recompute_weight": args.recompute_weight if "cost" in name else "",
+                        "router_rate_scale": args.router_rate_scale if "drain" in name else "",
+                        "hit_rate": round(res.hit_rate, 5),
+                        "ceiling_same_run": round(ceiling, 5),
+                        "ceiling_readme": README_CEILINGS.get(capacity, ""),
+                        "hit_over_ceiling": round(frac, 4),
+                        "rho": round(res.rho, 4),
+                        "imbalance_mean": round(res.imbalance_mean, 4),
+                        "imbalance_p99": round(res.imbalance_p99, 4),
+                        "imbalance_of_means": round(res.imbalance_of_means, 4),
+                        "granularity_floor": round(res.granularity_floor, 4),
+                        "lwl_imbalance_mean": round(res.lwl_imbalance_mean, 4),
+                        "lwl_imbalance_of_means": round(res.lwl_imbalance_of_means, 4),
+                        "server_imbalance_mean": round(res.server_imbalance_mean, 4),
+                        "server_imbalance_p99": round(res.server_imbalance_p99, 4),
+                        "busy_fraction": round(res.busy_fraction, 4),
+                        "wait_mean_s": round(res.wait_mean_s, 4),
+                        "wait_p99_s": round(res.wait_p99_s, 4),
+                        "lwl_wait_mean_s": round(res.lwl_wait_mean_s, 4),
+                        "replay_s": round(res.seconds, 2),
+                    }
+                )
     if not args.no_csv and rows:
         print(f"\nrows appended to {append_csv('router_replay', rows)}")
         print(f"figure: {plot(table, RESULTS / 'router_replay.png')}")
@@ -326,40 +474,78 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def plot(table: list, path: Path) -> Path:
-    """Three panels of grouped bars (one group per policy, one bar per fleet size)."""
+    """Grouped bars (one group per policy, one bar per fleet size) at the first utilisation, and, for a sweep,
+    the backlog-weighted instantaneous imbalance against utilisation on the largest fleet."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({row[0] for row in table})
-    names = list(dict.fromkeys(row[1] for row in table))
-    by = {(row[0], row[1]): (row[2], row[3]) for row in table}
+    utils = list(dict.fromkeys(row[0] for row in table))
+    sizes = sorted({row[1] for row in table})
+    names = list(dict.fromkeys(row[2] for row in table))
+    by = {(row[0], row[1], row[2]): (row[3], row[4]) for row in table}
+    u0 = utils[0]
     panels = [
-        ("prefix-hit rate / same-capacity ceiling", lambda res, ceil: res.hit_rate / ceil, False, 0.9),
+        ("prefix-hit rate / same-capacity ceiling", lambda res, ceil: res.hit_rate / ceil, None, False, 0.9),
+        ("max/mean of per-server time-mean backlog", lambda res, ceil: res.server_imbalance_mean, None, True, 1.3),
         (
-            "backlog imbalance (max/mean of per-server mean backlog)",
-            lambda res, ceil: res.server_imbalance_mean,
+            "instantaneous max/mean backlog, backlog-weighted\n(x: least-work-left oracle of the same work, "
+            "-: granularity floor)",
+            lambda res, ceil: res.imbalance_of_means,
+            (lambda res: res.lwl_imbalance_of_means, lambda res: res.granularity_floor),
             True,
             1.3,
         ),
-        ("mean queueing delay before prefill (s)", lambda res, ceil: res.wait_mean_s, True, None),
+        (
+            "mean queueing delay before prefill (s; x: oracle)",
+            lambda res, ceil: res.wait_mean_s,
+            (lambda res: res.lwl_wait_mean_s, None),
+            True,
+            None,
+        ),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    axes = axes.ravel()
     width = 0.8 / len(sizes)
-    for ax, (label, value, log, target) in zip(axes, panels):
+    for ax, (label, value, marks, log, target) in zip(axes, panels):
         for i, n in enumerate(sizes):
             xs = [k + (i - (len(sizes) - 1) / 2) * width for k in range(len(names))]
-            ys = [value(*by[(n, name)]) if (n, name) in by else float("nan") for name in names]
+            cells = [by.get((u0, n, name)) for name in names]
+            ys = [value(*c) if c else float("nan") for c in cells]
             ax.bar(xs, ys, width, label=f"{n} servers")
+            if marks:
+                oracle, floor = marks
+                ax.scatter(xs, [oracle(c[0]) if c else float("nan") for c in cells], marker="x", color="k", s=14)
+                if floor is not None:
+                    ax.scatter(xs, [floor(c[0]) if c else float("nan") for c in cells], marker="_", color="r", s=60)
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target")
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
-        ax.set_title(label, fontsize=9)
+        ax.set_title(f"{label} (utilisation {u0})", fontsize=9)
         if log:
             ax.set_yscale("log")
         ax.legend(fontsize=7)
+    sweep = axes[4]
+    if len(utils) > 1:
+        n = sizes[-1]
+        for name in names:
+            pts = [(u, by[(u, n, name)][0]) for u in utils if (u, n, name) in by]
+            if pts and pts[0][1].hit_rate / by[(pts[0][0], n, name)][1] > 0.8:
+                sweep.plot([p.rho for _, p in pts], [p.imbalance_of_means for _, p in pts], "o-", label=name)
+        spec = [by[(u, n, "specific")][0] for u in utils if (u, n, "specific") in by]
+        if spec:
+            sweep.plot(
+                [p.rho for p in spec], [p.lwl_imbalance_of_means for p in spec], "k--", label="oracle (specific)"
+            )
+        sweep.axhline(1.3, color="grey", linestyle="--", linewidth=0.8)
+        sweep.set_xlabel("post-hit utilisation", fontsize=8)
+        sweep.set_title(f"backlog-weighted instantaneous max/mean vs load, {n} servers", fontsize=9)
+        sweep.legend(fontsize=7)
+    else:
+        sweep.axis("off")
+    axes[5].axis("off")
     fig.suptitle("Mooncake conversation trace replay, 10,000 blocks of 512 tokens per server", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvforge.kvcache.hashing import block_hashes
 from kvforge.routing import (
     ConversationRouter,
+    CostGuard,
     ImbalanceGuard,
     RequestInFlightError,
     RouterConfig,
@@ -558,3 +559,100 @@ def test_guard_with_events_prefers_the_near_minimum_server_caching_most():
     moved = r.route(RouteRequest("t2", token_ids=prompt + toks(2, TPB), conversation_id="conv"))
     assert moved == others[1]
     assert r.load(others[1]) == 500 + 21 * TPB - 12 * TPB
+
+
+# ----------------------------------------------------------------------------- cost guard and prefill progress
+
+
+@pytest.mark.parametrize("weight", [0.5, 0, -1, True, "8", float("nan")])
+def test_cost_guard_validates_itself(weight):
+    with pytest.raises(ValueError, match="recompute_weight"):
+        CostGuard(recompute_weight=weight)
+
+
+@pytest.mark.parametrize("rate", [0, -1.0, True, "100", float("inf"), float("nan")])
+def test_bad_prefill_rate_is_rejected(rate):
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        make(prefill_tokens_per_s=rate)
+
+
+def test_cost_guard_is_accepted_by_the_config():
+    assert RouterConfig(imbalance_guard=CostGuard()).imbalance_guard == CostGuard(recompute_weight=16.0)
+
+
+def test_cost_guard_keeps_affinity_when_the_backlog_gap_is_below_the_recompute_cost():
+    # home: 10,000 queued + 32 to compute (one new block); an idle server would compute all 672 tokens.
+    # Move iff 10,000 > weight * (672 - 32): at 16 the 10,240 tokens of weighted recomputation outweigh it.
+    r, home, prompt = _guarded(CostGuard(recompute_weight=16), events=False)
+    assert r.route(RouteRequest("t2", token_ids=prompt + toks(2, TPB), conversation_id="conv")) == home
+    assert r.stats.guard_moves == 0
+    assert r.load(home) == 10_000 + TPB
+
+
+def test_cost_guard_moves_when_the_gap_exceeds_the_recompute_cost():
+    r, home, prompt = _guarded(CostGuard(recompute_weight=8), events=False)  # 8 * 640 = 5,120 < 10,000
+    moved = r.route(RouteRequest("t2", token_ids=prompt + toks(2, TPB), conversation_id="conv"))
+    assert moved != home
+    assert r.stats.guard_moves == 1
+    assert r.load(moved) == 21 * TPB  # nothing cached there: the whole prompt
+    assert r.session_server("conv") == moved
+
+
+def test_cost_guard_with_events_weighs_what_each_server_caches():
+    r, home, prompt = _guarded(CostGuard(recompute_weight=8), events=True)
+    others = [s for s in r.servers if s != home]
+    r.on_event(others[1], BlockStored(tuple(block_hashes(prompt, TPB)[:12]), None, TPB))
+    occupy(r, others[1], 500, "warm")
+    # Scores: home 10,000 + 8 * 32; others[0] 0 + 8 * 672 = 5,376; others[1] 500 + 8 * 288 = 2,804.
+    assert r.route(RouteRequest("t2", token_ids=prompt + toks(2, TPB), conversation_id="conv")) == others[1]
+    assert r.load(others[1]) == 500 + 9 * TPB
+
+
+def test_cost_guard_sends_a_new_conversation_towards_its_cached_prefix():
+    r = make(new_conversation_follow="always", use_cache_events=True, imbalance_guard=CostGuard(recompute_weight=2))
+    prompt = toks(1, 10 * TPB)
+    r.on_event("c", BlockStored(tuple(block_hashes(prompt, TPB)[:1]), None, TPB))  # one block: too few to follow
+    occupy(r, "c", 400, "busy")
+    # Scores load + 2 * uncached: c 400 + 2 * 288 = 976 against an idle server's 2 * 320 = 640: the idle one.
+    assert r.route(RouteRequest("1", token_ids=prompt, conversation_id="x")) != "c"
+    r2 = make(new_conversation_follow="always", use_cache_events=True, imbalance_guard=CostGuard(recompute_weight=2))
+    r2.on_event("c", BlockStored(tuple(block_hashes(prompt, TPB)[:1]), None, TPB))
+    occupy(r2, "c", 20, "busy")  # c: 20 + 576 = 596 < 640, so the one cached block now decides
+    assert r2.route(RouteRequest("1", token_ids=prompt, conversation_id="x")) == "c"
+
+
+def test_prefill_rate_discounts_the_oldest_request_of_each_server():
+    clock = FakeClock()
+    r = make(servers=("a", "b"), clock=clock, prefill_tokens_per_s=100.0)
+    a = r.route(RouteRequest("1", token_ids=toks(1, 640)))
+    b = r.route(RouteRequest("2", token_ids=toks(2, 64)))
+    assert {a, b} == {"a", "b"}
+    clock.t += 3.0  # 300 tokens of the 640 computed; the 64-token request is done but not yet finished
+    assert r.backlogs() == {a: 340.0, b: 0.0}
+    assert r.loads() == {a: 640, b: 64}  # the accounting does not guess
+    r.route(RouteRequest("3", token_ids=toks(3, 96)))  # joins b (0 + 96 < 340 + 96) though its load says a
+    assert r.load(b) == 64 + 96
+    assert r.finish("2")  # "3" is b's oldest now, computed since this finish
+    clock.t += 0.5
+    assert r.backlogs()[b] == 96 - 50.0
+    assert r.finish("1") and r.finish("3")
+    assert r.backlogs() == r.loads() == {a: 0, b: 0}
+
+
+def test_prefill_estimate_never_discounts_more_than_the_oldest_request():
+    clock = FakeClock()
+    r = make(servers=("a",), clock=clock, prefill_tokens_per_s=1e9)  # a wildly high rate
+    for i in range(3):
+        r.route(RouteRequest(str(i), token_ids=toks(i, 64)))
+    clock.t += 10.0
+    assert r.backlogs() == {"a": 128.0}  # only the oldest request counts as computed
+
+
+def test_prefill_queue_stays_bounded_behind_a_stuck_request():
+    r = make(servers=("a",), request_ttl_s=None, prefill_tokens_per_s=10.0)
+    r.route(RouteRequest("stuck", token_ids=toks(0, 64)))
+    for i in range(1, 1000):
+        r.route(RouteRequest(i, token_ids=toks(i, 64)))
+        r.finish(i)
+    assert len(r._queues[0]) <= 2 * r.in_flight() + 65
+    assert r.backlogs()["a"] <= 64

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from kvforge.routing import ConversationRouter, ImbalanceGuard, RouteRequest
+from kvforge.routing import ConversationRouter, CostGuard, ImbalanceGuard, RouteRequest
 
 SESSIONS = 100_000
 BLOCKS = 8
@@ -23,6 +23,12 @@ CONFIGS = {
         "new_conversation_follow": "always",
         "use_cache_events": True,
         "imbalance_guard": ImbalanceGuard(),
+    },
+    "always+events+cost+drain": {
+        "new_conversation_follow": "always",
+        "use_cache_events": True,
+        "imbalance_guard": CostGuard(),
+        "prefill_tokens_per_s": 10_000.0,
     },
 }
 

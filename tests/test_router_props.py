@@ -22,6 +22,7 @@ from kvforge.kvcache.hashing import block_hashes  # noqa: E402
 from kvforge.routing import (  # noqa: E402
     CacheAwareRouter,
     ConversationRouter,
+    CostGuard,
     ImbalanceGuard,
     LeastLoadRouter,
     RoundRobinRouter,
@@ -53,11 +54,14 @@ class RouterMachine(RuleBasedStateMachine):
         kind=st.sampled_from(["conversation", "round_robin", "least_load", "cache_aware"]),
         mode=st.sampled_from(["specific", "always"]),
         events=st.booleans(),
-        guard=st.sampled_from([None, ImbalanceGuard(), ImbalanceGuard(rel_slack=0.0, abs_slack_tokens=0)]),
+        guard=st.sampled_from(
+            [None, ImbalanceGuard(), ImbalanceGuard(rel_slack=0.0, abs_slack_tokens=0), CostGuard(), CostGuard(1.0)]
+        ),
         max_sessions=st.integers(1, 6),
         min_match=st.integers(0, 2),
+        prefill_rate=st.sampled_from([None, 0.5, 1e6]),
     )
-    def make(self, kind, mode, events, guard, max_sessions, min_match):
+    def make(self, kind, mode, events, guard, max_sessions, min_match, prefill_rate):
         self.kind = kind
         common = dict(tokens_per_block=TPB, request_ttl_s=TTL, clock=self.clock)
         if kind == "conversation":
@@ -69,6 +73,7 @@ class RouterMachine(RuleBasedStateMachine):
                 max_sessions=max_sessions,
                 new_conversation_min_match_blocks=min_match,
                 specific_max_conversations=2,
+                prefill_tokens_per_s=prefill_rate,
                 **common,
             )
         elif kind == "round_robin":
@@ -137,6 +142,9 @@ class RouterMachine(RuleBasedStateMachine):
         if self.kind == "conversation":
             self.router.sanity_check()
             assert self.late_finishes <= self.router.stats.expired
+            # The decision view only ever discounts work actually reserved on that server.
+            backlogs = self.router.backlogs()
+            assert all(0 <= backlogs[s] <= loads[s] for s in loads), (backlogs, loads)
 
     def teardown(self):
         for rid in self.in_flight:

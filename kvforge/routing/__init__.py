@@ -3,7 +3,14 @@
 from kvforge.routing.load import LoadLedger, RequestInFlightError, Reservation
 from kvforge.routing.policies import CacheAwareRouter, LeastLoadRouter, RoundRobinRouter, Router
 from kvforge.routing.request import RouteRequest, RoutingKey
-from kvforge.routing.router import FOLLOW_MODES, ConversationRouter, ImbalanceGuard, RouterConfig, RouterStats
+from kvforge.routing.router import (
+    FOLLOW_MODES,
+    ConversationRouter,
+    CostGuard,
+    ImbalanceGuard,
+    RouterConfig,
+    RouterStats,
+)
 from kvforge.routing.trie import BlockTrie, ServerPrefixIndex
 
 __all__ = [
@@ -11,6 +18,7 @@ __all__ = [
     "BlockTrie",
     "CacheAwareRouter",
     "ConversationRouter",
+    "CostGuard",
     "ImbalanceGuard",
     "LeastLoadRouter",
     "LoadLedger",

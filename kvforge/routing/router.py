@@ -20,26 +20,29 @@ a newer request has replaced it; a request never finished is reclaimed after ``r
 
 Beyond the reference system: ``use_cache_events`` makes the router consume the servers' ``BlockStored`` /
 ``BlockRemoved`` events (:meth:`ConversationRouter.on_event`) so it knows what each server can reuse instead of
-guessing from its own placements, and ``imbalance_guard`` keeps prefix affinity only among servers whose
-backlog after placing the request is near the minimum.
+guessing from its own placements; ``imbalance_guard`` either keeps prefix affinity only among servers whose
+backlog after placing the request is near the minimum (:class:`ImbalanceGuard`) or places every request by
+backlog plus weighted recomputation (:class:`CostGuard`); and ``prefill_tokens_per_s`` lets the decisions see
+each server's backlog net of the progress its oldest request has made, instead of every in-flight request at
+full weight until its finish arrives.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvforge.routing.load import LoadLedger, RequestInFlightError, server_tuple
+from kvforge.routing.load import LoadLedger, RequestInFlightError, Reservation, server_tuple
 from kvforge.routing.request import RouteRequest, RoutingKey, request_content
 from kvforge.routing.trie import BlockTrie, ServerPrefixIndex
 
-__all__ = ["FOLLOW_MODES", "ConversationRouter", "ImbalanceGuard", "RouterConfig", "RouterStats"]
+__all__ = ["FOLLOW_MODES", "ConversationRouter", "CostGuard", "ImbalanceGuard", "RouterConfig", "RouterStats"]
 
 logger = logging.getLogger("kvforge.routing")
 
@@ -78,6 +81,32 @@ class ImbalanceGuard:
 
 
 @dataclass(frozen=True)
+class CostGuard:
+    """Place each request on the server with the least ``backlog + recompute_weight * uncached``, where
+    ``uncached`` is the router's estimate of the prompt tokens that server would compute for it (on the affine
+    server the conversation's growth or the prompt past the followed prefix; elsewhere the prompt past what
+    cache events say is held, else the whole prompt). Ties keep the affine server.
+
+    A request leaves its affine server ``t`` for ``s`` only when ``backlog[t] - backlog[s]`` exceeds
+    ``recompute_weight * (uncached[s] - uncached[t])``: the wait it escapes must beat, that many times over,
+    the prompt the move makes the fleet compute again, since every recomputed token lengthens some other
+    request's queue. At 1 (the greedy earliest-finish rule) the Mooncake replay on 8 servers lost a quarter of
+    the prefix hits and doubled the mean wait. The default 16 kept 98% of the same-capacity ceiling and cut
+    the mean wait at utilisation 0.8 (``bench/bench_router_replay.py``); near saturation a recomputed token
+    costs more than any fixed weight assumes, and there sticking to the affine server waits least. New
+    conversations with no affine server take the same minimum, so with cache events they lean towards servers
+    holding their prefix.
+    """
+
+    recompute_weight: float = 16.0
+
+    def __post_init__(self) -> None:
+        w = self.recompute_weight
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 1.0:
+            raise ValueError(f"recompute_weight: expected a number >= 1, got {w!r}")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Router settings; the defaults are the reference system's (128 tokens/block, 0.75, 100,000, "specific")."""
 
@@ -90,8 +119,9 @@ class RouterConfig:
     chars_per_token: float = 4.0
     request_ttl_s: float | None = 600.0
     use_cache_events: bool = False
-    imbalance_guard: ImbalanceGuard | None = None
+    imbalance_guard: ImbalanceGuard | CostGuard | None = None
     log_every_new_conversations: int = 256
+    prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tokens_per_block", self.tokens_per_block)
@@ -113,11 +143,17 @@ class RouterConfig:
             raise ValueError(f"request_ttl_s: expected a positive number of seconds or None, got {ttl!r}")
         if not isinstance(self.use_cache_events, bool):
             raise TypeError(f"use_cache_events: expected a bool, got {type(self.use_cache_events).__name__}")
-        if self.imbalance_guard is not None and not isinstance(self.imbalance_guard, ImbalanceGuard):
+        if self.imbalance_guard is not None and not isinstance(self.imbalance_guard, (ImbalanceGuard, CostGuard)):
             raise TypeError(
-                f"imbalance_guard: expected an ImbalanceGuard or None, got {type(self.imbalance_guard).__name__}"
+                "imbalance_guard: expected an ImbalanceGuard, a CostGuard or None, "
+                f"got {type(self.imbalance_guard).__name__}"
             )
         _positive_int("log_every_new_conversations", self.log_every_new_conversations)
+        r = self.prefill_tokens_per_s
+        if r is not None and (not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r < float("inf")):
+            raise ValueError(
+                f"prefill_tokens_per_s: expected a positive number (load units per second) or None, got {r!r}"
+            )
 
     @property
     def always(self) -> bool:
@@ -189,6 +225,13 @@ class ConversationRouter:
     ``routing_key(request)`` on the front end, ``route_by_key(request_id, key)`` and
     ``finish_request_by_id(request_id, success)`` where the load lives. Cache events: ``on_event(server, ev)``.
     ``clock`` (seconds, monotonic) is injectable for the time-to-live.
+
+    ``prefill_tokens_per_s`` (in the load unit: tokens, uncached ones in ``"always"`` mode) is each server's
+    prefill rate as the router assumes it. Set, decisions use :meth:`backlogs` instead of :meth:`loads`: the
+    oldest in-flight request of each server is taken to have been computed at that rate since it was placed or
+    since the server's previous finish, whichever is later. That assumes a server works through its requests
+    roughly in arrival order; the discount never exceeds that one request's weight, so a wrong rate misjudges a
+    server by at most one request. Accounting (:meth:`loads`, finishes, the time-to-live) is unchanged.
     """
 
     def __init__(
@@ -204,8 +247,9 @@ class ConversationRouter:
         chars_per_token: float = 4.0,
         request_ttl_s: float | None = 600.0,
         use_cache_events: bool = False,
-        imbalance_guard: ImbalanceGuard | None = None,
+        imbalance_guard: ImbalanceGuard | CostGuard | None = None,
         log_every_new_conversations: int = 256,
+        prefill_tokens_per_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         config = RouterConfig(
@@ -220,6 +264,7 @@ class ConversationRouter:
             use_cache_events=use_cache_events,
             imbalance_guard=imbalance_guard,
             log_every_new_conversations=log_every_new_conversations,
+            prefill_tokens_per_s=prefill_tokens_per_s,
         )
         self._setup(servers, config, clock)
 
@@ -248,6 +293,13 @@ class ConversationRouter:
         self._implicit_ids = count()
         self._rotor = 0
         self._followed_at_last_log = 0
+        # Per server, its reservations in placement order (finished ones are skipped when they reach the
+        # front) and when its latest request left: what the prefill-progress estimate needs.
+        n = len(self.servers)
+        self._queues: list[deque[tuple[Reservation, float]]] | None = (
+            [deque() for _ in range(n)] if config.prefill_tokens_per_s is not None else None
+        )
+        self._last_release = [float("-inf")] * n
 
     # ---------------------------------------------------------------- queries
 
@@ -257,6 +309,11 @@ class ConversationRouter:
 
     def loads(self) -> dict[Hashable, int]:
         return dict(zip(self.servers, self._ledger.loads))
+
+    def backlogs(self) -> dict[Hashable, float]:
+        """The load each server is judged by when placing: :meth:`loads`, less the estimated progress of its
+        oldest in-flight request when ``prefill_tokens_per_s`` is set."""
+        return dict(zip(self.servers, self._backlogs(self._clock())))
 
     def in_flight(self) -> int:
         return len(self._ledger)
@@ -326,10 +383,12 @@ class ConversationRouter:
         A failed request restores its conversation's token baseline, so a retry reserves its uncached prompt
         again, unless a newer request of that conversation has set a baseline since.
         """
-        self._reclaim(self._clock())
+        now = self._clock()
+        self._reclaim(now)
         res = self._ledger.release(request_id)
         if res is None:
             return False
+        self._last_release[res.server] = now
         undo: _Placement = res.payload
         if success:
             undo.prev = None
@@ -359,6 +418,7 @@ class ConversationRouter:
         expired = self._ledger.expire(now)
         for res in expired:
             res.payload.prev = None
+            self._last_release[res.server] = now
         self.stats.expired += len(expired)
         return len(expired)
 
@@ -402,8 +462,9 @@ class ConversationRouter:
         self._reclaim(now)
         if request_id in self._ledger:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
-        d = self._match(conv, hashes)
-        chosen = self._choose(d, num_tokens)
+        loads = self._ledger.loads if self._queues is None else self._backlogs(now)
+        d = self._match(conv, hashes, loads)
+        chosen = self._choose(d, num_tokens, loads)
         weight = self._weight(d, chosen, num_tokens)
         cfg = self.config
         if d.kind == _KNOWN:
@@ -427,11 +488,32 @@ class ConversationRouter:
             self._count_new_conversation(followed=d.kind == _FOLLOWED and chosen == d.target)
         s.baseline = num_tokens
         s.last = undo
-        self._ledger.reserve(request_id, chosen, weight, now, undo)
+        res = self._ledger.reserve(request_id, chosen, weight, now, undo)
+        if self._queues is not None:
+            q = self._queues[chosen]
+            q.append((res, now))
+            if len(q) > 2 * self._ledger.in_flight(chosen) + 64:
+                # A request stuck at the front (no time-to-live) would keep every later, finished one queued.
+                self._queues[chosen] = deque(e for e in q if self._ledger.get(e[0].request_id) is e[0])
         self.stats.routed += 1
         return chosen
 
-    def _match(self, conv: str | None, hashes: Sequence[int]) -> _Decision:
+    def _backlogs(self, now: float) -> list[float]:
+        loads = self._ledger.loads
+        rate = self.config.prefill_tokens_per_s
+        if self._queues is None or rate is None:
+            return loads
+        get = self._ledger.get
+        for s, q in enumerate(self._queues):
+            while q and get(q[0][0].request_id) is not q[0][0]:
+                q.popleft()
+            if q:
+                head, placed = q[0]
+                started = max(placed, self._last_release[s])
+                loads[s] -= min(head.weight, rate * max(0.0, now - started))
+        return loads
+
+    def _match(self, conv: str | None, hashes: Sequence[int], loads: list[float]) -> _Decision:
         cfg = self.config
         d = _Decision()
         if cfg.use_cache_events:
@@ -446,7 +528,7 @@ class ConversationRouter:
                 if session is not None:
                     self.stats.implicit += 1
             if session is None:
-                self._match_new(d, hashes, matched)
+                self._match_new(d, hashes, matched, loads)
                 return d
         d.kind = _KNOWN
         d.session = session
@@ -458,7 +540,7 @@ class ConversationRouter:
         d.known_base = session.baseline if k == len(old) else min(session.baseline, k * cfg.tokens_per_block)
         return d
 
-    def _match_new(self, d: _Decision, hashes: Sequence[int], matched: int) -> None:
+    def _match_new(self, d: _Decision, hashes: Sequence[int], matched: int, loads: list[float]) -> None:
         cfg = self.config
         if not cfg.matching:
             return
@@ -473,7 +555,6 @@ class ConversationRouter:
             # The servers' own events beat the router's memory: follow where the prefix is actually cached,
             # and among servers caching equally much (a preamble held everywhere), the least loaded.
             cached = d.cached
-            loads = self._ledger.loads
             best = max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
             have = cached[best]
             if have >= cfg.new_conversation_min_match_blocks and (
@@ -484,9 +565,13 @@ class ConversationRouter:
                 d.target_cached_blocks = have
 
     def _weight(self, d: _Decision, server: int, num_tokens: int) -> int:
-        cfg = self.config
-        if not cfg.always:
+        if not self.config.always:
             return num_tokens
+        return self._uncached(d, server, num_tokens)
+
+    def _uncached(self, d: _Decision, server: int, num_tokens: int) -> int:
+        """The prompt tokens ``server`` would compute for this request, as far as the router knows."""
+        cfg = self.config
         if server == d.target:
             if d.kind == _KNOWN:
                 return max(num_tokens - d.known_base, cfg.tokens_per_block)
@@ -495,11 +580,12 @@ class ConversationRouter:
             return max(num_tokens - d.cached[server] * cfg.tokens_per_block, 0)
         return num_tokens
 
-    def _choose(self, d: _Decision, num_tokens: int) -> int:
-        loads = self._ledger.loads
+    def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
         guard = self.config.imbalance_guard
         if d.target is not None and guard is None:
             return d.target
+        if isinstance(guard, CostGuard):
+            return self._choose_by_cost(d, num_tokens, loads, guard.recompute_weight)
         varying = self.config.always and d.cached is not None
         if d.target is None and not varying:
             return self._pick_min(loads)
@@ -522,7 +608,22 @@ class ConversationRouter:
             return min(near, key=lambda s: (-d.cached[s], backlog[s]))
         return min(near, key=backlog.__getitem__)
 
-    def _pick_min(self, values: list[int]) -> int:
+    def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
+        if d.target is None and d.cached is None:
+            return self._pick_min(loads)  # every server would compute the whole prompt
+        scores = [load + weight * self._uncached(d, s, num_tokens) for s, load in enumerate(loads)]
+        if d.target is None:
+            return self._pick_min(scores)
+        best = d.target
+        best_v = scores[best]
+        for s, v in enumerate(scores):
+            if v < best_v:
+                best, best_v = s, v
+        if best != d.target:
+            self.stats.guard_moves += 1
+        return best
+
+    def _pick_min(self, values: list[float]) -> int:
         # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation.
         n = len(values)
         best = self._rotor % n
