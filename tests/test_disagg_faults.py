@@ -33,7 +33,7 @@ def drain_orphans(ep, timeout_s: float = 10.0) -> None:
         ep.check_status()
 
 
-def fault_world(rank: int, world: int, seed: int) -> dict:
+def fault_world(rank: int, world: int, seed: int, post_async: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -61,7 +61,9 @@ def fault_world(rank: int, world: int, seed: int) -> dict:
         ir = inst.ranks.index(rank)
         layers = syn.make_layers(MODEL, inst, ir, cpu)
         alloc = syn.PageAllocator(MODEL.total_groups, inst.num_pages, seed + rank)
-        ep = KVSender(t, syn.make_rank_info(MODEL, inst, ir), layers, release=alloc.release, timeout_s=20)
+        ep = KVSender(
+            t, syn.make_rank_info(MODEL, inst, ir), layers, release=alloc.release, timeout_s=20, post_async=post_async
+        )
         ep.connect("G", G.ranks)
     dist.barrier()
 
@@ -164,9 +166,10 @@ def fault_world(rank: int, world: int, seed: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_faults_end_in_clear_errors_without_leaks_and_retries_succeed():
+@pytest.mark.parametrize("post_async", [False, True], ids=["post-inline", "post-thread"])
+def test_faults_end_in_clear_errors_without_leaks_and_retries_succeed(post_async):
     seed = int.from_bytes(os.urandom(3), "little")
-    res = run_world(fault_world, 4, args=(seed,), timeout_s=140, env_overrides=CPU_ONLY)
+    res = run_world(fault_world, 4, args=(seed, post_async), timeout_s=140, env_overrides=CPU_ONLY)
     assert res[2].exitcode == 1 and res[2].value is None, "rank 2 was meant to die"
     for r in (0, 1, 3):
         assert res[r].reported, f"rank {r} (seed {seed}): exit {res[r].exitcode}\n{res[r].error}"

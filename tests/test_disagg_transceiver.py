@@ -23,6 +23,15 @@ from kvforge.kernels._runtime import kernel_device
 from kvforge.kernels.kv_pack import KVPackPlan
 
 _INTERPRETER_LOCK = threading.Lock()
+POST_ASYNC = [False]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["post-inline", "post-thread"])
+def _post_mode(request):
+    """Every test runs with the sender posting its messages itself and from its posting thread (the NCCL
+    default), which must not change any outcome."""
+    POST_ASYNC[0] = request.param
+    yield
 
 
 @pytest.fixture(autouse=True)
@@ -153,7 +162,14 @@ def endpoints(world, rank, ctx, gen, *, timeout_s=5.0, connect=True):
         ir = ctx.ranks.index(rank)
         layers = syn.make_layers(MODEL, ctx, ir, POOLS)
         alloc = syn.PageAllocator(MODEL.total_groups, ctx.num_pages, rank)
-        ep = KVSender(t, syn.make_rank_info(MODEL, ctx, ir), layers, release=alloc.release, timeout_s=timeout_s)
+        ep = KVSender(
+            t,
+            syn.make_rank_info(MODEL, ctx, ir),
+            layers,
+            release=alloc.release,
+            timeout_s=timeout_s,
+            post_async=POST_ASYNC[0],
+        )
         if connect:
             ep.connect(gen.name, gen.ranks)
     else:
@@ -415,3 +431,83 @@ def test_connect_rejects_an_incompatible_peer_with_both_values():
         return True
 
     assert run_ranks(2, body) == [True, True]
+
+
+class _FailingSends(FakeTransport):
+    """Raises when posting the send numbered ``fail_at`` (0-based, over this rank's sends)."""
+
+    def __init__(self, world, rank, fail_at: int) -> None:
+        super().__init__(world, rank)
+        self.fail_at = fail_at
+        self.sends = 0
+        self.broken: dict[int, str] = {}
+
+    def isend(self, buf, dst, tag):
+        n, self.sends = self.sends, self.sends + 1
+        if n == self.fail_at:
+            raise RuntimeError("injected posting failure")
+        return super().isend(buf, dst, tag)
+
+    def mark_broken(self, peer, reason):
+        self.broken[peer] = reason
+
+
+def test_a_posting_failure_fails_the_transfer_and_skips_its_other_messages():
+    """Two generation ranks (TP 2), so a transfer is two messages; the first send of transfer 2 fails to post."""
+    ctx, gen = syn.InstanceSpec("ctx", (0,)), syn.InstanceSpec("gen", (1, 2), tp=2)
+
+    def body(rank, world):
+        if rank == 0:
+            t = _FailingSends(world, rank, fail_at=2)
+            layers = syn.make_layers(MODEL, ctx, 0, POOLS)
+            alloc = syn.PageAllocator(MODEL.total_groups, ctx.num_pages, rank)
+            ep = KVSender(t, syn.make_rank_info(MODEL, ctx, 0), layers, release=alloc.release, post_async=POST_ASYNC[0])
+            ep.connect(gen.name, gen.ranks)
+            t.sends = 0  # count the transfers' messages only (registration sent one frame per peer rank)
+            req = [alloc.alloc(i, 8, [2] * MODEL.total_groups) for i in (1, 2)]
+            ep.send(1, req[0], gen.name)
+            if POST_ASYNC[0]:
+                ep.send(2, req[1], gen.name)  # returns at once: the failure surfaces when polled
+            else:
+                with pytest.raises(RuntimeError, match="injected posting failure"):
+                    ep.send(2, req[1], gen.name)
+                alloc.release(req[1])  # send raised before taking the request: the caller still owns it
+            st = ep.wait()
+            ep.close()
+            assert st.completed == [1], st
+            assert t.sends == 3  # transfer 1's two messages, then transfer 2's first fails and its second is skipped
+            assert alloc.leaked == 0
+            if POST_ASYNC[0]:
+                assert list(st.failed) == [2], st.failed
+                assert "posting failed: RuntimeError: injected posting failure" in st.failed[2]
+            else:
+                assert not st.failed
+            return None
+        _, ep, _, alloc, _ = endpoints(world, rank, ctx, gen, timeout_s=1.0)
+        ir = gen.ranks.index(rank)
+        counts = syn.shard_counts(MODEL, gen, ir, 8)
+        reqs = {tid: alloc.alloc(tid, 8, counts) for tid in (1, 2)}
+        for tid, req in reqs.items():
+            ep.request(tid, req, ctx.name)
+        st = ep.check_status(blocking=True)
+        assert st.completed == [1] and list(st.failed) == [2], st
+        alloc.release(reqs[1])  # transfer 1's pages hold its KV until the caller is done with them
+        assert alloc.leaked == 0
+        return None
+
+    run_ranks(3, body)
+
+
+def test_post_async_is_checked_and_close_stops_the_thread():
+    ctx = syn.InstanceSpec("ctx", (0,))
+    world = FakeWorld(2)
+    t = FakeTransport(world, 0)
+    layers = syn.make_layers(MODEL, ctx, 0, POOLS)
+    with pytest.raises(TypeError, match=r"^post_async: expected a bool or None"):
+        KVSender(t, syn.make_rank_info(MODEL, ctx, 0), layers, post_async=1)
+    ep = KVSender(t, syn.make_rank_info(MODEL, ctx, 0), layers, post_async=True)
+    thread = ep._poster._thread
+    assert thread.is_alive()
+    ep.close()
+    assert not thread.is_alive() and ep._poster is None
+    ep.close()  # idempotent

@@ -36,12 +36,20 @@ its kernel spinning until the data arrives, so nothing here synchronises the who
 posted: the sender packs every message of a transfer before posting its sends, and the receiver runs each new
 kind of unpack once when it registers a request while idle (kernel tuning synchronises the device).
 
+Posting: on a GPU (or with ``post_async=True``) ``KVSender.send`` packs on the caller's thread and hands the
+messages to one posting thread, which posts them in ``send`` call order on the caller's stream; ``send`` returns
+without waiting for torch's NCCL bookkeeping, which cost more host time per request than everything else in a
+transfer. A message that fails to post fails its transfer at the next poll, like a message that fails in flight.
+
 Neither class is thread-safe: drive each from one thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +158,79 @@ class _Peer:
     pieces: list[Piece]
     ctx: InstanceLayout
     gen: InstanceLayout
+
+
+class _DeferredHandle(Handle):
+    """An operation handed to the posting thread: not done until posted and then finished; a posting error is
+    raised from ``done()`` as a ``TransferError`` (so the session fails through the usual path)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._posted = threading.Event()
+        self._handle: Handle | None = None
+        self._error: str | None = None
+
+    def _set(self, handle: Handle | None, error: str | None = None) -> None:
+        self._handle, self._error = handle, error
+        self._posted.set()
+
+    def done(self) -> bool:
+        if not self._posted.is_set():
+            return False
+        if self._error is not None:
+            raise TransferError(f"{self.what}: {self._error}")
+        assert self._handle is not None
+        return self._handle.done()
+
+
+class _Poster:
+    """One thread that posts a sender's messages, in ``send()`` call order, while ``send()`` returns at once.
+
+    Posting an NCCL send costs the host more than packing the message does (torch's process group records
+    events and enqueues the kernel), and a batch of transfers is bounded by the host time per request: posting
+    on this thread overlaps it with the next request's planning and packing on the caller's. Messages are posted
+    under the caller's CUDA device and stream, so each send still waits for its pack. After a posting error the
+    transfer's remaining messages are not posted (as when ``send`` posts them itself).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, posts: list[tuple[Callable[[], Handle], _DeferredHandle]], device: torch.device) -> None:
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self._queue.put((posts, stream))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                posts, stream = item
+                # Entering the caller's stream also makes its device current on this thread.
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    failed: str | None = None
+                    for post, deferred in posts:
+                        if failed is not None:
+                            deferred._set(None, f"not posted: an earlier message of this transfer failed ({failed})")
+                            continue
+                        try:
+                            deferred._set(post())
+                        except Exception as exc:  # reported through the handle, never raised in this thread
+                            failed = f"posting failed: {type(exc).__name__}: {exc}"
+                            deferred._set(None, failed)
+            finally:
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted message is posted (posting never waits for a peer)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
 
 
 class _Endpoint:
@@ -456,13 +537,39 @@ class KVSender(_Endpoint):
     side = "context"
     _counterpart = "generation"
 
-    def __init__(self, transport: Transport, info: RankInfo, layers: Sequence[KVLayer], **kw) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        info: RankInfo,
+        layers: Sequence[KVLayer],
+        *,
+        post_async: bool | None = None,
+        **kw,
+    ) -> None:
         super().__init__(transport, info, layers, **kw)
         if info.cp_size != 1:
             raise ValueError(
                 "info.cp_size: a context instance must have cp_size 1 (helix splits the generation side), "
                 f"got {info.cp_size}"
             )
+        if post_async is not None and not isinstance(post_async, bool):
+            raise TypeError(f"post_async: expected a bool or None, got {type(post_async).__name__}")
+        # Default: post from a thread when messages live on a GPU (NCCL), where posting costs the most.
+        if post_async is None:
+            post_async = transport.device.type == "cuda"
+        self._poster = _Poster(f"kvforge-post rank {transport.rank}") if post_async else None
+
+    def close(self) -> None:
+        """Post what is queued and stop the posting thread (if any); sessions in flight stay pollable."""
+        if self._poster is not None:
+            self._poster.drain()
+            self._poster.close()
+            self._poster = None
+
+    def connect(self, peer: str, ranks: Sequence[int], *, timeout_s: float | None = None) -> None:
+        if self._poster is not None:
+            self._poster.drain()  # registration uses the transport from this thread: nothing else may be posting
+        super().connect(peer, ranks, timeout_s=timeout_s)
 
     def send(self, transfer_id: int, request: RequestKV, peer: str, *, timeout_s: float | None = None) -> None:
         """Start sending ``request``'s KV to instance ``peer``; every check runs before anything is sent."""
@@ -491,14 +598,24 @@ class KVSender(_Endpoint):
             wire = buf if buf.device == self.transport.device else buf.to(self.transport.device)
             packed.append((index, piece, wire))
 
-        def post(index: int, piece: Piece, wire: torch.Tensor):
-            def run() -> _Op:
+        if self._poster is not None:
+            ops, posts = [], []
+            for index, piece, wire in packed:
                 dst = p.infos[piece.gen_rank].transport_rank
-                return _Op(piece, self.transport.isend(wire, dst, transfer_id), wire, dst, index=index)
+                deferred = _DeferredHandle(f"send of {wire.numel()} bytes to rank {dst}")
+                posts.append((lambda w=wire, d=dst: self.transport.isend(w, d, transfer_id), deferred))
+                ops.append(_Op(piece, deferred, wire, dst, index=index))
+            self._poster.submit(posts, self.transport.device)
+        else:
 
-            return run
+            def post(index: int, piece: Piece, wire: torch.Tensor):
+                def run() -> _Op:
+                    dst = p.infos[piece.gen_rank].transport_rank
+                    return _Op(piece, self.transport.isend(wire, dst, transfer_id), wire, dst, index=index)
 
-        ops = self._post_all([post(*x) for x in packed], transfer_id)
+                return run
+
+            ops = self._post_all([post(*x) for x in packed], transfer_id)
         s = _Session(transfer_id, request, peer, time.monotonic() + t, t, ops)
         self.sessions[transfer_id] = s
 
