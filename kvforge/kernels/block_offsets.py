@@ -83,11 +83,15 @@ def _block_offsets_kernel(
     pool = tl.program_id(2).to(tl.int64)
     blocks = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_row = blocks < n_blocks
-    scale = tl.load(scale_ptr + pool * s_scale).to(tl.int32)
-    kv_offset = tl.load(kv_offset_ptr + pool * s_kv_offset).to(tl.int32)
     for i in range(tl.program_id(1), n_seq, tl.num_programs(1)):
         seq = tl.cast(i, tl.int64)
         row = tl.load(index_ptr + seq * s_index).to(tl.int64)
+        # The per-pool constants load here, after the row index and in the same memory round trip. Loaded
+        # before the loop they went to uniform registers, and that move waited for them before the row index
+        # load could issue: three dependent round trips (constants, index, table) instead of two. The stores
+        # below may alias them as far as the compiler knows, so it does not hoist them back out of the loop.
+        scale = tl.load(scale_ptr + pool * s_scale).to(tl.int32)
+        kv_offset = tl.load(kv_offset_ptr + pool * s_kv_offset).to(tl.int32)
         # A device index cannot be checked on the host: an out-of-range row reads as bad pages, never past
         # the table.
         row_ok = (row >= 0) & (row < row_capacity)
