@@ -13,11 +13,14 @@ pages are prioritised LRU throughout):
 
 * ``lru``: prioritised LRU, every page at the default priority.
 * ``short<L>``: the reference system's rule, ``HybridCachePolicy.low_priority_snapshot_prompt_len = L``.
-* ``cost``: :func:`~kvforge.kvcache.snapshot_policy.cost_aware_eviction` with its defaults
-  (GreedyDual-Size-Frequency on the *marginal* prefill FLOPs a snapshot saves over the nearest snapshot below it,
-  per byte; a new snapshot that continues an unbranched path takes over the reuse count of the one it supersedes).
-* ``cost_prefix`` (ablation, the earlier cost-aware policy): the same with the whole prefix's FLOPs as the value
-  and no superseding (``marginal=False, supersede=False``).
+* ``cost``: :func:`~kvforge.kvcache.snapshot_policy.cost_aware_eviction` with ``aging="hit-density"``
+  (:class:`~kvforge.kvcache.snapshot_policy.HitDensitySnapshotPolicy`): the prefill FLOPs one reuse saves (over the
+  nearest snapshot below that is not superseded) times the expected reuses per slot-time, a Gittins index learned
+  online per class (use count, superseded) and age from reuses and removals, evicted snapshots included.
+* ``cost_gd`` (ablation, the previous cost-aware policy): ``cost_aware_eviction`` with its defaults,
+  GreedyDual-Size-Frequency on the marginal prefill FLOPs per byte with superseding.
+* ``cost_prefix`` (ablation, the earliest one): GreedyDual with the whole prefix's FLOPs as the value and no
+  superseding (``marginal=False, supersede=False``).
 
 Reported: token hit rate (reused / prompt tokens) and the share of prefill FLOPs saved (the reused prefixes' FLOPs
 over the whole prompts' FLOPs, :meth:`ModelCostSpec.prefill_flops`). Rows go to ``bench/results/snapshot_policy.csv``
@@ -46,6 +49,7 @@ from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE, ModelCostSpec, cost_aw
 from kvforge.sim.workload import MOONCAKE_BLOCK_TOKENS, SimRequest, load_mooncake_trace
 
 TPB = MOONCAKE_BLOCK_TOKENS
+POLICIES = ("lru", "short", "cost", "cost_gd", "cost_prefix")
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,10 @@ class ReplayOutcome:
 def build_manager(
     model: ModelCostSpec, memory_bytes: int, snapshot_share: float, policy: str, short_len: int = 0
 ) -> HybridCacheManager:
-    """The hybrid manager of one replay: ``policy`` is ``lru``, ``short`` (with ``short_len``), ``cost`` or
-    ``cost_prefix``."""
+    """The hybrid manager of one replay: ``policy`` is ``lru``, ``short`` (with ``short_len``), ``cost``,
+    ``cost_gd`` or ``cost_prefix``."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
     layers = model.layer_specs()
     groups = KVCacheConfig(TPB, layers).groups
     ratios = tuple(
@@ -88,6 +94,8 @@ def build_manager(
     hybrid = HybridCachePolicy(low_priority_snapshot_prompt_len=short_len if policy == "short" else 0)
     factory = None
     if policy == "cost":
+        factory = cost_aware_eviction(model, TPB, aging="hit-density")
+    elif policy == "cost_gd":
         factory = cost_aware_eviction(model, TPB)
     elif policy == "cost_prefix":
         factory = cost_aware_eviction(model, TPB, marginal=False, supersede=False)
@@ -176,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     outcomes: list[ReplayOutcome] = []
     for mem in mems:
-        runs = [("lru", 0), *(("short", L) for L in shorts), ("cost_prefix", 0), ("cost", 0)]
+        runs = [("lru", 0), *(("short", L) for L in shorts), ("cost_prefix", 0), ("cost_gd", 0), ("cost", 0)]
         for policy, short_len in runs:
             o = replay(reqs, model, mem, args.snapshot_share, policy, short_len)
             outcomes.append(o)
