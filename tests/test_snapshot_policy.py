@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvforge.errors import OutOfPagesError
-from kvforge.kvcache import KVCacheConfig, LayerSpec, LifeCycle, LifeCycleKind, TierConfig
+from kvforge.kvcache import HybridCachePolicy, KVCacheConfig, LayerSpec, LifeCycle, LifeCycleKind, TierConfig
 from kvforge.kvcache.eviction import PrioritizedLRU
 from kvforge.kvcache.hybrid import HybridCacheManager
 from kvforge.kvcache.pools import Page
@@ -17,7 +17,9 @@ from kvforge.kvcache.snapshot_policy import (
     KIMI_K3_LIKE,
     CostAwareSnapshotPolicy,
     HitDensitySnapshotPolicy,
+    SnapshotAwareLRU,
     cost_aware_eviction,
+    snapshot_aware_eviction,
 )
 
 TPB = 4
@@ -153,8 +155,11 @@ def tokens(tag: int, n: int) -> list[int]:
     return [(tag * 7919 + i * 31) % 1009 for i in range(n)]
 
 
-def hit_density(**kw):
-    """Factory: the hit-density policy (value = prefix tokens) for the recurrent pool, LRU for attention."""
+def hit_density(dead_first: bool = False, **kw):
+    """Factory: the hit-density policy (value = prefix tokens) for the recurrent pool; for attention LRU, or with
+    ``dead_first`` the snapshot-aware LRU."""
+    if dead_first:
+        return snapshot_aware_eviction(lambda group, tier: HitDensitySnapshotPolicy(float, TPB, **kw))
 
     def factory(group, tier):
         if group.life_cycle.kind is LifeCycleKind.RECURRENT:
@@ -303,6 +308,62 @@ def test_hit_density_arguments_are_checked():
         HitDensitySnapshotPolicy(float, 0)
 
 
+# --- the snapshot-aware attention rule ----------------------------------------------------------------------------
+
+A = 0  # the attention group's slot in Block.pages
+
+
+def leaf(mgr: HybridCacheManager, prompt: list[int]):
+    node = mgr.tree.root(None)
+    for i in range(len(prompt) // TPB):
+        node = node.children[hash((node.key, tuple(prompt[i * TPB : (i + 1) * TPB])))]
+    return node
+
+
+def test_a_leaf_whose_snapshot_was_evicted_goes_before_older_live_blocks():
+    """The short-prompt rule puts the newer short prompt's snapshot first; once it is evicted, that prompt's leaf
+    is dead weight and its attention page goes before the older long prompt's, which LRU would evict first."""
+    cfg = KVCacheConfig(TPB, (FULL, REC), (TierConfig(pages=(64, 4)),))
+    mgr = HybridCacheManager(
+        cfg, policy=HybridCachePolicy(low_priority_snapshot_prompt_len=10), eviction_policy=snapshot_aware_eviction()
+    )
+    attn = mgr.pool(A).policy
+    assert isinstance(attn, SnapshotAwareLRU)
+    long_, short = tokens(1, 12), tokens(2, 8)
+    serve(mgr, long_)
+    serve(mgr, short)
+    blocks = [pg.block for pg in attn.ordered()]
+    assert blocks == [leaf(mgr, long_), leaf(mgr, short)], "both alive: least recently used first"
+    assert mgr.evict(G, 1) == 1  # priority 0 first: the short prompt's snapshot
+    assert leaf(mgr, short).pages[G] is None and leaf(mgr, long_).pages[G] is not None
+    blocks = [pg.block for pg in attn.ordered()]
+    assert blocks == [leaf(mgr, short), leaf(mgr, long_)], "the dead leaf first"
+    # Evicting attention drops the dead path (the short prompt's two blocks, neither with a snapshot) before any
+    # live block: the leaf first, then its parent, a dead leaf in turn.
+    assert mgr.evict(A, 2) == 2
+    root = mgr.tree.root(None)
+    assert hash((root.key, tuple(short[:TPB]))) not in root.children
+    assert leaf(mgr, long_).pages[A] is not None and leaf(mgr, long_).pages[G] is not None
+    mgr.check_invariants()
+
+
+def test_snapshot_aware_eviction_needs_a_heap_policy_for_snapshots():
+    class Plain:
+        pass
+
+    factory = snapshot_aware_eviction(lambda group, tier: Plain())
+    with pytest.raises(TypeError, match=r"^snapshot_policy: expected a factory of LazyHeapPolicy"):
+        manager(2, factory)
+
+
+def test_cost_aware_eviction_uses_the_snapshot_aware_attention_rule_with_hit_density():
+    mgr = manager(2, cost_aware_eviction(KIMI_K3_LIKE, TPB, aging="hit-density"))
+    assert isinstance(mgr.pool(A).policy, SnapshotAwareLRU)
+    mgr = manager(2, cost_aware_eviction(KIMI_K3_LIKE, TPB, aging="hit-density", attention_policy=PrioritizedLRU))
+    assert type(mgr.pool(A).policy) is PrioritizedLRU
+    assert type(manager(2, cost_aware_eviction(KIMI_K3_LIKE, TPB)).pool(A).policy) is PrioritizedLRU
+
+
 # --- random operation sequences ----------------------------------------------------------------------------------
 
 
@@ -321,9 +382,14 @@ if RuleBasedStateMachine is not None:
         """Requests over small pools (evictions, removed blocks, ghosts re-created, superseding) with the hit-density
         policy re-estimating often; the manager's invariants and the policy's bookkeeping hold after every step."""
 
-        @initialize(refresh=st.sampled_from([1, 2, 5]), prior=st.sampled_from([0.0, 10.0]), classes=st.integers(1, 3))
-        def setup(self, refresh, prior, classes):
-            factory = hit_density(refresh_every=refresh, prior_lifetimes=prior, reuse_classes=classes)
+        @initialize(
+            refresh=st.sampled_from([1, 2, 5]),
+            prior=st.sampled_from([0.0, 10.0]),
+            classes=st.integers(1, 3),
+            dead_first=st.booleans(),
+        )
+        def setup(self, refresh, prior, classes, dead_first):
+            factory = hit_density(dead_first, refresh_every=refresh, prior_lifetimes=prior, reuse_classes=classes)
             self.mgr = manager(5, factory, attention_pages=14)
             self.caches = []
 
@@ -357,6 +423,10 @@ if RuleBasedStateMachine is not None:
         def evict(self, n):
             self.mgr.evict(G, n)
 
+        @rule(n=st.integers(1, 3))
+        def evict_attention(self, n):
+            self.mgr.evict(A, n)
+
         @invariant()
         def consistent(self):
             if not hasattr(self, "mgr"):
@@ -371,6 +441,9 @@ if RuleBasedStateMachine is not None:
                 assert pol.score(p) >= 0.0
             for cls in range(pol.superseded_class + 1):
                 assert all(pol.index(cls, age) >= 0.0 for age in (0, 3, 50))
+            attn = self.mgr.pool(A).policy
+            order = attn.ordered()
+            assert len(order) == len(attn) and len(set(map(id, order))) == len(order)
 
     HitDensityMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
     test_hit_density_machine = HitDensityMachine.TestCase

@@ -78,12 +78,15 @@ class LazyHeapPolicy:
     entries in ``add`` (via :meth:`_push`) and may veto or re-key a popped candidate in :meth:`_settle`.
     """
 
-    __slots__ = ("_heap", "_live", "_seq")
+    __slots__ = ("_heap", "_live", "_seq", "on_victim")
 
     def __init__(self) -> None:
         self._heap: list[list] = []
         self._live = 0
         self._seq = 0
+        # Called with each victim ``pop_victim`` returns: lets policies of several pools coordinate (the hybrid
+        # manager's attention policy learns which blocks lost their snapshot).
+        self.on_victim: Callable[[Page], None] | None = None
 
     def __len__(self) -> int:
         return self._live
@@ -140,6 +143,8 @@ class LazyHeapPolicy:
             break
         for entry in rejected:
             heapq.heappush(heap, entry)
+        if victim is not None and self.on_victim is not None:
+            self.on_victim(victim)
         return victim
 
     def ordered(self) -> list[Page]:
