@@ -623,7 +623,7 @@ def report(rows: list[dict], out: Path, stamp: dict[str, str], smoke: bool) -> N
     png = out / "bench_multi_gpu.png"
     bar_plot(
         png,
-        f"KV transfer between two GPUs, {stamp['gpu']} (torch {stamp['torch']}): GB/s, higher is better",
+        f"KV transfer between two GPUs\n{stamp['gpu']}, torch {stamp['torch']} (GB/s, higher is better)",
         ["transfer"],
         {r["provider"]: [r["GBps"]] for r in tr},
         "GB/s",
