@@ -166,14 +166,6 @@ class _Layer:
     row_bytes: int  # bytes copied per row
     rows: int  # rows per block
 
-    @property
-    def esize(self) -> int:
-        return self.pool.element_size()
-
-    @property
-    def block_bytes(self) -> int:
-        return self.rows * self.row_bytes
-
 
 def _layout_layer(i: int, pool: object, cr: object, table: int, device: torch.device | None) -> _Layer:
     check_tensor(f"pools[{i}]", pool, ndim=3)
@@ -238,14 +230,10 @@ class KVPackLayout:
         # Every address, stride and length the kernel forms is a sum of multiples of these (segment offsets are
         # sums of whole blocks, multiples of a row): their gcd with the buffer's address, per launch, sets the
         # word width and the alignment the compiler may assume.
-        g = 0
-        for ly in self.layers:
-            for v in (ly.ptr, ly.page_stride, ly.row_stride, ly.col_off, ly.row_bytes):
-                g = math.gcd(g, v)
-        self._gcd = g
         # Per layer, as arrays, so that a plan's rows are a few vector operations rather than a loop over layers.
         cols = [[ly.ptr, ly.page_stride, ly.row_stride, ly.col_off, ly.row_bytes, ly.rows] for ly in self.layers]
         self._static = np.array(cols, dtype=np.int64).reshape(-1, 6)
+        self._gcd = int(np.gcd.reduce(self._static[:, :5], axis=None)) if self.layers else 0
         self._block_bytes = self._static[:, 4] * self._static[:, 5]
         self._table = np.array([ly.table for ly in self.layers], dtype=np.int64)
         # A table's bound is the smallest pool reading it (pools of one table normally have the same pages).

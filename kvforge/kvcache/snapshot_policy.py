@@ -193,6 +193,11 @@ def _kimi_k3_like() -> ModelCostSpec:
 KIMI_K3_LIKE = _kimi_k3_like()
 
 
+def _prefix_tokens(block: Block | None, tokens_per_block: int) -> int:
+    """Tokens up to the end of ``block`` (0 for none or a root)."""
+    return 0 if block is None or block.depth < 0 else block.depth * tokens_per_block + block.num_tokens
+
+
 class CostAwareSnapshotPolicy(LazyHeapPolicy):
     """GreedyDual eviction of recurrent snapshots by the prefill FLOPs they save per byte (module docstring).
 
@@ -265,7 +270,7 @@ class CostAwareSnapshotPolicy(LazyHeapPolicy):
     # --- values ------------------------------------------------------------------------------------------------
 
     def _prefix(self, block: Block | None) -> int:
-        return 0 if block is None or block.depth < 0 else block.depth * self._tpb + block.num_tokens
+        return _prefix_tokens(block, self._tpb)
 
     def _ancestor(self, page: Page) -> tuple[Block | None, Page | None]:
         """The nearest ancestor block holding a snapshot of ``page``'s group, and that snapshot (bounded walk)."""
@@ -536,7 +541,7 @@ class HitDensitySnapshotPolicy(LazyHeapPolicy):
     # --- values --------------------------------------------------------------------------------------------
 
     def _prefix(self, block: Block | None) -> int:
-        return 0 if block is None or block.depth < 0 else block.depth * self._tpb + block.num_tokens
+        return _prefix_tokens(block, self._tpb)
 
     def value(self, page: Page) -> float:
         """What one reuse of ``page`` saves over the nearest snapshot below that is not superseded."""
