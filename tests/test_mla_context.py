@@ -128,20 +128,31 @@ def test_matches_reference(gen, device, mode, batch, dims, s, v_layout, heads, k
 
 
 TILE_CASES = [
-    # mode, BLOCK_M, BLOCK_N, EXP_POLY, USE_TMA, v_layout, kv_start
-    ("bf16", 32, 16, 0, 0, "token_major", 0),
-    ("bf16", 16, 32, 1, 1, "token_major", 3),
-    ("fp16", 16, 16, 0, 1, "dim_major", 5),
-    ("fp8", 32, 32, 1, 0, "dim_major", 7),
-    ("fp8", 16, 32, 0, 1, "dim_major", 9),
+    # mode, BLOCK_M, BLOCK_N, EXP_POLY, USE_TMA, v_layout, kv_start, PIPE_QK
+    ("bf16", 32, 16, 0, 0, "token_major", 0, 0),
+    ("bf16", 16, 32, 1, 1, "token_major", 3, 0),
+    ("fp16", 16, 16, 0, 1, "dim_major", 5, 0),
+    ("fp8", 32, 32, 1, 0, "dim_major", 7, 0),
+    ("fp8", 16, 32, 0, 1, "dim_major", 9, 0),
     # FP8 tiles keep BLOCK_N >= 32: P·V reduces over BLOCK_N and Hopper's FP8 dot needs K >= 32.
-    ("fp8kv", 16, 32, 1, 1, "token_major", 0),
-    ("fp8", 32, 32, 0, 1, "dim_major", 16),
+    ("fp8kv", 16, 32, 1, 1, "token_major", 0, 0),
+    ("fp8", 32, 32, 0, 1, "dim_major", 16, 0),
+    # Scores one block ahead in the unmasked sweep: sweeps of 0, 1 and several blocks occur in this batch.
+    ("bf16", 16, 16, 0, 1, "token_major", 3, 1),
+    ("fp8", 16, 32, 0, 1, "dim_major", 9, 1),
+    ("fp8kv", 32, 32, 0, 0, "token_major", 0, 1),
+    ("bf16", 16, 16, 0, 0, "token_major", 0, 2),
+    ("fp8", 32, 32, 0, 1, "dim_major", 7, 2),
+    ("fp8kv", 16, 32, 0, 1, "token_major", 0, 2),
+    ("bf16", 16, 16, 0, 0, "token_major", 0, 3),
+    ("bf16", 32, 16, 1, 1, "token_major", 3, 3),
+    ("fp8", 16, 32, 0, 1, "dim_major", 9, 3),
+    ("fp8kv", 32, 32, 0, 0, "token_major", 0, 3),
 ]
 
 
-@pytest.mark.parametrize("mode,bm,bn,poly,tma,v_layout,kv_start", TILE_CASES)
-def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly, tma, v_layout, kv_start):
+@pytest.mark.parametrize("mode,bm,bn,poly,tma,v_layout,kv_start,pipe", TILE_CASES)
+def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly, tma, v_layout, kv_start, pipe):
     """Other tile shapes, the polynomial exp2 split and the descriptor (TMA) loads: the unmasked / causal-only
     diagonal / bounds-masked split, the aligned head block of dim-major V (kv_start not a multiple of 16) and
     NaN rows around the batch."""
@@ -154,11 +165,51 @@ def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly
     monkeypatch.setattr(mc, "_descriptors", lambda *a: used.append(real(*a)) or used[-1])
     plan = MLAContextPlan.plan(
         cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128,
-        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, poly, tma),
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, poly, tma, pipe),
     )  # fmt: skip
     vk = _dim_major(v) if v_layout == "dim_major" else v
     out, lse = plan.run(q, k, vk, kv_scale_quant_orig=s, return_lse=True)
     assert [d is not None for d in used] == ([True] if tma else [])
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=s)
+    assert_close(out, ref, _out_tol(mode))
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-3, rtol=1e-4)
+
+
+PIPE_CASES = [
+    # mode, (d_qk, d_v), PIPE_QK, BLOCK_M, BLOCK_N, v_layout, kv_start
+    ("bf16", (192, 128), 1, 16, 16, "token_major", 0),
+    ("bf16", (192, 128), 2, 16, 16, "token_major", 3),
+    ("bf16", (192, 128), 3, 16, 16, "token_major", 0),
+    ("bf16", (128, 128), 3, 32, 16, "token_major", 5),
+    ("fp8", (192, 128), 3, 16, 32, "dim_major", 9),
+    ("fp8kv", (128, 128), 3, 16, 32, "token_major", 0),
+    ("fp8", (192, 128), 2, 32, 32, "dim_major", 0),
+]
+
+
+@pytest.mark.parametrize("mode,dims,pipe,bm,bn,v_layout,kv_start", PIPE_CASES)
+def test_pipelined_sweep(gen, device, mode, dims, pipe, bm, bn, v_layout, kv_start):
+    """The unmasked sweep with scores computed ahead (PIPE_QK): sweeps of many, two, one and no blocks, with
+    scores that grow along the keys so the running max (and the deferred rescale) changes at every block."""
+    q_lens, cached = [3, 20, 1, 2], [150, 97, 0, bn + 1]
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, d_qk=dims[0], d_v=dims[1], kv_start=kv_start)
+    u = torch.nn.functional.normalize(torch.randn(dims[0], generator=gen).to(device), dim=0)
+    ramp = torch.zeros(k.shape[0], device=device)
+    for r in range(len(q_lens)):
+        a, b = int(cu_kv[r]), int(cu_kv[r + 1])
+        ramp[a:b] = torch.linspace(0.0, 4.0, b - a, device=device)
+    k = k + ramp[:, None, None] * u
+    q = q + 2.0 * u
+    s = 1.0 if mode == "bf16" else 1.5
+    q, k, v = _cast(mode, q, k, v, s)
+    plan = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=dims[0], head_dim_v=dims[1],
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, 0, 1, pipe),
+    )  # fmt: skip
+    out = poisoned((q.shape[0], 2, dims[1]), torch.bfloat16, device)
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    _, lse = plan.run(q, k, vk, kv_scale_quant_orig=s, out=out, return_lse=True)
+    assert_all_written(out)
     ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=s)
     assert_close(out, ref, _out_tol(mode))
     torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-3, rtol=1e-4)

@@ -133,6 +133,226 @@ def _load_kv(ptrs, desc, row, col, pos, ok, stride_t, MASKED: tl.constexpr, USE_
 
 
 @triton.jit
+def _block_scores(
+    qa,
+    qb,
+    k_ptrs_a,
+    k_ptrs_b,
+    kd_a,
+    kd_b,
+    kv_tok0,
+    shift,
+    k_col,
+    start_n,
+    key_limit,
+    n_end,
+    offs_n,
+    stride_kt,
+    CAUSAL: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    Q_FP8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Raw scores q·kᵀ of one key block, masked to -inf where a row may not see a key.
+
+    Block positions count from ``kv_tok0`` (the request's first KV row rounded down to the alignment), so key
+    index = position - ``shift``. ``CAUSAL`` blocks (the diagonal) mask scores past each row's last visible
+    key; ``BOUNDS`` blocks reach outside the request's keys ``[0, n_end)`` and mask those too. K rows are never
+    zeroed: a masked score is replaced by -inf whatever the K row held, so the K tiles stay in shared memory
+    (no register round trip)."""
+    pos = start_n + offs_n
+    toks = pos - shift
+    ok = (toks >= 0) & (toks < n_end)
+    row = kv_tok0 + start_n
+    ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
+    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s = _qk_dot(qa, ka, s, Q_FP8, UPCAST)
+    if D_B > 0:
+        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
+        s = _qk_dot(qb, kb, s, Q_FP8, UPCAST)
+    # key_limit[i]: last key row i may see (prefix + i). Keys outside the request are excluded too, so rows of
+    # the tile past the request (never stored) stay finite whatever those keys hold.
+    if CAUSAL and BOUNDS:
+        s = tl.where((toks[None, :] <= key_limit[:, None]) & ok[None, :], s, float("-inf"))
+    elif CAUSAL:
+        s = tl.where(toks[None, :] <= key_limit[:, None], s, float("-inf"))
+    elif BOUNDS:
+        s = tl.where(ok[None, :], s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _block_score_parts(
+    qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt,
+    D_A: tl.constexpr, D_B: tl.constexpr, Q_FP8: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Unmasked scores of one key block as two independent products (head-dim parts A and B), summed by the
+    caller where it uses them. Chained into one accumulator, the second product waits for the first (and for
+    every product in flight) before it issues; as two they both stay in flight across the caller's softmax."""
+    pos = start_n + offs_n
+    row = kv_tok0 + start_n
+    ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, pos, stride_kt, False, USE_TMA)
+    s_a = _qk_dot(qa, ka, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), Q_FP8, UPCAST)
+    if D_B > 0:
+        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, pos, stride_kt, False, USE_TMA)
+        s_b = _qk_dot(qb, kb, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), Q_FP8, UPCAST)
+    else:
+        s_b = s_a
+    return s_a, s_b
+
+
+@triton.jit
+def _early_scores(qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n, offs_n, stride_kt, D_B: tl.constexpr,
+                  Q_FP8: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """The first head-dim part (q_a·k_aᵀ) of a block's unmasked scores; nothing when the head dim has one part."""
+    s_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if D_B > 0:
+        pos = start_n + offs_n
+        ka = _load_kv(k_ptrs_a, kd_a, kv_tok0 + start_n, k_col, pos, pos, stride_kt, False, USE_TMA)
+        s_a = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
+    return s_a
+
+
+@triton.jit
+def _late_scores(s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt,
+                 D_A: tl.constexpr, D_B: tl.constexpr, Q_FP8: tl.constexpr, UPCAST: tl.constexpr,
+                 USE_TMA: tl.constexpr):  # fmt: skip
+    """The rest of a block's unmasked scores on top of ``_early_scores``' part: q_b·k_bᵀ accumulated into
+    ``s_a`` (the matrix unit chains the two products without a wait), or the whole q·kᵀ for one part."""
+    pos = start_n + offs_n
+    row = kv_tok0 + start_n
+    if D_B > 0:
+        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, pos, stride_kt, False, USE_TMA)
+        s = _qk_dot(qb, kb, s_a, Q_FP8, UPCAST)
+    else:
+        ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, pos, stride_kt, False, USE_TMA)
+        s = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
+    return s
+
+
+@triton.jit
+def _sum_parts(s_a, s_b, D_B: tl.constexpr):
+    s = s_a
+    if D_B > 0:
+        s = s_a + s_b
+    return s
+
+
+@triton.jit
+def _load_v(v_ptrs, vd, row, v_col, pos, ok, stride_vt, BOUNDS: tl.constexpr, V_DIM_MAJOR: tl.constexpr,
+            USE_TMA: tl.constexpr):  # fmt: skip
+    """A [BLOCK_N, d_v] block of V; ``BOUNDS`` blocks zero their rows outside the request, because a
+    0-weighted row that holds NaN (memory no request owns) would still poison the sum."""
+    if V_DIM_MAJOR:  # V stored [d_v, tokens]: the block is read as [d_v, BLOCK_N] and used transposed
+        if USE_TMA:
+            vt = vd.load([v_col, row])
+            if BOUNDS:
+                vt = tl.where(ok[None, :], vt, tl.zeros_like(vt))
+        elif BOUNDS:
+            vt = tl.load(v_ptrs + pos[None, :].to(tl.int64) * stride_vt, mask=ok[None, :], other=0.0)
+        else:
+            vt = tl.load(v_ptrs + pos[None, :].to(tl.int64) * stride_vt)
+        v = tl.trans(vt)
+    else:
+        v = _load_kv(v_ptrs, vd, row, v_col, pos, ok, stride_vt, BOUNDS, USE_TMA)
+    return v
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """Online softmax of one block of masked raw scores: (P in fp32, alpha, new max, new sum). The caller
+    rescales the accumulator by alpha before adding P·V."""
+    # Scores stay raw; the single multiplier (softmax scale, dequant scales, log2 e) goes into one FMA per score.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = _exp2_tile(s * qk_scale - (m_new[:, None] - P_OFFSET), EXP_POLY, BLOCK_M, BLOCK_N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _p_operand(p, P_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """P as the P·V product's left operand: V's 16-bit type, or e4m3 for FP8 V."""
+    if KV_FP8:
+        if NATIVE_FP8:
+            # p is in [0, 2**P_OFFSET] by construction, so the hardware's saturating cast needs no clamp.
+            pc = p.to(tl.float8e4nv)
+        else:
+            pc = fp32_to_e4m3(p.to(tl.float32), False)  # the interpreter's own fp32->fp8 cast is wrong (NOTES §1)
+    else:
+        pc = p.to(P_DTYPE)
+    return pc
+
+
+@triton.jit
+def _p_carry(p, KV_FP8: tl.constexpr):
+    """P kept across a loop iteration for the next P·V. Carried as the operand itself (16-bit or e4m3), the
+    compiler stages it through shared memory, and a product with an operand in a single shared buffer cannot
+    stay in flight (Triton waits for it right away); carried in the accumulator's register layout and cast
+    at the product, it stays in registers. FP8 V carries fp16 (exact for e4m3's rounding of P in [0, 256]
+    down to 2**-10, below which e4m3 has nothing) to halve the registers of fp32."""
+    if KV_FP8:
+        pc = p.to(tl.float16)
+    else:
+        pc = p
+    return pc
+
+
+@triton.jit
+def _pv_dot(acc, pc, v, KV_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST and not KV_FP8:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
+        acc = tl.dot(pc.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(pc, v, acc)
+    return acc
+
+
+@triton.jit
+def _block_update(
+    acc,
+    m_i,
+    l_i,
+    s,
+    v_ptrs,
+    vd,
+    kv_tok0,
+    shift,
+    v_col,
+    start_n,
+    n_end,
+    offs_n,
+    stride_vt,
+    qk_scale,
+    BOUNDS: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    V_DIM_MAJOR: tl.constexpr,
+    UPCAST: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    EXP_POLY: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    P_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The online-softmax step of one key block from its masked scores ``s``: rescale, P, P·V."""
+    pos = start_n + offs_n
+    toks = pos - shift
+    ok = (toks >= 0) & (toks < n_end)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
+    acc = acc * alpha[:, None]
+    v = _load_v(v_ptrs, vd, kv_tok0 + start_n, v_col, pos, ok, stride_vt, BOUNDS, V_DIM_MAJOR, USE_TMA)
+    return _pv_dot(acc, _p_operand(p, v.dtype, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST), m_new, l_i
+
+
+@triton.jit
 def _attend_block(
     acc,
     m_i,
@@ -171,62 +391,15 @@ def _attend_block(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One key block of the online softmax. Block positions count from ``kv_tok0`` (the request's first KV row
-    rounded down to the alignment), so key index = position - ``shift``.
-
-    ``CAUSAL`` blocks (the diagonal) mask scores past each row's last visible key. ``BOUNDS`` blocks reach
-    outside the request's keys ``[0, n_end)`` (the aligned head, keys < 0, and the block holding ``n_end``):
-    their scores are masked too and their V rows zeroed, because a 0-weighted row that holds NaN (memory no
-    request owns) would still poison the sum. K rows are never zeroed: a masked score is replaced by -inf
-    whatever the K row held, so the K tiles stay in shared memory (no register round trip)."""
-    pos = start_n + offs_n
-    toks = pos - shift
-    ok = (toks >= 0) & (toks < n_end)
-    row = kv_tok0 + start_n
-    ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
-    s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s = _qk_dot(qa, ka, s, Q_FP8, UPCAST)
-    if D_B > 0:
-        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
-        s = _qk_dot(qb, kb, s, Q_FP8, UPCAST)
-    # key_limit[i]: last key row i may see (prefix + i). Keys outside the request are excluded too, so rows of
-    # the tile past the request (never stored) stay finite whatever those keys hold.
-    if CAUSAL and BOUNDS:
-        s = tl.where((toks[None, :] <= key_limit[:, None]) & ok[None, :], s, float("-inf"))
-    elif CAUSAL:
-        s = tl.where(toks[None, :] <= key_limit[:, None], s, float("-inf"))
-    elif BOUNDS:
-        s = tl.where(ok[None, :], s, float("-inf"))
-    # Scores stay raw; the single multiplier (softmax scale, dequant scales, log2 e) goes into one FMA per score.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = _exp2_tile(s * qk_scale - (m_new[:, None] - P_OFFSET), EXP_POLY, BLOCK_M, BLOCK_N)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if V_DIM_MAJOR:  # V stored [d_v, tokens]: the block is read as [d_v, BLOCK_N] and used transposed
-        if USE_TMA:
-            vt = vd.load([v_col, row])
-            if BOUNDS:
-                vt = tl.where(ok[None, :], vt, tl.zeros_like(vt))
-        elif BOUNDS:
-            vt = tl.load(v_ptrs + pos[None, :].to(tl.int64) * stride_vt, mask=ok[None, :], other=0.0)
-        else:
-            vt = tl.load(v_ptrs + pos[None, :].to(tl.int64) * stride_vt)
-        v = tl.trans(vt)
-    else:
-        v = _load_kv(v_ptrs, vd, row, v_col, pos, ok, stride_vt, BOUNDS, USE_TMA)
-    if KV_FP8:
-        if NATIVE_FP8:
-            # p is in [0, 2**P_OFFSET] by construction, so the hardware's saturating cast needs no clamp.
-            p8 = p.to(tl.float8e4nv)
-        else:
-            p8 = fp32_to_e4m3(p, False)  # the interpreter's own fp32->fp8 cast is wrong (NOTES §1)
-        acc = tl.dot(p8, v, acc)
-    elif UPCAST:
-        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, m_new, l_i
+    """One key block of the online softmax: its scores, then the update."""
+    s = _block_scores(
+        qa, qb, k_ptrs_a, k_ptrs_b, kd_a, kd_b, kv_tok0, shift, k_col, start_n, key_limit, n_end, offs_n,
+        stride_kt, CAUSAL, BOUNDS, D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    return _block_update(
+        acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
+        BOUNDS, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["n_items"])
@@ -275,6 +448,7 @@ def _mla_context_fwd_kernel(
     EXP_POLY: tl.constexpr,
     USE_TMA: tl.constexpr,
     KV_ALIGN: tl.constexpr,
+    PIPE_QK: tl.constexpr,
 ):
     """One (query tile, head) per program. With ``USE_TMA`` the ``*d_*`` arguments are 2-D tensor descriptors
     (rows = tokens, columns = head x dim; V dim-major: rows = head x dim) and ``Q``/``K``/``V`` are unused."""
@@ -357,13 +531,114 @@ def _mla_context_fwd_kernel(
             True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    for start_n in tl.range(head_end, n_full, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-            start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            False, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
-            BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+    if PIPE_QK == 1:
+        # Scores one block ahead: the matrix unit computes the next block's q·kᵀ while this block's
+        # exponentials run (FA3's intra-warpgroup overlap, written as a software pipeline).
+        if n_full > head_end:
+            s = _block_scores(
+                qa, qb, k_ptrs_a, k_ptrs_b, Kd_a, Kd_b, kv_tok0, shift, k_col, head_end, key_limit, n_end, offs_n,
+                stride_kt, False, False, D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            for start_n in tl.range(head_end, n_full - BLOCK_N, BLOCK_N):
+                s_next = _block_scores(
+                    qa, qb, k_ptrs_a, k_ptrs_b, Kd_a, Kd_b, kv_tok0, shift, k_col, start_n + BLOCK_N, key_limit,
+                    n_end, offs_n, stride_kt, False, False, D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                acc, m_i, l_i = _block_update(
+                    acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt,
+                    qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
+                    BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                s = s_next
+            acc, m_i, l_i = _block_update(
+                acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, n_full - BLOCK_N, n_end, offs_n, stride_vt,
+                qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
+                BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    elif PIPE_QK == 2:
+        # As above, with the two head-dim parts of the scores kept apart until they are used.
+        if n_full > head_end:
+            s_a, s_b = _block_score_parts(
+                qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, head_end, offs_n, stride_kt,
+                D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            for start_n in tl.range(head_end, n_full - BLOCK_N, BLOCK_N):
+                n_a, n_b = _block_score_parts(
+                    qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt,
+                    D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                acc, m_i, l_i = _block_update(
+                    acc, m_i, l_i, _sum_parts(s_a, s_b, D_B), v_ptrs, Vd, kv_tok0, shift, v_col, start_n, n_end,
+                    offs_n, stride_vt, qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
+                    P_OFFSET, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                s_a = n_a
+                s_b = n_b
+            acc, m_i, l_i = _block_update(
+                acc, m_i, l_i, _sum_parts(s_a, s_b, D_B), v_ptrs, Vd, kv_tok0, shift, v_col, n_full - BLOCK_N,
+                n_end, offs_n, stride_vt, qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY,
+                USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    elif PIPE_QK == 3:
+        # P·V of block j and the first head-dim part of block j + 2's scores are issued before block j + 1's
+        # softmax, so the matrix unit works on them while the exponentials run (FA3's intra-warpgroup overlap).
+        # The second part of the scores is the only product the loop waits for right away: Triton makes a
+        # product that is used in its own iteration synchronous (it waits for every product in flight), and
+        # one such product per iteration is what the softmax needs. The accumulator takes block j's rescale
+        # just before its P·V (after that wait), so nothing reads a product still in flight.
+        if n_full > head_end:
+            last = n_full - BLOCK_N
+            s = _late_scores(
+                _early_scores(qa, Kd_a, k_ptrs_a, kv_tok0, k_col, head_end, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
+                              USE_TMA, BLOCK_M, BLOCK_N),
+                qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, head_end, offs_n, stride_kt, D_A, D_B,
+                Q_FP8, UPCAST, USE_TMA,
+            )  # fmt: skip
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
+            pc = _p_carry(p, KV_FP8)
+            # Block 1's first part (block 0 again when the sweep has one block: computed, never used).
+            s_a = _early_scores(
+                qa, Kd_a, k_ptrs_a, kv_tok0, k_col, tl.minimum(head_end + BLOCK_N, last), offs_n, stride_kt, D_B,
+                Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            for start_n in tl.range(head_end, last - BLOCK_N, BLOCK_N):
+                s = _late_scores(
+                    s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n + BLOCK_N, offs_n,
+                    stride_kt, D_A, D_B, Q_FP8, UPCAST, USE_TMA,
+                )  # fmt: skip
+                acc = acc * alpha[:, None]
+                v = _load_v(v_ptrs, Vd, kv_tok0 + start_n, v_col, start_n + offs_n, offs_n, stride_vt, False,
+                            V_DIM_MAJOR, USE_TMA)  # fmt: skip
+                acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
+                s_a = _early_scores(
+                    qa, Kd_a, k_ptrs_a, kv_tok0, k_col, start_n + 2 * BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
+                    USE_TMA, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
+                pc = _p_carry(p, KV_FP8)
+            if last > head_end:  # the sweep's last block: its scores, the P·V before it
+                s = _late_scores(
+                    s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, last, offs_n, stride_kt, D_A, D_B,
+                    Q_FP8, UPCAST, USE_TMA,
+                )  # fmt: skip
+                acc = acc * alpha[:, None]
+                v = _load_v(v_ptrs, Vd, kv_tok0 + last - BLOCK_N, v_col, last - BLOCK_N + offs_n, offs_n, stride_vt,
+                            False, V_DIM_MAJOR, USE_TMA)  # fmt: skip
+                acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
+                pc = _p_carry(p, KV_FP8)
+            acc = acc * alpha[:, None]
+            v = _load_v(v_ptrs, Vd, kv_tok0 + last, v_col, last + offs_n, offs_n, stride_vt, False, V_DIM_MAJOR,
+                        USE_TMA)  # fmt: skip
+            acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
+    else:
+        for start_n in tl.range(head_end, n_full, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
+                start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
+                False, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
+                P_OFFSET, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
     for start_n in tl.range(diag_lo, in_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
@@ -391,10 +666,11 @@ def _mla_context_fwd_kernel(
 # ----------------------------------------------------------------------------------------------------- configs
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, poly: int = 0, tma: int = 0) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "EXP_POLY": poly, "USE_TMA": tma}, num_warps=warps, num_stages=stages
-    )
+def _cfg(bm: int, bn: int, warps: int, stages: int, poly: int = 0, tma: int = 0, pipe: int = 0) -> triton.Config:
+    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "EXP_POLY": poly, "USE_TMA": tma}
+    if pipe:  # absent means 0, so committed tuning entries from before the knob stay valid
+        kwargs["PIPE_QK"] = pipe
+    return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
 _SMEM_BYTES = 232448  # per block on sm_90 (227 KiB)
@@ -652,6 +928,7 @@ class MLAContextPlan:
         kw = dict(cfg.kwargs)
         descs = _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) if kw.get("USE_TMA") else None
         kw["USE_TMA"] = descs is not None
+        kw.setdefault("PIPE_QK", 0)
         if descs is None:
             descs = (q, q, k, k, v)  # placeholders: the pointer path never reads them
         meta = dict(
