@@ -132,13 +132,15 @@ def test_too_many_pools_is_rejected(device, gen, monkeypatch):
     assert bool((out == INT_POISON).all())
 
 
-def test_device_index_out_of_range_reads_as_bad_pages(device, gen):
+@pytest.mark.parametrize("fold", [False, True])
+def test_device_index_out_of_range_reads_as_bad_pages(device, gen, fold):
     # What the kernel does with an index the host could not check (a device copy_index): zeros, no stray read.
+    # Folded: 3 programs per pool and chunk walk the 4 rows (one of them takes two).
     table = _table(2, 5, 30, gen).to(device)
     index = torch.tensor([2, 5, -1, 0], dtype=torch.int32, device=device)
     out = poisoned((2, 4, 2, 30), torch.int32, device)
     bomod._KERNEL.launch(
-        lambda m: (triton.cdiv(30, m["BLOCK"]), 4, 2),
+        lambda m: (triton.cdiv(30, m["BLOCK"]), 3 if fold else 4, 2),
         (32, table.device.type),
         table,
         index,
@@ -153,6 +155,7 @@ def test_device_index_out_of_range_reads_as_bad_pages(device, gen):
         1,
         1,
         *out.stride(),
+        FOLD=fold,
     )
     good = torch.tensor([0, 3], device=device)
     want = copy_block_offsets_ref(table, torch.tensor([2, 0], device=device), [2, 3], [1, 1], out[:, good])

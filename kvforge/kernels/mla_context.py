@@ -187,27 +187,6 @@ def _block_scores(
 
 
 @triton.jit
-def _block_score_parts(
-    qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt,
-    D_A: tl.constexpr, D_B: tl.constexpr, Q_FP8: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Unmasked scores of one key block as two independent products (head-dim parts A and B), summed by the
-    caller where it uses them. Chained into one accumulator, the second product waits for the first (and for
-    every product in flight) before it issues; as two they both stay in flight across the caller's softmax."""
-    pos = start_n + offs_n
-    row = kv_tok0 + start_n
-    ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, pos, stride_kt, False, USE_TMA)
-    s_a = _qk_dot(qa, ka, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), Q_FP8, UPCAST)
-    if D_B > 0:
-        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, pos, stride_kt, False, USE_TMA)
-        s_b = _qk_dot(qb, kb, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), Q_FP8, UPCAST)
-    else:
-        s_b = s_a
-    return s_a, s_b
-
-
-@triton.jit
 def _early_scores(qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n, offs_n, stride_kt, D_B: tl.constexpr,
                   Q_FP8: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):  # fmt: skip
@@ -234,14 +213,6 @@ def _late_scores(s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, st
     else:
         ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, pos, stride_kt, False, USE_TMA)
         s = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
-    return s
-
-
-@triton.jit
-def _sum_parts(s_a, s_b, D_B: tl.constexpr):
-    s = s_a
-    if D_B > 0:
-        s = s_a + s_b
     return s
 
 
@@ -449,12 +420,20 @@ def _mla_context_fwd_kernel(
     USE_TMA: tl.constexpr,
     KV_ALIGN: tl.constexpr,
     PIPE_QK: tl.constexpr,
+    HEADS_OUTER: tl.constexpr,
 ):
     """One (query tile, head) per program. With ``USE_TMA`` the ``*d_*`` arguments are 2-D tensor descriptors
     (rows = tokens, columns = head x dim; V dim-major: rows = head x dim) and ``Q``/``K``/``V`` are unused."""
     pid = tl.program_id(0)
-    item = pid // H
-    head = pid % H
+    if HEADS_OUTER:
+        # Consecutive programs are tiles of one head: the programs resident at once read the same few heads'
+        # K/V, which then stay in L2 (heads innermost, ~130 resident programs stream ~130 different K/V heads
+        # from DRAM). Heaviest first still holds within each head, and the grid ends on the lightest tiles.
+        item = pid % n_items
+        head = pid // n_items
+    else:
+        item = pid // H
+        head = pid % H
     # Work item (planned on the host, heaviest first): first query row of the tile (global), rows in the tile,
     # first KV row of the request (global), and prefix + tile offset = keys every row of the tile sees minus 1.
     w = Work + item.to(tl.int64) * 4
@@ -531,55 +510,7 @@ def _mla_context_fwd_kernel(
             True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    if PIPE_QK == 1:
-        # Scores one block ahead: the matrix unit computes the next block's q·kᵀ while this block's
-        # exponentials run (FA3's intra-warpgroup overlap, written as a software pipeline).
-        if n_full > head_end:
-            s = _block_scores(
-                qa, qb, k_ptrs_a, k_ptrs_b, Kd_a, Kd_b, kv_tok0, shift, k_col, head_end, key_limit, n_end, offs_n,
-                stride_kt, False, False, D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            for start_n in tl.range(head_end, n_full - BLOCK_N, BLOCK_N):
-                s_next = _block_scores(
-                    qa, qb, k_ptrs_a, k_ptrs_b, Kd_a, Kd_b, kv_tok0, shift, k_col, start_n + BLOCK_N, key_limit,
-                    n_end, offs_n, stride_kt, False, False, D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                acc, m_i, l_i = _block_update(
-                    acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt,
-                    qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
-                    BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                s = s_next
-            acc, m_i, l_i = _block_update(
-                acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, n_full - BLOCK_N, n_end, offs_n, stride_vt,
-                qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
-                BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-    elif PIPE_QK == 2:
-        # As above, with the two head-dim parts of the scores kept apart until they are used.
-        if n_full > head_end:
-            s_a, s_b = _block_score_parts(
-                qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, head_end, offs_n, stride_kt,
-                D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            for start_n in tl.range(head_end, n_full - BLOCK_N, BLOCK_N):
-                n_a, n_b = _block_score_parts(
-                    qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt,
-                    D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                acc, m_i, l_i = _block_update(
-                    acc, m_i, l_i, _sum_parts(s_a, s_b, D_B), v_ptrs, Vd, kv_tok0, shift, v_col, start_n, n_end,
-                    offs_n, stride_vt, qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
-                    P_OFFSET, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                s_a = n_a
-                s_b = n_b
-            acc, m_i, l_i = _block_update(
-                acc, m_i, l_i, _sum_parts(s_a, s_b, D_B), v_ptrs, Vd, kv_tok0, shift, v_col, n_full - BLOCK_N,
-                n_end, offs_n, stride_vt, qk_scale, False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY,
-                USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-    elif PIPE_QK == 3:
+    if PIPE_QK:
         # P·V of block j and the first head-dim part of block j + 2's scores are issued before block j + 1's
         # softmax, so the matrix unit works on them while the exponentials run (FA3's intra-warpgroup overlap).
         # The second part of the scores is the only product the loop waits for right away: Triton makes a
@@ -666,10 +597,15 @@ def _mla_context_fwd_kernel(
 # ----------------------------------------------------------------------------------------------------- configs
 
 
-def _cfg(bm: int, bn: int, warps: int, stages: int, poly: int = 0, tma: int = 0, pipe: int = 0) -> triton.Config:
+def _cfg(
+    bm: int, bn: int, warps: int, stages: int, poly: int = 0, tma: int = 0, pipe: int = 0, heads_outer: int = 0
+) -> triton.Config:
     kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "EXP_POLY": poly, "USE_TMA": tma}
-    if pipe:  # absent means 0, so committed tuning entries from before the knob stay valid
+    # Absent means 0, so committed tuning entries from before a knob stay valid.
+    if pipe:
         kwargs["PIPE_QK"] = pipe
+    if heads_outer:
+        kwargs["HEADS_OUTER"] = heads_outer
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
 
 
@@ -929,6 +865,7 @@ class MLAContextPlan:
         descs = _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) if kw.get("USE_TMA") else None
         kw["USE_TMA"] = descs is not None
         kw.setdefault("PIPE_QK", 0)
+        kw.setdefault("HEADS_OUTER", 0)
         if descs is None:
             descs = (q, q, k, k, v)  # placeholders: the pointer path never reads them
         meta = dict(
