@@ -58,20 +58,20 @@ ANCHORS = ["4x(8192+2048)", "1x(0+16384)", "16x(4096+512)"]
 # kvforge.kernels.mla_context holds the safe defaults, this list what the H200 is asked. A "/short" key is the
 # short-query class (batches whose longest query has <= mc.SHORT_Q_ROWS rows), timed on such workloads only.
 # The first candidate of each key is the current choice (always measured); the rest are the grid with heads
-# outermost ("+ho": the resident programs share K/V heads in L2) and the scores-ahead pipeline ("+pipe", which
-# needs BLOCK_N = 64 to stay in registers and lost 5-16% at 7ba5161). Every one compiles for sm_90 without
-# spills (.gpu_out/cc.py, Triton 3.9).
+# outermost ("+ho": the resident programs share K/V heads in L2; +4-6% at 13b5cd8) and the carried first score
+# part ("+pipe2": one wait per key block instead of two). "+pipe" (scores two blocks ahead) lost 5-16% at
+# 7ba5161 and stays a knob. Every one compiles for sm_90 without spills (.gpu_out/cc.py, Triton 3.9).
 _C = mc._cfg
 SWEEP: dict[str, list] = {
     "fp8_dim": [
-        _C(128, 128, 8, 3, 0, 1), _C(128, 128, 8, 3, 0, 1, 0, 1), _C(128, 128, 8, 4, 0, 1, 0, 1),
-        _C(128, 128, 8, 4, 0, 1), _C(128, 64, 8, 3, 0, 1, 1, 1),
+        _C(128, 128, 8, 4, 0, 1, 0, 1), _C(128, 128, 8, 3, 0, 1, 2, 1), _C(128, 128, 8, 4, 0, 1, 2, 1),
+        _C(128, 128, 8, 3, 0, 1, 0, 1),
     ],
-    "bf16": [_C(128, 64, 8, 3, 0, 1), _C(128, 64, 8, 3, 0, 1, 0, 1), _C(128, 128, 8, 2, 0, 1, 0, 1)],
-    "fp8_dim/short": [_C(64, 64, 4, 3, 0, 1), _C(64, 64, 4, 3, 0, 1, 0, 1)],
-    "bf16/short": [_C(64, 64, 4, 2, 0, 1), _C(64, 64, 4, 2, 0, 1, 0, 1)],
-    "fp8_tok": [_C(128, 128, 8, 3, 0, 1), _C(128, 128, 8, 3, 0, 1, 0, 1)],
-    "fp8_tok/short": [_C(64, 64, 4, 3, 0, 1), _C(64, 64, 4, 3, 0, 1, 0, 1)],
+    "bf16": [_C(128, 64, 8, 3, 0, 1, 0, 1), _C(128, 64, 8, 3, 0, 1, 2, 1), _C(128, 64, 8, 4, 0, 1, 2, 1)],
+    "fp8_dim/short": [_C(64, 64, 4, 3, 0, 1), _C(64, 64, 4, 3, 0, 1, 2)],
+    "bf16/short": [_C(64, 64, 4, 2, 0, 1), _C(64, 64, 4, 2, 0, 1, 2)],
+    "fp8_tok": [_C(128, 128, 8, 3, 0, 1, 0, 1), _C(128, 128, 8, 3, 0, 1, 2, 1)],
+    "fp8_tok/short": [_C(64, 64, 4, 3, 0, 1, 0, 1), _C(64, 64, 4, 3, 0, 1, 2, 1)],
 }  # fmt: skip
 
 
@@ -95,7 +95,8 @@ def is_short(inp: Inputs) -> bool:
 def cfg_str(cfg) -> str:
     k = cfg.kwargs
     extra = ("+poly" if k.get("EXP_POLY") else "") + ("+tma" if k.get("USE_TMA") else "")
-    extra += ("+pipe" if k.get("PIPE_QK") else "") + ("+ho" if k.get("HEADS_OUTER") else "")
+    pipe = k.get("PIPE_QK", 0)
+    extra += ("+pipe" if pipe == 1 else f"+pipe{pipe}" if pipe else "") + ("+ho" if k.get("HEADS_OUTER") else "")
     return f"{k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{extra}"
 
 

@@ -170,18 +170,22 @@ def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly
 
 
 PIPE_CASES = [
-    # mode, (d_qk, d_v), BLOCK_M, BLOCK_N, v_layout, kv_start, HEADS_OUTER
-    ("bf16", (192, 128), 16, 16, "token_major", 0, 0),
-    ("bf16", (192, 128), 16, 16, "token_major", 3, 1),
-    ("bf16", (128, 128), 32, 16, "token_major", 5, 0),
-    ("fp8", (192, 128), 16, 32, "dim_major", 9, 1),
-    ("fp8kv", (128, 128), 16, 32, "token_major", 0, 0),
-    ("fp8", (192, 128), 32, 32, "dim_major", 0, 0),
+    # mode, (d_qk, d_v), BLOCK_M, BLOCK_N, v_layout, kv_start, HEADS_OUTER, PIPE_QK
+    ("bf16", (192, 128), 16, 16, "token_major", 0, 0, 1),
+    ("bf16", (192, 128), 16, 16, "token_major", 3, 1, 1),
+    ("bf16", (128, 128), 32, 16, "token_major", 5, 0, 1),
+    ("fp8", (192, 128), 16, 32, "dim_major", 9, 1, 1),
+    ("fp8kv", (128, 128), 16, 32, "token_major", 0, 0, 1),
+    ("fp8", (192, 128), 32, 32, "dim_major", 0, 0, 1),
+    ("bf16", (192, 128), 16, 16, "token_major", 0, 1, 2),
+    ("bf16", (128, 128), 32, 16, "token_major", 5, 0, 2),
+    ("fp8", (192, 128), 16, 32, "dim_major", 9, 0, 2),
+    ("fp8kv", (192, 128), 32, 32, "token_major", 0, 1, 2),
 ]
 
 
-@pytest.mark.parametrize("mode,dims,bm,bn,v_layout,kv_start,heads_outer", PIPE_CASES)
-def test_pipelined_sweep(gen, device, mode, dims, bm, bn, v_layout, kv_start, heads_outer):
+@pytest.mark.parametrize("mode,dims,bm,bn,v_layout,kv_start,heads_outer,pipe", PIPE_CASES)
+def test_pipelined_sweep(gen, device, mode, dims, bm, bn, v_layout, kv_start, heads_outer, pipe):
     """The unmasked sweep with scores computed ahead (PIPE_QK): sweeps of many, two, one and no blocks, with
     scores that grow along the keys so the running max (and the deferred rescale) changes at every block."""
     q_lens, cached = [3, 20, 1, 2], [150, 97, 0, bn + 1]
@@ -197,7 +201,7 @@ def test_pipelined_sweep(gen, device, mode, dims, bm, bn, v_layout, kv_start, he
     q, k, v = _cast(mode, q, k, v, s)
     plan = MLAContextPlan.plan(
         cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=dims[0], head_dim_v=dims[1],
-        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, 0, 1, 1, heads_outer),
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, 0, 1, pipe, heads_outer),
     )  # fmt: skip
     out = poisoned((q.shape[0], 2, dims[1]), torch.bfloat16, device)
     vk = _dim_major(v) if v_layout == "dim_major" else v
@@ -333,12 +337,15 @@ def test_sm90_candidates_per_key():
 
     def first(key):
         c = mc._CONFIGS.candidates(sm90, key)[0]
-        return (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.kwargs["USE_TMA"])
+        k = c.kwargs
+        return (k["BLOCK_M"], k["BLOCK_N"], c.num_warps, c.num_stages, k["USE_TMA"], k.get("HEADS_OUTER", 0))
 
-    assert first(fp8) == (128, 128, 8, 3, 1)
-    assert first(bf16) == (128, 64, 8, 3, 1)
-    assert first((*fp8, "short_q")) == (64, 64, 4, 3, 1)
-    assert first((*bf16, "short_q")) == (64, 64, 4, 2, 1)  # 3 stages (148 KB) would allow one program per SM
+    # Long queries: heads outermost (tiles of one head resident together share its K/V in L2). Short queries:
+    # one tile per request, nothing to share; heads innermost reads neighbouring rows of K.
+    assert first(fp8) == (128, 128, 8, 4, 1, 1)
+    assert first(bf16) == (128, 64, 8, 3, 1, 1)
+    assert first((*fp8, "short_q")) == (64, 64, 4, 3, 1, 0)
+    assert first((*bf16, "short_q")) == (64, 64, 4, 2, 1, 0)  # 3 stages (148 KB) would allow one program per SM
     for key in (fp8, bf16, (*fp8, "short_q"), (*bf16, "short_q")):
         for c in mc._CONFIGS.candidates(sm90, key):
             assert mc._smem_estimate(c, key) <= mc._SMEM_BYTES

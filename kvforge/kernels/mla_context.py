@@ -510,7 +510,39 @@ def _mla_context_fwd_kernel(
             True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    if PIPE_QK:
+    if PIPE_QK == 2:
+        # The first head-dim part of block j + 1's scores (q_a·k_aᵀ) is issued right after block j's P·V and
+        # carried into the next iteration, where the second part accumulates onto it without a wait: one wait
+        # per block (before the softmax) instead of one after each part, and the matrix unit runs P·V, q_a·k_aᵀ
+        # and q_b·k_bᵀ back to back.
+        if n_full > head_end:
+            last = n_full - BLOCK_N
+            s_a = _early_scores(
+                qa, Kd_a, k_ptrs_a, kv_tok0, k_col, head_end, offs_n, stride_kt, D_B, Q_FP8, UPCAST, USE_TMA,
+                BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            for start_n in tl.range(head_end, last, BLOCK_N):
+                s = _late_scores(
+                    s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B,
+                    Q_FP8, UPCAST, USE_TMA,
+                )  # fmt: skip
+                acc, m_i, l_i = _block_update(
+                    acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
+                    False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                s_a = _early_scores(
+                    qa, Kd_a, k_ptrs_a, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
+                    USE_TMA, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            s = _late_scores(
+                s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, last, offs_n, stride_kt, D_A, D_B, Q_FP8,
+                UPCAST, USE_TMA,
+            )  # fmt: skip
+            acc, m_i, l_i = _block_update(
+                acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, last, n_end, offs_n, stride_vt, qk_scale,
+                False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    elif PIPE_QK:
         # P·V of block j and the first head-dim part of block j + 2's scores are issued before block j + 1's
         # softmax, so the matrix unit works on them while the exponentials run (FA3's intra-warpgroup overlap).
         # The second part of the scores is the only product the loop waits for right away: Triton makes a
@@ -649,8 +681,8 @@ _CONFIGS = ConfigTable(
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
         (9, 0): [
-            _cfg(128, 128, 8, 3, 0, 1),
-            _cfg(128, 64, 8, 3, 0, 1),
+            _cfg(128, 128, 8, 4, 0, 1, 0, 1),
+            _cfg(128, 64, 8, 3, 0, 1, 0, 1),
             _cfg(64, 64, 4, 3, 0, 1),
             _cfg(64, 64, 4, 2, 0, 1),
             _cfg(128, 128, 8, 4, 0, 1),
