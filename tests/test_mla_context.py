@@ -338,14 +338,16 @@ def test_sm90_candidates_per_key():
     def first(key):
         c = mc._CONFIGS.candidates(sm90, key)[0]
         k = c.kwargs
-        return (k["BLOCK_M"], k["BLOCK_N"], c.num_warps, c.num_stages, k["USE_TMA"], k.get("HEADS_OUTER", 0))
+        extra = (k.get("HEADS_OUTER", 0), k.get("PIPE_QK", 0))
+        return (k["BLOCK_M"], k["BLOCK_N"], c.num_warps, c.num_stages, k["USE_TMA"], *extra)
 
-    # Long queries: heads outermost (tiles of one head resident together share its K/V in L2). Short queries:
-    # one tile per request, nothing to share; heads innermost reads neighbouring rows of K.
-    assert first(fp8) == (128, 128, 8, 4, 1, 1)
-    assert first(bf16) == (128, 64, 8, 3, 1, 1)
-    assert first((*fp8, "short_q")) == (64, 64, 4, 3, 1, 0)
-    assert first((*bf16, "short_q")) == (64, 64, 4, 2, 1, 0)  # 3 stages (148 KB) would allow one program per SM
+    # Long queries: heads outermost (tiles of one head resident together share its K/V in L2); FP8 carries
+    # the first score part across iterations. Short queries: one tile per request, nothing to share; heads
+    # innermost reads neighbouring rows of K.
+    assert first(fp8) == (128, 128, 8, 3, 1, 1, 2)
+    assert first(bf16) == (128, 64, 8, 3, 1, 1, 0)
+    assert first((*fp8, "short_q")) == (64, 64, 4, 3, 1, 0, 0)
+    assert first((*bf16, "short_q")) == (64, 64, 4, 2, 1, 0, 0)  # 3 stages (148 KB) would allow one program per SM
     for key in (fp8, bf16, (*fp8, "short_q"), (*bf16, "short_q")):
         for c in mc._CONFIGS.candidates(sm90, key):
             assert mc._smem_estimate(c, key) <= mc._SMEM_BYTES
