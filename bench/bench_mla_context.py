@@ -57,10 +57,12 @@ ANCHORS = ["4x(8192+2048)", "1x(0+16384)", "16x(4096+512)"]
 # Sweep candidates (BLOCK_M, BLOCK_N, warps, stages, EXP_POLY, USE_TMA) per kernel key; the table in
 # kvforge.kernels.mla_context holds the safe defaults, this list what the H200 is asked. A "/short" key is the
 # short-query class (batches whose longest query has <= mc.SHORT_Q_ROWS rows), timed on such workloads only.
-# The first candidate of each key is the current choice (always measured); the rest are the grid with heads
-# outermost ("+ho": the resident programs share K/V heads in L2; +4-6% at 13b5cd8) and the carried first score
-# part ("+pipe2": one wait per key block instead of two). "+pipe" (scores two blocks ahead) lost 5-16% at
-# 7ba5161 and stays a knob. Every one compiles for sm_90 without spills (.gpu_out/cc.py, Triton 3.9).
+# The first candidate of each key is the current choice (always measured); the rest are what is still close:
+# 4 stages, heads innermost, the carried first score part ("+pipe2") for 16-bit and short keys, 256-row 16-warp
+# tiles. Measured so far (TFLOP/s geomean, H200): heads outer ("+ho") +4-6% on long queries (13b5cd8), -8% on
+# short ones; +pipe2 +10-12% FP8, -18% bf16 (a55e342, 1ba09ff); "+pipe" (scores two blocks ahead) -5-16%
+# (7ba5161); 256x32 w16 -18% (1ba09ff). Every one compiles for sm_90 without spills (.gpu_out/cc.py, Triton 3.9)
+# except 256x64 w16 bf16 (12 bytes).
 _C = mc._cfg
 SWEEP: dict[str, list] = {
     "fp8_dim": [

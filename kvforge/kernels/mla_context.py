@@ -17,14 +17,27 @@ Log-sum-exp (``return_lse=True``): fp32 ``[total_q, H]`` in NATURAL-log units of
 exactly as ``O = Σ_i exp(lse_i − lse) · O_i`` with ``lse = log Σ_i exp(lse_i)``.
 
 Layout of the work: the host plans (request, query-tile) items once per batch, heaviest first, so a batch that
-mixes one long prefill with many short extends does not end on a tail of idle SMs; the grid is
-``items × heads`` with heads innermost. Per tile, keys that every row of the tile sees are swept without any
-mask; only the last ``≈ BLOCK_M / BLOCK_N + 1`` key blocks (the causal diagonal) pay for a score mask, and only
-a block that reaches outside the request's keys (at most the aligned head and the block holding the tile's last
-key) also zeroes its V rows. A batch whose longest query has at most ``SHORT_Q_ROWS`` (64) rows plans with its
-own config key (64-row tiles), so 64-row extends over long prefixes do not leave half of every tile idle.
+mixes one long prefill with many short extends does not end on a tail of idle SMs; the grid is ``items × heads``,
+heads outermost for long queries (``HEADS_OUTER``, below) and innermost for short ones. Per tile, keys that every
+row of the tile sees are swept without any mask; only the last ``≈ BLOCK_M / BLOCK_N + 1`` key blocks (the causal
+diagonal) pay for a score mask, and only a block that reaches outside the request's keys (at most the aligned head
+and the block holding the tile's last key) also zeroes its V rows. A batch whose longest query has at most
+``SHORT_Q_ROWS`` (64) rows plans with its own config key (64-row tiles), so 64-row extends over long prefixes do
+not leave half of every tile idle.
 
-Speed-relevant choices (why; measured on the H200, see bench/results/mla_context_h200.log):
+Speed-relevant choices (why; measured on the H200, see bench/results/mla_context_h200*.log):
+* ``HEADS_OUTER``: consecutive programs are tiles of one head, so the ~130 programs resident at once read a
+  few heads' K/V and share it in L2; heads innermost, they streamed ~130 different heads from DRAM. +4-6% bf16
+  and FP8 on the long-query workloads (13b5cd8); with one tile per request (short queries) there is nothing to
+  share and heads innermost, which reads neighbouring rows of token-major K, was 8% faster.
+* ``PIPE_QK = 2`` (FP8): the first head-dim part of the next block's scores (q_a·k_aᵀ, 128 of 192) is issued
+  right after this block's P·V and carried into the next iteration, where q_b·k_bᵀ accumulates onto it. Triton
+  makes a product that is used in its own iteration synchronous (it waits for every product in flight), so the
+  plain loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and
+  q_b·k_bᵀ back to back: +10-12% FP8 (a55e342, 1ba09ff). The same loop lost 18% with bf16 (402 against
+  490 TFLOP/s geomean), which keeps ``PIPE_QK = 0``. ``PIPE_QK = 1`` (P·V of block j and q_a·k_aᵀ of block
+  j + 2 issued before block j + 1's softmax, FA3's intra-warpgroup overlap) compiles to the intended schedule
+  but lost 5-16% (7ba5161); both stay tuning knobs.
 * scores are kept in log2 units (``log2(e)`` folded into the one score multiplier) so each probability is one
   ``exp2``. ``EXP_POLY`` sends half of the exponentials to a cubic polynomial on the FMA units (FA4's trick);
   with Triton 3.6 it was 7-13% slower on every tile shape tried, so it is only a tuning knob.
@@ -190,11 +203,12 @@ def _block_scores(
 def _early_scores(qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n, offs_n, stride_kt, D_B: tl.constexpr,
                   Q_FP8: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """The first head-dim part (q_a·k_aᵀ) of a block's unmasked scores; nothing when the head dim has one part."""
+    """The first head-dim part (q_a·k_aᵀ) of a block's unmasked scores; nothing when the head dim has one part.
+    Unmasked blocks lie inside the request: no validity mask (``None``) for the loads."""
     s_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if D_B > 0:
         pos = start_n + offs_n
-        ka = _load_kv(k_ptrs_a, kd_a, kv_tok0 + start_n, k_col, pos, pos, stride_kt, False, USE_TMA)
+        ka = _load_kv(k_ptrs_a, kd_a, kv_tok0 + start_n, k_col, pos, None, stride_kt, False, USE_TMA)
         s_a = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
     return s_a
 
@@ -208,10 +222,10 @@ def _late_scores(s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, st
     pos = start_n + offs_n
     row = kv_tok0 + start_n
     if D_B > 0:
-        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, pos, stride_kt, False, USE_TMA)
+        kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, None, stride_kt, False, USE_TMA)
         s = _qk_dot(qb, kb, s_a, Q_FP8, UPCAST)
     else:
-        ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, pos, stride_kt, False, USE_TMA)
+        ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, None, stride_kt, False, USE_TMA)
         s = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
     return s
 
@@ -570,7 +584,7 @@ def _mla_context_fwd_kernel(
                     stride_kt, D_A, D_B, Q_FP8, UPCAST, USE_TMA,
                 )  # fmt: skip
                 acc = acc * alpha[:, None]
-                v = _load_v(v_ptrs, Vd, kv_tok0 + start_n, v_col, start_n + offs_n, offs_n, stride_vt, False,
+                v = _load_v(v_ptrs, Vd, kv_tok0 + start_n, v_col, start_n + offs_n, None, stride_vt, False,
                             V_DIM_MAJOR, USE_TMA)  # fmt: skip
                 acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
                 s_a = _early_scores(
@@ -585,13 +599,13 @@ def _mla_context_fwd_kernel(
                     Q_FP8, UPCAST, USE_TMA,
                 )  # fmt: skip
                 acc = acc * alpha[:, None]
-                v = _load_v(v_ptrs, Vd, kv_tok0 + last - BLOCK_N, v_col, last - BLOCK_N + offs_n, offs_n, stride_vt,
+                v = _load_v(v_ptrs, Vd, kv_tok0 + last - BLOCK_N, v_col, last - BLOCK_N + offs_n, None, stride_vt,
                             False, V_DIM_MAJOR, USE_TMA)  # fmt: skip
                 acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
                 pc = _p_carry(p, KV_FP8)
             acc = acc * alpha[:, None]
-            v = _load_v(v_ptrs, Vd, kv_tok0 + last, v_col, last + offs_n, offs_n, stride_vt, False, V_DIM_MAJOR,
+            v = _load_v(v_ptrs, Vd, kv_tok0 + last, v_col, last + offs_n, None, stride_vt, False, V_DIM_MAJOR,
                         USE_TMA)  # fmt: skip
             acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
     else:
@@ -668,13 +682,13 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     return _smem_estimate(cfg, key) <= _SMEM_BYTES
 
 
-# Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]). The sm_90 list is ordered by what the H200 sweep
+# Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]). The sm_90 list is ordered by what the H200 sweeps
 # measured (bench/bench_mla_context.py --tune, 2026-11-29, Triton 3.6): the first candidate that fits a key's
-# shared memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA for FP8 K/V (690 TFLOP/s geomean
-# at 192/128, 255 registers, 147.5 KB shared); 128x64, 8 warps, 3 stages, TMA for 16-bit K/V (452; 169
-# registers, 172 KB). Two stages instead of three lost 20-25% everywhere; the exp2 polynomial split and
-# BLOCK_M = 64 lost on long queries. Four stages (fp8 128x128: 189 KB; bf16 128x64: 214 KB, both compiled
-# offline for sm_90 without spills) are candidates the tuner measures. Short-query keys default to 64x64, 4 warps
+# shared memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA, carried score part, heads outer
+# for FP8 K/V (800 TFLOP/s geomean at 192/128 at 1ba09ff, 255 registers, 160 KB shared); 128x64, 8 warps,
+# 3 stages, TMA, heads outer for 16-bit K/V (490; 163 registers, 169 KB). Two stages instead of three lost
+# 20-25% everywhere; the exp2 polynomial split, BLOCK_M = 64 and 256-row 16-warp tiles (128 registers a
+# thread) lost on long queries; four stages were within noise. Short-query keys default to 64x64, 4 warps
 # (fp8: 3 stages, 74 KB; 16-bit: 2 stages, 107 KB). Committed per-key choices live in tuned/sm90.json.
 _CONFIGS = ConfigTable(
     fallback=[_cfg(64, 64, 4, 2)],
