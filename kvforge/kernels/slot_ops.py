@@ -91,6 +91,17 @@ def _spec(tensors: tuple[torch.Tensor, ...]) -> tuple:
     return (*((t.dtype, t.data_ptr() % 16 == 0) for t in tensors), tensors[0].device)
 
 
+@triton.jit
+def _step_rows(slot_ptr, s_slot, n_rows, n_slots, BLOCK_R: tl.constexpr):
+    """This program's rows of the step, which of them exist, their slot ids, and which slots are valid. A device
+    slot id cannot be range-checked on the host: a row with a bad slot is masked out of every slot access."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_step = rows < n_rows
+    slot = tl.load(slot_ptr + rows * s_slot, mask=in_step, other=-1).to(tl.int64)
+    ok = in_step & (slot >= 0) & (slot < n_slots)
+    return rows, in_step, slot, ok
+
+
 @triton.jit(do_not_specialize=["n_rows", "row_begin"])
 def _slot_scatter_kernel(
     slot_ptr,
@@ -129,11 +140,7 @@ def _slot_scatter_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_step = rows < n_rows
-    slot = tl.load(slot_ptr + rows * s_slot, mask=in_step, other=-1).to(tl.int64)
-    # A device slot id cannot be range-checked on the host: a row with a bad slot writes nothing.
-    ok = in_step & (slot >= 0) & (slot < n_slots)
+    rows, in_step, slot, ok = _step_rows(slot_ptr, s_slot, n_rows, n_slots, BLOCK_R)  # a bad slot writes nothing
     src = row_begin + rows
     w = tl.arange(0, BLOCK_W)[None, :]
     inw = in_step[:, None]
@@ -197,11 +204,7 @@ def _step_gather_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_step = rows < n_rows
-    slot = tl.load(slot_ptr + rows * s_slot, mask=in_step, other=-1).to(tl.int64)
-    # A device slot id cannot be range-checked on the host: a bad slot gathers zeros.
-    ok = in_step & (slot >= 0) & (slot < n_slots)
+    rows, in_step, slot, ok = _step_rows(slot_ptr, s_slot, n_rows, n_slots, BLOCK_R)  # a bad slot gathers zeros
     t = tl.arange(0, BLOCK_T)[None, :]
     k = tl.arange(0, BLOCK_K)[None, :]
     # All loads (each needs only the slot id) before any store: a load after a store waits for it (the
