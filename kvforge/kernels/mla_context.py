@@ -387,6 +387,56 @@ def _attend_block(
     )  # fmt: skip
 
 
+@triton.jit
+def _carried_sweep(
+    acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col, v_col,
+    key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr, D_A: tl.constexpr,
+    D_B: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, P_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Key blocks [lo, hi) inside the request (``CAUSAL``: the diagonal) with the first head-dim part of each
+    block's scores (q_a·k_aᵀ) issued right after the previous block's P·V and carried into the next iteration,
+    where the second part accumulates onto it without a wait.
+
+    Triton makes a product that is used in its own iteration synchronous (it waits for every product in flight),
+    so the plain loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and
+    q_b·k_bᵀ back to back. Every sweep of a kernel takes this form or none does: a plain loop's wait between the
+    two parts threads shared-memory descriptors whose registers the compiler may set between the product and
+    the wait, and ptxas then serialises every matrix instruction of the kernel (C7515)."""
+    if hi > lo:
+        last = hi - BLOCK_N
+        s_a = _early_scores(
+            qa, kd_a, k_ptrs_a, kv_tok0, k_col, lo, offs_n, stride_kt, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N
+        )
+        for start_n in tl.range(lo, last, BLOCK_N):
+            s = _late_scores(
+                s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B,
+                Q_FP8, UPCAST, USE_TMA,
+            )  # fmt: skip
+            if CAUSAL:
+                s = tl.where((start_n + offs_n - shift)[None, :] <= key_limit[:, None], s, float("-inf"))
+            acc, m_i, l_i = _block_update(
+                acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
+                False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            s_a = _early_scores(
+                qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
+                USE_TMA, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+        s = _late_scores(
+            s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, last, offs_n, stride_kt, D_A, D_B, Q_FP8,
+            UPCAST, USE_TMA,
+        )  # fmt: skip
+        if CAUSAL:
+            s = tl.where((last + offs_n - shift)[None, :] <= key_limit[:, None], s, float("-inf"))
+        acc, m_i, l_i = _block_update(
+            acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, last, n_end, offs_n, stride_vt, qk_scale,
+            False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["n_items"])
 def _mla_context_fwd_kernel(
     Q,
@@ -525,37 +575,11 @@ def _mla_context_fwd_kernel(
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
     if PIPE_QK == 2:
-        # The first head-dim part of block j + 1's scores (q_a·k_aᵀ) is issued right after block j's P·V and
-        # carried into the next iteration, where the second part accumulates onto it without a wait: one wait
-        # per block (before the softmax) instead of one after each part, and the matrix unit runs P·V, q_a·k_aᵀ
-        # and q_b·k_bᵀ back to back.
-        if n_full > head_end:
-            last = n_full - BLOCK_N
-            s_a = _early_scores(
-                qa, Kd_a, k_ptrs_a, kv_tok0, k_col, head_end, offs_n, stride_kt, D_B, Q_FP8, UPCAST, USE_TMA,
-                BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            for start_n in tl.range(head_end, last, BLOCK_N):
-                s = _late_scores(
-                    s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B,
-                    Q_FP8, UPCAST, USE_TMA,
-                )  # fmt: skip
-                acc, m_i, l_i = _block_update(
-                    acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
-                    False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                s_a = _early_scores(
-                    qa, Kd_a, k_ptrs_a, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
-                    USE_TMA, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-            s = _late_scores(
-                s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, last, offs_n, stride_kt, D_A, D_B, Q_FP8,
-                UPCAST, USE_TMA,
-            )  # fmt: skip
-            acc, m_i, l_i = _block_update(
-                acc, m_i, l_i, s, v_ptrs, Vd, kv_tok0, shift, v_col, last, n_end, offs_n, stride_vt, qk_scale,
-                False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+        acc, m_i, l_i = _carried_sweep(
+            acc, m_i, l_i, head_end, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
+            k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, D_A, D_B, Q_FP8, KV_FP8,
+            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
     elif PIPE_QK:
         # P·V of block j and the first head-dim part of block j + 2's scores are issued before block j + 1's
         # softmax, so the matrix unit works on them while the exponentials run (FA3's intra-warpgroup overlap).
@@ -616,13 +640,20 @@ def _mla_context_fwd_kernel(
                 False, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
                 P_OFFSET, BLOCK_M, BLOCK_N,
             )  # fmt: skip
-    for start_n in tl.range(diag_lo, in_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-            start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            True, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
-            BLOCK_M, BLOCK_N,
+    if PIPE_QK == 2:
+        acc, m_i, l_i = _carried_sweep(
+            acc, m_i, l_i, diag_lo, in_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
+            k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, D_A, D_B, Q_FP8, KV_FP8,
+            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
         )  # fmt: skip
+    else:
+        for start_n in tl.range(diag_lo, in_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
+                start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
+                True, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
+                P_OFFSET, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
     for start_n in tl.range(tail_lo, pos_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
