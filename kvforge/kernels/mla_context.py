@@ -714,20 +714,21 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
 
 
 # Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]). The sm_90 list is ordered by what the H200 sweeps
-# measured (bench/bench_mla_context.py --tune, 2026-11-29, Triton 3.6): the first candidate that fits a key's
-# shared memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA, carried score part, heads outer
-# for FP8 K/V (800 TFLOP/s geomean at 192/128 at 1ba09ff, 255 registers, 160 KB shared); 128x64, 8 warps,
-# 3 stages, TMA, heads outer for 16-bit K/V (490; 163 registers, 169 KB). Two stages instead of three lost
-# 20-25% everywhere; the exp2 polynomial split, BLOCK_M = 64 and 256-row 16-warp tiles (128 registers a
-# thread) lost on long queries; four stages were within noise. Short-query keys default to 64x64, 4 warps
-# (fp8: 3 stages, 74 KB; 16-bit: 2 stages, 107 KB). Committed per-key choices live in tuned/sm90.json.
+# measured (bench/bench_mla_context.py --tune, 2026-11-29, Triton 3.6): the first candidate that fits a key's shared
+# memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA, carried score part, heads outer for FP8 K/V
+# (784-800 TFLOP/s geomean at 192/128 at 1ba09ff and a01c531, 255 registers, 161 KB shared); 128x64, 8 warps, 3
+# stages, TMA, carried score part, heads outer for 16-bit K/V (527 / 470 / 497 TFLOP/s on three workloads at a01c531
+# against 501 / 443 / 476 without the carried part; 172 registers, 185 KB). Two stages instead of three lost 20-25%
+# everywhere; the exp2 polynomial split, BLOCK_M = 64 and 256-row 16-warp tiles (128 registers a thread) lost on long
+# queries; four stages were within noise. Short-query keys default to 64x64, 4 warps (fp8: 3 stages, 74 KB; 16-bit: 2
+# stages, 107 KB). Committed per-key choices live in tuned/sm90.json.
 _CONFIGS = ConfigTable(
     fallback=[_cfg(64, 64, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
         (9, 0): [
             _cfg(128, 128, 8, 3, 0, 1, 2, 1),
-            _cfg(128, 64, 8, 3, 0, 1, 0, 1),
+            _cfg(128, 64, 8, 3, 0, 1, 2, 1),
             _cfg(128, 128, 8, 4, 0, 1, 0, 1),
             _cfg(64, 64, 4, 3, 0, 1),
             _cfg(64, 64, 4, 2, 0, 1),
