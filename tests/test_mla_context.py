@@ -137,11 +137,11 @@ TILE_CASES = [
     # FP8 tiles keep BLOCK_N >= 32: P·V reduces over BLOCK_N and Hopper's FP8 dot needs K >= 32.
     ("fp8kv", 16, 32, 1, 1, "token_major", 0, 0),
     ("fp8", 32, 32, 0, 1, "dim_major", 16, 0),
-    # Scores one block ahead in the unmasked sweep (PIPE_QK): sweeps of 0, 1 and several blocks in this batch.
-    ("bf16", 16, 16, 0, 1, "token_major", 3, 1),
-    ("fp8", 16, 32, 0, 1, "dim_major", 9, 1),
-    ("fp8kv", 32, 32, 0, 0, "token_major", 0, 1),
-    ("bf16", 32, 16, 1, 0, "token_major", 0, 1),
+    # The carried score sweep (PIPE_QK = 2): sweeps of 0, 1 and several blocks in this batch.
+    ("bf16", 16, 16, 0, 1, "token_major", 3, 2),
+    ("fp8", 16, 32, 0, 1, "dim_major", 9, 2),
+    ("fp8kv", 32, 32, 0, 0, "token_major", 0, 2),
+    ("bf16", 32, 16, 1, 0, "token_major", 0, 2),
 ]
 
 
@@ -171,23 +171,21 @@ def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly
 
 PIPE_CASES = [
     # mode, (d_qk, d_v), BLOCK_M, BLOCK_N, v_layout, kv_start, HEADS_OUTER, PIPE_QK
-    ("bf16", (192, 128), 16, 16, "token_major", 0, 0, 1),
-    ("bf16", (192, 128), 16, 16, "token_major", 3, 1, 1),
-    ("bf16", (128, 128), 32, 16, "token_major", 5, 0, 1),
-    ("fp8", (192, 128), 16, 32, "dim_major", 9, 1, 1),
-    ("fp8kv", (128, 128), 16, 32, "token_major", 0, 0, 1),
-    ("fp8", (192, 128), 32, 32, "dim_major", 0, 0, 1),
     ("bf16", (192, 128), 16, 16, "token_major", 0, 1, 2),
+    ("bf16", (192, 128), 16, 16, "token_major", 3, 0, 2),
     ("bf16", (128, 128), 32, 16, "token_major", 5, 0, 2),
     ("fp8", (192, 128), 16, 32, "dim_major", 9, 0, 2),
+    ("fp8", (192, 128), 32, 32, "dim_major", 0, 1, 2),
     ("fp8kv", (192, 128), 32, 32, "token_major", 0, 1, 2),
+    ("fp8kv", (128, 128), 16, 32, "token_major", 0, 0, 2),
+    ("bf16", (192, 128), 16, 16, "token_major", 0, 1, 0),
 ]
 
 
 @pytest.mark.parametrize("mode,dims,bm,bn,v_layout,kv_start,heads_outer,pipe", PIPE_CASES)
 def test_pipelined_sweep(gen, device, mode, dims, bm, bn, v_layout, kv_start, heads_outer, pipe):
-    """The unmasked sweep with scores computed ahead (PIPE_QK): sweeps of many, two, one and no blocks, with
-    scores that grow along the keys so the running max (and the deferred rescale) changes at every block."""
+    """The carried score sweep (PIPE_QK = 2) over the unmasked keys and the causal diagonal: sweeps of many, two,
+    one and no blocks, with scores that grow along the keys so the running max changes at every block."""
     q_lens, cached = [3, 20, 1, 2], [150, 97, 0, bn + 1]
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, d_qk=dims[0], d_v=dims[1], kv_start=kv_start)
     u = torch.nn.functional.normalize(torch.randn(dims[0], generator=gen).to(device), dim=0)
@@ -327,6 +325,11 @@ def test_plan_picks_short_query_key(monkeypatch, q_lens, cached, short):
     )  # fmt: skip
     base = (192, 128, "e4m3", "e4m3", "dim_major")
     assert keys == [(*base, "short_q") if short else base]
+
+
+def test_cfg_rejects_unknown_pipe():
+    with pytest.raises(ValueError, match="pipe: expected 0 or 2"):
+        mc._cfg(64, 64, 4, 2, pipe=1)
 
 
 def test_sm90_candidates_per_key():

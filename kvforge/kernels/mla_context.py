@@ -30,14 +30,14 @@ Speed-relevant choices (why; measured on the H200, see bench/results/mla_context
   few heads' K/V and share it in L2; heads innermost, they streamed ~130 different heads from DRAM. +4-6% bf16
   and FP8 on the long-query workloads (13b5cd8); with one tile per request (short queries) there is nothing to
   share and heads innermost, which reads neighbouring rows of token-major K, was 8% faster.
-* ``PIPE_QK = 2`` (FP8): the first head-dim part of the next block's scores (q_a·k_aᵀ, 128 of 192) is issued
-  right after this block's P·V and carried into the next iteration, where q_b·k_bᵀ accumulates onto it. Triton
-  makes a product that is used in its own iteration synchronous (it waits for every product in flight), so the
-  plain loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and
-  q_b·k_bᵀ back to back: +10-12% FP8 (a55e342, 1ba09ff). The same loop lost 18% with bf16 (402 against
-  490 TFLOP/s geomean), which keeps ``PIPE_QK = 0``. ``PIPE_QK = 1`` (P·V of block j and q_a·k_aᵀ of block
-  j + 2 issued before block j + 1's softmax, FA3's intra-warpgroup overlap) compiles to the intended schedule
-  but lost 5-16% (7ba5161); both stay tuning knobs.
+* ``PIPE_QK = 2``: the first head-dim part of the next block's scores (q_a·k_aᵀ, 128 of 192) is issued right
+  after this block's P·V and carried into the next iteration, where q_b·k_bᵀ accumulates onto it. Triton makes a
+  product that is used in its own iteration synchronous (it waits for every product in flight), so the plain
+  loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and q_b·k_bᵀ back
+  to back: +10-12% FP8 (a55e342, 1ba09ff), +5-6% bf16 (a01c531) once every sweep took this form (see
+  ``_carried_sweep``: with one plain loop left, ptxas serialised all of bf16's matrix instructions and the same
+  loop lost 18%). Issuing P·V of block j and q_a·k_aᵀ of block j + 2 before block j + 1's softmax (FA3's
+  intra-warpgroup overlap) compiled to that schedule but lost 5-16% (7ba5161) and was removed.
 * scores are kept in log2 units (``log2(e)`` folded into the one score multiplier) so each probability is one
   ``exp2``. ``EXP_POLY`` sends half of the exponentials to a cubic polynomial on the FMA units (FA4's trick);
   with Triton 3.6 it was 7-13% slower on every tile shape tried, so it is only a tuning knob.
@@ -274,20 +274,6 @@ def _p_operand(p, P_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, NATIVE_FP8: tl.co
             pc = fp32_to_e4m3(p.to(tl.float32), False)  # the interpreter's own fp32->fp8 cast is wrong (NOTES §1)
     else:
         pc = p.to(P_DTYPE)
-    return pc
-
-
-@triton.jit
-def _p_carry(p, KV_FP8: tl.constexpr):
-    """P kept across a loop iteration for the next P·V. Carried as the operand itself (16-bit or e4m3), the
-    compiler stages it through shared memory, and a product with an operand in a single shared buffer cannot
-    stay in flight (Triton waits for it right away); carried in the accumulator's register layout and cast
-    at the product, it stays in registers. FP8 V carries fp16 (exact for e4m3's rounding of P in [0, 256]
-    down to 2**-10, below which e4m3 has nothing) to halve the registers of fp32."""
-    if KV_FP8:
-        pc = p.to(tl.float16)
-    else:
-        pc = p
     return pc
 
 
@@ -580,58 +566,6 @@ def _mla_context_fwd_kernel(
             k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, D_A, D_B, Q_FP8, KV_FP8,
             V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    elif PIPE_QK:
-        # P·V of block j and the first head-dim part of block j + 2's scores are issued before block j + 1's
-        # softmax, so the matrix unit works on them while the exponentials run (FA3's intra-warpgroup overlap).
-        # The second part of the scores is the only product the loop waits for right away: Triton makes a
-        # product that is used in its own iteration synchronous (it waits for every product in flight), and
-        # one such product per iteration is what the softmax needs. The accumulator takes block j's rescale
-        # just before its P·V (after that wait), so nothing reads a product still in flight.
-        if n_full > head_end:
-            last = n_full - BLOCK_N
-            s = _late_scores(
-                _early_scores(qa, Kd_a, k_ptrs_a, kv_tok0, k_col, head_end, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
-                              USE_TMA, BLOCK_M, BLOCK_N),
-                qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, head_end, offs_n, stride_kt, D_A, D_B,
-                Q_FP8, UPCAST, USE_TMA,
-            )  # fmt: skip
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
-            pc = _p_carry(p, KV_FP8)
-            # Block 1's first part (block 0 again when the sweep has one block: computed, never used).
-            s_a = _early_scores(
-                qa, Kd_a, k_ptrs_a, kv_tok0, k_col, tl.minimum(head_end + BLOCK_N, last), offs_n, stride_kt, D_B,
-                Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-            for start_n in tl.range(head_end, last - BLOCK_N, BLOCK_N):
-                s = _late_scores(
-                    s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n + BLOCK_N, offs_n,
-                    stride_kt, D_A, D_B, Q_FP8, UPCAST, USE_TMA,
-                )  # fmt: skip
-                acc = acc * alpha[:, None]
-                v = _load_v(v_ptrs, Vd, kv_tok0 + start_n, v_col, start_n + offs_n, None, stride_vt, False,
-                            V_DIM_MAJOR, USE_TMA)  # fmt: skip
-                acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
-                s_a = _early_scores(
-                    qa, Kd_a, k_ptrs_a, kv_tok0, k_col, start_n + 2 * BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
-                    USE_TMA, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
-                pc = _p_carry(p, KV_FP8)
-            if last > head_end:  # the sweep's last block: its scores, the P·V before it
-                s = _late_scores(
-                    s_a, qa, qb, Kd_a, Kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, last, offs_n, stride_kt, D_A, D_B,
-                    Q_FP8, UPCAST, USE_TMA,
-                )  # fmt: skip
-                acc = acc * alpha[:, None]
-                v = _load_v(v_ptrs, Vd, kv_tok0 + last - BLOCK_N, v_col, last - BLOCK_N + offs_n, None, stride_vt,
-                            False, V_DIM_MAJOR, USE_TMA)  # fmt: skip
-                acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
-                pc = _p_carry(p, KV_FP8)
-            acc = acc * alpha[:, None]
-            v = _load_v(v_ptrs, Vd, kv_tok0 + last, v_col, last + offs_n, None, stride_vt, False, V_DIM_MAJOR,
-                        USE_TMA)  # fmt: skip
-            acc = _pv_dot(acc, _p_operand(pc, V.dtype.element_ty, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST)
     else:
         for start_n in tl.range(head_end, n_full, BLOCK_N):
             acc, m_i, l_i = _attend_block(
@@ -677,6 +611,10 @@ def _mla_context_fwd_kernel(
 def _cfg(
     bm: int, bn: int, warps: int, stages: int, poly: int = 0, tma: int = 0, pipe: int = 0, heads_outer: int = 0
 ) -> triton.Config:
+    """A launch configuration. ``pipe``: ``PIPE_QK``, 0 (plain loops) or 2 (carried score part; 1 named a
+    variant that lost and was removed, so results recorded as "pipe2" keep their name)."""
+    if pipe not in (0, 2):
+        raise ValueError(f"pipe: expected 0 or 2, got {pipe}")
     kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "EXP_POLY": poly, "USE_TMA": tma}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
     if pipe:
