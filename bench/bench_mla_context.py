@@ -59,8 +59,8 @@ ANCHORS = ["4x(8192+2048)", "1x(0+16384)", "16x(4096+512)"]
 # the short-query class (batches whose longest query has <= mc.SHORT_Q_ROWS rows), timed on such workloads only. The
 # first candidate of each key is the current choice (always measured); the rest are what is still open after the
 # carried sweep stopped serialising bf16's matrix instructions (ptxas C7515, see _carried_sweep). Measured so far
-# (TFLOP/s geomean, H200): heads outer ("+ho") +4-6% on long queries (13b5cd8), -8% on short ones; +pipe2 +10-12% FP8
-# (a55e342, 1ba09ff), -18% bf16 while serialised and +5-6% once not (a01c531); "+pipe" -5-16% (scores two blocks
+# (TFLOP/s geomean, H200): heads outer ("+ho") +1-9% on long queries (13b5cd8), -8% on short ones; +pipe2 +10-12% FP8
+# (a55e342, 1ba09ff), -18% bf16 while serialised and +4-6% once not (a01c531); "+pipe" -5-16% (scores two blocks
 # ahead, 7ba5161); 256x32 w16 -18% (1ba09ff). Every one compiles for sm_90 with Triton 3.6 without spills and without
 # C7515 (.gpu_out/cc.py).
 _C = mc._cfg

@@ -27,14 +27,15 @@ not leave half of every tile idle.
 
 Speed-relevant choices (why; measured on the H200, see bench/results/mla_context_h200*.log):
 * ``HEADS_OUTER``: consecutive programs are tiles of one head, so the ~130 programs resident at once read a
-  few heads' K/V and share it in L2; heads innermost, they streamed ~130 different heads from DRAM. +4-6% bf16
-  and FP8 on the long-query workloads (13b5cd8); with one tile per request (short queries) there is nothing to
-  share and heads innermost, which reads neighbouring rows of token-major K, was 8% faster.
+  few heads' K/V and share it in L2; heads innermost, they streamed ~130 different heads from DRAM. bf16 +6%,
+  FP8 +1% (3 stages) to +9% (4 stages) on the long-query workloads (13b5cd8); with one tile per request (short
+  queries) there is nothing to share and heads innermost, which reads neighbouring rows of token-major K, was
+  8% faster.
 * ``PIPE_QK = 2``: the first head-dim part of the next block's scores (q_a·k_aᵀ, 128 of 192) is issued right
   after this block's P·V and carried into the next iteration, where q_b·k_bᵀ accumulates onto it. Triton makes a
   product that is used in its own iteration synchronous (it waits for every product in flight), so the plain
   loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and q_b·k_bᵀ back
-  to back: +10-12% FP8 (a55e342, 1ba09ff), +5-6% bf16 (a01c531) once every sweep took this form (see
+  to back: +10-12% FP8 (a55e342, 1ba09ff), +4-6% bf16 (a01c531) once every sweep took this form (see
   ``_carried_sweep``: with one plain loop left, ptxas serialised all of bf16's matrix instructions and the same
   loop lost 18%). Issuing P·V of block j and q_a·k_aᵀ of block j + 2 before block j + 1's softmax (FA3's
   intra-warpgroup overlap) compiled to that schedule but lost 5-16% (7ba5161) and was removed.
