@@ -561,10 +561,15 @@ def _mla_context_fwd_kernel(
             True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
             BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    if PIPE_QK == 2:
+    if PIPE_QK == 2:  # unmasked keys, then the causal diagonal
         acc, m_i, l_i = _carried_sweep(
             acc, m_i, l_i, head_end, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
             k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, D_A, D_B, Q_FP8, KV_FP8,
+            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        acc, m_i, l_i = _carried_sweep(
+            acc, m_i, l_i, diag_lo, in_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
+            k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, D_A, D_B, Q_FP8, KV_FP8,
             V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     else:
@@ -575,13 +580,6 @@ def _mla_context_fwd_kernel(
                 False, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
                 P_OFFSET, BLOCK_M, BLOCK_N,
             )  # fmt: skip
-    if PIPE_QK == 2:
-        acc, m_i, l_i = _carried_sweep(
-            acc, m_i, l_i, diag_lo, in_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
-            k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, D_A, D_B, Q_FP8, KV_FP8,
-            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-    else:
         for start_n in tl.range(diag_lo, in_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
