@@ -207,6 +207,7 @@ class _OffsetsPlan:
 
     __slots__ = (
         "direct",
+        "fold",
         "grid",
         "host_args",
         "host_index",
@@ -223,6 +224,8 @@ class _OffsetsPlan:
         self.row_capacity = row_capacity
         self.host_index = host_index
         self.out_cpu = out_cpu
+        # More selected rows than a grid axis holds: the kernel's FOLD path (part of the compiled spec).
+        self.fold = n_seq > _MAX_GRID_YZ
         self.spec: tuple = ()
         self.key: tuple = ()
         self.grid: tuple[int, int, int] = (0, 0, 0)
@@ -347,8 +350,8 @@ def _offsets_plan(
         ints = (*pages.stride(), copy_index.stride(0), scales.stride(0), offsets.stride(0), *out.stride())
         plan.key = key
         # n_seq and row_capacity are do_not_specialize; everything else Triton specialises on is in the spec.
-        fold = n_seq > _MAX_GRID_YZ
-        plan.spec = (key, n_blocks, ints, tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors), fold)
+        aligned = tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+        plan.spec = (key, n_blocks, ints, aligned, plan.fold)
         args = (*tensors, n_seq, n_blocks, row_capacity, *ints)
         # A device tensor's address is its kernel pointer; a pinned host tensor is passed as itself so that the
         # launcher translates (and re-checks) it.
@@ -389,7 +392,7 @@ def _launch(
         plan.key,
         plan.spec,
         (*tensors, n_seq, n_blocks, plan.row_capacity, *plan.ptr_args[8:]),
-        FOLD=n_seq > _MAX_GRID_YZ,
+        FOLD=plan.fold,
     )
     if plan.direct is None:
         d = _KERNEL.direct(plan.spec)
