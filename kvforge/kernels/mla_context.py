@@ -147,6 +147,12 @@ def _load_kv(ptrs, desc, row, col, pos, ok, stride_t, MASKED: tl.constexpr, USE_
 
 
 @triton.jit
+def _causal_mask(s, toks, key_limit):
+    """Scores past each row's last visible key (``key_limit[i]`` = prefix + i) replaced by -inf."""
+    return tl.where(toks[None, :] <= key_limit[:, None], s, float("-inf"))
+
+
+@triton.jit
 def _block_scores(
     qa,
     qb,
@@ -194,7 +200,7 @@ def _block_scores(
     if CAUSAL and BOUNDS:
         s = tl.where((toks[None, :] <= key_limit[:, None]) & ok[None, :], s, float("-inf"))
     elif CAUSAL:
-        s = tl.where(toks[None, :] <= key_limit[:, None], s, float("-inf"))
+        s = _causal_mask(s, toks, key_limit)
     elif BOUNDS:
         s = tl.where(ok[None, :], s, float("-inf"))
     return s
@@ -375,6 +381,27 @@ def _attend_block(
 
 
 @triton.jit
+def _carried_step(
+    acc, m_i, l_i, s_a, start_n, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col, v_col,
+    key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr, D_A: tl.constexpr,
+    D_B: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, P_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One block of ``_carried_sweep``: the rest of its scores onto the carried part ``s_a``, then the update."""
+    s = _late_scores(
+        s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B, Q_FP8,
+        UPCAST, USE_TMA,
+    )  # fmt: skip
+    if CAUSAL:
+        s = _causal_mask(s, start_n + offs_n - shift, key_limit)
+    return _block_update(
+        acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
+        False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+
+
+@triton.jit
 def _carried_sweep(
     acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col, v_col,
     key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr, D_A: tl.constexpr,
@@ -397,29 +424,19 @@ def _carried_sweep(
             qa, kd_a, k_ptrs_a, kv_tok0, k_col, lo, offs_n, stride_kt, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N
         )
         for start_n in tl.range(lo, last, BLOCK_N):
-            s = _late_scores(
-                s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B,
-                Q_FP8, UPCAST, USE_TMA,
-            )  # fmt: skip
-            if CAUSAL:
-                s = tl.where((start_n + offs_n - shift)[None, :] <= key_limit[:, None], s, float("-inf"))
-            acc, m_i, l_i = _block_update(
-                acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
-                False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+            acc, m_i, l_i = _carried_step(
+                acc, m_i, l_i, s_a, start_n, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift,
+                k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL, D_A, D_B, Q_FP8,
+                KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
             )  # fmt: skip
             s_a = _early_scores(
                 qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
                 USE_TMA, BLOCK_M, BLOCK_N,
             )  # fmt: skip
-        s = _late_scores(
-            s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, last, offs_n, stride_kt, D_A, D_B, Q_FP8,
-            UPCAST, USE_TMA,
-        )  # fmt: skip
-        if CAUSAL:
-            s = tl.where((last + offs_n - shift)[None, :] <= key_limit[:, None], s, float("-inf"))
-        acc, m_i, l_i = _block_update(
-            acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, last, n_end, offs_n, stride_vt, qk_scale,
-            False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+        acc, m_i, l_i = _carried_step(
+            acc, m_i, l_i, s_a, last, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col,
+            v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL, D_A, D_B, Q_FP8, KV_FP8,
+            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     return acc, m_i, l_i
 
