@@ -74,12 +74,48 @@ def time_gpu(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> dict
         raw = do_bench(fn, warmup=warmup, rep=rep, return_mode="all")
     except AssertionError:  # a Triton whose do_bench has no "all": its quantiles stand in for the samples
         raw = do_bench(fn, warmup=warmup, rep=rep, quantiles=[i / 20 for i in range(1, 20)])
-    samples = torch.tensor(raw, dtype=torch.float64)
+    return _stats(list(raw))
+
+
+def _stats(samples_ms: list[float]) -> dict[str, float]:
+    samples = torch.tensor(samples_ms, dtype=torch.float64)
     p20, p50, p80 = torch.quantile(samples, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
     ordered = samples.sort().values
     cut = len(ordered) // 20
     trimmed = ordered[cut : len(ordered) - cut] if len(ordered) > 2 * cut else ordered
     return {"ms": p50, "ms_p20": p20, "ms_p80": p80, "ms_mean": float(trimmed.mean()), "n": len(samples)}
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]], *, samples: int = 1000, warmup: int = 10, flush_mb: int = 256
+) -> dict[str, dict[str, float]]:
+    """Time several calls sample by sample in turn, each behind its own L2 flush (as do_bench flushes), so
+    that every call sees the same machine state: same clocks, same moment of the run.
+
+    A ratio of two few-microsecond calls timed in separate do_bench runs moves with whatever changed between
+    the runs (the empty kernel read 3.33 and 4.06 us on two machine starts while the ops it divides moved by
+    0.2 us). Interleaving pairs the samples; the order alternates so no call always follows the same one.
+    Returns, per name, the statistics of ``time_gpu`` (median, p20/p80, 5%-trimmed mean in ms, count).
+    """
+    names = list(fns)
+    flush = torch.empty(flush_mb << 18, dtype=torch.int32, device="cuda")
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    events = {
+        k: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+        for k in names
+    }
+    for i in range(samples):
+        for k in names if i % 2 == 0 else reversed(names):
+            flush.zero_()
+            start, end = events[k][i]
+            start.record()
+            fns[k]()
+            end.record()
+    torch.cuda.synchronize()
+    return {k: _stats([s.elapsed_time(e) for s, e in events[k]]) for k in names}
 
 
 def time_graph(fn: Callable[[], Any], *, rep: int = 100) -> dict[str, float]:

@@ -155,36 +155,30 @@ def test_empty_step_launches_nothing(device, gen, monkeypatch):
 
 def test_kernels_mask_out_of_range_device_slots(device, gen):
     # Device slot ids cannot be checked on the host; the kernels skip (scatter) or zero (gather) such rows.
-    # Launched directly, bypassing the host check that catches them on CPU.
+    # Launched directly with the library's own argument builders, bypassing the host check that catches them on
+    # CPU. 2**32 + 2 is out of range as an int64 but would wrap to slot 2 if narrowed before the range check.
     st = _stores(6, 4, 4, 3, device)
     before = st.clone()
-    slot_ids = torch.tensor([1, 6, -1, 4], device=device)
-    new, nxt, counts, drafts = _step(4, 4, 4, 3, gen, device)
+    slot_ids = torch.tensor([1, 6, -1, 4, 2**32 + 2], device=device)
+    new, nxt, counts, drafts = _step(5, 4, 4, 3, gen, device)
     good = torch.tensor([0, 3], device=device)
     want = slot_scatter_ref(before, slot_ids[good], new[good], nxt[good], counts[good], drafts[good])
     cfg = smod._SCATTER_TABLE.interpreter if device.type == "cpu" else None
     block_r = cfg.kwargs["BLOCK_R"] if cfg else 32
-    smod._slot_scatter_kernel[(triton.cdiv(4, block_r),)](
-        slot_ids, 1, 4, 0, 6,
-        new, *new.stride(), 4, nxt, *nxt.stride(), 4, counts, 1, drafts, *drafts.stride(), 3,
-        st.new_tokens, *st.new_tokens.stride(), 4, st.next_new_tokens, *st.next_new_tokens.stride(), 4,
-        st.new_token_counts, 1, st.next_draft_tokens, *st.next_draft_tokens.stride(), 3,
-        BLOCK_R=block_r, BLOCK_W=4,
-    )  # fmt: skip
+    args, layout, _, _ = smod._scatter_args(st, slot_ids, new, nxt, counts, drafts, 5, 0)
+    smod._slot_scatter_kernel[(triton.cdiv(5, block_r),)](*args, **layout, BLOCK_R=block_r)
     _assert_stores_equal(st, want)
 
-    out = StepInputs(*(poison(torch.empty(s, dtype=torch.int32, device=device)) for s in [(16,), (16,), (4, 3), (4,)]))
-    smod._step_gather_kernel[(triton.cdiv(4, block_r),)](
-        slot_ids, 1, 4, 6, 4, 3,
-        st.next_new_tokens, *st.next_new_tokens.stride(), st.new_token_counts, 1,
-        st.next_draft_tokens, *st.next_draft_tokens.stride(),
-        out.input_ids, 1, out.position_offsets, 1, out.draft_tokens, *out.draft_tokens.stride(), out.kv_offsets, 1,
-        BLOCK_R=block_r, BLOCK_T=4, BLOCK_K=4,
-    )  # fmt: skip
-    assert out.input_ids.view(4, 4)[1:3].eq(0).all() and out.kv_offsets[1:3].eq(0).all()
-    assert out.draft_tokens[1:3].eq(0).all() and out.position_offsets.view(4, 4)[1:3].eq(0).all()
+    out = StepInputs(*(poison(torch.empty(s, dtype=torch.int32, device=device)) for s in [(20,), (20,), (5, 3), (5,)]))
+    layout = smod._gather_layout(st, slot_ids, 4, 3, out)
+    smod._step_gather_kernel[(triton.cdiv(5, block_r),)](
+        slot_ids, 5, *st.tensors()[1:], *out, **layout, BLOCK_R=block_r
+    )
+    bad = torch.tensor([1, 2, 4], device=device)
+    assert out.input_ids.view(5, 4)[bad].eq(0).all() and out.kv_offsets[bad].eq(0).all()
+    assert out.draft_tokens[bad].eq(0).all() and out.position_offsets.view(5, 4)[bad].eq(0).all()
     ref = step_gather_ref(st, slot_ids[good], 4)
-    assert torch.equal(out.input_ids.view(4, 4)[good].reshape(-1).long(), ref.input_ids)
+    assert torch.equal(out.input_ids.view(5, 4)[good].reshape(-1).long(), ref.input_ids)
     assert torch.equal(out.kv_offsets[good].long(), ref.kv_offsets)
 
 
@@ -392,3 +386,52 @@ def test_plan_cache_is_bounded_and_holds_no_tensors(device, gen):
     assert len(smod._SCATTER_PLANS) <= smod._SCATTER_PLANS.maxsize
     for plan in smod._SCATTER_PLANS._plans.values():
         assert not any(isinstance(v, torch.Tensor) for v in plan.ptr_args)
+
+
+def test_needs_i64_reads_extents_not_sizes():
+    meta = lambda shape, stride: torch.empty(0, device="meta").as_strided(shape, stride)
+    assert not smod._needs_i64((meta((1024, 8), (8, 1)),))
+    assert not smod._needs_i64((meta((2, 3), (2**30, 1)), meta((5,), (0,))))  # extent 2**30 + 2
+    assert smod._needs_i64((meta((8,), (1,)), meta((3, 2), (2**30, 1))))  # extent 2**31 + 1
+    assert not smod._needs_i64((meta((0, 4), (2**40, 1)),))  # empty: no element to address
+
+
+def test_int64_offsets_give_the_same_results(device, gen, monkeypatch):
+    # Tensors past 2**31 elements cannot be allocated here; lowering the limit sends ordinary sizes through the
+    # kernels' int64 branch, which must agree with the int32 one and the references.
+    monkeypatch.setattr(smod, "_I32_LIMIT", 16)
+    smod._SCATTER_PLANS.clear()
+    smod._GATHER_PLANS.clear()
+    st = _stores(37, 8, 8, 7, device)
+    slot_ids = torch.randperm(37, generator=gen)[:11].to(device)
+    outs = _step(13, 6, 8, 7, gen, device)
+    assert smod._scatter_args(st, slot_ids, *outs, 11, 0)[1]["I64"] == 1
+    want = slot_scatter_ref(st, slot_ids, *outs, row_begin=2)
+    slot_scatter(st, slot_ids, *outs, row_begin=2)
+    _assert_stores_equal(st, want)
+    _assert_inputs_equal(step_gather(st, slot_ids, 5, draft_len=3), step_gather_ref(st, slot_ids, 5, draft_len=3))
+    smod._SCATTER_PLANS.clear()
+    smod._GATHER_PLANS.clear()
+
+
+def test_gather_reuses_its_plan_and_allocates_fresh_outputs(device, gen):
+    st = _stores(20, 4, 4, 3, device)
+    ids = torch.randperm(20, generator=gen)[:6].to(device)
+    slot_scatter(st, ids, *_step(6, 4, 4, 3, gen, device))
+    first = step_gather(st, ids, 4)
+    n_plans = len(smod._GATHER_PLANS)
+    slot_scatter(st, ids, *_step(6, 4, 4, 3, gen, device))
+    second = step_gather(st, ids, 4)
+    assert len(smod._GATHER_PLANS) == n_plans  # the same plan served the second call
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(first, second))  # no result overwritten
+    _assert_inputs_equal(second, step_gather_ref(st, ids, 4))
+    # What varies per call is still checked on the cached path: T, draft_len and the outputs' metadata.
+    with pytest.raises(TypeError, match="tokens_per_row"):
+        step_gather(st, ids, True)
+    with pytest.raises(ValueError, match="draft_len"):
+        step_gather(st, ids, 4, draft_len=9)
+    out = step_gather(st, ids, 4)
+    with pytest.raises(ValueError, match=r"out\.input_ids"):
+        step_gather(st, ids, 4, out=out._replace(input_ids=out.input_ids[:-1]))
+    assert step_gather(st, ids, 4, out=out) is out
+    _assert_inputs_equal(out, step_gather_ref(st, ids, 4))
