@@ -170,7 +170,8 @@ def bar_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(series)) / 3), 4))
+    # Wide enough for the bars, capped so that a many-series plot stays readable when shown at page width.
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 1.6 * len(groups) * max(1, len(series)) / 3)), 5))
     n = max(1, len(series))
     width = 0.8 / n
     for i, (label, vals) in enumerate(series.items()):
@@ -182,7 +183,7 @@ def bar_plot(
     if log:
         ax.set_yscale("log")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: never over a bar
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -80,7 +80,7 @@ ROLES = {
     "torch index_select": "torch peer",
     "2x copy_": "torch peer",
     "torch per pool/plane": "torch peer",
-    "d2d copy (same bytes)": "torch peer",
+    "d2d copy (same bytes)": "device copy, same bytes",
     "torch vectorised": "torch, vectorised",
 }
 
@@ -361,30 +361,47 @@ def report(b: Bench, stamp: dict[str, str], out: Path) -> tuple[Path, Path]:
     ]
     path = append_csv("small_copies", csv_rows)
 
-    # One bar per role (kvforge, the torch peer, ...) so each group shows only what it measured.
-    workloads = list(dict.fromkeys(r["workload"] for r in b.rows))
-    peers = {r["workload"]: r["provider"] for r in b.rows if ROLES.get(r["provider"]) == "torch peer"}
+    png = plot(b.rows, stamp, out / "small_copies.png")
+    return path, png
+
+
+def plot(rows: list[dict[str, Any]], stamp: dict[str, str], path: Path) -> Path:
+    """One bar per role (kvforge, the torch peer, ...) so each group shows only what it measured."""
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    peers: dict[str, str] = {}
+    for role in ("device copy, same bytes", "torch peer"):  # a torch peer names the group when there is one
+        peers.update({r["workload"]: r["provider"] for r in rows if ROLES.get(r["provider"]) == role})
     groups = [f"{w}\nvs {peers[w]}" if w in peers else w for w in workloads]
     series: dict[str, list[float]] = {}
-    for r in b.rows:
+    for r in rows:
         label = f"{ROLES.get(r['provider'], r['provider'])} ({r['mode']})"
-        series.setdefault(label, [math.nan] * len(groups))[workloads.index(r["workload"])] = r["us"]
-    png = bar_plot(
-        out / "small_copies.png",
+        series.setdefault(label, [math.nan] * len(groups))[workloads.index(r["workload"])] = float(r["us"])
+    return bar_plot(
+        path,
         f"Small copies, {stamp['gpu']} (torch {stamp['torch']}, triton {stamp['triton']}): us, lower is better",
         groups,
         dict(sorted(series.items())),
         "us per call (eager: trimmed mean; graph: per replay)",
         log=True,
     )
-    return path, png
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     parser.add_argument("--out", type=Path, default=_common.RESULTS, help="folder for the CSV, PNG and configs")
+    parser.add_argument("--replot", metavar="REV", help="redraw the PNG from DIR/small_copies.csv rows of REV (no GPU)")
     args = parser.parse_args(argv)
+    if args.replot:
+        import csv
+
+        with (args.out / "small_copies.csv").open() as f:
+            rows = [r for r in csv.DictReader(f) if r["git_rev"] == args.replot and r["kind"] == "time"]
+        if not rows:
+            print(f"no rows of revision {args.replot} in {args.out / 'small_copies.csv'}", file=sys.stderr)
+            return 2
+        print(f"wrote {plot(rows, rows[0], args.out / 'small_copies.png')}")
+        return 0
     if not torch.cuda.is_available():
         print("bench_small_copies needs a CUDA GPU", file=sys.stderr)
         return 2
