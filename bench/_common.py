@@ -174,9 +174,10 @@ def bar_plot(
     fig, ax = plt.subplots(figsize=(min(16, max(6, 1.6 * len(groups) * max(1, len(series)) / 3)), 5))
     n = max(1, len(series))
     width = 0.8 / n
+    colors = plt.get_cmap("tab10" if n <= 10 else "tab20")  # the default cycle repeats after ten series
     for i, (label, vals) in enumerate(series.items()):
         xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, vals, width, label=label)
+        ax.bar(xs, vals, width, label=label, color=colors(i % colors.N))
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups, rotation=15, fontsize=8)
     ax.set_ylabel(ylabel)
