@@ -42,9 +42,10 @@ first call compiles and, on a GPU without a committed config, tunes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -351,6 +352,15 @@ class _ScatterPlan:
 _SCATTER_PLANS = PlanCache()
 
 
+def _cached_plan(cache: PlanCache, key_fn: Callable[..., tuple], *args: object) -> Any:
+    """The plan cached for these arguments, or None (also when they are not what a key is built from: the
+    checked path then names the bad argument)."""
+    try:
+        return cache.get(key_fn(*args))
+    except (AttributeError, TypeError):
+        return None
+
+
 def _scatter_key(stores: SlotStores, tensors: tuple[torch.Tensor, ...]) -> tuple:
     st = stores
     return (
@@ -384,12 +394,8 @@ def slot_scatter(
     """
     plan = None
     if type(stores) is SlotStores:
-        try:
-            key = _scatter_key(stores, (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens))
-        except (AttributeError, TypeError):  # not tensors: the checked path names the argument
-            key = None
-        if key is not None:
-            plan = _SCATTER_PLANS.get(key)
+        tensors = (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens)
+        plan = _cached_plan(_SCATTER_PLANS, _scatter_key, stores, tensors)
     if plan is None or type(row_begin) is not int or row_begin < 0 or row_begin + plan.n > plan.min_rows:
         plan = _scatter_plan(
             stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, row_begin
@@ -609,12 +615,7 @@ def step_gather(
     """
     plan = None
     if type(stores) is SlotStores and type(tokens_per_row) is int and (draft_len is None or type(draft_len) is int):
-        try:
-            key = _gather_key(stores, slot_ids, tokens_per_row, draft_len, out)
-        except (AttributeError, TypeError):  # not tensors: the checked path names the argument
-            key = None
-        if key is not None:
-            plan = _GATHER_PLANS.get(key)
+        plan = _cached_plan(_GATHER_PLANS, _gather_key, stores, slot_ids, tokens_per_row, draft_len, out)
     if plan is None:
         plan = _gather_plan(stores, slot_ids, tokens_per_row, draft_len, out)
     elif plan.host_ids:
