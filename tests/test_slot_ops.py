@@ -165,7 +165,7 @@ def test_kernels_mask_out_of_range_device_slots(device, gen):
     want = slot_scatter_ref(before, slot_ids[good], new[good], nxt[good], counts[good], drafts[good])
     cfg = smod._SCATTER_TABLE.interpreter if device.type == "cpu" else None
     block_r = cfg.kwargs["BLOCK_R"] if cfg else 32
-    args, layout, _, _ = smod._scatter_args(st, slot_ids, new, nxt, counts, drafts, 5, 0)
+    args, layout, _ = smod._scatter_args(st, slot_ids, new, nxt, counts, drafts, 5, 0)
     smod._slot_scatter_kernel[(triton.cdiv(5, block_r),)](*args, **layout, BLOCK_R=block_r)
     _assert_stores_equal(st, want)
 

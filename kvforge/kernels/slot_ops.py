@@ -335,7 +335,7 @@ class _ScatterPlan:
     ``spec`` is compiled (on a GPU; in the interpreter every launch takes Triton's path).
     """
 
-    __slots__ = ("block_w", "direct", "grid", "host_ids", "min_rows", "n", "num_slots", "ptr_args", "spec")
+    __slots__ = ("direct", "grid", "host_ids", "min_rows", "n", "num_slots", "ptr_args", "spec")
 
     def __init__(self, n: int, min_rows: int, num_slots: int, host_ids: bool) -> None:
         self.n = n
@@ -343,7 +343,6 @@ class _ScatterPlan:
         self.num_slots = num_slots
         self.host_ids = host_ids
         self.spec: tuple = ()
-        self.block_w = 0
         self.ptr_args: tuple = ()
         self.direct: DirectLaunch | None = None
         self.grid = 0
@@ -433,7 +432,7 @@ def _scatter_plan(
             raise ValueError(f"{name}: has {t.shape[0]} rows, needs row_begin + len(slot_ids) = {row_begin + n}")
     plan = _ScatterPlan(n, min(t.shape[0] for _, t, _ in outputs), stores.num_slots, slot_ids.device.type == "cpu")
     if n:
-        args, _, plan.spec, plan.block_w = _scatter_args(
+        args, _, plan.spec = _scatter_args(
             stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, n, 0
         )
         plan.ptr_args = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
@@ -450,8 +449,8 @@ def _scatter_args(
     next_draft_tokens: torch.Tensor,
     n: int,
     row_begin: int,
-) -> tuple[tuple, dict[str, int], tuple, int]:
-    """The scatter kernel's runtime arguments (signature order), its layout constants, launch spec and BLOCK_W."""
+) -> tuple[tuple, dict[str, int], tuple]:
+    """The scatter kernel's runtime arguments (signature order), its layout constants and launch spec."""
     widths = (st.new_tokens.shape[0], st.next_new_tokens.shape[0], st.next_draft_tokens.shape[1])
     block_w = _pow2(max(widths))
     tensors = (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, *st.tensors())
@@ -483,7 +482,7 @@ def _scatter_args(
     }
     args = (slot_ids, n, row_begin, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, *st.tensors())
     # n and row_begin are do_not_specialize: they change per step without a new compiled kernel.
-    return args, layout, (_spec(tensors), tuple(layout.values())), block_w
+    return args, layout, (_spec(tensors), tuple(layout.values()))
 
 
 def _scatter_launch(
@@ -505,10 +504,10 @@ def _scatter_launch(
         )  # fmt: skip
         return
     n = plan.n
-    args, layout, spec, block_w = _scatter_args(
+    args, layout, spec = _scatter_args(
         stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, n, row_begin
     )
-    _SCATTER.launch_fast(lambda m: (triton.cdiv(n, m["BLOCK_R"]),), (block_w,), spec, args, **layout)
+    _SCATTER.launch_fast(lambda m: (triton.cdiv(n, m["BLOCK_R"]),), (layout["BLOCK_W"],), spec, args, **layout)
     if plan.direct is None:
         # Every tensor is on the kernel's GPU (checked), so raw addresses stand for them from now on.
         d = _SCATTER.direct(spec)
