@@ -53,3 +53,17 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple[int | None, ...]) ->
     if not ok:
         want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
         raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+
+
+def check_launch_device(name: str, t: torch.Tensor) -> None:
+    """Refuse tensors a kernel cannot read: meta tensors always (a launch on one reads a null pointer and
+    poisons the CUDA context for the whole process), CPU tensors unless Triton's interpreter is on."""
+    from kvforge.kernels._runtime import interpreting
+
+    kind = t.device.type
+    if kind == "meta":
+        raise ValueError(f"{name}: expected a tensor with storage on a CUDA device, got a meta tensor")
+    if kind == "cuda" or (kind == "cpu" and interpreting()):
+        return
+    want = "a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1)"
+    raise ValueError(f"{name}: expected {want}, got one on {t.device}")
