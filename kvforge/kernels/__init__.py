@@ -44,6 +44,8 @@ _LAZY = {
     "unpack_kv_blocks_ref": "kv_pack",
     "merge_attention_states": "merge_states",
     "merge_attention_states_ref": "merge_states",
+    "mla_decode_attention": "mla_decode",
+    "mla_decode_attention_ref": "mla_decode",
 }
 
 __all__ = ["device_capability", "export_tuned", "interpreting", "kernel_device", "num_sms", *_LAZY]

@@ -67,3 +67,71 @@ def check_launch_device(name: str, t: torch.Tensor) -> None:
         return
     want = "a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1)"
     raise ValueError(f"{name}: expected {want}, got one on {t.device}")
+
+
+# ---- Overlapping outputs ---------------------------------------------------------------------------------------
+# A kernel that writes through two aliases of one element (a stride-0 dimension, an output that is also an input,
+# two outputs sharing memory) races or reads its own half-written results. These checks work on the byte ranges
+# tensors cover: cheap, and exact except for strided views interleaved inside one another's range, which are
+# enumerated when small and otherwise refused (the safe answer).
+
+_EXACT_LIMIT = 1 << 20  # elements per tensor below which interleaved views are compared element by element
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[lo, hi)``: the bytes ``t`` may touch (None for an empty tensor). Strides are non-negative in torch."""
+    if t.numel() == 0:
+        return None
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    lo = t.data_ptr()
+    return lo, lo + (extent + 1) * t.element_size()
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (a stride-0 dimension of size > 1, or strides too small
+    for the sizes below them). A False answer is exact; a True answer is conservative for exotic layouts."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    reach = 0  # elements spanned by the dimensions of smaller stride, minus one
+    for s, n in dims:
+        if s == 0 or s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    off = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+    return off.reshape(-1)
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may share a byte (same device and intersecting ranges, confirmed element by element
+    when both are small views of the same element size; larger interleaved views count as overlapping)."""
+    if a.device != b.device or a.device.type == "meta":
+        return False
+    sa, sb = byte_span(a), byte_span(b)
+    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
+        return False
+    es = a.element_size()
+    if b.element_size() != es or (a.data_ptr() - b.data_ptr()) % es or max(a.numel(), b.numel()) > _EXACT_LIMIT:
+        return True
+    shift = (a.data_ptr() - b.data_ptr()) // es
+    return bool(torch.isin(_element_offsets(a) + shift, _element_offsets(b)).any())
+
+
+def check_no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Refuse (ValueError) an output with internally overlapping elements, two outputs sharing memory, or an
+    output sharing memory with an input. ``None`` entries are skipped."""
+    outs = [(n, t) for n, t in outputs.items() if t is not None]
+    ins = [(n, t) for n, t in inputs.items() if t is not None]
+    for i, (name, t) in enumerate(outs):
+        if has_internal_overlap(t):
+            raise ValueError(
+                f"{name}: expected an output whose elements do not share memory, got shape {list(t.shape)} "
+                f"with strides {t.stride()} (a stride-0 or overlapping view)"
+            )
+        for other, u in outs[i + 1 :] + ins:
+            if tensors_overlap(t, u):
+                raise ValueError(f"{name}: overlaps {other} in memory; expected a separate output buffer")
