@@ -7,6 +7,9 @@ Wire format (``WIRE_VERSION`` 1): one msgpack map from field name to value.
   dataclass with ``cls(**fields)`` and therefore rejects unknown keys still decodes a message from a newer
   writer as long as the newer optional fields are unset, and an unset field costs the wire nothing.
 * Tuples travel as msgpack arrays; dtypes as torch's names (``"bfloat16"``, ``"float8_e4m3fn"``).
+* Decoding is typed and strict (msgspec): an int field takes a msgpack int only (not a bool, not a float such as
+  2.0), a bool field a msgpack bool only, a str field a str; a message over ``MAX_WIRE_BYTES`` is refused. Every
+  malformed message raises ``ValueError`` (never ``TypeError`` or a decoder's own exception type).
 * ``version`` changes only for incompatible changes (a field removed, renamed or re-typed, a meaning changed);
   adding an optional field does not change it. A reader rejects another version with ``WireVersionError``.
 
@@ -20,25 +23,81 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 
 from kvforge.kvcache.config import DTYPE_BYTES  # the KV dtypes a peer may announce (torch names)
 
 WIRE_VERSION = 1
 OPTIONAL_FIELDS = ("num_draft_layers", "draft_kv_dtype", "draft_kv_heads")
+MAX_WIRE_BYTES = 1 << 16  # a real message is a few hundred bytes; registration frames hold 4 KiB
+
+
+class _WireHead(msgspec.Struct):
+    """First pass: the version only (other keys skipped), so another version is told apart from a bad message."""
+
+    version: Any = None
+
+
+class _WireV1(msgspec.Struct, forbid_unknown_fields=True):
+    """The typed shape of a version-1 message (``RankInfo``'s fields; ``__post_init__`` checks the values)."""
+
+    version: int
+    instance_name: str
+    instance_rank: int
+    transport_rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    cp_size: int
+    cp_rank: int
+    attention_dp: bool
+    layers_per_pp: tuple[int, ...]
+    is_mla: bool
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    element_bytes: int
+    tokens_per_block: int
+    page_groups: tuple[int, ...]
+    num_draft_layers: int | None = None
+    draft_kv_dtype: str | None = None
+    draft_kv_heads: int | None = None
 
 
 class WireVersionError(ValueError):
     """A RankInfo message was written with a wire version this reader does not speak."""
 
 
+_INT_MAX = 2**31 - 1  # every count, size and rank fits an int32 (a 2**64 block size is a hostile message)
+
+
 def _positive(name: str, v: object) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _INT_MAX:
+        raise ValueError(f"{name}: expected an int in [1, {_INT_MAX}], got {v!r}")
 
 
 def _rank(name: str, rank: object, size: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"{name}: expected an int in [0, {size}), got {rank!r}")
+
+
+def _wire_error(msg: str) -> str:
+    """msgspec's message in this module's words (the field named as the contract's messages name it)."""
+    import re
+
+    m = re.fullmatch(r"Object contains unknown field `(.*)`", msg)
+    if m:
+        return f"data: unknown RankInfo fields [{m.group(1)!r}] (written by a newer, incompatible writer?)"
+    m = re.fullmatch(r"Object missing required field `(.*)`", msg)
+    if m:
+        return f"data: RankInfo message lacks required fields [{m.group(1)!r}]"
+    m = re.fullmatch(r"(.*) - at `\$\.([A-Za-z_]+)(.*)`", msg)
+    if m:
+        return f"{m.group(2)}{m.group(3)}: {m.group(1)} (malformed RankInfo message)"
+    return f"data: malformed RankInfo message ({msg})"
 
 
 @dataclass(frozen=True)
@@ -91,16 +150,24 @@ class RankInfo:
                 f"instance_rank: expected (pp_rank * cp_size + cp_rank) * tp_size + tp_rank = {expected}, "
                 f"got {self.instance_rank!r}"
             )
-        if isinstance(self.transport_rank, bool) or not isinstance(self.transport_rank, int) or self.transport_rank < 0:
-            raise ValueError(f"transport_rank: expected an int >= 0, got {self.transport_rank!r}")
+        tr = self.transport_rank
+        if isinstance(tr, bool) or not isinstance(tr, int) or not 0 <= tr <= _INT_MAX:
+            raise ValueError(f"transport_rank: expected an int in [0, {_INT_MAX}], got {tr!r}")
+        if not isinstance(self.layers_per_pp, tuple) or not isinstance(self.page_groups, tuple):
+            raise ValueError("layers_per_pp/page_groups: expected tuples of ints")
+        if any(isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= _INT_MAX for g in self.page_groups):
+            raise ValueError(f"page_groups: expected ints in [0, {_INT_MAX}], got {self.page_groups!r:.80}")
         if len(self.layers_per_pp) != self.pp_size or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.layers_per_pp
+            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _INT_MAX for n in self.layers_per_pp
         ):
             raise ValueError(
                 f"layers_per_pp: expected {self.pp_size} non-negative ints (one per PP stage), "
                 f"got {self.layers_per_pp!r}"
             )
-        if self.kv_dtype not in DTYPE_BYTES:
+        for name in ("attention_dp", "is_mla"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r:.40}")
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in DTYPE_BYTES:
             raise ValueError(f"kv_dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.kv_dtype!r}")
         if self.element_bytes != DTYPE_BYTES[self.kv_dtype]:
             raise ValueError(
@@ -114,7 +181,9 @@ class RankInfo:
             raise ValueError(f"kv_heads: an MLA cache has one latent head, got {self.kv_heads}")
         if self.num_draft_layers is not None:
             _positive("num_draft_layers", self.num_draft_layers)
-        if self.draft_kv_dtype is not None and self.draft_kv_dtype not in DTYPE_BYTES:
+        if self.draft_kv_dtype is not None and (
+            not isinstance(self.draft_kv_dtype, str) or self.draft_kv_dtype not in DTYPE_BYTES
+        ):
             raise ValueError(f"draft_kv_dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.draft_kv_dtype!r}")
         if self.draft_kv_heads is not None:
             _positive("draft_kv_heads", self.draft_kv_heads)
@@ -156,30 +225,32 @@ class RankInfo:
 
     @classmethod
     def from_wire(cls, data: bytes) -> RankInfo:
-        """Decode a message; raises ``WireVersionError`` on another version, ``ValueError`` on a malformed one."""
+        """Decode a message; raises ``WireVersionError`` on another version, ``ValueError`` on a malformed one
+        (``TypeError`` only when ``data`` is not bytes-like at all)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data: expected bytes, got {type(data).__name__}")
+        if len(data) > MAX_WIRE_BYTES:
+            raise ValueError(f"data: a RankInfo message has at most {MAX_WIRE_BYTES} bytes, got {len(data)}")
         try:
-            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except (ValueError, msgpack.UnpackException, TypeError) as exc:
+            version = msgspec.msgpack.decode(data, type=_WireHead).version
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"data: expected a msgpack map with string keys ({exc})") from exc
+        except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
             raise ValueError(f"data: not a msgpack RankInfo message ({exc})") from exc
-        if not isinstance(fields, dict):
-            raise ValueError(f"data: expected a msgpack map, got {type(fields).__name__}")
-        version = fields.get("version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ValueError(f"version: expected an int, got {type(version).__name__} {version!r:.40}")
         if version != WIRE_VERSION:
             raise WireVersionError(
                 f"RankInfo wire version: this reader speaks version {WIRE_VERSION}, the message has version {version!r}"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"data: unknown RankInfo fields {unknown} (written by a newer, incompatible writer?)")
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.name not in fields and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        if missing:
-            raise ValueError(f"data: RankInfo message lacks required fields {missing}")
-        for name in ("layers_per_pp", "page_groups"):
-            if isinstance(fields[name], list):
-                fields[name] = tuple(fields[name])
-        return cls(**fields)
+        try:
+            wire = msgspec.msgpack.decode(data, type=_WireV1)
+        except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
+            raise ValueError(_wire_error(str(exc))) from exc
+        fields = {f: getattr(wire, f) for f in wire.__struct_fields__}
+        try:
+            return cls(**fields)
+        except ValueError:
+            raise
+        except Exception as exc:  # a value check that tripped on a type: still a malformed message
+            raise ValueError(f"data: malformed RankInfo message ({type(exc).__name__}: {exc})") from exc

@@ -10,10 +10,17 @@ fits behind the same interface.
 * gloo (CPU): messages live in host memory and are matched by tag, so transfers may be started in any order.
   gloo's point-to-point work reports completion only from a blocking ``wait()`` (``is_completed()`` stays
   False until then, and ``wait(timeout)`` closes the connection to the peer when it expires), so each operation
-  is waited on by a daemon thread and polled through a flag. A dead peer ends that wait at once with gloo's
-  "connection closed" error; a silent one is bounded by the transceiver's deadline, while the thread keeps
-  waiting until the message arrives or the process group's own timeout (choose it longer than any transfer
-  timeout: when it expires gloo closes the pair).
+  is waited on by a daemon thread and polled through a flag. A peer that dies *between* messages ends that
+  wait at once with gloo's "connection closed" error, but one killed *in the middle of* a message does not:
+  gloo's pending wait is not woken by the closed connection and would last until the process group's timeout.
+  So while an operation has been pending for ``PROBE_AFTER_S``, ``done()`` probes its peer at most every
+  ``PROBE_EVERY_S``: it posts a 1-byte receive on a reserved tag (``PROBE_TAG``, never sent), which gloo refuses
+  at once on a closed connection. A dead peer is thus reported (``TransferError``) within about a second; the
+  price is that each probe of a *live* peer leaves one unmatched 1-byte receive posted for the life of the
+  process group (a few per second of a long transfer). A silent peer is bounded by the transceiver's deadline,
+  while the thread keeps waiting until the message arrives or the process group's own timeout (choose it
+  longer than any transfer timeout: when it expires gloo closes the pair). A peer found dead is marked broken:
+  later operations with it raise ``TransferError`` at once (never gloo's raw ``RuntimeError``).
 * NCCL (GPU): messages live on this rank's CUDA device; NCCL ignores tags and matches the sends and receives of
   a pair in the order they are posted, so both sides must start transfers with a given peer in the same order.
   NCCL operations run on NCCL's stream and a receive posted before its send *occupies the GPU* (its kernel spins
@@ -34,6 +41,7 @@ fits behind the same interface.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +49,10 @@ from typing import Any
 import torch
 
 from kvforge.errors import TransferError
+
+PROBE_TAG = 2**31 - 2  # above every transfer id and registration tag of the transceiver; never sent
+PROBE_AFTER_S = 0.5
+PROBE_EVERY_S = 0.5
 
 
 class Handle(ABC):
@@ -116,11 +128,14 @@ class _WorkHandle(Handle):
 
 
 class _WaitThreadHandle(Handle):
-    """gloo: a daemon thread runs the blocking ``wait()``; ``done()`` reads its outcome without blocking."""
+    """gloo: a daemon thread runs the blocking ``wait()``; ``done()`` reads its outcome without blocking and,
+    while it is pending, probes the peer now and then (``probe`` raises when the peer's connection is closed)."""
 
-    def __init__(self, work: Any, what: str) -> None:
+    def __init__(self, work: Any, what: str, probe: Any = None) -> None:
         self.work = work
         self.what = what
+        self._probe = probe
+        self._next_probe = time.monotonic() + PROBE_AFTER_S
         self._finished = threading.Event()
         self._error: BaseException | None = None
         threading.Thread(target=self._run, name=f"kvforge-wait {what}", daemon=True).start()
@@ -135,6 +150,12 @@ class _WaitThreadHandle(Handle):
 
     def done(self) -> bool:
         if not self._finished.is_set():
+            if self._probe is not None and time.monotonic() >= self._next_probe:
+                self._next_probe = time.monotonic() + PROBE_EVERY_S
+                try:
+                    self._probe()
+                except TransferError as exc:
+                    raise TransferError(f"{self.what} failed: the peer is gone ({exc})") from exc
             return False
         if self._error is not None:
             raise TransferError(f"{self.what} failed: {type(self._error).__name__}: {self._error}")
@@ -175,6 +196,7 @@ class TorchDistTransport(Transport):
             self.supports_tags = True
             self.control = None  # the default (gloo) group
         self._broken: dict[int, str] = {}
+        self._lock = threading.Lock()
         self._groups = 0
 
     def _check_buf(self, buf: torch.Tensor) -> None:
@@ -183,20 +205,53 @@ class TorchDistTransport(Transport):
         if buf.device != self.device:
             raise ValueError(f"buf: the {self.backend} transport sends tensors on {self.device}, got {buf.device}")
 
+    def _check_rank(self, name: str, peer: object) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"{name}: expected another rank in [0, {self.world_size}), got {peer!r}")
+        return peer
+
+    def _check_tag(self, tag: object) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < PROBE_TAG:
+            raise ValueError(f"tag: expected an int in [0, {PROBE_TAG}), got {tag!r}")
+        return tag
+
+    def _post(self, op: Any, buf: torch.Tensor, peer: int, tag: int, what: str) -> Handle:
+        kw = {"tag": tag} if self.supports_tags else {}
+        try:
+            work = op(buf, peer, **kw)
+        except Exception as exc:  # gloo raises at once on a closed connection: the peer is gone
+            reason = f"{what} failed: {type(exc).__name__}: {exc}"
+            self._mark_dead(peer, reason)
+            raise TransferError(reason) from exc
+        if self.backend == "nccl":
+            return _WorkHandle(work, what)
+        return _WaitThreadHandle(work, what, lambda: self._probe(peer))
+
     def isend(self, buf: torch.Tensor, dst: int, tag: int) -> Handle:
         self._check_buf(buf)
+        dst, tag = self._check_rank("dst", dst), self._check_tag(tag)
         self.check_peer(dst)
-        kw = {"tag": tag} if self.supports_tags else {}
-        return self._handle(self._dist.isend(buf, dst=dst, **kw), f"send of {buf.numel()} bytes to rank {dst}")
+        return self._post(self._dist.isend, buf, dst, tag, f"send of {buf.numel()} bytes to rank {dst}")
 
     def irecv(self, buf: torch.Tensor, src: int, tag: int) -> Handle:
         self._check_buf(buf)
+        src, tag = self._check_rank("src", src), self._check_tag(tag)
         self.check_peer(src)
-        kw = {"tag": tag} if self.supports_tags else {}
-        return self._handle(self._dist.irecv(buf, src=src, **kw), f"receive of {buf.numel()} bytes from rank {src}")
+        return self._post(self._dist.irecv, buf, src, tag, f"receive of {buf.numel()} bytes from rank {src}")
 
-    def _handle(self, work: Any, what: str) -> Handle:
-        return _WorkHandle(work, what) if self.backend == "nccl" else _WaitThreadHandle(work, what)
+    def _probe(self, peer: int) -> None:
+        """gloo: raise ``TransferError`` if the connection to ``peer`` is closed (module docstring)."""
+        self.check_peer(peer)
+        try:
+            self._dist.irecv(torch.empty(1, dtype=torch.uint8), src=peer, tag=PROBE_TAG)
+        except Exception as exc:
+            reason = f"connection to rank {peer} closed: {type(exc).__name__}: {str(exc)[:200]}"
+            self._mark_dead(peer, reason)
+            raise TransferError(reason) from exc
+
+    def _mark_dead(self, peer: int, reason: str) -> None:
+        with self._lock:
+            self._broken.setdefault(peer, reason)
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         ranks = sorted(int(r) for r in ranks)

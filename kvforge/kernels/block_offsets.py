@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_tensor, same_device
+from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
@@ -319,6 +319,8 @@ def _offsets_plan(
     per-pool tensors. ``scales`` / ``offsets``: sequences already resolved to their cached device copies."""
     check_tensor("out", out, dtype=torch.int32, ndim=4)
     device = out.device
+    if device.type != "cpu":  # a CPU out outside the interpreter takes the host path (module docstring)
+        check_launch_device("out", out)
     pages = _plane0(page_indices)
     _readable("page_indices", page_indices, device)
     check_tensor("copy_index", copy_index, dtype=_INDEX_DTYPES, ndim=1)
@@ -338,6 +340,11 @@ def _offsets_plan(
         raise ValueError(f"page_indices: {pools} pools exceed the grid limit of {_MAX_GRID_YZ}")
     if n_seq > 0 and row_capacity == 0:
         raise ValueError("page_indices: the table has no rows, so no copy_index value is valid")
+    # Only rows < n_seq are written; those must not alias one another nor any input.
+    check_no_overlap(
+        {"out": out[:, :n_seq]},
+        {"page_indices": page_indices, "copy_index": copy_index, "index_scales": scales, "kv_offset": offsets},
+    )
     host_index = copy_index.device.type == "cpu"
     if host_index:
         _check_host_rows(copy_index, row_capacity)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_tensor, same_device
+from kvforge.kernels._checks import byte_span, check_launch_device, check_tensor, has_internal_overlap, same_device
 from kvforge.kernels._runtime import ConfigTable, TunedKernel
 
 # Per-layer metadata row (int64): one row per layer, read by the kernel.
@@ -178,8 +178,17 @@ def _layout_layer(i: int, pool: object, cr: object, table: int, device: torch.de
         raise ValueError(f"pools[{i}]: expected the last dimension contiguous (stride 1), got {pool.stride()}")
     if pool.stride(0) < 0 or pool.stride(1) < 0:
         raise ValueError(f"pools[{i}]: negative strides are not supported ({pool.stride()})")
+    check_launch_device(f"pools[{i}]", pool)
     tpb, elems, es = pool.shape[1], pool.shape[2], pool.element_size()
-    start, stop = (0, elems) if cr is None else (int(cr[0]), int(cr[1]))  # type: ignore[index]
+    if cr is None:
+        start, stop = 0, elems
+    else:
+        # Ints only: int(1.9) would silently copy other columns than the caller meant.
+        if isinstance(cr, (str, bytes, torch.Tensor)) or not isinstance(cr, Sequence) or len(cr) != 2:
+            raise TypeError(f"col_ranges[{i}]: expected a (start, stop) pair of ints or None, got {cr!r:.60}")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in cr):
+            raise TypeError(f"col_ranges[{i}]: expected ints, got ({type(cr[0]).__name__}, {type(cr[1]).__name__})")
+        start, stop = cr
     if not 0 <= start < stop <= elems:
         raise ValueError(f"col_ranges[{i}]: expected 0 <= start < stop <= {elems}, got ({start}, {stop})")
     row_bytes, rows, row_stride = (stop - start) * es, tpb, pool.stride(1) * es
@@ -242,6 +251,35 @@ class KVPackLayout:
             n = ly.pool.shape[0]
             bounds[ly.table] = n if bounds[ly.table] is None else min(n, bounds[ly.table])  # type: ignore[type-var]
         self._bounds = bounds
+        # Aliasing, for unpack (pack only reads the pools): a layer whose written region has self-overlapping
+        # elements (a stride-0 page axis, say) is refused outright; layers whose pools' byte ranges intersect are
+        # checked page by page when a plan is built (two views of one allocation, interleaved or not).
+        self._self_overlap = [
+            i for i, ly in enumerate(self.layers) if has_internal_overlap(ly.pool[:, :, ly.col_start : ly.col_stop])
+        ]
+        spans = [byte_span(ly.pool) or (0, 0) for ly in self.layers]
+        self._span_lo = np.array([a for a, _ in spans], dtype=np.int64)
+        self._span_hi = np.array([b for _, b in spans], dtype=np.int64)
+        order = np.argsort(self._span_lo, kind="stable")
+        shared: set[int] = set()
+        reach, owner = -1, -1
+        for i in order.tolist():
+            if self._span_hi[i] == self._span_lo[i]:
+                continue
+            if self._span_lo[i] < reach:
+                shared.update((i, owner))
+            if self._span_hi[i] > reach:
+                reach, owner = int(self._span_hi[i]), i
+        self._shared = sorted(shared)
+
+    def check_buffer_disjoint(self, name: str, buf: torch.Tensor) -> None:
+        """Refuse a pack/unpack buffer that shares memory with any pool (the copy would read its own writes)."""
+        span = byte_span(buf)
+        if span is None or not self.layers or not same_device(buf.device, self.device):
+            return
+        hit = np.nonzero((self._span_lo < span[1]) & (self._span_hi > span[0]))[0]
+        if hit.size:
+            raise ValueError(f"{name}: overlaps pools[{int(hit[0])}] in memory; expected a separate buffer")
 
     def plan(self, pages: Sequence[object], *, unpack: bool = False) -> KVPackPlan:
         """The plan of one transfer: ``pages[t]`` lists, in block order, the pages of every layer reading table t."""
@@ -326,9 +364,44 @@ class KVPackPlan:
             [layout._static, offsets[:, None], starts[:, None], n_blocks[:, None]], axis=1
         ).reshape(-1, _NMETA)
         self._flat_pages = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(counts.sum()))
+        if unpack:
+            self._check_disjoint_writes(layout, tables)
         self._meta: torch.Tensor | None = None
         self._pages: torch.Tensor | None = None
         self._meta_key: tuple[int, int] | None = None
+
+    def _check_disjoint_writes(self, layout: KVPackLayout, tables: list[list[int]]) -> None:
+        """Unpack writes: no layer writes one byte twice, and no two layers write the same byte."""
+        if layout._self_overlap:
+            i = layout._self_overlap[0]
+            pool = layout.layers[i].pool
+            raise ValueError(
+                f"pools[{i}]: expected pages whose elements do not share memory, got shape {list(pool.shape)} with "
+                f"strides {pool.stride()} (a stride-0 or overlapping view); unpack would write one place twice"
+            )
+        if not layout._shared:
+            return
+        starts, ends, who = [], [], []
+        for i in layout._shared:
+            ly = layout.layers[i]
+            pages = np.asarray(tables[ly.table], dtype=np.int64)
+            rows = np.arange(ly.rows, dtype=np.int64)
+            s = (ly.ptr + ly.col_off + pages[:, None] * ly.page_stride + rows[None, :] * ly.row_stride).reshape(-1)
+            starts.append(s)
+            ends.append(s + ly.row_bytes)
+            who.append(np.full(s.size, i, dtype=np.int64))
+        st, en, wh = np.concatenate(starts), np.concatenate(ends), np.concatenate(who)
+        order = np.argsort(st, kind="stable")
+        st, en, wh = st[order], en[order], wh[order]
+        reach = np.maximum.accumulate(en)
+        bad = np.nonzero(st[1:] < reach[:-1])[0]
+        if bad.size:
+            j = int(bad[0]) + 1
+            other = int(wh[int(np.argmax(reach[:j] > st[j]))])
+            raise ValueError(
+                f"pools[{other}] and pools[{int(wh[j])}]: these layers' pages share memory; unpack would write the "
+                "same bytes twice (two views of one allocation listing the same page?)"
+            )
 
     @property
     def segments(self) -> list[tuple[int, int]]:
@@ -372,6 +445,8 @@ class KVPackPlan:
     def _check_buffer(self, name: str, buf: object, nbytes: int) -> torch.Tensor:
         check_tensor(name, buf, dtype=torch.uint8, ndim=1, contiguous=True, device=self.device)
         assert isinstance(buf, torch.Tensor)
+        check_launch_device(name, buf)
+        self.layout.check_buffer_disjoint(name, buf)
         if buf.numel() < nbytes:
             raise ValueError(f"{name}: expected at least {nbytes} bytes, got {buf.numel()}")
         return buf

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_shape, check_tensor
+from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
 from kvforge.kernels._runtime import ConfigTable, TunedKernel
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,15 +62,19 @@ def _merge_states_kernel(
     cmask = cols < D
     lse_row = t * s_lt + h * s_lh
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    # A NaN or +inf lse is invalid input; the row must come out NaN. max() may drop a NaN and exp(inf - inf) is
+    # NaN only by accident of order, so the row is flagged explicitly (−inf would mean "no keys" to a later merge).
+    bad = tl.zeros((BLOCK_R,), tl.int1)
     # `while` rather than `range(0, S)`: Triton 3.6's interpreter cannot turn a runtime int argument (a shape-(1,)
     # array) into a `range` bound under NumPy >= 2.4. Compiled, both lower to the same counted loop.
     s = 0
     while s < S:
         lse_s = tl.load(lse_ptr + s * s_ls + lse_row, mask=rmask, other=float("-inf"))
         m = tl.maximum(m, lse_s)
+        bad = bad | (lse_s != lse_s) | (lse_s == float("inf"))
         s += 1
     # All shares empty: shift by 0 so every weight is exp(-inf) = 0 instead of exp(nan).
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    m_safe = tl.where((m == float("-inf")) | bad, 0.0, m)
     acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     denom = tl.zeros((BLOCK_R,), tl.float32)
     o_row = t * s_ot + h * s_oh
@@ -85,10 +89,12 @@ def _merge_states_kernel(
         denom += w
         s += 1
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    out = tl.where(bad[:, None], float("nan"), out)
     out_row = t * s_out_t + h * s_out_h
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask2)
     if pid_d == 0:
         lse = tl.where(denom > 0.0, m_safe + tl.log(tl.where(denom > 0.0, denom, 1.0)), float("-inf"))
+        lse = tl.where(bad, float("nan"), lse)
         tl.store(out_lse_ptr + t * s_olse_t + h * s_olse_h, lse, mask=rmask)
 
 
@@ -134,6 +140,8 @@ def merge_attention_states(
     lse = _stack("lses", lses, 2)
     check_tensor("outputs", o, dtype=_FLOATS, last_dim_contiguous=True)
     check_tensor("lses", lse, dtype=torch.float32, device=o.device)
+    check_launch_device("outputs", o)
+    check_launch_device("lses", lse)
     S, T, H, D = o.shape
     check_shape("lses", lse, (S, T, H))
     if S == 0:
@@ -150,6 +158,9 @@ def merge_attention_states(
     else:
         check_tensor("out_lse", out_lse, dtype=torch.float32, ndim=2, device=o.device)
         check_shape("out_lse", out_lse, (T, H))
+    check_launch_device("out", out)
+    check_launch_device("out_lse", out_lse)
+    check_no_overlap({"out": out, "out_lse": out_lse}, {"outputs": o, "lses": lse})
     R = T * H
     if R == 0:
         return out, out_lse
@@ -185,12 +196,16 @@ def merge_attention_states_ref(
     """Plain-torch fp64 reference: ``torch.logsumexp`` over shares, weights ``exp(lse_i − lse)``."""
     o = (torch.stack(list(outputs)) if not isinstance(outputs, torch.Tensor) else outputs).double()
     lse = (torch.stack(list(lses)) if not isinstance(lses, torch.Tensor) else lses).double()
-    merged = torch.logsumexp(lse, dim=0)
-    w = torch.exp(lse - merged)
-    w = torch.where(torch.isneginf(lse), torch.zeros_like(w), w)
-    contrib = torch.where(w[..., None] > 0, w[..., None] * o, torch.zeros_like(o))
+    bad = (torch.isnan(lse) | torch.isposinf(lse)).any(0)  # invalid input: the row is NaN (module docstring)
+    clean = torch.where(bad[None], torch.zeros_like(lse), lse)
+    merged = torch.logsumexp(clean, dim=0)
+    w = torch.exp(clean - merged)
+    w = torch.where(torch.isneginf(clean), torch.zeros_like(w), w)
+    contrib = torch.where(w[..., None] > 0, w[..., None] * o, torch.zeros_like(o)).sum(0)
+    contrib = torch.where(bad[..., None], torch.full_like(contrib, float("nan")), contrib)
+    merged = torch.where(bad, torch.full_like(merged, float("nan")), merged)
     dtype = outputs.dtype if isinstance(outputs, torch.Tensor) else outputs[0].dtype
-    return contrib.sum(0).to(dtype), merged.float()
+    return contrib.to(dtype), merged.float()
 
 
 def attention_with_lse_ref(

@@ -20,7 +20,8 @@ addresses for the destinations, and records the slot's event (one driver call ea
 caller then copies as usual: no CUDA device (CPU torch has no pinned memory), a host buffer that is not a
 pinned contiguous CPU tensor or holds more than 4 KiB, a destination that is not a contiguous CUDA tensor, or
 a stream that is being captured into a CUDA graph (a graph would bake one staging buffer in). Mismatched
-pairs (dtype, element count) are errors, not fallbacks.
+pairs (dtype, element count), meta tensors and (on the kernel path) overlapping destinations are errors, not
+fallbacks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_tensor
+from kvforge.kernels._checks import check_tensor, tensors_overlap
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
@@ -217,6 +218,9 @@ def _staging(device_index: int) -> _Staging:
 def _check_pair(name_h: str, host: object, name_d: str, dev: object) -> tuple[torch.Tensor, torch.Tensor]:
     h = check_tensor(name_h, host)
     d = check_tensor(name_d, dev)
+    for name, t in ((name_h, h), (name_d, d)):
+        if t.device.type == "meta":  # no storage: neither the kernel nor the caller's fallback copy can use it
+            raise ValueError(f"{name}: expected a tensor with storage, got a meta tensor")
     if h.dtype != d.dtype:
         raise TypeError(f"{name_d}: expected dtype {h.dtype} (as {name_h}), got {d.dtype}")
     if h.numel() != d.numel():
@@ -296,6 +300,8 @@ def _pair_plan(
         return None
     if dev_a.device != dev_b.device:
         raise ValueError(f"dev_b: expected a tensor on {dev_a.device} (as dev_a), got one on {dev_b.device}")
+    if tensors_overlap(dev_a, dev_b):  # the two programs would write the same bytes, in either order
+        raise ValueError("dev_b: overlaps dev_a in memory; expected two separate device buffers")
     plan = _PairPlan(host_a, host_b, dev_a, dev_b)
     return _PLANS.put((tensor_key(host_a), tensor_key(host_b), tensor_key(dev_a), tensor_key(dev_b)), plan)
 

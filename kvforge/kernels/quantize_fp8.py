@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import FP8, check_tensor, same_device
+from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3_bits
 from kvforge.kernels._runtime import ConfigTable, TunedKernel, kernel_device
 from kvforge.kernels._selfcheck import CheckRow, timed_check
@@ -144,6 +144,7 @@ def quantize_fp8(
     token-major buffer). An empty ``x`` launches nothing. Raises TypeError/ValueError before any launch.
     """
     check_tensor("x", x, dtype=_IN_DTYPES)
+    check_launch_device("x", x)
     if x.device.type != kernel_device().type:
         raise ValueError(f"x: expected a tensor on {kernel_device()} (where kernels run), got one on {x.device}")
     if x.dim() < 1:
@@ -159,8 +160,10 @@ def quantize_fp8(
         check_tensor("out", out, dtype=FP8, device=x.device, last_dim_contiguous=True)
         if tuple(out.shape) != out_shape:
             raise ValueError(f"out: expected shape {list(out_shape)}, got {list(out.shape)}")
-        if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
-            raise ValueError(f"out: a stride of 0 would write several elements to one place (strides {out.stride()})")
+        check_launch_device("out", out)
+        # A stride-0 or self-overlapping out writes several elements to one place; an out sharing x's memory
+        # overwrites input the other programs have yet to read.
+        check_no_overlap({"out": out}, {"x": x, "kv_scale_orig_quant": scale_t})
     if x.numel() == 0:
         return out
     # The output seen in x's index order: for token-major output the token dim is its last dim.

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_tensor
+from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
@@ -193,7 +193,9 @@ def _step_gather_kernel(
     k = tl.arange(0, BLOCK_K)[None, :]
     # All loads (each needs only the slot id) before any store: a load after a store waits for it (the
     # compiler must assume they alias), one more memory round trip per wave with cold caches.
-    count = tl.load(st_count_ptr + slot * ST_COUNT_S, mask=ok, other=0).to(tl.int32)
+    # Counts keep the store's width: an int64 count is not narrowed (offsets are int64 then, and the launcher
+    # refuses outputs narrower than the stores they are read from).
+    count = tl.load(st_count_ptr + slot * ST_COUNT_S, mask=ok, other=0)
     ids = tl.load(st_next_ptr + t * ST_NEXT_W + slot[:, None] * ST_NEXT_S, mask=ok[:, None] & (t < T), other=0)
     d = tl.load(st_draft_ptr + slot[:, None] * ST_DRAFT_S + k * ST_DRAFT_W, mask=ok[:, None] & (k < K), other=0)
 
@@ -202,7 +204,7 @@ def _step_gather_kernel(
     tok = rows[:, None] * T + t
     row_t = in_step[:, None] & (t < T)
     tl.store(ids_ptr + tok * S_IDS, ids.to(ids_ptr.dtype.element_ty), mask=row_t)
-    pos = tl.zeros([BLOCK_R, BLOCK_T], dtype=tl.int32) + offset[:, None]
+    pos = offset[:, None] + tl.zeros([BLOCK_R, BLOCK_T], dtype=tl.int32)
     tl.store(pos_ptr + tok * S_POS, pos.to(pos_ptr.dtype.element_ty), mask=row_t)
     dst = draft_ptr + rows[:, None] * S_DRAFT_R + k * S_DRAFT_K
     tl.store(dst, d.to(draft_ptr.dtype.element_ty), mask=in_step[:, None] & (k < K))
@@ -253,6 +255,9 @@ class SlotStores:
         ]:
             if n != s:
                 raise ValueError(f"{name}: expected {s} slots (as stores.new_tokens [W_new, S]), got {n}")
+        # The scatter writes every store: a stride-0 store or two stores sharing memory would race.
+        names = ("stores.new_tokens", "stores.next_new_tokens", "stores.new_token_counts", "stores.next_draft_tokens")
+        check_no_overlap(dict(zip(names, self.tensors())), {})
 
     @property
     def num_slots(self) -> int:
@@ -296,12 +301,15 @@ def _check_stores(stores: object) -> SlotStores:
         raise TypeError(f"stores: expected SlotStores, got {type(stores).__name__}")
     if stores.device.type != _kernel_device_type():
         raise ValueError(f"stores: expected tensors on {kernel_device()} (where kernels run), got {stores.device}")
+    for name, t in zip(("new_tokens", "next_new_tokens", "new_token_counts", "next_draft_tokens"), stores.tensors()):
+        check_launch_device(f"stores.{name}", t)
     return stores
 
 
 def _check_slot_ids(slot_ids: object, stores: SlotStores, *, unique: bool) -> torch.Tensor:
     check_tensor("slot_ids", slot_ids, dtype=_INT, ndim=1, device=stores.device)
     assert isinstance(slot_ids, torch.Tensor)
+    check_launch_device("slot_ids", slot_ids)
     if slot_ids.device.type == "cpu":
         _check_host_slot_values(slot_ids, stores.num_slots, unique=unique)
     return slot_ids
@@ -430,6 +438,8 @@ def _scatter_plan(
         check_tensor(name, t, dtype=_INT, ndim=nd, device=dev)
         if t.shape[0] < row_begin + n:
             raise ValueError(f"{name}: has {t.shape[0]} rows, needs row_begin + len(slot_ids) = {row_begin + n}")
+    names = ("stores.new_tokens", "stores.next_new_tokens", "stores.new_token_counts", "stores.next_draft_tokens")
+    check_no_overlap(dict(zip(names, stores.tensors())), {"slot_ids": slot_ids, **{nm: t for nm, t, _ in outputs}})
     plan = _ScatterPlan(n, min(t.shape[0] for _, t, _ in outputs), stores.num_slots, slot_ids.device.type == "cpu")
     if n:
         args, _, plan.spec = _scatter_args(
@@ -516,21 +526,38 @@ def _scatter_launch(
             plan.direct = d
 
 
-def _check_out(out: StepInputs, n: int, t: int, dev: torch.device) -> int:
+def _check_out(out: StepInputs, n: int, t: int, dev: torch.device, st: SlotStores, slot_ids: torch.Tensor) -> int:
     if not isinstance(out, StepInputs):
         raise TypeError(f"out: expected StepInputs, got {type(out).__name__}")
-    for name, x, shape in [
-        ("out.input_ids", out.input_ids, (n * t,)),
-        ("out.position_offsets", out.position_offsets, (n * t,)),
-        ("out.kv_offsets", out.kv_offsets, (n,)),
+    for name, x, shape, src in [
+        ("out.input_ids", out.input_ids, (n * t,), st.next_new_tokens),
+        ("out.position_offsets", out.position_offsets, (n * t,), st.new_token_counts),
+        ("out.kv_offsets", out.kv_offsets, (n,), st.new_token_counts),
     ]:
         check_tensor(name, x, dtype=_INT, device=dev)
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}: expected shape {list(shape)}, got {list(x.shape)}")
+        _check_not_narrower(name, x, src)
     check_tensor("out.draft_tokens", out.draft_tokens, dtype=_INT, ndim=2, device=dev)
     if out.draft_tokens.shape[0] != n:
         raise ValueError(f"out.draft_tokens: expected {n} rows, got {out.draft_tokens.shape[0]}")
+    _check_not_narrower("out.draft_tokens", out.draft_tokens, st.next_draft_tokens)
+    for name, x in zip(StepInputs._fields, out):
+        check_launch_device(f"out.{name}", x)
+    check_no_overlap(
+        {f"out.{name}": x for name, x in zip(StepInputs._fields, out)},
+        {"slot_ids": slot_ids, "stores.next_new_tokens": st.next_new_tokens,
+         "stores.new_token_counts": st.new_token_counts, "stores.next_draft_tokens": st.next_draft_tokens},
+    )  # fmt: skip
     return out.draft_tokens.shape[1]
+
+
+def _check_not_narrower(name: str, x: torch.Tensor, src: torch.Tensor) -> None:
+    # Device values cannot be range-checked without a synchronisation, so an int64 store's values (a count of
+    # 2**40 + 3, say) would be truncated silently by an int32 output: refuse the narrowing itself.
+    if x.element_size() < src.element_size():
+        raise ValueError(f"{name}: {x.dtype} cannot hold every {src.dtype} value of the store it is read from; "
+                         f"expected {src.dtype}")  # fmt: skip
 
 
 class _GatherPlan:
@@ -560,7 +587,7 @@ class _GatherPlan:
         self.num_slots = num_slots
         self.host_ids = host_ids
         self.own_out = own_out
-        self.out_dtypes: tuple[torch.dtype, torch.dtype] = (torch.int32, torch.int32)
+        self.out_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] = (torch.int32, torch.int32, torch.int32)
         self.layout: dict[str, int] = {}
         self.spec: tuple = ()
         self.ptr_args: tuple = ()
@@ -568,13 +595,15 @@ class _GatherPlan:
         self.grid = 0
 
     def allocate(self, device: torch.device) -> StepInputs:
-        """Outputs for a call without ``out``: the store dtypes for tokens, int32 for offsets, contiguous."""
+        """Outputs for a call without ``out``, contiguous: the store dtypes for tokens, and for offsets the counts
+        store's dtype (int32 or int64, so a count is never narrowed)."""
         n, t, k = self.n, self.t, self.k
+        tok, cnt, draft = self.out_dtypes
         return StepInputs(
-            torch.empty(n * t, dtype=self.out_dtypes[0], device=device),
-            torch.empty(n * t, dtype=torch.int32, device=device),
-            torch.empty((n, k), dtype=self.out_dtypes[1], device=device),
-            torch.empty(n, dtype=torch.int32, device=device),
+            torch.empty(n * t, dtype=tok, device=device),
+            torch.empty(n * t, dtype=cnt, device=device),
+            torch.empty((n, k), dtype=draft, device=device),
+            torch.empty(n, dtype=cnt, device=device),
         )
 
 
@@ -609,8 +638,10 @@ def step_gather(
     """Build the next step's inputs for ``N = len(slot_ids)`` rows of ``T = tokens_per_row`` tokens, one launch.
 
     Returns ``StepInputs`` (``out`` when given; its ``draft_tokens`` width sets K, else ``draft_len``, else
-    ``T - 1``). Allocated outputs take the store dtypes for tokens and int32 for offsets. As for the scatter, a
-    call whose tensors (and ``T``, ``draft_len``) match an earlier valid call reuses its checked launch plan.
+    ``T - 1``). Allocated outputs take the store dtypes for tokens and the counts store's dtype for offsets; a
+    given ``out`` narrower than the store it is read from is refused (an int64 count is never truncated). As for
+    the scatter, a call whose tensors (and ``T``, ``draft_len``) match an earlier valid call reuses its checked
+    launch plan.
     """
     plan = None
     if type(stores) is SlotStores and type(tokens_per_row) is int and (draft_len is None or type(draft_len) is int):
@@ -642,7 +673,7 @@ def _gather_plan(
     if out is not None:
         if draft_len is not None:
             raise ValueError("draft_len: give either draft_len or out (whose draft_tokens width sets it), not both")
-        k = _check_out(out, n, t, dev)
+        k = _check_out(out, n, t, dev, st, slot_ids)
     else:
         k = t - 1 if draft_len is None else draft_len
         if isinstance(k, bool) or not isinstance(k, int):
@@ -650,7 +681,7 @@ def _gather_plan(
     if not 0 <= k <= w_draft:
         raise ValueError(f"draft_len: expected 0 <= K <= W_draft = {w_draft}, got {k}")
     plan = _GatherPlan(n, t, k, st.num_slots, slot_ids.device.type == "cpu", out is None)
-    plan.out_dtypes = (st.next_new_tokens.dtype, st.next_draft_tokens.dtype)
+    plan.out_dtypes = (st.next_new_tokens.dtype, st.new_token_counts.dtype, st.next_draft_tokens.dtype)
     if n:
         outs = plan.allocate(dev) if out is None else out
         tensors = (slot_ids, *st.tensors()[1:], *outs)
