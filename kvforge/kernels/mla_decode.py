@@ -128,8 +128,8 @@ _CONFIGS = ConfigTable(
             _cfg(16, 32, 4, 3),
             _cfg(32, 32, 4, 2),
             _cfg(64, 32, 8, 2),
-            _cfg(64, 64, 8, 2),
-            _cfg(16, 64, 8, 2),
+            _cfg(64, 32, 8, 3),
+            _cfg(64, 64, 8, 1),
         ]
     },
     keep=_keep,
@@ -202,9 +202,17 @@ def _check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: 
 
 
 def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int) -> int:
-    """Enough key shares that about two programs run per SM, never more shares than key tiles."""
-    programs = max(1, batch * head_tiles)
-    return max(1, min(max_tiles, triton.cdiv(2 * sms, programs)))
+    """Key shares per request: up to about two programs per SM, choosing the count whose programs fill the last
+    wave best (a wave of 2 x SMs programs; 300 programs on 132 SMs leave most of a third wave idle)."""
+    base = max(1, batch * head_tiles)
+    slots = 2 * sms
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, min(max_tiles, triton.cdiv(slots, base))) + 1):
+        progs = base * s
+        eff = progs / (triton.cdiv(progs, slots) * slots)
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
 
 
 def mla_decode_attention(
@@ -258,42 +266,30 @@ def mla_decode_attention(
     if B == 0:
         return (out, lse) if return_lse else out
     key = (v_head_dim, D - v_head_dim, str(q.dtype).split(".")[-1], max(16, triton.next_power_of_2(H)))
-    cfg = _SPLIT.config_for(key)
-    block_n = cfg.kwargs["BLOCK_N"]
-    head_tiles = triton.cdiv(H, cfg.kwargs["BLOCK_H"])
-    max_tiles = max(1, triton.cdiv(max_pages * page_size, block_n))
-    splits = num_splits if num_splits is not None else default_num_splits(B, head_tiles, max_tiles, num_sms(dev))
-    splits = min(splits, max_tiles)
-    tiles_per_split = triton.cdiv(max_tiles, splits)
-    partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
-    partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
-    _SPLIT.launch(
-        lambda meta: (B, triton.cdiv(H, meta["BLOCK_H"]), splits),
-        key,
-        q,
-        kv_cache,
-        block_table,
-        seq_lens,
-        partial,
-        partial_lse,
-        H,
-        tiles_per_split,
-        q.stride(0),
-        q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        partial.stride(0),
-        partial.stride(1),
-        partial.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        float(softmax_scale) * 1.4426950408889634,
-        PAGE_SIZE=page_size,
-        D_V=v_head_dim,
-        D_R=D - v_head_dim,
-        UPCAST=interpreting() and q.dtype == torch.bfloat16,
-    )
+    upcast = interpreting() and q.dtype == torch.bfloat16
+    sms = num_sms(dev)
+
+    def run(cfg: triton.Config) -> tuple[torch.Tensor, torch.Tensor]:
+        block_n, block_h = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_H"]
+        head_tiles = triton.cdiv(H, block_h)
+        max_tiles = max(1, triton.cdiv(max_pages * page_size, block_n))
+        splits = num_splits if num_splits is not None else default_num_splits(B, head_tiles, max_tiles, sms)
+        splits = min(splits, max_tiles)
+        tiles_per_split = triton.cdiv(max_tiles, splits)
+        partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
+        partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
+        _mla_decode_split_kernel[(B, head_tiles, splits)](
+            q, kv_cache, block_table, seq_lens, partial, partial_lse, H, tiles_per_split,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1),
+            float(softmax_scale) * 1.4426950408889634,
+            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=D - v_head_dim, UPCAST=upcast,
+            BLOCK_H=block_h, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return partial, partial_lse
+
+    # Tuned once per key on a GPU without a committed config (idempotent: it writes only the partials).
+    partial, partial_lse = run(_SPLIT.config_for(key, run))
     from kvforge.kernels.merge_states import merge_attention_states
 
     # [B, H, S, D] viewed as [S, B, H, D]: the merge reads any strides with D contiguous.
