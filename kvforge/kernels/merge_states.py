@@ -119,6 +119,8 @@ _MERGE = TunedKernel("merge_attention_states", _merge_states_kernel, _CONFIGS)
 def _stack(name: str, xs: torch.Tensor | Sequence[torch.Tensor], ndim: int) -> torch.Tensor:
     if isinstance(xs, torch.Tensor):
         return check_tensor(name, xs, ndim=ndim + 1)
+    if isinstance(xs, (str, bytes)):
+        raise TypeError(f"{name}: expected a tensor or a list of tensors, got {type(xs).__name__}")
     if not isinstance(xs, Sequence) or len(xs) == 0:
         raise ValueError(f"{name}: expected a tensor or a non-empty list of tensors, got {xs!r:.80}")
     first = check_tensor(f"{name}[0]", xs[0], ndim=ndim)
