@@ -67,6 +67,22 @@ def test_split_count_does_not_change_the_result(gen, device):
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("page_size", [4, 16, 32])
+def test_split_value_halves(gen, device, monkeypatch, page_size):
+    """The SPLIT_DV variant (two programs per head tile, each writing half of the output columns), with tiles
+    inside one page (16, 32) and across pages (4)."""
+    import kvforge.kernels.mla_decode as md
+    from kvforge.kernels._runtime import ConfigTable, TunedKernel
+
+    if device.type != "cpu":
+        pytest.skip("the GPU sweeps every configuration in bench/bench_mla_decode.py")
+    cfg = md._cfg(16, 16, 1, 1, split_dv=True)
+    monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_split_dv_test", md._mla_decode_split_kernel,
+                                                  ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
+    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, page_size, [0, 37, 70], torch.float32, device)
+    check(q, kv, bt, sl, 32, 0.25, torch.float32)
+
+
 def test_strided_q_and_full_width_latent(gen, device):
     """A q slice of a wider buffer (head stride > row width) and the real 512 + 64 split, one short request."""
     q_wide = torch.randn(2, 3, 600, generator=gen).to(device)

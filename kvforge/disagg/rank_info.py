@@ -20,51 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import msgpack
-import msgspec
 
 from kvforge.kvcache.config import DTYPE_BYTES  # the KV dtypes a peer may announce (torch names)
 
 WIRE_VERSION = 1
 OPTIONAL_FIELDS = ("num_draft_layers", "draft_kv_dtype", "draft_kv_heads")
 MAX_WIRE_BYTES = 1 << 16  # a real message is a few hundred bytes; registration frames hold 4 KiB
-
-
-class _WireHead(msgspec.Struct):
-    """First pass: the version only (other keys skipped), so another version is told apart from a bad message."""
-
-    version: Any = None
-
-
-class _WireV1(msgspec.Struct, forbid_unknown_fields=True):
-    """The typed shape of a version-1 message (``RankInfo``'s fields; ``__post_init__`` checks the values)."""
-
-    version: int
-    instance_name: str
-    instance_rank: int
-    transport_rank: int
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    dp_size: int
-    dp_rank: int
-    cp_size: int
-    cp_rank: int
-    attention_dp: bool
-    layers_per_pp: tuple[int, ...]
-    is_mla: bool
-    kv_heads: int
-    head_dim: int
-    kv_dtype: str
-    element_bytes: int
-    tokens_per_block: int
-    page_groups: tuple[int, ...]
-    num_draft_layers: int | None = None
-    draft_kv_dtype: str | None = None
-    draft_kv_heads: int | None = None
 
 
 class WireVersionError(ValueError):
@@ -82,6 +47,48 @@ def _positive(name: str, v: object) -> None:
 def _rank(name: str, rank: object, size: int) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
         raise ValueError(f"{name}: expected an int in [0, {size}), got {rank!r}")
+
+
+@cache
+def _wire_types() -> tuple[type, type]:
+    """The typed shapes of a message, built on first decode (msgspec is imported only when a message is read, so
+    importing the disaggregation package does not need it)."""
+    import msgspec
+
+    class _WireHead(msgspec.Struct):
+        """First pass: the version only (other keys skipped), so another version is told apart from a bad message."""
+
+        version: Any = None
+
+    class _WireV1(msgspec.Struct, forbid_unknown_fields=True):
+        """The typed shape of a version-1 message (``RankInfo``'s fields; ``__post_init__`` checks the values)."""
+
+        version: int
+        instance_name: str
+        instance_rank: int
+        transport_rank: int
+        tp_size: int
+        tp_rank: int
+        pp_size: int
+        pp_rank: int
+        dp_size: int
+        dp_rank: int
+        cp_size: int
+        cp_rank: int
+        attention_dp: bool
+        layers_per_pp: tuple[int, ...]
+        is_mla: bool
+        kv_heads: int
+        head_dim: int
+        kv_dtype: str
+        element_bytes: int
+        tokens_per_block: int
+        page_groups: tuple[int, ...]
+        num_draft_layers: int | None = None
+        draft_kv_dtype: str | None = None
+        draft_kv_heads: int | None = None
+
+    return _WireHead, _WireV1
 
 
 def _wire_error(msg: str) -> str:
@@ -231,8 +238,11 @@ class RankInfo:
             raise TypeError(f"data: expected bytes, got {type(data).__name__}")
         if len(data) > MAX_WIRE_BYTES:
             raise ValueError(f"data: a RankInfo message has at most {MAX_WIRE_BYTES} bytes, got {len(data)}")
+        import msgspec
+
+        wire_head, wire_v1 = _wire_types()
         try:
-            version = msgspec.msgpack.decode(data, type=_WireHead).version
+            version = msgspec.msgpack.decode(data, type=wire_head).version
         except msgspec.ValidationError as exc:
             raise ValueError(f"data: expected a msgpack map with string keys ({exc})") from exc
         except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
@@ -244,7 +254,7 @@ class RankInfo:
                 f"RankInfo wire version: this reader speaks version {WIRE_VERSION}, the message has version {version!r}"
             )
         try:
-            wire = msgspec.msgpack.decode(data, type=_WireV1)
+            wire = msgspec.msgpack.decode(data, type=wire_v1)
         except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
             raise ValueError(_wire_error(str(exc))) from exc
         fields = {f: getattr(wire, f) for f in wire.__struct_fields__}

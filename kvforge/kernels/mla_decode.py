@@ -33,90 +33,158 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, nmask, page, s_kp, s_kr, col_mine, col_other,
+             PAGE_SIZE: tl.constexpr, D_HALF: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+             USE_TMA: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """One key tile: the caller's half of the latent columns, the other half, and the rope part. ``page`` is a
+    scalar when a tile lies inside one page (PAGE_SIZE % BLOCK_N == 0), else a page id per token. Masked rows
+    (past the share's end) are zeroed: never-written rows may hold NaN, and a 0 weight times NaN is NaN."""
+    dh = tl.arange(0, D_HALF)
+    dr = tl.arange(0, D_R)
+    if USE_TMA:  # rows of the 2-D [pages * PAGE_SIZE, D] view; a tile never crosses a page
+        grow = (page * PAGE_SIZE + n0 % PAGE_SIZE).to(tl.int32)
+        k_mine = desc_h.load([grow, col_mine])
+        k_other = desc_h.load([grow, col_other])
+        k_rope = desc_r.load([grow, D_V])
+    else:
+        if PAGE_SIZE % BLOCK_N == 0:
+            row = page * s_kp + (tok % PAGE_SIZE).to(tl.int64) * s_kr
+        else:
+            row = page.to(tl.int64) * s_kp + (tok % PAGE_SIZE).to(tl.int64) * s_kr
+        base = kv_ptr + row[:, None]
+        if MASKED:
+            k_mine = tl.load(base + col_mine + dh[None, :], mask=nmask[:, None], other=0.0)
+            k_other = tl.load(base + col_other + dh[None, :], mask=nmask[:, None], other=0.0)
+            k_rope = tl.load(base + D_V + dr[None, :], mask=nmask[:, None], other=0.0)
+        else:
+            k_mine = tl.load(base + col_mine + dh[None, :])
+            k_other = tl.load(base + col_other + dh[None, :])
+            k_rope = tl.load(base + D_V + dr[None, :])
+    if USE_TMA and MASKED:
+        k_mine = tl.where(nmask[:, None], k_mine, tl.zeros_like(k_mine))
+        k_other = tl.where(nmask[:, None], k_other, tl.zeros_like(k_other))
+        k_rope = tl.where(nmask[:, None], k_rope, tl.zeros_like(k_rope))
+    return k_mine, k_other, k_rope
+
+
+@triton.jit
+def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
+                 sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
+        k_mine = k_mine.to(tl.float32)
+        k_other = k_other.to(tl.float32)
+        k_rope = k_rope.to(tl.float32)
+    s = tl.dot(q_mine, tl.trans(k_mine))
+    s = tl.dot(q_other, tl.trans(k_other), s)
+    s = tl.dot(q_rope, tl.trans(k_rope), s) * sm_scale_log2
+    if MASKED:
+        s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    pc = p.to(k_mine.dtype)
+    acc_mine = tl.dot(pc, k_mine, acc_mine * alpha[:, None])
+    if not SPLIT_DV:
+        acc_other = tl.dot(pc, k_other, acc_other * alpha[:, None])
+    return acc_mine, acc_other, m_new, l_sum
+
+
+@triton.jit
 def _mla_decode_split_kernel(
-    q_ptr,
-    kv_ptr,
-    bt_ptr,
-    seq_ptr,
-    po_ptr,
-    plse_ptr,
-    H,
-    tiles_per_split,
-    s_qb,
-    s_qh,
-    s_kp,
-    s_kr,
-    s_btb,
-    s_pob,
-    s_poh,
-    s_pos,
-    s_plb,
-    s_plh,
+    q_ptr, kv_ptr, desc_h, desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
+    H, tiles_per_split,
+    s_qb, s_qh, s_kp, s_kr, s_btb, s_pob, s_poh, s_pos, s_plb, s_plh,
     sm_scale_log2,
-    PAGE_SIZE: tl.constexpr,
-    D_V: tl.constexpr,
-    D_R: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Grid (requests, head tiles x (2 if SPLIT_DV else 1), key shares). The latent columns are handled as two
+    halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its half of the output (half
+    the accumulator registers, the scores computed by both programs of the pair)."""
+    D_HALF: tl.constexpr = D_V // 2
     b = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
+    pid1 = tl.program_id(1)
     split = tl.program_id(2)
+    if SPLIT_DV:
+        pid_h = pid1 // 2
+        half = pid1 % 2
+    else:
+        pid_h = pid1
+        half = 0
+    col_mine = half * D_HALF
+    col_other = D_HALF - col_mine
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    dv = tl.arange(0, D_V)
+    dh = tl.arange(0, D_HALF)
     dr = tl.arange(0, D_R)
     q_rows = q_ptr + b * s_qb + heads.to(tl.int64)[:, None] * s_qh
-    q_nope = tl.load(q_rows + dv[None, :], mask=hmask[:, None], other=0.0)
+    q_mine = tl.load(q_rows + col_mine + dh[None, :], mask=hmask[:, None], other=0.0)
+    q_other = tl.load(q_rows + col_other + dh[None, :], mask=hmask[:, None], other=0.0)
     q_rope = tl.load(q_rows + D_V + dr[None, :], mask=hmask[:, None], other=0.0)
-    if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
-        q_nope = q_nope.to(tl.float32)
+    if UPCAST:
+        q_mine = q_mine.to(tl.float32)
+        q_other = q_other.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
     seq_len = tl.load(seq_ptr + b)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    full_end = tl.maximum(start, start + ((end - start) // BLOCK_N) * BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, D_V), tl.float32)
+    acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+    acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * s_btb
-    for n0 in tl.range(start, end, BLOCK_N):
+    for n0 in tl.range(start, full_end, BLOCK_N):
         tok = n0 + offs_n
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+        else:
+            page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
+        k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
+                                           col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, False)  # fmt: skip
+    if full_end < end:  # the share's last, partial tile
+        tok = full_end + offs_n
         nmask = tok < end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = page * s_kp + (tok % PAGE_SIZE).to(tl.int64) * s_kr
-        kv = tl.load(kv_ptr + row[:, None] + dv[None, :], mask=nmask[:, None], other=0.0)
-        k_rope = tl.load(kv_ptr + row[:, None] + D_V + dr[None, :], mask=nmask[:, None], other=0.0)
-        if UPCAST:
-            kv = kv.to(tl.float32)
-            k_rope = k_rope.to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(kv))
-        s = tl.dot(q_rope, tl.trans(k_rope), s)
-        s = tl.where(nmask[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv.dtype), kv, acc)
-        m = m_new
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = tl.load(bt_row + full_end // PAGE_SIZE).to(tl.int64)
+        else:
+            page = tl.load(bt_row + tok // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+        k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
+                                           col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, True)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero partial; the merge gives it weight 0.
     has = l_sum > 0.0
-    out = acc / tl.where(has, l_sum, 1.0)[:, None]
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
-    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos + heads.to(tl.int64)[:, None] * s_poh + dv[None, :]
-    tl.store(po, out, mask=hmask[:, None])
-    tl.store(plse_ptr + b * s_plb + heads.to(tl.int64) * s_plh + split, lse, mask=hmask)
+    inv = 1.0 / tl.where(has, l_sum, 1.0)
+    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos + heads.to(tl.int64)[:, None] * s_poh
+    tl.store(po + col_mine + dh[None, :], acc_mine * inv[:, None], mask=hmask[:, None])
+    if not SPLIT_DV:
+        tl.store(po + col_other + dh[None, :], acc_other * inv[:, None], mask=hmask[:, None])
+    if half == 0:
+        lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(plse_ptr + b * s_plb + heads.to(tl.int64) * s_plh + split, lse, mask=hmask)
 
 
-def _cfg(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _cfg(bh: int, bn: int, warps: int, stages: int, split_dv: bool = False, tma: bool = False) -> triton.Config:
+    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma}
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
-    # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16): no head tile wider than the heads.
-    return cfg.kwargs["BLOCK_H"] <= max(16, key[3])
+    # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16, page size, TMA-able layout)
+    kw = cfg.kwargs
+    if kw["BLOCK_H"] > max(16, key[3]):  # no head tile wider than the heads
+        return False
+    if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
+        return False
+    # A TMA tile must lie inside one page.
+    return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
 
 
 _CONFIGS = ConfigTable(
@@ -125,16 +193,42 @@ _CONFIGS = ConfigTable(
     by_arch={
         9: [
             _cfg(16, 64, 4, 2),
-            _cfg(16, 32, 4, 3),
-            _cfg(32, 32, 4, 2),
-            _cfg(64, 32, 8, 2),
-            _cfg(64, 32, 8, 3),
+            _cfg(16, 64, 4, 2, tma=True),
+            _cfg(16, 32, 4, 3, tma=True),
+            _cfg(16, 32, 4, 4, tma=True),
+            _cfg(16, 32, 8, 4, tma=True),
             _cfg(64, 64, 8, 1),
+            _cfg(64, 32, 8, 2, tma=True),
+            _cfg(64, 64, 8, 2, tma=True),
+            _cfg(64, 64, 4, 2, split_dv=True, tma=True),
+            _cfg(64, 32, 4, 3, split_dv=True, tma=True),
+            _cfg(128, 32, 8, 1, split_dv=True, tma=True),
+            _cfg(128, 32, 8, 2, split_dv=True, tma=True),
         ]
     },
     keep=_keep,
 )
 _SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS)
+
+
+def _descriptors(kv_cache: torch.Tensor, block_n: int, d_v: int, d_r: int) -> tuple | None:
+    """Host TMA descriptors over the cache as 2-D ``[pages * page_size, D]``, or None when the layout does not
+    allow one (pages not evenly strided, 16-byte alignment, Triton without host descriptors)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    P, S, D = kv_cache.shape
+    es = kv_cache.element_size()
+    if P * S == 0 or kv_cache.stride(0) != S * kv_cache.stride(1) or (kv_cache.stride(1) * es) % 16:
+        return None
+    if kv_cache.data_ptr() % 16 or (d_v * es) % 16 or P * S >= 2**31:
+        return None
+    shape, strides = [P * S, D], [kv_cache.stride(1), 1]
+    return (
+        TensorDescriptor(kv_cache, shape, strides, [block_n, d_v // 2]),
+        TensorDescriptor(kv_cache, shape, strides, [block_n, d_r]),
+    )
 
 
 def _check_args(
@@ -164,10 +258,10 @@ def _check_args(
     B, H, D = q.shape
     num_pages, page_size, D_kv = kv_cache.shape
     d_rope = D - v_head_dim
-    if not (0 < v_head_dim < D) or v_head_dim & (v_head_dim - 1) or d_rope & (d_rope - 1):
+    if not (32 <= v_head_dim < D) or v_head_dim & (v_head_dim - 1) or d_rope < 16 or d_rope & (d_rope - 1):
         raise ValueError(
-            f"v_head_dim: expected a power of two below q's width {D} leaving a power-of-two rope part, "
-            f"got {v_head_dim} (576 = 512 + 64 for DeepSeek MLA)"
+            f"v_head_dim: expected a power of two >= 32 below q's width {D} leaving a power-of-two rope part "
+            f">= 16, got {v_head_dim} (576 = 512 + 64 for DeepSeek MLA)"
         )
     if D_kv != D:
         raise ValueError(f"kv_cache: expected rows as wide as q ({D}), got shape {list(kv_cache.shape)}")
@@ -265,26 +359,34 @@ def mla_decode_attention(
         _check_values(block_table, seq_lens, num_pages, page_size)
     if B == 0:
         return (out, lse) if return_lse else out
-    key = (v_head_dim, D - v_head_dim, str(q.dtype).split(".")[-1], max(16, triton.next_power_of_2(H)))
+    d_r = D - v_head_dim
+    tma_ok = not interpreting() and _descriptors(kv_cache, 16, v_head_dim, d_r) is not None
+    key = (v_head_dim, d_r, str(q.dtype).split(".")[-1], max(16, triton.next_power_of_2(H)), page_size, tma_ok)
     upcast = interpreting() and q.dtype == torch.bfloat16
     sms = num_sms(dev)
 
     def run(cfg: triton.Config) -> tuple[torch.Tensor, torch.Tensor]:
         block_n, block_h = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_H"]
+        use_tma, split_dv = bool(cfg.kwargs["USE_TMA"]), bool(cfg.kwargs["SPLIT_DV"])
+        descs = _descriptors(kv_cache, block_n, v_head_dim, d_r) if use_tma else None
+        if use_tma and descs is None:
+            raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
+        desc_h, desc_r = descs if descs is not None else (kv_cache, kv_cache)
         head_tiles = triton.cdiv(H, block_h)
+        programs_per_request = head_tiles * (2 if split_dv else 1)
         max_tiles = max(1, triton.cdiv(max_pages * page_size, block_n))
-        splits = num_splits if num_splits is not None else default_num_splits(B, head_tiles, max_tiles, sms)
+        splits = num_splits if num_splits is not None else default_num_splits(B, programs_per_request, max_tiles, sms)
         splits = min(splits, max_tiles)
         tiles_per_split = triton.cdiv(max_tiles, splits)
         partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
         partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
-        _mla_decode_split_kernel[(B, head_tiles, splits)](
-            q, kv_cache, block_table, seq_lens, partial, partial_lse, H, tiles_per_split,
+        _mla_decode_split_kernel[(B, programs_per_request, splits)](
+            q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, tiles_per_split,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1),
             float(softmax_scale) * 1.4426950408889634,
-            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=D - v_head_dim, UPCAST=upcast,
-            BLOCK_H=block_h, BLOCK_N=block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, **cfg.kwargs,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return partial, partial_lse
 
