@@ -178,6 +178,7 @@ def main() -> None:
                 }
             )
         torch.cuda.empty_cache()
+    print("chosen configs (for kvforge/kernels/tuned):", md._SPLIT.chosen())
     if rows:
         print("wrote", append_csv("mla_decode", rows))
 
