@@ -93,7 +93,7 @@ def main() -> None:
         nbytes = B * L * (DV + DR) * 2
         wl = f"H{H} B{B} L{L}"
         out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
-        key = (DV, DR, "bfloat16", max(16, H))
+        key = md.config_key(q, kv, DV)
         cands = md._CONFIGS.candidates(device_capability(), key)
         if args.quick:
             cands = cands[:1]

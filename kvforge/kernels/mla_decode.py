@@ -69,14 +69,15 @@ def _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, nmask, page, s_kp, s_kr, col_mine,
 
 @triton.jit
 def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
-                 sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                 sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
+                 PRECISION: tl.constexpr):  # fmt: skip
     if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
         k_mine = k_mine.to(tl.float32)
         k_other = k_other.to(tl.float32)
         k_rope = k_rope.to(tl.float32)
-    s = tl.dot(q_mine, tl.trans(k_mine))
-    s = tl.dot(q_other, tl.trans(k_other), s)
-    s = tl.dot(q_rope, tl.trans(k_rope), s) * sm_scale_log2
+    s = tl.dot(q_mine, tl.trans(k_mine), input_precision=PRECISION)
+    s = tl.dot(q_other, tl.trans(k_other), s, input_precision=PRECISION)
+    s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION) * sm_scale_log2
     if MASKED:
         s = tl.where(nmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -84,9 +85,9 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
     p = tl.exp2(s - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, 1)
     pc = p.to(k_mine.dtype)
-    acc_mine = tl.dot(pc, k_mine, acc_mine * alpha[:, None])
+    acc_mine = tl.dot(pc, k_mine, acc_mine * alpha[:, None], input_precision=PRECISION)
     if not SPLIT_DV:
-        acc_other = tl.dot(pc, k_other, acc_other * alpha[:, None])
+        acc_other = tl.dot(pc, k_other, acc_other * alpha[:, None], input_precision=PRECISION)
     return acc_mine, acc_other, m_new, l_sum
 
 
@@ -98,6 +99,7 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (requests, head tiles x (2 if SPLIT_DV else 1), key shares). The latent columns are handled as two
     halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its half of the output (half
@@ -146,7 +148,7 @@ def _mla_decode_split_kernel(
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, False)  # fmt: skip
+                                                     SPLIT_DV, False, PRECISION)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -158,7 +160,7 @@ def _mla_decode_split_kernel(
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, True)  # fmt: skip
+                                                     SPLIT_DV, True, PRECISION)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero partial; the merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
@@ -295,6 +297,14 @@ def _check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: 
         )
 
 
+def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -> tuple:
+    """What the best launch configuration depends on: widths, dtype, heads (rounded up to a power of two), page
+    size and whether the cache layout allows TMA. Never batch size or lengths."""
+    tma_ok = not interpreting() and _descriptors(kv_cache, 16, v_head_dim, q.shape[-1] - v_head_dim) is not None
+    heads = max(16, triton.next_power_of_2(q.shape[1]))
+    return (v_head_dim, q.shape[-1] - v_head_dim, str(q.dtype).split(".")[-1], heads, kv_cache.shape[1], tma_ok)
+
+
 def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int) -> int:
     """Key shares per request: up to about two programs per SM, choosing the count whose programs fill the last
     wave best (a wave of 2 x SMs programs; 300 programs on 132 SMs leave most of a third wave idle)."""
@@ -360,9 +370,10 @@ def mla_decode_attention(
     if B == 0:
         return (out, lse) if return_lse else out
     d_r = D - v_head_dim
-    tma_ok = not interpreting() and _descriptors(kv_cache, 16, v_head_dim, d_r) is not None
-    key = (v_head_dim, d_r, str(q.dtype).split(".")[-1], max(16, triton.next_power_of_2(H)), page_size, tma_ok)
+    key = config_key(q, kv_cache, v_head_dim)
     upcast = interpreting() and q.dtype == torch.bfloat16
+    # fp32 inputs get fp32 products (a GPU's default for fp32 tl.dot is TF32, about 1e-3 relative error).
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     sms = num_sms(dev)
 
     def run(cfg: triton.Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,7 +396,7 @@ def mla_decode_attention(
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1),
             float(softmax_scale) * 1.4426950408889634,
-            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, **cfg.kwargs,
+            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, PRECISION=precision, **cfg.kwargs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return partial, partial_lse

@@ -144,9 +144,9 @@ def quantize_fp8(
     token-major buffer). An empty ``x`` launches nothing. Raises TypeError/ValueError before any launch.
     """
     check_tensor("x", x, dtype=_IN_DTYPES)
-    check_launch_device("x", x)
     if x.device.type != kernel_device().type:
         raise ValueError(f"x: expected a tensor on {kernel_device()} (where kernels run), got one on {x.device}")
+    check_launch_device("x", x)
     if x.dim() < 1:
         raise ValueError("x: expected at least 1 dimension, got a 0-d tensor")
     check_tensor("x", x, last_dim_contiguous=True)
