@@ -243,3 +243,50 @@ def test_sender_killed_mid_message_is_noticed_promptly(tmp_path):
     assert outcome.startswith("error"), line
     assert float(line.split()[2]) < 3.0, line
     assert again == "TransferError", line
+
+
+# ---- valid but arbitrary RankInfo: round trip and peer checks ---------------------------------------------------
+
+
+@st.composite
+def any_rank_info(draw) -> RankInfo:
+    tp, pp, cp = (draw(st.integers(1, 4)) for _ in range(3))
+    dp = draw(st.sampled_from([d for d in (1, 2, 4) if tp % d == 0]))
+    tp_rank, pp_rank, cp_rank = draw(st.integers(0, tp - 1)), draw(st.integers(0, pp - 1)), draw(st.integers(0, cp - 1))
+    is_mla = draw(st.booleans())
+    dtype = draw(st.sampled_from(["bfloat16", "float16", "float8_e4m3fn", "float32"]))
+    draft = draw(st.booleans())
+    extra = {}
+    if draft:
+        extra = dict(num_draft_layers=draw(st.integers(1, 3)), draft_kv_dtype=draw(st.sampled_from(["bfloat16"])),
+                     draft_kv_heads=draw(st.integers(1, 8)))  # fmt: skip
+    return rank_info(
+        instance_name=draw(st.text(min_size=1, max_size=8)),
+        instance_rank=(pp_rank * cp + cp_rank) * tp + tp_rank,
+        transport_rank=draw(st.integers(0, 2**31 - 1)),
+        tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank, dp_size=dp, dp_rank=draw(st.integers(0, dp - 1)),
+        cp_size=cp, cp_rank=cp_rank, attention_dp=draw(st.booleans()),
+        layers_per_pp=tuple(draw(st.integers(0, 64)) for _ in range(pp)),
+        is_mla=is_mla, kv_heads=1 if is_mla else draw(st.integers(1, 64)),
+        head_dim=draw(st.sampled_from([64, 128, 576])),
+        kv_dtype=dtype, element_bytes={"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float32": 4}[dtype],
+        tokens_per_block=draw(st.sampled_from([1, 16, 64, 128])),
+        page_groups=tuple(draw(st.lists(st.integers(0, 3), max_size=6))),
+        **extra,
+    )  # fmt: skip
+
+
+@settings(max_examples=80, deadline=None)
+@given(any_rank_info(), any_rank_info())
+def test_valid_infos_round_trip_and_peer_checks_only_raise_mismatch(a, b):
+    from kvforge.disagg.peer import PeerMismatchError, check_peer, peer_mismatches
+
+    assert RankInfo.from_wire(a.to_wire()) == a
+    problems = peer_mismatches(a, b)
+    assert all(isinstance(p, str) for p in problems)
+    try:
+        check_peer(a, b)
+    except PeerMismatchError:
+        assert problems
+    else:
+        assert not problems
