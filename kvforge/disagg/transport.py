@@ -35,7 +35,9 @@ fits behind the same interface.
   communicator created lazily on a rank's first send or receive, which blocks that rank until its peer posts
   too). A receive that timed out stays posted on NCCL's stream; the pair is unusable afterwards (recreate the
   process group), which ``TorchDistTransport.mark_broken`` records so later transfers fail at once instead of
-  hanging. Never synchronise the whole device while such a receive is posted: it would wait forever.
+  hanging. Never synchronise the whole device while such a receive is posted: it would wait forever. There is
+  no liveness probe on this path: a dead NCCL peer is noticed at the transceiver's deadline (or by NCCL's own
+  error handling, when enabled), not sooner.
 """
 
 from __future__ import annotations

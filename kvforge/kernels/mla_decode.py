@@ -16,6 +16,11 @@ no device→host sync and the call is graph-capturable); each share writes an fp
 (meta and non-interpreter CPU refused), ``out``/``lse`` not overlapping any input or each other, and, unless
 ``check_values=False``, seq_lens within ``[0, max_pages · page_size]`` and every page id a request reads within
 ``[0, num_pages)`` (one device→host read; callers whose tables come from a checked page table may skip it).
+
+Launch variants (per-SM candidates, tuned once per ``config_key``): head tile ``BLOCK_H``, key tile ``BLOCK_N``;
+``USE_TMA`` loads key tiles through 2-D tensor descriptors when a tile lies inside one page and the cache is
+evenly strided; ``SPLIT_DV`` gives each head tile two programs that each write half of the 512 output columns
+(half the accumulator registers, the scores computed twice). bench/bench_mla_decode.py times every candidate.
 """
 
 from __future__ import annotations
@@ -438,3 +443,32 @@ def mla_decode_attention_ref(
         lse[b] = torch.logsumexp(s, dim=-1)
         out[b] = torch.softmax(s, dim=-1) @ rows[:, :v_head_dim]
     return out, lse
+
+
+def selfcheck(device: torch.device) -> list:
+    """Decode attention against the fp32 reference: awkward lengths, an empty request, shuffled pages."""
+    from kvforge.kernels._selfcheck import timed_check
+
+    def case(B: int, H: int, dv: int, dr: int, page_size: int, lens: list[int], dtype: torch.dtype):
+        def run() -> tuple[float, bool]:
+            g = torch.Generator().manual_seed(11 + B * H)
+            max_pages = max(1, max(-(-n // page_size) for n in lens))
+            pages = B * max_pages + 2
+            q = torch.randn(B, H, dv + dr, generator=g).to(dtype).to(device)
+            kv = torch.randn(pages, page_size, dv + dr, generator=g).to(dtype).to(device)
+            bt = torch.randperm(pages, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32).to(device)
+            sl = torch.tensor(lens, dtype=torch.int32, device=device)
+            scale = (dv + dr) ** -0.5
+            out, lse = mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, v_head_dim=dv, return_lse=True)
+            ref, ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=scale, v_head_dim=dv)
+            err = float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
+            finite = torch.isfinite(ref_lse)
+            lse_ok = torch.equal(finite, torch.isfinite(lse)) and bool(((lse - ref_lse)[finite].abs() <= 1e-3).all())
+            return err, lse_ok and err <= {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+
+        shapes = f"B={B} H={H} {dv}+{dr} page={page_size} lens={lens if len(lens) <= 4 else '...'} {dtype}"
+        return timed_check("mla_decode_attention", device, shapes, run, note="err: relative RMSE")
+
+    if device.type != "cuda":
+        return [case(3, 5, 32, 16, 4, [0, 23, 9], torch.float32), case(2, 16, 32, 16, 16, [40, 7], torch.bfloat16)]
+    return [case(8, 128, 512, 64, 64, [1, 63, 64, 65, 4000, 0, 8191, 300], torch.bfloat16)]
