@@ -80,16 +80,21 @@ _EXACT_LIMIT = 1 << 20  # elements per tensor below which interleaved views are 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     """``[lo, hi)``: the bytes ``t`` may touch (None for an empty tensor). Strides are non-negative in torch."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return None
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     lo = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        return lo, lo + n * t.element_size()
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return lo, lo + (extent + 1) * t.element_size()
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """True when two elements of ``t`` may share memory (a stride-0 dimension of size > 1, or strides too small
     for the sizes below them). A False answer is exact; a True answer is conservative for exotic layouts."""
+    if t.is_contiguous():
+        return False
     dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
     reach = 0  # elements spanned by the dimensions of smaller stride, minus one
     for s, n in dims:
@@ -123,15 +128,21 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check_no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
     """Refuse (ValueError) an output with internally overlapping elements, two outputs sharing memory, or an
-    output sharing memory with an input. ``None`` entries are skipped."""
-    outs = [(n, t) for n, t in outputs.items() if t is not None]
-    ins = [(n, t) for n, t in inputs.items() if t is not None]
-    for i, (name, t) in enumerate(outs):
+    output sharing memory with an input. ``None`` entries are skipped. Each tensor's byte range is computed once;
+    the element-wise comparison runs only for ranges that intersect (rare), so the common call costs a few
+    microseconds per tensor."""
+    outs = [(n, t, byte_span(t)) for n, t in outputs.items() if t is not None]
+    ins = [(n, t, byte_span(t)) for n, t in inputs.items() if t is not None]
+    for i, (name, t, span) in enumerate(outs):
         if has_internal_overlap(t):
             raise ValueError(
                 f"{name}: expected an output whose elements do not share memory, got shape {list(t.shape)} "
                 f"with strides {t.stride()} (a stride-0 or overlapping view)"
             )
-        for other, u in outs[i + 1 :] + ins:
+        if span is None:
+            continue
+        for other, u, uspan in outs[i + 1 :] + ins:
+            if uspan is None or span[1] <= uspan[0] or uspan[1] <= span[0]:
+                continue
             if tensors_overlap(t, u):
                 raise ValueError(f"{name}: overlaps {other} in memory; expected a separate output buffer")

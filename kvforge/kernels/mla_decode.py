@@ -218,19 +218,31 @@ _CONFIGS = ConfigTable(
 _SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS)
 
 
+def _tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
+    """Whether the cache can be read through 2-D descriptors ``[pages * page_size, D]`` (pages evenly strided,
+    16-byte aligned rows and column offsets, row count within int32)."""
+    P, S, _ = kv_cache.shape
+    es = kv_cache.element_size()
+    return (
+        P * S > 0
+        and kv_cache.stride(0) == S * kv_cache.stride(1)
+        and (kv_cache.stride(1) * es) % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and (d_v // 2 * es) % 16 == 0
+        and P * S < 2**31
+    )
+
+
 def _descriptors(kv_cache: torch.Tensor, block_n: int, d_v: int, d_r: int) -> tuple | None:
     """Host TMA descriptors over the cache as 2-D ``[pages * page_size, D]``, or None when the layout does not
-    allow one (pages not evenly strided, 16-byte alignment, Triton without host descriptors)."""
+    allow one (``_tma_layout_ok``) or Triton has no host-side descriptors."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         return None
+    if not _tma_layout_ok(kv_cache, d_v):
+        return None
     P, S, D = kv_cache.shape
-    es = kv_cache.element_size()
-    if P * S == 0 or kv_cache.stride(0) != S * kv_cache.stride(1) or (kv_cache.stride(1) * es) % 16:
-        return None
-    if kv_cache.data_ptr() % 16 or (d_v * es) % 16 or P * S >= 2**31:
-        return None
     shape, strides = [P * S, D], [kv_cache.stride(1), 1]
     return (
         TensorDescriptor(kv_cache, shape, strides, [block_n, d_v // 2]),
@@ -305,7 +317,7 @@ def _check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: 
 def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -> tuple:
     """What the best launch configuration depends on: widths, dtype, heads (rounded up to a power of two), page
     size and whether the cache layout allows TMA. Never batch size or lengths."""
-    tma_ok = not interpreting() and _descriptors(kv_cache, 16, v_head_dim, q.shape[-1] - v_head_dim) is not None
+    tma_ok = not interpreting() and _tma_layout_ok(kv_cache, v_head_dim)
     heads = max(16, triton.next_power_of_2(q.shape[1]))
     return (v_head_dim, q.shape[-1] - v_head_dim, str(q.dtype).split(".")[-1], heads, kv_cache.shape[1], tma_ok)
 
