@@ -81,6 +81,14 @@ def _dim_major(v: torch.Tensor, padded: bool = True) -> torch.Tensor:
     return v_to_dim_major(v) if padded else v.permute(1, 2, 0).contiguous()
 
 
+def _c(bm: int, bn: int, poly: int = 0, tma: int = 0, pipe: int = 0, ho: int = 0, **kw) -> object:
+    """An interpreter-sized config: 4 warps, 1 stage."""
+    return mc._cfg(
+        block_m=bm, block_n=bn, warps=4, stages=1, exp_poly=bool(poly), tma=bool(tma), pipe_qk=pipe,
+        heads_outer=bool(ho), **kw,
+    )  # fmt: skip
+
+
 def _out_tol(mode: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode, FP8)
 
@@ -158,7 +166,7 @@ def test_tile_shapes_and_load_paths(gen, device, monkeypatch, mode, bm, bn, poly
     monkeypatch.setattr(mc, "_descriptors", lambda *a: used.append(real(*a)) or used[-1])
     plan = MLAContextPlan.plan(
         cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128,
-        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, poly, tma, pipe),
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=_c(bm, bn, poly, tma, pipe),
     )  # fmt: skip
     vk = _dim_major(v) if v_layout == "dim_major" else v
     out, lse = plan.run(q, k, vk, kv_scale_quant_orig=s, return_lse=True)
@@ -198,7 +206,7 @@ def test_pipelined_sweep(gen, device, mode, dims, bm, bn, v_layout, kv_start, he
     q, k, v = _cast(mode, q, k, v, s)
     plan = MLAContextPlan.plan(
         cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=dims[0], head_dim_v=dims[1],
-        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=mc._cfg(bm, bn, 4, 1, 0, 1, pipe, heads_outer),
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=_c(bm, bn, 0, 1, pipe, heads_outer),
     )  # fmt: skip
     out = poisoned((q.shape[0], 2, dims[1]), torch.bfloat16, device)
     vk = _dim_major(v) if v_layout == "dim_major" else v
@@ -217,7 +225,7 @@ def test_heads_outer_grid_is_the_same_computation(gen, device):
     kw = dict(num_heads=3, num_kv_heads=3, head_dim_qk=192, head_dim_v=128, q_dtype=q.dtype, kv_dtype=k.dtype)
     runs = []
     for ho in (0, 1):
-        plan = MLAContextPlan.plan(cu_q, cu_kv, config=mc._cfg(16, 32, 4, 1, 0, 1, 0, ho), **kw)
+        plan = MLAContextPlan.plan(cu_q, cu_kv, config=_c(16, 32, 0, 1, 0, ho), **kw)
         runs.append(plan.run(q, k, v, kv_scale_quant_orig=2.0, return_lse=True))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=2.0)
@@ -232,8 +240,8 @@ def test_tma_falls_back_to_pointers_on_unaligned_layout(gen, device):
     kw = dict(num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, q_dtype=FP8, kv_dtype=FP8)
     packed = _dim_major(v, padded=False)
     assert mc._descriptors(q, k, packed, mc._Shapes(2, 2, 192, 128, FP8, FP8, "dim_major"), 16, 16, 128, 64) is None
-    a = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 32, 4, 1, 0, 1), **kw)
-    b = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=mc._cfg(16, 32, 4, 1, 0, 0), **kw)
+    a = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=_c(16, 32, 0, 1), **kw)
+    b = MLAContextPlan.plan(cu_q, cu_kv, v_layout="dim_major", config=_c(16, 32, 0, 0), **kw)
     ra = a.run(q, k, packed, kv_scale_quant_orig=2.0)
     rb = b.run(q, k, _dim_major(v), kv_scale_quant_orig=2.0)
     ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=2.0)
@@ -296,7 +304,7 @@ def test_plan_run_equals_function_and_is_reused(gen, device):
 def test_plan_orders_heaviest_first_and_covers_every_tile():
     q_lens, cached = [40, 0, 3, 70], [0, 9, 100, 5]
     cu_q, cu_kv = _cu(q_lens), _cu([a + b for a, b in zip(q_lens, cached)])
-    cfg = mc._cfg(16, 16, 4, 1)
+    cfg = _c(16, 16)
     plan = MLAContextPlan.plan(
         cu_q, cu_kv, num_heads=1, num_kv_heads=1, head_dim_qk=128, head_dim_v=128, config=cfg, device="cpu"
     )
@@ -327,8 +335,8 @@ def test_plan_picks_short_query_key(monkeypatch, q_lens, cached, short):
 
 
 def test_cfg_rejects_unknown_pipe():
-    with pytest.raises(ValueError, match="pipe: expected 0 or 2"):
-        mc._cfg(64, 64, 4, 2, pipe=1)
+    with pytest.raises(ValueError, match="pipe_qk: expected 0 or 2"):
+        mc._cfg(block_m=64, block_n=64, warps=4, stages=2, pipe_qk=1)
 
 
 def test_sm90_candidates_per_key():
@@ -352,17 +360,19 @@ def test_sm90_candidates_per_key():
     assert first((*bf16, "short_q")) == (64, 64, 4, 2, 1, 0, 0)  # 3 stages (148 KB) would allow one program per SM
     for key in (fp8, bf16, (*fp8, "short_q"), (*bf16, "short_q")):
         for c in mc._CONFIGS.candidates(sm90, key):
-            assert mc._smem_estimate(c, key) <= mc._SMEM_BYTES
+            assert mc._smem_estimate(c, key) <= 232448
             if key[-1] == "short_q":
-                assert c.kwargs["BLOCK_M"] <= mc.SHORT_Q_ROWS and 2 * mc._smem_estimate(c, key) <= mc._SMEM_BYTES
+                assert c.kwargs["BLOCK_M"] <= mc.SHORT_Q_ROWS and 2 * mc._smem_estimate(c, key) <= 232448
     stages = {(c.kwargs["BLOCK_M"], c.num_stages) for c in mc._CONFIGS.candidates(sm90, fp8)}
     assert (128, 4) in stages  # the 4-stage FP8 tile (189 KB) is a tuning candidate
-    assert mc._smem_estimate(mc._cfg(128, 128, 8, 3), bf16) > mc._SMEM_BYTES
+    assert mc._smem_estimate(mc._cfg(block_m=128, block_n=128, warps=8, stages=3), bf16) > 232448
     # Shared memory Triton 3.6 reported for sm_90 (less its 1 KB of barriers): the carried score part holds one
     # more tile of K's first head-dim part.
-    assert mc._smem_estimate(mc._cfg(128, 64, 8, 4, 0, 1, 2, 1), bf16) == 230400 - 1024
-    assert mc._smem_estimate(mc._cfg(128, 128, 8, 3, 0, 1, 2, 1), fp8) == 164864 - 1024
-    assert mc._smem_estimate(mc._cfg(128, 64, 8, 3, 0, 1, 0, 1), bf16) == 173056 - 1024
+    assert (
+        mc._smem_estimate(mc._cfg(**mc._T128, block_n=64, stages=4, pipe_qk=2, heads_outer=True), bf16) == 230400 - 1024
+    )
+    assert mc._smem_estimate(mc._cfg(**mc._LONG), fp8) == 164864 - 1024
+    assert mc._smem_estimate(mc._cfg(**mc._T128, block_n=64, stages=3, heads_outer=True), bf16) == 173056 - 1024
 
 
 @pytest.mark.parametrize("q_lens", [[0, 0], []])
@@ -432,7 +442,12 @@ def _bad_cases(device):
         ("q last dim strided", lambda a: {**a, "q": noncontig(a["q"])}, ValueError, "q: expected the last dim"),
         ("k last dim strided", lambda a: {**a, "k": noncontig(a["k"])}, ValueError, "k: expected the last dim"),
         ("v last dim strided", lambda a: {**a, "v": noncontig(a["v"])}, ValueError, "v: expected the last dim"),
-        ("k on another device", lambda a: {**a, "k": a["k"].to("meta")}, ValueError, "k: expected a tensor on"),
+        (
+            "k on the meta device",
+            lambda a: {**a, "k": a["k"].to("meta")},
+            ValueError,
+            "k: expected a tensor with storage",
+        ),
         ("cu on another device", with_(cu_seqlens_q=cu(0, 3, 7).to("meta")), ValueError, "cu_seqlens_q: expected"),
         (
             "head_dim_qk unsupported",

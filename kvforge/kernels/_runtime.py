@@ -96,19 +96,25 @@ class ConfigTable:
 
     ``by_arch`` maps ``(major, minor)`` or ``major`` to a candidate list; the most specific match wins, then
     ``fallback``. ``interpreter`` is the single config used under TRITON_INTERPRET (small tiles keep it fast).
-    ``keep`` filters candidates for a given key (e.g. tiles too large for a head dim), like tutorial 06's keep().
+    ``keep`` filters candidates for a given key (e.g. tiles too large for a head dim), like tutorial 06's keep();
+    ``keep_arch`` does the same with the architecture too (``None`` in the interpreter), e.g. for shared memory.
     """
 
     fallback: Sequence[triton.Config]
     interpreter: triton.Config
     by_arch: Mapping[Any, Sequence[triton.Config]] = field(default_factory=dict)
     keep: Callable[[triton.Config, ConfigKey], bool] | None = None
+    keep_arch: Callable[[triton.Config, ConfigKey, tuple[int, int] | None], bool] | None = None
 
     def candidates(self, cap: tuple[int, int] | None, key: ConfigKey) -> list[triton.Config]:
         if cap is None:
             return [self.interpreter]
         configs = self.by_arch.get(cap) or self.by_arch.get(cap[0]) or self.fallback
-        kept = [c for c in configs if self.keep is None or self.keep(c, key)]
+        kept = [
+            c
+            for c in configs
+            if (self.keep is None or self.keep(c, key)) and (self.keep_arch is None or self.keep_arch(c, key, cap))
+        ]
         return kept or list(self.fallback[:1])
 
 
@@ -213,10 +219,11 @@ class TunedKernel:
     launches are idempotent (every kernel here writes outputs it does not read).
     """
 
-    def __init__(self, name: str, fn: Any, table: ConfigTable) -> None:
+    def __init__(self, name: str, fn: Any, table: ConfigTable, tune_first: int | None = None) -> None:
         self.name = name
         self.fn = fn
         self.table = table
+        self.tune_first = tune_first  # tune over at most this many candidates (each one compiles)
         self._chosen: dict[tuple[str, ConfigKey], triton.Config] = {}
         self._fast: dict[Any, tuple[Any, ...]] = {}
         self._lock = threading.Lock()
@@ -233,7 +240,7 @@ class TunedKernel:
         if committed is not None and os.environ.get("KVFORGE_RETUNE", "0") != "1":
             cfg = config_from_json(committed)
         else:
-            candidates = self.table.candidates(cap, key)
+            candidates = self.table.candidates(cap, key)[: self.tune_first]
             if len(candidates) == 1 or run is None:
                 cfg = candidates[0]
             else:
