@@ -627,3 +627,34 @@ def test_gpu_plan_run_cuda_graph(device, gen):
     assert torch.equal(
         out, mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=2.0, v_layout="dim_major")
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", [(4, 8192, 2048), (16, 1024, 256), "mixed"], ids=str)
+def test_gpu_one_call_and_mixed_paths(device, gen, wl):
+    """The one call with max_seqlen (device-built table) equals plan + run bit for bit, for bf16 and for bf16 Q
+    with FP8 K/V token-major (whatever Q_QUANT / V_WIDEN the table chose), and matches the reference."""
+    heads = 32
+    if wl == "mixed":
+        q_lens, cached = [3000, 64, 700, 1500, 128], [0, 30000, 2048, 9000, 17]
+        q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, extra_rows=0)
+    else:
+        q, k, v, cu_q, cu_kv = _uniform(device, *wl, heads, gen)
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    max_kv = int((cu_kv[1:] - cu_kv[:-1]).max())
+    for mode in ("bf16", "fp8kv"):
+        qq, kk, vv = _cast(mode, q, k, v, 1.5 if mode == "fp8kv" else 1.0)
+        s = 1.5 if mode == "fp8kv" else 1.0
+        one, lse1 = mla_context_attention(
+            qq, kk, vv, cu_q, cu_kv, kv_scale_quant_orig=s, return_lse=True, max_seqlen_q=max_q, max_seqlen_kv=max_kv
+        )
+        two, lse2 = mla_context_attention(qq, kk, vv, cu_q, cu_kv, kv_scale_quant_orig=s, return_lse=True)
+        assert torch.equal(one, two) and torch.equal(lse1, lse2)
+        heads_chk = [0, heads - 1]
+        ref, _ = mla_context_attention_ref(
+            qq[:, heads_chk], kk[:, heads_chk], vv[:, heads_chk], cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s,
+            head_chunk=1,
+        )  # fmt: skip
+        err = rel_rmse(one[:, heads_chk], ref)
+        print(f"{wl} {mode}: rel-RMSE {err:.4f}")
+        assert err < (0.035 if mode == "fp8kv" else 0.01)
