@@ -100,7 +100,6 @@ MLA_VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
                                                         "V_DIM_MAJOR": True, "KV_ALIGN": 16}),
     "bf16 q + fp8 k/v, Q quantised, V widened": ("*bf16", "*fp8e4nv", {**_FP8, "QK_MODE": 1, "PV_MODE": 2,
                                                                       "Q_QUANT": True}),
-    "fp8 q/k/v, transposed P·V": ("*fp8e4nv", "*fp8e4nv", {**_FP8, "Q_FP8": True, "QK_MODE": 1, "PV_MODE": 4}),
     "fp8 q/k/v as bytes": ("*u8", "*u8", {**_FP8, "Q_FP8": True, "QK_MODE": 2, "PV_MODE": 3}),
     "bf16 q + fp8 k/v as bytes": ("*bf16", "*u8", {**_FP8, "QK_MODE": 2, "PV_MODE": 3}),
 }  # fmt: skip

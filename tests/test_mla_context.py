@@ -674,7 +674,8 @@ def _plan_kw(q, k, v_layout="token_major"):
 @pytest.mark.parametrize("mode,v_layout", [("bf16", "token_major"), ("fp8", "dim_major"), ("fp8kv", "token_major")])
 def test_one_call_device_table_equals_host_plan(gen, device, mode, v_layout):
     """With max_seqlen_q/_kv and device cu_seqlens the work table is built on the device: same items in the same
-    order as the host plan (heaviest first), so bit-identical output and LSE; loose bounds only add empty items."""
+    order as the host plan (heaviest first), so bit-identical output and LSE; looser bounds only add empty items
+    (on a GPU a max_seqlen_q past SHORT_Q_ROWS picks the long-query tile class, so only closeness is checked)."""
     q_lens, cached = [5, 0, 33, 17, 40], [17, 64, 0, 40, 3]
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, kv_start=3)
     s = 1.0 if mode == "bf16" else 1.5
@@ -687,7 +688,11 @@ def test_one_call_device_table_equals_host_plan(gen, device, mode, v_layout):
             q, k, vk, cu_q, cu_kv, kv_scale_quant_orig=s, return_lse=True, v_layout=v_layout, max_seqlen_q=max_q,
             max_seqlen_kv=max_kv,
         )  # fmt: skip
-        assert torch.equal(dev, host) and torch.equal(dev_lse, host_lse)
+        same_class = (max_q <= mc.SHORT_Q_ROWS) == (max(q_lens) <= mc.SHORT_Q_ROWS)
+        if same_class or device.type == "cpu":
+            assert torch.equal(dev, host) and torch.equal(dev_lse, host_lse)
+        else:
+            assert_close(dev, host, _out_tol(mode))
     sh = mc._Shapes(2, 2, 192, 128, q.dtype, k.dtype, v_layout)
     cfg = _c(16, 32)
     dplan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, 40, 60, q.shape[0], k.shape[0], config=cfg)
@@ -754,12 +759,11 @@ def test_meta_tensors_refused_before_launch(device, monkeypatch):
 
 
 MIXED_CASES = [
-    # bf16 Q with FP8 K/V, token-major V: K widened to Q's type, Q quantised on chip, V widened, transposed P·V
+    # bf16 Q with FP8 K/V, token-major V: K widened to Q's type, Q quantised on chip, V widened
     ({}, 0),
     ({"q_quant": True}, 0),
     ({"v_widen": True}, 3),
     ({"q_quant": True, "v_widen": True, "pipe": 2, "tma": True}, 0),
-    ({"q_quant": True, "v_trans": True, "tma": True}, 5),
 ]
 
 
@@ -801,7 +805,7 @@ def test_on_chip_q_quantisation_error_vs_fp32(gen, device):
     assert e_rule < 5e-3 and e_rule < 0.3 * e_full < 0.012
 
 
-@pytest.mark.parametrize("kw", [{"v_widen": True}, {"v_trans": True}, {"v_widen": True, "pipe": 2, "tma": True}])
+@pytest.mark.parametrize("kw", [{}, {"v_widen": True}, {"v_widen": True, "pipe": 2, "tma": True}])
 def test_fp8_token_major_v_modes(gen, device, kw):
     q, k, v, cu_q, cu_kv = _make(gen, device, [1, 40, 17], [64, 23, 0], kv_start=7)
     q, k, v = _cast("fp8", q, k, v, 1.5)

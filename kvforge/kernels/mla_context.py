@@ -54,9 +54,8 @@ _FP8_P_OFFSET = 8.0
 # decoded to fp16 on chip (GPUs without FP8 matrix instructions: sm_80/86).
 _QK_16, _QK_FP8, _QK_BYTES = 0, 1, 2
 # P·V modes (PV_MODE): 16-bit V; native FP8 P·V (e4m3 P); FP8 V widened to fp16 on chip with an fp16 P (no
-# transposed FP8 operand for token-major V); FP8 bytes decoded to fp16 (sm_80/86); the transposed product
-# accᵀ += Vᵀ·Pᵀ (FP8 token-major V as the left operand, P through shared memory).
-_PV_16, _PV_FP8, _PV_WIDEN, _PV_BYTES, _PV_TRANS = 0, 1, 2, 3, 4
+# transposed FP8 operand for token-major V); FP8 bytes decoded to fp16 (sm_80/86).
+_PV_16, _PV_FP8, _PV_WIDEN, _PV_BYTES = 0, 1, 2, 3
 # Decoded FP8 bytes are the true value times 2**-8 (see _e4m3_bytes_to_f16); the kernel folds 2**8 back into
 # its scales.
 _BYTES_SCALE = 256.0
@@ -105,9 +104,12 @@ def _e4m3_bytes_to_f16(b):
 @triton.jit
 def _quantise_q(qa, qb, NATIVE_FP8: tl.constexpr, D_B: tl.constexpr):
     """A 16-bit Q tile as e4m3 with one scale per row: ``s_q = amax(|q_row|) / 448`` over the whole head dim
-    (both parts), ``q8 = RNE(q / s_q)``; returns (q8_a, q8_b, s_q). The largest element of each row is exact and
-    every other element carries e4m3's relative rounding error (<= 2**-4, RMS ~2**-6 of the row's scale), so
-    scores move by a few 1e-3 of |q|·|k| against fp32: far below the K/V quantisation the caller chose."""
+    (both parts), ``q8 = RNE(q · (1 / s_q))``; returns (q8_a, q8_b, s_q), and ``s_q`` joins the score multiplier.
+
+    The row's largest element is exact; every other element carries e4m3's relative rounding (at most 2**-4,
+    3 mantissa bits), the same error a caller-quantised FP8 Q has. Against fp32 attention with the unquantised
+    Q it costs an output rel-RMSE of 0.020 (tests/test_mla_context.py, d_qk 192) to 0.022-0.027 (the H200 grid,
+    bench/results/mla_context_grid.csv); widening K to Q's type instead is exact but measured 2-2.8x slower."""
     amax = tl.max(tl.abs(qa.to(tl.float32)), 1)
     if D_B > 0:
         amax = tl.maximum(amax, tl.max(tl.abs(qb.to(tl.float32)), 1))
@@ -264,12 +266,6 @@ def _pv_dot(acc, p, v, PV_MODE: tl.constexpr, NATIVE_FP8: tl.constexpr, UPCAST: 
         else:
             pc = fp32_to_e4m3(p.to(tl.float32), False)  # the interpreter's own fp32->fp8 cast is wrong (NOTES §1)
         acc = tl.dot(pc, v, acc)
-    elif PV_MODE == 4:  # transposed: accᵀ[d_v, BLOCK_M] += Vᵀ·Pᵀ, so FP8 token-major V is the left operand
-        if NATIVE_FP8:
-            pc = p.to(tl.float8e4nv)
-        else:
-            pc = fp32_to_e4m3(p.to(tl.float32), False)
-        acc = tl.dot(tl.trans(v), tl.trans(pc), acc)
     elif PV_MODE == 2:  # FP8 V widened on chip: fp16 holds e4m3 exactly and P in [0, 256] with 11 bits
         acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
     elif PV_MODE == 3:  # FP8 bytes: decoded values are V * 2**-8 (the output scale takes the 2**8 back)
@@ -291,10 +287,7 @@ def _block_update(acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, 
     toks = pos - shift
     ok = (toks >= 0) & (toks < n_end)
     p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, ROW_SCALE, P_OFFSET, BLOCK_M, BLOCK_N)
-    if PV_MODE == 4:
-        acc = acc * alpha[None, :]
-    else:
-        acc = acc * alpha[:, None]
+    acc = acc * alpha[:, None]
     v = _load_v(v_ptrs, vd, kv_tok0 + start_n, v_col, pos, ok, stride_vt, BOUNDS, V_DIM_MAJOR, USE_TMA)
     return _pv_dot(acc, p, v, PV_MODE, NATIVE_FP8, UPCAST), m_new, l_i
 
@@ -464,10 +457,7 @@ def _mla_context_fwd_kernel(
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PV_MODE == 4:
-        acc = tl.zeros((DV, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
     key_limit = diag0 + offs_m
     n_end = diag0 + n_rows  # one past the last key the tile's last real row sees (<= kv_len)
     # In block positions (key + shift), four sweeps, each a multiple of BLOCK_N long:
@@ -504,10 +494,7 @@ def _mla_context_fwd_kernel(
         PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
-    if PV_MODE == 4:
-        o = tl.trans(acc * (out_scale / l_i)[None, :])
-    else:
-        o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+    o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
     o_ptrs = O + q_rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + offs_v[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
@@ -584,7 +571,6 @@ def _cfg(
     exp_poly: bool = False,
     q_quant: bool = False,
     v_widen: bool = False,
-    v_trans: bool = False,
     fp8_bytes: bool = False,
 ) -> triton.Config:
     """A launch configuration. ``pipe_qk``: 0 (plain loops) or 2 (carried score part; 1 named a variant that
@@ -595,7 +581,7 @@ def _cfg(
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "EXP_POLY": int(exp_poly), "USE_TMA": int(tma)}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
     for name, val in (("PIPE_QK", pipe_qk), ("HEADS_OUTER", heads_outer), ("Q_QUANT", q_quant),
-                      ("V_WIDEN", v_widen), ("V_TRANS", v_trans), ("FP8_BYTES", fp8_bytes)):  # fmt: skip
+                      ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes)):  # fmt: skip
         if val:
             kwargs[name] = int(val)
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
@@ -626,7 +612,7 @@ def _applies(cfg: triton.Config, key: tuple) -> bool:
     q_kind, kv_kind, layout = key[2], key[3], key[4]
     if k.get("Q_QUANT") and not (q_kind != "e4m3" and kv_kind == "e4m3"):
         return False
-    if (k.get("V_WIDEN") or k.get("V_TRANS")) and not (kv_kind == "e4m3" and layout == "token_major"):
+    if k.get("V_WIDEN") and not (kv_kind == "e4m3" and layout == "token_major"):
         return False
     return not (k.get("FP8_BYTES") and kv_kind != "e4m3")
 
@@ -977,7 +963,6 @@ class MLAContextPlan:
         fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma)
         q_quant = bool(kw.pop("Q_QUANT", 0)) and kv_fp8 and not q_fp8 and not fp8_bytes
         v_widen = bool(kw.pop("V_WIDEN", 0)) and kv_fp8 and not fp8_bytes
-        v_trans = bool(kw.pop("V_TRANS", 0)) and kv_fp8 and not fp8_bytes and not v_widen
         if fp8_bytes:  # no FP8 types reach the kernel: FP8 tensors as their bytes
             k, v = k.view(torch.uint8), v.view(torch.uint8)
             if q_fp8:
@@ -993,7 +978,7 @@ class MLAContextPlan:
             qk_mode, pv_mode = _QK_BYTES, _PV_BYTES
         else:
             qk_mode = _QK_FP8 if (q_fp8 or q_quant) else _QK_16
-            pv_mode = (_PV_WIDEN if v_widen else _PV_TRANS if v_trans else _PV_FP8) if kv_fp8 else _PV_16
+            pv_mode = (_PV_WIDEN if v_widen else _PV_FP8) if kv_fp8 else _PV_16
         meta = dict(
             H=sh.num_heads,
             GROUP=sh.num_heads // sh.num_kv_heads,
