@@ -7,7 +7,7 @@ lists them: FP8 Q/K/V with dim-major V (planned), FP8 Q/K/V token-major (planned
 (ragged, planned once). Every output is checked against the fp32 reference first (two heads, as heads are
 independent); a path that fails is not reported. FLOPs = Σ_r 2·H·(d_qk + d_v)·q_len·(kv_len − (q_len − 1)/2).
 
-    python bench/bench_mla_context.py [--out DIR] [--tune] [--workloads REGEX] [--no-peer] [--deadline-s S]
+    python bench/bench_mla_context.py [--out DIR] [--tune] [--workloads REGEX | --quick] [--no-peer] [--deadline-s S]
 
 ``--tune`` first times the sweep candidates of each kernel key (below) on a few grid workloads, keeps the fastest
 correct one and writes ``DIR/sm90.json`` (the committed file with these keys replaced). Results: one CSV row per
@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune", action="store_true", help="sweep the candidates per key first and use the best")
     ap.add_argument("--max-tune-seconds", type=float, default=150.0)
     ap.add_argument("--workloads", default=None, help="regular expression on the workload names")
+    ap.add_argument("--quick", action="store_true", help="the four 32-head workloads only (bench/run_gpu_suite.sh)")
     ap.add_argument("--no-peer", action="store_true", help="kvforge paths only")
     ap.add_argument("--deadline-s", type=float, default=None, help="skip what is left after this many seconds")
     args = ap.parse_args(argv)
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_mla_context: needs a CUDA GPU (the H200); nothing measured", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    names = [n for n in GRID if args.workloads is None or re.search(args.workloads, n)]
+    pattern = args.workloads or ("^h32 " if args.quick else None)
+    names = [n for n in GRID if pattern is None or re.search(pattern, n)]
     out_dir = args.out
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
