@@ -6,8 +6,10 @@
   machine without a driver works.
 * ``TunedKernel``: per-SM launch configuration. Candidates come from a table keyed by compute capability with a
   fallback. On a GPU the best candidate per (arch, key) is taken from the committed file ``tuned/sm<XY>.json``
-  when present, else measured once with ``triton.testing.do_bench`` and remembered. In the interpreter (where
-  multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter config is used.
+  when present, else measured once with ``triton.testing.do_bench`` and remembered (at most ``tune_first``
+  candidates, as each one compiles; ``ConfigTable.keep_arch`` drops those an architecture cannot hold). In the
+  interpreter (where multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter
+  config is used.
   The key holds only what changes the best tile (head dims, dtypes, flags), never batch size or lengths.
 * ``TunedKernel.launch_fast``: the same launch for hot paths. The first call per ``spec`` goes through
   ``JITFunction.run`` (compiles, tunes); later calls with an equal ``spec`` hand the arguments straight to the
