@@ -671,12 +671,12 @@ def _plan_kw(q, k, v_layout="token_major"):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0 / 0 of empty and invalid items (NaN by design)
-@pytest.mark.parametrize("mode,v_layout", [("bf16", "token_major"), ("fp8", "dim_major"), ("fp8kv", "token_major")])
+@pytest.mark.parametrize("mode,v_layout", [("fp8", "dim_major"), ("fp8kv", "token_major")])
 def test_one_call_device_table_equals_host_plan(gen, device, mode, v_layout):
     """With max_seqlen_q/_kv and device cu_seqlens the work table is built on the device: same items in the same
     order as the host plan (heaviest first), so bit-identical output and LSE; looser bounds only add empty items
     (on a GPU a max_seqlen_q past SHORT_Q_ROWS picks the long-query tile class, so only closeness is checked)."""
-    q_lens, cached = [5, 0, 33, 17, 40], [17, 64, 0, 40, 3]
+    q_lens, cached = [5, 0, 40, 17], [17, 64, 0, 3]
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, kv_start=3)
     s = 1.0 if mode == "bf16" else 1.5
     q, k, v = _cast(mode, q, k, v, s)
