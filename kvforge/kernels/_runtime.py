@@ -6,8 +6,10 @@
   machine without a driver works.
 * ``TunedKernel``: per-SM launch configuration. Candidates come from a table keyed by compute capability with a
   fallback. On a GPU the best candidate per (arch, key) is taken from the committed file ``tuned/sm<XY>.json``
-  when present, else measured once with ``triton.testing.do_bench`` and remembered. In the interpreter (where
-  multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter config is used.
+  when present, else measured once with ``triton.testing.do_bench`` and remembered (at most ``tune_first``
+  candidates, as each one compiles; ``ConfigTable.keep_arch`` drops those an architecture cannot hold). In the
+  interpreter (where multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter
+  config is used.
   The key holds only what changes the best tile (head dims, dtypes, flags), never batch size or lengths.
 * ``TunedKernel.launch_fast``: the same launch for hot paths. The first call per ``spec`` goes through
   ``JITFunction.run`` (compiles, tunes); later calls with an equal ``spec`` hand the arguments straight to the
@@ -96,19 +98,25 @@ class ConfigTable:
 
     ``by_arch`` maps ``(major, minor)`` or ``major`` to a candidate list; the most specific match wins, then
     ``fallback``. ``interpreter`` is the single config used under TRITON_INTERPRET (small tiles keep it fast).
-    ``keep`` filters candidates for a given key (e.g. tiles too large for a head dim), like tutorial 06's keep().
+    ``keep`` filters candidates for a given key (e.g. tiles too large for a head dim), like tutorial 06's keep();
+    ``keep_arch`` does the same with the architecture too (``None`` in the interpreter), e.g. for shared memory.
     """
 
     fallback: Sequence[triton.Config]
     interpreter: triton.Config
     by_arch: Mapping[Any, Sequence[triton.Config]] = field(default_factory=dict)
     keep: Callable[[triton.Config, ConfigKey], bool] | None = None
+    keep_arch: Callable[[triton.Config, ConfigKey, tuple[int, int] | None], bool] | None = None
 
     def candidates(self, cap: tuple[int, int] | None, key: ConfigKey) -> list[triton.Config]:
         if cap is None:
             return [self.interpreter]
         configs = self.by_arch.get(cap) or self.by_arch.get(cap[0]) or self.fallback
-        kept = [c for c in configs if self.keep is None or self.keep(c, key)]
+        kept = [
+            c
+            for c in configs
+            if (self.keep is None or self.keep(c, key)) and (self.keep_arch is None or self.keep_arch(c, key, cap))
+        ]
         return kept or list(self.fallback[:1])
 
 
@@ -213,10 +221,11 @@ class TunedKernel:
     launches are idempotent (every kernel here writes outputs it does not read).
     """
 
-    def __init__(self, name: str, fn: Any, table: ConfigTable) -> None:
+    def __init__(self, name: str, fn: Any, table: ConfigTable, tune_first: int | None = None) -> None:
         self.name = name
         self.fn = fn
         self.table = table
+        self.tune_first = tune_first  # tune over at most this many candidates (each one compiles)
         self._chosen: dict[tuple[str, ConfigKey], triton.Config] = {}
         self._fast: dict[Any, tuple[Any, ...]] = {}
         self._lock = threading.Lock()
@@ -233,7 +242,7 @@ class TunedKernel:
         if committed is not None and os.environ.get("KVFORGE_RETUNE", "0") != "1":
             cfg = config_from_json(committed)
         else:
-            candidates = self.table.candidates(cap, key)
+            candidates = self.table.candidates(cap, key)[: self.tune_first]
             if len(candidates) == 1 or run is None:
                 cfg = candidates[0]
             else:

@@ -1,61 +1,20 @@
 """MLA context attention over a cached prefix: bf16/fp16 or caller-quantised FP8 (e4m3) inputs.
 
-Each request r brings ``q_len[r]`` new query rows and ``kv_len[r] = cached[r] + q_len[r]`` key/value rows
-(``cu_seqlens_q`` / ``cu_seqlens_kv``). Query row i of r sees keys ``0 .. kv_len[r] - q_len[r] + i``: causal,
-aligned to the end of the request's KV. DeepSeek-style MLA in context form: d_qk = 192 (128 nope + 64 rope),
-d_v = 128, but any d_qk that is a power of two or a sum of two (128 + 64) and any power-of-two d_v work.
+Request r has ``q_len[r]`` new query rows and ``kv_len[r] = cached[r] + q_len[r]`` key/value rows
+(``cu_seqlens_q`` / ``cu_seqlens_kv``); query row i sees keys ``0 .. kv_len[r] - q_len[r] + i`` (causal, aligned
+to the end of the KV). d_qk a power of two or a sum of two (192 = 128 + 64), d_v a power of two; H_kv divides H.
 
-FP8 scale contract (NOTES §1): an FP8 tensor holds ``e4m3(x * kv_scale_orig_quant)`` and the kernel dequantises
-with ``s = kv_scale_quant_orig = 1 / kv_scale_orig_quant``::
+FP8 (NOTES §1): an FP8 tensor holds ``e4m3(x * kv_scale_orig_quant)``; the kernel dequantises with
+``s = kv_scale_quant_orig``: ``O = softmax(q·kᵀ · s_q · s_k · softmax_scale) · v · s_v`` (``s_k = s_v = s`` for FP8
+K/V, ``s_q = s`` for FP8 Q). A 16-bit Q with FP8 K/V is quantised on chip (``Q_QUANT``, see ``_quantise_q``) or
+its K is widened to Q's type, whichever the per-GPU table chose. V is token-major ``[T, H_kv, d_v]`` or
+dim-major ``[H_kv, d_v, T]`` (``v_layout``). ``return_lse``: fp32 natural-log LSE of the scaled scores, so
+partial results merge exactly with ``merge_attention_states``.
 
-    O = softmax(q·kᵀ · s_q · s_k · softmax_scale) · v · s_v
-
-with ``s_k = s_v = s`` for FP8 K/V (else 1) and ``s_q = s`` for FP8 Q (else 1).
-
-Log-sum-exp (``return_lse=True``): fp32 ``[total_q, H]`` in NATURAL-log units of the scaled scores,
-``lse = log Σ_j exp(softmax_scale · s_q · s_k · q·k_j)``, so partial attentions over disjoint key sets merge
-exactly as ``O = Σ_i exp(lse_i − lse) · O_i`` with ``lse = log Σ_i exp(lse_i)``.
-
-Layout of the work: the host plans (request, query-tile) items once per batch, heaviest first, so a batch that
-mixes one long prefill with many short extends does not end on a tail of idle SMs; the grid is ``items × heads``,
-heads outermost for long queries (``HEADS_OUTER``, below) and innermost for short ones. Per tile, keys that every
-row of the tile sees are swept without any mask; only the last ``≈ BLOCK_M / BLOCK_N + 1`` key blocks (the causal
-diagonal) pay for a score mask, and only a block that reaches outside the request's keys (at most the aligned head
-and the block holding the tile's last key) also zeroes its V rows. A batch whose longest query has at most
-``SHORT_Q_ROWS`` (64) rows plans with its own config key (64-row tiles), so 64-row extends over long prefixes do
-not leave half of every tile idle.
-
-Speed-relevant choices (why; measured on the H200, see bench/results/mla_context_h200*.log):
-* ``HEADS_OUTER``: consecutive programs are tiles of one head, so the ~130 programs resident at once read a
-  few heads' K/V and share it in L2; heads innermost, they streamed ~130 different heads from DRAM. bf16 +6%,
-  FP8 +1% (3 stages) to +9% (4 stages) on the long-query workloads (13b5cd8); with one tile per request (short
-  queries) there is nothing to share and heads innermost, which reads neighbouring rows of token-major K, was
-  8% faster.
-* ``PIPE_QK = 2``: the first head-dim part of the next block's scores (q_a·k_aᵀ, 128 of 192) is issued right
-  after this block's P·V and carried into the next iteration, where q_b·k_bᵀ accumulates onto it. Triton makes a
-  product that is used in its own iteration synchronous (it waits for every product in flight), so the plain
-  loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and q_b·k_bᵀ back
-  to back: +10-12% FP8 (a55e342, 1ba09ff), +4-6% bf16 (a01c531) once every sweep took this form (see
-  ``_carried_sweep``: with one plain loop left, ptxas serialised all of bf16's matrix instructions and the same
-  loop lost 18%). Issuing P·V of block j and q_a·k_aᵀ of block j + 2 before block j + 1's softmax (FA3's
-  intra-warpgroup overlap) compiled to that schedule but lost 5-16% (7ba5161) and was removed.
-* scores are kept in log2 units (``log2(e)`` folded into the one score multiplier) so each probability is one
-  ``exp2``. ``EXP_POLY`` sends half of the exponentials to a cubic polynomial on the FMA units (FA4's trick);
-  with Triton 3.6 it was 7-13% slower on every tile shape tried, so it is only a tuning knob.
-* FP8 P·V: P is in [0, 256] (the running max is offset by 8 in log2 units, so small probabilities stay in
-  e4m3's normal range instead of its subnormals) and is cast once per tile; ``v_layout="dim_major"`` stores V
-  as ``[H_kv, d_v, tokens]`` so the FP8 matrix instruction reads its reduction dimension (tokens) contiguously:
-  2.1-2.3x faster than token-major FP8 V.
-* ``USE_TMA``: K, V and Q tiles come through 2-D tensor descriptors (Hopper's bulk copy engine) instead of
-  per-thread pointer loads: bf16 169 instead of 202 registers and +3.5% at 3 stages; FP8 within ±2%. For
-  dim-major V every key block starts at a 16-byte-aligned token (the request's first block is shifted back and
-  masked), which legal descriptor offsets and 16-byte vector loads both need.
-* 3 software-pipeline stages instead of 2: +26-45% (FP8) / +28% (bf16); the FP8 kernel then holds 255 registers
-  per thread (no spills) and 147.5 KB of shared memory, one 8-warp program per SM.
-* Masked blocks never zero K: a masked score is replaced by -inf whatever its K row held, so K stays in shared
-  memory for the matrix unit. Zeroing a descriptor-loaded tile forces it through registers and back (an sm_90
-  compile showed 1,474 instructions per diagonal iteration against 577 unmasked); the causal-only diagonal
-  body is 766 (FP8 128x128, Triton 3.9), and only bounds blocks still zero V.
+Entry points: ``MLAContextPlan.plan`` (host work table, once per step) + ``run`` (per layer, graph-capturable),
+or one call ``mla_context_attention``, which with ``max_seqlen_q``/``max_seqlen_kv`` and device ``cu_seqlens``
+builds the work table on the device (no host sync). ``mla_context_paths`` says which paths a GPU has; inputs a
+device cannot run raise ``ValueError`` before any launch. Design notes and measurements: bench/results/mla_context.md.
 """
 
 from __future__ import annotations
@@ -69,15 +28,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import FP8, check_tensor, same_device
+from kvforge.kernels._checks import FP8, check_launch_device, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, native_fp8_cast
 from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
 from kvforge.kernels._selfcheck import CheckRow, timed_check
+from kvforge.kernels.capability import capability_for, gpu_capability
 
 __all__ = [
     "MLAContextPlan",
     "mla_context_attention",
     "mla_context_attention_ref",
+    "mla_context_paths",
     "quantize_kv_e4m3",
     "selfcheck",
     "v_to_dim_major",
@@ -89,6 +50,15 @@ V_LAYOUTS = ("token_major", "dim_major")
 # Running-max offset (log2 units) on the FP8 P·V path: P = 2**(x - m + 8) lies in [0, 256] ⊂ e4m3's range and
 # probabilities down to 2**-14 stay normal numbers. The row sum uses the same offset, so it cancels in O = acc / l.
 _FP8_P_OFFSET = 8.0
+# Score product modes (QK_MODE): 16-bit operands (FP8 K widened to Q's type), native e4m3 x e4m3, or FP8 bytes
+# decoded to fp16 on chip (GPUs without FP8 matrix instructions: sm_80/86).
+_QK_16, _QK_FP8, _QK_BYTES = 0, 1, 2
+# P·V modes (PV_MODE): 16-bit V; native FP8 P·V (e4m3 P); FP8 V widened to fp16 on chip with an fp16 P (no
+# transposed FP8 operand for token-major V); FP8 bytes decoded to fp16 (sm_80/86).
+_PV_16, _PV_FP8, _PV_WIDEN, _PV_BYTES = 0, 1, 2, 3
+# Decoded FP8 bytes are the true value times 2**-8 (see _e4m3_bytes_to_f16); the kernel folds 2**8 back into
+# its scales.
+_BYTES_SCALE = 256.0
 
 
 # ----------------------------------------------------------------------------------------------------- kernel
@@ -120,11 +90,47 @@ def _exp2_tile(x, EXP_POLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _qk_dot(q, k, acc, Q_FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + q @ kᵀ for one block; k is [BLOCK_N, d]."""
-    if Q_FP8:
+def _e4m3_bytes_to_f16(b):
+    """e4m3fn bytes (uint8) -> fp16 equal to the value times 2**-8, exactly (subnormals included).
+
+    e4m3's 4 exponent and 3 mantissa bits placed in fp16's exponent and top mantissa bits give the same number
+    with fp16's bias (15) instead of e4m3's (7); integer ops only, so it compiles for GPUs without FP8 types and
+    is exact in the interpreter. 0x7F (NaN) decodes as 480 * 2**-8, like the interpreter's own decode."""
+    x = b.to(tl.uint16)
+    bits = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _quantise_q(qa, qb, NATIVE_FP8: tl.constexpr, D_B: tl.constexpr):
+    """A 16-bit Q tile as e4m3 with one scale per row: ``s_q = amax(|q_row|) / 448`` over the whole head dim
+    (both parts), ``q8 = RNE(q · (1 / s_q))``; returns (q8_a, q8_b, s_q), and ``s_q`` joins the score multiplier.
+
+    The row's largest element is exact; every other element carries e4m3's relative rounding (at most 2**-4,
+    3 mantissa bits), the same error a caller-quantised FP8 Q has. Against fp32 attention with the unquantised
+    Q it costs an output rel-RMSE of 0.020 (tests/test_mla_context.py, d_qk 192) to 0.022-0.027 (the H200 grid,
+    bench/results/mla_context_grid.csv); widening K to Q's type instead is exact but measured 2-2.8x slower."""
+    amax = tl.max(tl.abs(qa.to(tl.float32)), 1)
+    if D_B > 0:
+        amax = tl.maximum(amax, tl.max(tl.abs(qb.to(tl.float32)), 1))
+    s_q = tl.where(amax > 0, amax / 448.0, 1.0)
+    inv = 1.0 / s_q
+    qa8 = fp32_to_e4m3(qa.to(tl.float32) * inv[:, None], NATIVE_FP8)
+    qb8 = qa8
+    if D_B > 0:
+        qb8 = fp32_to_e4m3(qb.to(tl.float32) * inv[:, None], NATIVE_FP8)
+    return qa8, qb8, s_q
+
+
+@triton.jit
+def _qk_dot(q, k, acc, QK_MODE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + q @ kᵀ for one block; k is [BLOCK_N, d] (FP8 bytes for ``_QK_BYTES``, decoded here)."""
+    if QK_MODE == 1:
         return tl.dot(q, tl.trans(k), acc)  # e4m3 x e4m3 -> fp32 (exact in the interpreter too)
-    kk = k.to(q.dtype)  # FP8 K with a 16-bit Q: e4m3 widens exactly
+    if QK_MODE == 2:
+        kk = _e4m3_bytes_to_f16(k).to(q.dtype)  # exact in bf16 too (4 significant bits)
+    else:
+        kk = k.to(q.dtype)  # FP8 K with a 16-bit Q: e4m3 widens exactly
     if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
         return tl.dot(q.to(tl.float32), tl.trans(kk.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(q, tl.trans(kk), acc)
@@ -153,50 +159,28 @@ def _causal_mask(s, toks, key_limit):
 
 
 @triton.jit
-def _block_scores(
-    qa,
-    qb,
-    k_ptrs_a,
-    k_ptrs_b,
-    kd_a,
-    kd_b,
-    kv_tok0,
-    shift,
-    k_col,
-    start_n,
-    key_limit,
-    n_end,
-    offs_n,
-    stride_kt,
-    CAUSAL: tl.constexpr,
-    BOUNDS: tl.constexpr,
-    D_A: tl.constexpr,
-    D_B: tl.constexpr,
-    Q_FP8: tl.constexpr,
-    UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _block_scores(qa, qb, k_ptrs_a, k_ptrs_b, kd_a, kd_b, kv_tok0, shift, k_col, start_n, key_limit, n_end, offs_n,
+                  stride_kt, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr,
+                  QK_MODE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
     """Raw scores q·kᵀ of one key block, masked to -inf where a row may not see a key.
 
     Block positions count from ``kv_tok0`` (the request's first KV row rounded down to the alignment), so key
     index = position - ``shift``. ``CAUSAL`` blocks (the diagonal) mask scores past each row's last visible
     key; ``BOUNDS`` blocks reach outside the request's keys ``[0, n_end)`` and mask those too. K rows are never
-    zeroed: a masked score is replaced by -inf whatever the K row held, so the K tiles stay in shared memory
-    (no register round trip)."""
+    zeroed: a masked score is replaced by -inf whatever the K row held, so the K tiles stay in shared memory."""
     pos = start_n + offs_n
     toks = pos - shift
     ok = (toks >= 0) & (toks < n_end)
     row = kv_tok0 + start_n
     ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
     s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    s = _qk_dot(qa, ka, s, Q_FP8, UPCAST)
+    s = _qk_dot(qa, ka, s, QK_MODE, UPCAST)
     if D_B > 0:
         kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, ok, stride_kt, BOUNDS and not USE_TMA, USE_TMA)
-        s = _qk_dot(qb, kb, s, Q_FP8, UPCAST)
-    # key_limit[i]: last key row i may see (prefix + i). Keys outside the request are excluded too, so rows of
-    # the tile past the request (never stored) stay finite whatever those keys hold.
+        s = _qk_dot(qb, kb, s, QK_MODE, UPCAST)
+    # Keys outside the request are excluded too, so rows of the tile past the request (never stored) stay
+    # finite whatever those keys hold.
     if CAUSAL and BOUNDS:
         s = tl.where((toks[None, :] <= key_limit[:, None]) & ok[None, :], s, float("-inf"))
     elif CAUSAL:
@@ -208,32 +192,31 @@ def _block_scores(
 
 @triton.jit
 def _early_scores(qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n, offs_n, stride_kt, D_B: tl.constexpr,
-                  Q_FP8: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                  QK_MODE: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """The first head-dim part (q_a·k_aᵀ) of a block's unmasked scores; nothing when the head dim has one part.
-    Unmasked blocks lie inside the request: no validity mask (``None``) for the loads."""
+    """The first head-dim part (q_a·k_aᵀ) of a block's unmasked scores; nothing when the head dim has one part."""
     s_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if D_B > 0:
         pos = start_n + offs_n
         ka = _load_kv(k_ptrs_a, kd_a, kv_tok0 + start_n, k_col, pos, None, stride_kt, False, USE_TMA)
-        s_a = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
+        s_a = _qk_dot(qa, ka, s_a, QK_MODE, UPCAST)
     return s_a
 
 
 @triton.jit
 def _late_scores(s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt,
-                 D_A: tl.constexpr, D_B: tl.constexpr, Q_FP8: tl.constexpr, UPCAST: tl.constexpr,
+                 D_A: tl.constexpr, D_B: tl.constexpr, QK_MODE: tl.constexpr, UPCAST: tl.constexpr,
                  USE_TMA: tl.constexpr):  # fmt: skip
-    """The rest of a block's unmasked scores on top of ``_early_scores``' part: q_b·k_bᵀ accumulated into
-    ``s_a`` (the matrix unit chains the two products without a wait), or the whole q·kᵀ for one part."""
+    """The rest of a block's unmasked scores on top of ``_early_scores``' part (q_b·k_bᵀ accumulated into
+    ``s_a``, chained by the matrix unit without a wait), or the whole q·kᵀ for one part."""
     pos = start_n + offs_n
     row = kv_tok0 + start_n
     if D_B > 0:
         kb = _load_kv(k_ptrs_b, kd_b, row, k_col + D_A, pos, None, stride_kt, False, USE_TMA)
-        s = _qk_dot(qb, kb, s_a, Q_FP8, UPCAST)
+        s = _qk_dot(qb, kb, s_a, QK_MODE, UPCAST)
     else:
         ka = _load_kv(k_ptrs_a, kd_a, row, k_col, pos, None, stride_kt, False, USE_TMA)
-        s = _qk_dot(qa, ka, s_a, Q_FP8, UPCAST)
+        s = _qk_dot(qa, ka, s_a, QK_MODE, UPCAST)
     return s
 
 
@@ -258,252 +241,157 @@ def _load_v(v_ptrs, vd, row, v_col, pos, ok, stride_vt, BOUNDS: tl.constexpr, V_
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):  # fmt: skip
+def _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY: tl.constexpr, ROW_SCALE: tl.constexpr, P_OFFSET: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Online softmax of one block of masked raw scores: (P in fp32, alpha, new max, new sum). The caller
-    rescales the accumulator by alpha before adding P·V."""
+    rescales the accumulator by alpha before adding P·V. ``ROW_SCALE``: ``qk_scale`` is one value per row (the
+    on-chip Q quantisation's scale folded in), else one scalar."""
     # Scores stay raw; the single multiplier (softmax scale, dequant scales, log2 e) goes into one FMA per score.
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = _exp2_tile(s * qk_scale - (m_new[:, None] - P_OFFSET), EXP_POLY, BLOCK_M, BLOCK_N)
+    if ROW_SCALE:
+        p = _exp2_tile(s * qk_scale[:, None] - (m_new[:, None] - P_OFFSET), EXP_POLY, BLOCK_M, BLOCK_N)
+    else:
+        p = _exp2_tile(s * qk_scale - (m_new[:, None] - P_OFFSET), EXP_POLY, BLOCK_M, BLOCK_N)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
 @triton.jit
-def _p_operand(p, P_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """P as the P·V product's left operand: V's 16-bit type, or e4m3 for FP8 V."""
-    if KV_FP8:
+def _pv_dot(acc, p, v, PV_MODE: tl.constexpr, NATIVE_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + P·V with P converted to the product's operand type (see ``_PV_*``)."""
+    if PV_MODE == 1:  # e4m3 P x e4m3 V; p is in [0, 2**P_OFFSET], so the saturating cast needs no clamp
         if NATIVE_FP8:
-            # p is in [0, 2**P_OFFSET] by construction, so the hardware's saturating cast needs no clamp.
             pc = p.to(tl.float8e4nv)
         else:
             pc = fp32_to_e4m3(p.to(tl.float32), False)  # the interpreter's own fp32->fp8 cast is wrong (NOTES §1)
-    else:
-        pc = p.to(P_DTYPE)
-    return pc
-
-
-@triton.jit
-def _pv_dot(acc, pc, v, KV_FP8: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST and not KV_FP8:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
-        acc = tl.dot(pc.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
-    else:
         acc = tl.dot(pc, v, acc)
+    elif PV_MODE == 2:  # FP8 V widened on chip: fp16 holds e4m3 exactly and P in [0, 256] with 11 bits
+        acc = tl.dot(p.to(tl.float16), v.to(tl.float16), acc)
+    elif PV_MODE == 3:  # FP8 bytes: decoded values are V * 2**-8 (the output scale takes the 2**8 back)
+        acc = tl.dot(p.to(tl.float16), _e4m3_bytes_to_f16(v), acc)
+    elif UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc
 
 
 @triton.jit
-def _block_update(
-    acc,
-    m_i,
-    l_i,
-    s,
-    v_ptrs,
-    vd,
-    kv_tok0,
-    shift,
-    v_col,
-    start_n,
-    n_end,
-    offs_n,
-    stride_vt,
-    qk_scale,
-    BOUNDS: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    V_DIM_MAJOR: tl.constexpr,
-    UPCAST: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
-    EXP_POLY: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    P_OFFSET: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _block_update(acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
+                  BOUNDS: tl.constexpr, PV_MODE: tl.constexpr, V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
+                  NATIVE_FP8: tl.constexpr, EXP_POLY: tl.constexpr, ROW_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+                  P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The online-softmax step of one key block from its masked scores ``s``: rescale, P, P·V."""
     pos = start_n + offs_n
     toks = pos - shift
     ok = (toks >= 0) & (toks < n_end)
-    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, P_OFFSET, BLOCK_M, BLOCK_N)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i, qk_scale, EXP_POLY, ROW_SCALE, P_OFFSET, BLOCK_M, BLOCK_N)
     acc = acc * alpha[:, None]
     v = _load_v(v_ptrs, vd, kv_tok0 + start_n, v_col, pos, ok, stride_vt, BOUNDS, V_DIM_MAJOR, USE_TMA)
-    return _pv_dot(acc, _p_operand(p, v.dtype, KV_FP8, NATIVE_FP8), v, KV_FP8, UPCAST), m_new, l_i
+    return _pv_dot(acc, p, v, PV_MODE, NATIVE_FP8, UPCAST), m_new, l_i
 
 
 @triton.jit
-def _attend_block(
-    acc,
-    m_i,
-    l_i,
-    qa,
-    qb,
-    k_ptrs_a,
-    k_ptrs_b,
-    v_ptrs,
-    kd_a,
-    kd_b,
-    vd,
-    kv_tok0,
-    shift,
-    k_col,
-    v_col,
-    start_n,
-    key_limit,
-    n_end,
-    offs_n,
-    stride_kt,
-    stride_vt,
-    qk_scale,
-    CAUSAL: tl.constexpr,
-    BOUNDS: tl.constexpr,
-    D_A: tl.constexpr,
-    D_B: tl.constexpr,
-    Q_FP8: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    V_DIM_MAJOR: tl.constexpr,
-    UPCAST: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
-    EXP_POLY: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    P_OFFSET: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """One key block of the online softmax: its scores, then the update."""
-    s = _block_scores(
-        qa, qb, k_ptrs_a, k_ptrs_b, kd_a, kd_b, kv_tok0, shift, k_col, start_n, key_limit, n_end, offs_n,
-        stride_kt, CAUSAL, BOUNDS, D_A, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    return _block_update(
-        acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
-        BOUNDS, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-
-
-@triton.jit
-def _carried_step(
-    acc, m_i, l_i, s_a, start_n, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col, v_col,
-    key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr, D_A: tl.constexpr,
-    D_B: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, P_OFFSET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+def _carried_step(acc, m_i, l_i, s_a, start_n, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift,
+                  k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr,
+                  D_A: tl.constexpr, D_B: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
+                  V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr, NATIVE_FP8: tl.constexpr, EXP_POLY: tl.constexpr,
+                  ROW_SCALE: tl.constexpr, USE_TMA: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
     """One block of ``_carried_sweep``: the rest of its scores onto the carried part ``s_a``, then the update."""
     s = _late_scores(
-        s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B, Q_FP8,
+        s_a, qa, qb, kd_a, kd_b, k_ptrs_a, k_ptrs_b, kv_tok0, k_col, start_n, offs_n, stride_kt, D_A, D_B, QK_MODE,
         UPCAST, USE_TMA,
     )  # fmt: skip
     if CAUSAL:
         s = _causal_mask(s, start_n + offs_n - shift, key_limit)
     return _block_update(
         acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
-        False, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+        False, PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, ROW_SCALE, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
 
 @triton.jit
-def _carried_sweep(
-    acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col, v_col,
-    key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr, D_A: tl.constexpr,
-    D_B: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, P_OFFSET: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """Key blocks [lo, hi) inside the request (``CAUSAL``: the diagonal) with the first head-dim part of each
-    block's scores (q_a·k_aᵀ) issued right after the previous block's P·V and carried into the next iteration,
-    where the second part accumulates onto it without a wait.
+def _sweep(acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col, v_col,
+           key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL: tl.constexpr, BOUNDS: tl.constexpr,
+           CARRIED: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, QK_MODE: tl.constexpr,
+           PV_MODE: tl.constexpr, V_DIM_MAJOR: tl.constexpr, UPCAST: tl.constexpr, NATIVE_FP8: tl.constexpr,
+           EXP_POLY: tl.constexpr, ROW_SCALE: tl.constexpr, USE_TMA: tl.constexpr, P_OFFSET: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Key blocks [lo, hi) of the online softmax; ``CAUSAL``: score mask on the diagonal; ``BOUNDS``: blocks that
+    reach outside the request's keys (masked scores, zeroed V rows).
 
-    Triton makes a product that is used in its own iteration synchronous (it waits for every product in flight),
-    so the plain loop waits twice per key block; this one waits once, and the matrix unit runs P·V, q_a·k_aᵀ and
-    q_b·k_bᵀ back to back. Every sweep of a kernel takes this form or none does: a plain loop's wait between the
-    two parts threads shared-memory descriptors whose registers the compiler may set between the product and
-    the wait, and ptxas then serialises every matrix instruction of the kernel (C7515)."""
-    if hi > lo:
-        last = hi - BLOCK_N
-        s_a = _early_scores(
-            qa, kd_a, k_ptrs_a, kv_tok0, k_col, lo, offs_n, stride_kt, D_B, Q_FP8, UPCAST, USE_TMA, BLOCK_M, BLOCK_N
-        )
-        for start_n in tl.range(lo, last, BLOCK_N):
-            acc, m_i, l_i = _carried_step(
-                acc, m_i, l_i, s_a, start_n, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift,
-                k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL, D_A, D_B, Q_FP8,
-                KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+    ``CARRIED`` (``PIPE_QK = 2``, blocks inside the request): the first head-dim part of each block's scores
+    (q_a·k_aᵀ) is issued right after the previous block's P·V and carried into the next iteration, where the
+    second part accumulates onto it. Triton makes a product used in its own iteration synchronous (it waits for
+    every product in flight), so the plain loop waits twice per key block and this one once: the matrix unit
+    runs P·V, q_a·k_aᵀ and q_b·k_bᵀ back to back. Every in-request sweep of a kernel takes this form or none
+    does: ptxas otherwise serialises all of the kernel's matrix instructions (C7515)."""
+    if CARRIED:
+        if hi > lo:
+            last = hi - BLOCK_N
             s_a = _early_scores(
-                qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt, D_B, Q_FP8, UPCAST,
-                USE_TMA, BLOCK_M, BLOCK_N,
+                qa, kd_a, k_ptrs_a, kv_tok0, k_col, lo, offs_n, stride_kt, D_B, QK_MODE, UPCAST, USE_TMA, BLOCK_M,
+                BLOCK_N,
             )  # fmt: skip
-        acc, m_i, l_i = _carried_step(
-            acc, m_i, l_i, s_a, last, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col,
-            v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL, D_A, D_B, Q_FP8, KV_FP8,
-            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+            for start_n in tl.range(lo, last, BLOCK_N):
+                acc, m_i, l_i = _carried_step(
+                    acc, m_i, l_i, s_a, start_n, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift,
+                    k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL, D_A, D_B,
+                    QK_MODE, PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, ROW_SCALE, USE_TMA, P_OFFSET,
+                    BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+                s_a = _early_scores(
+                    qa, kd_a, k_ptrs_a, kv_tok0, k_col, start_n + BLOCK_N, offs_n, stride_kt, D_B, QK_MODE, UPCAST,
+                    USE_TMA, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            acc, m_i, l_i = _carried_step(
+                acc, m_i, l_i, s_a, last, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b, vd, kv_tok0, shift, k_col,
+                v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, CAUSAL, D_A, D_B, QK_MODE, PV_MODE,
+                V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, ROW_SCALE, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+    else:
+        for start_n in tl.range(lo, hi, BLOCK_N):
+            s = _block_scores(
+                qa, qb, k_ptrs_a, k_ptrs_b, kd_a, kd_b, kv_tok0, shift, k_col, start_n, key_limit, n_end, offs_n,
+                stride_kt, CAUSAL, BOUNDS, D_A, D_B, QK_MODE, UPCAST, USE_TMA, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+            acc, m_i, l_i = _block_update(
+                acc, m_i, l_i, s, v_ptrs, vd, kv_tok0, shift, v_col, start_n, n_end, offs_n, stride_vt, qk_scale,
+                BOUNDS, PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, ROW_SCALE, USE_TMA, P_OFFSET, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["n_items"])
 def _mla_context_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    Qd_a,
-    Qd_b,
-    Kd_a,
-    Kd_b,
-    Vd,
-    Work,
-    n_items,
-    scale_ptr,
-    softmax_scale,
-    kv_scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_ot,
-    stride_oh,
-    stride_lt,
+    Q, K, V, O, LSE, Qd_a, Qd_b, Kd_a, Kd_b, Vd, Work, n_items, scale_ptr, softmax_scale, kv_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lt,
     stride_lh,
-    H: tl.constexpr,
-    GROUP: tl.constexpr,
-    D_A: tl.constexpr,
-    D_B: tl.constexpr,
-    DV: tl.constexpr,
-    Q_FP8: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    V_DIM_MAJOR: tl.constexpr,
-    SCALE_FROM_PTR: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
-    P_OFFSET: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    EXP_POLY: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    KV_ALIGN: tl.constexpr,
-    PIPE_QK: tl.constexpr,
+    H: tl.constexpr, GROUP: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DV: tl.constexpr,
+    Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, Q_QUANT: tl.constexpr,
+    V_DIM_MAJOR: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, KV_ALIGN: tl.constexpr, PIPE_QK: tl.constexpr,
     HEADS_OUTER: tl.constexpr,
-):
+):  # fmt: skip
     """One (query tile, head) per program. With ``USE_TMA`` the ``*d_*`` arguments are 2-D tensor descriptors
-    (rows = tokens, columns = head x dim; V dim-major: rows = head x dim) and ``Q``/``K``/``V`` are unused."""
+    (rows = tokens, columns = head x dim; V dim-major: rows = head x dim) and ``Q``/``K``/``V`` are unused.
+    ``QK_MODE`` / ``PV_MODE``: the products' operand types (``_QK_*`` / ``_PV_*``); with the byte modes FP8
+    tensors arrive as uint8 and are decoded on chip. A work item is (first query row, rows, first KV row of the
+    request, keys every row sees - 1): 0 rows is an empty item; rows with no keys to sweep (an invalid request of
+    a device-built table: ``diag0 = -rows``) come out as NaN (0 / 0), never as another request's data."""
     pid = tl.program_id(0)
     if HEADS_OUTER:
         # Consecutive programs are tiles of one head: the programs resident at once read the same few heads'
-        # K/V, which then stay in L2 (heads innermost, ~130 resident programs stream ~130 different K/V heads
-        # from DRAM). Heaviest first still holds within each head, and the grid ends on the lightest tiles.
+        # K/V, which then stay in L2. Heaviest first still holds within each head.
         item = pid % n_items
         head = pid // n_items
     else:
         item = pid // H
         head = pid % H
-    # Work item (planned on the host, heaviest first): first query row of the tile (global), rows in the tile,
-    # first KV row of the request (global), and prefix + tile offset = keys every row of the tile sees minus 1.
     w = Work + item.to(tl.int64) * 4
     q_row0 = tl.load(w)
     n_rows = tl.load(w + 1)
@@ -514,10 +402,17 @@ def _mla_context_fwd_kernel(
     if SCALE_FROM_PTR:
         kv_scale = tl.load(scale_ptr).to(tl.float32)
     qk_scale = softmax_scale * LOG2E
+    out_scale = 1.0
     if KV_FP8:
         qk_scale = qk_scale * kv_scale
+        out_scale = kv_scale
         if Q_FP8:
             qk_scale = qk_scale * kv_scale
+    if PV_MODE == 3:  # decoded bytes are the value * 2**-8 (K, V, and Q when FP8)
+        qk_scale = qk_scale * 256.0
+        out_scale = out_scale * 256.0
+        if Q_FP8:
+            qk_scale = qk_scale * 256.0
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -547,6 +442,12 @@ def _mla_context_fwd_kernel(
     else:
         qb = qa
         k_ptrs_b = k_ptrs_a
+    if QK_MODE == 2 and Q_FP8:
+        qa = _e4m3_bytes_to_f16(qa)
+        qb = _e4m3_bytes_to_f16(qb)
+    if Q_QUANT:
+        qa, qb, s_q = _quantise_q(qa, qb, NATIVE_FP8, D_B)
+        qk_scale = qk_scale * s_q
     if V_DIM_MAJOR:
         v_ptrs = V + kvh.to(tl.int64) * stride_vh + kv_tok0.to(tl.int64) * stride_vt + offs_v[:, None] * stride_vd
     else:
@@ -565,87 +466,131 @@ def _mla_context_fwd_kernel(
     #   [diag_lo, in_end)    the causal diagonal inside the request's keys: score mask only;
     #   [tail_lo, pos_end)   at most one block reaching past n_end: score mask and zeroed V rows.
     head_end = tl.where(shift > 0, BLOCK_N, 0)
-    n_full = ((diag0 + shift + 1) // BLOCK_N) * BLOCK_N
+    n_full = tl.maximum(((diag0 + shift + 1) // BLOCK_N) * BLOCK_N, 0)
     pos_end = n_end + shift
     diag_lo = tl.maximum(n_full, head_end)
     in_end = ((n_end + shift) // BLOCK_N) * BLOCK_N
     tail_lo = tl.maximum(diag_lo, in_end)
+    CARRIED: tl.constexpr = PIPE_QK == 2
+    # The four sweeps, as (lo, hi, CAUSAL, BOUNDS, CARRIED); the rest of the arguments are the same.
+    acc, m_i, l_i = _sweep(
+        acc, m_i, l_i, 0, head_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
+        key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, True, False, D_A, D_B, QK_MODE, PV_MODE,
+        V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, m_i, l_i = _sweep(
+        acc, m_i, l_i, head_end, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, False, CARRIED, D_A, D_B, QK_MODE,
+        PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, m_i, l_i = _sweep(
+        acc, m_i, l_i, diag_lo, in_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, False, CARRIED, D_A, D_B, QK_MODE,
+        PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    acc, m_i, l_i = _sweep(
+        acc, m_i, l_i, tail_lo, pos_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, True, False, D_A, D_B, QK_MODE,
+        PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
-    for start_n in tl.range(0, head_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-            start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
-            BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-    if PIPE_QK == 2:  # unmasked keys, then the causal diagonal
-        acc, m_i, l_i = _carried_sweep(
-            acc, m_i, l_i, head_end, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
-            k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, D_A, D_B, Q_FP8, KV_FP8,
-            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-        acc, m_i, l_i = _carried_sweep(
-            acc, m_i, l_i, diag_lo, in_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift,
-            k_col, v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, D_A, D_B, Q_FP8, KV_FP8,
-            V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-    else:
-        for start_n in tl.range(head_end, n_full, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-                start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-                False, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
-                P_OFFSET, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-        for start_n in tl.range(diag_lo, in_end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-                start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-                True, False, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA,
-                P_OFFSET, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-    for start_n in tl.range(tail_lo, pos_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-            start_n, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale,
-            True, True, D_A, D_B, Q_FP8, KV_FP8, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, USE_TMA, P_OFFSET,
-            BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-
-    out_scale = kv_scale if KV_FP8 else 1.0
-    o = acc * (out_scale / l_i)[:, None]
+    o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
     o_ptrs = O + q_rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + offs_v[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
-        lse = (m_i - P_OFFSET + tl.math.log2(l_i)) * LN2
+        lse = tl.where(l_i > 0, (m_i - P_OFFSET + tl.math.log2(l_i)) * LN2, float("nan"))
         tl.store(LSE + q_rows * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr):
+    """(q_row0, n_rows, kv_row0, diag0) of tile t of request r (see ``_mla_work_table_kernel``)."""
+    q0 = tl.load(CuQ + r, mask=live, other=0)
+    q1 = tl.load(CuQ + r + 1, mask=live, other=0)
+    k0 = tl.load(CuKV + r, mask=live, other=0)
+    k1 = tl.load(CuKV + r + 1, mask=live, other=0)
+    ql = q1 - q0
+    kl = k1 - k0
+    rows_ok = (q0 >= 0) & (ql >= 0) & (q1 <= total_q)
+    ok = rows_ok & (k0 >= 0) & (kl >= 0) & (k1 <= kv_rows) & (ql <= kl) & (ql <= max_q) & (kl <= max_kv)
+    m0 = t * BLOCK_M
+    n_rows = tl.where(live & rows_ok, tl.minimum(tl.maximum(ql - m0, 0), BLOCK_M), 0)
+    q_row0 = tl.where(n_rows > 0, q0 + m0, 0)
+    kv_row0 = tl.where(ok & (n_rows > 0), k0, 0)
+    diag0 = tl.where(n_rows > 0, tl.where(ok, kl - ql + m0, -n_rows), 0)
+    return q_row0, n_rows, kv_row0, diag0
+
+
+@triton.jit(do_not_specialize=["n_req", "tiles", "total_q", "kv_rows", "max_q", "max_kv"])
+def _mla_work_table_kernel(CuQ, CuKV, Work, n_req, tiles, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr,
+                           N_PAD: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
+    """The work table of ``MLAContextPlan.plan`` built on the device from ``cu_seqlens`` (no host read).
+
+    Items are (request r, tile t) for ``tiles = cdiv(max_seqlen_q, BLOCK_M)`` tiles per request. ``SORT`` (one
+    program, ``N_PAD`` >= items): heaviest first by keys swept, ties in (r, t) order, empty items last, as the
+    host plan orders them; else (one program per ``N_PAD`` items) the last tiles of every request first. A
+    request whose lengths break the contract (decreasing, q_len > kv_len, past ``max_seqlen_*``, more rows than
+    q or k/v hold) gets items with no keys to sweep (NaN rows) where its query rows exist, else none."""
+    n_items = n_req * tiles
+    i = tl.program_id(0) * N_PAD + tl.arange(0, N_PAD)
+    live = i < n_items
+    if SORT:
+        _, n_rows, _, diag0 = _work_item(CuQ, CuKV, i // tiles, i % tiles, live, total_q, kv_rows, max_q, max_kv,
+                                         BLOCK_M)  # fmt: skip
+        cost = tl.where(n_rows > 0, diag0 + n_rows, -1).to(tl.int64)
+        key = tl.sort((cost << 32) | (N_PAD - 1 - i).to(tl.int64), descending=True)
+        j = N_PAD - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+        # The sorted items' fields, recomputed from their index (cheaper than shuffling four vectors).
+        r = j // tiles
+        t = j % tiles
+        live_j = j < n_items
+    else:  # last tiles first: tile index descending over the whole table
+        r = i % n_req
+        t = tiles - 1 - i // n_req
+        live_j = live
+    q_row0, n_rows, kv_row0, diag0 = _work_item(CuQ, CuKV, r, t, live_j, total_q, kv_rows, max_q, max_kv, BLOCK_M)
+    w = Work + i.to(tl.int64) * 4
+    tl.store(w, q_row0, mask=live)
+    tl.store(w + 1, n_rows, mask=live)
+    tl.store(w + 2, kv_row0, mask=live)
+    tl.store(w + 3, diag0, mask=live)
 
 
 # ----------------------------------------------------------------------------------------------------- configs
 
 
 def _cfg(
-    bm: int, bn: int, warps: int, stages: int, poly: int = 0, tma: int = 0, pipe: int = 0, heads_outer: int = 0
+    *,
+    block_m: int,
+    block_n: int,
+    warps: int,
+    stages: int,
+    tma: bool = False,
+    pipe_qk: int = 0,
+    heads_outer: bool = False,
+    exp_poly: bool = False,
+    q_quant: bool = False,
+    v_widen: bool = False,
+    fp8_bytes: bool = False,
 ) -> triton.Config:
-    """A launch configuration. ``pipe``: ``PIPE_QK``, 0 (plain loops) or 2 (carried score part; 1 named a
-    variant that lost and was removed, so results recorded as "pipe2" keep their name)."""
-    if pipe not in (0, 2):
-        raise ValueError(f"pipe: expected 0 or 2, got {pipe}")
-    kwargs = {"BLOCK_M": bm, "BLOCK_N": bn, "EXP_POLY": poly, "USE_TMA": tma}
+    """A launch configuration. ``pipe_qk``: 0 (plain loops) or 2 (carried score part; 1 named a variant that
+    lost and was removed). ``q_quant``: quantise a 16-bit Q on chip when K/V are FP8. ``v_widen``: FP8 token-major
+    V widened to fp16 for P·V. ``fp8_bytes``: FP8 inputs decoded on chip (forced on GPUs without FP8 MMA)."""
+    if pipe_qk not in (0, 2):
+        raise ValueError(f"pipe_qk: expected 0 or 2, got {pipe_qk}")
+    kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "EXP_POLY": int(exp_poly), "USE_TMA": int(tma)}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
-    if pipe:
-        kwargs["PIPE_QK"] = pipe
-    if heads_outer:
-        kwargs["HEADS_OUTER"] = heads_outer
+    for name, val in (("PIPE_QK", pipe_qk), ("HEADS_OUTER", heads_outer), ("Q_QUANT", q_quant),
+                      ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes)):  # fmt: skip
+        if val:
+            kwargs[name] = int(val)
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
-
-
-_SMEM_BYTES = 232448  # per block on sm_90 (227 KiB)
 
 
 def _smem_estimate(cfg: triton.Config, key: tuple) -> int:
     """Q tile + num_stages (K, V) tiles, and with ``PIPE_QK = 2`` one more tile of K's first head-dim part (its
-    loads run a block ahead of the rest); matches the compiler's report (Triton 3.6, sm_90) to within 1 KB."""
+    loads run a block ahead of the rest); matches the compiler's report (Triton 3.6, sm_90) to within 1 KB.
+    Widened FP8 operands (``V_WIDEN``, ``Q_QUANT``'s scratch) live in registers and are not counted."""
     d_qk, d_v, q_kind, kv_kind = key[:4]
     qb, kvb = (1 if q_kind == "e4m3" else 2), (1 if kv_kind == "e4m3" else 2)
     bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
@@ -656,52 +601,89 @@ def _smem_estimate(cfg: triton.Config, key: tuple) -> int:
 
 # A batch whose longest query has at most this many rows plans with the short-query key (key + ("short_q",)):
 # 128-row tiles would leave half their rows idle (64 new rows over a long cached prefix, e.g. decode-like
-# extends), so that key keeps only 64-row, one-warpgroup tiles that leave room for two programs per SM.
+# extends), so that key keeps only 64-row tiles that leave room for two programs per SM.
 SHORT_Q_ROWS = 64
 _SHORT_Q = "short_q"
 
 
-def _keep(cfg: triton.Config, key: tuple) -> bool:
+def _applies(cfg: triton.Config, key: tuple) -> bool:
+    """Whether a config's knobs mean anything for a key (a knob that does not is a duplicate candidate)."""
+    k = cfg.kwargs
+    q_kind, kv_kind, layout = key[2], key[3], key[4]
+    if k.get("Q_QUANT") and not (q_kind != "e4m3" and kv_kind == "e4m3"):
+        return False
+    if k.get("V_WIDEN") and not (kv_kind == "e4m3" and layout == "token_major"):
+        return False
+    return not (k.get("FP8_BYTES") and kv_kind != "e4m3")
+
+
+def _keep(cfg: triton.Config, key: tuple, arch: tuple[int, int] | None) -> bool:
+    if not _applies(cfg, key):
+        return False
     # The polynomial split halves BLOCK_N; below 32 columns it only adds reshapes.
     if cfg.kwargs["EXP_POLY"] and cfg.kwargs["BLOCK_N"] < 32:
         return False
+    cap = capability_for(arch)
+    if key[3] == "e4m3" and not cap.fp8_mma and not cfg.kwargs.get("FP8_BYTES"):
+        return False  # no e4m3 matrix instructions: FP8 is decoded on chip
+    if cfg.kwargs["USE_TMA"] and not cap.tma:
+        return False
+    smem = cap.smem_per_block
     if _SHORT_Q in key[5:]:
-        return cfg.kwargs["BLOCK_M"] <= SHORT_Q_ROWS and 2 * _smem_estimate(cfg, key) <= _SMEM_BYTES
-    return _smem_estimate(cfg, key) <= _SMEM_BYTES
+        return cfg.kwargs["BLOCK_M"] <= SHORT_Q_ROWS and 2 * _smem_estimate(cfg, key) <= smem
+    return _smem_estimate(cfg, key) <= smem
 
 
-# Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]). The sm_90 list is ordered by what the H200 sweeps
-# measured (bench/bench_mla_context.py --tune, 2026-11-29, Triton 3.6): the first candidate that fits a key's shared
-# memory is what an untuned key gets: 128x128, 8 warps, 3 stages, TMA, carried score part, heads outer for FP8 K/V
-# (784-800 TFLOP/s geomean at 192/128 at 1ba09ff and a01c531, 255 registers, 161 KB shared); 128x64, 8 warps, 3
-# stages, TMA, carried score part, heads outer for 16-bit K/V (527 / 470 / 497 TFLOP/s on three workloads at a01c531
-# against 501 / 443 / 476 without the carried part; 172 registers, 185 KB). Two stages instead of three lost 20-25%
-# everywhere; the exp2 polynomial split, BLOCK_M = 64 and 256-row 16-warp tiles (128 registers a thread) lost on long
-# queries; four stages were within noise. Short-query keys default to 64x64, 4 warps (fp8: 3 stages, 74 KB; 16-bit: 2
-# stages, 107 KB). Committed per-key choices live in tuned/sm90.json.
+_T128 = dict(block_m=128, warps=8, tma=True)
+_T64 = dict(block_m=64, block_n=64, warps=4, tma=True)
+_LONG = dict(_T128, block_n=128, stages=3, pipe_qk=2, heads_outer=True)  # the long-query FP8 shape
+# Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]); the first candidate a key keeps is what an untuned
+# key gets, the rest are what tuning at first use (or bench/bench_mla_context.py --tune) times. sm_90's order
+# follows the H200 sweeps recorded in bench/results/mla_context.md; committed choices live in tuned/sm90.json.
+_SM90 = [
+    _cfg(**_LONG, q_quant=True, v_widen=True),  # 16-bit Q, FP8 K/V, token-major V
+    _cfg(**_LONG, q_quant=True),
+    _cfg(**_LONG, v_widen=True),  # FP8 Q/K/V, token-major V
+    _cfg(**_LONG),
+    _cfg(**dict(_LONG, block_n=64)),
+    _cfg(**_T128, block_n=128, stages=4, heads_outer=True),
+    _cfg(**_T64, stages=3, q_quant=True, v_widen=True),
+    _cfg(**_T64, stages=3, v_widen=True),
+    _cfg(**_T64, stages=3),
+    _cfg(**_T64, stages=2),
+    _cfg(**_T128, block_n=128, stages=4),
+    _cfg(**_T128, block_n=64, stages=4),
+    _cfg(block_m=64, block_n=128, warps=4, stages=2, tma=True),
+    _cfg(**_T64, stages=4),
+    _cfg(block_m=128, block_n=64, warps=8, stages=3),
+    _cfg(**_T128, block_n=128, stages=2),
+    _cfg(block_m=64, block_n=64, warps=4, stages=2),
+]
+# Without tensor descriptors (sm_80/86/89) and, on sm_80/86, with FP8 decoded on chip (no FP8 MMA).
+_POINTER = [
+    _cfg(block_m=128, block_n=64, warps=8, stages=2),
+    _cfg(block_m=64, block_n=64, warps=4, stages=2),
+    _cfg(block_m=64, block_n=64, warps=4, stages=3),
+    _cfg(block_m=128, block_n=32, warps=4, stages=2),
+    _cfg(block_m=64, block_n=32, warps=4, stages=2),
+]
+_AMPERE = [
+    _cfg(block_m=128, block_n=64, warps=8, stages=2, fp8_bytes=True),
+    _cfg(block_m=64, block_n=64, warps=4, stages=2, fp8_bytes=True),
+    _cfg(block_m=64, block_n=64, warps=4, stages=3, fp8_bytes=True),
+    _cfg(block_m=128, block_n=32, warps=4, stages=2, fp8_bytes=True),
+    _cfg(block_m=64, block_n=32, warps=4, stages=2, fp8_bytes=True),
+    *_POINTER,
+]
 _CONFIGS = ConfigTable(
-    fallback=[_cfg(64, 64, 4, 2)],
-    interpreter=_cfg(16, 16, 1, 1),
-    by_arch={
-        (9, 0): [
-            _cfg(128, 128, 8, 3, 0, 1, 2, 1),
-            _cfg(128, 64, 8, 3, 0, 1, 2, 1),
-            _cfg(128, 128, 8, 4, 0, 1, 0, 1),
-            _cfg(64, 64, 4, 3, 0, 1),
-            _cfg(64, 64, 4, 2, 0, 1),
-            _cfg(128, 128, 8, 4, 0, 1),
-            _cfg(128, 64, 8, 4, 0, 1),
-            _cfg(64, 128, 4, 2, 0, 1),
-            _cfg(64, 64, 4, 4, 0, 1),
-            _cfg(128, 64, 8, 3),
-            _cfg(128, 128, 8, 2, 0, 1),
-            _cfg(64, 64, 4, 2),
-        ],
-        8: [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2)],
-    },
-    keep=_keep,
+    fallback=[_cfg(block_m=64, block_n=64, warps=4, stages=2)],
+    interpreter=_cfg(block_m=16, block_n=16, warps=1, stages=1),
+    by_arch={(9, 0): _SM90, (8, 0): _AMPERE, (8, 6): _AMPERE, (8, 7): _AMPERE, 8: _POINTER, 10: _SM90, 12: _SM90},
+    keep_arch=_keep,
 )
-_KERNEL = TunedKernel("mla_context_fwd", _mla_context_fwd_kernel, _CONFIGS)
+# Untuned keys time at most this many candidates at first use (each compiles once, ~10-30 s on an H200).
+_TUNE_FIRST = 6
+_KERNEL = TunedKernel("mla_context_fwd", _mla_context_fwd_kernel, _CONFIGS, tune_first=_TUNE_FIRST)
 
 
 # ----------------------------------------------------------------------------------------------------- host side
@@ -722,22 +704,36 @@ def _dtype_kind(dt: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", FP8: "e4m3"}[dt]
 
 
-def _host_lengths(name: str, cu: object, device: torch.device, n: int | None) -> list[int]:
+def _check_cu(name: str, cu: object, device: torch.device, n: int | None, host_ok: bool) -> torch.Tensor:
     check_tensor(name, cu, dtype=torch.int32, ndim=1)
     assert isinstance(cu, torch.Tensor)
-    if cu.device.type != "cpu" and not same_device(cu.device, device):
+    if cu.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with storage (on {device} or the host), got a meta tensor")
+    if not same_device(cu.device, device) and not (host_ok and cu.device.type == "cpu"):
         raise ValueError(f"{name}: expected a tensor on {device} (or the host), got one on {cu.device}")
     if cu.numel() < 1:
         raise ValueError(f"{name}: expected at least one entry (batch size + 1), got 0")
     if n is not None and cu.numel() != n:
         raise ValueError(f"{name}: expected {n} entries (batch size + 1, like cu_seqlens_q), got {cu.numel()}")
-    vals = cu.tolist()  # one host read per plan (the plan is reused by every layer of the step)
+    return cu
+
+
+def _host_lengths(name: str, cu: object, device: torch.device, n: int | None) -> list[int]:
+    vals = _check_cu(name, cu, device, n, host_ok=True).tolist()  # one host read per plan
     if vals[0] < 0:
         raise ValueError(f"{name}: entries must be >= 0, got {vals[0]} first")
     for i in range(len(vals) - 1):
         if vals[i + 1] < vals[i]:
             raise ValueError(f"{name}: must be non-decreasing, got {vals[i]} then {vals[i + 1]} at index {i}")
     return vals
+
+
+def _check_max_seqlen(name: str, val: object) -> int | None:
+    if val is None:
+        return None
+    if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+        raise ValueError(f"{name}: expected a non-negative int or None, got {val!r}")
+    return val
 
 
 @dataclass(frozen=True)
@@ -751,8 +747,37 @@ class _Shapes:
     v_layout: str
 
 
+def mla_context_paths(device: torch.device | str | None = None) -> dict[str, str]:
+    """Which input combinations a device runs, and how: path name -> "native ..." / "... on chip" /
+    "unsupported: why". ``device`` defaults to the current CUDA device (the interpreter runs every path)."""
+    cap = gpu_capability(torch.device(device) if device is not None else None)
+    where = "tensor descriptors (TMA)" if cap.tma else "pointer loads"
+    if cap.arch is not None and not cap.bf16:
+        no = f"unsupported: {cap.name} has no bf16 arithmetic and no FP8 path (sm_80 or newer needed)"
+        return {"fp16": f"fp16 MMA, {where}", "bf16": no, "fp8 q/k/v": no, "bf16 q + fp8 k/v": no}
+    if cap.fp8_mma:
+        fp8 = f"e4m3 MMA, {where}"
+        mixed = f"Q quantised on chip to e4m3 or K widened to bf16 (per-GPU table), {where}"
+    else:
+        fp8 = f"FP8 decoded on chip to fp16 MMA ({cap.name} has no e4m3 MMA), {where}"
+        mixed = f"K/V decoded on chip to bf16/fp16 MMA, {where}"
+    return {"fp16": f"fp16 MMA, {where}", "bf16": f"bf16 MMA, {where}", "fp8 q/k/v": fp8, "bf16 q + fp8 k/v": mixed}
+
+
+def _check_capability(sh: _Shapes, device: torch.device) -> None:
+    """ValueError before launch for inputs the device cannot run."""
+    cap = gpu_capability(device) if device.type == "cuda" else gpu_capability(None)
+    if cap.arch is None or cap.bf16:
+        return
+    if sh.q_dtype == torch.bfloat16 or sh.kv_dtype == FP8:
+        raise ValueError(
+            f"q/k: {sh.q_dtype} q with {sh.kv_dtype} k/v needs sm_80 or newer, {device} is {cap.name} "
+            "(see mla_context_paths)"
+        )
+
+
 class MLAContextPlan:
-    """Work partition of one batch, computed once on the host and reused by every layer of a step.
+    """Work partition of one batch, computed once and reused by every layer of a step.
 
     ``MLAContextPlan.plan(cu_seqlens_q, cu_seqlens_kv, num_heads=..., ...)`` validates the lengths (one host read
     of the two ``cu_seqlens``), picks the launch configuration for this GPU and uploads a table of
@@ -770,10 +795,8 @@ class MLAContextPlan:
         n_items: int,
         total_q: int,
         total_kv: int,
-        q_lens: list[int],
-        kv_lens: list[int],
-        cu_seqlens_q: list[int],
-        cu_seqlens_kv: list[int],
+        cu_seqlens_q: list[int] | None = None,
+        cu_seqlens_kv: list[int] | None = None,
     ) -> None:
         self.shapes = shapes
         self.device = device
@@ -782,8 +805,7 @@ class MLAContextPlan:
         self.n_items = n_items
         self.total_q = total_q
         self.total_kv = total_kv
-        self.q_lens = q_lens
-        self.kv_lens = kv_lens
+        # Host copies of the lengths; None when the table was built on the device (nothing read back).
         self.cu_seqlens_q = cu_seqlens_q
         self.cu_seqlens_kv = cu_seqlens_kv
 
@@ -810,7 +832,12 @@ class MLAContextPlan:
         ``device`` defaults to that of ``cu_seqlens_q``; ``config`` overrides the per-SM table (tests, sweeps).
         """
         dev = torch.device(device) if device is not None else _tensor_device("cu_seqlens_q", cu_seqlens_q)
+        if dev.type == "meta":
+            raise ValueError("device: expected a CUDA device (or the CPU under the interpreter), got meta")
         shapes = _check_shapes(num_heads, num_kv_heads, head_dim_qk, head_dim_v, q_dtype, kv_dtype, v_layout)
+        _check_capability(shapes, dev)
+        max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        max_seqlen_kv = _check_max_seqlen("max_seqlen_kv", max_seqlen_kv)
         cu_q = _host_lengths("cu_seqlens_q", cu_seqlens_q, dev, None)
         cu_kv = _host_lengths("cu_seqlens_kv", cu_seqlens_kv, dev, len(cu_q))
         if cu_q[0] != 0:
@@ -828,8 +855,7 @@ class MLAContextPlan:
         if max_seqlen_kv is not None and kv_lens and max(kv_lens) > max_seqlen_kv:
             raise ValueError(f"max_seqlen_kv: {max_seqlen_kv} is below the longest KV length {max(kv_lens)}")
         if config is None:
-            short_q = bool(q_lens) and 0 < max(q_lens) <= SHORT_Q_ROWS
-            config = _KERNEL.config_for(_config_key(shapes, short_q))
+            config = _choose_config(shapes, dev, bool(q_lens) and 0 < max(q_lens) <= SHORT_Q_ROWS)
         bm = int(config.kwargs["BLOCK_M"])
         items: list[tuple[int, int, int, int, int]] = []  # (cost, q_row0, n_rows, kv_row0, diag0)
         for r, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
@@ -841,7 +867,41 @@ class MLAContextPlan:
         items.sort(key=lambda it: -it[0])
         table = torch.tensor([it[1:] for it in items] or [[0, 0, 0, 0]], dtype=torch.int32)
         work = table.to(dev, non_blocking=False)
-        return cls(shapes, dev, config, work, len(items), cu_q[-1], cu_kv[-1], q_lens, kv_lens, cu_q, cu_kv)
+        return cls(shapes, dev, config, work, len(items), cu_q[-1], cu_kv[-1], cu_q, cu_kv)
+
+    @classmethod
+    def _plan_on_device(
+        cls,
+        shapes: _Shapes,
+        cu_q: torch.Tensor,
+        cu_kv: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_kv: int,
+        total_q: int,
+        kv_rows: int,
+        config: triton.Config | None = None,
+    ) -> MLAContextPlan | None:
+        """The plan with its table built by ``_mla_work_table_kernel`` (no host read), or None when the batch
+        has more (request, tile) slots than one sorting program holds (the caller then plans on the host)."""
+        dev = cu_q.device
+        if config is None:
+            config = _choose_config(shapes, dev, 0 < max_seqlen_q <= SHORT_Q_ROWS)
+        bm = int(config.kwargs["BLOCK_M"])
+        n_req = cu_q.numel() - 1
+        slots = n_req * -(-max_seqlen_q // bm)
+        if slots > _DEVICE_TABLE_SLOTS:
+            return None
+        # Live items never exceed the tiles of total_q rows split at n_req request boundaries; the sorted table
+        # holds them first, so the grid covers only those.
+        n_items = min(slots, (total_q + n_req * (bm - 1)) // bm)
+        work = torch.empty((max(slots, 1), 4), dtype=torch.int32, device=dev)
+        if n_items > 0:
+            n_pad = max(16, triton.next_power_of_2(slots))
+            _mla_work_table_kernel[(1,)](
+                cu_q, cu_kv, work, n_req, slots // n_req, total_q, kv_rows, max_seqlen_q, max_seqlen_kv,
+                BLOCK_M=bm, N_PAD=n_pad, SORT=True, num_warps=4 if n_pad <= 1024 else 16,
+            )  # fmt: skip
+        return cls(shapes, dev, config, work, n_items, total_q, 0)
 
     def run(
         self,
@@ -870,12 +930,14 @@ class MLAContextPlan:
             out = torch.empty((self.total_q, sh.num_heads, sh.head_dim_v), dtype=out_dtype, device=self.device)
         else:
             check_tensor("out", out, dtype=(torch.bfloat16, torch.float16), device=self.device, ndim=3)
+            check_launch_device("out", out)
             _check_shape_exact("out", out, (self.total_q, sh.num_heads, sh.head_dim_v))
             if out.stride(-1) != 1:
                 raise ValueError(f"out: expected the last dimension contiguous (stride 1), got strides {out.stride()}")
         want_lse = return_lse or lse_out is not None
         if lse_out is not None:
             check_tensor("lse_out", lse_out, dtype=torch.float32, device=self.device, ndim=2)
+            check_launch_device("lse_out", lse_out)
             _check_shape_exact("lse_out", lse_out, (self.total_q, sh.num_heads))
         elif want_lse:
             lse_out = torch.empty((self.total_q, sh.num_heads), dtype=torch.float32, device=self.device)
@@ -895,29 +957,45 @@ class MLAContextPlan:
             svt, svh, svd = v.stride(0), v.stride(1), 1
         lse_t = lse if lse is not None else out  # any pointer: WRITE_LSE=False never touches it
         slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-        is16 = sh.q_dtype in (torch.bfloat16, torch.float16)
-        cfg = self.config
-        kw = dict(cfg.kwargs)
-        descs = _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) if kw.get("USE_TMA") else None
+        cap = gpu_capability(self.device) if self.device.type == "cuda" else gpu_capability(None)
+        kw = dict(self.config.kwargs)
+        q_fp8, kv_fp8 = sh.q_dtype == FP8, sh.kv_dtype == FP8
+        fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma)
+        q_quant = bool(kw.pop("Q_QUANT", 0)) and kv_fp8 and not q_fp8 and not fp8_bytes
+        v_widen = bool(kw.pop("V_WIDEN", 0)) and kv_fp8 and not fp8_bytes
+        if fp8_bytes:  # no FP8 types reach the kernel: FP8 tensors as their bytes
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
+            if q_fp8:
+                q = q.view(torch.uint8)
+        use_tma = bool(kw.get("USE_TMA")) and cap.tma
+        descs = _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) if use_tma else None
         kw["USE_TMA"] = descs is not None
         kw.setdefault("PIPE_QK", 0)
         kw.setdefault("HEADS_OUTER", 0)
         if descs is None:
             descs = (q, q, k, k, v)  # placeholders: the pointer path never reads them
+        if fp8_bytes:
+            qk_mode, pv_mode = _QK_BYTES, _PV_BYTES
+        else:
+            qk_mode = _QK_FP8 if (q_fp8 or q_quant) else _QK_16
+            pv_mode = (_PV_WIDEN if v_widen else _PV_FP8) if kv_fp8 else _PV_16
         meta = dict(
             H=sh.num_heads,
             GROUP=sh.num_heads // sh.num_kv_heads,
             D_A=d_a,
             D_B=d_b,
             DV=sh.head_dim_v,
-            Q_FP8=sh.q_dtype == FP8,
-            KV_FP8=sh.kv_dtype == FP8,
+            Q_FP8=q_fp8,
+            KV_FP8=kv_fp8,
+            QK_MODE=qk_mode,
+            PV_MODE=pv_mode,
+            Q_QUANT=q_quant,
             V_DIM_MAJOR=sh.v_layout == "dim_major",
             SCALE_FROM_PTR=scale_ptr is not None,
             WRITE_LSE=lse is not None,
-            UPCAST=interpreting() and is16,
+            UPCAST=interpreting() and sh.q_dtype in (torch.bfloat16, torch.float16),
             NATIVE_FP8=native_fp8_cast(),
-            P_OFFSET=_FP8_P_OFFSET if sh.kv_dtype == FP8 else 0.0,
+            P_OFFSET=_FP8_P_OFFSET if kv_fp8 else 0.0,
             KV_ALIGN=max(1, 16 // k.element_size()) if sh.v_layout == "dim_major" else 1,
             **kw,
         )
@@ -927,8 +1005,54 @@ class MLAContextPlan:
             scale_ptr if scale_ptr is not None else self.work, softmax_scale, scale_val,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), svt, svh, svd,
             out.stride(0), out.stride(1), slt, slh,
-            **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages,
         )  # fmt: skip
+
+
+# (request, tile) slots one sorting program of ``_mla_work_table_kernel`` orders; beyond this the one-call API
+# reads the lengths on the host (a batch of 128 requests of up to 16k new rows in 128-row tiles fits).
+_DEVICE_TABLE_SLOTS = 16384
+
+
+def _choose_config(sh: _Shapes, device: torch.device, short_q: bool) -> triton.Config:
+    """The per-GPU config for a key; an untuned key on a GPU times its first candidates once (``_tune_runner``)."""
+    key = _config_key(sh, short_q)
+    run = _tune_runner(sh, device, short_q) if device.type == "cuda" and not interpreting() else None
+    return _KERNEL.config_for(key, run)
+
+
+def _tune_runner(sh: _Shapes, device: torch.device, short_q: bool):
+    """A ``run(config)`` for ``TunedKernel`` tuning: one representative batch of this key's class (16 requests
+    of 64 rows over 4k cached keys for short queries, else 2 requests of 2k rows over 2k), random data, built on
+    first use. Lengths only pick the tile class; the key holds no lengths."""
+    state: dict[str, object] = {}
+
+    def run(cfg: triton.Config) -> None:
+        if not state:
+            q_lens, cached = ([64] * 16, [4096] * 16) if short_q else ([2048] * 2, [2048] * 2)
+            cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+            cu_kv = torch.tensor([0, *itertools.accumulate(a + b for a, b in zip(q_lens, cached))], dtype=torch.int32)
+            g = torch.Generator(device=device).manual_seed(0)
+
+            def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+                x = torch.randn(*shape, generator=g, device=device)
+                return x.clamp(-448, 448).to(dtype)
+
+            tq, tkv = int(cu_q[-1]), int(cu_kv[-1])
+            q = rand(tq, sh.num_heads, sh.head_dim_qk, dtype=sh.q_dtype)
+            k = rand(tkv, sh.num_kv_heads, sh.head_dim_qk, dtype=sh.kv_dtype)
+            v = rand(tkv, sh.num_kv_heads, sh.head_dim_v, dtype=sh.kv_dtype)
+            if sh.v_layout == "dim_major":
+                v = v_to_dim_major(v)
+            state.update(q=q, k=k, v=v, cu_q=cu_q.to(device), cu_kv=cu_kv.to(device))
+        plan = MLAContextPlan.plan(
+            state["cu_q"], state["cu_kv"], num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads,
+            head_dim_qk=sh.head_dim_qk, head_dim_v=sh.head_dim_v, q_dtype=sh.q_dtype, kv_dtype=sh.kv_dtype,
+            v_layout=sh.v_layout, device=device, config=cfg,
+        )  # fmt: skip
+        plan.run(state["q"], state["k"], state["v"])
+
+    return run
 
 
 def _descriptors(q, k, v, sh: _Shapes, bm: int, bn: int, d_a: int, d_b: int) -> tuple | None:
@@ -1051,14 +1175,15 @@ def _check_inputs(
         v_rows = v.shape[0]
     if v_rows < total_kv:
         raise ValueError(f"v: has {v_rows} token rows, fewer than total_kv = cu_seqlens_kv[-1] = {total_kv}")
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("q: expected a CUDA tensor (CPU tensors run only under the Triton interpreter)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_launch_device(name, t)
 
 
 def _check_kv_scale(s: object, sh: _Shapes, device: torch.device) -> tuple[float, torch.Tensor | None]:
     """A Python float (checked here) or a 1-element fp32 tensor on the device (read by the kernel: no sync)."""
     if isinstance(s, torch.Tensor):
         check_tensor("kv_scale_quant_orig", s, dtype=torch.float32, device=device)
+        check_launch_device("kv_scale_quant_orig", s)
         if s.numel() != 1:
             raise ValueError(f"kv_scale_quant_orig: expected a 1-element tensor, got shape {tuple(s.shape)}")
         return 1.0, s
@@ -1087,14 +1212,14 @@ def mla_context_attention(
     max_seqlen_kv: int | None = None,
     v_layout: str = "token_major",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal MLA context attention over cached prefixes (see the module docstring for the contract).
+    """Causal MLA context attention over cached prefixes in one call (see the module docstring for the contract).
 
     Args:
         q: ``[total_q, H, d_qk]`` bf16/fp16, or FP8 e4m3 (then k and v are FP8 too).
         k: ``[>= total_kv, H_kv, d_qk]``, q's dtype or FP8 e4m3; H_kv divides H. Rows past ``cu_seqlens_kv[-1]``
             are ignored.
         v: ``[>= total_kv, H_kv, d_v]`` (``v_layout="token_major"``) or ``[H_kv, d_v, >= total_kv]`` with tokens
-            contiguous (``v_layout="dim_major"``, the layout FP8 P·V wants); k's dtype.
+            contiguous (``v_layout="dim_major"``); k's dtype.
         cu_seqlens_q / cu_seqlens_kv: int32 ``[B + 1]`` on q's device or the host; ``cu_seqlens_q[0] == 0``,
             ``cu_seqlens_q[-1] == total_q``; both non-decreasing and ``q_len <= kv_len`` per request.
         kv_scale_quant_orig: dequantisation scale of FP8 k/v (and of q when q is FP8); a float or a 1-element
@@ -1102,35 +1227,57 @@ def mla_context_attention(
         softmax_scale: defaults to ``1 / sqrt(d_qk)``.
         out: optional ``[total_q, H, d_v]`` bf16 (or fp16) output buffer.
         return_lse: also return the fp32 ``[total_q, H]`` natural-log LSE of the scaled scores.
-        max_seqlen_q / max_seqlen_kv: optional upper bounds, checked against the lengths.
+        max_seqlen_q / max_seqlen_kv: upper bounds of the lengths. With both given and ``cu_seqlens`` on q's
+            device, the work table is built on the device: no host read, no per-request Python. The lengths are
+            then checked on the device instead of raising: a request that breaks the contract (or a bound) gets
+            NaN output and LSE rows, and nothing outside the given tensors is read or written; rows past
+            ``cu_seqlens_q[-1]`` are not written. Otherwise the lengths are read on the host and checked there.
     Returns:
         ``out`` (bf16; fp16 for fp16 inputs), or ``(out, lse)``.
-
-    This convenience call plans and runs in one go (one host read of the cu_seqlens); serving code plans once
-    per step with ``MLAContextPlan.plan`` and calls ``run`` per layer.
     """
-    dev = _tensor_device("q", q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _tensor_device(name, t)
+        check_launch_device(name, t)
+    dev = q.device
     check_tensor("q", q, ndim=3)
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout: expected one of {V_LAYOUTS}, got {v_layout!r}")
     num_kv_heads = v.shape[0] if v_layout == "dim_major" else k.shape[1]
     head_dim_v = v.shape[1] if v_layout == "dim_major" else v.shape[2]
     if k.shape[1] != num_kv_heads:
         raise ValueError(f"v: has {num_kv_heads} KV heads, k has {k.shape[1]}")
-    plan = MLAContextPlan.plan(
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        num_heads=q.shape[1],
-        num_kv_heads=k.shape[1],
-        head_dim_qk=q.shape[2],
-        head_dim_v=head_dim_v,
-        q_dtype=q.dtype,
-        kv_dtype=k.dtype,
-        v_layout=v_layout,
-        device=dev,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
-    )
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_kv = _check_max_seqlen("max_seqlen_kv", max_seqlen_kv)
+    plan = None
+    if (
+        max_q is not None
+        and max_kv is not None
+        and isinstance(cu_seqlens_q, torch.Tensor)
+        and same_device(cu_seqlens_q.device, dev)
+    ):
+        sh = _check_shapes(q.shape[1], k.shape[1], q.shape[2], head_dim_v, q.dtype, k.dtype, v_layout)
+        _check_capability(sh, dev)
+        cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, dev, None, host_ok=False)
+        cu_kv = _check_cu("cu_seqlens_kv", cu_seqlens_kv, dev, cu_q.numel(), host_ok=False)
+        kv_rows = min(k.shape[0], v.shape[2] if v_layout == "dim_major" else v.shape[0])
+        plan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, max_q, max_kv, q.shape[0], kv_rows)
+    if plan is None:
+        plan = MLAContextPlan.plan(
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            num_heads=q.shape[1],
+            num_kv_heads=k.shape[1],
+            head_dim_qk=q.shape[2],
+            head_dim_v=head_dim_v,
+            q_dtype=q.dtype,
+            kv_dtype=k.dtype,
+            v_layout=v_layout,
+            device=dev,
+            max_seqlen_q=max_q,
+            max_seqlen_kv=max_kv,
+        )
     return plan.run(
         q, k, v, kv_scale_quant_orig=kv_scale_quant_orig, softmax_scale=softmax_scale, out=out, return_lse=return_lse
     )

@@ -1,0 +1,180 @@
+"""Every kernel of kvforge.kernels compiles for sm_80, sm_89, sm_90, sm_100 and sm_120, offline (no GPU).
+
+Triton compiles for a ``GPUTarget`` without a driver, so a kernel that stops compiling on one architecture
+fails here rather than at a user's first launch. The compiles run in a subprocess with the interpreter off (this
+file is also the script: ``python tests/test_compile_targets.py 90``); one test per architecture, so xdist
+spreads them. ``SPECS`` holds one signature per kernel and, for the MLA kernel, one small-tile variant per
+product mode that architecture runs (e4m3 MMA from sm_89, FP8 decoded from bytes on sm_80). A new ``*_kernel``
+without a spec fails ``test_every_kernel_has_a_spec``: add its signature below.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kvforge" / "kernels"
+ARCHS = [80, 89, 90, 100, 120]
+
+# Kernel -> (module, {param: type} for the runtime parameters, {constexpr: value}, num_warps).
+SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
+    "_block_offsets_kernel": (
+        "block_offsets",
+        {"page_ptr": "*i32", "index_ptr": "*i32", "scale_ptr": "*i32", "kv_offset_ptr": "*i32", "out_ptr": "*i32",
+         **{n: "i32" for n in ("n_seq", "n_blocks", "row_capacity", "sp_pool", "sp_row", "sp_block", "s_index",
+                               "s_scale", "s_kv_offset", "so_pool", "so_row", "so_plane", "so_block")}},
+        {"BLOCK": 512, "FOLD": False},
+        4,
+    ),
+    "_kv_block_copy_kernel": (
+        "kv_pack", {"base_ptr": "*u8", "meta_ptr": "*i64", "page_ptr": "*i32"},
+        {"UNPACK": False, "ALIGN": 4, "BLOCK": 1024, "NMETA": 8}, 4,
+    ),
+    "_merge_states_kernel": (
+        "merge_states",
+        {"o_ptr": "*bf16", "lse_ptr": "*fp32", "out_ptr": "*bf16", "out_lse_ptr": "*fp32",
+         **{n: "i32" for n in ("S", "R", "H", "D", "s_os", "s_ot", "s_oh", "s_ls", "s_lt", "s_lh", "s_out_t",
+                               "s_out_h", "s_olse_t", "s_olse_h")}},
+        {"BLOCK_R": 16, "BLOCK_D": 128}, 4,
+    ),
+    "_pinned_pair_kernel": (
+        "pinned_pair",
+        {"src_a": "*i32", "off_a": "i32", "dst_a": "*i32", "n_a": "i32", "src_b": "*u8", "off_b": "i32",
+         "dst_b": "*u8", "n_b": "i32"},
+        {"BLOCK": 1024}, 4,
+    ),
+    "_quantize_fp8_kernel": (
+        "quantize_fp8",
+        {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "scale_val": "fp32",
+         **{n: "i32" for n in ("n_inner", "n_outer", "d", "sx_outer", "sx_inner", "so_outer", "so_inner", "so_d")}},
+        {"SCALE_IS_PTR": False, "BLOCK_R": 16, "BLOCK_D": 128}, 4,
+    ),
+    "_slot_scatter_kernel": (
+        "slot_ops",
+        {"slot_ptr": "*i32", "n_rows": "i32", "row_begin": "i32", "new_ptr": "*i32", "next_ptr": "*i32",
+         "count_ptr": "*i32", "draft_ptr": "*i32", "st_new_ptr": "*i32", "st_next_ptr": "*i32",
+         "st_count_ptr": "*i32", "st_draft_ptr": "*i32"},
+        {"S_SLOT": 1, "N_SLOTS": 64, "S_NEW_R": 4, "S_NEW_W": 1, "A_NEW": 4, "S_NEXT_R": 4, "S_NEXT_W": 1,
+         "A_NEXT": 4, "S_COUNT": 1, "S_DRAFT_R": 4, "S_DRAFT_W": 1, "A_DRAFT": 4, "ST_NEW_W": 64, "ST_NEW_S": 1,
+         "W_NEW": 4, "ST_NEXT_W": 64, "ST_NEXT_S": 1, "W_NEXT": 4, "ST_COUNT_S": 1, "ST_DRAFT_S": 4, "ST_DRAFT_W": 1,
+         "W_DRAFT": 4, "I64": False, "BLOCK_R": 16, "BLOCK_W": 4},
+        1,
+    ),
+    "_step_gather_kernel": (
+        "slot_ops",
+        {"slot_ptr": "*i32", "n_rows": "i32", "st_next_ptr": "*i32", "st_count_ptr": "*i32", "st_draft_ptr": "*i32",
+         "ids_ptr": "*i32", "pos_ptr": "*i32", "draft_ptr": "*i32", "kv_ptr": "*i32"},
+        {"S_SLOT": 1, "N_SLOTS": 64, "T": 4, "K": 4, "ST_NEXT_W": 64, "ST_NEXT_S": 1, "ST_COUNT_S": 1,
+         "ST_DRAFT_S": 4, "ST_DRAFT_W": 1, "S_IDS": 1, "S_POS": 1, "S_DRAFT_R": 4, "S_DRAFT_K": 1, "S_KV": 1,
+         "I64": False, "BLOCK_R": 32, "BLOCK_T": 4, "BLOCK_K": 4},
+        2,
+    ),
+    "_mla_work_table_kernel": (
+        "mla_context",
+        {"CuQ": "*i32", "CuKV": "*i32", "Work": "*i32",
+         **{n: "i32" for n in ("n_req", "tiles", "total_q", "kv_rows", "max_q", "max_kv")}},
+        {"BLOCK_M": 128, "N_PAD": 64, "SORT": True}, 4,
+    ),
+    "_mla_context_fwd_kernel": ("mla_context", {}, {}, 4),  # variants below
+}  # fmt: skip
+
+_MLA_BASE: dict[str, object] = {
+    "H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "Q_FP8": False, "KV_FP8": False, "QK_MODE": 0,
+    "PV_MODE": 0, "Q_QUANT": False, "V_DIM_MAJOR": False, "SCALE_FROM_PTR": False, "WRITE_LSE": True,
+    "UPCAST": False, "NATIVE_FP8": True, "P_OFFSET": 0.0, "BLOCK_M": 64, "BLOCK_N": 32, "EXP_POLY": False,
+    "USE_TMA": False, "KV_ALIGN": 1, "PIPE_QK": 2, "HEADS_OUTER": True,
+}  # fmt: skip
+_FP8 = {"KV_FP8": True, "P_OFFSET": 8.0}
+# name -> (Q pointer type, K/V pointer type, constexprs over _MLA_BASE)
+MLA_VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
+    "bf16": ("*bf16", "*bf16", {}),
+    "fp8 q/k/v, dim-major V": ("*fp8e4nv", "*fp8e4nv", {**_FP8, "Q_FP8": True, "QK_MODE": 1, "PV_MODE": 1,
+                                                        "V_DIM_MAJOR": True, "KV_ALIGN": 16}),
+    "bf16 q + fp8 k/v, Q quantised, V widened": ("*bf16", "*fp8e4nv", {**_FP8, "QK_MODE": 1, "PV_MODE": 2,
+                                                                      "Q_QUANT": True}),
+    "fp8 q/k/v as bytes": ("*u8", "*u8", {**_FP8, "Q_FP8": True, "QK_MODE": 2, "PV_MODE": 3}),
+    "bf16 q + fp8 k/v as bytes": ("*bf16", "*u8", {**_FP8, "QK_MODE": 2, "PV_MODE": 3}),
+}  # fmt: skip
+# Which variants each architecture runs (kvforge.kernels.mla_context._launch picks the same way).
+MLA_BY_ARCH = {
+    80: ["bf16", "fp8 q/k/v as bytes", "bf16 q + fp8 k/v as bytes"],
+    **{a: ["bf16", "fp8 q/k/v, dim-major V", "bf16 q + fp8 k/v, Q quantised, V widened"] for a in (89, 90, 100, 120)},
+}
+
+
+def _jit_kernels() -> dict[str, str]:
+    """``*_kernel`` functions decorated with triton.jit in kvforge/kernels/*.py -> module name."""
+    found = {}
+    for path in sorted(KERNELS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            is_kernel = isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+            if is_kernel and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                found[node.name] = path.stem
+    return found
+
+
+def _compile_all(arch: int) -> list[dict[str, object]]:
+    """Compile every spec for ``arch``; one record per compile (name, ok, seconds, error)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    jobs = []
+    for name, (module, types, consts, warps) in SPECS.items():
+        fn = getattr(importlib.import_module(f"kvforge.kernels.{module}"), name)
+        if name != "_mla_context_fwd_kernel":
+            jobs.append((name, fn, types, consts, warps))
+            continue
+        for variant in MLA_BY_ARCH[arch]:
+            q_t, kv_t, over = MLA_VARIANTS[variant]
+            types = {"Q": q_t, "K": kv_t, "V": kv_t, "O": "*bf16", "LSE": "*fp32", "Qd_a": q_t, "Qd_b": q_t,
+                     "Kd_a": kv_t, "Kd_b": kv_t, "Vd": kv_t, "Work": "*i32", "n_items": "i32", "scale_ptr": "*fp32",
+                     "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
+            jobs.append((f"{name} [{variant}]", fn, types, {**_MLA_BASE, **over}, warps))
+    records = []
+    for label, fn, types, consts, warps in jobs:
+        sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+        t0 = time.time()
+        try:
+            src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items()})
+            triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2})
+            records.append({"name": label, "ok": True, "s": round(time.time() - t0, 1)})
+        except Exception as e:  # reported with the kernel's name; the test fails on any
+            records.append({"name": label, "ok": False, "s": round(time.time() - t0, 1), "error": f"{e}"[:400]})
+    return records
+
+
+def test_every_kernel_has_a_spec():
+    missing = sorted(set(_jit_kernels()) - set(SPECS))
+    assert not missing, f"kernels without an offline-compile spec in {Path(__file__).name}: {missing}"
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
+def test_kernels_compile_offline(arch: int):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(arch)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
+    assert not failed, f"sm_{arch}: " + "\n".join(failed)
+    assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch])
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"  # before kvforge.kernels decides (no driver here)
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(_compile_all(int(sys.argv[1]))))
