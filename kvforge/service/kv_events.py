@@ -234,6 +234,8 @@ class BlockMapper:
             self.present.clear()
             return [_keys.cleared_event()]
         if event.group_idx not in (None, self.group_idx):
+            if isinstance(event, BlockStored):
+                self.skipped += len(event.block_hashes)
             return []
         if isinstance(event, BlockRemoved):
             gone: list[Hashable] = []

@@ -591,6 +591,7 @@ class RouterService:
                 outcome = "client_gone"
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                b.attempts.discard(a)  # the ejection below cancels waiting attempts: not this one
                 self.fleet.eject(b, f"request failed: {type(exc).__name__}")
                 return None
             try:

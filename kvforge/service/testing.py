@@ -12,6 +12,7 @@ connection at once; ``hang`` makes requests wait forever.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import random
@@ -41,17 +42,21 @@ def build_tokenizer(path: str | Path, vocab_words: int = 512) -> Path:
     return path
 
 
+_LETTERS = bytes((b"abcdefghijklmnopqrstuvwxyz "[i % 27]) for i in range(256))
+
+
+@functools.lru_cache(maxsize=65536)
+def _block_text(hash_id: int, chars: int) -> str:
+    return random.Random(hash_id).randbytes(chars).translate(_LETTERS).decode()
+
+
 def trace_text(
     hash_ids: Sequence[int], input_length: int, block_tokens: int = 512, chars_per_token: float = 4.0
 ) -> str:
     """A prompt of ``input_length`` estimated tokens whose i-th block of ``block_tokens`` depends only on
     ``hash_ids[: i + 1]`` (as the trace's ids do), so equal id prefixes give equal text prefixes."""
     chars = round(block_tokens * chars_per_token)
-    out = []
-    for h in hash_ids:
-        rng = random.Random(h)
-        out.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(chars)))
-    return "".join(out)[: max(1, round(input_length * chars_per_token))]
+    return "".join(_block_text(h, chars) for h in hash_ids)[: max(1, round(input_length * chars_per_token))]
 
 
 def _engine_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
