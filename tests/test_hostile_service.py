@@ -111,7 +111,7 @@ def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
                  "--read-timeout-s", "--request-timeout-s", "--max-retries", "--max-body-bytes", "--health-path",
                  "--health-interval-s", "--health-timeout-s", "--unhealthy-after", "--healthy-after", "--kv-events",
                  "--kv-replay", "--kv-topic", "--kv-group", "--host", "--port", "--log-level",
-                 "--log-format"):  # fmt: skip
+                 "--log-format", "--event-loop"):  # fmt: skip
         assert flag in out
     assert out.count("(default") >= 15
 

@@ -199,7 +199,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="info",
         help="debug logs one JSON line per request (default info)",
     )
-    g.add_argument("--log-format", choices=("json", "text"), default="json", help="default json")  # fmt: skip
+    g.add_argument("--log-format", choices=("json", "text"), default="json", help="default json")
+    g.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="auto: uvloop when it is installed (less CPU per request), else asyncio (default auto)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -249,9 +255,25 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         "router listening",
         extra={"fields": {"host": args.host, "port": args.port, "policy": cfg.policy, "backends": list(cfg.backends)}},
     )
+    loop = None
+    if args.event_loop != "asyncio":
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            if args.event_loop == "uvloop":
+                print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
+                return 2
     try:
         web.run_app(
-            service.make_app(), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True
+            service.make_app(),
+            host=args.host,
+            port=args.port,
+            access_log=None,
+            print=None,
+            handler_cancellation=True,
+            loop=loop,
         )
     except OSError as exc:
         print(f"kvforge router: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)

@@ -70,8 +70,11 @@ _TEXT_SCOPE = ("text", None)
 
 
 def block_keys_from_text(text: str, chars_per_block: int) -> list[BlockKey]:
-    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree.
-    return chain_keys(root_key(_TEXT_SCOPE), [ord(c) for c in text], chars_per_block)
+    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree. Decoded
+    # in C (UTF-32 viewed as uint32, lone surrogates kept as their code points): the same ints as ord().
+    full = len(text) - len(text) % chars_per_block
+    points = tuple(memoryview(text[:full].encode("utf-32-le", "surrogatepass")).cast("I"))
+    return chain_keys(root_key(_TEXT_SCOPE), points, chars_per_block)
 
 
 # ---------------------------------------------------------------- request bodies

@@ -381,6 +381,9 @@ class RouterService:
         self._file_mtime: float | None = None
         self._conv_header = cfg.conversation_header
         self._rr = itertools.count()
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
+        )
 
     def _kv_stat(self, url: str, kind: str, n: int) -> None:
         self.metrics.kv_events.labels(url, kind).inc(n)
@@ -504,10 +507,7 @@ class RouterService:
         return _error(502, "every backend failed to answer /v1/models")
 
     def _timeout(self) -> aiohttp.ClientTimeout:
-        c = self.cfg
-        return aiohttp.ClientTimeout(
-            total=c.request_timeout_s, sock_connect=c.connect_timeout_s, sock_read=c.read_timeout_s
-        )
+        return self._client_timeout
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
