@@ -26,6 +26,7 @@ from kvforge.service.kv_events import (
     WireError,
     decode_batch,
     encode_batch,
+    from_kvforge_event,
     parse_frames,
 )
 
@@ -214,3 +215,21 @@ async def _serve(pub: KVEventPublisher) -> None:
     while True:
         pub.serve_replay()
         await asyncio.sleep(0.005)
+
+
+def test_kvforge_events_to_wire_and_back_through_the_mapper() -> None:
+    tokens = list(range(50, 66))
+    keys = K.chain_keys(K.root_key(), tokens, 8)
+    wire = from_kvforge_event(RStored(tuple(keys), None, 8), tokens)
+    back = decode_batch(
+        encode_batch([wire, from_kvforge_event(RRemoved((keys[1],))), from_kvforge_event(RAllCleared())])
+    )
+    m = BlockMapper(8)
+    assert m.apply(back.events[0]) == [RStored(tuple(keys), None, 8)]  # its own keys, rebuilt from the tokens
+    assert m.apply(back.events[1]) == [RRemoved((keys[1],))]
+    with pytest.raises(ValueError, match="token_ids"):
+        from_kvforge_event(RStored(tuple(keys), None, 8))
+    with pytest.raises(WireError):
+        from_kvforge_event(RStored(tuple(keys), None, 8), tokens[:-1])
+    with pytest.raises(TypeError):
+        from_kvforge_event("BlockStored")

@@ -44,6 +44,7 @@ __all__ = [
     "WireError",
     "decode_batch",
     "encode_batch",
+    "from_kvforge_event",
 ]
 
 logger = logging.getLogger("kvforge.service.kv_events")
@@ -189,6 +190,32 @@ def encode_batch(
             for e in evs
         ]
     return _encoder.encode(EventBatch(time.time() if ts is None else ts, evs, data_parallel_rank))
+
+
+def from_kvforge_event(
+    event: Any, token_ids: Sequence[int] | None = None, *, medium: str | None = "GPU"
+) -> KVWireEvent:
+    """The wire form of a ``kvforge.kvcache.events`` event, for a kvforge manager publishing like vLLM.
+
+    kvforge's ``BlockStored`` carries keys, not tokens; the wire form needs the stored blocks' tokens
+    (``token_ids``, exactly ``len(keys) * tokens_per_block`` of them) so a router can rebuild its own keys.
+    """
+    from kvforge.kvcache import events as kv
+
+    if isinstance(event, kv.BlockStored):
+        keys = list(event.block_hashes)
+        if token_ids is None:
+            raise ValueError("token_ids: required to publish a BlockStored (the wire carries the blocks' tokens)")
+        ev = BlockStored(keys, event.parent_hash, list(token_ids), event.tokens_per_block, None, medium, None)
+        _check_stored(ev)
+        return ev
+    if isinstance(event, kv.BlockRemoved):
+        return BlockRemoved(list(event.block_hashes), medium)
+    if isinstance(event, kv.AllBlocksCleared):
+        return AllBlocksCleared()
+    raise TypeError(
+        f"event: expected a kvforge BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}"
+    )
 
 
 def parse_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
