@@ -157,8 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--unhealthy-after",
         type=_int_at_least(1),
-        default=1,
-        help="failed checks that eject a backend (default 1; a failed request ejects at once)",
+        default=2,
+        help="failed checks that eject a backend (default 2; a failed request ejects at once)",
     )
     g.add_argument(
         "--healthy-after",

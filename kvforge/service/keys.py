@@ -59,7 +59,9 @@ def root_key(scope: Hashable | None = None) -> BlockKey:
 
 def chain_keys(parent: BlockKey, tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
     """Keys of the full blocks of ``tokens``, chained from ``parent`` (a trailing partial block has none)."""
-    return hashing.chain_hashes(parent, tokens, 0, len(tokens) // tokens_per_block, tokens_per_block)  # type: ignore[arg-type]
+    n_blocks = len(tokens) // tokens_per_block
+    out: list[BlockKey] = list(hashing.chain_hashes(parent, tokens, 0, n_blocks, tokens_per_block))  # type: ignore[arg-type]
+    return out
 
 
 def block_keys_from_tokens(tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
@@ -197,7 +199,9 @@ def make_router(
 ) -> Any:
     from kvforge.routing import CacheAwareRouter, ConversationRouter, LeastLoadRouter, RoundRobinRouter
 
-    common = dict(tokens_per_block=tokens_per_block, chars_per_token=chars_per_token, request_ttl_s=request_ttl_s)
+    common: dict[str, Any] = dict(
+        tokens_per_block=tokens_per_block, chars_per_token=chars_per_token, request_ttl_s=request_ttl_s
+    )
     if policy in ("conversation", "conversation-always"):
         follow = "always" if policy == "conversation-always" else "specific"
         return ConversationRouter(servers, new_conversation_follow=follow, use_cache_events=use_cache_events, **common)

@@ -203,7 +203,7 @@ def from_kvforge_event(
     from kvforge.kvcache import events as kv
 
     if isinstance(event, kv.BlockStored):
-        keys = list(event.block_hashes)
+        keys: list[EngineHash] = list(event.block_hashes)
         if token_ids is None:
             raise ValueError("token_ids: required to publish a BlockStored (the wire carries the blocks' tokens)")
         ev = BlockStored(keys, event.parent_hash, list(token_ids), event.tokens_per_block, None, medium, None)
@@ -284,6 +284,7 @@ class BlockMapper:
         if event.lora_id is not None or event.lora_name is not None or event.extra_keys:
             self.skipped += len(event.block_hashes)
             return []
+        partial: tuple[int, ...]
         if event.parent_block_hash is None:
             key, partial = _keys.root_key(), ()
         else:

@@ -103,7 +103,7 @@ class ServiceConfig:
     health_path: str = "/health"
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
-    unhealthy_after: int = 1
+    unhealthy_after: int = 2
     healthy_after: int = 1
     request_ttl_s: float | None = 3600.0
     kv_events: Sequence[str | None] = ()
@@ -324,7 +324,7 @@ class Fleet:
         counts: dict[str, int] = {u: len(b.attempts) for u, b in self.backends.items()}
         for ep in [*self._draining, *([self._epoch] if self._epoch else [])]:
             for s, v in K.loads(ep.router).items():
-                loads[s] = loads.get(s, 0.0) + v  # type: ignore[index]
+                loads[str(s)] = loads.get(str(s), 0.0) + v
         return [(u, loads.get(u, 0.0), counts.get(u, 0), b.healthy) for u, b in self.backends.items()]
 
     def total_backlog(self) -> float:

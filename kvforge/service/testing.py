@@ -90,7 +90,7 @@ class FakeBackend:
         self.prompt_tokens = 0
         self.hit_tokens = 0
         self.requests: list[dict[str, Any]] = []
-        self._engine_blocks: set[bytes] = set()
+        self._engine_blocks: set[bytes | int] = set()
         self._runner: web.AppRunner | None = None
         self._replay_task: asyncio.Task[None] | None = None
         self.url = ""
@@ -155,7 +155,7 @@ class FakeBackend:
         assert self.publisher is not None
         bs = self.engine_block_size
         parent: bytes | None = None
-        new_hashes: list[bytes] = []
+        new_hashes: list[bytes | int] = []
         new_tokens: list[int] = []
         first_parent: bytes | None = None
         for i in range(len(ids) // bs):
