@@ -131,3 +131,16 @@ def test_config_and_keyer_reject_bad_values() -> None:
         Keyer(16, tokenizer=__file__)
     with pytest.raises(BadRequest, match="prompt"):
         Keyer(16).keys_for_body("/v1/completions", {"prompt": {"a": 1}})
+
+
+def test_the_cli_entry_point_does_not_import_the_service_stack() -> None:
+    # `kvforge simulate` must work without the router extra installed.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvforge.__main__, kvforge.service.cli; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'zmq', 'prometheus_client', 'tokenizers'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

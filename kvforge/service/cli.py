@@ -12,7 +12,7 @@ import math
 import sys
 
 from kvforge.service.keys import POLICIES
-from kvforge.service.proxy import normalize_backend_url
+from kvforge.service.urls import normalize_backend_url
 
 __all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "run"]
 
@@ -239,10 +239,14 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
-    from aiohttp import web
+    try:
+        from aiohttp import web
 
-    from kvforge.service.metrics import configure_logging
-    from kvforge.service.proxy import RouterService
+        from kvforge.service.metrics import configure_logging
+        from kvforge.service.proxy import RouterService
+    except ImportError as exc:
+        print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
+        return 1
 
     try:
         cfg = config_from_args(args)

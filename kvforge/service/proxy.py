@@ -37,11 +37,12 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from yarl import URL
 
 from kvforge.service import keys as K
 from kvforge.service.kv_events import BlockMapper, KVEventSubscriber
 from kvforge.service.metrics import ServiceMetrics
+from kvforge.service.urls import check_zmq_endpoint as _check_zmq_endpoint
+from kvforge.service.urls import normalize_backend_url
 
 __all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "normalize_backend_url"]
 
@@ -56,33 +57,6 @@ _HOP = frozenset(
     )
 )  # fmt: skip
 _MAX_CONV_ID = 512
-
-
-def normalize_backend_url(url: object) -> str:
-    """``http(s)://host[:port][/prefix]`` without a trailing slash; raises ValueError naming the problem."""
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"backend URL: expected a non-empty string, got {url!r:.80}")
-    try:
-        u = URL(url)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"backend URL {url!r:.80}: not a URL ({exc})") from None
-    if u.scheme not in ("http", "https") or not u.host:
-        raise ValueError(f"backend URL {url!r:.80}: expected http://host[:port] or https://host[:port]")
-    if u.query_string or u.fragment or u.user:
-        raise ValueError(f"backend URL {url!r:.80}: expected no query, fragment or credentials")
-    try:
-        u.port  # noqa: B018  (a port out of range raises here)
-    except ValueError as exc:
-        raise ValueError(f"backend URL {url!r:.80}: bad port ({exc})") from None
-    return str(u).rstrip("/")
-
-
-def _check_zmq_endpoint(name: str, ep: object) -> str | None:
-    if ep is None:
-        return None
-    if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")) or len(ep) > 512:
-        raise ValueError(f"{name}: expected a ZMQ endpoint like tcp://host:5557, got {ep!r:.80}")
-    return ep
 
 
 @dataclass
