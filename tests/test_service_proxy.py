@@ -100,9 +100,9 @@ def test_trace_replay_hit_rate_equals_in_process_replay() -> None:
 def test_killing_a_backend_mid_run_loses_no_request_that_had_not_started() -> None:
     async def main() -> None:
         kw = {"tokens_per_s": 200, "tokens_per_chunk": 2, "max_output_tokens": 10}
-        async with fleet(3, policy="conversation", tokens_per_block=64, backend_kw=kw, max_retries=2) as (
-            svc, base, backends, s,
-        ):  # fmt: skip
+        async with fleet(
+            3, policy="conversation", tokens_per_block=64, backend_kw=kw, max_retries=2, health_interval_s=30.0
+        ) as (svc, base, backends, s):  # fmt: skip
             work = _conversations(10, 3, seed=2)
             sem = asyncio.Semaphore(12)
 
@@ -129,6 +129,26 @@ def test_killing_a_backend_mid_run_loses_no_request_that_had_not_started() -> No
                 assert r["done"] and r["backend"] != victim.name
             assert await wait_for(lambda: svc.fleet.total_backlog() == 0)
             assert all(n == 0 for _, _, n, _ in svc.fleet.snapshot())
+            # A backend that dies while idle is found by the next request sent to it (health checks are 30 s
+            # apart here): that request is retried elsewhere and completes.
+            last = {}
+            for c in range(10):
+                r = await post_chat(
+                    s, base, {"messages": [{"role": "user", "content": work[c][2] + "x"}], "stream": True}, f"conv-{c}"
+                )
+                last[c] = r["backend"]
+            second = next(b for b in backends if b is not victim and b.name in last.values())
+            await second.kill()
+            for c in range(10):
+                r = await post_chat(
+                    s, base, {"messages": [{"role": "user", "content": work[c][2] + "xy"}], "stream": True}, f"conv-{c}"
+                )
+                assert r["done"] and r["backend"] not in (victim.name, second.name)
+            retried = sum(
+                x.value for m in svc.metrics.retries.collect() for x in m.samples if x.name.endswith("_total")
+            )
+            assert retried >= 1  # the first request sent to the silently dead backend moved
+            assert await wait_for(lambda: svc.fleet.total_backlog() == 0)
 
     run(main())
 
