@@ -18,7 +18,7 @@ at ``--tokens-per-s``), the router (``python -m kvforge router``, as a user runs
 
 All of it shares this machine's cores (2 here), so the router competes with the client and the backends:
 the added latency includes that contention. Rows go to ``bench/results/router_service.csv``, the figure to
-``bench/results/router_service.png``.
+``bench/results/router_service_<rate>rps.png``.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def _plot(direct: list, via: list, row: dict) -> None:
     fig.suptitle(f"{row['rate']:.0f} req/s streaming, {row['backends']} fake backends, {row['machine']} "
                  f"@ {row['git_rev']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(RESULTS / "router_service.png", dpi=110)
+    fig.savefig(RESULTS / f"router_service_{row['rate']:.0f}rps.png", dpi=110)
 
 
 if __name__ == "__main__":
