@@ -233,3 +233,14 @@ def test_kvforge_events_to_wire_and_back_through_the_mapper() -> None:
         from_kvforge_event(RStored(tuple(keys), None, 8), tokens[:-1])
     with pytest.raises(TypeError):
         from_kvforge_event("BlockStored")
+
+
+def test_subscriber_with_a_bad_endpoint_logs_and_stops() -> None:
+    async def main() -> None:
+        sub = KVEventSubscriber("tcp://no host:x", lambda evs: None, BlockMapper(4))
+        sub.start()
+        await asyncio.sleep(0.05)
+        assert sub.counts["bad"] == 1
+        await sub.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 10))

@@ -442,12 +442,21 @@ class KVEventSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
         dealer = None
-        if self.replay_endpoint is not None:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.replay_endpoint)
+        try:
+            sub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                dealer = self._ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                dealer.connect(self.replay_endpoint)
+        except zmq.ZMQError as exc:
+            logger.error("kv events: cannot connect to %s / %s: %s", self.endpoint, self.replay_endpoint, exc)
+            self._count("bad")
+            sub.close(0)
+            if dealer is not None:
+                dealer.close(0)
+            self._ctx.term()
+            return
         try:
             while True:
                 frames = await sub.recv_multipart()

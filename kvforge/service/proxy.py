@@ -53,9 +53,10 @@ _HOP = frozenset(
     h.lower()
     for h in (
         "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
-        "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
+        "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
     )
 )  # fmt: skip
+# Content-Encoding passes through: responses are relayed undecoded (auto_decompress=False).
 _MAX_CONV_ID = 512
 
 
