@@ -163,7 +163,7 @@ def test_mapper_keys_match_request_keys() -> None:
     keys, n = keyer.keys_for_body("/v1/completions", {"prompt": ids})
     m = BlockMapper(16)
     out = m.apply(BlockStored([i.to_bytes(4, "big") for i in range(17)], None, ids[:68], 4, None, None, None))
-    assert list(out[0].block_hashes) == keys and n == 70
+    assert out == [RStored(tuple(keys), None, 16)] and n == 70
 
 
 def test_subscriber_replays_a_gap_over_zmq() -> None:

@@ -232,6 +232,11 @@ def stored_event(keys: Sequence[BlockKey], parent: BlockKey | None, tokens_per_b
     return BlockStored(block_hashes=tuple(keys), parent_hash=parent, tokens_per_block=tokens_per_block)  # type: ignore[arg-type]
 
 
+def event_keys(event: Any) -> list[BlockKey]:
+    """The block keys a ``kvforge.kvcache.events`` BlockStored / BlockRemoved carries."""
+    return list(event.block_hashes)
+
+
 def removed_event(keys: Sequence[BlockKey]) -> Any:
     from kvforge.kvcache.events import BlockRemoved
 

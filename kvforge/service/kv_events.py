@@ -57,6 +57,7 @@ class WireError(ValueError):
     """Bytes that are not a valid vLLM KV-event message."""
 
 
+# Field names below are vLLM's wire names (its ``block_hashes`` are the engine's hashes, not kvforge keys).
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     # lora_id, medium and lora_name have no default, as in vLLM: its decoder requires them on the wire.
     block_hashes: list[EngineHash]
@@ -203,14 +204,14 @@ def from_kvforge_event(
     from kvforge.kvcache import events as kv
 
     if isinstance(event, kv.BlockStored):
-        keys: list[EngineHash] = list(event.block_hashes)
+        keys: list[EngineHash] = _keys.event_keys(event)  # type: ignore[assignment]
         if token_ids is None:
             raise ValueError("token_ids: required to publish a BlockStored (the wire carries the blocks' tokens)")
         ev = BlockStored(keys, event.parent_hash, list(token_ids), event.tokens_per_block, None, medium, None)
         _check_stored(ev)
         return ev
     if isinstance(event, kv.BlockRemoved):
-        return BlockRemoved(list(event.block_hashes), medium)
+        return BlockRemoved(_keys.event_keys(event), medium)  # type: ignore[arg-type]
     if isinstance(event, kv.AllBlocksCleared):
         return AllBlocksCleared()
     raise TypeError(
