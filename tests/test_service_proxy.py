@@ -4,6 +4,7 @@ ZMQ on loopback) behind the proxy, driven by a prefix of the Mooncake trace or a
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import defaultdict
 
@@ -247,14 +248,53 @@ def test_admin_endpoint_and_backends_file(tmp_path) -> None:
     run(main())
 
 
+TEMPLATE = (
+    "{% for m in messages %}{{ bos_token }} <|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _template(tmp_path) -> str:
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": {"content": "w1"}, "eos_token": "w2"}))
+    return str(path)
+
+
+def test_chat_template_keys_are_the_rendered_prompts_tokens(tmp_path) -> None:
+    tok = build_tokenizer(tmp_path / "tokenizer.json")
+    keyer = Keyer(4, tokenizer=tok, chat_template=_template(tmp_path))
+    body = {"messages": [{"role": "system", "content": "w9 w8"}, {"role": "user", "content": "w3 w4 w5"}]}
+    ids = keyer.encode("w1 <|system|> w9 w8 w1 <|user|> w3 w4 w5 <|assistant|>", add_special_tokens=False)
+    assert 0 not in ids  # every word is in the vocabulary: the rendering is what the test says it is
+    assert keyer.keys_for_body("/v1/chat/completions", body) == (K.chain_keys(K.root_key(), ids, 4), len(ids))
+    body["add_generation_prompt"] = False
+    assert keyer.keys_for_body("/v1/chat/completions", body)[1] == len(ids) - 1
+    body["add_generation_prompt"] = "yes"
+    with pytest.raises(K.BadRequest, match="add_generation_prompt"):
+        keyer.keys_for_body("/v1/chat/completions", body)
+    raising = tmp_path / "raising.jinja"
+    raising.write_text("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}x")
+    with pytest.raises(K.BadRequest, match="user first"):
+        Keyer(4, chat_template=raising).keys_for_body("/v1/chat/completions", {"messages": [{"role": "a"}]})
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    with pytest.raises(ValueError, match="chat_template"):
+        Keyer(4, chat_template=bad)
+    nojson = tmp_path / "x.json"
+    nojson.write_text("{}")
+    with pytest.raises(ValueError, match="chat_template"):
+        Keyer(4, chat_template=nojson)
+
+
 def test_kv_events_from_backends_reach_the_router(tmp_path) -> None:
     tok = build_tokenizer(tmp_path / "tokenizer.json")
+    template = _template(tmp_path)
 
     async def main() -> None:
-        keyer = Keyer(32, tokenizer=tok)
+        keyer = Keyer(32, tokenizer=tok, chat_template=template)
         async with fleet(
             2, keyer=keyer, events=True, policy="conversation-always", tokens_per_block=32, tokenizer=str(tok),
-            backend_kw={"engine_block_size": 16},
+            chat_template=template, backend_kw={"engine_block_size": 16},
         ) as (svc, base, backends, s):  # fmt: skip
             text = " ".join(f"w{i % 97}" for i in range(200))
             body = {"messages": [{"role": "user", "content": text}], "stream": True}

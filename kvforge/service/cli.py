@@ -104,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a local tokenizers file: keys from token ids (needed to use KV events); default: keys from text chunks",
     )
     g.add_argument(
+        "--chat-template",
+        metavar="PATH",
+        help="the model's tokenizer_config.json (its chat_template) or a Jinja file: chat requests are keyed as "
+        "the engine renders them, so their keys match its KV events (default: role-tagged messages)",
+    )
+    g.add_argument(
         "--tokens-per-block",
         type=_int_at_least(1),
         default=128,
@@ -215,6 +221,7 @@ def config_from_args(args: argparse.Namespace):
         backends=args.backend,
         policy=args.policy,
         tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
         tokens_per_block=args.tokens_per_block,
         chars_per_token=args.chars_per_token,
         conversation_header=args.conversation_header,

@@ -7,9 +7,10 @@ engine's ``BlockStored`` token ids therefore agree by construction.
 :class:`Keyer` turns an OpenAI request body into ``(block_keys, num_tokens)``:
 
 - with a ``tokenizers`` tokenizer (``tokenizer.json``): the prompt's token ids in blocks of
-  ``tokens_per_block``; a chat request is rendered as ``<|role|>\\ncontent\\n`` per message first (no chat
-  template, so chat keys match the engine's own only where the template is this trivial one; completions with
-  a string or token-id prompt match exactly);
+  ``tokens_per_block``. A chat request is rendered with the model's chat template when one is given
+  (``chat_template``: a ``tokenizer_config.json`` or a Jinja file, rendered in a sandbox as Hugging Face does,
+  then tokenised without special tokens, as vLLM does), so its keys match the engine's own blocks; without a
+  template as ``<|role|>\\ncontent\\n`` per message (keys consistent among requests, not the engine's);
 - without one: the text's code points in chunks of ``tokens_per_block * chars_per_token`` characters, the
   prompt estimated at ``ceil(len / chars_per_token)`` tokens.
 
@@ -21,6 +22,7 @@ the service touches ``kvforge.routing`` / ``kvforge.kvcache.events`` field names
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
@@ -134,10 +136,77 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     raise BadRequest("prompt: expected a string, a list of strings or a non-empty list of token ids")
 
 
+class ChatTemplate:
+    """A Hugging Face chat template (Jinja), rendered in jinja2's immutable sandbox."""
+
+    def __init__(self, path: str | Path) -> None:
+        import json
+
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat_template: cannot read {str(path)!r}: {exc}") from None
+        self.bos_token = self.eos_token = ""
+        if str(path).endswith(".json"):
+            try:
+                cfg = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"chat_template: {str(path)!r} is not JSON: {exc}") from None
+            tpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
+            if isinstance(tpl, list):  # named templates: the default one
+                tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+            if not isinstance(tpl, str):
+                raise ValueError(f"chat_template: {str(path)!r} has no 'chat_template' string")
+            self.bos_token = _token_text(cfg.get("bos_token"))
+            self.eos_token = _token_text(cfg.get("eos_token"))
+            text = tpl
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        try:
+            self._template = env.from_string(text)
+        except TemplateError as exc:
+            raise ValueError(f"chat_template: not a valid Jinja template: {exc}") from None
+
+    def render(self, messages: list[Any], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise BadRequest(f"messages: the chat template rejected them ({exc})") from None
+
+
+def _token_text(tok: Any) -> str:
+    if isinstance(tok, dict):  # AddedToken form
+        tok = tok.get("content")
+    return tok if isinstance(tok, str) else ""
+
+
 class Keyer:
     """Computes a request's ``(block_keys, num_tokens)`` (see the module docstring)."""
 
-    def __init__(self, tokens_per_block: int, chars_per_token: float = 4.0, tokenizer: str | Path | None = None):
+    def __init__(
+        self,
+        tokens_per_block: int,
+        chars_per_token: float = 4.0,
+        tokenizer: str | Path | None = None,
+        chat_template: str | Path | None = None,
+    ):
         if not isinstance(tokens_per_block, int) or isinstance(tokens_per_block, bool) or tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block: expected a positive int, got {tokens_per_block!r}")
         if not isinstance(chars_per_token, (int, float)) or not chars_per_token > 0:
@@ -146,6 +215,7 @@ class Keyer:
         self.chars_per_token = float(chars_per_token)
         self.chars_per_block = max(1, round(tokens_per_block * chars_per_token))
         self.tokenizer = None
+        self.chat_template = ChatTemplate(chat_template) if chat_template is not None else None
         if tokenizer is not None:
             from tokenizers import Tokenizer
 
@@ -170,19 +240,35 @@ class Keyer:
             return self.keys_for_tokens(self.encode(text, add_special_tokens=False))
         return block_keys_from_text(text, self.chars_per_block), math.ceil(len(text) / self.chars_per_token)
 
+    def prompt(self, path: str, body: dict[str, Any]) -> str | list[int]:
+        """The prompt as the engine sees it: rendered chat text, a completion's string, or its token ids."""
+        if path.endswith("/chat/completions"):
+            text = render_chat(body.get("messages"))  # validates the messages in every case
+            if self.chat_template is not None:
+                agp = body.get("add_generation_prompt", True)
+                if not isinstance(agp, bool):
+                    raise BadRequest(f"add_generation_prompt: expected a boolean, got {type(agp).__name__}")
+                text = self.chat_template.render(body["messages"], agp)
+            return text
+        return _prompt(body)
+
+    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        """Token ids of the prompt (needs a tokenizer): chat text without special tokens (the template holds
+        them), a completion string with them, token ids as given."""
+        p = self.prompt(path, body)
+        if isinstance(p, list):
+            return p
+        return self.encode(p, add_special_tokens=not path.endswith("/chat/completions"))
+
     def keys_for_body(self, path: str, body: dict[str, Any]) -> tuple[list[BlockKey], int]:
         """Keys of a ``/v1/chat/completions`` or ``/v1/completions`` body; raises :class:`BadRequest`."""
-        if path.endswith("/chat/completions"):
-            return self.keys_for_text(render_chat(body.get("messages")))
-        prompt = _prompt(body)
-        if isinstance(prompt, list):
-            if self.tokenizer is None:
-                # Token ids without a tokenizer: key the ids themselves (they only meet other id prompts).
-                return block_keys_from_tokens(prompt, self.tokens_per_block), len(prompt)
-            return self.keys_for_tokens(prompt)
         if self.tokenizer is not None:
-            return self.keys_for_tokens(self.encode(prompt, add_special_tokens=True))
-        return self.keys_for_text(prompt)
+            return self.keys_for_tokens(self.prompt_token_ids(path, body))
+        p = self.prompt(path, body)
+        if isinstance(p, list):
+            # Token ids without a tokenizer: key the ids themselves (they only meet other id prompts).
+            return block_keys_from_tokens(p, self.tokens_per_block), len(p)
+        return self.keys_for_text(p)
 
 
 # ---------------------------------------------------------------- the router's public API, in one place

@@ -67,6 +67,7 @@ class ServiceConfig:
     backends: Sequence[str] = ()
     policy: str = "conversation"
     tokenizer: str | None = None
+    chat_template: str | None = None
     tokens_per_block: int = 128
     chars_per_token: float = 4.0
     conversation_header: str = "X-Conversation-Id"
@@ -342,7 +343,7 @@ class RouterService:
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
-        self.keyer = K.Keyer(cfg.tokens_per_block, cfg.chars_per_token, cfg.tokenizer)
+        self.keyer = K.Keyer(cfg.tokens_per_block, cfg.chars_per_token, cfg.tokenizer, cfg.chat_template)
         self.fleet = Fleet(cfg, self._kv_stat)
         self.metrics = ServiceMetrics(self.fleet.snapshot)
         for i, url in enumerate(cfg.backends):

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvforge.service.keys import Keyer, render_chat
+from kvforge.service.keys import Keyer
 from kvforge.service.kv_events import BlockStored, KVEventPublisher
 
 __all__ = ["FakeBackend", "build_tokenizer", "trace_text"]
@@ -147,9 +147,7 @@ class FakeBackend:
         self.prompt_tokens += n
         self.hit_tokens += min(hit * self.keyer.tokens_per_block, n)
         if self.publisher is not None and self.keyer.uses_tokens:
-            text = render_chat(body["messages"]) if "messages" in body else body["prompt"]
-            ids = self.keyer.encode(text, add_special_tokens=False) if isinstance(text, str) else list(text)
-            self._publish(ids)
+            self._publish(self.keyer.prompt_token_ids(path, body))
 
     def _publish(self, ids: Sequence[int]) -> None:
         assert self.publisher is not None
