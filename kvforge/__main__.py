@@ -4,6 +4,8 @@ Subcommands:
   simulate    (the default) trace-driven serving simulator: router -> schedulers -> cache managers, in simulated
               time; with no arguments it runs the embedded synthetic workload (see ``kvforge simulate --help``)
   selfcheck   run every kernel against its reference on this machine (the Triton interpreter without a GPU)
+  router      the conversation router as an OpenAI-compatible HTTP proxy in front of a fleet of engines
+              (see ``kvforge router --help``)
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def _simulate(args: argparse.Namespace) -> int:
     return run_safely(args)
 
 
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from kvforge.service.cli import DESCRIPTION, add_arguments, run
+
+    p = sub.add_parser("router", help="OpenAI-compatible routing proxy in front of engines", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line on stderr and exit status 2 (no usage dump, no traceback)."""
 
@@ -54,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_simulate)
     p = sub.add_parser("selfcheck", help="check every kernel against its reference")
     p.set_defaults(func=_selfcheck)
+    _add_router(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         # No subcommand: the main job, simulate, with whatever options were given.

@@ -1,0 +1,292 @@
+"""``kvforge router``: argument parsing and the server's main loop.
+
+Every value is checked by argparse (a bad one is a one-line usage error, exit status 2) and again by
+:class:`~kvforge.service.proxy.ServiceConfig`, whose ``ValueError`` is reported the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+from kvforge.service.keys import POLICIES
+from kvforge.service.urls import normalize_backend_url
+
+__all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "run"]
+
+DESCRIPTION = (
+    "Route OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /v1/models) over a fleet of "
+    "engines with kvforge's conversation router; streams pass through chunk by chunk. Also serves /metrics "
+    '(Prometheus), /health and /admin/backends (GET lists, POST {"url": ...} adds, DELETE ?url=... removes).'
+)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return v
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+def _url(text: str) -> str:
+    try:
+        return normalize_backend_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(text: str) -> int:
+    v = _int_at_least(0)(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, got {v}")
+    return v
+
+
+def _endpoint(text: str) -> str:
+    if not text.startswith(("tcp://", "ipc://", "inproc://")):
+        raise argparse.ArgumentTypeError(f"expected a ZMQ endpoint like tcp://host:5557, got {text!r}")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fleet")
+    g.add_argument(
+        "--backend",
+        action="append",
+        type=_url,
+        default=[],
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://10.0.0.1:8000 (repeat for each; at least one, "
+        "or --backends-file)",
+    )
+    g.add_argument(
+        "--backends-file",
+        metavar="PATH",
+        help="a file of backends, one 'URL [kv_events=tcp://..] [kv_replay=tcp://..]' per line, "
+        "re-read when it changes (adds and removes at run time)",
+    )
+    g.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="conversation",
+        help="conversation: sticky by conversation, new ones follow a specific prefix (default); "
+        "conversation-always: follow any matched prefix; cache-aware: SGLang-like; "
+        "least-load; round-robin",
+    )
+    g.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="require 'Authorization: Bearer TOKEN' on /admin/backends (default: no check)",
+    )
+    g = p.add_argument_group("keys")
+    g.add_argument(
+        "--tokenizer",
+        metavar="tokenizer.json",
+        help="a local tokenizers file: keys from token ids (needed to use KV events); default: keys from text chunks",
+    )
+    g.add_argument(
+        "--chat-template",
+        metavar="PATH",
+        help="the model's tokenizer_config.json (its chat_template) or a Jinja file: chat requests are keyed as "
+        "the engine renders them, so their keys match its KV events (default: role-tagged messages)",
+    )
+    g.add_argument(
+        "--tokens-per-block",
+        type=_int_at_least(1),
+        default=128,
+        help="router block size in tokens; with KV events, a multiple of the engines' block size (default 128)",
+    )
+    g.add_argument(
+        "--chars-per-token",
+        type=_positive_float,
+        default=4.0,
+        help="text-chunk keys: characters per estimated token (default 4)",
+    )
+    g.add_argument(
+        "--conversation-header",
+        default="X-Conversation-Id",
+        metavar="NAME",
+        help="request header naming the conversation (a 'conversation_id' body field works too; "
+        "default X-Conversation-Id)",
+    )
+    g.add_argument(
+        "--request-ttl-s",
+        type=_positive_float,
+        default=3600.0,
+        help="reclaim the load of a request never finished after this long (default 3600)",
+    )
+    g = p.add_argument_group("timeouts and health")
+    g.add_argument("--connect-timeout-s", type=_positive_float, default=3.0, help="TCP connect (default 3)")
+    g.add_argument(
+        "--read-timeout-s",
+        type=_positive_float,
+        default=300.0,
+        help="longest silence from a backend, before its headers or between chunks (default 300)",
+    )
+    g.add_argument(
+        "--request-timeout-s", type=_positive_float, default=1800.0, help="longest whole request (default 1800)"
+    )
+    g.add_argument(
+        "--max-retries",
+        type=_int_at_least(0),
+        default=2,
+        help="attempts moved to another backend when one fails before responding (default 2)",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=_int_at_least(1),
+        default=16 * 2**20,
+        help="largest request body; larger ones get 413 (default 16 MiB)",
+    )
+    g.add_argument("--health-path", default="/health", help="GET path of the health check (default /health)")
+    g.add_argument("--health-interval-s", type=_positive_float, default=2.0, help="between checks (default 2)")
+    g.add_argument("--health-timeout-s", type=_positive_float, default=1.0, help="per check (default 1)")
+    g.add_argument(
+        "--unhealthy-after",
+        type=_int_at_least(1),
+        default=2,
+        help="failed checks that eject a backend (default 2; a failed request ejects at once)",
+    )
+    g.add_argument(
+        "--healthy-after",
+        type=_int_at_least(1),
+        default=1,
+        help="passed checks that bring an ejected backend back (default 1)",
+    )
+    g = p.add_argument_group("KV events (vLLM --kv-events-config publisher)")
+    g.add_argument(
+        "--kv-events",
+        action="append",
+        type=_endpoint,
+        default=[],
+        metavar="ENDPOINT",
+        help="ZMQ PUB endpoint of each --backend's KV events, in the same order, e.g. tcp://10.0.0.1:5557",
+    )
+    g.add_argument(
+        "--kv-replay",
+        action="append",
+        type=_endpoint,
+        default=[],
+        metavar="ENDPOINT",
+        help="ZMQ replay (ROUTER) endpoint of each --backend, in the same order, e.g. tcp://10.0.0.1:5558",
+    )
+    g.add_argument("--kv-topic", default="", help="topic the engines publish on (default '')")
+    g.add_argument(
+        "--kv-group",
+        type=_int_at_least(0),
+        default=0,
+        help="KV-cache group whose events are used on hybrid models (default 0)",
+    )
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    g.add_argument("--port", type=_port, default=8080, help="listen port (default 8080)")
+    g.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="debug logs one JSON line per request (default info)",
+    )
+    g.add_argument("--log-format", choices=("json", "text"), default="json", help="default json")
+    g.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="auto: uvloop when it is installed (less CPU per request), else asyncio (default auto)",
+    )
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvforge.service.proxy import ServiceConfig
+
+    return ServiceConfig(
+        backends=args.backend,
+        policy=args.policy,
+        tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        tokens_per_block=args.tokens_per_block,
+        chars_per_token=args.chars_per_token,
+        conversation_header=args.conversation_header,
+        connect_timeout_s=args.connect_timeout_s,
+        read_timeout_s=args.read_timeout_s,
+        request_timeout_s=args.request_timeout_s,
+        max_retries=args.max_retries,
+        max_body_bytes=args.max_body_bytes,
+        health_path=args.health_path,
+        health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        unhealthy_after=args.unhealthy_after,
+        healthy_after=args.healthy_after,
+        request_ttl_s=args.request_ttl_s,
+        kv_events=args.kv_events,
+        kv_replay=args.kv_replay,
+        kv_topic=args.kv_topic,
+        kv_group=args.kv_group,
+        backends_file=args.backends_file,
+        admin_token=args.admin_token,
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    try:
+        from aiohttp import web
+
+        from kvforge.service.metrics import configure_logging
+        from kvforge.service.proxy import RouterService
+    except ImportError as exc:
+        print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
+        return 1
+
+    try:
+        cfg = config_from_args(args)
+        service = RouterService(cfg)
+    except ValueError as exc:
+        print(f"kvforge router: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, args.log_format)
+    logging.getLogger("kvforge.service").info(
+        "router listening",
+        extra={"fields": {"host": args.host, "port": args.port, "policy": cfg.policy, "backends": list(cfg.backends)}},
+    )
+    loop = None
+    if args.event_loop != "asyncio":
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            if args.event_loop == "uvloop":
+                print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
+                return 2
+    try:
+        web.run_app(
+            service.make_app(),
+            host=args.host,
+            port=args.port,
+            access_log=None,
+            print=None,
+            handler_cancellation=True,
+            loop=loop,
+        )
+    except OSError as exc:
+        print(f"kvforge router: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

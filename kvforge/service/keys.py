@@ -1,0 +1,335 @@
+"""Request → block keys for the router service, and the one seam to the router's public API.
+
+Every key the service computes goes through :func:`chain_keys` (token runs chained from a parent key) and
+:func:`root_key`, which delegate to :mod:`kvforge.kvcache.hashing`: request keys and keys rebuilt from an
+engine's ``BlockStored`` token ids therefore agree by construction.
+
+:class:`Keyer` turns an OpenAI request body into ``(block_keys, num_tokens)``:
+
+- with a ``tokenizers`` tokenizer (``tokenizer.json``): the prompt's token ids in blocks of
+  ``tokens_per_block``. A chat request is rendered with the model's chat template when one is given
+  (``chat_template``: a ``tokenizer_config.json`` or a Jinja file, rendered in a sandbox as Hugging Face does,
+  then tokenised without special tokens, as vLLM does), so its keys match the engine's own blocks; without a
+  template as ``<|role|>\\ncontent\\n`` per message (keys consistent among requests, not the engine's);
+- without one: the text's code points in chunks of ``tokens_per_block * chars_per_token`` characters, the
+  prompt estimated at ``ceil(len / chars_per_token)`` tokens.
+
+Bad bodies raise :class:`BadRequest` (a ``ValueError``) naming the field; nothing is routed.
+The functions at the bottom (``make_router``, ``route``, ``finish``, ``stored_event`` ...) are the only places
+the service touches ``kvforge.routing`` / ``kvforge.kvcache.events`` field names.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvforge.kvcache import hashing
+
+__all__ = [
+    "POLICIES",
+    "BadRequest",
+    "Keyer",
+    "chain_keys",
+    "finish",
+    "make_router",
+    "removed_event",
+    "root_key",
+    "route",
+    "stored_event",
+]
+
+BlockKey = Hashable
+
+POLICIES = ("conversation", "conversation-always", "cache-aware", "least-load", "round-robin")
+
+
+class BadRequest(ValueError):
+    """A client's request body is not a valid OpenAI request (the message names the field)."""
+
+
+# ---------------------------------------------------------------- keys (point these at hashing.py)
+
+
+def root_key(scope: Hashable | None = None) -> BlockKey:
+    """The parent of every chain's first block under ``scope``."""
+    return hashing.scope_root(scope)
+
+
+def chain_keys(parent: BlockKey, tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
+    """Keys of the full blocks of ``tokens``, chained from ``parent`` (a trailing partial block has none)."""
+    n_blocks = len(tokens) // tokens_per_block
+    out: list[BlockKey] = list(hashing.chain_hashes(parent, tokens, 0, n_blocks, tokens_per_block))  # type: ignore[arg-type]
+    return out
+
+
+def block_keys_from_tokens(tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
+    return chain_keys(root_key(), tokens, tokens_per_block)
+
+
+_TEXT_SCOPE = ("text", None)
+
+
+def block_keys_from_text(text: str, chars_per_block: int) -> list[BlockKey]:
+    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree. Decoded
+    # in C (UTF-32 viewed as uint32, lone surrogates kept as their code points): the same ints as ord().
+    full = len(text) - len(text) % chars_per_block
+    points = tuple(memoryview(text[:full].encode("utf-32-le", "surrogatepass")).cast("I"))
+    return chain_keys(root_key(_TEXT_SCOPE), points, chars_per_block)
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise BadRequest(f"{where}[{j}]: expected an object, got {type(part).__name__}")
+            text = part.get("text")
+            if part.get("type") == "text":
+                if not isinstance(text, str):
+                    raise BadRequest(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
+                parts.append(text)
+        return "".join(parts)
+    raise BadRequest(f"{where}: expected a string, a list of parts or null, got {type(content).__name__}")
+
+
+def render_chat(messages: Any) -> str:
+    """The text the router keys a chat request by (messages in order, each tagged with its role)."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages: expected a non-empty list of message objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}]: expected an object, got {type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"messages[{i}].role: expected a non-empty string, got {role!r:.40}")
+        out.append(f"<|{role}|>\n{_content_text(m.get('content'), f'messages[{i}].content')}\n")
+    return "".join(out)
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        # A batch of prompts is routed by its first (one request goes to one server).
+        if isinstance(first, str):
+            if not all(isinstance(p, str) for p in prompt):
+                raise BadRequest("prompt: expected a string, a list of strings or a list of token ids")
+            return first
+        if isinstance(first, list):
+            prompt = first
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            return prompt
+    raise BadRequest("prompt: expected a string, a list of strings or a non-empty list of token ids")
+
+
+class ChatTemplate:
+    """A Hugging Face chat template (Jinja), rendered in jinja2's immutable sandbox."""
+
+    def __init__(self, path: str | Path) -> None:
+        import json
+
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat_template: cannot read {str(path)!r}: {exc}") from None
+        self.bos_token = self.eos_token = ""
+        if str(path).endswith(".json"):
+            try:
+                cfg = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"chat_template: {str(path)!r} is not JSON: {exc}") from None
+            tpl = cfg.get("chat_template") if isinstance(cfg, dict) else None
+            if isinstance(tpl, list):  # named templates: the default one
+                tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+            if not isinstance(tpl, str):
+                raise ValueError(f"chat_template: {str(path)!r} has no 'chat_template' string")
+            self.bos_token = _token_text(cfg.get("bos_token"))
+            self.eos_token = _token_text(cfg.get("eos_token"))
+            text = tpl
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        try:
+            self._template = env.from_string(text)
+        except TemplateError as exc:
+            raise ValueError(f"chat_template: not a valid Jinja template: {exc}") from None
+
+    def render(self, messages: list[Any], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise BadRequest(f"messages: the chat template rejected them ({exc})") from None
+
+
+def _token_text(tok: Any) -> str:
+    if isinstance(tok, dict):  # AddedToken form
+        tok = tok.get("content")
+    return tok if isinstance(tok, str) else ""
+
+
+class Keyer:
+    """Computes a request's ``(block_keys, num_tokens)`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokens_per_block: int,
+        chars_per_token: float = 4.0,
+        tokenizer: str | Path | None = None,
+        chat_template: str | Path | None = None,
+    ):
+        if not isinstance(tokens_per_block, int) or isinstance(tokens_per_block, bool) or tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block: expected a positive int, got {tokens_per_block!r}")
+        if not isinstance(chars_per_token, (int, float)) or not chars_per_token > 0:
+            raise ValueError(f"chars_per_token: expected a positive number, got {chars_per_token!r}")
+        self.tokens_per_block = tokens_per_block
+        self.chars_per_token = float(chars_per_token)
+        self.chars_per_block = max(1, round(tokens_per_block * chars_per_token))
+        self.tokenizer = None
+        self.chat_template = ChatTemplate(chat_template) if chat_template is not None else None
+        if tokenizer is not None:
+            from tokenizers import Tokenizer
+
+            try:
+                self.tokenizer = Tokenizer.from_file(str(tokenizer))
+            except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+                raise ValueError(f"tokenizer: cannot load {str(tokenizer)!r} as a tokenizer.json: {exc}") from None
+
+    @property
+    def uses_tokens(self) -> bool:
+        return self.tokenizer is not None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        assert self.tokenizer is not None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def keys_for_tokens(self, token_ids: Sequence[int]) -> tuple[list[BlockKey], int]:
+        return block_keys_from_tokens(token_ids, self.tokens_per_block), len(token_ids)
+
+    def keys_for_text(self, text: str) -> tuple[list[BlockKey], int]:
+        if self.tokenizer is not None:
+            return self.keys_for_tokens(self.encode(text, add_special_tokens=False))
+        return block_keys_from_text(text, self.chars_per_block), math.ceil(len(text) / self.chars_per_token)
+
+    def prompt(self, path: str, body: dict[str, Any]) -> str | list[int]:
+        """The prompt as the engine sees it: rendered chat text, a completion's string, or its token ids."""
+        if path.endswith("/chat/completions"):
+            text = render_chat(body.get("messages"))  # validates the messages in every case
+            if self.chat_template is not None:
+                agp = body.get("add_generation_prompt", True)
+                if not isinstance(agp, bool):
+                    raise BadRequest(f"add_generation_prompt: expected a boolean, got {type(agp).__name__}")
+                text = self.chat_template.render(body["messages"], agp)
+            return text
+        return _prompt(body)
+
+    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+        """Token ids of the prompt (needs a tokenizer): chat text without special tokens (the template holds
+        them), a completion string with them, token ids as given."""
+        p = self.prompt(path, body)
+        if isinstance(p, list):
+            return p
+        return self.encode(p, add_special_tokens=not path.endswith("/chat/completions"))
+
+    def keys_for_body(self, path: str, body: dict[str, Any]) -> tuple[list[BlockKey], int]:
+        """Keys of a ``/v1/chat/completions`` or ``/v1/completions`` body; raises :class:`BadRequest`."""
+        if self.tokenizer is not None:
+            return self.keys_for_tokens(self.prompt_token_ids(path, body))
+        p = self.prompt(path, body)
+        if isinstance(p, list):
+            # Token ids without a tokenizer: key the ids themselves (they only meet other id prompts).
+            return block_keys_from_tokens(p, self.tokens_per_block), len(p)
+        return self.keys_for_text(p)
+
+
+# ---------------------------------------------------------------- the router's public API, in one place
+
+
+def make_router(
+    policy: str,
+    servers: Sequence[Hashable],
+    *,
+    tokens_per_block: int,
+    chars_per_token: float,
+    use_cache_events: bool,
+    request_ttl_s: float | None,
+) -> Any:
+    from kvforge.routing import CacheAwareRouter, ConversationRouter, LeastLoadRouter, RoundRobinRouter
+
+    common: dict[str, Any] = dict(
+        tokens_per_block=tokens_per_block, chars_per_token=chars_per_token, request_ttl_s=request_ttl_s
+    )
+    if policy in ("conversation", "conversation-always"):
+        follow = "always" if policy == "conversation-always" else "specific"
+        return ConversationRouter(servers, new_conversation_follow=follow, use_cache_events=use_cache_events, **common)
+    cls = {"cache-aware": CacheAwareRouter, "least-load": LeastLoadRouter, "round-robin": RoundRobinRouter}.get(policy)
+    if cls is None:
+        raise ValueError(f"policy: expected one of {POLICIES}, got {policy!r}")
+    return cls(servers, **common)
+
+
+def route(router: Any, request_id: Hashable, keys: Sequence[BlockKey], num_tokens: int, conv: str | None) -> Hashable:
+    from kvforge.routing import RouteRequest
+
+    req = RouteRequest(request_id, block_hashes=keys, num_tokens=num_tokens, conversation_id=conv)  # type: ignore[arg-type]
+    return router.route(req)
+
+
+def finish(router: Any, request_id: Hashable, success: bool) -> bool:
+    return bool(router.finish(request_id, success))
+
+
+def loads(router: Any) -> dict[Hashable, float]:
+    return dict(router.loads())
+
+
+def stored_event(keys: Sequence[BlockKey], parent: BlockKey | None, tokens_per_block: int) -> Any:
+    from kvforge.kvcache.events import BlockStored
+
+    return BlockStored(block_hashes=tuple(keys), parent_hash=parent, tokens_per_block=tokens_per_block)  # type: ignore[arg-type]
+
+
+def event_keys(event: Any) -> list[BlockKey]:
+    """The block keys a ``kvforge.kvcache.events`` BlockStored / BlockRemoved carries."""
+    return list(event.block_hashes)
+
+
+def removed_event(keys: Sequence[BlockKey]) -> Any:
+    from kvforge.kvcache.events import BlockRemoved
+
+    return BlockRemoved(block_hashes=tuple(keys))  # type: ignore[arg-type]
+
+
+def cleared_event() -> Any:
+    from kvforge.kvcache.events import AllBlocksCleared
+
+    return AllBlocksCleared()

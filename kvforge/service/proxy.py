@@ -1,0 +1,686 @@
+"""The OpenAI-compatible routing proxy (aiohttp server and client).
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` are keyed (:class:`~kvforge.service.keys.Keyer`),
+placed by the configured policy and forwarded; the backend's response is passed through chunk by chunk as it
+arrives (SSE included, never buffered whole). ``GET /v1/models`` goes to a healthy backend. The conversation
+id is the ``X-Conversation-Id`` header (name configurable) or a ``conversation_id`` body field (stripped before
+forwarding); without one the policy matches by prefix.
+
+Every placement is finished exactly once, when the response ends: success for a status < 400 streamed to the
+end, failure otherwise (client disconnect, upstream error, timeout), which restores the conversation's
+baseline as ``finish_request_by_id(success=False)`` does. An attempt that fails before the response has
+started (connection refused, reset, timeout, or its backend ejected while it waited) ejects the backend and is
+retried on another, up to ``max_retries`` times.
+
+Membership: backends are health-checked (``GET health_path``) and ejected on a failed check or a failed
+connection; they rejoin after ``healthy_after`` passing checks. Admin: ``GET/POST/DELETE /admin/backends``
+(``Authorization: Bearer <token>`` when an admin token is set) and an optional backends file polled for
+changes. A change of the set of healthy backends builds a new router over that set (sessions restart there;
+requests placed earlier finish on the router that placed them). ``GET /metrics`` is Prometheus text;
+``GET /health`` is 200 while any backend is in rotation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvforge.service import keys as K
+from kvforge.service.kv_events import BlockMapper, KVEventSubscriber
+from kvforge.service.metrics import ServiceMetrics
+from kvforge.service.urls import check_zmq_endpoint as _check_zmq_endpoint
+from kvforge.service.urls import normalize_backend_url
+
+__all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "normalize_backend_url"]
+
+logger = logging.getLogger("kvforge.service")
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp recomputes are not forwarded in either direction.
+_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
+        "Transfer-Encoding", "Upgrade", "Host", "Content-Length",
+    )
+)  # fmt: skip
+# Content-Encoding passes through: responses are relayed undecoded (auto_decompress=False).
+_MAX_CONV_ID = 512
+
+
+@dataclass
+class ServiceConfig:
+    """What ``kvforge router`` is told on its command line (validated there and here)."""
+
+    backends: Sequence[str] = ()
+    policy: str = "conversation"
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    tokens_per_block: int = 128
+    chars_per_token: float = 4.0
+    conversation_header: str = "X-Conversation-Id"
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 300.0
+    request_timeout_s: float = 1800.0
+    max_retries: int = 2
+    max_body_bytes: int = 16 * 2**20
+    health_path: str = "/health"
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    unhealthy_after: int = 2
+    healthy_after: int = 1
+    request_ttl_s: float | None = 3600.0
+    kv_events: Sequence[str | None] = ()
+    kv_replay: Sequence[str | None] = ()
+    kv_topic: str = ""
+    kv_group: int = 0
+    backends_file: str | None = None
+    admin_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in K.POLICIES:
+            raise ValueError(f"policy: expected one of {K.POLICIES}, got {self.policy!r}")
+        for name in (
+            "connect_timeout_s",
+            "read_timeout_s",
+            "request_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+                raise ValueError(f"{name}: expected a positive number of seconds, got {v!r}")
+        for name, lo in (("max_retries", 0), ("max_body_bytes", 1), ("unhealthy_after", 1), ("healthy_after", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+        self.backends = [normalize_backend_url(b) for b in self.backends]
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError("backends: the same URL is given twice")
+        if not self.backends and self.backends_file is None:
+            raise ValueError("backends: expected at least one --backend URL or a --backends-file")
+        for name in ("kv_events", "kv_replay"):
+            eps = list(getattr(self, name))
+            if eps and len(eps) != len(self.backends):
+                raise ValueError(f"{name}: expected one endpoint per --backend ({len(self.backends)}), got {len(eps)}")
+            setattr(self, name, [_check_zmq_endpoint(name, e) for e in eps])
+        if self.kv_replay and not self.kv_events:
+            raise ValueError("kv_replay: given without kv_events")
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"health_path: expected a path starting with '/', got {self.health_path!r}")
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    from_file: bool = False
+    healthy: bool = True
+    fails: int = 0
+    passes: int = 0
+    mapper: BlockMapper | None = None
+    subscriber: KVEventSubscriber | None = None
+    sent: OrderedDict[Hashable, None] = field(default_factory=OrderedDict)  # keys sent here (hit estimate)
+    attempts: set[_Attempt] = field(default_factory=set)
+
+
+class _Epoch:
+    """One router over one set of backends, and the requests it placed that are still in flight."""
+
+    __slots__ = ("in_flight", "router", "servers")
+
+    def __init__(self, router: Any, servers: tuple[str, ...]) -> None:
+        self.router = router
+        self.servers = servers
+        self.in_flight = 0
+
+
+@dataclass(eq=False)
+class _Attempt:
+    task: asyncio.Task[Any] | None
+    started: bool = False
+    ejected: bool = False
+
+
+class NoBackend(RuntimeError):
+    pass
+
+
+class Fleet:
+    """Backends, their health, and the router over the healthy ones (rebuilt when that set changes)."""
+
+    _SENT_CAP = 1_000_000  # keys remembered per backend for the hit estimate without events
+
+    def __init__(self, cfg: ServiceConfig, metrics_cb: Any = None) -> None:
+        self.cfg = cfg
+        self.backends: dict[str, Backend] = {}
+        self._epoch: _Epoch | None = None
+        self._draining: list[_Epoch] = []
+        self._on_kv_stat = metrics_cb
+        self._started = False
+
+    # ---------------------------------------------------------------- membership
+
+    def add(
+        self, url: str, kv_events: str | None = None, kv_replay: str | None = None, *, from_file: bool = False
+    ) -> Backend:
+        url = normalize_backend_url(url)
+        if url in self.backends:
+            raise ValueError(f"backend {url} is already in the fleet")
+        b = Backend(
+            url, _check_zmq_endpoint("kv_events", kv_events), _check_zmq_endpoint("kv_replay", kv_replay), from_file
+        )
+        if b.kv_replay is not None and b.kv_events is None:
+            raise ValueError("kv_replay: given without kv_events")
+        self.backends[url] = b
+        if b.kv_events is not None:
+            b.mapper = BlockMapper(self.cfg.tokens_per_block, self.cfg.kv_group)
+            if self._started:
+                self._start_subscriber(b)
+        self._rebuild()
+        logger.info("backend added", extra={"fields": {"backend": url, "kv_events": kv_events}})
+        return b
+
+    async def remove(self, url: str) -> bool:
+        url = normalize_backend_url(url)
+        b = self.backends.pop(url, None)
+        if b is None:
+            return False
+        if b.subscriber is not None:
+            await b.subscriber.stop()
+        self._rebuild()
+        logger.info("backend removed", extra={"fields": {"backend": url}})
+        return True
+
+    def set_health(self, b: Backend, ok: bool, reason: str = "") -> None:
+        if ok:
+            b.fails = 0
+            b.passes += 1
+            if not b.healthy and b.passes >= self.cfg.healthy_after:
+                b.healthy = True
+                logger.info("backend back in rotation", extra={"fields": {"backend": b.url}})
+                self._rebuild()
+            return
+        b.passes = 0
+        b.fails += 1
+        if b.healthy and b.fails >= self.cfg.unhealthy_after:
+            self.eject(b, reason)
+
+    def eject(self, b: Backend, reason: str) -> None:
+        b.passes = 0
+        if not b.healthy:
+            return
+        b.healthy = False
+        logger.warning("backend out of rotation", extra={"fields": {"backend": b.url, "reason": reason}})
+        self._rebuild()
+        # Requests still waiting for its response headers move elsewhere now rather than at their timeout.
+        for a in list(b.attempts):
+            if not a.started and not a.ejected and a.task is not None:
+                a.ejected = True
+                a.task.cancel()
+
+    def _rebuild(self) -> None:
+        servers = tuple(u for u, b in self.backends.items() if b.healthy)
+        old = self._epoch
+        if old is not None and old.servers == servers:
+            return
+        if old is not None and old.in_flight:
+            self._draining.append(old)
+        if not servers:
+            self._epoch = None
+            return
+        cfg = self.cfg
+        use_events = any(self.backends[s].mapper is not None for s in servers)
+        router = K.make_router(
+            cfg.policy,
+            servers,
+            tokens_per_block=cfg.tokens_per_block,
+            chars_per_token=cfg.chars_per_token,
+            use_cache_events=use_events,
+            request_ttl_s=cfg.request_ttl_s,
+        )
+        # What each engine holds survives the rebuild: its mapper re-announces it to the new router.
+        for s in servers:
+            m = self.backends[s].mapper
+            if m is not None and len(m.present):
+                router.on_event(s, K.stored_event(list(m.present), None, cfg.tokens_per_block))
+        self._epoch = _Epoch(router, servers)
+
+    # ---------------------------------------------------------------- placement
+
+    def place(
+        self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
+    ) -> tuple[_Epoch, Backend]:
+        ep = self._epoch
+        if ep is None:
+            raise NoBackend("no backend is in rotation")
+        url = K.route(ep.router, request_id, keys, num_tokens, conv)
+        ep.in_flight += 1
+        return ep, self.backends[url]  # type: ignore[index]
+
+    def finish(self, ep: _Epoch, request_id: Hashable, success: bool) -> None:
+        K.finish(ep.router, request_id, success)
+        ep.in_flight -= 1
+        if ep.in_flight == 0 and ep is not self._epoch and ep in self._draining:
+            self._draining.remove(ep)
+
+    def estimate_hit(self, b: Backend, keys: Sequence[Hashable], num_tokens: int) -> int:
+        held: Any = b.mapper.present if b.mapper is not None else b.sent
+        n = 0
+        for k in keys:
+            if k not in held:
+                break
+            n += 1
+        if b.mapper is None:
+            sent = b.sent
+            for k in keys:
+                if k in sent:
+                    sent.move_to_end(k)
+                else:
+                    sent[k] = None
+            while len(sent) > self._SENT_CAP:
+                sent.popitem(last=False)
+        return min(n * self.cfg.tokens_per_block, num_tokens)
+
+    def snapshot(self) -> list[tuple[str, float, int, bool]]:
+        loads: dict[str, float] = dict.fromkeys(self.backends, 0.0)
+        counts: dict[str, int] = {u: len(b.attempts) for u, b in self.backends.items()}
+        for ep in [*self._draining, *([self._epoch] if self._epoch else [])]:
+            for s, v in K.loads(ep.router).items():
+                loads[str(s)] = loads.get(str(s), 0.0) + v
+        return [(u, loads.get(u, 0.0), counts.get(u, 0), b.healthy) for u, b in self.backends.items()]
+
+    def total_backlog(self) -> float:
+        return sum(v for _, v, _, _ in self.snapshot())
+
+    # ---------------------------------------------------------------- kv events
+
+    def _start_subscriber(self, b: Backend) -> None:
+        assert b.mapper is not None and b.kv_events is not None
+
+        def sink(events: list[Any], url: str = b.url) -> None:
+            ep = self._epoch
+            if ep is not None and url in ep.servers:
+                for ev in events:
+                    ep.router.on_event(url, ev)
+
+        def stat(kind: str, n: int, url: str = b.url) -> None:
+            if self._on_kv_stat is not None:
+                self._on_kv_stat(url, kind, n)
+
+        b.subscriber = KVEventSubscriber(
+            b.kv_events, sink, b.mapper, replay_endpoint=b.kv_replay, topic=self.cfg.kv_topic, on_stats=stat
+        )
+        b.subscriber.start()
+
+    async def start(self) -> None:
+        self._started = True
+        for b in self.backends.values():
+            if b.mapper is not None and b.subscriber is None:
+                self._start_subscriber(b)
+
+    async def stop(self) -> None:
+        for b in self.backends.values():
+            if b.subscriber is not None:
+                await b.subscriber.stop()
+
+
+class RouterService:
+    """The aiohttp application: build with a :class:`ServiceConfig`, then ``make_app()``."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.keyer = K.Keyer(cfg.tokens_per_block, cfg.chars_per_token, cfg.tokenizer, cfg.chat_template)
+        self.fleet = Fleet(cfg, self._kv_stat)
+        self.metrics = ServiceMetrics(self.fleet.snapshot)
+        for i, url in enumerate(cfg.backends):
+            ev = cfg.kv_events[i] if cfg.kv_events else None
+            rp = cfg.kv_replay[i] if cfg.kv_replay else None
+            self.fleet.add(url, ev, rp)
+        self._ids = itertools.count()
+        self._prefix = f"kvf-{os.getpid():x}-"
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._file_mtime: float | None = None
+        self._conv_header = cfg.conversation_header
+        self._rr = itertools.count()
+        self._client_timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
+        )
+
+    def _kv_stat(self, url: str, kind: str, n: int) -> None:
+        self.metrics.kv_events.labels(url, kind).inc(n)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_error_middleware])
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/admin/backends", self._admin_list)
+        app.router.add_post("/admin/backends", self._admin_add)
+        app.router.add_delete("/admin/backends", self._admin_remove)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        cfg = self.cfg
+        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            connector=conn, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
+        )
+        await self.fleet.start()
+        if cfg.backends_file is not None:
+            self._sync_file()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop(), name="health"))
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.fleet.stop()
+        if self._session is not None:
+            await self._session.close()
+
+    # ---------------------------------------------------------------- health
+
+    async def _check(self, b: Backend) -> None:
+        assert self._session is not None
+        cfg = self.cfg
+        try:
+            async with self._session.get(
+                b.url + cfg.health_path, timeout=aiohttp.ClientTimeout(total=cfg.health_timeout_s)
+            ) as r:
+                await r.read()
+                ok = r.status < 500
+                reason = f"health status {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok, reason = False, f"health check failed: {type(exc).__name__}"
+        if b.url in self.fleet.backends:
+            self.fleet.set_health(b, ok, reason)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            if self.cfg.backends_file is not None:
+                self._sync_file()
+            await asyncio.gather(*(self._check(b) for b in list(self.fleet.backends.values())))
+
+    def _sync_file(self) -> None:
+        path = Path(self.cfg.backends_file)  # type: ignore[arg-type]
+        try:
+            mtime = path.stat().st_mtime
+            if mtime == self._file_mtime:
+                return
+            text = path.read_text()
+        except OSError as exc:
+            logger.warning("backends file unreadable", extra={"fields": {"path": str(path), "error": str(exc)}})
+            return
+        self._file_mtime = mtime
+        wanted: dict[str, tuple[str | None, str | None]] = {}
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            opts = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+            try:
+                wanted[normalize_backend_url(parts[0])] = (opts.get("kv_events"), opts.get("kv_replay"))
+            except ValueError as exc:
+                logger.warning("backends file line skipped", extra={"fields": {"line": n, "error": str(exc)}})
+        for url, b in list(self.fleet.backends.items()):
+            if b.from_file and url not in wanted:
+                asyncio.get_running_loop().create_task(self.fleet.remove(url))
+        for url, (ev, rp) in wanted.items():
+            if url not in self.fleet.backends:
+                try:
+                    self.fleet.add(url, ev, rp, from_file=True)
+                except ValueError as exc:
+                    logger.warning("backends file entry skipped", extra={"fields": {"backend": url, "error": str(exc)}})
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _health(self, request: web.Request) -> web.Response:
+        n = sum(b.healthy for b in self.fleet.backends.values())
+        return web.json_response({"healthy_backends": n}, status=200 if n else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        healthy = [b for b in self.fleet.backends.values() if b.healthy]
+        if not healthy:
+            return _error(503, "no backend is in rotation")
+        start = next(self._rr)
+        for i in range(len(healthy)):
+            b = healthy[(start + i) % len(healthy)]
+            try:
+                async with self._session.get(b.url + "/v1/models", timeout=self._timeout()) as up:
+                    body = await up.read()
+                    return web.Response(body=body, status=up.status, headers=_forward_headers(up.headers))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self.fleet.eject(b, f"/v1/models failed: {type(exc).__name__}")
+        return _error(502, "every backend failed to answer /v1/models")
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return self._client_timeout
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            self.metrics.requests.labels("", "bad_request").inc()
+            return _error(400, "body: expected a JSON object")
+        if not isinstance(body, dict):
+            self.metrics.requests.labels("", "bad_request").inc()
+            return _error(400, f"body: expected a JSON object, got {type(body).__name__}")
+        try:
+            conv = self._conversation_id(request, body)
+            if "conversation_id" in body:
+                del body["conversation_id"]
+                raw = msgspec.json.encode(body)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
+            keys, num_tokens = self.keyer.keys_for_body(request.path, body)
+        except K.BadRequest as exc:
+            self.metrics.requests.labels("", "bad_request").inc()
+            return _error(400, str(exc))
+        headers = _forward_headers(request.headers)
+        rid = f"{self._prefix}{next(self._ids)}"
+        m = self.metrics
+        for attempt_no in range(self.cfg.max_retries + 1):
+            try:
+                ep, b = self.fleet.place(rid, keys, num_tokens, conv)
+            except NoBackend as exc:
+                m.requests.labels("", "no_backend").inc()
+                return _error(503, str(exc))
+            if attempt_no == 0:
+                m.routing_seconds.observe(time.perf_counter() - t0)
+            m.prompt_tokens.labels(b.url).inc(num_tokens)
+            m.hit_tokens.labels(b.url).inc(self.fleet.estimate_hit(b, keys, num_tokens))
+            result = await self._attempt(request, raw, headers, ep, b, rid)
+            if result is not None:
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(
+                        "request",
+                        extra={"fields": {"request_id": rid, "backend": b.url, "conversation": conv,
+                                          "prompt_tokens": num_tokens, "status": result.status,
+                                          "attempts": attempt_no + 1, "seconds": round(time.perf_counter() - t0, 6)}},
+                    )  # fmt: skip
+                return result
+            m.retries.labels(b.url).inc()
+        m.requests.labels("", "no_backend").inc()
+        return _error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response")
+
+    def _conversation_id(self, request: web.Request, body: dict[str, Any]) -> str | None:
+        conv = request.headers.get(self._conv_header)
+        if conv is None:
+            conv = body.get("conversation_id")
+            if conv is None:
+                return None
+            if not isinstance(conv, str):
+                raise K.BadRequest(f"conversation_id: expected a string, got {type(conv).__name__}")
+        if not conv or len(conv) > _MAX_CONV_ID:
+            raise K.BadRequest(f"conversation id: expected 1 to {_MAX_CONV_ID} characters, got {len(conv)}")
+        return conv
+
+    async def _attempt(
+        self, request: web.Request, raw: bytes, headers: dict[str, str], ep: _Epoch, b: Backend, rid: str
+    ) -> web.StreamResponse | None:
+        """One forward; None when it failed before the response started (the caller retries elsewhere)."""
+        assert self._session is not None
+        a = _Attempt(asyncio.current_task())
+        b.attempts.add(a)
+        success = False
+        outcome = "upstream_failed"
+        resp: web.StreamResponse | None = None
+        try:
+            try:
+                up = await self._session.post(b.url + request.path, data=raw, headers=headers, timeout=self._timeout())
+            except asyncio.CancelledError:
+                if a.ejected and not a.started:
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    return None
+                outcome = "client_gone"
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                b.attempts.discard(a)  # the ejection below cancels waiting attempts: not this one
+                self.fleet.eject(b, f"request failed: {type(exc).__name__}")
+                return None
+            try:
+                a.started = True
+                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_forward_headers(up.headers))
+                if up.content_length is not None:
+                    resp.content_length = up.content_length
+                try:
+                    await resp.prepare(request)
+                except (ConnectionError, RuntimeError):
+                    outcome = "client_gone"
+                    return resp
+                while True:
+                    try:
+                        chunk = await up.content.readany()
+                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                        self.fleet.eject(b, f"response cut: {type(exc).__name__}")
+                        outcome = "upstream_failed"
+                        # The client must see an error, not a clean end: drop its connection.
+                        if request.transport is not None:
+                            request.transport.close()
+                        return resp
+                    if not chunk:
+                        break
+                    try:
+                        await resp.write(chunk)
+                    except (ConnectionError, RuntimeError):
+                        outcome = "client_gone"
+                        return resp
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await resp.write_eof()
+                success = up.status < 400
+                outcome = "ok" if success else "upstream_status"
+                return resp
+            except asyncio.CancelledError:
+                outcome = "client_gone"
+                raise
+            finally:
+                if success:
+                    up.release()
+                else:
+                    up.close()  # an unfinished response must not go back to the pool
+        finally:
+            b.attempts.discard(a)
+            if resp is not None or outcome == "client_gone":
+                self.metrics.requests.labels(b.url, outcome).inc()
+            self.fleet.finish(ep, rid, success)
+
+    # ---------------------------------------------------------------- admin
+
+    def _admin_ok(self, request: web.Request) -> bool:
+        tok = self.cfg.admin_token
+        return tok is None or request.headers.get("Authorization", "") == f"Bearer {tok}"
+
+    async def _admin_list(self, request: web.Request) -> web.Response:
+        if not self._admin_ok(request):
+            return _error(401, "admin: missing or wrong bearer token")
+        return web.json_response(
+            [
+                {"url": u, "healthy": ok, "backlog_tokens": load, "in_flight": n,
+                 "kv_events": self.fleet.backends[u].kv_events}
+                for u, load, n, ok in self.fleet.snapshot()
+            ]
+        )  # fmt: skip
+
+    async def _admin_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            raise K.BadRequest("body: expected a JSON object") from None
+        if not isinstance(body, dict):
+            raise K.BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+        return body
+
+    async def _admin_add(self, request: web.Request) -> web.Response:
+        if not self._admin_ok(request):
+            return _error(401, "admin: missing or wrong bearer token")
+        try:
+            body = await self._admin_body(request)
+            b = self.fleet.add(body.get("url"), body.get("kv_events"), body.get("kv_replay"))  # type: ignore[arg-type]
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return web.json_response({"url": b.url}, status=201)
+
+    async def _admin_remove(self, request: web.Request) -> web.Response:
+        if not self._admin_ok(request):
+            return _error(401, "admin: missing or wrong bearer token")
+        url = request.query.get("url")
+        try:
+            if url is None:
+                url = (await self._admin_body(request)).get("url")
+            removed = await self.fleet.remove(url)  # type: ignore[arg-type]
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if not removed:
+            return _error(404, f"backend {url} is not in the fleet")
+        return web.json_response({"removed": url})
+
+
+def _forward_headers(headers: Any) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return _error(exc.status, exc.reason)
+        raise

@@ -1,0 +1,132 @@
+"""Shared by the service tests and the bench: a router service plus fake backends in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvforge.service.keys import Keyer
+from kvforge.service.kv_events import KVEventPublisher
+from kvforge.service.proxy import RouterService, ServiceConfig
+from kvforge.service.testing import FakeBackend, trace_text
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+TRACE_FALLBACK = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
+
+
+def trace_path() -> Path | None:
+    for p in (TRACE, TRACE_FALLBACK):
+        if p.is_file():
+            return p
+    return None
+
+
+def load_trace(limit: int) -> list[dict[str, Any]]:
+    p = trace_path()
+    assert p is not None
+    out = []
+    with p.open() as f:
+        for line in f:
+            out.append(json.loads(line))
+            if len(out) >= limit:
+                break
+    return out
+
+
+def trace_body(row: dict[str, Any], stream: bool = True, max_tokens: int = 4) -> dict[str, Any]:
+    text = trace_text(row["hash_ids"], row["input_length"])
+    return {
+        "model": "fake",
+        "messages": [{"role": "user", "content": text}],
+        "stream": stream,
+        "max_tokens": max_tokens,
+    }
+
+
+@asynccontextmanager
+async def fleet(
+    n: int,
+    *,
+    keyer: Keyer | None = None,
+    events: bool = False,
+    backend_kw: dict[str, Any] | None = None,
+    **cfg_kw: Any,
+):
+    """Yields (service, base_url, backends, session)."""
+    cfg_kw.setdefault("tokens_per_block", 512)
+    keyer = keyer or Keyer(cfg_kw["tokens_per_block"], cfg_kw.get("chars_per_token", 4.0), cfg_kw.get("tokenizer"))
+    backends = []
+    pubs = []
+    for i in range(n):
+        pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") if events else None
+        if pub is not None:
+            pubs.append(pub)
+        b = FakeBackend(keyer, publisher=pub, name=f"b{i}", **(backend_kw or {}))
+        await b.start()
+        backends.append(b)
+    cfg_kw.setdefault("health_interval_s", 0.2)
+    cfg_kw.setdefault("health_timeout_s", 0.2)
+    cfg = ServiceConfig(
+        backends=[b.url for b in backends],
+        kv_events=[p.endpoint for p in pubs],
+        kv_replay=[p.replay_endpoint for p in pubs],
+        **cfg_kw,
+    )
+    service = RouterService(cfg)
+    runner = web.AppRunner(service.make_app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
+    try:
+        yield service, f"http://127.0.0.1:{port}", backends, session
+    finally:
+        await session.close()
+        await runner.cleanup()
+        for b in backends:
+            await b.kill()
+        for p in pubs:
+            p.close()
+
+
+async def post_chat(
+    session: aiohttp.ClientSession, base: str, body: dict[str, Any], conv: str | None = None
+) -> dict[str, Any]:
+    """Send one request; returns status, whether the response started, the chunks' backend and completion."""
+    headers = {"X-Conversation-Id": conv} if conv else {}
+    out: dict[str, Any] = {"status": None, "started": False, "done": False, "backend": None, "error": None}
+    try:
+        async with session.post(base + "/v1/chat/completions", json=body, headers=headers) as r:
+            out["status"] = r.status
+            out["started"] = True
+            data = await r.read()
+            text = data.decode()
+            if body.get("stream"):
+                out["done"] = text.rstrip().endswith("data: [DONE]")
+                first = text.split("\n\n", 1)[0]
+                if first.startswith("data: {"):
+                    out["backend"] = json.loads(first[6:]).get("backend")
+            else:
+                out["done"] = r.status == 200
+                if r.status == 200:
+                    out["backend"] = json.loads(text).get("backend")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        out["error"] = type(exc).__name__
+    return out
+
+
+async def wait_for(pred, timeout: float = 5.0, step: float = 0.01) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if pred():
+            return True
+        await asyncio.sleep(step)
+    return bool(pred())

@@ -1,0 +1,152 @@
+"""Hostile input to the router service: bad bodies get a clean 4xx JSON error (never a traceback, never a
+placement), bad command-line values a one-line argparse error, bad config values a ValueError."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvforge.__main__ import main as kvforge_main
+from kvforge.service.keys import BadRequest, Keyer
+from kvforge.service.proxy import ServiceConfig, normalize_backend_url
+from tests.service_harness import fleet
+
+CHAT = "/v1/chat/completions"
+BAD_BODIES = [
+    (b"{not json", 400),
+    (b"[1, 2]", 400),
+    (b'"text"', 400),
+    (b"{}", 400),
+    (b'{"messages": "hi"}', 400),
+    (b'{"messages": []}', 400),
+    (b'{"messages": [5]}', 400),
+    (b'{"messages": [{"content": "x"}]}', 400),
+    (b'{"messages": [{"role": 7, "content": "x"}]}', 400),
+    (b'{"messages": [{"role": "user", "content": 7}]}', 400),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}', 400),
+    (b'{"messages": [{"role": "user", "content": [7]}]}', 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "conversation_id": 5}', 400),
+    (b'{"messages": [{"role": "user", "content": "x"}], "conversation_id": ""}', 400),
+    (b"\xff\xfe\x00", 400),
+]
+
+
+def test_bad_bodies_get_clean_4xx_and_place_nothing() -> None:
+    async def main() -> None:
+        async with fleet(1, tokens_per_block=64, max_body_bytes=4096) as (svc, base, backends, s):
+            for raw, status in BAD_BODIES:
+                async with s.post(base + CHAT, data=raw, headers={"Content-Type": "application/json"}) as r:
+                    assert r.status == status, raw
+                    err = (await r.json())["error"]
+                    assert err["code"] == status and err["message"] and "Traceback" not in err["message"]
+            for raw in (b'{"prompt": 5}', b'{"prompt": []}', b'{"prompt": [1, -2]}', b'{"prompt": [1, "a"]}',
+                        b'{"prompt": ["a", 1]}', b'{"prompt": [true]}'):  # fmt: skip
+                async with s.post(base + "/v1/completions", data=raw) as r:
+                    assert r.status == 400, raw
+            # A body over the limit: 413, and the backend never sees it.
+            async with s.post(base + CHAT, data=b'{"messages": "' + b"x" * 10_000 + b'"}') as r:
+                assert r.status == 413 and (await r.json())["error"]["code"] == 413
+            async with s.post(base + CHAT, json={"messages": [{"role": "user", "content": "x"}]},
+                              headers={"X-Conversation-Id": "c" * 1000}) as r:  # fmt: skip
+                assert r.status == 400
+            # Admin endpoint: wrong shapes are 400, an unknown backend 404.
+            for raw in (b"nope", b"[]", b'{"url": 5}', b'{"url": "ftp://x"}', b'{"url": "http://h:99999"}',
+                        b'{"url": "http://h:1", "kv_events": "udp://x"}'):  # fmt: skip
+                async with s.post(base + "/admin/backends", data=raw) as r:
+                    assert r.status == 400, raw
+            async with s.delete(base + "/admin/backends", params={"url": "http://nowhere:1"}) as r:
+                assert r.status == 404
+            assert backends[0].requests == [] and svc.fleet.total_backlog() == 0
+            # One client's garbage leaves another's request alone.
+            async with s.post(base + CHAT, json={"messages": [{"role": "user", "content": "fine"}]}) as r:
+                assert r.status == 200
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["router"],
+        ["router", "--backend", "not a url"],
+        ["router", "--backend", "ftp://h:1"],
+        ["router", "--backend", "http://h:1?x=1"],
+        ["router", "--backend", "http://h:70000"],
+        ["router", "--backend", "http://h:1", "--backend", "http://h:1"],
+        ["router", "--backend", "http://h:1", "--connect-timeout-s", "-1"],
+        ["router", "--backend", "http://h:1", "--read-timeout-s", "0"],
+        ["router", "--backend", "http://h:1", "--request-timeout-s", "nan"],
+        ["router", "--backend", "http://h:1", "--health-interval-s", "inf"],
+        ["router", "--backend", "http://h:1", "--max-retries", "-1"],
+        ["router", "--backend", "http://h:1", "--tokens-per-block", "0"],
+        ["router", "--backend", "http://h:1", "--max-body-bytes", "1.5"],
+        ["router", "--backend", "http://h:1", "--port", "70000"],
+        ["router", "--backend", "http://h:1", "--policy", "random"],
+        ["router", "--backend", "http://h:1", "--log-level", "loud"],
+        ["router", "--backend", "http://h:1", "--kv-events", "udp://h:1"],
+        ["router", "--backend", "http://h:1", "--kv-events", "tcp://h:1", "--kv-events", "tcp://h:2"],
+        ["router", "--backend", "http://h:1", "--kv-replay", "tcp://h:2"],
+        ["router", "--backend", "http://h:1", "--tokenizer", "/nonexistent/tokenizer.json"],
+        ["router", "--backend", "http://h:1", "--health-path", "health"],
+        ["router", "--backend", "http://h:1", "--chat-template", "/nonexistent/tokenizer_config.json"],
+    ],
+)
+def test_bad_cli_values_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = kvforge_main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        kvforge_main(["router", "--help"])
+    out = capsys.readouterr().out
+    import argparse
+
+    from kvforge.service.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 28
+    for action in flags:
+        assert action.help, action.option_strings
+        for flag in action.option_strings:
+            assert flag in out
+    assert out.count("(default") >= 15
+
+
+def test_config_and_keyer_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        ServiceConfig(backends=["http://h:1"], policy="nope")
+    with pytest.raises(ValueError, match="read_timeout_s"):
+        ServiceConfig(backends=["http://h:1"], read_timeout_s=-1)
+    with pytest.raises(ValueError, match="max_retries"):
+        ServiceConfig(backends=["http://h:1"], max_retries=True)
+    with pytest.raises(ValueError, match="backend URL"):
+        normalize_backend_url(None)
+    with pytest.raises(ValueError, match="tokens_per_block"):
+        Keyer(0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Keyer(16, tokenizer=__file__)
+    with pytest.raises(BadRequest, match="prompt"):
+        Keyer(16).keys_for_body("/v1/completions", {"prompt": {"a": 1}})
+
+
+def test_the_cli_entry_point_does_not_import_the_service_stack() -> None:
+    # `kvforge simulate` must work without the router extra installed.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvforge.__main__, kvforge.service.cli; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'zmq', 'prometheus_client', 'tokenizers'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
