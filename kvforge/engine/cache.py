@@ -49,10 +49,14 @@ class EngineCache:
             i: torch.zeros(ec.attention_pages, tpb, mc.latent_dim, device=device, dtype=dtype) for i in mc.mla_layers
         }
         self.draft_latent = (
-            torch.zeros(ec.draft_pages, tpb, mc.latent_dim, device=device, dtype=dtype) if draft_group is not None else None
+            torch.zeros(ec.draft_pages, tpb, mc.latent_dim, device=device, dtype=dtype)
+            if draft_group is not None
+            else None
         )
         rows = ec.state_pages + ec.staging_state_pages
-        self.state = {i: torch.zeros(rows, *mc.state_shape, device=device, dtype=torch.float32) for i in mc.linear_layers}
+        self.state = {
+            i: torch.zeros(rows, *mc.state_shape, device=device, dtype=torch.float32) for i in mc.linear_layers
+        }
         self.copies_done = 0
 
     def nbytes(self) -> int:

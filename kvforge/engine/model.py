@@ -28,7 +28,7 @@ from kvforge.engine.config import ModelConfig
 from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks
 from kvforge.kvcache.hybrid import HybridCacheManager
 
-__all__ = ["HybridModel", "MLAWeights", "KDAWeights"]
+__all__ = ["HybridModel", "KDAWeights", "MLAWeights"]
 
 
 @dataclass
