@@ -55,6 +55,10 @@ def peer_mismatches(local: RankInfo, peer: RankInfo) -> list[str]:
             out.append(_diff("draft_kv_dtype", local.draft_kv_dtype, peer.draft_kv_dtype))
         if local.draft_kv_heads != peer.draft_kv_heads:
             out.append(_diff("draft_kv_heads", local.draft_kv_heads, peer.draft_kv_heads))
+    for side in (local, peer):
+        problem = attention_dp_problem(side)
+        if problem is not None:
+            out.append(problem)
     if not local.is_mla and not peer.is_mla:
         if local.kv_heads != peer.kv_heads:
             out.append(_diff("kv_heads", local.kv_heads, peer.kv_heads))
@@ -72,6 +76,17 @@ def peer_mismatches(local: RankInfo, peer: RankInfo) -> list[str]:
                 )
             )
     return out
+
+
+def attention_dp_problem(info: RankInfo) -> str | None:
+    """Why an instance's layout cannot be mapped for KV transfer (None when it can): attention DP (dp_size > 1)
+    is not mapped. The mapping (``InstanceLayout.of``) and the peer check share this rule."""
+    if info.dp_size > 1:
+        return (
+            f"dp_size: attention DP transfers are not mapped (the DP group holding a request is per request), "
+            f"got dp_size {info.dp_size} on {info.instance_name!r}"
+        )
+    return None
 
 
 def check_peer(local: RankInfo, peer: RankInfo) -> None:

@@ -160,6 +160,7 @@ class Engine:
         self.logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
         self.draft_logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
         self.finished: dict[Hashable, Request] = {}
+        self.last_draft: dict[Hashable, int] = {}
         self.timings: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.tokens = {"context": 0, "generation": 0}
@@ -291,6 +292,8 @@ class Engine:
             new[j, : len(em)] = torch.tensor(em, dtype=torch.int32)
             cnt[j] = len(em)
             nxt[j, 0] = em[-1]
+            if res.drafts[i] is not None:
+                self.last_draft[rid] = res.drafts[i]
             if self.draft_len and res.drafts[i] is not None:
                 nxt[j, 1] = res.drafts[i]
                 drafts[j, 0] = res.drafts[i]
