@@ -119,7 +119,7 @@ class HybridModel:
         self.draft_block = block("M") if c.draft_layers else None
         self.draft_final_norm = norm(d) if c.draft_layers else None
         half = c.qk_rope_dim // 2
-        self._inv_freq = 1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+        self._inv_freq = (1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))).to(self.device)
         self.softmax_scale = 1.0 / math.sqrt(c.qk_head_dim)
 
     # --- shared pieces ----------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class HybridModel:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotary embedding on the last dimension (halves rotated) at integer ``positions [T]``."""
-        ang = positions.float().to(self.device)[:, None] * self._inv_freq.to(self.device)[None, :]
+        ang = positions.float().to(self.device)[:, None] * self._inv_freq[None, :]
         cos, sin = ang.cos(), ang.sin()
         if x.dim() == 3:
             cos, sin = cos[:, None, :], sin[:, None, :]

@@ -146,7 +146,7 @@ def kda_tokens(
             o, s = naive_recurrent_kda(
                 q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=s, output_final_state=True
             )
-        s = s.float()
+        s = s.float().clone()  # a kernel may write its final state in place: keep each token's state apart
         outs.append(o)
         after.append(s)
     return torch.cat(outs, 1), torch.stack(after, 0)
