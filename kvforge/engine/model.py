@@ -76,15 +76,16 @@ class HybridModel:
         self.config = c = config
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        gen = torch.Generator().manual_seed(c.seed)
+        # Drawn where they live (a CPU generator on CPU, the device's on a GPU: billions of values).
+        gen = torch.Generator(device=self.device).manual_seed(c.seed)
         d = c.hidden_size
 
         def w(i: int, o: int, gain: float = 1.0) -> torch.Tensor:
-            t = torch.randn(i, o, generator=gen) * (gain / math.sqrt(i))
-            return t.to(self.device, self.dtype)
+            t = torch.randn(i, o, generator=gen, device=self.device) * (gain / math.sqrt(i))
+            return t.to(self.dtype)
 
         def norm(n: int) -> torch.Tensor:
-            return (1.0 + 0.1 * torch.randn(n, generator=gen)).to(self.device, self.dtype)
+            return (1.0 + 0.1 * torch.randn(n, generator=gen, device=self.device)).to(self.dtype)
 
         def mla() -> MLAWeights:
             h = c.num_heads
@@ -110,7 +111,7 @@ class HybridModel:
                 norm(d), mixer, norm(d), w(d, c.intermediate_size), w(d, c.intermediate_size), w(c.intermediate_size, d)
             )
 
-        self.embed = (torch.randn(c.vocab_size, d, generator=gen)).to(self.device, self.dtype)
+        self.embed = torch.randn(c.vocab_size, d, generator=gen, device=self.device).to(self.dtype)
         self.blocks = [block(t) for t in c.layer_types]
         self.final_norm = norm(d)
         self.lm_head = w(d, c.vocab_size, c.logit_scale)
