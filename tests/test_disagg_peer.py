@@ -109,3 +109,13 @@ def test_draft_layers_shared_only_when_both_sides_have_them():
 def test_all_mismatches_are_reported_at_once():
     problems = peer_mismatches(info(), info(head_dim=512, tokens_per_block=16))
     assert len(problems) == 2
+
+
+def test_recurrent_state_layers_must_agree():
+    state = dict(state_layers=3, state_bytes=4096)
+    check_peer(info(**state), info(instance_name="b", **state))
+    for other in (dict(), dict(state_layers=3, state_bytes=2048), dict(state_layers=2, state_bytes=4096)):
+        with pytest.raises(PeerMismatchError, match="recurrent state"):
+            check_peer(info(**state), info(instance_name="b", **other))
+    with pytest.raises(ValueError, match="state_layers/state_bytes"):
+        info(state_layers=3)

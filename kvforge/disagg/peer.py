@@ -8,6 +8,8 @@ Every rule names the property and both values. What must agree and why:
 * context parallelism on at most one side (helix pairs a cp=1 context with a cp=N generation instance);
 * draft layers (a drafter sharing the cache): equal count, dtype and head count when both sides have them; when
   only one side has a drafter the draft layers are simply not transferred;
+* recurrent state layers (hybrid models): equal count and state size, or none on either side;
+* attention DP (dp_size > 1) on either side is refused with the rule the mapping uses (:func:`attention_dp_problem`);
 * for non-MLA caches, KV head count and an attention TP (per DP group) that splits the heads evenly on both
   sides. MLA caches are replicated across TP, so their head split is not checked.
 """
@@ -55,6 +57,15 @@ def peer_mismatches(local: RankInfo, peer: RankInfo) -> list[str]:
             out.append(_diff("draft_kv_dtype", local.draft_kv_dtype, peer.draft_kv_dtype))
         if local.draft_kv_heads != peer.draft_kv_heads:
             out.append(_diff("draft_kv_heads", local.draft_kv_heads, peer.draft_kv_heads))
+    if (local.state_layers, local.state_bytes) != (peer.state_layers, peer.state_bytes):
+        out.append(
+            _diff(
+                "recurrent state (state_layers, state_bytes)",
+                (local.state_layers, local.state_bytes),
+                (peer.state_layers, peer.state_bytes),
+                "the states travel beside the KV and must mean the same on both sides",
+            )
+        )
     for side in (local, peer):
         problem = attention_dp_problem(side)
         if problem is not None:

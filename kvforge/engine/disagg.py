@@ -87,6 +87,8 @@ def engine_rank_info(engine: Engine, instance_name: str, transport_rank: int) ->
         num_draft_layers=1 if has_draft else None,
         draft_kv_dtype=dt if has_draft else None,
         draft_kv_heads=1 if has_draft else None,
+        state_layers=len(mc.linear_layers),
+        state_bytes=4 * mc.linear_heads * mc.linear_head_dim * mc.linear_head_dim,
     )
 
 
