@@ -150,6 +150,9 @@ class Engine:
             self.manager, 4 * config.max_num_requests, config.max_blocks_per_request, groups=groups
         )
         self.upload = self.manager.state_index_upload(config.max_num_requests)
+        self._offsets = torch.empty(
+            (len(groups), config.max_num_requests, 2, config.max_blocks_per_request), dtype=torch.int32, device=dev
+        )
         t = 1 + draft_len
         self.stores = SlotStores.zeros(config.max_num_requests, t, t, max(1, draft_len), dev)
         self._free_slots = list(range(config.max_num_requests - 1, -1, -1))
@@ -211,7 +214,8 @@ class Engine:
         if fresh:
             self.cache.zero_states(torch.tensor(fresh, device=self.model.device))
         t = self._tick("copies", t)
-        tables = self.page_table.materialize(caches)[:, :, 0]  # plane 0: page index per block
+        n_rows = len(caches)
+        tables = self.page_table.materialize(caches, out=self._offsets[:, :n_rows])[:, :, 0]  # plane 0: page ids
         idx, mask = self.manager.step_state_indices(caches)
         self.upload.upload(idx, mask)
         state_idx = self.upload.dev_indices[: len(caches)]
@@ -243,14 +247,13 @@ class Engine:
                     gen=i < n_gen,
                     is_last=s.is_last_chunk,
                     state_page=idx[i],
-                    tables=tuple(tables[p, i] for p in range(tables.shape[0])),
                     snapshot_point=s.snapshot_point if pending is not None else None,
                     pending_page=pending,
                     next_token=nxt,
                 )
             )
         t = self._tick("rows", t)
-        res, accepted = self.runner.step(rows, state_idx, draft=self.draft_len > 0)
+        res, accepted = self.runner.step(rows, state_idx, tables, draft=self.draft_len > 0)
         if self.draft_fn is not None:
             for i, s in enumerate(sched):
                 if res.emitted[i]:
@@ -280,35 +283,33 @@ class Engine:
         if not emit_rows:
             return
         n = len(emit_rows)
-        new = torch.zeros(n, width, dtype=torch.int32)
-        nxt = torch.zeros(n, width, dtype=torch.int32)
-        cnt = torch.zeros(n, dtype=torch.int32)
-        drafts = torch.zeros(n, max(1, self.draft_len), dtype=torch.int32)
-        slots = []
+        d = max(1, self.draft_len)
+        # One host buffer, one copy: [new tokens | next tokens | count | drafts | slot] per row.
+        host = torch.zeros(n, 2 * width + 2 + d, dtype=torch.int32)
         for j, i in enumerate(emit_rows):
             em = res.emitted[i]
             rid = sched[i].request.request_id
-            slots.append(self._slot_of(rid))
-            new[j, : len(em)] = torch.tensor(em, dtype=torch.int32)
-            cnt[j] = len(em)
-            nxt[j, 0] = em[-1]
+            host[j, -1] = self._slot_of(rid)
+            host[j, : len(em)] = torch.tensor(em, dtype=torch.int32)
+            host[j, 2 * width] = len(em)
+            host[j, width] = em[-1]
             if res.drafts[i] is not None:
                 self.last_draft[rid] = res.drafts[i]
-            if self.draft_len and res.drafts[i] is not None:
-                nxt[j, 1] = res.drafts[i]
-                drafts[j, 0] = res.drafts[i]
+                if self.draft_len:
+                    host[j, width + 1] = res.drafts[i]
+                    host[j, 2 * width + 1] = res.drafts[i]
             if self.record_logits:
                 self.logits[rid].append(res.logits[i])
                 if res.draft_logits[i] is not None:
                     self.draft_logits[rid].append(res.draft_logits[i])
-        dev = self.stores.device
+        dev = host.to(self.stores.device)
         slot_scatter(
             self.stores,
-            torch.tensor(slots, dtype=torch.int32, device=dev),
-            new.to(dev),
-            nxt.to(dev),
-            cnt.to(dev),
-            drafts.to(dev),
+            dev[:, -1],
+            dev[:, :width],
+            dev[:, width : 2 * width],
+            dev[:, 2 * width],
+            dev[:, 2 * width + 1 : 2 * width + 1 + d],
         )
 
     def run(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:

@@ -36,14 +36,13 @@ __all__ = ["Row", "Runner", "StepResult"]
 @dataclass
 class Row:
     """One request's part of a step. ``tokens``: its input ids; ``gen``: a generation row; ``snapshot_point`` and
-    ``pending_page``: the mid-step snapshot (both or neither); ``table``: its block-table row per attention pool."""
+    ``pending_page``: the mid-step snapshot (both or neither)."""
 
     tokens: list[int]
     start: int
     gen: bool
     is_last: bool
     state_page: int
-    tables: tuple[torch.Tensor, ...]
     snapshot_point: int | None = None
     pending_page: int | None = None
     next_token: int | None = None  # context row that is not the last chunk: the prompt token after it
@@ -65,34 +64,45 @@ class StepResult:
 
 
 class _Layout:
-    """Token layout of one pass (target or drafter) over the rows, for one page pool."""
+    """Token layout of one pass (target or drafter) over the rows, for one page pool.
 
-    def __init__(self, rows: list[Row], counts: list[int], table: int, tpb: int, device: torch.device) -> None:
-        pos, write, ctx_kv = [], [], []
-        cu_q, cu_kv = [0], [0]
-        g_tables, g_lens = [], []
-        self.num_gen_tokens = 0
-        for r, n in zip(rows, counts):
-            p = torch.arange(r.start, r.start + n, device=device)
-            pos.append(p)
-            bt = r.tables[table]
-            write.append(EngineCache.slots(bt, p, tpb))
-            if r.gen:
-                self.num_gen_tokens += n
-                g_tables.append(bt[None].expand(n, -1))
-                g_lens.append(p + 1)
-            else:
-                ctx_kv.append(EngineCache.slots(bt, torch.arange(r.start + n, device=device), tpb))
-                cu_q.append(cu_q[-1] + n)
-                cu_kv.append(cu_kv[-1] + r.start + n)
-        self.positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long, device=device)
-        self.write_rows = torch.cat(write) if write else self.positions
-        self.ctx_kv_rows = torch.cat(ctx_kv) if ctx_kv else None
+    Index tensors are built on the host in one go and moved with one copy; page lookups are one device gather
+    from the pass's block table ``table [rows, max_blocks]`` (per-row device ops cost a launch each)."""
+
+    def __init__(self, rows: list[Row], counts: list[int], table: torch.Tensor, tpb: int, device: torch.device):
+        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
+        n = torch.tensor(counts, dtype=torch.long)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), n)
+        first = torch.cumsum(n, 0) - n
+        pos = starts[row_of] + torch.arange(int(n.sum())) - first[row_of]
+        gen = torch.tensor([r.gen for r in rows], dtype=torch.bool)
+        self.num_gen_tokens = int(n[gen].sum())
+        ctx_rows = [i for i, r in enumerate(rows) if not r.gen]
+        kv_len = (starts + n)[ctx_rows] if ctx_rows else torch.zeros(0, dtype=torch.long)
+        kv_row = torch.repeat_interleave(torch.tensor(ctx_rows, dtype=torch.long), kv_len)
+        kv_first = torch.cumsum(kv_len, 0) - kv_len
+        kv_pos = torch.arange(int(kv_len.sum())) - torch.repeat_interleave(kv_first, kv_len)
+        host = torch.cat([row_of, pos, kv_row, kv_pos])
+        dev = host.to(device, non_blocking=False)
+        t, k = len(pos), len(kv_pos)
+        row_d, pos_d = dev[:t], dev[t : 2 * t]
+        self.positions = pos_d
+        self.write_rows = table[row_d, pos_d // tpb].long() * tpb + pos_d % tpb
+        if k:
+            kr, kp = dev[2 * t : 2 * t + k], dev[2 * t + k :]
+            self.ctx_kv_rows: torch.Tensor | None = table[kr, kp // tpb].long() * tpb + kp % tpb
+        else:
+            self.ctx_kv_rows = None
+        g = self.num_gen_tokens
+        self.gen_table = table[row_d[:g]] if g else None
+        self.gen_lens = (pos_d[:g] + 1).to(torch.int32) if g else None
+        cu_q = [0]
+        cu_kv = [0]
+        for i in ctx_rows:
+            cu_q.append(cu_q[-1] + counts[i])
+            cu_kv.append(cu_kv[-1] + rows[i].start + counts[i])
         self.cu_q = torch.tensor(cu_q, dtype=torch.int32)
         self.cu_kv = torch.tensor(cu_kv, dtype=torch.int32)
-        self.gen_table = torch.cat(g_tables).to(torch.int32) if g_tables else None
-        self.gen_lens = torch.cat(g_lens).to(torch.int32) if g_lens else None
-        self.max_q = max((n for r, n in zip(rows, counts) if not r.gen), default=0)
 
 
 class Runner:
@@ -204,12 +214,13 @@ class Runner:
 
     # --- a step --------------------------------------------------------------------------------------------------
 
-    def forward(self, rows: list[Row], state_idx: torch.Tensor) -> torch.Tensor:
-        """The target model over the rows' tokens; returns the final hidden states ``[T, D]`` (pre-norm)."""
+    def forward(self, rows: list[Row], state_idx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The target model over the rows' tokens; returns the final hidden states ``[T, D]`` (pre-norm).
+        ``tables [pools, rows, max_blocks]``: page index per block (pool 0: target latent, 1: drafter latent)."""
         model = self.model
         dev = model.device
         ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
-        lay = _Layout(rows, [r.n for r in rows], 0, self.cache.tokens_per_block, dev)
+        lay = _Layout(rows, [r.n for r in rows], tables[0], self.cache.tokens_per_block, dev)
         self._pending_states = {}
         x = model.embed[ids]
         for i, blk in enumerate(model.blocks):
@@ -221,11 +232,13 @@ class Runner:
             x = x + model.mlp(blk, x)
         return x
 
-    def step(self, rows: list[Row], state_idx: torch.Tensor, *, draft: bool) -> tuple[StepResult, list[int]]:
+    def step(
+        self, rows: list[Row], state_idx: torch.Tensor, tables: torch.Tensor, *, draft: bool
+    ) -> tuple[StepResult, list[int]]:
         """Forward, greedy choice with draft verification, state selection and the drafter; returns the result
         and the accepted token count per row (0 for a context row that emits nothing)."""
         model = self.model
-        hidden = self.forward(rows, state_idx)
+        hidden = self.forward(rows, state_idx, tables)
         res = StepResult()
         # Logits: every token of a generation row, the last token of a final context chunk.
         want, off = [], 0
@@ -264,13 +277,15 @@ class Runner:
                 self.cache.state[layer_id][idx] = after[sel, torch.arange(len(gen), device=model.device)]
             self._pending_states = {}
         if draft and model.draft_block is not None:
-            self._draft(rows, hidden, accepted, res)
+            self._draft(rows, hidden, accepted, res, tables[1])
         else:
             res.drafts = [None] * len(rows)
             res.draft_logits = [None] * len(rows)
         return res, accepted
 
-    def _draft(self, rows: list[Row], hidden: torch.Tensor, accepted: list[int], res: StepResult) -> None:
+    def _draft(
+        self, rows: list[Row], hidden: torch.Tensor, accepted: list[int], res: StepResult, table: torch.Tensor
+    ) -> None:
         """The drafter over each row's accepted positions (a context row: all of its tokens)."""
         model = self.model
         blk = model.draft_block
@@ -291,7 +306,7 @@ class Runner:
             off += r.n
         dev = model.device
         x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
-        lay = _Layout(rows, counts, 1, self.cache.tokens_per_block, dev)
+        lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
         x = x + self._mla(blk.mixer, model.rms(x, blk.norm1), self.cache.draft_latent, lay)
         x = x + model.mlp(blk, x)
         last, off = [], 0
