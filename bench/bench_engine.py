@@ -4,7 +4,8 @@
     python3 -m bench.bench_engine --size tiny --quick    # a CPU smoke run (interpreter)
 
 Phases (one process, same model):
-1. warm-up: one small prefill and decode (compiles the kernels; fla-core's first calls autotune);
+1. warm-up: one small prefill and decode (compiles the kernels; fla-core's first calls autotune), then one
+   prompt's logits against the plain forward pass (:func:`kvforge.engine.reference_logits`) at this size;
 2. prefill: ``--prefill-requests`` prompts of ``--prefill-len`` tokens, one output token each: prompt tokens / s;
 3. decode at batch ``--batch``: that many requests decoding together after their prefill; generated tokens / s
    over the decode steps only, and the share of each step spent in kvforge's host code (scheduler, cache
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench._common import append_csv, env_stamp
-from kvforge.engine import Engine, EngineConfig, HybridModel, real, tiny
+from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits, tiny
 
 TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
 T_START = time.perf_counter()
@@ -76,6 +77,23 @@ def run(args) -> dict:
     out["warmup_s"] = time.perf_counter() - t0
     print(f"warm-up {out['warmup_s']:.1f} s", flush=True)
     del warm
+
+    # Correctness at this size: an engine's logits against the plain forward pass, same weights.
+    chk = Engine(model, _engine(model, args).config, record_logits=True)
+    prompt = [rng.randrange(vocab) for _ in range(args.check_len)]
+    got = chk.generate({0: prompt}, 8)[0]
+    ref, _ = reference_logits(model, prompt + got)
+    rows = torch.cat(chk.logits[0]).to(ref.device)
+    ref_rows = ref[len(prompt) - 1 : len(prompt) - 1 + len(got)]
+    out["check_max_abs_logit_err"] = float((rows - ref_rows).abs().max())
+    out["check_logit_std"] = float(ref_rows.std())
+    out["check_greedy_equal"] = rows.argmax(-1).tolist() == ref_rows.argmax(-1).tolist()
+    print(
+        f"check vs reference: max |logit err| {out['check_max_abs_logit_err']:.4f} (std "
+        f"{out['check_logit_std']:.3f}), greedy equal {out['check_greedy_equal']}",
+        flush=True,
+    )
+    del chk
 
     eng = _engine(model, args)
     prompts = _prompts(rng, args.prefill_requests, args.prefill_len, vocab)
@@ -181,13 +199,14 @@ def main() -> None:
     ap.add_argument("--trace-max-len", type=int, default=2048)
     ap.add_argument("--trace-out", type=int, default=2)
     ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--check-len", type=int, default=300)
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip later phases past this many seconds")
     args = ap.parse_args()
     if args.quick:
         args.tokens_per_block, args.pages, args.state_pages, args.max_blocks = 16, 256, 64, 64
         args.snapshot_interval, args.batch, args.prefill_requests, args.prefill_len = 64, 4, 2, 48
         args.decode_prompt_len, args.decode_tokens, args.trace_requests = 24, 3, 4
-        args.trace_max_len, args.trace_out, args.max_num_tokens = 96, 1, 256
+        args.trace_max_len, args.trace_out, args.max_num_tokens, args.check_len = 96, 1, 256, 30
     out = run(args)
     row = {k: v for k, v in out.items() if not isinstance(v, dict)}
     row["host_phases_ms_per_step"] = json.dumps(out.get("host_phases_ms_per_step"))
