@@ -2,7 +2,7 @@
 
 * :func:`decode_attention` is the one switch point for absorbed-MLA paged decode: ``q [B, H, latent]`` against
   the latent cache ``kv_cache [num_pages, page_size, latent]`` addressed by ``block_table [B, max_pages]`` int32
-  and ``seq_lens [B]`` int32, returning ``[B, H, head_dim_v]`` with values the first ``head_dim_v`` latent
+  and ``seq_lens [B]`` int32, returning ``[B, H, v_head_dim]`` with values the first ``v_head_dim`` latent
   columns. :func:`mla_decode_attention_torch` is the engine-local torch path with the signature of
   ``kvforge.kernels.mla_decode.mla_decode_attention``; switching to that kernel is the assignment in
   :func:`decode_attention`.
@@ -26,12 +26,12 @@ def mla_decode_attention_torch(
     seq_lens: torch.Tensor,
     *,
     softmax_scale: float,
-    head_dim_v: int = 512,
+    v_head_dim: int = 512,
 ) -> torch.Tensor:
     """Absorbed MLA over a paged latent cache in plain torch (fp32 math), one query row per batch row.
 
     Row b attends to tokens ``0 .. seq_lens[b] - 1`` of its pages ``block_table[b]``; keys are whole latent
-    rows, values their first ``head_dim_v`` columns. Returns ``[B, H, head_dim_v]`` in ``q``'s dtype.
+    rows, values their first ``v_head_dim`` columns. Returns ``[B, H, v_head_dim]`` in ``q``'s dtype.
     """
     if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != kv_cache.shape[2]:
         raise ValueError(
@@ -42,7 +42,7 @@ def mla_decode_attention_torch(
     if block_table.shape[0] < b or seq_lens.shape[0] < b:
         raise ValueError(f"block_table/seq_lens: expected {b} rows, got {block_table.shape[0]} / {seq_lens.shape[0]}")
     if b == 0:
-        return q.new_empty((0, q.shape[1], head_dim_v))
+        return q.new_empty((0, q.shape[1], v_head_dim))
     ps = kv_cache.shape[1]
     lens = seq_lens[:b].long()
     max_len = int(lens.max())
@@ -53,7 +53,7 @@ def mla_decode_attention_torch(
     scores = torch.einsum("bhd,bld->bhl", q.float(), kv) * softmax_scale
     scores = scores.masked_fill((pos[None, :] >= lens[:, None])[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhl,bld->bhd", p, kv[..., :head_dim_v]).to(q.dtype)
+    return torch.einsum("bhl,bld->bhd", p, kv[..., :v_head_dim]).to(q.dtype)
 
 
 def decode_attention(
@@ -63,11 +63,12 @@ def decode_attention(
     seq_lens: torch.Tensor,
     *,
     softmax_scale: float,
-    head_dim_v: int,
+    v_head_dim: int,
 ) -> torch.Tensor:
-    """The engine's decode attention (see the module docstring). The Triton kernel replaces the torch path here."""
+    """The engine's decode attention (see the module docstring). The Triton kernel replaces the torch path here:
+    ``from kvforge.kernels.mla_decode import mla_decode_attention`` and call it with the same arguments."""
     return mla_decode_attention_torch(
-        q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, head_dim_v=head_dim_v
+        q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, v_head_dim=v_head_dim
     )
 
 

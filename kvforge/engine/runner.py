@@ -134,7 +134,7 @@ class Runner:
                 lay.gen_table,
                 lay.gen_lens,
                 softmax_scale=model.softmax_scale,
-                head_dim_v=mc.kv_lora_rank,
+                v_head_dim=mc.kv_lora_rank,
             )
             out[:g] = model.mla_unabsorb(m, o_lat)
         if lay.ctx_kv_rows is not None:
