@@ -187,3 +187,23 @@ def test_bad_input_is_refused(model: HybridModel) -> None:
     with pytest.raises(ValueError, match="layer_types"):
         tiny(layer_types="LLL")
     assert not eng.scheduler.has_unfinished
+
+
+def test_decode_attention_torch_path_matches_a_per_request_softmax() -> None:
+    """The engine-local absorbed-MLA decode (the kernel's switch point) on awkward sizes, against an explicit
+    per-request softmax over rows gathered page by page."""
+    from kvforge.engine.ops import mla_decode_attention_torch
+
+    g = torch.Generator().manual_seed(2)
+    pages, ps, d, dv, h = 11, 5, 24, 16, 3
+    kv = torch.randn(pages, ps, d, generator=g)
+    lens = torch.tensor([1, 7, 13], dtype=torch.int32)
+    table = torch.tensor([[4, 0, 0], [2, 9, 0], [10, 3, 6]], dtype=torch.int32)
+    q = torch.randn(3, h, d, generator=g)
+    out = mla_decode_attention_torch(q, kv, table, lens, softmax_scale=0.3, v_head_dim=dv)
+    for b in range(3):
+        rows = torch.cat([kv[int(p)] for p in table[b]])[: int(lens[b])].double()
+        p = torch.softmax(q[b].double() @ rows.T * 0.3, -1)
+        torch.testing.assert_close(out[b].double(), p @ rows[:, :dv], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="q/kv_cache"):
+        mla_decode_attention_torch(q[..., :8], kv, table, lens, softmax_scale=0.3)

@@ -96,7 +96,7 @@ def transfer_points(engine: Engine, prompt_len: int) -> list[int]:
     """Snapshot points below ``prompt_len`` that any engine of this configuration marks for this prompt length
     (periodic ones and prompt-end offsets; not branch points, which depend on the tree)."""
     cfg, tpb = engine.config, engine.config.tokens_per_block
-    pts = set()
+    pts: set[int] = set()
     if cfg.snapshot_interval:
         pts.update(range(cfg.snapshot_interval, prompt_len, cfg.snapshot_interval))
     for d in cfg.prompt_end_offsets:

@@ -91,7 +91,7 @@ def kda_segments(
     if initial_states.shape[0] != n:
         raise ValueError(f"initial_states: expected {n} states (one per segment), got {initial_states.shape[0]}")
     if _use_fla_kernels(q):
-        from fla.ops.kda import chunk_kda
+        from fla.ops.kda import chunk_kda  # type: ignore[import-untyped]
 
         cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
         o, final = chunk_kda(
@@ -105,7 +105,7 @@ def kda_segments(
             cu_seqlens=cu,
         )
         return o[0], final.float()
-    from fla.ops.kda.naive import naive_recurrent_kda
+    from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]
 
     outs, finals = [], []
     for i in range(n):
@@ -135,14 +135,14 @@ def kda_tokens(
     for t in range(t_len):
         sl = slice(t, t + 1)
         if _use_fla_kernels(q):
-            from fla.ops.kda import fused_recurrent_kda
+            from fla.ops.kda import fused_recurrent_kda  # type: ignore[import-untyped]
 
             o, s = fused_recurrent_kda(
                 q[:, sl], k[:, sl], v[:, sl], g[:, sl].float(), beta[:, sl].float(),
                 initial_state=s, output_final_state=True,
             )  # fmt: skip
         else:
-            from fla.ops.kda.naive import naive_recurrent_kda
+            from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]
 
             o, s = naive_recurrent_kda(
                 q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=s, output_final_state=True

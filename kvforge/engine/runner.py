@@ -127,6 +127,7 @@ class Runner:
         out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
         g = lay.num_gen_tokens
         if g:
+            assert lay.gen_table is not None and lay.gen_lens is not None
             q_abs = model.mla_absorb(m, q[:g])
             o_lat = decode_attention(
                 q_abs,
@@ -145,7 +146,7 @@ class Runner:
             cap = -(-t // 16) * 16  # dim-major V rows padded to 16 bytes (the kernel's tensor descriptors)
             v_buf = torch.empty(mc.num_heads, mc.v_head_dim, cap, device=v.device, dtype=k8.dtype)
             v8 = quantize_fp8(v.contiguous(), s, v_buf[:, :, :t], transpose_tokens=True)
-            o = mla_context_attention(
+            o = mla_context_attention(  # returns the output alone (return_lse is off)
                 q[g:].to(self.q_dtype).contiguous(),
                 k8,
                 v8,
@@ -155,6 +156,7 @@ class Runner:
                 softmax_scale=model.softmax_scale,
                 v_layout="dim_major",
             )
+            assert isinstance(o, torch.Tensor)
             out[g:] = o.to(model.dtype)
         return model.mla_out(m, out)
 
@@ -241,7 +243,8 @@ class Runner:
         hidden = self.forward(rows, state_idx, tables)
         res = StepResult()
         # Logits: every token of a generation row, the last token of a final context chunk.
-        want, off = [], 0
+        want: list[int] = []
+        off = 0
         for r in rows:
             if r.gen:
                 want.extend(range(off, off + r.n))
@@ -290,7 +293,10 @@ class Runner:
         model = self.model
         blk = model.draft_block
         assert blk is not None and isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
-        sel, nxt, counts, off = [], [], [], 0
+        sel: list[int] = []
+        nxt: list[int] = []
+        counts: list[int] = []
+        off = 0
         for r, a, em in zip(rows, accepted, res.emitted):
             if r.gen:
                 cnt = a
