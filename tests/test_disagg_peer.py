@@ -67,14 +67,30 @@ def test_helix_page_size_message_explains_why():
         (dict(), dict(**DRAFT)),
         (dict(**DRAFT), dict(**DRAFT)),
         (dict(tp_size=4), dict(tp_size=2)),  # MLA: replicated over TP, head split not checked
-        (dict(tp_size=3), dict(tp_size=2, attention_dp=True, dp_size=2)),
         (dict(**GQA, tp_size=2), dict(**GQA, tp_size=4)),
-        (dict(**GQA, tp_size=8, attention_dp=True, dp_size=4), dict(**GQA, tp_size=1)),
     ],
 )
 def test_compatible_pairs_pass(local, peer):
     check_peer(info(**local), info(instance_name="b", **peer))
     check_peer(info(instance_name="b", **peer), info(**local))
+
+
+@pytest.mark.parametrize(
+    "local,peer",
+    [
+        (dict(tp_size=3), dict(tp_size=2, attention_dp=True, dp_size=2)),
+        (dict(**GQA, tp_size=8, attention_dp=True, dp_size=4), dict(**GQA, tp_size=1)),
+    ],
+)
+def test_attention_dp_is_refused_by_the_same_rule_as_the_mapping(local, peer):
+    from kvforge.disagg.mapping import layouts_for
+
+    a, b = info(**local), info(instance_name="b", **peer)
+    for x, y in ((a, b), (b, a)):
+        with pytest.raises(PeerMismatchError, match="attention DP transfers are not mapped"):
+            check_peer(x, y)
+        with pytest.raises(ValueError, match="attention DP transfers are not mapped"):
+            layouts_for(x, y)
 
 
 def test_mla_skips_the_attention_tp_check_that_gqa_applies():
@@ -93,3 +109,13 @@ def test_draft_layers_shared_only_when_both_sides_have_them():
 def test_all_mismatches_are_reported_at_once():
     problems = peer_mismatches(info(), info(head_dim=512, tokens_per_block=16))
     assert len(problems) == 2
+
+
+def test_recurrent_state_layers_must_agree():
+    state = dict(state_layers=3, state_bytes=4096)
+    check_peer(info(**state), info(instance_name="b", **state))
+    for other in (dict(), dict(state_layers=3, state_bytes=2048), dict(state_layers=2, state_bytes=4096)):
+        with pytest.raises(PeerMismatchError, match="recurrent state"):
+            check_peer(info(**state), info(instance_name="b", **other))
+    with pytest.raises(ValueError, match="state_layers/state_bytes"):
+        info(state_layers=3)

@@ -215,3 +215,90 @@ def run_world(
         )
     finally:
         del store
+
+
+# --- launcher items: shared draft KV, INFO lines, memory cap ---------------------------------------------------------
+
+SHARED_DRAFT_KV_ENV = "KVFORGE_SHARED_DRAFT_KV"
+_launch_log = __import__("logging").getLogger("kvforge.disagg.launch")
+
+
+def resolve_shared_draft_kv(
+    setting: str | None,
+    *,
+    manages_context_pages: bool,
+    tokens_per_block: int,
+    draft_tokens_per_block: int | None = None,
+    helix: bool = False,
+    cp_size: int = 1,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Whether the drafter's KV shares the target's cache manager (its layers appended as DRAFT layers).
+
+    ``setting``: ``"auto"`` (or None), ``"0"`` (off) or ``"1"`` (on); the environment variable
+    ``KVFORGE_SHARED_DRAFT_KV`` overrides it with the same values. Eligibility (all needed; ``"auto"`` turns on
+    exactly when eligible, ``"1"`` on an ineligible layout raises ValueError naming the reason): the manager
+    manages the context pages, the drafter's page size equals the target's (``draft_tokens_per_block`` None means
+    equal), no helix and no context parallelism (``cp_size == 1``), whose per-rank block shares a shared draft
+    pool would not follow. Logs one INFO line with the setting, its source and the outcome.
+    """
+    env = os.environ if environ is None else environ
+    source = "argument"
+    raw = setting
+    if env.get(SHARED_DRAFT_KV_ENV) not in (None, ""):
+        raw, source = env[SHARED_DRAFT_KV_ENV], f"env {SHARED_DRAFT_KV_ENV}"
+    value = "auto" if raw is None else str(raw).strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"shared draft KV ({source}): expected 'auto', '0' or '1', got {raw!r}")
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block: expected an int >= 1, got {tokens_per_block!r}")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+    reasons = []
+    if not manages_context_pages:
+        reasons.append("the cache manager does not manage the context pages")
+    if draft_tokens_per_block is not None and draft_tokens_per_block != tokens_per_block:
+        reasons.append(f"draft page size {draft_tokens_per_block} != target page size {tokens_per_block}")
+    if helix:
+        reasons.append("helix parallelism")
+    if cp_size > 1:
+        reasons.append(f"context parallelism (cp_size {cp_size})")
+    if value == "1" and reasons:
+        raise ValueError(f"shared draft KV ({source}) = 1, but the layout is not eligible: {'; '.join(reasons)}")
+    shared = value == "1" or (value == "auto" and not reasons)
+    _launch_log.info(
+        "draft KV pool share: %s (setting %r from %s%s)",
+        "shared with the target's cache manager" if shared else "separate",
+        value,
+        source,
+        f"; not eligible: {'; '.join(reasons)}" if reasons else "",
+    )
+    return shared
+
+
+def log_manager_class(resolved: type, declared: type | None) -> type:
+    """Resolve the cache manager class (``kvforge.kvcache.hooks.resolve_kv_cache_manager_cls`` rules) and log one
+    INFO line naming it and whether the model declared it."""
+    from kvforge.kvcache.hooks import RuntimeHooks, resolve_kv_cache_manager_cls
+
+    cls = resolve_kv_cache_manager_cls(resolved, RuntimeHooks(kv_cache_manager_cls=declared))
+    how = "declared by the model" if declared is not None else "the library's default"
+    _launch_log.info("KV cache manager class: %s.%s (%s)", cls.__module__, cls.__qualname__, how)
+    return cls
+
+
+def apply_memory_cap(fraction: float, device: Any = None) -> bool:
+    """Cap this process's PyTorch CUDA allocations at ``fraction`` of the device memory
+    (``torch.cuda.set_per_process_memory_fraction``); True when applied. Without CUDA nothing can be capped:
+    logs that at INFO and returns False. ``fraction`` must lie in (0, 1]."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < float(fraction) <= 1:
+        raise ValueError(f"fraction: expected a number in (0, 1], got {fraction!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        _launch_log.info("memory cap %.3f not applied: no CUDA device (PyTorch's CPU memory has no cap)", fraction)
+        return False
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    torch.cuda.set_per_process_memory_fraction(float(fraction), dev)
+    _launch_log.info("memory cap applied: PyTorch may allocate %.3f of %s", fraction, dev)
+    return True

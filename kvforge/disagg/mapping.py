@@ -12,7 +12,13 @@ Ranks inside an instance are numbered ``instance_rank = (pp_rank * cp_size + cp_
 * CP (helix): the generation instance deals the prompt's blocks round-robin over its CP ranks, rank r holding
   blocks r, r + cp, r + 2 cp, ... (lower ranks take the extra block). The context side has cp = 1 and holds all.
 
-Attention DP (requests spread over DP ranks) is not mapped here; ``plan_pieces`` rejects dp_size > 1.
+Attention DP (requests spread over DP ranks) is not mapped: which DP group holds a request is per request, and
+the plan here is per instance pair. ``InstanceLayout.of`` rejects dp_size > 1 with
+:func:`kvforge.disagg.peer.attention_dp_problem`, the same rule the peer check applies at registration, so a
+peer is never accepted by one and rejected by the other.
+
+Recurrent state layers (``KVLayer.kind == "state"``) travel whole in the pieces with ``with_state``: every piece
+of an MLA transfer, and the first head span of a generation rank's pieces per context stage otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvforge.disagg.peer import draft_layers_shared
+from kvforge.disagg.peer import attention_dp_problem, draft_layers_shared
 from kvforge.disagg.rank_info import RankInfo
 
 
@@ -46,8 +52,9 @@ class InstanceLayout:
 
     @classmethod
     def of(cls, info: RankInfo, *, with_draft: bool) -> InstanceLayout:
-        if info.dp_size > 1:
-            raise ValueError(f"dp_size: attention DP transfers are not mapped yet, got dp_size {info.dp_size}")
+        problem = attention_dp_problem(info)
+        if problem is not None:
+            raise ValueError(problem)
         return cls(
             tp_size=info.attention_tp_size,
             pp_size=info.pp_size,
@@ -94,6 +101,7 @@ class Piece:
     heads_den: int
     cp_rank: int
     cp_size: int
+    with_state: bool = True
 
     def layer_keys(self) -> list[tuple[str, int]]:
         """Layers in message order: target layers ascending, then draft layers ascending."""
@@ -147,7 +155,7 @@ def plan_pieces(ctx: InstanceLayout, gen: InstanceLayout) -> list[Piece]:
                     lo, hi = max(g_lo, c_lo), min(g_hi, c_hi)
                     if lo < hi:
                         spans.append((c_tp, lo, hi, den))
-            for c_tp, lo, hi, d in spans:
+            for k, (c_tp, lo, hi, d) in enumerate(spans):
                 pieces.append(
                     Piece(
                         ctx_rank=ctx.rank(c_tp, c_pp, 0),
@@ -159,6 +167,7 @@ def plan_pieces(ctx: InstanceLayout, gen: InstanceLayout) -> list[Piece]:
                         heads_den=d,
                         cp_rank=g_cp,
                         cp_size=gen.cp_size,
+                        with_state=k == 0,
                     )
                 )
     return pieces

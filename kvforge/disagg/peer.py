@@ -8,6 +8,8 @@ Every rule names the property and both values. What must agree and why:
 * context parallelism on at most one side (helix pairs a cp=1 context with a cp=N generation instance);
 * draft layers (a drafter sharing the cache): equal count, dtype and head count when both sides have them; when
   only one side has a drafter the draft layers are simply not transferred;
+* recurrent state layers (hybrid models): equal count and state size, or none on either side;
+* attention DP (dp_size > 1) on either side is refused with the rule the mapping uses (:func:`attention_dp_problem`);
 * for non-MLA caches, KV head count and an attention TP (per DP group) that splits the heads evenly on both
   sides. MLA caches are replicated across TP, so their head split is not checked.
 """
@@ -55,6 +57,19 @@ def peer_mismatches(local: RankInfo, peer: RankInfo) -> list[str]:
             out.append(_diff("draft_kv_dtype", local.draft_kv_dtype, peer.draft_kv_dtype))
         if local.draft_kv_heads != peer.draft_kv_heads:
             out.append(_diff("draft_kv_heads", local.draft_kv_heads, peer.draft_kv_heads))
+    if (local.state_layers, local.state_bytes) != (peer.state_layers, peer.state_bytes):
+        out.append(
+            _diff(
+                "recurrent state (state_layers, state_bytes)",
+                (local.state_layers, local.state_bytes),
+                (peer.state_layers, peer.state_bytes),
+                "the states travel beside the KV and must mean the same on both sides",
+            )
+        )
+    for side in (local, peer):
+        problem = attention_dp_problem(side)
+        if problem is not None:
+            out.append(problem)
     if not local.is_mla and not peer.is_mla:
         if local.kv_heads != peer.kv_heads:
             out.append(_diff("kv_heads", local.kv_heads, peer.kv_heads))
@@ -72,6 +87,17 @@ def peer_mismatches(local: RankInfo, peer: RankInfo) -> list[str]:
                 )
             )
     return out
+
+
+def attention_dp_problem(info: RankInfo) -> str | None:
+    """Why an instance's layout cannot be mapped for KV transfer (None when it can): attention DP (dp_size > 1)
+    is not mapped. The mapping (``InstanceLayout.of``) and the peer check share this rule."""
+    if info.dp_size > 1:
+        return (
+            f"dp_size: attention DP transfers are not mapped (the DP group holding a request is per request), "
+            f"got dp_size {info.dp_size} on {info.instance_name!r}"
+        )
+    return None
 
 
 def check_peer(local: RankInfo, peer: RankInfo) -> None:

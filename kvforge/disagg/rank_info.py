@@ -28,7 +28,7 @@ import msgpack
 from kvforge.kvcache.config import DTYPE_BYTES  # the KV dtypes a peer may announce (torch names)
 
 WIRE_VERSION = 1
-OPTIONAL_FIELDS = ("num_draft_layers", "draft_kv_dtype", "draft_kv_heads")
+OPTIONAL_FIELDS = ("num_draft_layers", "draft_kv_dtype", "draft_kv_heads", "state_layers", "state_bytes")
 MAX_WIRE_BYTES = 1 << 16  # a real message is a few hundred bytes; registration frames hold 4 KiB
 
 
@@ -87,6 +87,8 @@ def _wire_types() -> tuple[type, type]:
         num_draft_layers: int | None = None
         draft_kv_dtype: str | None = None
         draft_kv_heads: int | None = None
+        state_layers: int | None = None
+        state_bytes: int | None = None
 
     return _WireHead, _WireV1
 
@@ -117,6 +119,8 @@ class RankInfo:
     ``page_groups`` describes the page table: the layer group of each of this rank's layers, targets then drafts.
     ``transport_rank`` is this rank's address in the transport (torch.distributed global rank) and
     ``instance_rank`` its rank inside the instance, ``(pp_rank * cp_size + cp_rank) * tp_size + tp_rank``.
+    ``state_layers`` / ``state_bytes``: a hybrid model's recurrent layers (whole model) and the bytes of one of
+    their states (set both or neither; their states travel beside the KV).
     """
 
     instance_name: str
@@ -143,6 +147,8 @@ class RankInfo:
     num_draft_layers: int | None = None
     draft_kv_dtype: str | None = None
     draft_kv_heads: int | None = None
+    state_layers: int | None = None
+    state_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.instance_name, str) or not self.instance_name:
@@ -194,6 +200,14 @@ class RankInfo:
             raise ValueError(f"draft_kv_dtype: expected one of {sorted(DTYPE_BYTES)}, got {self.draft_kv_dtype!r}")
         if self.draft_kv_heads is not None:
             _positive("draft_kv_heads", self.draft_kv_heads)
+        if (self.state_layers is None) != (self.state_bytes is None):
+            raise ValueError(
+                f"state_layers/state_bytes: set both (a hybrid model's recurrent layers) or neither, got "
+                f"{(self.state_layers, self.state_bytes)!r}"
+            )
+        if self.state_layers is not None:
+            _positive("state_layers", self.state_layers)
+            _positive("state_bytes", self.state_bytes)
         drafts = (self.num_draft_layers, self.draft_kv_dtype, self.draft_kv_heads)
         if any(d is not None for d in drafts) and any(d is None for d in drafts):
             raise ValueError(

@@ -14,7 +14,10 @@ Life of a transfer (``transfer_id``: an int in ``[0, MAX_TRANSFER_ID)``, unique 
    transfer complete only when every rank of its instance has (the consensus in ``check_status``).
 
 Message layout: a 32-byte header (int64 magic, transfer id, payload bytes, piece index) followed by the packed
-blocks (``kvforge.kernels.kv_pack`` layout) of the piece's layers in ``Piece.layer_keys()`` order.
+blocks (``kvforge.kernels.kv_pack`` layout) of the piece's layers in ``Piece.layer_keys()`` order. A recurrent
+state layer (``KVLayer.kind == "state"``) contributes its pages ``RequestKV.state_pages[group]`` whole (live
+state and snapshots) in pieces with ``with_state``, and nothing in the others; a sender and a receiver that
+list different numbers of state pages disagree on the message size, and the transfer fails on the header.
 
 Failures are bounded: every session has a deadline. A dead or silent peer, a malformed message or a cancellation
 ends the session with a reason; the pages go back through ``release`` exactly once (receiver: on failure or
@@ -267,11 +270,13 @@ class _Endpoint:
         self.release_fn = release
         self.timeout_s = float(timeout_s)
         self.peers: dict[str, _Peer] = {}
-        self._layouts: dict[tuple[str, int], tuple[KVPackLayout, list[int]]] = {}
-        # Pages of each layer group (the smallest pool of the group bounds its page indices).
+        self._layouts: dict[tuple[str, int], tuple[KVPackLayout, list[tuple[str, int]]]] = {}
+        # Pages of each layer group (the smallest pool of the group bounds its page indices), KV and state apart.
         self._group_pages: dict[int, int] = {}
+        self._state_group_pages: dict[int, int] = {}
         for ly in layers:
-            self._group_pages[ly.group] = min(self._group_pages.get(ly.group, ly.num_pages), ly.num_pages)
+            bounds = self._group_pages if ly.kind == "kv" else self._state_group_pages
+            bounds[ly.group] = min(bounds.get(ly.group, ly.num_pages), ly.num_pages)
         self.ops_done = 0  # operations seen finished (polling loops back off while it stays put)
         self.sessions: dict[int, _Session] = {}
         self.orphans: list[_Op] = []
@@ -380,7 +385,7 @@ class _Endpoint:
     def _layer_cols(self, layer: KVLayer, piece: Piece, tp_rank: int) -> tuple[int, int]:
         """Columns of ``layer``'s token rows that ``piece`` carries, from this rank's head range."""
         info = self.info
-        if info.is_mla:
+        if info.is_mla or layer.kind == "state":
             return 0, layer.elems_per_token
         total = layer.heads * info.attention_tp_size
         lo, hi = piece.head_range(total)
@@ -392,7 +397,7 @@ class _Endpoint:
             )
         return (lo - start) * layer.head_elems, (hi - start) * layer.head_elems
 
-    def _piece_layout(self, peer: str, index: int, piece: Piece) -> tuple[KVPackLayout, list[int]]:
+    def _piece_layout(self, peer: str, index: int, piece: Piece) -> tuple[KVPackLayout, list[tuple[str, int]]]:
         """The pack layout of a piece's layers (built once per peer and piece) and the layer group of each table."""
         key = (peer, index)
         got = self._layouts.get(key)
@@ -405,11 +410,12 @@ class _Endpoint:
                 raise ValueError(
                     f"layers: this rank has no {lk[0]} layer {lk[1]}, which the transfer plan assigns to it"
                 )
-            if layer.group not in groups:
-                groups.append(layer.group)
+            table = (layer.kind, layer.group)
+            if table not in groups:
+                groups.append(table)
             pools.append(layer.pool)
             cols.append(self._layer_cols(layer, piece, self.info.tp_rank))
-            tables.append(groups.index(layer.group))
+            tables.append(groups.index(table))
         got = self._layouts[key] = (KVPackLayout(pools, cols, tables), groups)
         return got
 
@@ -418,7 +424,10 @@ class _Endpoint:
     ) -> KVPackPlan:
         layout, groups = self._piece_layout(peer, index, piece)
         pages = []
-        for g in groups:  # one list per layer group: every layer of the group reads it
+        for kind, g in groups:  # one list per layer group: every layer of the group reads it
+            if kind == "state":
+                pages.append(list(request.state_pages[g]) if piece.with_state else [])
+                continue
             if g >= len(request.page_indices):
                 raise ValueError(f"request.page_indices: no page list for layer group {g}")
             src = request.page_indices[g]
@@ -443,6 +452,17 @@ class _Endpoint:
             if unique and len(set(pages)) != len(pages):
                 dup = sorted({p for p in pages if pages.count(p) > 1})[:4]
                 raise ValueError(f"{name}: page(s) {dup} appear more than once")
+        for g in sorted(self._state_group_pages):
+            name = f"request.state_pages[{g}]"
+            pages = request.state_pages[g] if g < len(request.state_pages) else None
+            if not pages:
+                raise ValueError(f"{name}: expected the recurrent-state pages to move (live state first), got none")
+            bound = self._state_group_pages[g]
+            bad = [p for p in pages if not 0 <= p < bound]
+            if bad:
+                raise ValueError(f"{name}: pages must lie in [0, {bound}), got {bad[:4]}")
+            if unique and len(set(pages)) != len(pages):
+                raise ValueError(f"{name}: a state page appears more than once")
 
     def _release(self, s: _Session) -> None:
         if not s.released:

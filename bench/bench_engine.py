@@ -1,0 +1,220 @@
+"""Engine numbers: prefill and decode tokens/s, the host share of a decode step, the prefix-reuse speedup.
+
+    python3 -m bench.bench_engine --size real            # the H200 run (~2.5 B parameters, bf16)
+    python3 -m bench.bench_engine --size tiny --quick    # a CPU smoke run (interpreter)
+
+Phases (one process, same model):
+1. warm-up: one small prefill and decode (compiles the kernels; fla-core's first calls autotune), then one
+   prompt's logits against the plain forward pass (:func:`kvforge.engine.reference_logits`) at this size;
+2. prefill: ``--prefill-requests`` prompts of ``--prefill-len`` tokens, one output token each: prompt tokens / s;
+3. decode at batch ``--batch``: that many requests decoding together after their prefill; generated tokens / s
+   over the decode steps only, and the share of each step spent in kvforge's host code (scheduler, cache
+   manager, page table, slot stores, state-index upload) against the whole step, timed with the device
+   synchronised at phase ends (``Engine(sync=True)``), garbage collector on;
+4. prefix reuse: the conversation trace's first ``--trace-requests`` requests (prompts built from their block
+   hash ids, 512 tokens per id, capped at ``--trace-max-len``; ``--trace-out`` tokens each) with reuse on and
+   off: wall time and prompt tokens computed; the speedup is off / on.
+
+Rows go to ``bench/results/engine.csv`` (GPU, versions, git revision) and, with ``--out``, a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from bench._common import append_csv, env_stamp
+from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits, tiny
+
+TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
+T_START = time.perf_counter()
+
+
+def _engine(model: HybridModel, args, *, reuse: bool = True, sync: bool = False) -> Engine:
+    cfg = EngineConfig(
+        tokens_per_block=args.tokens_per_block,
+        attention_pages=args.pages,
+        draft_pages=args.pages,
+        state_pages=args.state_pages,
+        max_num_tokens=args.max_num_tokens,
+        max_num_requests=max(args.batch, 8),
+        max_blocks_per_request=args.max_blocks,
+        snapshot_interval=args.snapshot_interval,
+        reuse=reuse,
+    )
+    return Engine(model, cfg, sync=sync)
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> dict[int, list[int]]:
+    return {i: [rng.randrange(vocab) for _ in range(length)] for i in range(n)}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+HOST_PHASES = ("schedule", "copies", "page_table", "slots", "rows", "on_step_done")
+
+
+def run(args) -> dict:
+    cfg = real() if args.size == "real" else tiny()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = HybridModel(cfg, device=dev)
+    rng = random.Random(0)
+    vocab = cfg.vocab_size
+    out: dict = {"params": cfg.num_params(), "size": args.size, **env_stamp()}
+    t0 = time.perf_counter()
+    warm = _engine(model, args)
+    warm.generate(_prompts(rng, min(args.batch, 4), 200, vocab), 3)
+    warm.generate(_prompts(rng, args.batch, 64, vocab), 2)
+    _sync()
+    out["warmup_s"] = time.perf_counter() - t0
+    print(f"warm-up {out['warmup_s']:.1f} s", flush=True)
+    del warm
+
+    # Correctness at this size: an engine's logits against the plain forward pass, same weights.
+    chk = Engine(model, _engine(model, args).config, record_logits=True)
+    prompt = [rng.randrange(vocab) for _ in range(args.check_len)]
+    got = chk.generate({0: prompt}, 8)[0]
+    ref, _ = reference_logits(model, prompt + got)
+    rows = torch.cat(chk.logits[0]).to(ref.device)
+    ref_rows = ref[len(prompt) - 1 : len(prompt) - 1 + len(got)]
+    out["check_max_abs_logit_err"] = float((rows - ref_rows).abs().max())
+    out["check_logit_std"] = float(ref_rows.std())
+    out["check_greedy_equal"] = rows.argmax(-1).tolist() == ref_rows.argmax(-1).tolist()
+    print(
+        f"check vs reference: max |logit err| {out['check_max_abs_logit_err']:.4f} (std "
+        f"{out['check_logit_std']:.3f}), greedy equal {out['check_greedy_equal']}",
+        flush=True,
+    )
+    del chk
+
+    eng = _engine(model, args)
+    prompts = _prompts(rng, args.prefill_requests, args.prefill_len, vocab)
+    _sync()
+    t0 = time.perf_counter()
+    eng.generate(prompts, 1)
+    _sync()
+    dt = time.perf_counter() - t0
+    out["prefill_tokens_per_s"] = args.prefill_requests * args.prefill_len / dt
+    print(f"prefill {out['prefill_tokens_per_s']:.0f} tok/s ({dt:.2f} s)", flush=True)
+    del eng
+
+    if args.budget_s and time.perf_counter() - T_START > args.budget_s:
+        print("out of time budget: decode phase skipped", flush=True)
+        return out
+    eng = _engine(model, args, sync=True)
+    for rid, p in _prompts(rng, args.batch, args.decode_prompt_len, vocab).items():
+        eng.add_request(rid, p, args.decode_tokens)
+    while any(r.state.value != "generation" for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    eng.timings.clear()
+    gen0 = eng.tokens["generation"]
+    _sync()
+    t0 = time.perf_counter()
+    steps = 0
+    while eng.scheduler.has_unfinished:
+        eng.step()
+        steps += 1
+    _sync()
+    dt = time.perf_counter() - t0
+    host = sum(eng.timings[k] for k in HOST_PHASES)
+    total = sum(eng.timings.values())
+    out["decode_batch"] = args.batch
+    out["decode_tokens_per_s"] = (eng.tokens["generation"] - gen0) / dt
+    out["decode_step_ms"] = 1e3 * dt / max(steps, 1)
+    out["host_share"] = host / total
+    out["host_phases_ms_per_step"] = {k: 1e3 * eng.timings[k] / max(steps, 1) for k in (*HOST_PHASES, "forward")}
+    print(
+        f"decode batch {args.batch}: {out['decode_tokens_per_s']:.0f} tok/s, {out['decode_step_ms']:.2f} ms/step, "
+        f"host share {100 * out['host_share']:.1f}% {out['host_phases_ms_per_step']}",
+        flush=True,
+    )
+    del eng
+
+    if args.budget_s and time.perf_counter() - T_START > args.budget_s:
+        print("out of time budget: prefix-reuse phase skipped", flush=True)
+        return out
+    reqs = []
+    with args.trace.open() as f:
+        for line in f:
+            reqs.append(json.loads(line))
+            if len(reqs) == args.trace_requests:
+                break
+
+    def block(h: int) -> list[int]:
+        r = random.Random(h)
+        return [r.randrange(vocab) for _ in range(512)]
+
+    trace_prompts = {}
+    for i, r in enumerate(reqs):
+        n = min(r["input_length"], args.trace_max_len)
+        toks: list[int] = []
+        for h in r["hash_ids"]:
+            toks.extend(block(h))
+            if len(toks) >= n:
+                break
+        trace_prompts[i] = toks[:n]
+    for reuse in (True, False):
+        eng = _engine(model, args, reuse=reuse)
+        _sync()
+        t0 = time.perf_counter()
+        eng.generate(trace_prompts, args.trace_out)
+        _sync()
+        dt = time.perf_counter() - t0
+        key = "on" if reuse else "off"
+        out[f"trace_s_reuse_{key}"] = dt
+        out[f"trace_context_tokens_reuse_{key}"] = eng.tokens["context"]
+        print(f"trace reuse {key}: {dt:.2f} s, {eng.tokens['context']} prompt tokens computed", flush=True)
+        del eng
+    out["trace_prompt_tokens"] = sum(len(p) for p in trace_prompts.values())
+    out["reuse_speedup"] = out["trace_s_reuse_off"] / out["trace_s_reuse_on"]
+    print(f"prefix-reuse speedup {out['reuse_speedup']:.2f}x", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", choices=("tiny", "real"), default="real")
+    ap.add_argument("--quick", action="store_true", help="small workloads (CPU smoke run)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tokens-per-block", type=int, default=64)
+    ap.add_argument("--pages", type=int, default=4096)
+    ap.add_argument("--state-pages", type=int, default=400)
+    ap.add_argument("--max-num-tokens", type=int, default=8192)
+    ap.add_argument("--max-blocks", type=int, default=128)
+    ap.add_argument("--snapshot-interval", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prefill-requests", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--decode-prompt-len", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--trace-requests", type=int, default=200)
+    ap.add_argument("--trace-max-len", type=int, default=2048)
+    ap.add_argument("--trace-out", type=int, default=2)
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--check-len", type=int, default=300)
+    ap.add_argument("--budget-s", type=float, default=0.0, help="skip later phases past this many seconds")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens_per_block, args.pages, args.state_pages, args.max_blocks = 16, 256, 64, 64
+        args.snapshot_interval, args.batch, args.prefill_requests, args.prefill_len = 64, 4, 2, 48
+        args.decode_prompt_len, args.decode_tokens, args.trace_requests = 24, 3, 4
+        args.trace_max_len, args.trace_out, args.max_num_tokens, args.check_len = 96, 1, 256, 30
+    out = run(args)
+    row = {k: v for k, v in out.items() if not isinstance(v, dict)}
+    row["host_phases_ms_per_step"] = json.dumps(out.get("host_phases_ms_per_step"))
+    append_csv("engine", [row])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "engine.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""The serving loop: ``Scheduler`` + ``HybridCacheManager`` decide, :class:`EngineCache` + :class:`Runner` compute.
+
+One :meth:`Engine.step`:
+
+1. ``scheduler.schedule()`` picks the rows (generation first, then context chunks cut at snapshot points);
+2. the manager's recorded page copies run (:meth:`EngineCache.execute`), and a fresh attempt's live state is
+   zeroed (a cache that reused nothing gets no copy for it);
+3. the device page table (``DevicePageTable.materialize`` -> ``copy_block_offsets``) gives each row's block
+   table; the live-state indices go up through ``StateIndexUpload`` (``copy_small_pinned_pair`` on a GPU);
+4. generation rows read their input tokens from the slot stores (``step_gather``): the last emitted token and
+   the draft token(s) to verify;
+5. :meth:`Runner.step` runs the model, accepts drafts greedily and runs the drafter;
+6. emitted tokens and next inputs go into the slot stores (``slot_scatter``), and ``scheduler.on_step_done``
+   commits them (new snapshot copies are recorded for the next step).
+
+Prefix reuse off gives every request its own reuse scope. ``draft_len`` (0 or 1) is the engine's speculative
+length. Timings per phase are kept in :attr:`Engine.timings` (host seconds; ``sync=True`` waits for the device
+at phase ends so the split between host and device is measurable).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from kvforge.engine.cache import EngineCache
+from kvforge.engine.config import EngineConfig
+from kvforge.engine.model import HybridModel
+from kvforge.engine.runner import Row, Runner
+from kvforge.kernels.slot_ops import SlotStores, slot_scatter, step_gather
+from kvforge.kvcache.config import (
+    FULL_ATTENTION,
+    RECURRENT_STATE,
+    KVCacheConfig,
+    LayerOwner,
+    LayerSpec,
+    Tier,
+    TierConfig,
+    dtype_name,
+)
+from kvforge.kvcache.hooks import resolve_kv_cache_manager_cls, runtime_hooks_of
+from kvforge.kvcache.hybrid import HybridCacheManager
+from kvforge.kvcache.page_table import DevicePageTable
+from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
+
+__all__ = ["Engine", "kv_cache_config"]
+
+
+def kv_cache_config(model: HybridModel, config: EngineConfig) -> KVCacheConfig:
+    """The manager's layer list: MLA layers (latent bytes per token), KDA layers (state bytes), the drafter."""
+    mc = model.config
+    dt = dtype_name(model.dtype)
+    esize = torch.empty(0, dtype=model.dtype).element_size()
+    state_bytes = 4 * mc.linear_heads * mc.linear_head_dim * mc.linear_head_dim
+    layers = []
+    for i, t in enumerate(mc.layer_types):
+        if t == "M":
+            layers.append(LayerSpec(i, FULL_ATTENTION, bytes_per_token=mc.latent_dim * esize, dtype=dt))
+        else:
+            layers.append(LayerSpec(i, RECURRENT_STATE, state_bytes=state_bytes, dtype="float32"))
+    if mc.draft_layers:
+        layers.append(
+            LayerSpec(
+                mc.num_layers, FULL_ATTENTION, bytes_per_token=mc.latent_dim * esize, dtype=dt, owner=LayerOwner.DRAFT
+            )
+        )
+    probe = KVCacheConfig(tokens_per_block=config.tokens_per_block, layers=tuple(layers))
+    pages = []
+    for g in probe.groups:
+        if g.owner is LayerOwner.DRAFT:
+            pages.append(config.draft_pages)
+        elif g.life_cycle.is_attention:
+            pages.append(config.attention_pages)
+        else:
+            pages.append(config.state_pages)
+    return KVCacheConfig(
+        tokens_per_block=config.tokens_per_block,
+        layers=tuple(layers),
+        tiers=(TierConfig(Tier.GPU, pages=tuple(pages)),),
+    )
+
+
+class Engine:
+    """A serving engine over ``model`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: HybridModel,
+        config: EngineConfig | None = None,
+        *,
+        draft_len: int = 0,
+        record_logits: bool = False,
+        sync: bool = False,
+        draft_fn: Callable[[Request, list[int]], int] | None = None,
+    ) -> None:
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"model: expected a HybridModel, got {type(model).__name__}")
+        config = config or EngineConfig()
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected an EngineConfig, got {type(config).__name__}")
+        if isinstance(draft_len, bool) or draft_len not in (0, 1):
+            raise ValueError(f"draft_len: expected 0 or 1 (one drafter layer proposes one token), got {draft_len!r}")
+        if draft_len and not model.config.draft_layers:
+            raise ValueError("draft_len: the model has no drafter layer (ModelConfig.draft_layers = 0)")
+        self.model = model
+        self.config = config
+        self.draft_len = draft_len
+        # Tests replace the drafter's proposal (e.g. by the reference's next token) to exercise acceptance.
+        self.draft_fn = draft_fn
+        self.sync = sync and model.device.type == "cuda"
+        hooks = runtime_hooks_of(model)
+        self.kv_config = kv_cache_config(model, config)
+        manager_cls = resolve_kv_cache_manager_cls(HybridCacheManager, hooks)
+        self.manager: HybridCacheManager = manager_cls(
+            self.kv_config,
+            policy=hooks.hybrid_cache,
+            snapshot_interval=config.snapshot_interval,
+            prompt_end_offsets=config.prompt_end_offsets,
+            midchunk_snapshot_alignment=config.midchunk_snapshot_alignment,
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            SchedulerConfig(
+                max_num_tokens=config.max_num_tokens,
+                max_num_requests=config.max_num_requests,
+                prefix_wait=config.prefix_wait,
+            ),
+            hooks=hooks,
+        )
+        mc = model.config
+        self.attn_group = self.kv_config.group_of_layer(mc.mla_layers[0])
+        self.state_group = self.kv_config.group_of_layer(mc.linear_layers[0])
+        self.draft_group = self.kv_config.group_of_layer(mc.num_layers) if mc.draft_layers else None
+        dev = model.device
+        self.cache = EngineCache(
+            mc,
+            config,
+            attn_group=self.attn_group,
+            state_group=self.state_group,
+            draft_group=self.draft_group,
+            device=dev,
+            dtype=model.dtype,
+        )
+        groups = [self.attn_group] + ([self.draft_group] if self.draft_group is not None else [])
+        # Suspended caches keep their rows until they close, hence more rows than running requests.
+        self.page_table = DevicePageTable(
+            self.manager, 4 * config.max_num_requests, config.max_blocks_per_request, groups=groups
+        )
+        self.upload = self.manager.state_index_upload(config.max_num_requests)
+        self._offsets = torch.empty(
+            (len(groups), config.max_num_requests, 2, config.max_blocks_per_request), dtype=torch.int32, device=dev
+        )
+        t = 1 + draft_len
+        self.stores = SlotStores.zeros(config.max_num_requests, t, t, max(1, draft_len), dev)
+        self._free_slots = list(range(config.max_num_requests - 1, -1, -1))
+        self._slot: dict[Hashable, int] = {}
+        self.runner = Runner(model, self.cache, record_logits=record_logits)
+        self.record_logits = record_logits
+        self.outputs: dict[Hashable, list[int]] = {}
+        self.logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+        self.draft_logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+        self.finished: dict[Hashable, Request] = {}
+        self.last_draft: dict[Hashable, int] = {}
+        self.timings: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.tokens = {"context": 0, "generation": 0}
+
+    # --- requests ------------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: Hashable, tokens: Sequence[int], max_new_tokens: int) -> Request:
+        """Queue a request (token mode). With reuse off it gets its own reuse scope."""
+        vocab = self.model.config.vocab_size
+        toks = list(tokens)
+        bad = [t for t in toks if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"tokens: expected ids in [0, {vocab}), got {bad[:4]}")
+        if len(toks) + max_new_tokens > self.config.max_blocks_per_request * self.config.tokens_per_block:
+            raise ValueError(
+                f"tokens: {len(toks)} + max_new_tokens {max_new_tokens} exceed max_blocks_per_request x "
+                f"tokens_per_block ({self.config.max_blocks_per_request * self.config.tokens_per_block})"
+            )
+        scope = None if self.config.reuse else ("no-reuse", request_id)
+        req = Request(request_id, tokens=toks, max_new_tokens=max_new_tokens, draft_len=self.draft_len, scope=scope)
+        self.scheduler.add_request(req)
+        return req
+
+    def _slot_of(self, rid: Hashable) -> int:
+        s = self._slot.get(rid)
+        if s is None:
+            s = self._slot[rid] = self._free_slots.pop()
+        return s
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+
+    def _tick(self, name: str, t0: float) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        self.timings[name] += t1 - t0
+        return t1
+
+    def step(self) -> tuple[Request, ...]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        t = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t = self._tick("schedule", t)
+        self.cache.execute(self.manager.take_pending_copies())
+        sched = list(batch)
+        caches = [s.request.cache for s in sched]
+        fresh = [s.request.cache.live_page(self.state_group).index for s in batch.context if s.start == 0]  # type: ignore[union-attr]
+        if fresh:
+            self.cache.zero_states(torch.tensor(fresh, device=self.model.device))
+        t = self._tick("copies", t)
+        n_rows = len(caches)
+        tables = self.page_table.materialize(caches, out=self._offsets[:, :n_rows])[:, :, 0]  # plane 0: page ids
+        idx, mask = self.manager.step_state_indices(caches)
+        self.upload.upload(idx, mask)
+        state_idx = self.upload.dev_indices[: len(caches)]
+        t = self._tick("page_table", t)
+        gen_ids = None
+        n_gen = len(batch.generation)
+        if n_gen:
+            slots = torch.tensor([self._slot_of(s.request.request_id) for s in batch.generation], dtype=torch.int32)
+            gen_ids = step_gather(self.stores, slots.to(self.stores.device), 1 + self.draft_len).input_ids.tolist()
+        t = self._tick("slots", t)
+        rows = []
+        width = 1 + self.draft_len
+        for i, s in enumerate(sched):
+            req = s.request
+            cache = req.cache
+            if i < n_gen:
+                assert gen_ids is not None
+                toks = gen_ids[i * width : i * width + s.num_tokens]
+                nxt = None
+            else:
+                seq = (*req.tokens, *req.output_tokens)  # type: ignore[misc]
+                toks = list(seq[s.start : s.start + s.num_tokens])
+                nxt = None if s.is_last_chunk else seq[s.start + s.num_tokens]
+            pending = getattr(cache, "pending_ssm_snapshot_slot", None) if s.snapshot_point is not None else None
+            rows.append(
+                Row(
+                    tokens=toks,
+                    start=s.start,
+                    gen=i < n_gen,
+                    is_last=s.is_last_chunk,
+                    state_page=idx[i],
+                    snapshot_point=s.snapshot_point if pending is not None else None,
+                    pending_page=pending,
+                    next_token=nxt,
+                )
+            )
+        t = self._tick("rows", t)
+        res, accepted = self.runner.step(rows, state_idx, tables, draft=self.draft_len > 0)
+        if self.draft_fn is not None:
+            for i, s in enumerate(sched):
+                if res.emitted[i]:
+                    res.drafts[i] = self.draft_fn(s.request, res.emitted[i])
+        t = self._tick("forward", t)
+        self._store(sched, res, accepted)
+        t = self._tick("slots", t)
+        accepted_by_id = {s.request.request_id: accepted[i] for i, s in enumerate(sched) if i < n_gen}
+        new_tokens = {s.request.request_id: res.emitted[i] for i, s in enumerate(sched)}
+        finished = self.scheduler.on_step_done(batch, accepted_tokens=accepted_by_id, new_tokens=new_tokens)
+        for req in finished:
+            self.outputs[req.request_id] = list(req.output_tokens)
+            self.finished[req.request_id] = req
+            slot = self._slot.pop(req.request_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+        self.steps += 1
+        self.tokens["context"] += batch.num_context_tokens
+        self.tokens["generation"] += sum(accepted_by_id.values())
+        self._tick("on_step_done", t)
+        return finished
+
+    def _store(self, sched, res, accepted) -> None:
+        """Emitted tokens and the next step's inputs into the slot stores; logits into the record."""
+        width = 1 + self.draft_len
+        emit_rows = [i for i, em in enumerate(res.emitted) if em]
+        if not emit_rows:
+            return
+        n = len(emit_rows)
+        d = max(1, self.draft_len)
+        # One host buffer, one copy: [new tokens | next tokens | count | drafts | slot] per row.
+        host = torch.zeros(n, 2 * width + 2 + d, dtype=torch.int32)
+        for j, i in enumerate(emit_rows):
+            em = res.emitted[i]
+            rid = sched[i].request.request_id
+            host[j, -1] = self._slot_of(rid)
+            host[j, : len(em)] = torch.tensor(em, dtype=torch.int32)
+            host[j, 2 * width] = len(em)
+            host[j, width] = em[-1]
+            if res.drafts[i] is not None:
+                self.last_draft[rid] = res.drafts[i]
+                if self.draft_len:
+                    host[j, width + 1] = res.drafts[i]
+                    host[j, 2 * width + 1] = res.drafts[i]
+            if self.record_logits:
+                self.logits[rid].append(res.logits[i])
+                if res.draft_logits[i] is not None:
+                    self.draft_logits[rid].append(res.draft_logits[i])
+        dev = host.to(self.stores.device)
+        slot_scatter(
+            self.stores,
+            dev[:, -1],
+            dev[:, :width],
+            dev[:, width : 2 * width],
+            dev[:, 2 * width],
+            dev[:, 2 * width + 1 : 2 * width + 1 + d],
+        )
+
+    def run(self, max_steps: int = 100_000) -> dict[Hashable, list[int]]:
+        """Step until every request finished; returns the outputs of all finished requests."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished:
+                return self.outputs
+            self.step()
+        raise RuntimeError(f"max_steps: {max_steps} steps did not finish every request")
+
+    def generate(self, prompts: dict[Hashable, Sequence[int]], max_new_tokens: int) -> dict[Hashable, list[int]]:
+        for rid, p in prompts.items():
+            self.add_request(rid, p, max_new_tokens)
+        self.run()
+        return {rid: self.outputs[rid] for rid in prompts}
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.state is RequestState.GENERATION)

@@ -1,0 +1,212 @@
+"""The Kimi-Linear-like hybrid model with random weights: KDA linear-attention layers, MLA layers, one drafter.
+
+Every layer is pre-norm: ``x += mixer(rms(x)); x += mlp(rms(x))`` with a SwiGLU MLP. The mixers:
+
+* **MLA** (DeepSeek style): ``q = q_b(rms(q_a(x)))`` split into ``qk_nope_dim`` + ``qk_rope_dim`` per head; the
+  latent row ``[rms(c_kv) (kv_lora_rank), rope(k_rope) (qk_rope_dim)]`` is what the cache stores per token.
+  Context form: ``kv_b`` up-projects the latent to keys (nope part, plus the shared rope part) and values.
+  Absorbed form (decode): ``q_nope`` is multiplied into the latent space by ``kv_b``'s key half, attention runs
+  over latent rows, and the value half maps the result back.
+* **KDA** (Kimi delta attention): L2-normalised q and k, per-dimension log-decay ``g``, ``beta = sigmoid``; the
+  recurrence itself is in :mod:`kvforge.engine.ops` (fla-core). No short convolution (a simplification).
+* **Drafter** (MTP style, one MLA layer): from the target's last hidden state at position p and the embedding of
+  token p + 1 it predicts token p + 2, sharing the embedding and the LM head.
+
+This module holds weights and the per-token projections; it never touches a cache. The engine
+(:mod:`kvforge.engine.runner`) and the plain reference (:mod:`kvforge.engine.reference`) both call it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.engine.config import ModelConfig
+from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks
+from kvforge.kvcache.hybrid import HybridCacheManager
+
+__all__ = ["HybridModel", "KDAWeights", "MLAWeights"]
+
+
+@dataclass
+class MLAWeights:
+    q_a: torch.Tensor
+    q_a_norm: torch.Tensor
+    q_b: torch.Tensor
+    kv_a: torch.Tensor
+    kv_a_norm: torch.Tensor
+    kv_b: torch.Tensor
+    o: torch.Tensor
+
+
+@dataclass
+class KDAWeights:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    b: torch.Tensor
+    o: torch.Tensor
+
+
+@dataclass
+class Block:
+    norm1: torch.Tensor
+    mixer: MLAWeights | KDAWeights
+    norm2: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+class HybridModel:
+    """Random weights (seeded by ``config.seed``) on ``device`` in ``dtype`` (fp32 on CPU, bf16 on a GPU)."""
+
+    runtime_hooks = RuntimeHooks(
+        kv_cache_manager_cls=HybridCacheManager,
+        hybrid_cache=HybridCachePolicy(state_index_upload_kernel=True),
+    )
+
+    def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+        self.config = c = config
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        # Drawn where they live (a CPU generator on CPU, the device's on a GPU: billions of values).
+        gen = torch.Generator(device=self.device).manual_seed(c.seed)
+        d = c.hidden_size
+
+        def w(i: int, o: int, gain: float = 1.0) -> torch.Tensor:
+            t = torch.randn(i, o, generator=gen, device=self.device) * (gain / math.sqrt(i))
+            return t.to(self.dtype)
+
+        def norm(n: int) -> torch.Tensor:
+            return (1.0 + 0.1 * torch.randn(n, generator=gen, device=self.device)).to(self.dtype)
+
+        def mla() -> MLAWeights:
+            h = c.num_heads
+            return MLAWeights(
+                q_a=w(d, c.q_lora_rank),
+                q_a_norm=norm(c.q_lora_rank),
+                q_b=w(c.q_lora_rank, h * c.qk_head_dim),
+                kv_a=w(d, c.latent_dim),
+                kv_a_norm=norm(c.kv_lora_rank),
+                kv_b=w(c.kv_lora_rank, h * (c.qk_nope_dim + c.v_head_dim)),
+                o=w(h * c.v_head_dim, d),
+            )
+
+        def kda() -> KDAWeights:
+            hk = c.linear_heads * c.linear_head_dim
+            return KDAWeights(
+                q=w(d, hk), k=w(d, hk), v=w(d, hk), g=w(d, hk), b=w(d, c.linear_heads), o=w(hk, d)
+            )  # fmt: skip
+
+        def block(kind: str) -> Block:
+            mixer = mla() if kind == "M" else kda()
+            return Block(
+                norm(d), mixer, norm(d), w(d, c.intermediate_size), w(d, c.intermediate_size), w(c.intermediate_size, d)
+            )
+
+        self.embed = torch.randn(c.vocab_size, d, generator=gen, device=self.device).to(self.dtype)
+        self.blocks = [block(t) for t in c.layer_types]
+        self.final_norm = norm(d)
+        self.lm_head = w(d, c.vocab_size, c.logit_scale)
+        self.draft_fc = w(2 * d, d) if c.draft_layers else None
+        self.draft_norms = (norm(d), norm(d)) if c.draft_layers else None
+        self.draft_block = block("M") if c.draft_layers else None
+        self.draft_final_norm = norm(d) if c.draft_layers else None
+        half = c.qk_rope_dim // 2
+        self._inv_freq = (1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))).to(self.device)
+        self.softmax_scale = 1.0 / math.sqrt(c.qk_head_dim)
+
+    # --- shared pieces ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on the last dimension (halves rotated) at integer ``positions [T]``."""
+        ang = positions.float().to(self.device)[:, None] * self._inv_freq[None, :]
+        cos, sin = ang.cos(), ang.sin()
+        if x.dim() == 3:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+    def mlp(self, blk: Block, x: torch.Tensor) -> torch.Tensor:
+        h = self.rms(x, blk.norm2)
+        return (F.silu(h @ blk.gate) * (h @ blk.up)) @ blk.down
+
+    # --- MLA ---------------------------------------------------------------------------------------------------
+
+    def mla_project(self, m: MLAWeights, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``[T, H, qk_head_dim]`` (rope applied) and latent cache rows ``[T, latent_dim]``."""
+        c = self.config
+        q = (self.rms(h @ m.q_a, m.q_a_norm) @ m.q_b).view(-1, c.num_heads, c.qk_head_dim)
+        q = torch.cat([q[..., : c.qk_nope_dim], self.rope(q[..., c.qk_nope_dim :], positions)], -1)
+        kv = h @ m.kv_a
+        latent = torch.cat(
+            [self.rms(kv[:, : c.kv_lora_rank], m.kv_a_norm), self.rope(kv[:, c.kv_lora_rank :], positions)], -1
+        )
+        return q, latent
+
+    def mla_up(self, m: MLAWeights, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context form: latent rows ``[T, latent_dim]`` -> keys ``[T, H, qk_head_dim]``, values ``[T, H, v]``."""
+        c = self.config
+        kv = (latent[:, : c.kv_lora_rank] @ m.kv_b).view(-1, c.num_heads, c.qk_nope_dim + c.v_head_dim)
+        k_rope = latent[:, None, c.kv_lora_rank :].expand(-1, c.num_heads, c.qk_rope_dim)
+        return torch.cat([kv[..., : c.qk_nope_dim], k_rope], -1), kv[..., c.qk_nope_dim :]
+
+    def mla_absorb(self, m: MLAWeights, q: torch.Tensor) -> torch.Tensor:
+        """Absorbed queries ``[T, H, latent_dim]``: ``q_nope`` moved into the latent space, rope part kept."""
+        c = self.config
+        wk = m.kv_b.view(c.kv_lora_rank, c.num_heads, c.qk_nope_dim + c.v_head_dim)[..., : c.qk_nope_dim]
+        q_lat = torch.einsum("thn,lhn->thl", q[..., : c.qk_nope_dim].float(), wk.float())
+        return torch.cat([q_lat, q[..., c.qk_nope_dim :].float()], -1).to(q.dtype)
+
+    def mla_unabsorb(self, m: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
+        """Latent attention output ``[T, H, kv_lora_rank]`` -> per-head values ``[T, H, v_head_dim]``."""
+        c = self.config
+        wv = m.kv_b.view(c.kv_lora_rank, c.num_heads, c.qk_nope_dim + c.v_head_dim)[..., c.qk_nope_dim :]
+        return torch.einsum("thl,lhv->thv", o_lat.float(), wv.float()).to(o_lat.dtype)
+
+    def mla_out(self, m: MLAWeights, o: torch.Tensor) -> torch.Tensor:
+        return o.reshape(o.shape[0], -1).to(self.dtype) @ m.o
+
+    # --- KDA ---------------------------------------------------------------------------------------------------
+
+    def kda_project(self, m: KDAWeights, h: torch.Tensor):
+        """``q, k [T, HL, dk]`` (L2-normalised), ``v [T, HL, dv]``, ``g [T, HL, dk]`` (log decay), ``beta [T, HL]``."""
+        c = self.config
+        shape = (-1, c.linear_heads, c.linear_head_dim)
+        q = F.normalize((h @ m.q).float().view(shape), dim=-1).to(h.dtype)
+        k = F.normalize((h @ m.k).float().view(shape), dim=-1).to(h.dtype)
+        v = (h @ m.v).view(shape)
+        g = -F.softplus((h @ m.g).float().view(shape) - 2.0)
+        beta = torch.sigmoid((h @ m.b).float())
+        return q, k, v, g, beta
+
+    def kda_out(self, m: KDAWeights, o: torch.Tensor) -> torch.Tensor:
+        return o.reshape(o.shape[0], -1).to(self.dtype) @ m.o
+
+    # --- heads -------------------------------------------------------------------------------------------------
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.rms(hidden, self.final_norm) @ self.lm_head).float()
+
+    def draft_input(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's input at position p: its hidden state and the embedding of token p + 1."""
+        assert self.draft_norms is not None and self.draft_fc is not None
+        e = self.rms(self.embed[next_ids], self.draft_norms[0])
+        h = self.rms(hidden, self.draft_norms[1])
+        return torch.cat([h, e], -1) @ self.draft_fc
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.draft_final_norm is not None
+        return (self.rms(hidden, self.draft_final_norm) @ self.lm_head).float()

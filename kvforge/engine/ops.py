@@ -1,0 +1,153 @@
+"""The engine's numeric building blocks that are not plain projections: decode attention and the KDA recurrence.
+
+* :func:`decode_attention` is the one switch point for absorbed-MLA paged decode: ``q [B, H, latent]`` against
+  the latent cache ``kv_cache [num_pages, page_size, latent]`` addressed by ``block_table [B, max_pages]`` int32
+  and ``seq_lens [B]`` int32, returning ``[B, H, v_head_dim]`` with values the first ``v_head_dim`` latent
+  columns. :func:`mla_decode_attention_torch` is the engine-local torch path with the signature of
+  ``kvforge.kernels.mla_decode.mla_decode_attention``; switching to that kernel is the assignment in
+  :func:`decode_attention`.
+* :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
+  and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
+  reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
+  token (speculative verification keeps the state after the last accepted token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["decode_attention", "kda_segments", "kda_tokens", "mla_decode_attention_torch"]
+
+
+def mla_decode_attention_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    v_head_dim: int = 512,
+) -> torch.Tensor:
+    """Absorbed MLA over a paged latent cache in plain torch (fp32 math), one query row per batch row.
+
+    Row b attends to tokens ``0 .. seq_lens[b] - 1`` of its pages ``block_table[b]``; keys are whole latent
+    rows, values their first ``v_head_dim`` columns. Returns ``[B, H, v_head_dim]`` in ``q``'s dtype.
+    """
+    if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != kv_cache.shape[2]:
+        raise ValueError(
+            f"q/kv_cache: expected q [B, H, D] and kv_cache [pages, page_size, D], got {list(q.shape)} and "
+            f"{list(kv_cache.shape)}"
+        )
+    b = q.shape[0]
+    if block_table.shape[0] < b or seq_lens.shape[0] < b:
+        raise ValueError(f"block_table/seq_lens: expected {b} rows, got {block_table.shape[0]} / {seq_lens.shape[0]}")
+    if b == 0:
+        return q.new_empty((0, q.shape[1], v_head_dim))
+    ps = kv_cache.shape[1]
+    lens = seq_lens[:b].long()
+    max_len = int(lens.max())
+    pos = torch.arange(max_len, device=q.device)
+    pages = block_table[:b, pos // ps].long()  # [B, L]
+    flat = kv_cache.reshape(-1, kv_cache.shape[2])
+    kv = flat[pages * ps + pos % ps].float()  # [B, L, D]
+    scores = torch.einsum("bhd,bld->bhl", q.float(), kv) * softmax_scale
+    scores = scores.masked_fill((pos[None, :] >= lens[:, None])[:, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhl,bld->bhd", p, kv[..., :v_head_dim]).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """The engine's decode attention (see the module docstring). The Triton kernel replaces the torch path here:
+    ``from kvforge.kernels.mla_decode import mla_decode_attention`` and call it with the same arguments."""
+    return mla_decode_attention_torch(
+        q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, v_head_dim=v_head_dim
+    )
+
+
+def _use_fla_kernels(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def kda_segments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_states: torch.Tensor,
+    cu_seqlens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA over segments ``cu_seqlens`` of the flat ``[T, H, ...]`` inputs, segment i starting from
+    ``initial_states[i]`` (fp32 ``[N, H, K, V]``). Returns (``o [T, H, V]`` in v's dtype, final states fp32)."""
+    n = len(cu_seqlens) - 1
+    if initial_states.shape[0] != n:
+        raise ValueError(f"initial_states: expected {n} states (one per segment), got {initial_states.shape[0]}")
+    if _use_fla_kernels(q):
+        from fla.ops.kda import chunk_kda  # type: ignore[import-untyped]
+
+        cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
+        o, final = chunk_kda(
+            q[None],
+            k[None],
+            v[None],
+            g[None].float(),
+            beta[None].float(),
+            initial_state=initial_states.float(),
+            output_final_state=True,
+            cu_seqlens=cu,
+        )
+        return o[0], final.float()
+    from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]
+
+    outs, finals = [], []
+    for i in range(n):
+        a, b = cu_seqlens[i], cu_seqlens[i + 1]
+        o, s = naive_recurrent_kda(
+            q[None, a:b],
+            k[None, a:b],
+            v[None, a:b],
+            g[None, a:b],
+            beta[None, a:b],
+            initial_state=initial_states[i : i + 1].float(),
+            output_final_state=True,
+        )
+        outs.append(o[0])
+        finals.append(s[0])
+    return torch.cat(outs, 0), torch.stack(finals, 0)
+
+
+def kda_tokens(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``N`` rows of ``T`` tokens (inputs ``[N, T, H, ...]``) from ``states [N, H, K, V]``: returns
+    (``o [N, T, H, V]``, ``states_after [T, N, H, K, V]``, the state after each token)."""
+    t_len = q.shape[1]
+    outs, after = [], []
+    s = states.float()
+    for t in range(t_len):
+        sl = slice(t, t + 1)
+        if _use_fla_kernels(q):
+            from fla.ops.kda import fused_recurrent_kda  # type: ignore[import-untyped]
+
+            o, s = fused_recurrent_kda(
+                q[:, sl], k[:, sl], v[:, sl], g[:, sl].float(), beta[:, sl].float(),
+                initial_state=s, output_final_state=True,
+            )  # fmt: skip
+        else:
+            from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]
+
+            o, s = naive_recurrent_kda(
+                q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=s, output_final_state=True
+            )
+        s = s.float().clone()  # a kernel may write its final state in place: keep each token's state apart
+        outs.append(o)
+        after.append(s)
+    return torch.cat(outs, 1), torch.stack(after, 0)

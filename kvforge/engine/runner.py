@@ -1,0 +1,327 @@
+"""One forward step of the hybrid model over the engine's paged cache: prefill / extend / decode / verify rows.
+
+A step is a list of :class:`Row` (generation rows first, then context rows, as the scheduler orders them).
+Its tokens are laid out flat in that order. Per layer:
+
+* **MLA**: the new tokens' latent rows are written into their pages first. Context rows then gather their
+  whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
+  up-project it to K/V, quantise both to FP8 (``quantize_fp8``, V straight into the dim-major layout) and run
+  ``mla_context_attention`` over all context rows at once. Generation rows (one token, or 1 + draft tokens when
+  verifying) run absorbed-MLA decode (:func:`kvforge.engine.ops.decode_attention`), one query row per token
+  with ``seq_len = start + t + 1``.
+* **KDA**: each row starts from its live state page (indices uploaded by ``StateIndexUpload``). A context row
+  that passes a snapshot point mid-step is split there: the state at the point is written into the cache's
+  pending snapshot page, then the rest runs from it. A verifying generation row keeps the state after every
+  token until the accepted count is known (:meth:`Runner.accept`).
+
+The drafter (one MLA layer) runs after acceptance over the accepted positions of every row, writing its own
+latent pages, and proposes the next draft token from the last one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.engine.cache import EngineCache
+from kvforge.engine.model import HybridModel, MLAWeights
+from kvforge.engine.ops import decode_attention, kda_segments, kda_tokens
+from kvforge.kernels.mla_context import mla_context_attention
+from kvforge.kernels.quantize_fp8 import quantize_fp8
+
+__all__ = ["Row", "Runner", "StepResult"]
+
+
+@dataclass
+class Row:
+    """One request's part of a step. ``tokens``: its input ids; ``gen``: a generation row; ``snapshot_point`` and
+    ``pending_page``: the mid-step snapshot (both or neither)."""
+
+    tokens: list[int]
+    start: int
+    gen: bool
+    is_last: bool
+    state_page: int
+    snapshot_point: int | None = None
+    pending_page: int | None = None
+    next_token: int | None = None  # context row that is not the last chunk: the prompt token after it
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class StepResult:
+    """Per row: emitted tokens (empty for a non-final context chunk), the logits rows that chose them (when
+    recorded), and the new draft token (None without a drafter)."""
+
+    emitted: list[list[int]] = field(default_factory=list)
+    logits: list[torch.Tensor | None] = field(default_factory=list)
+    drafts: list[int | None] = field(default_factory=list)
+    draft_logits: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class _Layout:
+    """Token layout of one pass (target or drafter) over the rows, for one page pool.
+
+    Index tensors are built on the host in one go and moved with one copy; page lookups are one device gather
+    from the pass's block table ``table [rows, max_blocks]`` (per-row device ops cost a launch each)."""
+
+    def __init__(self, rows: list[Row], counts: list[int], table: torch.Tensor, tpb: int, device: torch.device):
+        starts = torch.tensor([r.start for r in rows], dtype=torch.long)
+        n = torch.tensor(counts, dtype=torch.long)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), n)
+        first = torch.cumsum(n, 0) - n
+        pos = starts[row_of] + torch.arange(int(n.sum())) - first[row_of]
+        gen = torch.tensor([r.gen for r in rows], dtype=torch.bool)
+        self.num_gen_tokens = int(n[gen].sum())
+        ctx_rows = [i for i, r in enumerate(rows) if not r.gen]
+        kv_len = (starts + n)[ctx_rows] if ctx_rows else torch.zeros(0, dtype=torch.long)
+        kv_row = torch.repeat_interleave(torch.tensor(ctx_rows, dtype=torch.long), kv_len)
+        kv_first = torch.cumsum(kv_len, 0) - kv_len
+        kv_pos = torch.arange(int(kv_len.sum())) - torch.repeat_interleave(kv_first, kv_len)
+        host = torch.cat([row_of, pos, kv_row, kv_pos])
+        dev = host.to(device, non_blocking=False)
+        t, k = len(pos), len(kv_pos)
+        row_d, pos_d = dev[:t], dev[t : 2 * t]
+        self.positions = pos_d
+        self.write_rows = table[row_d, pos_d // tpb].long() * tpb + pos_d % tpb
+        if k:
+            kr, kp = dev[2 * t : 2 * t + k], dev[2 * t + k :]
+            self.ctx_kv_rows: torch.Tensor | None = table[kr, kp // tpb].long() * tpb + kp % tpb
+        else:
+            self.ctx_kv_rows = None
+        g = self.num_gen_tokens
+        self.gen_table = table[row_d[:g]] if g else None
+        self.gen_lens = (pos_d[:g] + 1).to(torch.int32) if g else None
+        cu_q = [0]
+        cu_kv = [0]
+        for i in ctx_rows:
+            cu_q.append(cu_q[-1] + counts[i])
+            cu_kv.append(cu_kv[-1] + rows[i].start + counts[i])
+        self.cu_q = torch.tensor(cu_q, dtype=torch.int32)
+        self.cu_kv = torch.tensor(cu_kv, dtype=torch.int32)
+
+
+class Runner:
+    """Runs steps of ``model`` over ``cache`` (see the module docstring)."""
+
+    def __init__(self, model: HybridModel, cache: EngineCache, *, record_logits: bool = False) -> None:
+        self.model = model
+        self.cache = cache
+        self.record_logits = record_logits
+        mc = model.config
+        self.kv_scale_orig_quant = float(mc.kv_scale_orig_quant)
+        # The context kernel takes bf16/fp16 queries; the interpreter's fp16 keeps more of the fp32 model's bits.
+        self.q_dtype = torch.bfloat16 if model.device.type == "cuda" else torch.float16
+        self._pending_states: dict[int, torch.Tensor] = {}
+
+    # --- attention -----------------------------------------------------------------------------------------------
+
+    def _mla(self, m: MLAWeights, h: torch.Tensor, pool: torch.Tensor, lay: _Layout) -> torch.Tensor:
+        model, mc = self.model, self.model.config
+        q, latent = model.mla_project(m, h, lay.positions)
+        EngineCache.write(pool, lay.write_rows, latent)
+        out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
+        g = lay.num_gen_tokens
+        if g:
+            assert lay.gen_table is not None and lay.gen_lens is not None
+            q_abs = model.mla_absorb(m, q[:g])
+            o_lat = decode_attention(
+                q_abs,
+                pool,
+                lay.gen_table,
+                lay.gen_lens,
+                softmax_scale=model.softmax_scale,
+                v_head_dim=mc.kv_lora_rank,
+            )
+            out[:g] = model.mla_unabsorb(m, o_lat)
+        if lay.ctx_kv_rows is not None:
+            k, v = model.mla_up(m, EngineCache.read(pool, lay.ctx_kv_rows).to(model.dtype))
+            s = self.kv_scale_orig_quant
+            k8 = quantize_fp8(k.contiguous(), s)
+            t = v.shape[0]
+            cap = -(-t // 16) * 16  # dim-major V rows padded to 16 bytes (the kernel's tensor descriptors)
+            v_buf = torch.empty(mc.num_heads, mc.v_head_dim, cap, device=v.device, dtype=k8.dtype)
+            v8 = quantize_fp8(v.contiguous(), s, v_buf[:, :, :t], transpose_tokens=True)
+            o = mla_context_attention(  # returns the output alone (return_lse is off)
+                q[g:].to(self.q_dtype).contiguous(),
+                k8,
+                v8,
+                lay.cu_q,
+                lay.cu_kv,
+                kv_scale_quant_orig=1.0 / s,
+                softmax_scale=model.softmax_scale,
+                v_layout="dim_major",
+            )
+            assert isinstance(o, torch.Tensor)
+            out[g:] = o.to(model.dtype)
+        return model.mla_out(m, out)
+
+    # --- recurrence ----------------------------------------------------------------------------------------------
+
+    def _kda(self, layer_id: int, m, h: torch.Tensor, rows: list[Row], state_idx: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        pool = self.cache.state[layer_id]
+        q, k, v, g, beta = model.kda_project(m, h)
+        out = torch.empty_like(v)
+        off = 0
+        gen = [i for i, r in enumerate(rows) if r.gen]
+        if gen:
+            n = rows[gen[0]].n
+            if any(rows[i].n != n for i in gen):
+                raise ValueError("rows: generation rows of one step must have the same token count")
+            ng = len(gen) * n
+            idx = state_idx[: len(gen)].long()
+
+            def shaped(x: torch.Tensor) -> torch.Tensor:
+                return x[:ng].reshape(len(gen), n, *x.shape[1:])
+
+            o, after = kda_tokens(shaped(q), shaped(k), shaped(v), shaped(g), shaped(beta), pool[idx])
+            out[:ng] = o.reshape(ng, *o.shape[2:]).to(out.dtype)
+            if n == 1:
+                pool[idx] = after[0]
+            else:
+                self._pending_states[layer_id] = after
+            off = ng
+        ctx = [i for i, r in enumerate(rows) if not r.gen]
+        if ctx:
+            idx = state_idx[ctx[0] : ctx[-1] + 1].long()
+            # Segment A runs to the snapshot point (or the end); segment B from the point, for rows that have one.
+            a_tok, b_tok, cu_a, cu_b, split = [], [], [0], [0], []
+            for j, i in enumerate(ctx):
+                r = rows[i]
+                cut = r.n if r.snapshot_point is None else r.snapshot_point - r.start
+                a_tok.append(torch.arange(off, off + cut))
+                cu_a.append(cu_a[-1] + cut)
+                if cut < r.n:
+                    b_tok.append(torch.arange(off + cut, off + r.n))
+                    cu_b.append(cu_b[-1] + r.n - cut)
+                    split.append(j)
+                off += r.n
+            ta = torch.cat(a_tok).to(h.device)
+            o_a, fin = kda_segments(q[ta], k[ta], v[ta], g[ta], beta[ta], pool[idx], cu_a)
+            out[ta] = o_a.to(out.dtype)
+            if split:
+                pend = torch.tensor([rows[ctx[j]].pending_page for j in split], device=h.device)
+                pool[pend] = fin[split]
+                tb = torch.cat(b_tok).to(h.device)
+                o_b, fin_b = kda_segments(q[tb], k[tb], v[tb], g[tb], beta[tb], fin[split], cu_b)
+                out[tb] = o_b.to(out.dtype)
+                fin[split] = fin_b
+            pool[idx] = fin
+        return model.kda_out(m, out)
+
+    # --- a step --------------------------------------------------------------------------------------------------
+
+    def forward(self, rows: list[Row], state_idx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The target model over the rows' tokens; returns the final hidden states ``[T, D]`` (pre-norm).
+        ``tables [pools, rows, max_blocks]``: page index per block (pool 0: target latent, 1: drafter latent)."""
+        model = self.model
+        dev = model.device
+        ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
+        lay = _Layout(rows, [r.n for r in rows], tables[0], self.cache.tokens_per_block, dev)
+        self._pending_states = {}
+        x = model.embed[ids]
+        for i, blk in enumerate(model.blocks):
+            h = model.rms(x, blk.norm1)
+            if isinstance(blk.mixer, MLAWeights):
+                x = x + self._mla(blk.mixer, h, self.cache.latent[i], lay)
+            else:
+                x = x + self._kda(i, blk.mixer, h, rows, state_idx)
+            x = x + model.mlp(blk, x)
+        return x
+
+    def step(
+        self, rows: list[Row], state_idx: torch.Tensor, tables: torch.Tensor, *, draft: bool
+    ) -> tuple[StepResult, list[int]]:
+        """Forward, greedy choice with draft verification, state selection and the drafter; returns the result
+        and the accepted token count per row (0 for a context row that emits nothing)."""
+        model = self.model
+        hidden = self.forward(rows, state_idx, tables)
+        res = StepResult()
+        # Logits: every token of a generation row, the last token of a final context chunk.
+        want: list[int] = []
+        off = 0
+        for r in rows:
+            if r.gen:
+                want.extend(range(off, off + r.n))
+            elif r.is_last:
+                want.append(off + r.n - 1)
+            off += r.n
+        logits = model.logits(hidden[want]) if want else None
+        best = logits.argmax(-1).tolist() if logits is not None else []
+        accepted, j, off = [], 0, 0
+        for r in rows:
+            if r.gen:
+                a = 1
+                while a < r.n and r.tokens[a] == best[j + a - 1]:
+                    a += 1
+                res.emitted.append(best[j : j + a])
+                res.logits.append(logits[j : j + a].cpu() if self.record_logits else None)  # type: ignore[index]
+                j += r.n
+            elif r.is_last:
+                a = 1
+                res.emitted.append([best[j]])
+                res.logits.append(logits[j : j + 1].cpu() if self.record_logits else None)  # type: ignore[index]
+                j += 1
+            else:
+                a = 0
+                res.emitted.append([])
+                res.logits.append(None)
+            accepted.append(a)
+        if self._pending_states:
+            gen = [i for i, r in enumerate(rows) if r.gen]
+            sel = torch.tensor([accepted[i] - 1 for i in gen], device=model.device)
+            idx = state_idx[: len(gen)].long()
+            for layer_id, after in self._pending_states.items():
+                self.cache.state[layer_id][idx] = after[sel, torch.arange(len(gen), device=model.device)]
+            self._pending_states = {}
+        if draft and model.draft_block is not None:
+            self._draft(rows, hidden, accepted, res, tables[1])
+        else:
+            res.drafts = [None] * len(rows)
+            res.draft_logits = [None] * len(rows)
+        return res, accepted
+
+    def _draft(
+        self, rows: list[Row], hidden: torch.Tensor, accepted: list[int], res: StepResult, table: torch.Tensor
+    ) -> None:
+        """The drafter over each row's accepted positions (a context row: all of its tokens)."""
+        model = self.model
+        blk = model.draft_block
+        assert blk is not None and isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
+        sel: list[int] = []
+        nxt: list[int] = []
+        counts: list[int] = []
+        off = 0
+        for r, a, em in zip(rows, accepted, res.emitted):
+            if r.gen:
+                cnt = a
+                nexts = em[:a]
+            else:
+                cnt = r.n
+                tail = em[0] if r.is_last else r.next_token
+                assert tail is not None
+                nexts = [*r.tokens[1:], tail]
+            sel.extend(range(off, off + cnt))
+            nxt.extend(nexts)
+            counts.append(cnt)
+            off += r.n
+        dev = model.device
+        x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
+        lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
+        x = x + self._mla(blk.mixer, model.rms(x, blk.norm1), self.cache.draft_latent, lay)
+        x = x + model.mlp(blk, x)
+        last, off = [], 0
+        for c in counts:
+            off += c
+            last.append(off - 1)
+        dl = model.draft_logits(x[torch.tensor(last, device=dev)])
+        best = dl.argmax(-1).tolist()
+        for i, r in enumerate(rows):
+            emits = r.gen or r.is_last
+            res.drafts.append(best[i] if emits else None)
+            res.draft_logits.append(dl[i].cpu() if (self.record_logits and emits) else None)

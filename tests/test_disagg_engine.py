@@ -1,0 +1,121 @@
+"""Disaggregation from the engine's cache: a context engine and a generation engine in two gloo processes.
+
+Rank 0 prefills two prompts (``max_new_tokens=1``), builds each ``RequestKV`` from its manager's pages and sends
+the MLA latent pages, the drafter's latent pages and the KDA states (live state and the snapshots at the shared
+snapshot points) with ``KVSender``. Rank 1 receives them with ``KVReceiver`` into a fresh cache, commits the
+prompt (snapshots from the staging rows) and continues decoding with the drafter; its greedy outputs must equal
+those of a single engine that serves the same prompts alone. Rank 1 then checks that a later prompt sharing
+the first one's prefix reuses the transferred snapshots (its logits against the plain forward pass).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvforge.disagg.launch import run_world
+
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+NEW_TOKENS = 6
+
+
+def _prompts() -> dict[int, list[int]]:
+    rng = random.Random(21)
+    return {1: [rng.randrange(256) for _ in range(45)], 2: [rng.randrange(256) for _ in range(38)]}
+
+
+def _config():
+    from kvforge.engine import EngineConfig
+
+    return EngineConfig(snapshot_interval=16)
+
+
+def disagg_world(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from kvforge.disagg.transceiver import KVReceiver, KVSender
+    from kvforge.disagg.transport import TorchDistTransport
+    from kvforge.engine import Engine, HybridModel, reference_logits, tiny
+    from kvforge.engine.disagg import (
+        engine_layers,
+        engine_rank_info,
+        export_request,
+        finish_receive,
+        prepare_receive,
+    )
+
+    transport = TorchDistTransport()
+    model = HybridModel(tiny())
+    prompts = _prompts()
+    out: dict = {}
+    if rank == 0:
+        eng = Engine(model, _config(), draft_len=1)
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, 1)
+        eng.run()
+        sender = KVSender(transport, engine_rank_info(eng, "ctx", 0), engine_layers(eng), timeout_s=60)
+        sender.connect("gen", [1])
+        handoffs, caches = [], []
+        for rid, p in prompts.items():
+            kv, handoff, cache = export_request(eng, rid, p)
+            sender.send(rid, kv, "gen")
+            handoffs.append(handoff)
+            caches.append(cache)
+        objs = [handoffs]
+        dist.broadcast_object_list(objs, src=0)
+        st = sender.wait()
+        for c in caches:
+            c.close()
+        out["sent"] = sorted(st.completed)
+        out["failed"] = st.failed
+        out["state_pages"] = [len(h.snapshot_points) + 1 for h in handoffs]
+    else:
+        gen = Engine(model, _config(), draft_len=1, record_logits=True)
+        receiver = KVReceiver(transport, engine_rank_info(gen, "gen", 1), engine_layers(gen), timeout_s=60)
+        receiver.connect("ctx", [0])
+        objs = [None]
+        dist.broadcast_object_list(objs, src=0)
+        handoffs = objs[0]
+        caches = {}
+        for h in handoffs:
+            kv, cache = prepare_receive(gen, h)
+            receiver.request(h.request_id, kv, "ctx")
+            caches[h.request_id] = cache
+        st = receiver.check_status(blocking=True)
+        out["received"] = sorted(st.completed)
+        for h in handoffs:
+            finish_receive(gen, h, caches[h.request_id], NEW_TOKENS)
+        gen.run()
+        out["disagg"] = {rid: gen.outputs[rid] for rid in prompts}
+        out["snapshots"] = gen.manager.counters.snapshots
+        # A later prompt reusing the transferred snapshot at 32 tokens: its logits against the reference.
+        later = [*prompts[1][:40], 7, 7, 7]
+        gen.add_request(9, later, 2)
+        gen.run()
+        ref, _ = reference_logits(model, [*later, *gen.outputs[9]])
+        import torch
+
+        rows = torch.cat(gen.logits[9])
+        out["later_err"] = float((rows - ref[len(later) - 1 : len(later) - 1 + rows.shape[0]]).abs().max())
+        out["reused_tokens"] = gen.manager.stats.reused_tokens
+        single = Engine(model, _config(), draft_len=1)
+        out["single"] = single.generate(dict(prompts), NEW_TOKENS)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(280)
+def test_context_to_generation_engine_over_gloo() -> None:
+    results = run_world(disagg_world, 2, timeout_s=260, env_overrides=CPU_ONLY)
+    for r in results:
+        assert r.reported, f"rank {r.rank}: exit {r.exitcode}\n{r.error}"
+    ctx, gen = results[0].value, results[1].value
+    assert ctx["failed"] == {} and ctx["sent"] == [1, 2]
+    assert gen["received"] == [1, 2]
+    assert all(n >= 2 for n in ctx["state_pages"]), ctx["state_pages"]  # live state + at least one snapshot
+    assert gen["disagg"] == gen["single"], (gen["disagg"], gen["single"])
+    assert all(len(v) == NEW_TOKENS for v in gen["disagg"].values())
+    assert gen["snapshots"] >= 2
+    assert gen["reused_tokens"] >= 32
+    assert gen["later_err"] <= 0.3
