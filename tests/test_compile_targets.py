@@ -77,6 +77,16 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
          "I64": False, "BLOCK_R": 32, "BLOCK_T": 4, "BLOCK_K": 4},
         2,
     ),
+    "_mla_decode_split_kernel": (
+        "mla_decode",
+        {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf16", "bt_ptr": "*i32",
+         "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32",
+         **{n: "i32" for n in ("H", "tiles_per_split", "s_qb", "s_qh", "s_kp", "s_kr", "s_btb", "s_pob", "s_poh",
+                               "s_pos", "s_plb", "s_plh")}, "sm_scale_log2": "fp32"},
+        {"PAGE_SIZE": 64, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": 16, "BLOCK_N": 32, "SPLIT_DV": False,
+         "USE_TMA": False, "PRECISION": "tf32"},
+        4,
+    ),
     "_mla_work_table_kernel": (
         "mla_context",
         {"CuQ": "*i32", "CuKV": "*i32", "Work": "*i32",
