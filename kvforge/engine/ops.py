@@ -3,9 +3,8 @@
 * :func:`decode_attention` is the one switch point for absorbed-MLA paged decode: ``q [B, H, latent]`` against
   the latent cache ``kv_cache [num_pages, page_size, latent]`` addressed by ``block_table [B, max_pages]`` int32
   and ``seq_lens [B]`` int32, returning ``[B, H, v_head_dim]`` with values the first ``v_head_dim`` latent
-  columns. :func:`mla_decode_attention_torch` is the engine-local torch path with the signature of
-  ``kvforge.kernels.mla_decode.mla_decode_attention``; switching to that kernel is the assignment in
-  :func:`decode_attention`.
+  columns. It runs the Triton kernel ``kvforge.kernels.mla_decode.mla_decode_attention``;
+  :func:`mla_decode_attention_torch` is an engine-local torch path with the same signature, kept for tests.
 * :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
   and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
   reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
@@ -65,10 +64,18 @@ def decode_attention(
     softmax_scale: float,
     v_head_dim: int,
 ) -> torch.Tensor:
-    """The engine's decode attention (see the module docstring). The Triton kernel replaces the torch path here:
-    ``from kvforge.kernels.mla_decode import mla_decode_attention`` and call it with the same arguments."""
-    return mla_decode_attention_torch(
-        q, kv_cache, block_table, seq_lens, softmax_scale=softmax_scale, v_head_dim=v_head_dim
+    """The engine's decode attention (see the module docstring): the Triton kernel. The engine built the block
+    table and lengths itself, so the kernel's value check (a device-to-host read) is skipped."""
+    from kvforge.kernels.mla_decode import mla_decode_attention
+
+    return mla_decode_attention(
+        q.contiguous(),
+        kv_cache,
+        block_table.contiguous(),
+        seq_lens.contiguous(),
+        softmax_scale=softmax_scale,
+        v_head_dim=v_head_dim,
+        check_values=False,
     )
 
 
