@@ -10,9 +10,16 @@ import sys
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    import kvforge.kernels  # noqa: F401  (turns on the interpreter when there is no GPU)
-    from kvforge.kernels._runtime import interpreting, kernel_device
-    from kvforge.kernels._selfcheck import format_table, run_all
+    try:
+        import kvforge.kernels  # noqa: F401  (turns on the interpreter when there is no GPU)
+        from kvforge.kernels._runtime import interpreting, kernel_device
+        from kvforge.kernels._selfcheck import format_table, run_all
+    except ImportError as exc:  # the light install: no torch / Triton
+        print(
+            f"kvforge selfcheck: error: the kernels need torch and Triton ({exc}); pip install 'kvforge[kernels]'",
+            file=sys.stderr,
+        )
+        return 2
 
     device = kernel_device()
     mode = "Triton interpreter (CPU)" if interpreting() else f"GPU {device}"

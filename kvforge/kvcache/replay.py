@@ -89,9 +89,10 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
     """Read a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids per 512 tokens),
     skipping blank lines and stopping after ``limit`` requests, in file order.
 
-    Strict: integers are JSON integers (not ``true``, not ``2.0``), ``hash_ids`` are non-negative and below
-    2**64, and every line is UTF-8 JSON. Raises ``FileNotFoundError`` or ``IsADirectoryError`` naming the path,
-    or ``TraceFormatError`` naming the file and line (``path:line: ...``); never another exception for bad bytes.
+    Strict: integers are JSON integers (not ``true``, not ``2.0``), ``hash_ids`` are non-negative, below 2**64
+    and at least one per full block of ``input_length``, and every line is UTF-8 JSON. Raises
+    ``FileNotFoundError`` or ``IsADirectoryError`` naming the path, or ``TraceFormatError`` naming the file and
+    line (``path:line: ...``); never another exception for bad bytes.
     """
     path = Path(path)
     if path.is_dir():
@@ -144,6 +145,11 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
                 raise TraceFormatError(
                     f"{path}:{lineno}: expected numeric timestamp, positive integer "
                     "input_length/output_length and a list of integer hash_ids in [0, 2**64)"
+                )
+            if len(ids) < n_in // TRACE_TOKENS_PER_BLOCK:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: expected at least {n_in // TRACE_TOKENS_PER_BLOCK} hash_ids (one per "
+                    f"{TRACE_TOKENS_PER_BLOCK}-token block of input_length {n_in}), got {len(ids)}"
                 )
             out.append(TraceRequest(ts, n_in, n_out, tuple(ids)))
     return out
