@@ -102,6 +102,8 @@ def test_numeric_option_out_of_range_or_not_a_number(flag: str, value: str, caps
         (["--model", "{zero_layers}"], ["argument --model:", "mla_layers"]),
         (["--model", "{huge_model}"], ["argument --model:", "layers"]),
         (["--model", "{huge_state}"], ["argument --cache-gib:", "cannot hold"]),
+        (["--model", "{deep_json}"], ["argument --model:", "nested too deeply"]),
+        (["--model", "{latin1_json}"], ["argument --model:"]),
         (["--exact-demotion"], ["argument --exact-demotion:", "--demote"]),
         (["--exact-demotion=1"], ["argument --exact-demotion:"]),
         (["--no-progress=yes"], ["argument --no-progress:"]),
@@ -129,6 +131,8 @@ def test_other_options_bad_values(tmp_path: Path, capsys, argv: list[str], needl
     (tmp_path / "huge.json").write_text('{"mla_layers": 100000000}')
     (tmp_path / "state.json").write_text('{"recurrent_state_bytes": 1000000000000000}')
     (tmp_path / "o" / "summary.csv").mkdir(parents=True)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "latin1.json").write_bytes(b'{"name": "caf\xe9"}')
     subs = {
         "{dir}": tmp_path / "d",
         "{file}": tmp_path / "f",
@@ -138,6 +142,8 @@ def test_other_options_bad_values(tmp_path: Path, capsys, argv: list[str], needl
         "{zero_layers}": tmp_path / "zero.json",
         "{huge_model}": tmp_path / "huge.json",
         "{huge_state}": tmp_path / "state.json",
+        "{deep_json}": tmp_path / "deep.json",
+        "{latin1_json}": tmp_path / "latin1.json",
         "{absent}": tmp_path / "absent.jsonl",
         "{out_with_dir}": tmp_path / "o",
     }
@@ -332,6 +338,9 @@ def test_trace_paths_that_are_not_files(tmp_path: Path):
         load_trace(tmp_path / "absent.jsonl")
     with pytest.raises(TraceFormatError, match="no requests"):
         load_mooncake_trace(_trace(tmp_path, ["", "   "]))
+    if Path("/dev/zero").exists():
+        with pytest.raises(TraceFormatError, match="not a regular file"):
+            load_trace("/dev/zero")  # would never end
 
 
 def test_mooncake_without_a_trace_names_the_variable(monkeypatch, capsys):

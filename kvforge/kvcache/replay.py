@@ -98,6 +98,8 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
     if path.is_dir():
         raise IsADirectoryError(f"trace: {path} is a folder, expected a JSONL file")
     if not path.is_file():
+        if path.exists():  # a device, a FIFO: reading one could block or never end
+            raise TraceFormatError(f"trace: {path} is not a regular file")
         raise FileNotFoundError(f"trace: no such file: {path}")
     out: list[TraceRequest] = []
 

@@ -295,6 +295,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(args.model)
     except ValueError as exc:
         raise _arg("--model", str(exc).removeprefix("--model").lstrip(": ")) from None
+    except RecursionError:
+        raise _arg("--model", f"{args.model}: JSON nested too deeply") from None
     usable = snapshot_policies(model)
     if args.snapshot_policy:
         snaps = args.snapshot_policy
