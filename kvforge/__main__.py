@@ -1,11 +1,6 @@
-"""``python -m kvforge`` / ``kvforge``: command-line entry point.
+"""``python -m kvforge`` / ``kvforge``: command-line entry point (``simulate`` is the default subcommand).
 
-Subcommands:
-  simulate    (the default) trace-driven serving simulator: router -> schedulers -> cache managers, in simulated
-              time; with no arguments it runs the embedded synthetic workload (see ``kvforge simulate --help``)
-  selfcheck   run every kernel against its reference on this machine (the Triton interpreter without a GPU)
-  router      the conversation router as an OpenAI-compatible HTTP proxy in front of a fleet of engines
-              (see ``kvforge router --help``)
+The parser's texts are plain text (``DESCRIPTION``), since ``--help`` prints them as they are.
 """
 
 from __future__ import annotations
@@ -15,9 +10,16 @@ import sys
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    import kvforge.kernels  # noqa: F401  (turns on the interpreter when there is no GPU)
-    from kvforge.kernels._runtime import interpreting, kernel_device
-    from kvforge.kernels._selfcheck import format_table, run_all
+    try:
+        import kvforge.kernels  # noqa: F401  (turns on the interpreter when there is no GPU)
+        from kvforge.kernels._runtime import interpreting, kernel_device
+        from kvforge.kernels._selfcheck import format_table, run_all
+    except ImportError as exc:  # the light install: no torch / Triton
+        print(
+            f"kvforge selfcheck: error: the kernels need torch and Triton ({exc}); pip install 'kvforge[kernels]'",
+            file=sys.stderr,
+        )
+        return 2
 
     device = kernel_device()
     mode = "Triton interpreter (CPU)" if interpreting() else f"GPU {device}"
@@ -46,6 +48,30 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+DESCRIPTION = """kvforge: kernels, KV caches, schedulers and routers for hybrid-attention LLM serving.
+
+subcommands:
+  simulate    (the default) trace-driven serving simulator: router -> schedulers -> cache managers, in
+              simulated time; with no arguments it runs the embedded synthetic workload
+              (see: kvforge simulate --help)
+  selfcheck   run every kernel against its reference on this machine (the Triton interpreter without a GPU)
+  router      the conversation router as an OpenAI-compatible HTTP proxy in front of a fleet of engines
+              (see: kvforge router --help)
+"""
+
+
+def _version() -> str:
+    """The installed distribution's version, else the source tree's."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("kvforge")
+    except PackageNotFoundError:
+        from kvforge import __version__
+
+        return __version__
+
+
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line on stderr and exit status 2 (no usage dump, no traceback)."""
 
@@ -55,18 +81,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvforge.sim.cli import DESCRIPTION as SIM_DESCRIPTION
     from kvforge.sim.cli import add_arguments
 
-    parser = _Parser(prog="kvforge", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = _Parser(prog="kvforge", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvforge {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    p = sub.add_parser("simulate", help="trace-driven serving simulator (the default command)")
+    p = sub.add_parser(
+        "simulate", help="trace-driven serving simulator (the default command)", description=SIM_DESCRIPTION
+    )
     add_arguments(p)
     p.set_defaults(func=_simulate)
-    p = sub.add_parser("selfcheck", help="check every kernel against its reference")
+    p = sub.add_parser(
+        "selfcheck",
+        help="check every kernel against its reference",
+        description="Run every kernel against its plain-torch reference on this machine and print a table.",
+    )
     p.set_defaults(func=_selfcheck)
     _add_router(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         # No subcommand: the main job, simulate, with whatever options were given.
         argv = ["simulate", *argv]
     args = parser.parse_args(argv)

@@ -40,8 +40,8 @@ def test_simulate_subprocess_prints_the_summary_and_writes_out_files(tmp_path: P
         summary = list(csv.DictReader(f))
     assert [r["policy"] for r in summary] == ["conversation", "round-robin"]
     for r in summary:
-        assert int(r["requests"]) > 0 and 0.0 <= float(r["hit_rate"]) <= 1.0
-        assert float(r["ttft_p99"]) >= float(r["ttft_p50"]) > 0
+        assert int(r["requests"]) > 0 and 0.0 <= float(r["hit_rate_fraction"]) <= 1.0
+        assert float(r["ttft_p99_s"]) >= float(r["ttft_p50_s"]) > 0
     with (out / "load.csv").open() as f:
         load = list(csv.DictReader(f))
     assert {r["server"] for r in load} == {"0", "1"}

@@ -1,7 +1,10 @@
 """Run every kernel against its reference on whatever is present and report a table.
 
 Each kernel module may define ``selfcheck(device) -> list[CheckRow]``; modules are discovered, not listed, so
-adding an op adds its rows.
+adding an op adds its rows. Each row's error is in its own unit, which the table prints beside it
+(``timed_check(..., unit=...)``): ``abs`` (the largest absolute difference from the reference), ``x tol``
+(the largest error in multiples of the tolerance; 1 is the pass line), or a count (``mismatched entries``,
+``mismatched bytes``, ``failed comparisons``) where the op must be exact.
 """
 
 from __future__ import annotations
@@ -25,20 +28,28 @@ class CheckRow:
     passed: bool
     ms: float
     note: str = ""
+    unit: str = "abs"
 
 
 def timed_check(
-    op: str, device: torch.device, shapes: str, fn: Callable[[], tuple[float, bool]], note: str = ""
+    op: str,
+    device: torch.device,
+    shapes: str,
+    fn: Callable[[], tuple[float, bool]],
+    note: str = "",
+    *,
+    unit: str = "abs",
 ) -> CheckRow:
-    """Run ``fn`` (returns (max_err, passed)) and time it; an exception is a failed row, not a crash."""
+    """Run ``fn`` (returns (max_err, passed), the error in ``unit``) and time it; an exception is a failed row,
+    not a crash."""
     t0 = time.perf_counter()
     try:
         err, ok = fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # the table must show every op even when one breaks
-        return CheckRow(op, str(device), shapes, float("nan"), False, 0.0, f"{type(exc).__name__}: {exc}")
-    return CheckRow(op, str(device), shapes, err, ok, (time.perf_counter() - t0) * 1e3, note)
+        return CheckRow(op, str(device), shapes, float("nan"), False, 0.0, f"{type(exc).__name__}: {exc}", unit)
+    return CheckRow(op, str(device), shapes, err, ok, (time.perf_counter() - t0) * 1e3, note, unit)
 
 
 def run_all(device: torch.device | None = None) -> list[CheckRow]:
@@ -58,14 +69,14 @@ def run_all(device: torch.device | None = None) -> list[CheckRow]:
             rows.extend(check(device))
         except Exception as exc:
             traceback.print_exc()
-            rows.append(CheckRow(info.name, str(device), "-", float("nan"), False, 0.0, repr(exc)))
+            rows.append(CheckRow(info.name, str(device), "-", float("nan"), False, 0.0, repr(exc), "-"))
     return rows
 
 
 def format_table(rows: list[CheckRow]) -> str:
-    head = ("op", "device", "shapes", "max err", "result", "ms", "note")
+    head = ("op", "device", "shapes", "max err", "err unit", "result", "ms", "note")
     body = [
-        (r.op, r.device, r.shapes, f"{r.max_err:.3g}", "PASS" if r.passed else "FAIL", f"{r.ms:.1f}", r.note)
+        (r.op, r.device, r.shapes, f"{r.max_err:.3g}", r.unit, "PASS" if r.passed else "FAIL", f"{r.ms:.1f}", r.note)
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]

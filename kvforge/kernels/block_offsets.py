@@ -461,4 +461,4 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
 
     where = "pinned host" if device.type == "cuda" else "host"
     shapes = f"table[{pools},{rows},2,{blocks}] ({where}) -> out[{pools},{n_seq}+2,2,{blocks}]"
-    return [timed_check("copy_block_offsets", device, shapes, run, note="err: count of mismatched entries")]
+    return [timed_check("copy_block_offsets", device, shapes, run, unit="mismatched entries")]

@@ -598,7 +598,7 @@ def selfcheck(device: torch.device) -> list:
             return (0.0 if ok else 1.0), ok
 
         shapes = f"L={n_bf16}+1 pages={pages} tpb={tpb} elems={elems} blocks={n_blocks}" + (" heads" if heads else "")
-        return timed_check("kv_pack", device, shapes, run, note="byte-exact pack+unpack")
+        return timed_check("kv_pack", device, shapes, run, note="byte-exact pack+unpack", unit="failed comparisons")
 
     small = device.type != "cuda"
     if small:

@@ -392,7 +392,7 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
 
         return [
             timed_check(
-                "copy_small_pinned_pair", device, "512 int32 + 509 bool (pinned)", run, note="err: wrong elements"
+                "copy_small_pinned_pair", device, "512 int32 + 509 bool (pinned)", run, unit="mismatched entries"
             )
         ]
 
@@ -410,8 +410,15 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
         return float(bad), bad == 0
 
     return [
-        timed_check("copy_small_pinned_pair", device, "512 int32 + 509 bool", fallback, note="no pinned memory: False"),
         timed_check(
-            "copy_small_pinned_pair (kernel)", device, "512 int32 + 509 bool", kernel, note="err: wrong elements"
+            "copy_small_pinned_pair",
+            device,
+            "512 int32 + 509 bool",
+            fallback,
+            note="no pinned memory: False",
+            unit="failed comparisons",
+        ),
+        timed_check(
+            "copy_small_pinned_pair (kernel)", device, "512 int32 + 509 bool", kernel, unit="mismatched entries"
         ),
     ]

@@ -228,6 +228,6 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
 
     shapes = "x[37,3,96][...,32:] bf16"
     return [
-        timed_check("quantize_fp8", device, shapes, plain, note="err: count of mismatched bytes"),
-        timed_check("quantize_fp8 (token-major)", device, shapes, token_major, note="err: count of mismatched bytes"),
+        timed_check("quantize_fp8", device, shapes, plain, unit="mismatched bytes"),
+        timed_check("quantize_fp8 (token-major)", device, shapes, token_major, unit="mismatched bytes"),
     ]

@@ -813,6 +813,6 @@ def selfcheck(device: torch.device) -> list[CheckRow]:
 
     shapes = f"{n} of {slots} slots, T={t}, stores W=8"
     return [
-        timed_check("slot_scatter", device, shapes, scatter, note="err: count of mismatched entries"),
-        timed_check("step_gather", device, shapes, gather, note="err: count of mismatched entries"),
+        timed_check("slot_scatter", device, shapes, scatter, unit="mismatched entries"),
+        timed_check("step_gather", device, shapes, gather, unit="mismatched entries"),
     ]

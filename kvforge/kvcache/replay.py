@@ -87,22 +87,45 @@ def find_trace() -> Path | None:
 
 def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids per 512 tokens),
-    skipping blank lines and stopping after ``limit`` requests. Raises ``FileNotFoundError`` or
-    ``TraceFormatError`` naming the line."""
+    skipping blank lines and stopping after ``limit`` requests, in file order.
+
+    Strict: integers are JSON integers (not ``true``, not ``2.0``), ``hash_ids`` are non-negative, below 2**64
+    and at least one per full block of ``input_length``, and every line is UTF-8 JSON. Raises
+    ``FileNotFoundError`` or ``IsADirectoryError`` naming the path, or ``TraceFormatError`` naming the file and
+    line (``path:line: ...``); never another exception for bad bytes.
+    """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"trace: {path} is a folder, expected a JSONL file")
     if not path.is_file():
+        if path.exists():  # a device, a FIFO: reading one could block or never end
+            raise TraceFormatError(f"trace: {path} is not a regular file")
         raise FileNotFoundError(f"trace: no such file: {path}")
     out: list[TraceRequest] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+
+    def is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and len(out) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                ) from None
+            if not line.strip():
+                continue
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TraceFormatError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+            except RecursionError:
+                raise TraceFormatError(f"{path}:{lineno}: JSON nested too deeply") from None
+            except ValueError as exc:  # e.g. an integer of more than 4,300 digits
+                raise TraceFormatError(f"{path}:{lineno}: not a usable JSON value ({exc})") from None
             if not isinstance(d, dict):
                 raise TraceFormatError(f"{path}:{lineno}: expected a JSON object")
             try:
@@ -113,17 +136,22 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
                 isinstance(ts, (int, float))
                 and not isinstance(ts, bool)
                 and math.isfinite(ts)
-                and isinstance(n_in, int)
+                and is_int(n_in)
                 and n_in >= 1
-                and isinstance(n_out, int)
+                and is_int(n_out)
                 and n_out >= 1
                 and isinstance(ids, list)
-                and all(isinstance(h, int) for h in ids)
+                and all(is_int(h) and 0 <= h < 1 << 64 for h in ids)
             )
             if not ok:
                 raise TraceFormatError(
                     f"{path}:{lineno}: expected numeric timestamp, positive integer "
-                    "input_length/output_length and a list of integer hash_ids"
+                    "input_length/output_length and a list of integer hash_ids in [0, 2**64)"
+                )
+            if len(ids) < n_in // TRACE_TOKENS_PER_BLOCK:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: expected at least {n_in // TRACE_TOKENS_PER_BLOCK} hash_ids (one per "
+                    f"{TRACE_TOKENS_PER_BLOCK}-token block of input_length {n_in}), got {len(ids)}"
                 )
             out.append(TraceRequest(ts, n_in, n_out, tuple(ids)))
     return out

@@ -7,11 +7,12 @@ and step-time model in :mod:`kvforge.sim.model`; tables, CSV and PNG in :mod:`kv
 """
 
 from kvforge.sim.model import KIMI_K3_LIKE, ModelSpec, StepTimeModel, Throughputs, load_model
-from kvforge.sim.simulator import ROUTER_POLICIES, RunResult, SimConfig, SimulationError, simulate
+from kvforge.sim.simulator import ROUTER_POLICIES, RunResult, SimConfig, SimulationError, percentile, simulate
 from kvforge.sim.workload import (
     SimRequest,
     SyntheticWorkload,
     TraceFormatError,
+    TraceOrderWarning,
     default_trace_path,
     load_mooncake_trace,
 )
@@ -28,8 +29,10 @@ __all__ = [
     "SyntheticWorkload",
     "Throughputs",
     "TraceFormatError",
+    "TraceOrderWarning",
     "default_trace_path",
     "load_model",
     "load_mooncake_trace",
+    "percentile",
     "simulate",
 ]

@@ -1,20 +1,33 @@
 """``kvforge simulate``: replay a workload through the real router, schedulers and cache managers.
 
 With no arguments it runs the embedded default: a seeded synthetic multi-turn workload on a small fleet,
-comparing three router policies. Bad input ends with one ``kvforge simulate: error: ...`` line on stderr and
-exit status 2, never a traceback.
+comparing four router policies. Every option is checked before anything is simulated (ranges in
+:data:`LIMITS`; ``--out`` must be a folder that can be written); bad input ends with one
+``kvforge simulate: error: argument --x: ...`` line on stderr and exit status 2, never a traceback. Progress
+bars show only when stderr is a terminal (``--no-progress`` turns them off there too). A trace out of time
+order is sorted (stable) with a one-line warning.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from kvforge.sim.model import KIMI_K3_LIKE, Throughputs, load_model
+from kvforge.sim.model import (
+    FALLBACK_ATTENTION_TFLOPS,
+    FALLBACK_HBM_GBPS,
+    FALLBACK_MATMUL_TFLOPS,
+    KIMI_K3_LIKE,
+    Throughputs,
+    load_model,
+)
 from kvforge.sim.report import PlotUnavailableError, format_summary, write_csv, write_load_csv, write_plots
 from kvforge.sim.server import SNAPSHOT_POLICIES, snapshot_policies
 from kvforge.sim.simulator import ROUTER_POLICIES, SimConfig, SimulationError, simulate
@@ -23,15 +36,36 @@ from kvforge.sim.workload import (
     SimRequest,
     SyntheticWorkload,
     TraceFormatError,
+    TraceOrderWarning,
     default_trace_path,
     describe,
     load_mooncake_trace,
 )
 
-__all__ = ["DEFAULT_POLICIES", "add_arguments", "main", "run"]
+__all__ = ["DEFAULT_POLICIES", "LIMITS", "OUT_FILES", "add_arguments", "main", "run", "run_safely"]
 
 DEFAULT_POLICIES = "conversation,conversation-events,cache-aware,round-robin"
+OUT_FILES = ("summary.csv", "load.csv", "policies.png", "load.png")
 
+# Inclusive ranges of the numeric options, checked when the command line is parsed (before any allocation):
+# each upper bound keeps a typo from turning into minutes of work or a MemoryError.
+LIMITS: dict[str, tuple[float, float]] = {
+    "--limit": (1, 10**9),
+    "--conversations": (1, 100_000),
+    "--seed": (0, 2**63 - 1),
+    "--speedup": (1e-3, 1e6),
+    "--servers": (1, 1024),
+    "--cache-gib": (1e-3, 16384),
+    "--state-fraction": (1e-3, 0.999),
+    "--demote": (0, 2**31 - 1),
+    "--max-num-tokens": (1, 1 << 20),
+    "--decode-quantum": (1, 1024),
+    "--gpus-per-server": (1, 1024),
+    "--matmul-tflops": (1e-3, 1e6),
+    "--attention-tflops": (1e-3, 1e6),
+    "--hbm-gbps": (1e-3, 1e7),
+    "--efficiency": (1e-3, 1.0),
+}
 
 LEGEND = """
   hit        prompt tokens reused from the server's cache when the request was first admitted
@@ -51,116 +85,191 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0 or v != v or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
+def _bounded(flag: str, integer: bool) -> Callable[[str], float]:
+    """An argparse type: a number (an integer when ``integer``) within ``LIMITS[flag]``; argparse names the flag."""
+    lo, hi = LIMITS[flag]
+    what = "an integer" if integer else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            v: float = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} in [{lo:g}, {hi:g}], got {text!r}") from None
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise argparse.ArgumentTypeError(f"expected {what} in [{lo:g}, {hi:g}], got {text!r}")
+        return v
+
+    parse.__name__ = "integer" if integer else "number"
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
+def _policies(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        if text.strip() == "all":
+            return list(allowed)
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected at least one policy of {', '.join(allowed)}")
+        for n in names:
+            if n not in allowed:
+                raise argparse.ArgumentTypeError(f"unknown policy {n!r}; expected one of {', '.join(allowed)}")
+        return list(dict.fromkeys(names))
 
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
+    parse.__name__ = "policy list"
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvforge simulate`` (shared by ``python -m kvforge`` and :func:`main`)."""
+    i, f = (lambda flag: _bounded(flag, True)), (lambda flag: _bounded(flag, False))
     w = p.add_argument_group("workload")
     w.add_argument(
         "--trace",
         metavar="PATH",
-        help="Mooncake-format JSONL trace ('mooncake': the shared conversation trace); default: synthetic",
+        help="Mooncake-format JSONL trace, or 'mooncake' for $KVFORGE_TRACE / shared/data "
+        "(default: the synthetic workload)",
     )
-    w.add_argument("--limit", type=_positive_int, metavar="N", help="replay only the first N requests")
-    w.add_argument("--conversations", type=_positive_int, default=None, help="synthetic conversations (default 400)")
-    w.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default 0)")
+    w.add_argument("--limit", type=i("--limit"), metavar="N", help="replay only the first N requests")
+    w.add_argument(
+        "--conversations", type=i("--conversations"), default=None, metavar="N", help="synthetic conversations (400)"
+    )
+    w.add_argument("--seed", type=i("--seed"), default=0, help="synthetic workload seed (0)")
     w.add_argument(
         "--speedup",
-        type=_positive_float,
+        type=f("--speedup"),
         default=1.0,
-        help="divide every arrival time by this (load the fleet harder; default 1)",
+        metavar="X",
+        help="divide every arrival time by X to load the fleet harder (1)",
     )
-    f = p.add_argument_group("fleet")
-    f.add_argument("--servers", type=_positive_int, default=None, help="servers (default 4; 8 with --trace)")
-    f.add_argument(
+    g = p.add_argument_group("fleet")
+    g.add_argument("--servers", type=i("--servers"), default=None, metavar="N", help="servers (4; 8 with --trace)")
+    g.add_argument(
         "--router",
-        default=DEFAULT_POLICIES,
+        type=_policies(list(ROUTER_POLICIES)),
+        default=DEFAULT_POLICIES.split(","),
         metavar="POLICY[,POLICY...]",
-        help=f"router policies to compare, or 'all' (default {DEFAULT_POLICIES}); one of: {', '.join(ROUTER_POLICIES)}",
+        help=f"router policies to compare, or 'all' ({DEFAULT_POLICIES}); one of: {', '.join(ROUTER_POLICIES)}",
     )
-    f.add_argument("--cache-gib", type=_positive_float, default=None, help="KV cache GiB per server (default 64)")
-    f.add_argument(
+    g.add_argument("--cache-gib", type=f("--cache-gib"), default=None, metavar="GIB", help="KV cache per server (64)")
+    g.add_argument(
         "--state-fraction",
-        type=float,
+        type=f("--state-fraction"),
         default=0.5,
-        help="share of the cache for recurrent states: live + snapshots (default 0.5)",
+        metavar="F",
+        help="share of the cache for recurrent states: live + snapshots (0.5)",
     )
-    f.add_argument("--model", default=KIMI_K3_LIKE.name, help="'kimi-k3-like' (default) or a JSON file of fields")
-    f.add_argument(
+    g.add_argument(
+        "--model", default=KIMI_K3_LIKE.name, help="'kimi-k3-like' (the default) or a JSON file of model fields"
+    )
+    g.add_argument(
         "--snapshot-policy",
+        type=_policies(list(SNAPSHOT_POLICIES)),
         default=None,
         metavar="POLICY[,POLICY...]",
         help=f"recurrent snapshot eviction policies to compare, or 'all': {', '.join(SNAPSHOT_POLICIES)} "
-        "(default cost-aware; none for an attention-only model)",
+        "(cost-aware; none for an attention-only model)",
     )
     s = p.add_argument_group("scheduler")
     s.add_argument(
-        "--demote", type=_count, default=0, metavar="TOKENS", help="long-context demotion threshold (0: off)"
+        "--demote", type=i("--demote"), default=0, metavar="TOKENS", help="long-context demotion threshold (0: off)"
     )
     s.add_argument("--exact-demotion", action="store_true", help="judge demotion by the exact prefix probe")
-    s.add_argument("--max-num-tokens", type=_positive_int, default=8192, help="token budget per real step (8192)")
+    s.add_argument(
+        "--max-num-tokens",
+        type=i("--max-num-tokens"),
+        default=8192,
+        metavar="N",
+        help="token budget per real step (8192); at least 1 + the drafter's draft tokens",
+    )
     s.add_argument(
         "--decode-quantum",
-        type=_positive_int,
+        type=i("--decode-quantum"),
         default=None,
-        help="at most this many real decode steps per simulated step (default 8); 1 = unaggregated",
+        metavar="N",
+        help="at most N real decode steps per simulated step (8); 1 = unaggregated",
     )
-    t = p.add_argument_group("step-time model (defaults: H200 figures from bench/results)")
-    t.add_argument("--gpus-per-server", type=_positive_int, default=8)
-    t.add_argument("--matmul-tflops", type=_positive_float, default=None)
-    t.add_argument("--attention-tflops", type=_positive_float, default=None)
-    t.add_argument("--hbm-gbps", type=_positive_float, default=None)
-    t.add_argument("--efficiency", type=_positive_float, default=1.0, help="fraction of the peaks reached (1.0)")
+    t = p.add_argument_group("step-time model (defaults: the H200 figures in bench/results)")
+    t.add_argument(
+        "--gpus-per-server",
+        type=i("--gpus-per-server"),
+        default=8,
+        metavar="N",
+        help="GPUs per server; a step's work is divided over them (8)",
+    )
+    t.add_argument(
+        "--matmul-tflops",
+        type=f("--matmul-tflops"),
+        default=None,
+        metavar="X",
+        help=f"per-GPU matmul TFLOP/s (bench/results/mla_context.csv's FP8 matmul; {FALLBACK_MATMUL_TFLOPS:g} "
+        "without the file)",
+    )
+    t.add_argument(
+        "--attention-tflops",
+        type=f("--attention-tflops"),
+        default=None,
+        metavar="X",
+        help="per-GPU MLA attention TFLOP/s (median of mla_context.csv's kvforge fp8 rows; "
+        f"{FALLBACK_ATTENTION_TFLOPS:g} without the file)",
+    )
+    t.add_argument(
+        "--hbm-gbps",
+        type=f("--hbm-gbps"),
+        default=None,
+        metavar="X",
+        help=f"per-GPU memory GB/s (small_copies.csv's device copy; {FALLBACK_HBM_GBPS:g} without the file)",
+    )
+    t.add_argument(
+        "--efficiency", type=f("--efficiency"), default=1.0, metavar="F", help="fraction of those peaks reached (1)"
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, metavar="DIR", help="write summary.csv, load.csv, policies.png, load.png")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--out", type=Path, metavar="DIR", help=f"write {', '.join(OUT_FILES)} into DIR")
+    o.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (they show only when stderr is a terminal)"
+    )
 
 
-def _names(option: str, text: str, allowed: Sequence[str]) -> list[str]:
-    if text.strip() == "all":
-        return list(allowed)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise SimulationError(f"{option}: expected at least one policy")
-    for n in names:
-        if n not in allowed:
-            raise SimulationError(f"{option}: unknown policy {n!r}; expected one of {', '.join(allowed)}")
-    return list(dict.fromkeys(names))
+def _arg(flag: str, message: str) -> SimulationError:
+    return SimulationError(f"argument {flag}: {message}")
+
+
+def check_out_dir(out: Path) -> None:
+    """Raise :class:`SimulationError` unless ``out`` is (or can become) a writable folder whose output files
+    can be written: not a file, not under a file, no output name taken by a folder."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise _arg("--out", f"{p} exists and is not a folder")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise _arg("--out", f"{p}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise _arg("--out", f"{p}: {probe} is not writable")
+    for name in OUT_FILES:
+        q = p / name
+        if q.exists() and (q.is_dir() or not os.access(q, os.W_OK)):
+            raise _arg("--out", f"{q} exists and cannot be overwritten ({'a folder' if q.is_dir() else 'read-only'})")
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[SimRequest], str, int]:
     if args.trace:
         path = default_trace_path() if args.trace == "mooncake" else Path(args.trace)
         if path is None:
-            raise FileNotFoundError("--trace mooncake: the shared trace was not found (set KVFORGE_TRACE)")
-        reqs = load_mooncake_trace(path, limit=args.limit)
+            raise _arg(
+                "--trace",
+                "'mooncake': no trace found; set KVFORGE_TRACE to a Mooncake-format JSONL file (see the README)",
+            )
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", TraceOrderWarning)
+                reqs = load_mooncake_trace(path, limit=args.limit)
+        except (OSError, TraceFormatError) as exc:
+            raise _arg("--trace", str(exc).removeprefix("trace: ")) from None
+        for wrn in caught:
+            print(f"kvforge simulate: warning: {wrn.message}", file=sys.stderr)
         label = f"trace {path.name}"
         tpb = MOONCAKE_BLOCK_TOKENS
     else:
@@ -177,22 +286,29 @@ def _workload(args: argparse.Namespace) -> tuple[list[SimRequest], str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``kvforge simulate`` on parsed arguments; every check that needs no simulation runs first."""
     t_start = time.perf_counter()
-    policies = _names("--router", args.router, list(ROUTER_POLICIES))
-    model = load_model(args.model)
+    if args.out is not None:
+        check_out_dir(args.out)
+    policies = args.router
+    try:
+        model = load_model(args.model)
+    except ValueError as exc:
+        raise _arg("--model", str(exc).removeprefix("--model").lstrip(": ")) from None
+    except RecursionError:
+        raise _arg("--model", f"{args.model}: JSON nested too deeply") from None
     usable = snapshot_policies(model)
     if args.snapshot_policy:
-        snaps = _names("--snapshot-policy", args.snapshot_policy, list(SNAPSHOT_POLICIES))
+        snaps = args.snapshot_policy
         bad = [n for n in snaps if n not in usable]
         if bad:
             why = "an attention-only model" if not model.is_hybrid else "this installation (no hybrid manager)"
-            raise SimulationError(
-                f"--snapshot-policy: {', '.join(bad)} not available for {why}; use {', '.join(usable)}"
-            )
+            raise _arg("--snapshot-policy", f"{', '.join(bad)} not available for {why}; use {', '.join(usable)}")
     else:
         snaps = [usable[0]]
     snap = ",".join(snaps)
-    reqs, label, tpb = _workload(args)
+    if args.exact_demotion and not args.demote:
+        raise _arg("--exact-demotion", "needs a demotion threshold (--demote TOKENS)")
     tp = Throughputs.from_bench_results(
         matmul_tflops=args.matmul_tflops,
         attention_tflops=args.attention_tflops,
@@ -201,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
     )
     trace = bool(args.trace)
+    tpb = MOONCAKE_BLOCK_TOKENS if trace else SyntheticWorkload.tokens_per_block
     cfg = SimConfig(
         servers=args.servers or (8 if trace else 4),
         model=model,
@@ -214,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         demote_uncached_tokens=args.demote,
         exact_demotion=args.exact_demotion,
     )
+    reqs, label, tpb = _workload(args)
     st = describe(reqs)
     span = reqs[-1].arrival_s - reqs[0].arrival_s
     kinds = ", ".join(f"{v} {k}" for k, v in sorted(st.kinds.items()))
@@ -245,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
             reqs,
             replace(cfg, snapshot_policy=sp),
             pol,
-            progress=not args.no_progress,
+            progress=not args.no_progress and sys.stderr.isatty(),
             desc=f"[{i + 1}/{len(runs)}] {name}",
         )
         results.append(res)
@@ -259,12 +377,14 @@ def run(args: argparse.Namespace) -> int:
             "model": model.name,
             "servers": cfg.servers,
             "cache_gib": cfg.cache_gib,
-            "snapshot_policy": snap,
             "demote_uncached_tokens": cfg.demote_uncached_tokens,
             "exact_demotion": cfg.exact_demotion,
             "decode_quantum": cfg.decode_quantum,
         }
-        written = [write_csv(results, out / "summary.csv", extra), write_load_csv(results, out / "load.csv")]
+        try:
+            written = [write_csv(results, out / "summary.csv", extra), write_load_csv(results, out / "load.csv")]
+        except OSError as exc:  # checked before the run, so only a change since then (or a full disk) lands here
+            raise _arg("--out", str(exc)) from None
         try:
             written += write_plots(results, out, f"kvforge simulate: {label}, {cfg.servers} servers")
         except PlotUnavailableError as exc:
@@ -275,17 +395,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="kvforge simulate", description=__doc__.split("\n\n")[0])
+    """``kvforge simulate`` on its own (``python -m kvforge.sim.cli``); :mod:`kvforge.__main__` is the usual door."""
+    p = _Parser(prog="kvforge simulate", description=DESCRIPTION)
     add_arguments(p)
     args = p.parse_args(argv)
     return run_safely(args)
+
+
+DESCRIPTION = (
+    "Replay a workload through the real router, schedulers and cache managers in simulated time and compare "
+    "policies. With no options: the embedded seeded synthetic workload on 4 servers, four router policies."
+)
 
 
 def run_safely(args: argparse.Namespace) -> int:
     """:func:`run`, with every input error reported as one line and exit status 2."""
     try:
         return run(args)
-    except (SimulationError, TraceFormatError, FileNotFoundError, ValueError, PlotUnavailableError) as exc:
+    except (SimulationError, TraceFormatError, PlotUnavailableError, OSError, ValueError) as exc:
         print(f"kvforge simulate: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,7 +1,11 @@
 """Reporting a simulation: the summary table, the CSV rows and the PNG plots.
 
 matplotlib is optional (the ``bench``/``notebooks`` extras): :func:`write_plots` imports it lazily and raises
-:class:`PlotUnavailableError` with an install hint when it is missing.
+:class:`PlotUnavailableError` with an install hint when it is missing. It draws on ``matplotlib.figure.Figure``
+objects, never through pyplot, so calling it from a notebook leaves the notebook's inline backend alone.
+
+CSV columns carry their units (``ttft_p50_s``, ``itl_p99_ms``, ``hit_rate_fraction``, ...); ``load.csv`` names
+each run by the same two columns as ``summary.csv`` (``policy``, ``snapshot_policy``).
 """
 
 from __future__ import annotations
@@ -103,38 +107,37 @@ def write_csv(results: Sequence[RunResult], path: Path, extra: dict[str, Any] | 
 
 
 def write_load_csv(results: Sequence[RunResult], path: Path) -> Path:
-    """Unfinished requests per server over simulated time, long format (policy, t_s, server, requests)."""
+    """Unfinished requests per server over simulated time, long format
+    (policy, snapshot_policy, t_s, server, unfinished_requests)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["policy", "t_s", "server", "unfinished_requests"])
+        w.writerow(["policy", "snapshot_policy", "t_s", "server", "unfinished_requests"])
         for r in results:
             for t, loads in zip(r.load_times, r.load_series):
                 for s, v in enumerate(loads):
-                    w.writerow([label(r, results), f"{t:.3f}", s, v])
+                    w.writerow([r.policy, r.snapshot_policy, f"{t:.6g}", s, v])
     return path
 
 
-def _pyplot() -> Any:
+def _figure_class() -> Any:
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise PlotUnavailableError(
             "matplotlib is not installed: pip install 'kvforge[bench]' (or matplotlib) to write the PNG plots"
         ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure
 
 
 def write_plots(results: Sequence[RunResult], out_dir: Path, title: str) -> list[Path]:
     """``policies.png`` (hit rate, TTFT and ITL per policy) and ``load.png`` (per-server load over time)."""
-    plt = _pyplot()
+    Figure = _figure_class()
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [label(r, results) for r in results]
     xs = range(len(results))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    fig = Figure(figsize=(14, 4.2))
+    axes = fig.subplots(1, 3)
     axes[0].bar(xs, [100 * r.hit_rate for r in results], color="tab:green")
     axes[0].set_title("prefix-hit rate (% of prompt tokens)", fontsize=9)
     w = 0.38
@@ -153,9 +156,9 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, title: str) -> list
     fig.tight_layout()
     p1 = out_dir / "policies.png"
     fig.savefig(p1, dpi=110)
-    plt.close(fig)
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.2 * len(results) + 0.6), sharex=True, squeeze=False)
+    fig = Figure(figsize=(10, 2.2 * len(results) + 0.6))
+    axes = fig.subplots(len(results), 1, sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], results):
         if r.load_series:
             n = len(r.load_series[0])
@@ -170,5 +173,4 @@ def write_plots(results: Sequence[RunResult], out_dir: Path, title: str) -> list
     fig.tight_layout()
     p2 = out_dir / "load.png"
     fig.savefig(p2, dpi=110)
-    plt.close(fig)
     return [p1, p2]

@@ -21,6 +21,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvforge.errors import SchedulerDeadlockError
 from kvforge.kvcache.config import LifeCycleKind
 from kvforge.routing import (
@@ -37,7 +39,26 @@ from kvforge.sim.model import KIMI_K3_LIKE, ModelSpec, StepTimeModel, Throughput
 from kvforge.sim.server import GiB, SimServer, make_cache_manager, plan_cache_layout, snapshot_policies
 from kvforge.sim.workload import SimRequest
 
-__all__ = ["ROUTER_POLICIES", "RunResult", "SimConfig", "SimulationError", "make_router", "simulate"]
+__all__ = [
+    "MAX_MODEL_LAYERS",
+    "MAX_SIMULATED_S",
+    "MAX_TOTAL_PAGES",
+    "ROUTER_POLICIES",
+    "RunResult",
+    "SimConfig",
+    "SimulationError",
+    "make_router",
+    "percentile",
+    "simulate",
+]
+
+# Page bookkeeping costs ~140 bytes of host memory per page (measured on the default layout), so 2**24 pages over
+# the whole fleet is ~2.4 GB: beyond that a typo (--servers 100000, --cache-gib 1e6) would end in MemoryError.
+MAX_TOTAL_PAGES = 1 << 24
+# Layers are materialised one LayerSpec each (kv_layers), so a model of 10**8 layers would hang before any check.
+MAX_MODEL_LAYERS = 4096
+# About 31.7 years of simulated time: a step-time model whose steps reach it is broken input, not a workload.
+MAX_SIMULATED_S = 1e9
 
 ROUTER_POLICIES: dict[str, str] = {
     "conversation": "ConversationRouter: sticky sessions, prefix trie, 'specific' follow mode (the default)",
@@ -103,6 +124,12 @@ class SimConfig:
             raise SimulationError(f"--servers: expected an int >= 1, got {self.servers!r}")
         if not isinstance(self.model, ModelSpec):
             raise TypeError(f"model: expected a ModelSpec, got {type(self.model).__name__}")
+        layers = self.model.mla_layers + self.model.recurrent_layers + self.model.draft_layers
+        if layers > MAX_MODEL_LAYERS:
+            raise SimulationError(
+                f"argument --model: {self.model.name} has {layers:,} layers (MLA + recurrent + draft), over the "
+                f"simulator's limit of {MAX_MODEL_LAYERS}"
+            )
         if not (isinstance(self.cache_gib, (int, float)) and math.isfinite(self.cache_gib) and self.cache_gib > 0):
             raise SimulationError(f"--cache-gib: expected a positive number, got {self.cache_gib!r}")
         if not 0.0 < self.state_fraction < 1.0:
@@ -111,6 +138,12 @@ class SimConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SimulationError(f"{name}: expected an int >= 1, got {v!r}")
+        step = 1 + self.model.draft_len
+        if self.max_num_tokens < step:
+            raise SimulationError(
+                f"argument --max-num-tokens: expected at least {step} (one request's decode step: 1 token + "
+                f"{self.model.draft_len} draft tokens of {self.model.name}), got {self.max_num_tokens}"
+            )
         if self.demote_uncached_tokens < 0:
             raise SimulationError(f"--demote: expected tokens >= 0, got {self.demote_uncached_tokens}")
         if self.snapshot_policy is None:
@@ -140,7 +173,6 @@ class RunResult:
     throughput_tok_s: float
     makespan_s: float
     imbalance: float
-    load_imbalance_p99: float
     preemptions: int
     demotions: int
     deferrals: int
@@ -150,35 +182,51 @@ class RunResult:
     ttfts: dict[int, float] = field(default_factory=dict, repr=False)  # request id -> time to first token
 
     def row(self) -> dict[str, Any]:
-        """The CSV row (time series left out)."""
-        out = {
-            k: v
-            for k, v in self.__dict__.items()
-            if k not in ("load_times", "load_series", "ttfts", "snapshots") and not k.startswith("_")
+        """The CSV row (time series left out); every column name carries its unit."""
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "snapshot_policy": self.snapshot_policy,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "hit_rate_fraction": self.hit_rate,
+            "hit_tokens": self.hit_tokens,
+            "prefill_computed_tokens": self.prefill_computed,
+            "prefill_saved_tokens": self.prefill_saved,
+            "ttft_p50_s": self.ttft_p50,
+            "ttft_p99_s": self.ttft_p99,
+            "itl_p50_ms": self.itl_p50 * 1e3,
+            "itl_p99_ms": self.itl_p99 * 1e3,
+            "throughput_tok_per_s": self.throughput_tok_s,
+            "makespan_s": self.makespan_s,
+            "imbalance_busy_max_over_mean": self.imbalance,
+            "preemptions": self.preemptions,
+            "demotions": self.demotions,
+            "deferrals": self.deferrals,
+            "wall_s": self.wall_s,
         }
         for k, v in self.snapshots.items():
-            out[f"snapshot_{k}"] = v
+            # The hybrid managers' counters: token counts, the pages held at the end, and event counts.
+            unit = "" if k.endswith("_tokens") else "_pages" if k == "held_at_end" else "_count"
+            out[f"snapshot_{k}{unit}"] = v
         return out
 
 
-def _percentile(values: Sequence[float], q: float, weights: Sequence[float] | None = None) -> float:
-    if not values:
+def percentile(values: Sequence[float], q: float, weights: Sequence[float] | None = None) -> float:
+    """numpy's percentile: linear interpolation without ``weights``; with them, the inverted CDF (the smallest
+    value whose cumulative weight reaches ``q`` percent). NaN for no values."""
+    if len(values) == 0:
         return float("nan")
     if weights is None:
-        xs = sorted(values)
-        k = (len(xs) - 1) * q / 100.0
-        lo = math.floor(k)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-    pairs = sorted(zip(values, weights))
-    total = sum(w for _, w in pairs)
-    target = total * q / 100.0
-    acc = 0.0
-    for v, w in pairs:
-        acc += w
-        if acc >= target:
-            return v
-    return pairs[-1][0]
+        return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+    return float(
+        np.percentile(
+            np.asarray(values, dtype=np.float64),
+            q,
+            weights=np.asarray(weights, dtype=np.float64),
+            method="inverted_cdf",
+        )
+    )
 
 
 def _snapshot_stats(managers: Sequence[Any]) -> dict[str, float]:
@@ -202,6 +250,14 @@ def _snapshot_stats(managers: Sequence[Any]) -> dict[str, float]:
     return out
 
 
+def _check_step(dt: float) -> None:
+    if not (math.isfinite(dt) and 0 <= dt <= MAX_SIMULATED_S):
+        raise SimulationError(
+            f"a simulated step lasts {dt:g} s: the step-time model is out of range (check --efficiency, "
+            "--matmul-tflops, --attention-tflops, --hbm-gbps and the --model sizes)"
+        )
+
+
 def simulate(
     requests: Sequence[SimRequest],
     config: SimConfig,
@@ -210,22 +266,45 @@ def simulate(
     progress: bool = False,
     desc: str | None = None,
 ) -> RunResult:
-    """Replay ``requests`` (sorted by arrival) over ``config.servers`` servers under router ``policy``."""
+    """Replay ``requests`` over ``config.servers`` servers under router ``policy``.
+
+    ``requests`` must be sorted by ``arrival_s`` (finite times); raises :class:`SimulationError` (one line,
+    naming the command-line flag concerned) when they are not, when the fleet's cache bookkeeping would pass
+    :data:`MAX_TOTAL_PAGES`, when a server cannot hold the longest request or deadlocks, or when simulated
+    time would pass :data:`MAX_SIMULATED_S`. Nothing is allocated before the input checks pass.
+    """
     t_wall = time.perf_counter()
     if not requests:
         raise SimulationError("workload: no requests")
+    prev = -math.inf
+    for r in requests:
+        if not math.isfinite(r.arrival_s):
+            raise SimulationError(f"workload: request {r.request_id} arrives at {r.arrival_s!r}, not a finite time")
+        if r.arrival_s < prev:
+            raise SimulationError(
+                f"workload: requests must be sorted by arrival; request {r.request_id} arrives at "
+                f"{r.arrival_s:g} s, before the one ahead of it ({prev:g} s)"
+            )
+        prev = r.arrival_s
     tpb = config.tokens_per_block
     try:
         layout = plan_cache_layout(config.model, int(config.cache_gib * GiB), tpb, config.state_fraction)
     except ValueError as exc:
-        raise SimulationError(f"--cache-gib: {exc}") from None
+        raise SimulationError(f"argument --cache-gib: {exc}") from None
+    total_pages = sum(layout.pages) * config.servers
+    if total_pages > MAX_TOTAL_PAGES:
+        raise SimulationError(
+            f"argument --cache-gib: {config.servers} servers x {config.cache_gib:g} GiB is {total_pages:,} cache "
+            f"pages of {tpb} tokens, over the simulator's limit of {MAX_TOTAL_PAGES:,} (~140 bytes of host memory "
+            "each); lower --servers or --cache-gib"
+        )
     quantum = config.decode_quantum
     step_tokens = quantum * (1 + config.model.draft_len)
     longest = max(r.prompt_tokens + r.output_tokens for r in requests) + step_tokens
     if longest > layout.attention_tokens:
         raise SimulationError(
-            f"--cache-gib: {config.cache_gib:g} GiB per server holds {layout.attention_tokens:,} tokens of "
-            f"{config.model.name} KV, but the longest request needs {longest:,}; raise --cache-gib"
+            f"argument --cache-gib: {config.cache_gib:g} GiB per server holds {layout.attention_tokens:,} tokens "
+            f"of {config.model.name} KV, but the longest request needs {longest:,}; raise --cache-gib"
         )
     server_ids = list(range(config.servers))
     router = make_router(policy, server_ids, tpb, layout.attention_tokens // tpb)
@@ -263,8 +342,11 @@ def simulate(
         bar = tqdm(total=len(requests), desc=desc or policy, unit="req", file=sys.stderr, leave=False, mininterval=0.5)
 
     t0 = requests[0].arrival_s
-    horizon = max(requests[-1].arrival_s - t0, 1e-9)
-    sample_dt = horizon / config.load_samples
+    # The load grid starts at the arrival span's resolution and doubles its step (dropping every other point)
+    # whenever it holds 2 * load_samples points, so a zero span (one request, equal timestamps) or a long drain
+    # costs O(load_samples * log(makespan / step)) samples, never one per picosecond.
+    max_points = 2 * config.load_samples
+    sample_dt = max(requests[-1].arrival_s - t0, 1e-6) / config.load_samples
     next_sample = t0
     load_times: list[float] = []
     load_series: list[list[int]] = []
@@ -282,11 +364,21 @@ def simulate(
             t_arr = requests[i].arrival_s if i < n else inf
             t_end = ends[0][0] if ends else inf
             t = t_end if t_end <= t_arr else t_arr
+            if t - t0 > MAX_SIMULATED_S:
+                raise SimulationError(
+                    f"simulated time passed {MAX_SIMULATED_S:g} s: the step-time model makes steps too long "
+                    "(check --efficiency, --matmul-tflops, --attention-tflops, --hbm-gbps and the --model sizes)"
+                )
             clock[0] = t
-            while next_sample <= t:
-                load_times.append(next_sample - t0)
-                load_series.append([sv.num_unfinished for sv in servers])
-                next_sample += sample_dt
+            if next_sample <= t:
+                loads = [sv.num_unfinished for sv in servers]  # constant since the last event
+                while next_sample <= t:
+                    load_times.append(next_sample - t0)
+                    load_series.append(loads)
+                    if len(load_times) >= max_points:
+                        del load_times[1::2], load_series[1::2]
+                        sample_dt *= 2
+                    next_sample = t0 + len(load_times) * sample_dt
             if t_end <= t_arr:
                 _, _, s, batch = heapq.heappop(ends)
                 sv = servers[s]
@@ -301,6 +393,7 @@ def simulate(
                         bar.update(len(finished))
                 if sv.num_unfinished:
                     b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
+                    _check_step(dt)
                     seq += 1
                     heapq.heappush(ends, (t + dt, seq, s, b))
                 else:
@@ -321,6 +414,7 @@ def simulate(
                 if not sv.busy:
                     sv.busy = True
                     b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
+                    _check_step(dt)
                     seq += 1
                     heapq.heappush(ends, (t + dt, seq, s, b))
     except SchedulerDeadlockError as exc:
@@ -343,7 +437,6 @@ def simulate(
     output = sum(r.output_tokens for r in requests)
     busy = [sv.stats.busy_s for sv in servers]
     mean_busy = sum(busy) / len(busy)
-    inst = [max(v) / (sum(v) / len(v)) for v in load_series if sum(v) >= len(v)]
     itl_v = [x for sv in servers for x in sv.stats.itl_values]
     itl_w = [x for sv in servers for x in sv.stats.itl_weights]
     makespan = max(last_finish - t0, 1e-9)
@@ -359,14 +452,13 @@ def simulate(
         prefill_computed=sum(s.context_tokens for s in stats),
         prefill_saved=sum(m.stats.reused_tokens for m in managers),
         snapshots=_snapshot_stats(managers),
-        ttft_p50=_percentile(list(ttfts.values()), 50),
-        ttft_p99=_percentile(list(ttfts.values()), 99),
-        itl_p50=_percentile(itl_v, 50, itl_w),
-        itl_p99=_percentile(itl_v, 99, itl_w),
+        ttft_p50=percentile(list(ttfts.values()), 50),
+        ttft_p99=percentile(list(ttfts.values()), 99),
+        itl_p50=percentile(itl_v, 50, itl_w),
+        itl_p99=percentile(itl_v, 99, itl_w),
         throughput_tok_s=output / makespan,
         makespan_s=makespan,
         imbalance=max(busy) / mean_busy if mean_busy > 0 else float("nan"),
-        load_imbalance_p99=_percentile(inst, 99) if inst else float("nan"),
         preemptions=sum(s.preemptions for s in stats),
         demotions=sum(s.demotions for s in stats),
         deferrals=sum(s.deferrals for s in stats),

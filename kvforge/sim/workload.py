@@ -12,6 +12,7 @@ they hold the same segments at the same offsets up to that block's end, which is
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,12 +160,18 @@ class SyntheticWorkload:
 MOONCAKE_BLOCK_TOKENS = TRACE_TOKENS_PER_BLOCK
 
 
+class TraceOrderWarning(UserWarning):
+    """A trace's requests were not in time order; they were sorted (see :func:`load_mooncake_trace`)."""
+
+
 def load_mooncake_trace(path: str | Path, *, limit: int | None = None) -> list[SimRequest]:
     """Read a Mooncake-format JSONL trace (:func:`kvforge.kvcache.replay.load_trace`) as ``SimRequest``s.
 
     ``hash_ids`` are chained by prefix in the trace, so they are mapped to block keys as they are (full blocks
-    only); requests have no conversation ids (matching is by prefix). Raises ``FileNotFoundError`` or
-    ``TraceFormatError`` naming the line.
+    only); requests have no conversation ids (matching is by prefix). ``limit`` keeps the first ``limit``
+    lines' requests. Requests out of time order are sorted by timestamp (stable: equal times keep file order;
+    request ids stay the file order) and one :class:`TraceOrderWarning` names the first line that went back in
+    time. Raises ``FileNotFoundError``, ``IsADirectoryError`` or ``TraceFormatError`` naming the file and line.
     """
     reqs = [
         SimRequest(
@@ -180,6 +187,16 @@ def load_mooncake_trace(path: str | Path, *, limit: int | None = None) -> list[S
     ]
     if not reqs:
         raise TraceFormatError(f"{Path(path)}: no requests")
+    back = next((i for i in range(1, len(reqs)) if reqs[i].arrival_s < reqs[i - 1].arrival_s), None)
+    if back is not None:
+        late = sum(1 for i in range(1, len(reqs)) if reqs[i].arrival_s < reqs[i - 1].arrival_s)
+        warnings.warn(
+            f"{Path(path)}: requests are not in time order (request {back} arrives before request {back - 1}; "
+            f"{late} such step(s) back); sorted by timestamp",
+            TraceOrderWarning,
+            stacklevel=2,
+        )
+        reqs.sort(key=lambda r: r.arrival_s)
     return reqs
 
 
