@@ -6,7 +6,8 @@ A request is given by its prompt in one of two forms:
   :meth:`Scheduler.on_step_done <kvforge.scheduling.scheduler.Scheduler.on_step_done>` are committed too, so a
   later turn can reuse the answer.
 * **key mode**: ``block_keys`` (one chained hash per *full* block of the prompt, e.g. a trace's ``hash_ids``)
-  and ``prompt_len``. Only the prompt is ever committed (generated tokens have no keys).
+  and ``prompt_len``. Only the prompt is ever committed (generated tokens have no keys). ``prompt_len`` alone
+  (no keys: ``keyless``) is valid too: such a request reuses nothing and commits nothing.
 
 States: ``WAITING`` (no GPU pages: new, or preempted with a suspended cache) → ``CONTEXT`` (prefilling in
 chunks) → ``GENERATION`` (one token, plus accepted draft tokens, per step) → ``DONE``. A preempted request
@@ -104,6 +105,7 @@ class Request:
         "finish_time",
         "first_scheduled_time",
         "first_token_time",
+        "keyless",
         "max_new_tokens",
         "midchunk_pass_point",
         "midchunk_snapshot_alignment",
@@ -159,7 +161,8 @@ class Request:
         if prompt_len is None:
             raise ValueError("prompt_len: required with block_keys (the keys cover full blocks only)")
         self.prompt_len = _count("prompt_len", prompt_len, 1)
-        # Key mode without keys (prompt_len alone) is an empty key list: nothing to reuse, nothing to key.
+        # Key mode without keys (prompt_len alone) is an empty key list: nothing to reuse, nothing committed.
+        self.keyless = self.tokens is None and block_keys is None
         self.block_keys = (
             None if block_keys is None and self.tokens is not None else _int_tuple("block_keys", block_keys or ())
         )
@@ -292,6 +295,8 @@ class Request:
 
     def known_tokens(self) -> int:
         """How many leading tokens of the sequence have known keys, i.e. can be committed to the tree."""
+        if self.keyless:
+            return 0
         if self.tokens is None:
             return self.prompt_len
         return self.prompt_len + len(self.output_tokens)

@@ -346,7 +346,11 @@ class Scheduler:
             raise ValueError(f"request: {request.request_id!r} was already given to a scheduler")
         if request.request_id in self._requests:
             raise ValueError(f"request: id {request.request_id!r} is already in use by an unfinished request")
-        if request.block_keys is not None and len(request.block_keys) != request.prompt_len // self.tokens_per_block:
+        if (
+            request.block_keys is not None
+            and not request.keyless
+            and len(request.block_keys) != request.prompt_len // self.tokens_per_block
+        ):
             raise ValueError(
                 f"block_keys: expected one key per full block of the prompt "
                 f"({request.prompt_len // self.tokens_per_block} at {self.tokens_per_block} tokens per block), "
