@@ -293,6 +293,30 @@ class BlockKeyHasher:
         # A memoryview, not tobytes(): a fresh multi-100-kB bytes object costs more in page faults than hashing.
         return self._chain(parent, memoryview(arr).cast("B"), n_blocks, 4 * tpb)
 
+    def chain_payloads(self, parent: int, payloads: Sequence[bytes]) -> list[int]:
+        """Keys of blocks described by opaque byte strings (e.g. a simulator's synthetic content), chained from
+        ``parent``: for callers that have no token ids. Give such chains their own root (a scope naming the
+        producer), so they never meet token chains."""
+        _check_parent(parent)
+        if isinstance(payloads, (bytes, bytearray, str)) or not isinstance(payloads, Sequence):
+            raise TypeError(f"payloads: expected a sequence of bytes, got {type(payloads).__name__}")
+        for i, p in enumerate(payloads):
+            if type(p) is not bytes:
+                raise TypeError(f"payloads[{i}]: expected bytes, got {type(p).__name__}")
+        h = parent.to_bytes(KEY_BYTES, "little")
+        out = []
+        if self.algorithm == "sha256":
+            sha = hashlib.sha256
+            for p in payloads:
+                h = sha(h + p).digest()[:KEY_BYTES]
+                out.append(int.from_bytes(h, "little"))
+        else:
+            f, seed = xxhash.xxh3_128_digest, self._seed
+            for p in payloads:
+                h = f(h + p, seed)
+                out.append(int.from_bytes(h, "little"))
+        return out
+
     def keys_from_ids(
         self, ids: Sequence[int], scope: Hashable | None = None, *, cache_salt: str | bytes | None = None
     ) -> list[int]:
