@@ -168,8 +168,8 @@ class HybridMachine(RuleBasedStateMachine):
         for cache in self.mgr.caches:
             if cache.live_page(G_REC) is not None:
                 owners.setdefault(id(cache.live_page(G_REC)), []).append("live")
-            if cache._pending is not None:
-                owners.setdefault(id(cache._pending), []).append("pending")
+            if cache.pending_snapshot_page is not None:
+                owners.setdefault(id(cache.pending_snapshot_page), []).append("pending")
                 assert cache.is_active
         for b in self.mgr.tree.blocks():
             if b.pages[G_REC] is not None:

@@ -7,6 +7,7 @@ import pytest
 from kvforge.errors import CacheStateError, OutOfPagesError
 from kvforge.kvcache import (
     CacheStatus,
+    KVCache,
     KVCacheConfig,
     KVCacheManager,
     LayerSpec,
@@ -374,12 +375,12 @@ def test_sliding_window_match_is_pruned_to_what_the_window_needs():
         blocks.append(blocks[-1].children[k])
     blocks = blocks[1:]
     # Drop an interior sliding-window page (block 2): a match of all 24 tokens needs only sinks + blocks 4-5.
-    mgr._drop(blocks[2].pages[1])
+    mgr.block_pool.drop(blocks[2].pages[1])
     assert mgr.probe_reuse(prompt) == 24
     # Drop a page the full match needs (block 5): the match falls back to where the window is complete.
-    mgr._drop(blocks[5].pages[1])
+    mgr.block_pool.drop(blocks[5].pages[1])
     assert mgr.probe_reuse(prompt) == 20  # resuming at token 20 reads tokens 15..19 (blocks 3-4) and the sink
-    mgr._drop(blocks[3].pages[1])
+    mgr.block_pool.drop(blocks[3].pages[1])
     assert mgr.probe_reuse(prompt) == 8  # 16 and 12 would need block 2; 8 needs blocks 0-1 only
     mgr.check_invariants()
     cache = mgr.create_cache(prompt)
@@ -402,18 +403,25 @@ def test_swa_endpoint_priorities_decide_sliding_pages_and_the_callback_the_rest(
     assert [b.pages[1].priority for b in blocks] == [90, 3, 3, 3, 90, 90]
 
 
-class _Snapshots(KVCacheManager):
+class _SnapshotsCache(KVCache):
     """Snapshots the recurrent state at every block whose end the cache has reached exactly."""
 
-    def _snapshot_pages(self, cache, block, ordinal):
-        if cache.history != ordinal * self.tokens_per_block + block.num_tokens:
+    __slots__ = ()
+
+    def _snapshot_pages(self, block, ordinal):
+        mgr = self.manager
+        if self.history != ordinal * mgr.tokens_per_block + block.num_tokens:
             return {}
         out = {}
-        for g in self._rec:
-            page = self._alloc_page(g)
-            self._copies.append(PageCopy(g, Tier.GPU, cache.live_page(g).index, Tier.GPU, page.index))
+        for g in mgr.recurrent_groups:
+            page = mgr.block_pool.alloc_page(g)
+            mgr.block_pool.record_copy(PageCopy(g, Tier.GPU, self.live_page(g).index, Tier.GPU, page.index))
             out[g] = page
         return out
+
+
+class _Snapshots(KVCacheManager):
+    cache_class = _SnapshotsCache
 
 
 def test_recurrent_match_is_cut_back_to_the_last_snapshot():

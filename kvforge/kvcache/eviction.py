@@ -12,14 +12,17 @@ equal recency the deepest block first (a request unlocks its whole path at once;
 ancestors, which full attention needs to keep its descendants reachable).
 
 To plug a policy in, pass ``eviction_policy=factory`` to the manager; the factory is called once per pool as
-``factory(group_spec, tier)`` and returns an object satisfying :class:`EvictionPolicy`.
+``factory(group_spec, tier)`` and returns an object satisfying :class:`EvictionPolicy` (defined next to the
+pool that holds it, in :mod:`~kvforge.kvcache.pools`, and re-exported here).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
+
+from kvforge.kvcache.pools import EvictionPolicy, EvictionPolicyFactory
 
 if TYPE_CHECKING:
     from kvforge.kvcache.config import PoolGroupSpec, Tier
@@ -46,28 +49,6 @@ def check_priority(value: object, what: str = "priority") -> int:
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValueError(f"{what}: expected an int in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
     return value
-
-
-@runtime_checkable
-class EvictionPolicy(Protocol):
-    """Orders one pool's eviction candidates. Every method is O(log n) or better in the default policy."""
-
-    def add(self, page: Page) -> None:
-        """``page`` became a candidate (it is not one already)."""
-
-    def discard(self, page: Page) -> None:
-        """``page`` stops being a candidate (locked again, freed, moved); a no-op if it is not one."""
-
-    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
-        """Remove and return the first candidate (for which ``accept`` holds, when given), or None."""
-
-    def __len__(self) -> int:
-        """Number of candidates."""
-
-    def __contains__(self, page: object) -> bool: ...
-
-
-EvictionPolicyFactory = Callable[["PoolGroupSpec", "Tier"], EvictionPolicy]
 
 
 class LazyHeapPolicy:

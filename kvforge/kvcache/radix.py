@@ -13,68 +13,11 @@ full block when it ended); it is always a leaf, and is found by comparing tokens
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING
 
 from kvforge.kvcache.hashing import scope_root
-
-if TYPE_CHECKING:
-    from kvforge.kvcache.pools import Page
+from kvforge.kvcache.pools import Block
 
 __all__ = ["Block", "RadixTree"]
-
-
-class Block:
-    """A radix-tree node: one block of tokens under a chained-hash ``key``.
-
-    ``depth`` is the block's ordinal in its sequence (0 for the first block; -1 for a root). ``tokens`` is the
-    block's token tuple when known (None for blocks committed from precomputed hashes without tokens). Full
-    blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`; partial ones never are.
-    """
-
-    __slots__ = ("children", "depth", "key", "num_tokens", "pages", "parent", "tokens")
-
-    def __init__(
-        self,
-        key: int,
-        parent: Block | None,
-        depth: int,
-        num_tokens: int,
-        tokens: tuple[int, ...] | None,
-        num_groups: int,
-    ) -> None:
-        self.key = key
-        self.parent = parent
-        self.depth = depth
-        self.num_tokens = num_tokens
-        self.tokens = tokens
-        self.children: dict[int, Block] = {}
-        self.pages: list[Page | None] = [None] * num_groups
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def prefix_tokens(self) -> int:
-        """Tokens from the start of the sequence to the end of this block (a walk: off the hot path)."""
-        n, b = 0, self
-        while b.parent is not None:
-            n += b.num_tokens
-            b = b.parent
-        return n
-
-    def path(self) -> list[Block]:
-        """Blocks from the first one to this one (roots excluded)."""
-        out = []
-        b: Block | None = self
-        while b is not None and b.parent is not None:
-            out.append(b)
-            b = b.parent
-        out.reverse()
-        return out
-
-    def __repr__(self) -> str:
-        return f"Block(depth={self.depth}, tokens={self.num_tokens}, key={self.key:#x})"
 
 
 class RadixTree:
