@@ -9,8 +9,15 @@ import pytest
 
 from kvforge.errors import CacheStateError
 from kvforge.kvcache import HybridCachePolicy, KVCacheConfig, LayerOwner, LayerSpec, LifeCycle, TierConfig
+from kvforge.kvcache.hashing import default_hasher
 from kvforge.kvcache.hybrid import HybridCacheManager, HybridKVCache
 from kvforge.scheduling import Request, Scheduler, SchedulerConfig
+
+
+def _key(parent: int, block) -> int:
+    """The block key of one full block under ``parent`` (the managers' default hasher)."""
+    return default_hasher().block_keys(list(block), len(block), parent=parent)[0]
+
 
 TPB = 4
 FULL = LayerSpec(0, bytes_per_token=2)
@@ -38,7 +45,7 @@ def snapshot_ends(mgr: HybridCacheManager, tokens) -> list[int]:
     """Token positions along ``tokens``' path in the tree whose block holds a recurrent snapshot."""
     node, out = mgr.tree.root(None), []
     for i in range(len(tokens) // TPB):
-        node = node.children.get(hash((node.key, tuple(tokens[i * TPB : (i + 1) * TPB]))))
+        node = node.children.get(_key(node.key, tokens[i * TPB : (i + 1) * TPB]))
         if node is None:
             break
         if node.pages[G_REC] is not None:
@@ -226,8 +233,8 @@ def test_pending_page_moves_into_the_tree_with_the_cache_priority():
     cache.commit(prompt[:8], ssm_from_pending=True)
     cache.commit(prompt[8:16])
     assert cache.pending_ssm_snapshot_slot is None
-    block = mgr.tree.root(None).children[hash((mgr.tree.root(None).key, tuple(prompt[:4])))]
-    block = block.children[hash((block.key, tuple(prompt[4:8])))]
+    block = mgr.tree.root(None).children[_key(mgr.tree.root(None).key, prompt[:4])]
+    block = block.children[_key(block.key, prompt[4:8])]
     assert block.pages[G_REC].index == slot and block.pages[G_REC].priority == 70
     assert not any(c.dst_index == slot for c in mgr.take_pending_copies())  # the kernel wrote it: no copy
     assert mgr.counters.pending_committed == 1 and mgr.counters.points_requested_committed == 1
@@ -390,7 +397,7 @@ def test_short_prompts_get_recurrent_pages_at_priority_zero_and_L_is_logged_once
     def last_block(p):
         node = mgr.tree.root(None)
         for i in range(len(p) // TPB):
-            node = node.children[hash((node.key, tuple(p[i * TPB : (i + 1) * TPB])))]
+            node = node.children[_key(node.key, p[i * TPB : (i + 1) * TPB])]
         return node
 
     assert last_block(short).pages[G_REC].priority == 0

@@ -20,7 +20,7 @@ from kvforge.kvcache import (
     TierConfig,
 )
 from kvforge.kvcache.events import BlockRemoved, BlockStored
-from kvforge.kvcache.hashing import block_hashes, scope_root
+from kvforge.kvcache.hashing import block_keys, root_key
 
 TPB = 4
 FULL = LayerSpec(0, bytes_per_token=2)
@@ -61,7 +61,7 @@ def test_commit_inserts_blocks_and_a_later_prompt_reuses_them():
     assert cache.resize(capacity=10, history=10)
     assert cache.num_blocks == 3 and len(set(cache.page_indices(0))) == 3
     cache.commit(prompt)
-    keys = block_hashes(prompt, TPB)
+    keys = block_keys(prompt, TPB)
     assert events == [BlockStored(tuple(keys), None, TPB)]
     assert cache.block_keys == tuple(keys)
     pages = cache.page_indices(0)
@@ -83,11 +83,11 @@ def test_reuse_scopes_are_isolated_and_match_router_hashes():
     mgr, events = make()
     prompt = seq(0, 8)
     serve(mgr, prompt, scope=("lora", 3))
-    assert events[0].block_hashes == tuple(block_hashes(prompt, TPB, ("lora", 3)))
+    assert events[0].block_keys == tuple(block_keys(prompt, TPB, ("lora", 3)))
     assert mgr.probe_reuse(prompt, ("lora", 3)) == 8
     assert mgr.probe_reuse(prompt) == 0
     assert mgr.probe_reuse(prompt, "salt") == 0
-    assert scope_root(("lora", 3)) in mgr.tree.roots
+    assert root_key(("lora", 3)) in mgr.tree.roots
 
 
 def test_max_reuse_leaves_the_last_prompt_token_to_compute():
@@ -115,7 +115,7 @@ def test_partial_match_inside_a_full_block_and_divergence():
     for t in seq(50, 8):
         cache.resize(cache.history + 1, cache.history + 1)
         cache.commit([t])
-    assert cache.block_keys == tuple(block_hashes(seq(50, 8), TPB))  # the router's hashes, token by token too
+    assert cache.block_keys == tuple(block_keys(seq(50, 8), TPB))  # the router's hashes, token by token too
     cache.close()
     assert mgr.probe_reuse([50, 51, 52, 99]) == 3
 
@@ -140,7 +140,7 @@ def test_key_mode_caches_commit_and_match_by_precomputed_keys():
 def test_tokens_with_precomputed_keys_skip_hashing_but_agree():
     mgr, _ = make()
     prompt = seq(0, 12)
-    keys = block_hashes(prompt, TPB)
+    keys = block_keys(prompt, TPB)
     cache = mgr.create_cache(prompt, block_keys=keys)
     cache.resize(12, 12)
     cache.commit(prompt, block_keys=keys)
@@ -204,7 +204,7 @@ def test_lru_evicts_leaves_first_and_publishes_removals():
     events.clear()
     cache = mgr.create_cache(seq(200, 4))
     assert cache.resize(4, 4)  # takes one page: a's leaf goes (least recently used, deepest first)
-    assert events == [BlockRemoved((block_hashes(a, TPB)[2],))]
+    assert events == [BlockRemoved((block_keys(a, TPB)[2],))]
     assert mgr.probe_reuse(a) == 8 and mgr.probe_reuse(b) == 12
     assert cache.resize(16, 16)  # three more: the rest of a, then b's leaf
     assert mgr.probe_reuse(a) == 0 and mgr.probe_reuse(b) == 8
@@ -224,7 +224,7 @@ def test_lower_priority_goes_first_and_reuse_only_raises_priority():
     mgr, _ = make(pages=4)
     serve(mgr, high, cb=lambda o, g: 80)
     serve(mgr, high, cb=lambda o, g: 5)  # a reuse at a lower priority does not lower it
-    block = mgr.tree.root(None).children[block_hashes(high, TPB)[0]]
+    block = mgr.tree.root(None).children[block_keys(high, TPB)[0]]
     assert block.pages[0].priority == 80
 
 
@@ -246,7 +246,7 @@ def test_host_tier_offload_onboard_and_drop():
     mgr, events = make(pages=3, host=2)
     a, b = seq(0, 8), seq(100, 8)
     serve(mgr, a)
-    a_pages = [mgr.tree.root(None).children[block_hashes(a, TPB)[0]]]
+    a_pages = [mgr.tree.root(None).children[block_keys(a, TPB)[0]]]
     assert mgr.pool(0).num_free == 1
     serve(mgr, b)  # needs 2 pages: one free, one evicted from a (its leaf) to the host
     offload = mgr.take_pending_copies()
@@ -371,7 +371,7 @@ def test_sliding_window_match_is_pruned_to_what_the_window_needs():
     assert mgr.probe_reuse(prompt) == 24
     root = mgr.tree.root(None)
     blocks = [root]
-    for k in block_hashes(prompt, TPB):
+    for k in block_keys(prompt, TPB):
         blocks.append(blocks[-1].children[k])
     blocks = blocks[1:]
     # Drop an interior sliding-window page (block 2): a match of all 24 tokens needs only sinks + blocks 4-5.
@@ -395,7 +395,7 @@ def test_swa_endpoint_priorities_decide_sliding_pages_and_the_callback_the_rest(
     prompt = seq(0, 24)
     serve(mgr, prompt, cb=lambda o, g: 60, cap=False)
     node, blocks = mgr.tree.root(None), []
-    for k in block_hashes(prompt, TPB):
+    for k in block_keys(prompt, TPB):
         node = node.children[k]
         blocks.append(node)
     assert [b.pages[0].priority for b in blocks] == [60] * 6

@@ -110,11 +110,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     def on_event(self, event) -> None:
         if isinstance(event, BlockStored):
-            assert self.live_keys.isdisjoint(event.block_hashes), "a block was announced twice"
-            self.live_keys.update(event.block_hashes)
+            assert self.live_keys.isdisjoint(event.block_keys), "a block was announced twice"
+            self.live_keys.update(event.block_keys)
         elif isinstance(event, BlockRemoved):
-            assert self.live_keys.issuperset(event.block_hashes), "a block was removed without being stored"
-            self.live_keys.difference_update(event.block_hashes)
+            assert self.live_keys.issuperset(event.block_keys), "a block was removed without being stored"
+            self.live_keys.difference_update(event.block_keys)
 
     # --- the simulated device -------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from kvforge.kvcache.config import KVCacheConfig, PoolGroupSpec, Tier
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
+from kvforge.kvcache.hashing import BlockKeyHasher, default_hasher
 from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
 from kvforge.kvcache.radix import RadixTree
 from kvforge.kvcache.records import ManagerStats, PageCopy, check_count
@@ -43,6 +44,7 @@ class BlockPool:
         *,
         event_sink: EventSink | None = None,
         stats: ManagerStats | None = None,
+        hasher: BlockKeyHasher | None = None,
     ) -> None:
         self.tokens_per_block = config.tokens_per_block
         self.groups: tuple[PoolGroupSpec, ...] = config.groups
@@ -66,7 +68,7 @@ class BlockPool:
                 below = self._pools[pool.tier + 1][pool.group]
                 pool.last = below.capacity == 0
         self.gpu: list[PagePool] = self._pools[0]
-        self.tree = RadixTree(self.num_groups)
+        self.tree = RadixTree(self.num_groups, default_hasher() if hasher is None else hasher)
         self.clock = 0
         self._copies: list[PageCopy] = []
         self._removed: list[int] = []

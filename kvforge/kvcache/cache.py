@@ -22,6 +22,7 @@ from kvforge.errors import CacheStateError
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.config import LifeCycle, PoolGroupSpec, Tier
 from kvforge.kvcache.eviction import check_priority
+from kvforge.kvcache.hashing import check_block_keys, check_tokens
 from kvforge.kvcache.matching import PrefixMatcher
 from kvforge.kvcache.pools import Block, Page
 from kvforge.kvcache.records import (
@@ -33,7 +34,6 @@ from kvforge.kvcache.records import (
     ReuseMatch,
     SwaPriorities,
     check_count,
-    int_sequence,
 )
 
 __all__ = ["CacheHost", "KVCache"]
@@ -294,7 +294,8 @@ class KVCache:
                 )
             if num_tokens is not None:
                 raise ValueError("num_tokens: give tokens or num_tokens, not both")
-            n = len(int_sequence("tokens", tokens))
+            tokens = check_tokens(tokens, vocab_size=self.manager.block_pool.tree.hasher.vocab_size)
+            n = len(tokens)
         else:
             if not self.key_mode:
                 raise ValueError("tokens: expected the committed tokens (this cache is in token mode)")
@@ -592,7 +593,7 @@ class KVCache:
         first = start // tpb
         n_full = (start + n) // tpb - first
         if keys is not None:
-            int_sequence("block_keys", keys)
+            keys = check_block_keys(keys)
             if len(keys) != n_full:
                 raise ValueError(f"block_keys: this commit completes {n_full} blocks, got {len(keys)} keys")
         elif tokens is None:
@@ -624,7 +625,8 @@ class KVCache:
             if child is None:
                 break
             if child.num_tokens != tpb:
-                # A partial block under the same key (only a hash collision can do that): the full one wins.
+                # A partial block under a full block's key: the keys of the two kinds hash inputs of different
+                # lengths, so only a 128-bit collision could do this; the full one wins.
                 bp.remove_block(child)
                 break
             ordinal = first + i
@@ -751,7 +753,7 @@ class KVCache:
         ordinal = self._committed // tpb
         parent = self._blocks[-1] if self._blocks else self._root
         blk = tuple(tokens)
-        key = hash((parent.key, blk))
+        key = mgr.block_pool.tree.hasher.partial_key(parent.key, blk)
         if key in parent.children:
             return
         default = mgr.default_priority
@@ -826,7 +828,7 @@ class KVCache:
         if self._committed % tpb:
             if self.key_mode or not self._partial:
                 return False
-            partial = node.children.get(hash((node.key, tuple(self._partial))))
+            partial = node.children.get(mgr.block_pool.tree.hasher.partial_key(node.key, self._partial))
             ptoks = len(self._partial)
             if partial is None or partial.num_tokens != ptoks:
                 return False

@@ -40,6 +40,7 @@ __all__ = [
     "BlockKeyHasher",
     "block_keys",
     "check_block_keys",
+    "check_tokens",
     "default_hasher",
     "keys_from_ids",
     "root_key",
@@ -115,6 +116,19 @@ def token_array(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN
         if vocab_size < TOKEN_ID_LIMIT and int(out.max()) >= vocab_size:
             raise _bad_token(name, tokens, vocab_size)
     return out
+
+
+def check_tokens(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN_ID_LIMIT) -> Sequence[int]:
+    """``tokens`` after the checks of :func:`token_array`, as a sequence of Python ints (a numpy array comes back
+    as a list; a valid list or tuple comes back as given). Short sequences (a decode step) take a cheap path."""
+    if isinstance(tokens, (list, tuple)) and len(tokens) <= 64:
+        for t in tokens:
+            if type(t) is not int or not 0 <= t < vocab_size:
+                break
+        else:
+            return tokens
+    arr = token_array(tokens, name, vocab_size=vocab_size)
+    return arr.tolist() if isinstance(tokens, np.ndarray) else tokens  # type: ignore[return-value]
 
 
 def check_block_keys(keys: object, name: str = "block_keys") -> tuple[int, ...]:
@@ -293,6 +307,14 @@ class BlockKeyHasher:
         # A memoryview, not tobytes(): a fresh multi-100-kB bytes object costs more in page faults than hashing.
         return self._chain(parent, memoryview(arr).cast("B"), n_blocks, 4 * tpb)
 
+    def partial_key(self, parent: int, tokens: Sequence[int] | np.ndarray) -> int:
+        """The key a *partial* block (fewer than a block's tokens, matched by comparing tokens) is filed under
+        below ``parent``: the same hash over its shorter input, so it never equals a full block's key."""
+        arr = token_array(tokens, vocab_size=self.vocab_size)
+        if not len(arr):
+            raise ValueError("tokens: a partial block holds at least one token")
+        return self._chain(_check_parent(parent), memoryview(arr).cast("B"), 1, 4 * len(arr))[0]
+
     def chain_payloads(self, parent: int, payloads: Sequence[bytes]) -> list[int]:
         """Keys of blocks described by opaque byte strings (e.g. a simulator's synthetic content), chained from
         ``parent``: for callers that have no token ids. Give such chains their own root (a scope naming the
@@ -396,43 +418,5 @@ def keys_from_ids(
     return (default_hasher() if hasher is None else hasher).keys_from_ids(ids, scope, cache_salt=cache_salt)
 
 
-# --- legacy chained hashes (Python's builtin hash: NOT collision-safe) --------------------------------------------
-# Kept only until the manager, radix tree and simulator take their keys from the hasher above; do not use in new code.
-_ROOT_TAG = 0x6B76_666F_7267_6500  # "kvforge\0"
-
-
-def scope_root(scope: Hashable | None = None) -> int:
-    """The hash every chain under ``scope`` starts from (stable across processes and runs)."""
-    if scope is None:
-        return _ROOT_TAG
-    digest = hashlib.blake2b(repr(scope).encode(), digest_size=8).digest()
-    return _ROOT_TAG ^ int.from_bytes(digest, "little", signed=True)
-
-
-def chain_hash(parent: int, block_tokens: Sequence[int]) -> int:
-    return hash((parent, tuple(block_tokens)))
-
-
-def chain_hashes(parent: int, tokens: Sequence[int], start: int, n_blocks: int, tokens_per_block: int) -> list[int]:
-    """Hashes of the ``n_blocks`` full blocks of ``tokens`` from ``start``, chained from ``parent``.
-
-    The hot path of hashing a long prompt: the cost is Python's hash of each block's tuple, so the loop around
-    it stays minimal (a comprehension, no per-block ``tuple()`` call when ``tokens`` already is a tuple).
-    Converting a list to one tuple first was measured slower than building each block's tuple from a slice:
-    it writes every token's reference count once more.
-    """
-    h = parent
-    stops = range(start + tokens_per_block, start + (n_blocks + 1) * tokens_per_block, tokens_per_block)
-    if isinstance(tokens, tuple):
-        return [h := hash((h, tokens[i - tokens_per_block : i])) for i in stops]
-    return [h := hash((h, tuple(tokens[i - tokens_per_block : i]))) for i in stops]
-
-
-def block_hashes(
-    tokens: Sequence[int], tokens_per_block: int, scope: Hashable | None = None, *, parent: int | None = None
-) -> list[int]:
-    """Hashes of every *full* block of ``tokens`` (a trailing partial block has none)."""
-    if tokens_per_block <= 0:
-        raise ValueError(f"tokens_per_block: expected a positive int, got {tokens_per_block}")
-    h = scope_root(scope) if parent is None else parent
-    return chain_hashes(h, tokens, 0, len(tokens) // tokens_per_block, tokens_per_block)
+# Deprecated name, kept only while kvforge.routing imports it (the router's rename to block_keys is pending).
+block_hashes = block_keys

@@ -54,6 +54,7 @@ from kvforge.errors import CacheStateError
 from kvforge.kvcache.cache import CacheHost, KVCache
 from kvforge.kvcache.config import KVCacheConfig, Tier
 from kvforge.kvcache.eviction import PRIORITY_MIN
+from kvforge.kvcache.hashing import check_tokens
 from kvforge.kvcache.hooks import HybridCachePolicy
 from kvforge.kvcache.manager import KVCacheManager
 from kvforge.kvcache.pools import Block, Page
@@ -280,13 +281,9 @@ class HybridKVCache(KVCache):
         n = len(blocks)
         node = blocks[-1] if blocks else self._root
         while n < max_full:
-            if keys is not None and n < len(keys):
-                h = keys[n]
-            elif tokens is not None:
-                h = hash((node.key, tuple(tokens[n * tpb : (n + 1) * tpb])))
-            else:
+            if keys is None or n >= len(keys):
                 break
-            child = node.children.get(h)
+            child = node.children.get(keys[n])
             if child is None or child.num_tokens != tpb:
                 break
             node = child
@@ -594,6 +591,7 @@ class HybridCacheManager(KVCacheManager):
         priority_callback: PriorityCallback | None = None,
         cache_id: Hashable | None = None,
         prompt_len: int | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> HybridKVCache:
         """:meth:`KVCacheManager.create_cache`, plus ``prompt_len`` (the prompt's length in tokens, for key-mode
         prompts whose keys cover full blocks only; default ``len(tokens)`` or ``len(block_keys) *
@@ -602,6 +600,10 @@ class HybridCacheManager(KVCacheManager):
             raise TypeError(f"prompt_len: expected an int or None, got {type(prompt_len).__name__}")
         if prompt_len is not None and prompt_len < 0:
             raise ValueError(f"prompt_len: expected an int >= 0, got {prompt_len}")
+        if tokens is not None and block_keys is None and reuse:
+            # Keyed once here: the base class and the branch-point search below both use these keys.
+            tokens = check_tokens(tokens, vocab_size=self.hasher.vocab_size)
+            block_keys = self.prompt_keys(tokens, scope, cache_salt)
         cache = super().create_cache(
             tokens,
             block_keys=block_keys,
@@ -611,6 +613,7 @@ class HybridCacheManager(KVCacheManager):
             max_reuse_tokens=max_reuse_tokens,
             priority_callback=priority_callback,
             cache_id=cache_id,
+            cache_salt=cache_salt,
         )
         assert isinstance(cache, HybridKVCache)
         # Keys cover full blocks only: without prompt_len a key-mode prompt's length is known only up to its

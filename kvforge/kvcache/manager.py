@@ -3,7 +3,7 @@
 Typical use (one request)::
 
     mgr = KVCacheManager(config, event_sink=router_feed)
-    keys = block_hashes(prompt, config.tokens_per_block, scope)      # once per request; optional
+    keys = mgr.prompt_keys(prompt, scope)           # once per request (kvforge.kvcache.hashing); optional
     n = mgr.probe_reuse(prompt, scope, block_keys=keys)               # read-only: how much is cached
     if mgr.plan_admission(prompt, block_keys=keys, scope=scope, capacity=chunk_end).fits:   # check ...
         cache = mgr.create_cache(prompt, block_keys=keys, scope=scope, capacity=chunk_end,  # ... then act
@@ -36,8 +36,13 @@ state: the runtime zeroes it.
 **Partial-block reuse**: a prompt may reuse the first tokens of a block (copied into a fresh page), matched
 by comparing tokens. The tree keeps the tokens of every partial block (a request's committed tail, inserted
 when it closes or is suspended), of every block completed token by token (decode) and of the last full block
-of every commit; other full blocks keep only their hash, because copying every block's tokens would double
+of every commit; other full blocks keep only their key, because copying every block's tokens would double
 the cost of inserting a long prompt. A prompt that diverges inside such a block reuses up to its start.
+
+**Keys**: full blocks are found and reused by block key alone (128-bit, salted: :mod:`kvforge.kvcache.hashing`,
+under the manager's ``hasher``); token ids are validated there (ints in ``[0, vocab_size)``). Every
+prompt-taking call accepts the prompt's ``block_keys`` (from :meth:`KVCacheManager.prompt_keys`, computed once
+per request) and ``cache_salt`` (tenant isolation: a separate root, so no block matches another tenant's).
 
 **Layout**: the manager matches prompts and admits caches; each :class:`KVCache` runs its own state machine
 and owns its state; pages, the tree, eviction, copies and events belong to the manager's
@@ -66,6 +71,7 @@ from kvforge.kvcache.cache import KVCache
 from kvforge.kvcache.config import KVCacheConfig, LayerOwner, PoolGroupSpec, Tier
 from kvforge.kvcache.events import EventSink
 from kvforge.kvcache.eviction import DEFAULT_PRIORITY, EvictionPolicyFactory, PrioritizedLRU, check_priority
+from kvforge.kvcache.hashing import BlockKeyHasher, check_block_keys, check_tokens, default_hasher
 from kvforge.kvcache.invariants import block_pool_state, check_block_pool
 from kvforge.kvcache.matching import PrefixMatcher
 from kvforge.kvcache.pools import Block, Page, PagePool
@@ -120,7 +126,8 @@ class KVCacheManager:
     :class:`~kvforge.kvcache.events.BlockRemoved` when they leave it (dropped from the last tier).
     ``eviction_policy`` is a factory ``(group_spec, tier) -> EvictionPolicy`` (default
     :class:`~kvforge.kvcache.eviction.PrioritizedLRU`); ``default_priority`` applies where a cache has no
-    callback; ``swa_priorities`` (optional) decides sliding-window pages by position.
+    callback; ``swa_priorities`` (optional) decides sliding-window pages by position; ``hasher`` computes block
+    keys (default: :func:`~kvforge.kvcache.hashing.default_hasher`; a router and its servers share one salt).
     """
 
     cache_class: type[KVCache] = KVCache
@@ -133,6 +140,7 @@ class KVCacheManager:
         eviction_policy: EvictionPolicyFactory | None = None,
         default_priority: int = DEFAULT_PRIORITY,
         swa_priorities: SwaPriorities | None = None,
+        hasher: BlockKeyHasher | None = None,
     ) -> None:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected a KVCacheConfig, got {type(config).__name__}")
@@ -142,6 +150,9 @@ class KVCacheManager:
             raise TypeError(f"eviction_policy: expected a factory callable, got {type(eviction_policy).__name__}")
         if swa_priorities is not None and not isinstance(swa_priorities, SwaPriorities):
             raise TypeError(f"swa_priorities: expected SwaPriorities or None, got {type(swa_priorities).__name__}")
+        if hasher is not None and not isinstance(hasher, BlockKeyHasher):
+            raise TypeError(f"hasher: expected a BlockKeyHasher or None, got {type(hasher).__name__}")
+        self.hasher = default_hasher() if hasher is None else hasher
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self.groups: tuple[PoolGroupSpec, ...] = config.groups
@@ -149,7 +160,9 @@ class KVCacheManager:
         self.default_priority = check_priority(default_priority, "default_priority")
         self.swa_priorities = swa_priorities
         self.stats = ManagerStats()
-        self.block_pool = BlockPool(config, eviction_policy or PrioritizedLRU, event_sink=event_sink, stats=self.stats)
+        self.block_pool = BlockPool(
+            config, eviction_policy or PrioritizedLRU, event_sink=event_sink, stats=self.stats, hasher=self.hasher
+        )
         self.matcher = PrefixMatcher(self.block_pool)
         # Group ids by life cycle (group-id order), shared with the matcher.
         self.full_groups = self.matcher.full_groups
@@ -249,6 +262,13 @@ class KVCacheManager:
 
     # --- reuse ---------------------------------------------------------------------------------------------------
 
+    def prompt_keys(
+        self, tokens: Sequence[int], scope: Hashable | None = None, cache_salt: str | bytes | None = None
+    ) -> list[int]:
+        """The block keys of the prompt's full blocks under ``scope`` and ``cache_salt``: compute them once per
+        request and pass them to :meth:`probe_reuse`, :meth:`plan_admission`, :meth:`create_cache` and commits."""
+        return self.hasher.block_keys(tokens, self.tokens_per_block, scope, cache_salt=cache_salt)
+
     def probe_reuse(
         self,
         tokens: Sequence[int] | None = None,
@@ -256,15 +276,17 @@ class KVCacheManager:
         *,
         block_keys: Sequence[int] | None = None,
         max_reuse_tokens: int | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> int:
         """Tokens a cache created now for this prompt (same arguments) would reuse. Read-only: no LRU touch, no
         ref count, no allocation (not even the scope's root)."""
         keys, tokens = self._check_prompt(tokens, block_keys)
         if max_reuse_tokens is not None:
             check_count("max_reuse_tokens", max_reuse_tokens)
-        root = self.block_pool.tree.find_root(scope)
+        root = self.block_pool.tree.find_root(scope, cache_salt)
         if root is None:
             return 0
+        keys = self._keys_for(root, keys, tokens)
         return self.matcher.match(root, keys, tokens, max_reuse_tokens).num_tokens
 
     def plan_admission(
@@ -276,6 +298,7 @@ class KVCacheManager:
         capacity: int | None = None,
         reuse: bool = True,
         max_reuse_tokens: int | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> AdmissionPlan:
         """Whether :meth:`create_cache` with the same arguments would succeed now, and what it would take.
 
@@ -289,7 +312,9 @@ class KVCacheManager:
             check_count("max_reuse_tokens", max_reuse_tokens)
         if capacity is not None:
             check_count("capacity", capacity)
-        root = self.block_pool.tree.find_root(scope)
+        root = self.block_pool.tree.find_root(scope, cache_salt)
+        if root is not None and reuse:
+            keys = self._keys_for(root, keys, tokens)
         match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
         nblocks = -(-max(capacity or 0, match.num_tokens) // self.tokens_per_block)
         _, _, need, taken, _ = self.matcher.reuse_needs(match, nblocks)
@@ -306,17 +331,19 @@ class KVCacheManager:
         max_reuse_tokens: int | None = None,
         priority_callback: PriorityCallback | None = None,
         cache_id: Hashable | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> KVCache:
         """A new active cache holding the longest reusable prefix of the prompt (committed and history equal to
         the reused length; capacity too, or ``max(capacity, reused)`` when ``capacity`` is given).
 
-        The prompt is ``tokens`` (hashed here, lazily up to the first miss) or ``block_keys`` (one chained hash
-        per full block, computed elsewhere: the cache is then in key mode) or both (keys for the tokens' full
-        blocks, skipping the hashing). ``max_reuse_tokens`` caps the reuse; a scheduler passes
-        ``len(prompt) - 1`` so the last prompt token is computed. Raises OutOfPagesError (nothing changed) when
-        the pages cannot be found even after eviction; :meth:`plan_admission` answers the same question first.
+        The prompt is ``tokens`` (keyed here when ``block_keys`` is not given) or ``block_keys`` (one key per
+        full block, e.g. a trace's: the cache is then in key mode) or both (the keys of the tokens' full blocks,
+        from :meth:`prompt_keys`). ``max_reuse_tokens`` caps the reuse; a scheduler passes ``len(prompt) - 1``
+        so the last prompt token is computed. ``cache_salt`` isolates a tenant. Raises OutOfPagesError (nothing
+        changed) when the pages cannot be found even after eviction; :meth:`plan_admission` answers first.
         """
         keys, tokens = self._check_prompt(tokens, block_keys)
+        key_mode = tokens is None and keys is not None
         if max_reuse_tokens is not None:
             check_count("max_reuse_tokens", max_reuse_tokens)
         if capacity is not None:
@@ -332,10 +359,12 @@ class KVCacheManager:
         bp = self.block_pool
         tree = bp.tree
         # A new scope's root is registered only once the cache exists, so a failed call leaves no trace.
-        root = tree.find_root(scope) or tree.make_root(scope)
+        root = tree.find_root(scope, cache_salt) or tree.make_root(scope, cache_salt)
+        if reuse:
+            keys = self._keys_for(root, keys, tokens)
         match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
         cap = max(capacity or 0, match.num_tokens)
-        cache = self.cache_class(self, cache_id, scope, root, tokens is None and keys is not None, priority_callback)
+        cache = self.cache_class(self, cache_id, scope, root, key_mode, priority_callback)
         if not cache._admit(match, tokens, -(-cap // self.tokens_per_block), cap):
             bp.flush_events()
             raise OutOfPagesError(
@@ -363,13 +392,20 @@ class KVCacheManager:
             return self.matcher.match(root, keys, tokens, limit)
         return ReuseMatch(root, (), None, 0, self.tokens_per_block)
 
+    def _keys_for(self, root: Block, keys: Sequence[int] | None, tokens: Sequence[int] | None) -> Sequence[int] | None:
+        """The prompt's keys: as given, or computed from its tokens under ``root`` (the one key path)."""
+        if keys is None and tokens is not None:
+            return self.hasher.block_keys(tokens, self.tokens_per_block, parent=root.key)
+        return keys
+
     def _check_prompt(
         self, tokens: Sequence[int] | None, keys: Sequence[int] | None
     ) -> tuple[Sequence[int] | None, Sequence[int] | None]:
+        """Validated keys and tokens (token ids in range, keys 128-bit ints; numpy tokens become a list)."""
         if tokens is not None:
-            int_sequence("tokens", tokens)
+            tokens = check_tokens(tokens, vocab_size=self.hasher.vocab_size)
         if keys is not None:
-            int_sequence("block_keys", keys)
+            keys = check_block_keys(keys)
             if tokens is not None and len(keys) != len(tokens) // self.tokens_per_block:
                 raise ValueError(
                     f"block_keys: expected one key per full block of tokens ({len(tokens) // self.tokens_per_block}), "

@@ -1,11 +1,11 @@
 """Prefix matching and page needs: read-only questions a manager and its caches ask of the radix tree.
 
 :class:`PrefixMatcher` serves one manager's pool-group layout. ``match`` finds the longest reusable prefix of a
-prompt (given as tokens, block keys or both) under a scope's root, cut back to where every recurrent group has a
-snapshot and every sliding-window group its window (``usable``), with an optional partial tail matched by
-comparing tokens. ``reuse_needs`` says what adopting a match would lock, copy, onboard and allocate;
-``block_needs`` what growing a cache by whole blocks takes. Nothing here changes the tree, the pools, the LRU
-order or any count, so the manager's ``probe_reuse`` and ``plan_admission`` are exact and free of side effects.
+prompt (its block keys, plus its tokens for a partial tail) under a scope's root, cut back to where every recurrent
+group has a snapshot and every sliding-window group its window (``usable``), with an optional partial tail matched
+by comparing tokens. ``reuse_needs`` says what adopting a match would lock, copy, onboard and allocate;
+``block_needs`` what growing a cache by whole blocks takes. Nothing here changes the tree, the pools, the LRU order
+or any count, so the manager's ``probe_reuse`` and ``plan_admission`` are exact and free of side effects.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.config import LifeCycleKind, PoolGroupSpec, Tier
-from kvforge.kvcache.hashing import chain_hashes
 from kvforge.kvcache.pools import Block, Page
 from kvforge.kvcache.records import ReuseMatch
 
@@ -38,6 +37,7 @@ class PrefixMatcher:
         self.recurrent_groups = tuple(i for i, k in enumerate(kinds) if k is LifeCycleKind.RECURRENT)
         self.attention_groups = tuple(i for i, k in enumerate(kinds) if k is not LifeCycleKind.RECURRENT)
         self._gpu = block_pool.gpu
+        self.hasher = block_pool.tree.hasher
 
     # --- matching ------------------------------------------------------------------------------------------------
 
@@ -58,17 +58,8 @@ class PrefixMatcher:
         blocks: list[Block] = []
         node = root
         if keys is not None:
-            for i in range(max_full):
+            for i in range(min(max_full, len(keys))):
                 child = node.children.get(keys[i])
-                if child is None or child.num_tokens != tpb:
-                    break
-                blocks.append(child)
-                node = child
-        elif tokens is not None:
-            h = root.key
-            for i in range(max_full):
-                h = hash((h, tuple(tokens[i * tpb : (i + 1) * tpb])))
-                child = node.children.get(h)
                 if child is None or child.num_tokens != tpb:
                     break
                 blocks.append(child)
@@ -130,14 +121,12 @@ class PrefixMatcher:
         return best, best_len
 
     def chain_keys(self, parent_key: int, partial: Sequence[int], tokens: Sequence[int], n_full: int) -> list[int]:
-        """Chained hashes of the ``n_full`` blocks that ``partial`` followed by ``tokens`` completes."""
+        """Block keys of the ``n_full`` blocks that ``partial`` followed by ``tokens`` completes."""
         if not n_full:
             return []
-        if not partial:
-            return chain_hashes(parent_key, tokens, 0, n_full, self.tokens_per_block)
-        pos = self.tokens_per_block - len(partial)
-        h = hash((parent_key, (*partial, *tokens[:pos])))
-        return [h, *chain_hashes(h, tokens, pos, n_full - 1, self.tokens_per_block)]
+        tpb = self.tokens_per_block
+        seq = tokens[: n_full * tpb] if not partial else (*partial, *tokens[: n_full * tpb - len(partial)])
+        return self.hasher.block_keys(seq, tpb, parent=parent_key)
 
     # --- page needs ---------------------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvforge.errors import CacheStateError
+from kvforge.kvcache.hashing import check_block_keys, check_tokens
 from kvforge.kvcache.manager import CacheStatus
 
 if TYPE_CHECKING:
@@ -84,19 +85,22 @@ class Request:
     Arguments: ``request_id`` (hashable, unique within a scheduler), ``tokens`` or ``block_keys`` +
     ``prompt_len``, ``max_new_tokens`` (>= 1; the request is done after that many), ``arrival_time`` (the
     caller's clock), ``conversation_id``, ``draft_len`` (speculative tokens checked per generation step),
-    ``scope`` (reuse scope: LoRA id, salt), ``estimated_uncached_tokens`` (a router's estimate of the prefill
+    ``scope`` (reuse scope: LoRA id), ``cache_salt`` (tenant isolation: no block is shared with a request of
+    another salt), ``estimated_uncached_tokens`` (a router's estimate of the prefill
     the prompt needs, e.g. its growth since the conversation's previous prompt; None: unknown) and
     ``attention_dp_rank`` (a requested attention-DP rank for :class:`~kvforge.scheduling.adp_router.AttentionDPRouter`).
     """
 
     __slots__ = (
         "_batch_step",
+        "_generated_keys",
         "_prefix_keys",
         "aborted",
         "arrival_time",
         "attention_dp_rank",
         "block_keys",
         "cache",
+        "cache_salt",
         "context_len",
         "conversation_id",
         "demote_iters",
@@ -143,6 +147,7 @@ class Request:
         scope: Hashable | None = None,
         estimated_uncached_tokens: int | None = None,
         attention_dp_rank: int | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> None:
         if request_id is None:
             raise ValueError("request_id: expected a hashable id, got None")
@@ -153,7 +158,7 @@ class Request:
         self.request_id = request_id
         if tokens is None and block_keys is None and prompt_len is None:
             raise ValueError("Request: expected tokens, or block_keys with prompt_len (or prompt_len alone)")
-        self.tokens = None if tokens is None else _int_tuple("tokens", tokens)
+        self.tokens = None if tokens is None else tuple(check_tokens(tokens))
         if self.tokens is not None:
             if prompt_len is not None and prompt_len != len(self.tokens):
                 raise ValueError(f"prompt_len: {prompt_len} differs from the {len(self.tokens)} tokens given")
@@ -163,9 +168,8 @@ class Request:
         self.prompt_len = _count("prompt_len", prompt_len, 1)
         # Key mode without keys (prompt_len alone) is an empty key list: nothing to reuse, nothing committed.
         self.keyless = self.tokens is None and block_keys is None
-        self.block_keys = (
-            None if block_keys is None and self.tokens is not None else _int_tuple("block_keys", block_keys or ())
-        )
+        # Token mode: the scheduler fills block_keys in add_request (kvforge.kvcache.hashing, once per request).
+        self.block_keys = None if block_keys is None and self.tokens is not None else check_block_keys(block_keys or ())
         self.max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
         if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
             raise TypeError(f"arrival_time: expected a number, got {type(arrival_time).__name__}")
@@ -175,6 +179,10 @@ class Request:
         self.conversation_id = conversation_id
         self.draft_len = _count("draft_len", draft_len)
         self.scope = scope
+        if cache_salt is not None and (not isinstance(cache_salt, (str, bytes)) or not cache_salt):
+            raise TypeError(f"cache_salt: expected a non-empty str or bytes, or None, got {cache_salt!r}")
+        self.cache_salt = cache_salt
+        self._generated_keys: list[int] = []  # keys of blocks past the prompt's, from generated tokens
         if estimated_uncached_tokens is not None:
             _count("estimated_uncached_tokens", estimated_uncached_tokens)
         self.estimated_uncached_tokens = estimated_uncached_tokens

@@ -346,6 +346,9 @@ class Scheduler:
             raise ValueError(f"request: {request.request_id!r} was already given to a scheduler")
         if request.request_id in self._requests:
             raise ValueError(f"request: id {request.request_id!r} is already in use by an unfinished request")
+        if request.tokens is not None and request.block_keys is None:
+            # The one time a token-mode request is keyed: every later call passes these keys down.
+            request.block_keys = tuple(self.manager.prompt_keys(request.tokens, request.scope, request.cache_salt))
         if (
             request.block_keys is not None
             and not request.keyless
@@ -603,8 +606,33 @@ class Scheduler:
         self.stats.probes += 1
         limit = req.context_len - 1
         if req.tokens is not None:
-            return self.manager.probe_reuse(self._sequence(req), req.scope, max_reuse_tokens=limit)
-        return self.manager.probe_reuse(None, req.scope, block_keys=req.block_keys, max_reuse_tokens=limit)
+            seq = self._sequence(req)
+            return self.manager.probe_reuse(
+                seq,
+                req.scope,
+                block_keys=self._sequence_keys(req, seq),
+                max_reuse_tokens=limit,
+                cache_salt=req.cache_salt,
+            )
+        return self.manager.probe_reuse(
+            None, req.scope, block_keys=req.block_keys, max_reuse_tokens=limit, cache_salt=req.cache_salt
+        )
+
+    def _sequence_keys(self, req: Request, seq: Sequence[int]) -> tuple[int, ...]:
+        """Block keys of ``seq``'s full blocks (a token-mode request's known tokens from the start): the prompt's
+        keys, computed once in add_request, then keys of generated blocks, computed once each and kept."""
+        tpb = self.tokens_per_block
+        n_full = len(seq) // tpb
+        keys = req.block_keys
+        assert keys is not None
+        if n_full <= len(keys):
+            return keys[:n_full]
+        ext = req._generated_keys
+        have = len(keys) + len(ext)
+        if have < n_full:
+            parent = ext[-1] if ext else (keys[-1] if keys else self.manager.hasher.root_key(req.scope, req.cache_salt))
+            ext.extend(self.manager.hasher.block_keys(seq[have * tpb : n_full * tpb], tpb, parent=parent))
+        return (*keys, *ext[: n_full - len(keys)])
 
     def _sequence(self, req: Request) -> Sequence[int]:
         """Known tokens of the current context (token mode): the prompt, then generated ids when given."""
@@ -656,9 +684,18 @@ class Scheduler:
         limit = req.context_len - 1
         try:
             if req.tokens is not None:
-                cache = self.manager.create_cache(self._sequence(req), scope=req.scope, max_reuse_tokens=limit)
+                seq = self._sequence(req)
+                cache = self.manager.create_cache(
+                    seq,
+                    block_keys=self._sequence_keys(req, seq),
+                    scope=req.scope,
+                    max_reuse_tokens=limit,
+                    cache_salt=req.cache_salt,
+                )
             else:
-                cache = self.manager.create_cache(block_keys=req.block_keys, scope=req.scope, max_reuse_tokens=limit)
+                cache = self.manager.create_cache(
+                    block_keys=req.block_keys, scope=req.scope, max_reuse_tokens=limit, cache_salt=req.cache_salt
+                )
         except OutOfPagesError:
             return None
         cache.user_data = req
@@ -820,12 +857,11 @@ class Scheduler:
             return
         kw: dict[str, Any] = {"ssm_from_pending": True} if from_pending else {}
         if req.tokens is not None:
-            p = req.prompt_len
-            if target <= p:
-                cache.commit(req.tokens[c:target], **kw)
-            else:
-                seq = (*req.tokens, *req.output_tokens)
-                cache.commit(seq[c:target], **kw)
+            tpb = self.tokens_per_block
+            seq = req.tokens[:target] if target <= req.prompt_len else (*req.tokens, *req.output_tokens)[:target]
+            if target // tpb > c // tpb:
+                kw["block_keys"] = self._sequence_keys(req, seq)[c // tpb : target // tpb]
+            cache.commit(seq[c:target], **kw)
             return
         tpb = self.tokens_per_block
         first = c // tpb
