@@ -77,6 +77,12 @@ class BlockPool:
 
     def pool(self, group: int, tier: Tier = Tier.GPU) -> PagePool:
         """The pages of one pool group in one tier."""
+        if type(group) is not int:
+            raise TypeError(f"group: expected an int pool group id, got {type(group).__name__}")
+        if not isinstance(tier, int) or isinstance(tier, bool):
+            raise TypeError(f"tier: expected a Tier, got {type(tier).__name__}")
+        if tier < 0:
+            raise ValueError(f"tier: expected a Tier, got {tier}")
         if not 0 <= group < self.num_groups:
             raise ValueError(f"group: expected a pool group id in [0, {self.num_groups}), got {group}")
         if tier >= len(self._pools):

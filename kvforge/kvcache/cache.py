@@ -203,18 +203,27 @@ class KVCache:
         """Committed tokens past the last full block (empty in key mode or once committing stopped)."""
         return tuple(self._partial)
 
+    def _group(self, group: object) -> int:
+        n = self.manager.num_groups
+        if type(group) is not int:
+            raise TypeError(f"group: expected an int pool group id, got {type(group).__name__}")
+        if not 0 <= group < n:
+            raise ValueError(f"group: expected a pool group id in [0, {n}), got {group}")
+        return group
+
     def pages(self, group: int) -> tuple[Page | None, ...]:
         """This cache's page per block of an attention group (None: a stale sliding-window block)."""
-        return tuple(self._pages[group])
+        return tuple(self._pages[self._group(group)])
 
     def page_indices(self, group: int, start: int = 0) -> list[int]:
-        """GPU page index per block of an attention group from block ``start`` on, -1 where the cache holds
-        none."""
-        return [-1 if p is None else p.index for p in self._pages[group][start:]]
+        """GPU page index per block of an attention group from block ``start`` (>= 0) on, -1 where the cache
+        holds none."""
+        check_count("start", start)
+        return [-1 if p is None else p.index for p in self._pages[self._group(group)][start:]]
 
     def live_page(self, group: int) -> Page | None:
         """The live recurrent-state page of a recurrent group (None for attention groups or when not active)."""
-        return self._live[group]
+        return self._live[self._group(group)]
 
     def pages_needed(self, capacity: int) -> tuple[int, ...]:
         """GPU pages per group that growing to ``capacity`` tokens would take (zeros when shrinking)."""
@@ -723,13 +732,15 @@ class KVCache:
 
     # --- release (suspend, close) ------------------------------------------------------------------------------
 
-    def _release_priorities(self) -> dict[tuple[int, int], int] | None:
+    def _release_priorities(self, committed: int | None = None) -> dict[tuple[int, int], int] | None:
         """The priority of every page the cache will give back (and of the partial tail's snapshots), asked
-        before anything changes so that a failing callback leaves the cache as it was (None: the default)."""
+        before anything changes so that a failing callback leaves the cache as it was (None: the default).
+        ``committed``: the committed length to ask for (default: the current one; a commit that ends the
+        sequence asks for its end before it commits anything)."""
         if self._constant_priority():
             return None
         mgr = self.manager
-        committed = self._committed
+        committed = self._committed if committed is None else committed
         out = {}
         for g in mgr.attention_groups:
             for b, p in enumerate(self._pages[g]):

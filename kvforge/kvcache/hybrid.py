@@ -373,9 +373,21 @@ class HybridKVCache(KVCache):
                 if self._pending is not None:
                     self._release_pending()
             return
+        if not is_end or not self.committing or not self.is_active:
+            super().commit(tokens, num_tokens=num_tokens, block_keys=block_keys)
+            if is_end:
+                self._end_sequence()
+            return
+        # Every priority the end of the sequence needs is asked for first: a failing callback then leaves the
+        # cache exactly as it was (nothing committed, still committing).
+        n = len(tokens) if tokens is not None and hasattr(tokens, "__len__") else num_tokens
+        release = snap = None
+        if type(n) is int and n >= 0:
+            end = self.num_committed_tokens + n
+            release = self._release_priorities(end)
+            snap = self._end_snapshot_priorities(end)
         super().commit(tokens, num_tokens=num_tokens, block_keys=block_keys)
-        if is_end:
-            self._end_sequence()
+        self._end_sequence(release, snap)
 
     # --- snapshots (base-cache hooks) ----------------------------------------------------------------------------
 
@@ -442,9 +454,17 @@ class HybridKVCache(KVCache):
             c.points_requested_committed += 1
             mgr._record()
 
-    def _end_snapshot(self) -> None:
+    def _end_snapshot_priorities(self, committed: int) -> dict[int, int] | None:
+        """The recurrent priorities ``_end_snapshot`` would ask for at ``committed`` tokens (None: default)."""
+        mgr = self._hybrid
+        tpb = mgr.tokens_per_block
+        if self._constant_priority() or not committed or committed % tpb:
+            return None
+        return {g: self._priority(committed // tpb - 1, g, committed) for g in mgr.recurrent_groups}
+
+    def _end_snapshot(self, given: dict[int, int] | None = None) -> None:
         """Snapshot the live state at the committed end when that is a full-block boundary without one (the
-        partial-tail case goes through ``_insert_partial``)."""
+        partial-tail case goes through ``_insert_partial``); ``given``: priorities asked for beforehand."""
         mgr = self._hybrid
         tpb = mgr.tokens_per_block
         committed = self._committed
@@ -455,7 +475,7 @@ class HybridKVCache(KVCache):
         if all(block.pages[g] is not None for g in rec):
             return
         ordinal = committed // tpb - 1
-        prios = {g: self._priority(ordinal, g, committed) for g in rec}
+        prios = given if given is not None else {g: self._priority(ordinal, g, committed) for g in rec}
         snaps = self._take_live(block) if self._ending else self._copy_live(block)
         if not snaps:
             return
@@ -465,12 +485,17 @@ class HybridKVCache(KVCache):
         for g, page in snaps.items():
             bp.attach(page, block, prios[g])
 
-    def _end_sequence(self) -> None:
-        """``commit(..., is_end=True)``: insert the tail now (snapshots copied from the live state) and stop."""
+    def _end_sequence(
+        self,
+        release: dict[tuple[int, int], int] | None = None,
+        snap: dict[int, int] | None = None,
+    ) -> None:
+        """``commit(..., is_end=True)``: insert the tail now (snapshots copied from the live state) and stop.
+        ``release`` / ``snap``: the priorities, asked for before the commit (asked here when not given)."""
         if not self._committing:
             return
-        prios = self._release_priorities()
-        self._end_snapshot()
+        prios = release if release is not None else self._release_priorities()
+        self._end_snapshot(snap)
         self._insert_partial(prios)
         self._hybrid.block_pool.flush_events()
         self.stop_committing()

@@ -216,7 +216,7 @@ class KVCacheManager:
 
     def num_available_pages(self, group: int) -> int:
         """GPU pages of ``group`` obtainable now: free plus every unlocked one (reclaimable by eviction)."""
-        return self.block_pool.gpu[group].num_available
+        return self.block_pool.pool(group).num_available
 
     def can_allocate(self, pages_per_group: Sequence[int]) -> bool:
         """Whether that many GPU pages per group (group-id order) can be obtained now (read-only)."""
