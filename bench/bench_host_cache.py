@@ -20,7 +20,9 @@ only the modules named in ``_VLLM_REAL``/``_SGLANG_REAL`` execute, infrastructur
 systems first, so every run starts from the same heap. Hit counts must agree exactly with an unlimited cache
 (the same longest-prefix semantics); with LRU eviction they differ by design (vLLM may evict a block whose
 children stay cached; kvforge and SGLang evict leaves) and are reported side by side. Rows go to
-``bench/results/host_cache.csv``, the plot to ``bench/results/host_cache.png``. Run::
+``bench/results/host_cache.csv``, the plot to ``bench/results/host_cache.png``. After building its pools, every
+system's run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and
+SGLang's servers do after start-up (``--no-freeze``: not). Run::
 
     python bench/bench_host_cache.py [--reps 3] [--systems kvforge,vllm,sglang,...] [--limit N] [--no-save]
 """
@@ -220,7 +222,9 @@ def _sglang(capacity: int, sgl_radix: Any) -> Any:
 # --- one run (child process) ---------------------------------------------------------------------------------------
 
 
-def _run_child(system: str, capacity_name: str, trace: Path, wheels: Path, limit: int | None) -> dict[str, Any]:
+def _run_child(
+    system: str, capacity_name: str, trace: Path, wheels: Path, limit: int | None, freeze: bool
+) -> dict[str, Any]:
     from kvforge.kvcache.replay import load_trace
 
     vllm_pool, sgl_radix = _import_peers(wheels)  # every run imports every system: the same heap for all
@@ -237,6 +241,10 @@ def _run_child(system: str, capacity_name: str, trace: Path, wheels: Path, limit
         raise ValueError(f"system: unknown {system!r}")
     if not gc.isenabled():
         raise RuntimeError("the garbage collector must be on")
+    if freeze:
+        from kvforge.kvcache.host import freeze_gc
+
+        freeze_gc()
     gc_ns = [0]
     gc_counts = [0, 0, 0]
     gc_start = [0]
@@ -273,6 +281,7 @@ def _run_child(system: str, capacity_name: str, trace: Path, wheels: Path, limit
         "hit_blocks": hit_blocks,
         "hit_tokens": hit_tokens,
         "prompt_tokens": prompt_tokens,
+        "freeze": freeze,
     }
 
 
@@ -295,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="runs per (system, capacity); the median-total run reports")
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--no-save", action="store_true", help="print only (no CSV / PNG)")
+    ap.add_argument("--no-freeze", action="store_true", help="no gc.freeze() after building the pools")
     ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "CAPACITY"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     trace = _trace_path(args.trace)
     wheels = _wheels_dir(args.wheels)
     if args.child:
-        print(json.dumps(_run_child(args.child[0], args.child[1], trace, wheels, args.limit)))
+        print(json.dumps(_run_child(args.child[0], args.child[1], trace, wheels, args.limit, not args.no_freeze)))
         return 0
     if trace is None or not trace.is_file():
         print(f"bench_host_cache: trace not found ({trace}); set --trace or $KVFORGE_TRACE. Skipped.", file=sys.stderr)
@@ -328,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             for system in order:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--child", system, cap, "--trace", str(trace)]
                 cmd += ["--wheels", str(wheels)] + (["--limit", str(args.limit)] if args.limit else [])
+                cmd += ["--no-freeze"] if args.no_freeze else []
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
                     raise SystemExit(f"{system} {cap} failed:\n{out.stderr[-3000:]}")
@@ -344,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if CAPACITIES[cap] is None and len(set(hits.values())) != 1:
             raise SystemExit(f"hit blocks disagree with an unlimited cache: {hits}")
         base = _stats(chosen[BASELINE]["samples_ns"])["total_ms"] if BASELINE in chosen else None
-        print(f"\ncapacity {cap} ({chosen[systems[0]]['capacity_blocks']:,} blocks), GC on, CPU time per request:")
+        frozen = "gc.freeze() after start-up" if not args.no_freeze else "no gc.freeze()"
+        print(f"\ncapacity {cap} ({chosen[systems[0]]['capacity_blocks']:,} blocks), GC on, {frozen}, CPU per request:")
         print(
             f"{'system':>15} {'median us':>10} {'mean us':>9} {'p99 us':>9} {'total ms':>9} {'gc ms':>7} "
             f"{'gen2':>5} {'hit blocks':>10} {'hit rate':>8} {'x vllm':>7}"
@@ -374,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                     "hit_rate": round(r["hit_tokens"] / r["prompt_tokens"], 5),
                     "ratio_to_vllm": round(ratio, 3),
                     "gc": "on",
+                    "gc_freeze_at_start": r["freeze"],
                     "cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version(),
                     "vllm_wheel": find_wheel(wheels, "vllm").name,  # type: ignore[union-attr]

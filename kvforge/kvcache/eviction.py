@@ -133,17 +133,84 @@ class LazyHeapPolicy:
         return [e[4] for e in sorted(e for e in self._heap if e[4] is not None)]
 
 
-class PrioritizedLRU(LazyHeapPolicy):
-    """Lowest priority first, then least recently used, then deepest block (see :class:`LazyHeapPolicy`)."""
+class PrioritizedLRU:
+    """Lowest priority first, then least recently used, then deepest block.
 
-    __slots__ = ()
+    One heap with lazy deletion, like :class:`LazyHeapPolicy`, but its entries hold only ints
+    ``(priority, last_used, -depth, seq, page index)`` and ``page.policy_data`` holds the live entry's ``seq``:
+    tuples of ints leave the cyclic garbage collector's view at their first collection, so a cache of many
+    candidate pages does not make every full collection longer (the page is found again through its pool).
+    """
+
+    __slots__ = ("_heap", "_live", "_pages", "_seq", "on_victim")
 
     def __init__(self, group: PoolGroupSpec | None = None, tier: Tier | None = None) -> None:
-        super().__init__()
+        self._heap: list[tuple[int, int, int, int, int]] = []
+        self._live = 0
+        self._seq = 0
+        self._pages: list[Page] | None = None  # the pool's pages, by index (bound at the first add)
+        self.on_victim: Callable[[Page], None] | None = None
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, page: object) -> bool:
+        pages = self._pages
+        if pages is None or getattr(page, "policy_data", None) is None:
+            return False
+        idx = page.index  # type: ignore[attr-defined]
+        return 0 <= idx < len(pages) and pages[idx] is page
 
     def add(self, page: Page) -> None:
-        self._require_new(page)
+        if page.policy_data is not None:
+            raise AssertionError(f"{page!r} is already an eviction candidate")
+        if self._pages is None:
+            self._pages = page.pool.pages
         block = page.block
-        depth = block.depth if block is not None else 0
-        self._seq += 1
-        self._push(page, [page.priority, page.last_used, -depth, self._seq, page])
+        self._seq = seq = self._seq + 1
+        page.policy_data = seq
+        heapq.heappush(
+            self._heap, (page.priority, page.last_used, -block.depth if block is not None else 0, seq, page.index)
+        )
+        self._live += 1
+
+    def discard(self, page: Page) -> None:
+        if page.policy_data is None:
+            return
+        page.policy_data = None
+        self._live -= 1
+        if len(self._heap) > 2 * self._live + 1024:
+            pages = self._pages
+            assert pages is not None
+            self._heap = [e for e in self._heap if pages[e[4]].policy_data == e[3]]
+            heapq.heapify(self._heap)
+
+    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
+        heap = self._heap
+        pages = self._pages
+        rejected = []
+        victim = None
+        while heap:
+            entry = heapq.heappop(heap)
+            page = pages[entry[4]]  # type: ignore[index]
+            if page.policy_data != entry[3]:
+                continue  # discarded (or re-added since) entry
+            if accept is not None and not accept(page):
+                rejected.append(entry)
+                continue
+            page.policy_data = None
+            self._live -= 1
+            victim = page
+            break
+        for entry in rejected:
+            heapq.heappush(heap, entry)
+        if victim is not None and self.on_victim is not None:
+            self.on_victim(victim)
+        return victim
+
+    def ordered(self) -> list[Page]:
+        """Candidates in eviction order (for tests and introspection; O(n log n))."""
+        pages = self._pages
+        if pages is None:
+            return []
+        return [pages[e[4]] for e in sorted(self._heap) if pages[e[4]].policy_data == e[3]]
