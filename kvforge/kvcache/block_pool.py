@@ -100,6 +100,10 @@ class BlockPool:
 
     def can_allocate(self, pages_per_group: Sequence[int]) -> bool:
         """Whether that many GPU pages per group (group-id order) can be obtained now (read-only)."""
+        if isinstance(pages_per_group, (str, bytes)) or not isinstance(pages_per_group, Sequence):
+            raise TypeError(f"pages_per_group: expected a sequence of ints, got {type(pages_per_group).__name__}")
+        for i, n in enumerate(pages_per_group):
+            check_count(f"pages_per_group[{i}]", n)
         if len(pages_per_group) != self.num_groups:
             raise ValueError(f"pages_per_group: expected {self.num_groups} counts, got {len(pages_per_group)}")
         return all(n <= pool.num_available for n, pool in zip(pages_per_group, self.gpu))
