@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.kvcache.config import DTYPE_BYTES, LayerOwner, LayerSpec, LifeCycle
+from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE as _K3_COST
+from kvforge.kvcache.snapshot_policy import ModelCostSpec
 
 __all__ = [
     "FALLBACK_ATTENTION_TFLOPS",
@@ -65,6 +67,10 @@ def _pos(name: str, v: object, *, integer: bool = False, zero_ok: bool = False) 
         raise ValueError(f"{name}: expected a value {'>=' if zero_ok else '>'} 0, got {v!r}")
 
 
+# Bytes per element -> the cache dtype name a ModelCostSpec's kv_dtype_bytes stands for.
+_DTYPE_OF_BYTES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A hybrid model as the simulator sees it. Sizes are per model (all GPUs of a server together).
@@ -79,18 +85,20 @@ class ModelSpec:
     ``draft_acceptance`` given the previous ones were.
     """
 
+    # Layout and prefill-cost defaults come from the project's one model description,
+    # kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE; the MoE and drafter figures below are the simulator's own.
     name: str = "custom"
-    mla_layers: int = 16
-    mla_heads: int = 64
-    mla_qk_dim: int = 192
-    mla_v_dim: int = 128
-    mla_latent_dim: int = 576
-    kv_dtype: str = "bfloat16"
-    recurrent_layers: int = 45
-    recurrent_state_bytes: int = 4_341_760
-    recurrent_flops_per_token: float = 4.0 * 64 * 128 * 128
+    mla_layers: int = len(_K3_COST.attention_layers)
+    mla_heads: int = _K3_COST.attn_heads
+    mla_qk_dim: int = _K3_COST.qk_head_dim
+    mla_v_dim: int = _K3_COST.v_head_dim
+    mla_latent_dim: int = _K3_COST.kv_elements_per_token
+    kv_dtype: str = _DTYPE_OF_BYTES[_K3_COST.kv_dtype_bytes]
+    recurrent_layers: int = len(_K3_COST.recurrent_layers)
+    recurrent_state_bytes: int = _K3_COST.recurrent_state_bytes
+    recurrent_flops_per_token: float = _K3_COST.recurrent_flops_per_token
     total_params: float = 1.0e12
-    active_params: float = 32e9
+    active_params: float = _K3_COST.active_params
     dense_params: float = 12e9
     experts: int = 384
     top_k: int = 8
@@ -185,10 +193,11 @@ class ModelSpec:
         return tuple(out)
 
     @classmethod
-    def from_cost_spec(cls, spec: Any, **fields_: Any) -> ModelSpec:
+    def from_cost_spec(cls, spec: ModelCostSpec, **fields_: Any) -> ModelSpec:
         """The layout of a :class:`kvforge.kvcache.snapshot_policy.ModelCostSpec`, plus ``fields_`` (MoE and
         drafter figures, which it does not describe)."""
-        dtypes = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+        if not isinstance(spec, ModelCostSpec):
+            raise TypeError(f"spec: expected a ModelCostSpec, got {type(spec).__name__}")
         base: dict[str, Any] = {
             "name": spec.name,
             "mla_layers": len(spec.attention_layers),
@@ -196,7 +205,7 @@ class ModelSpec:
             "mla_qk_dim": spec.qk_head_dim,
             "mla_v_dim": spec.v_head_dim,
             "mla_latent_dim": spec.kv_elements_per_token,
-            "kv_dtype": dtypes[spec.kv_dtype_bytes],
+            "kv_dtype": _DTYPE_OF_BYTES[spec.kv_dtype_bytes],
             "recurrent_layers": len(spec.recurrent_layers),
             "recurrent_state_bytes": spec.recurrent_state_bytes,
             "recurrent_flops_per_token": spec.recurrent_flops_per_token,
@@ -205,11 +214,9 @@ class ModelSpec:
         base.update(fields_)
         return cls(**base)
 
-    def to_cost_spec(self) -> Any:
+    def to_cost_spec(self) -> ModelCostSpec:
         """This layout as the :class:`~kvforge.kvcache.snapshot_policy.ModelCostSpec` the cost-aware snapshot
         policy values snapshots with (a hybrid model only: it needs recurrent layers)."""
-        from kvforge.kvcache.snapshot_policy import ModelCostSpec
-
         if not self.is_hybrid:
             raise ValueError(f"{self.name}: a cost spec needs recurrent layers")
         n = self.mla_layers + self.recurrent_layers
@@ -220,7 +227,7 @@ class ModelSpec:
             name=self.name,
             num_layers=n,
             attention_layers=attn,
-            hidden_size=7168,
+            hidden_size=_K3_COST.hidden_size,  # not part of the cost; the simulator does not model it
             active_params=self.active_params,
             kv_elements_per_token=self.mla_latent_dim,
             kv_dtype_bytes=DTYPE_BYTES[self.kv_dtype],
@@ -241,21 +248,11 @@ class ModelSpec:
         return asdict(self)
 
 
-def _kimi_k3_like() -> ModelSpec:
-    """The cache layout and prefill cost of the hybrid manager's own Kimi-K3-like description
-    (:data:`kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE`: 16 MLA + 45 KDA layers, bf16 latent, 4.3 MB of
-    state per KDA layer, ~32e9 active parameters), completed with what the step-time model needs and that
-    description leaves out: a Kimi-K2-sized MoE (1e12 parameters, 384 experts, top-8, FP8 weights, ~12e9
-    dense) and one MTP drafter layer proposing 3 tokens at 70% acceptance each. A guess at the shape, not a
-    published model."""
-    try:
-        from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE as COST
-    except ImportError:  # an installation without the hybrid manager: the same figures, held here
-        return ModelSpec(name="kimi-k3-like")
-    return ModelSpec.from_cost_spec(COST)
-
-
-KIMI_K3_LIKE = _kimi_k3_like()
+KIMI_K3_LIKE = ModelSpec.from_cost_spec(_K3_COST)
+"""Derived from :data:`kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE` (the cache layout and prefill cost: 16 MLA +
+45 KDA layers, bf16 latent, 4.3 MB of state per KDA layer, ~32e9 active parameters), completed with the
+simulator's defaults for what that description leaves out: a Kimi-K2-sized MoE (1e12 parameters, 384 experts,
+top-8, FP8 weights, ~12e9 dense) and one MTP drafter layer proposing 3 tokens at 70% acceptance each."""
 
 
 def load_model(spec: str | Path | None) -> ModelSpec:
