@@ -1,4 +1,4 @@
-"""The hybrid cache manager: attention pages plus recurrent-state (linear attention / SSM) snapshots.
+"""The hybrid cache manager: attention pages plus recurrent-state (linear attention) snapshots.
 
 A recurrent state is reusable only at the exact token where it was saved, and one snapshot takes a whole
 state page whatever the prefix it stands for. So, on top of :class:`~kvforge.kvcache.manager.KVCacheManager`
@@ -22,8 +22,8 @@ manager decides **where** snapshots are taken and keeps the bookkeeping a runtim
   manager cannot take mid-chunk snapshots) and, when at least two points remain, the next one as the pass
   point.
 * **Pending snapshot slot** (mid-chunk snapshots): before a step that passes point ``P`` inside it, the runtime
-  calls ``slot = cache.acquire_ssm_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
-  that page; after the step it commits up to ``P`` with ``cache.commit(..., ssm_from_pending=True)`` (the
+  calls ``slot = cache.acquire_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
+  that page; after the step it commits up to ``P`` with ``cache.commit(..., snapshot_from_pending=True)`` (the
   pending page moves into the tree block ending at ``P``, with the cache's priority) and then the rest. If that
   commit records no snapshot at its end (the block is already covered, it ends inside a block or at no
   snapshot point, committing stopped, or the commit raised) the pending page is released. Suspend,
@@ -144,8 +144,13 @@ class HybridKVCache(KVCache):
     # --- views ---------------------------------------------------------------------------------------------------
 
     @property
-    def pending_ssm_snapshot_slot(self) -> int | None:
+    def pending_snapshot_slot(self) -> int | None:
         """The GPU page index of the pending snapshot page (None when the cache holds none)."""
+        return None if self._pending is None else self._pending.index
+
+    @property
+    def pending_ssm_snapshot_slot(self) -> int | None:
+        """Old name of :attr:`pending_snapshot_slot` (kept for existing callers)."""
         return None if self._pending is None else self._pending.index
 
     @property
@@ -295,7 +300,7 @@ class HybridKVCache(KVCache):
 
     # --- pending snapshot slot -----------------------------------------------------------------------------------
 
-    def acquire_ssm_snapshot_slot(self) -> int | None:
+    def acquire_snapshot_slot(self) -> int | None:
         """Reserve a GPU page of the recurrent group for a mid-step snapshot; returns its index, or None when
         committing has stopped or no page is free even after eviction.
 
@@ -305,10 +310,10 @@ class HybridKVCache(KVCache):
         """
         mgr = self._hybrid
         g = mgr._pending_group()
-        self._require_active("acquire_ssm_snapshot_slot")
+        self._require_active("acquire_snapshot_slot")
         if self._pending is not None:
             raise CacheStateError(
-                f"acquire_ssm_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
+                f"acquire_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
             )
         if not self.committing:
             return None
@@ -320,12 +325,16 @@ class HybridKVCache(KVCache):
         self._pending = page
         return page.index
 
-    def release_ssm_snapshot_slot(self) -> bool:
+    def release_snapshot_slot(self) -> bool:
         """Give the pending page back; False when the cache holds none."""
         if self._pending is None:
             return False
         self._release_pending()
         return True
+
+    # Old names (kept for existing callers): the project's vocabulary is "snapshot" and "recurrent".
+    acquire_ssm_snapshot_slot = acquire_snapshot_slot
+    release_ssm_snapshot_slot = release_snapshot_slot
 
     def _release_pending(self) -> None:
         page = self._pending
@@ -344,12 +353,14 @@ class HybridKVCache(KVCache):
         *,
         num_tokens: int | None = None,
         block_keys: Sequence[int] | None = None,
-        ssm_from_pending: bool = False,
+        snapshot_from_pending: bool = False,
         is_end: bool = False,
+        ssm_from_pending: bool = False,
     ) -> None:
         """:meth:`KVCache.commit`, plus:
 
-        ``ssm_from_pending``: the snapshot at this commit's end comes from the pending page (written mid-step),
+        ``snapshot_from_pending`` (old name ``ssm_from_pending``, still accepted): the snapshot at this commit's
+        end comes from the pending page (written mid-step),
         not from the live state. Raises CacheStateError, changing nothing, without a pending page or with
         ``is_end``; otherwise the pending page ends up in the tree or released, whatever happens (an error in
         the commit itself releases it and propagates).
@@ -357,14 +368,14 @@ class HybridKVCache(KVCache):
         ``is_end``: this is the sequence's last commit: its partial tail is inserted into the tree now (with
         the live state as its snapshot when the state is exactly there) and the cache stops committing.
         """
-        if ssm_from_pending:
+        if snapshot_from_pending or ssm_from_pending:
             if is_end:
                 raise CacheStateError(
-                    f"commit: cache {self.id!r}: ssm_from_pending cannot end the sequence (is_end); the state at "
-                    "the end is the live one"
+                    f"commit: cache {self.id!r}: snapshot_from_pending cannot end the sequence (is_end); the state "
+                    "at the end is the live one"
                 )
             if self._pending is None:
-                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (ssm_from_pending)")
+                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (snapshot_from_pending)")
             try:
                 n = len(tokens) if tokens is not None else num_tokens
                 self._commit_end = self.num_committed_tokens + (n if isinstance(n, int) else 0)
@@ -671,7 +682,7 @@ class HybridCacheManager(KVCacheManager):
         rec = self.recurrent_groups
         if len(rec) != 1:
             raise CacheStateError(
-                f"acquire_ssm_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
+                f"acquire_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
                 f"manager has {len(rec)} ({list(rec)})"
             )
         return rec[0]

@@ -42,12 +42,14 @@ request is never deferred, so the aging bound holds for every request.
 ``max_prefix_wait_iters`` iterations) instead of computing it too, asks that owner for a snapshot point where
 their prompts part, and is probed again once it stops waiting. See :mod:`kvforge.scheduling.prefix_wait`.
 
-**Optional manager hooks** (duck-typed, so ``kvcache`` never imports this package):
-``mark_context_request(request)`` is called before each context chunk is sized (the hybrid manager sets the
-snapshot marks there); ``count_prefix_waits(requests)`` receives the requests that started waiting in a pass.
-When a chunk passes a snapshot point inside it and the cache has ``acquire_ssm_snapshot_slot`` (hybrid), the
-scheduler claims the pending slot with the chunk (no slot: the chunk ends at the point instead) and
-``on_step_done`` commits up to the point with ``ssm_from_pending=True``, then the rest.
+**Optional manager hooks** (the protocols of :mod:`kvforge.scheduling.seams`, so ``kvcache`` never imports this
+package): a :class:`~kvforge.scheduling.seams.ContextMarker` is asked to mark each context request before its
+chunk is sized (the hybrid manager sets the snapshot marks there); a
+:class:`~kvforge.scheduling.seams.PrefixWaitCounter` receives the requests that started waiting in a pass.
+When a chunk passes a snapshot point inside it and the cache is a
+:class:`~kvforge.scheduling.seams.SnapshotSlotCache` (hybrid), the scheduler claims the pending slot with the
+chunk (no slot: the chunk ends at the point instead) and ``on_step_done`` commits up to the point with
+``snapshot_from_pending=True``, then the rest.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from kvforge.kvcache.manager import CacheStatus, KVCacheManager
 from kvforge.scheduling.chunking import passed_snapshot_point, snapshot_chunk_end
 from kvforge.scheduling.prefix_wait import PrefixWaitPlanner, PrefixWaitStats
 from kvforge.scheduling.request import Request, RequestState
+from kvforge.scheduling.seams import ContextMarker, PrefixWaitCounter, SnapshotSlotCache
 
 __all__ = [
     "DEFAULT_DEMOTE_MAX_ITERS",
@@ -182,7 +185,7 @@ class ScheduledRequest(NamedTuple):
     to before them). ``is_last_chunk``: the context chunk that ends the prefill (it emits the first token).
     ``snapshot_point``: a snapshot point the step passes inside it (mid-chunk snapshot); when the cache has a
     pending snapshot slot (hybrid manager) the scheduler acquired it, the recurrent kernel writes the state at
-    that point into ``cache.pending_ssm_snapshot_slot``, and ``on_step_done`` commits up to the point from it."""
+    that point into ``cache.pending_snapshot_slot``, and ``on_step_done`` commits up to the point from it."""
 
     request: Request
     num_tokens: int
@@ -287,8 +290,12 @@ class Scheduler:
             if config.prefix_wait and config.max_prefix_wait_iters > 0
             else None
         )
-        self._mark_hook: Callable[[Request], Any] | None = getattr(manager, "mark_context_request", None)
-        self._count_waits_hook: Callable[[Sequence[Request]], Any] | None = getattr(manager, "count_prefix_waits", None)
+        self._mark_hook: Callable[[Request], Any] | None = (
+            manager.mark_context_request if isinstance(manager, ContextMarker) else None
+        )
+        self._count_waits_hook: Callable[[Sequence[Request]], Any] | None = (
+            manager.count_prefix_waits if isinstance(manager, PrefixWaitCounter) else None
+        )
         self._requests: dict[Hashable, Request] = {}
         self._waiting: list[Request] = []  # by seq (arrival order)
         self._running: list[Request] = []  # by seq; every one holds an active cache
@@ -463,7 +470,11 @@ class Scheduler:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.state = _GENERATION
-            if s.snapshot_point is not None and getattr(cache, "pending_ssm_snapshot_slot", None) is not None:
+            if (
+                s.snapshot_point is not None
+                and isinstance(cache, SnapshotSlotCache)
+                and cache.pending_snapshot_slot is not None
+            ):
                 # The state at the passed point sits in the pending page: commit up to it from there first.
                 self._commit(req, upto=s.snapshot_point, from_pending=True)
             self._commit(req)
@@ -722,9 +733,12 @@ class Scheduler:
         point = None
         if req.midchunk_snapshot_alignment is not None:
             point = passed_snapshot_point(start, end, req.snapshot_points)
-            acquire = getattr(cache, "acquire_ssm_snapshot_slot", None)
-            pending = getattr(cache, "pending_ssm_snapshot_slot", None)
-            if point is not None and acquire is not None and pending is None and acquire() is None:
+            if (
+                point is not None
+                and isinstance(cache, SnapshotSlotCache)
+                and cache.pending_snapshot_slot is None
+                and cache.acquire_snapshot_slot() is None
+            ):
                 # No page for the mid-step snapshot: end the step at the point instead, where the live state is
                 # saved at the end of the step (shrinking capacity always succeeds).
                 end = point
@@ -811,10 +825,10 @@ class Scheduler:
         if upto is not None and upto < target:
             target = upto
         if target <= c or not cache.committing:
-            if from_pending:
-                cache.release_ssm_snapshot_slot()  # type: ignore[attr-defined]
+            if from_pending and isinstance(cache, SnapshotSlotCache):
+                cache.release_snapshot_slot()
             return
-        kw: dict[str, Any] = {"ssm_from_pending": True} if from_pending else {}
+        kw: dict[str, Any] = {"snapshot_from_pending": True} if from_pending else {}
         if req.tokens is not None:
             p = req.prompt_len
             if target <= p:
