@@ -89,7 +89,7 @@ class LazyHeapPolicy:
     __slots__ = ("_heap", "_live", "_seq", "on_victim")
 
     def __init__(self) -> None:
-        self._heap: list[list] = []
+        self._heap: list[Any] = []
         self._live = 0
         self._seq = 0
         # Called with each victim ``pop_victim`` returns: lets policies of several pools coordinate (the hybrid

@@ -29,7 +29,8 @@ def prefix_keys(req: Request, tokens_per_block: int) -> tuple[int, ...]:
             keys = tuple(block_hashes(req.tokens, tokens_per_block, req.scope))
         else:
             # Trace keys carry no scope; fold it in so two scopes never share a prefix.
-            keys = req.block_keys if req.scope is None else tuple(hash((req.scope, k)) for k in req.block_keys)  # type: ignore[union-attr]
+            assert req.block_keys is not None  # a request has tokens or block keys
+            keys = req.block_keys if req.scope is None else tuple(hash((req.scope, k)) for k in req.block_keys)
         req._prefix_keys = keys
     return keys
 

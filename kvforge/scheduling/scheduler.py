@@ -300,7 +300,7 @@ class Scheduler:
         self._waiting: list[Request] = []  # by seq (arrival order)
         self._running: list[Request] = []  # by seq; every one holds an active cache
         self._pending: ScheduledBatch | None = None
-        self._step = 0
+        self._step: int = 0
         self._next_seq = 0
         # Per-pass scratch.
         self._budget = 0

@@ -80,6 +80,7 @@ class SnapshotAwareLRU(LazyHeapPolicy):
                 # Only this pool's entries are ours (other pools' policies key theirs differently).
                 if (
                     entry is not None
+                    and page is not None
                     and page.pool.policy is self
                     and entry.page is page
                     and entry.alive != self._alive(page)

@@ -257,10 +257,10 @@ class HitDensitySnapshotPolicy(LazyHeapPolicy):
         was just discarded (freed with its block, unless it was only locked for a reuse) and the oldest ones
         (attention pages go in LRU order, so the oldest positions are the ones that lose their blocks)."""
         if self._discarded:
-            for life in self._discarded:
-                if life.page is None and self._lives.get(life.block.key) is life and not _attached(life.block):
-                    self._end(life, False, removed=True)
-                    del self._lives[life.block.key]
+            for dead in self._discarded:
+                if dead.page is None and self._lives.get(dead.block.key) is dead and not _attached(dead.block):
+                    self._end(dead, False, removed=True)
+                    del self._lives[dead.block.key]
             self._discarded.clear()
         oldest = self._oldest
         for _ in range(8):
@@ -409,13 +409,14 @@ class HitDensitySnapshotPolicy(LazyHeapPolicy):
             # Not a tree snapshot (no position to learn about): valued 0, evicted first.
             life = _Life(None, self._now, 0, 1)  # type: ignore[arg-type]
         else:
-            life = self._lives.get(block.key)
-            if life is not None and life.block is not block:
+            found = self._lives.get(block.key)
+            if found is not None and found.block is not block:
                 # The block was removed and re-created since: that lifetime ended without a reuse.
-                self._end(life, False, removed=True)
-                life = None
-            if life is not None:
+                self._end(found, False, removed=True)
+                found = None
+            if found is not None:
                 # Reused (unlocked after serving as a match's source) or re-created where a ghost lies.
+                life = found
                 self._end(life, True)
                 life.uses += 1
                 life.born = self._now
