@@ -1,7 +1,7 @@
 """The token-budget scheduler: every iteration, which requests run and how many tokens each computes.
 
-One server's scheduler over one :class:`~kvforge.kvcache.manager.KVCacheManager` (or a subclass such as the
-hybrid manager). The step API, independent of wall-clock time::
+One server's :class:`Scheduler` over one :class:`~kvforge.kvcache.manager.KVCacheManager` (or a subclass such as
+the hybrid manager), driven by a step API independent of wall-clock time::
 
     sched = Scheduler(manager, SchedulerConfig(max_num_tokens=8192), hooks=runtime_hooks_of(model))
     sched.add_request(Request("r1", tokens=prompt, max_new_tokens=128))
@@ -10,46 +10,11 @@ hybrid manager). The step API, independent of wall-clock time::
         ...run the forward step...
         finished = sched.on_step_done(batch)      # commit progress; optional accepted draft counts, token ids
 
-**A pass.** Generation requests first, oldest first, one token each (plus ``draft_len`` speculative tokens);
-then context requests, within a token budget (``max_num_tokens``) and a request budget (``max_num_requests``):
-chunks in flight first, then the waiting queue, each in arrival order. A context chunk is as long as the
-budget allows, ends at snapshot points (:func:`~kvforge.scheduling.chunking.snapshot_chunk_end`) and is cut
-to the pages that can be found.
-
-**Pages.** Every claim is check-then-act: ``KVCache.resize`` changes nothing when pages are short. A running
-request that cannot grow preempts (suspends) the newest running requests not in this batch, never an older
-one, so the oldest request always progresses. A new admission never preempts: it is cut to the pages left, or
-the queue stops admitting for this pass. If a pass schedules nothing while requests remain, the newest
-running request is preempted and the pass repeated (a request preempted in a ``schedule`` call is not
-readmitted by it); with nothing left to preempt the scheduler raises
-:class:`~kvforge.errors.SchedulerDeadlockError` naming what is stuck, instead of spinning.
-
-**Long-context demotion.** With a threshold (``KVFORGE_CTX_DEMOTE_UNCACHED_TOKENS``), a context request whose
-uncached prefill is estimated above it moves behind the others (to the tail of the context order); each
-iteration it is moved back counts, and after ``demote_max_iters`` (``KVFORGE_CTX_DEMOTE_MAX_ITERS``) such
-iterations it is *starved* and keeps its place. Config values win over the environment. The estimate is the
-request's ``estimated_uncached_tokens`` (a router's guess, used for every chunk) when given, else its whole
-remaining context.
-
-**Exact demotion** (``RuntimeHooks.exact_context_demotion``): an estimate above the threshold is checked once
-with the manager's read-only ``probe_reuse`` (one walk per request and attempt); a request that holds a cache
-is judged by its exact remainder. A request ordered as short whose first prepare (reuse match) shows a long
-remainder returns DEFER: its claim is released (the cache closed, or suspended again if it was resumed), its
-exact remainder kept, one demoted iteration counted, and it is retried after the rest of the pass. A starved
-request is never deferred, so the aging bound holds for every request.
-
-**Prefix waits.** A new request whose prefix an in-flight request is still prefilling waits (at most
-``max_prefix_wait_iters`` iterations) instead of computing it too, asks that owner for a snapshot point where
-their prompts part, and is probed again once it stops waiting. See :mod:`kvforge.scheduling.prefix_wait`.
-
-**Optional manager hooks** (the protocols of :mod:`kvforge.scheduling.seams`, so ``kvcache`` never imports this
-package): a :class:`~kvforge.scheduling.seams.ContextMarker` is asked to mark each context request before its
-chunk is sized (the hybrid manager sets the snapshot marks there); a
-:class:`~kvforge.scheduling.seams.PrefixWaitCounter` receives the requests that started waiting in a pass.
-When a chunk passes a snapshot point inside it and the cache is a
-:class:`~kvforge.scheduling.seams.SnapshotSlotCache` (hybrid), the scheduler claims the pending slot with the
-chunk (no slot: the chunk ends at the point instead) and ``on_step_done`` commits up to the point with
-``snapshot_from_pending=True``, then the rest.
+Contract: every page claim is check-then-act (nothing changes when pages are short); the oldest running request
+always progresses; a pass that can schedule nothing raises :class:`~kvforge.errors.SchedulerDeadlockError`
+instead of spinning; bad requests and step results raise ``TypeError`` / ``ValueError`` before any state
+changes. The pass order, demotion, prefix waits and the optional manager hooks are described on
+:class:`Scheduler`. Not thread-safe: one thread drives a scheduler.
 """
 
 from __future__ import annotations
@@ -250,9 +215,53 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """See the module docstring. ``hooks``: the model's :class:`~kvforge.kvcache.hooks.RuntimeHooks` (exact
-    demotion); ``clock``: a callable giving the current time for request timestamps (default: the step
-    number), so a simulator drives it with simulated time."""
+    """One server's scheduler (see the module docstring for the step API).
+
+    ``hooks``: the model's :class:`~kvforge.kvcache.hooks.RuntimeHooks` (exact demotion); ``clock``: a callable
+    giving the current time for request timestamps (default: the step number), so a simulator drives it with
+    simulated time.
+
+    **A pass.** Generation requests first, oldest first, one token each (plus ``draft_len`` speculative tokens);
+    then context requests, within a token budget (``max_num_tokens``) and a request budget (``max_num_requests``):
+    chunks in flight first, then the waiting queue, each in arrival order. A context chunk is as long as the
+    budget allows, ends at snapshot points (:func:`~kvforge.scheduling.chunking.snapshot_chunk_end`) and is cut
+    to the pages that can be found.
+
+    **Pages.** Every claim is check-then-act: ``KVCache.resize`` changes nothing when pages are short. A running
+    request that cannot grow preempts (suspends) the newest running requests not in this batch, never an older
+    one, so the oldest request always progresses. A new admission never preempts: it is cut to the pages left, or
+    the queue stops admitting for this pass. If a pass schedules nothing while requests remain, the newest
+    running request is preempted and the pass repeated (a request preempted in a ``schedule`` call is not
+    readmitted by it); with nothing left to preempt the scheduler raises
+    :class:`~kvforge.errors.SchedulerDeadlockError` naming what is stuck, instead of spinning.
+
+    **Long-context demotion.** With a threshold (``KVFORGE_CTX_DEMOTE_UNCACHED_TOKENS``), a context request whose
+    uncached prefill is estimated above it moves behind the others (to the tail of the context order); each
+    iteration it is moved back counts, and after ``demote_max_iters`` (``KVFORGE_CTX_DEMOTE_MAX_ITERS``) such
+    iterations it is *starved* and keeps its place. Config values win over the environment. The estimate is the
+    request's ``estimated_uncached_tokens`` (a router's guess, used for every chunk) when given, else its whole
+    remaining context.
+
+    **Exact demotion** (``RuntimeHooks.exact_context_demotion``): an estimate above the threshold is checked once
+    with the manager's read-only ``probe_reuse`` (one walk per request and attempt); a request that holds a cache
+    is judged by its exact remainder. A request ordered as short whose first prepare (reuse match) shows a long
+    remainder returns DEFER: its claim is released (the cache closed, or suspended again if it was resumed), its
+    exact remainder kept, one demoted iteration counted, and it is retried after the rest of the pass. A starved
+    request is never deferred, so the aging bound holds for every request.
+
+    **Prefix waits.** A new request whose prefix an in-flight request is still prefilling waits (at most
+    ``max_prefix_wait_iters`` iterations) instead of computing it too, asks that owner for a snapshot point where
+    their prompts part, and is probed again once it stops waiting. See :mod:`kvforge.scheduling.prefix_wait`.
+
+    **Optional manager hooks** (the protocols of :mod:`kvforge.scheduling.seams`, so ``kvcache`` never imports this
+    package): a :class:`~kvforge.scheduling.seams.ContextMarker` is asked to mark each context request before its
+    chunk is sized (the hybrid manager sets the snapshot marks there); a
+    :class:`~kvforge.scheduling.seams.PrefixWaitCounter` receives the requests that started waiting in a pass.
+    When a chunk passes a snapshot point inside it and the cache is a
+    :class:`~kvforge.scheduling.seams.SnapshotSlotCache` (hybrid), the scheduler claims the pending slot with the
+    chunk (no slot: the chunk ends at the point instead) and ``on_step_done`` commits up to the point with
+    ``snapshot_from_pending=True``, then the rest.
+    """
 
     def __init__(
         self,

@@ -1,29 +1,18 @@
 """The simulator's model layout and step-time model: what a server's forward step costs.
 
-**Layout** (:class:`ModelSpec`): MLA attention layers (a compressed latent per token), recurrent
-(linear-attention) layers with a fixed-size state per request, and a speculative drafter whose MLA layer is
-appended to the target's KV manager (a DRAFT pool group). :meth:`ModelSpec.kv_layers` turns it into the
-:class:`~kvforge.kvcache.config.LayerSpec` list the real cache managers are built from, so the memory the
-simulator's caches manage is the memory that layout needs. The default, :data:`KIMI_K3_LIKE`, is a guess at a
-Kimi-K3-like hybrid (Kimi-K2-sized MoE, Kimi-Linear-style 3:1 KDA:MLA layers, one MTP drafter layer); other
-layouts are small JSON files (:func:`load_model`).
+* :class:`ModelSpec`: MLA layers (a compressed latent per token), recurrent layers (a fixed-size state per
+  request) and a speculative drafter whose MLA layers join the target's KV manager (a DRAFT pool group).
+  :meth:`ModelSpec.kv_layers` gives the :class:`~kvforge.kvcache.config.LayerSpec` list the real managers are
+  built from. :data:`KIMI_K3_LIKE` (the default) is derived from
+  :data:`kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE`; other layouts are JSON files (:func:`load_model`).
+* :class:`StepTimeModel`: a roofline over one server of ``gpus`` GPUs: ``max(compute, memory) + overhead``, with
+  matmul and MLA-attention FLOPs over their throughputs and the bytes read (weights once per step, every
+  request's latent and recurrent state) over the HBM bandwidth.
+* :class:`Throughputs`: per-GPU peaks read from ``bench/results`` when present, else the ``FALLBACK_*``
+  constants; ``efficiency`` scales them down and ``step_overhead_s`` adds a fixed per-step cost.
 
-**Step time** (:class:`StepTimeModel`): a roofline over one server of ``gpus`` GPUs. A step's time is
-``max(compute, memory) + overhead`` where compute is matmul FLOPs over the matmul throughput plus attention FLOPs
-over the MLA attention throughput, and memory is the bytes read (weights once per real step, every request's
-KV latent and recurrent state) over the HBM bandwidth. Prefill FLOPs follow ``bench/bench_mla_context.py``
-(``2·H·(d_qk + d_v)`` per query-key pair, causal); decode reads each request's whole latent.
-
-**Throughputs** (:class:`Throughputs`) default to the H200 measurements in ``bench/results/``, read at run
-time when the files are there, else to constants equal to those measurements:
-
-* matmul: ``fp8_mm_tflops`` of ``mla_context.csv`` (torch ``_scaled_mm`` FP8 8192³: 1289.6 TFLOP/s),
-* attention: the median TFLOP/s of the ``kvforge fp8`` rows of ``mla_context.csv`` (625.0 TFLOP/s),
-* bandwidth: the ``d2d copy (same bytes)`` row of ``small_copies.csv`` (4096.0 GB/s).
-
-These are per-GPU peaks of single kernels, so simulated step times are optimistic (a lower bound on a real
-engine's); ``efficiency`` scales all three down and ``step_overhead_s`` adds a fixed per-step cost
-(an assumption, not a measurement). Every figure can be overridden on the command line.
+Single-kernel peaks make simulated step times a lower bound on a real engine's. Invalid fields raise
+``TypeError`` / ``ValueError``. Where the default figures come from: ``docs/history.md``.
 """
 
 from __future__ import annotations
@@ -53,7 +42,7 @@ __all__ = [
     "load_model",
 ]
 
-# The measured H200 values (bench/results, runs of 2026-11-29 16:10 UTC); used when the CSVs are not beside the package.
+# H200 values from bench/results (see docs/history.md); used when the CSVs are not beside the package.
 FALLBACK_MATMUL_TFLOPS = 1289.6
 FALLBACK_ATTENTION_TFLOPS = 625.0
 FALLBACK_HBM_GBPS = 4096.0
@@ -316,7 +305,7 @@ def _floats(rows: Sequence[dict[str, str]], column: str, **match: str) -> list[f
 
 @dataclass(frozen=True)
 class Throughputs:
-    """Per-GPU throughputs of the step-time model (see the module docstring for where the defaults come from).
+    """Per-GPU throughputs of the step-time model (where the defaults come from: ``docs/history.md``).
     ``source`` says whether they were read from ``bench/results`` or are the fallback constants."""
 
     matmul_tflops: float = FALLBACK_MATMUL_TFLOPS

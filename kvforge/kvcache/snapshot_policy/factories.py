@@ -52,9 +52,9 @@ def cost_aware_eviction(
       by the snapshot's use count, ``supersede`` hands a replaced snapshot's count to its successor.
     * ``"hit-density"`` (:class:`HitDensitySnapshotPolicy`): the value times the expected reuses per slot-time,
       learned online per class and age; ``frequency`` makes the use count a class (else one class),
-      ``supersede`` gives superseded snapshots a class of their own and their count to the successor. On the
-      Mooncake replay (bench/bench_snapshot_policy.py) it saves the most compute at every memory size: reuses of
-      a conversation's snapshot come hundreds of requests later, which recency-based aging does not wait for.
+      ``supersede`` gives superseded snapshots a class of their own and their count to the successor. It suits
+      traces where a conversation's next turn comes hundreds of requests later, which recency-based aging does
+      not wait for (bench/bench_snapshot_policy.py; figures in docs/history.md).
 
     The default stays ``"greedy-dual"`` for existing callers."""
     if not isinstance(model, ModelCostSpec):
