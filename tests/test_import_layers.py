@@ -49,7 +49,14 @@ def _package_imports(package: str) -> dict[str, set[str]]:
 
     root = pathlib.Path(__file__).resolve().parent.parent
     pkg_dir = root / package.replace(".", "/")
-    modules = {f"{package}.{f.stem}": f for f in pkg_dir.glob("*.py") if f.stem != "__init__"}
+    modules = {}
+    for f in pkg_dir.rglob("*.py"):
+        parts = f.relative_to(pkg_dir).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+            if not parts:
+                continue  # the package's own __init__ only re-exports
+        modules[".".join((package, *parts))] = f
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps: set[str] = set()

@@ -68,6 +68,7 @@ class CacheHost(Protocol):
 
 def _next_stale_point(lc: LifeCycle, stale_lo: int, tokens_per_block: int) -> int:
     """Committed length at which block ``stale_lo`` becomes stale: ``first_needed_block`` passes it."""
+    assert lc.window is not None  # a sliding-window life cycle
     return (stale_lo + 1) * tokens_per_block + lc.window - 1
 
 

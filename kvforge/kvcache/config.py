@@ -328,8 +328,8 @@ class KVCacheConfig:
         object.__setattr__(self, "pool_ratios", ratios)
         n_target = sum(1 for g in groups if g.owner is LayerOwner.TARGET)
         if len(ratios) == len(groups):
-            total = sum(ratios)
-            return tuple(r / total for r in ratios)
+            ratio_sum = sum(ratios)
+            return tuple(r / ratio_sum for r in ratios)
         if len(ratios) == n_target and n_target < len(groups):
             return insert_draft_pool_ratios(ratios, groups)
         raise ValueError(

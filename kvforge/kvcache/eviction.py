@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 from kvforge.kvcache.pools import EvictionPolicy, EvictionPolicyFactory
 
@@ -34,6 +35,8 @@ __all__ = [
     "PRIORITY_MIN",
     "EvictionPolicy",
     "EvictionPolicyFactory",
+    "HeapEntry",
+    "LazyHeapPolicy",
     "PrioritizedLRU",
     "check_priority",
 ]
@@ -51,18 +54,42 @@ def check_priority(value: object, what: str = "priority") -> int:
     return value
 
 
+def heap_field(index: int, doc: str) -> Any:
+    """A named, writable view of item ``index`` of a :class:`HeapEntry` (read through ``itemgetter``, in C)."""
+
+    def setter(entry: list, value: Any) -> None:
+        entry[index] = value
+
+    return property(itemgetter(index), setter, doc=doc)
+
+
+class HeapEntry(list):
+    """A heap entry of a :class:`LazyHeapPolicy` with named fields.
+
+    It stays a list so that the heap compares entries in C, item by item: a subclass names its leading (ordering)
+    items with :func:`heap_field`. Item 3 is a sequence number unique within the heap, so item 4, the page, is
+    never compared; items past 4 are free for the policy.
+    """
+
+    __slots__ = ()
+
+    seq = heap_field(3, "Unique per push: breaks ties, so the page is never compared.")
+    page = heap_field(4, "The candidate page; None once discarded (lazy deletion).")
+
+
 class LazyHeapPolicy:
     """The mechanics every heap-ordered policy shares: one heap of list entries with lazy deletion.
 
-    An entry is a list ordered by its leading items, with the page at index 4; ``page.policy_data`` holds the
-    page's entry, and discarding blanks the entry's page slot so the heap never needs a search. Subclasses build
-    entries in ``add`` (via :meth:`_push`) and may veto or re-key a popped candidate in :meth:`_settle`.
+    An entry is a list ordered by its leading items, with the page at index 4 (:class:`HeapEntry` names the
+    items; the default policy pushes plain lists); ``page.policy_data`` holds the page's entry, and discarding
+    blanks the entry's page slot so the heap never needs a search. Subclasses build entries in ``add`` (via
+    :meth:`_push`) and may veto or re-key a popped candidate in :meth:`_settle`.
     """
 
     __slots__ = ("_heap", "_live", "_seq", "on_victim")
 
     def __init__(self) -> None:
-        self._heap: list[list] = []
+        self._heap: list[Any] = []
         self._live = 0
         self._seq = 0
         # Called with each victim ``pop_victim`` returns: lets policies of several pools coordinate (the hybrid
@@ -98,7 +125,7 @@ class LazyHeapPolicy:
             self._heap = [e for e in self._heap if e[4] is not None]
             heapq.heapify(self._heap)
 
-    def _settle(self, entry: list, settled: set[int]) -> bool:
+    def _settle(self, entry: Any, settled: set[int]) -> bool:
         """Whether the popped, accepted ``entry`` is the victim. A subclass whose keys can go stale re-keys the
         entry, pushes it back, records ``id(page)`` in ``settled`` (once per page and call) and returns False."""
         return True

@@ -1,45 +1,17 @@
-"""The hybrid cache manager: attention pages plus recurrent-state (linear attention / SSM) snapshots.
+"""The hybrid cache manager: attention pages plus recurrent-state (linear attention) snapshots.
 
-A recurrent state is reusable only at the exact token where it was saved, and one snapshot takes a whole
-state page whatever the prefix it stands for. So, on top of :class:`~kvforge.kvcache.manager.KVCacheManager`
-(whose matches are already cut back to the last block holding a snapshot of every recurrent group), this
-manager decides **where** snapshots are taken and keeps the bookkeeping a runtime and a scheduler need:
+A recurrent state is reusable only at the exact token where it was saved. On top of
+:class:`~kvforge.kvcache.manager.KVCacheManager` (whose matches are cut back to the last block holding a snapshot
+of every recurrent group), :class:`HybridCacheManager` decides where snapshots are taken and its
+:class:`HybridKVCache` caches hold one live state page per recurrent group. A runtime may pass a snapshot point
+inside a step through the cache's pending snapshot slot (``acquire_snapshot_slot``, then
+``commit(..., snapshot_from_pending=True)``); a scheduler gets the points through ``mark_context_request``.
 
-* **Live state**: every active cache holds one live state page per recurrent group (the base manager's
-  ``live_page``); a cache that reuses a prefix starts from a copy of the snapshot there.
-* **Snapshot points** (block boundaries, tokens from the start): multiples of ``snapshot_interval``; for each
-  ``d`` in ``prompt_end_offsets`` the last block boundary at or before ``prompt_len - d`` (the default ``(0,)``
-  keeps the furthest point a longer next-turn prompt can reuse); the **branch point** (the end of the longest
-  prefix of the prompt whose attention blocks are cached, when no snapshot lies there: where this prompt
-  diverges from cached history, so the next prompt sharing that prefix reuses it); and points that requests
-  waiting for this request's prefix asked for (``request_snapshot_point``). A commit snapshots the live state
-  at a block end that is a point when the cache's history is exactly there (a step ends at it). When a cache
-  closes or is suspended with its live state at its committed end, that state becomes the snapshot there
-  (the page itself moves into the tree: no copy).
-* **Marks for the scheduler**: :meth:`HybridCacheManager.mark_context_request` (the scheduler's optional
-  hook) sets ``request.set_snapshot_marks(points, alignment=..., pass_point=...)``: the future points, the
-  manager's mid-chunk alignment (``MIDCHUNK_SNAPSHOT_ALIGNMENT``, a constant of the class, None when the
-  manager cannot take mid-chunk snapshots) and, when at least two points remain, the next one as the pass
-  point.
-* **Pending snapshot slot** (mid-chunk snapshots): before a step that passes point ``P`` inside it, the runtime
-  calls ``slot = cache.acquire_ssm_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
-  that page; after the step it commits up to ``P`` with ``cache.commit(..., ssm_from_pending=True)`` (the
-  pending page moves into the tree block ending at ``P``, with the cache's priority) and then the rest. If that
-  commit records no snapshot at its end (the block is already covered, it ends inside a block or at no
-  snapshot point, committing stopped, or the commit raised) the pending page is released. Suspend,
-  stop committing and close release it too.
-* **Short prompts**: with ``HybridCachePolicy.low_priority_snapshot_prompt_len = L > 0`` a context request
-  whose prompt is shorter than ``L`` gets its recurrent pages (live state and snapshots) at priority 0;
-  attention pages keep the default (or the caller's callback).
-* **Counters** (:class:`HybridCounters`), logged at INFO at most once per ``log_interval_s`` (a minute) on the
-  injected clock.
-* **State-index upload** (:class:`StateIndexUpload`): the per-step live-state indices and dummy-request mask
-  reach the device through ``kernels.copy_small_pinned_pair`` when ``HybridCachePolicy.state_index_upload_kernel``
-  is on, through ordinary copies otherwise, and not at all when neither changed.
-
-Which snapshots survive pressure is the eviction policy's business (``eviction_policy=``; see
-:mod:`kvforge.kvcache.snapshot_policy` for the cost-aware one). Pure Python except :class:`StateIndexUpload`,
-which imports torch when built.
+Contract: the base manager's (check-then-act, ``CacheStateError`` on misuse changing nothing); a hybrid config
+needs a recurrent layer (``ValueError``); mid-chunk snapshots need exactly one recurrent pool group. Which
+snapshots survive pressure is the eviction policy's business (:mod:`kvforge.kvcache.snapshot_policy`). The
+snapshot rules are listed on :class:`HybridCacheManager`. Pure Python except :class:`StateIndexUpload`
+(re-exported from :mod:`kvforge.kvcache.state_upload`), which imports torch when built. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -145,8 +117,13 @@ class HybridKVCache(KVCache):
     # --- views ---------------------------------------------------------------------------------------------------
 
     @property
-    def pending_ssm_snapshot_slot(self) -> int | None:
+    def pending_snapshot_slot(self) -> int | None:
         """The GPU page index of the pending snapshot page (None when the cache holds none)."""
+        return None if self._pending is None else self._pending.index
+
+    @property
+    def pending_ssm_snapshot_slot(self) -> int | None:
+        """Old name of :attr:`pending_snapshot_slot` (kept for existing callers)."""
         return None if self._pending is None else self._pending.index
 
     @property
@@ -292,7 +269,7 @@ class HybridKVCache(KVCache):
 
     # --- pending snapshot slot -----------------------------------------------------------------------------------
 
-    def acquire_ssm_snapshot_slot(self) -> int | None:
+    def acquire_snapshot_slot(self) -> int | None:
         """Reserve a GPU page of the recurrent group for a mid-step snapshot; returns its index, or None when
         committing has stopped or no page is free even after eviction.
 
@@ -302,10 +279,10 @@ class HybridKVCache(KVCache):
         """
         mgr = self._hybrid
         g = mgr._pending_group()
-        self._require_active("acquire_ssm_snapshot_slot")
+        self._require_active("acquire_snapshot_slot")
         if self._pending is not None:
             raise CacheStateError(
-                f"acquire_ssm_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
+                f"acquire_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
             )
         if not self.committing:
             return None
@@ -317,12 +294,16 @@ class HybridKVCache(KVCache):
         self._pending = page
         return page.index
 
-    def release_ssm_snapshot_slot(self) -> bool:
+    def release_snapshot_slot(self) -> bool:
         """Give the pending page back; False when the cache holds none."""
         if self._pending is None:
             return False
         self._release_pending()
         return True
+
+    # Old names (kept for existing callers): the project's vocabulary is "snapshot" and "recurrent".
+    acquire_ssm_snapshot_slot = acquire_snapshot_slot
+    release_ssm_snapshot_slot = release_snapshot_slot
 
     def _release_pending(self) -> None:
         page = self._pending
@@ -341,12 +322,14 @@ class HybridKVCache(KVCache):
         *,
         num_tokens: int | None = None,
         block_keys: Sequence[int] | None = None,
-        ssm_from_pending: bool = False,
+        snapshot_from_pending: bool = False,
         is_end: bool = False,
+        ssm_from_pending: bool = False,
     ) -> None:
         """:meth:`KVCache.commit`, plus:
 
-        ``ssm_from_pending``: the snapshot at this commit's end comes from the pending page (written mid-step),
+        ``snapshot_from_pending`` (old name ``ssm_from_pending``, still accepted): the snapshot at this commit's
+        end comes from the pending page (written mid-step),
         not from the live state. Raises CacheStateError, changing nothing, without a pending page or with
         ``is_end``; otherwise the pending page ends up in the tree or released, whatever happens (an error in
         the commit itself releases it and propagates).
@@ -354,14 +337,14 @@ class HybridKVCache(KVCache):
         ``is_end``: this is the sequence's last commit: its partial tail is inserted into the tree now (with
         the live state as its snapshot when the state is exactly there) and the cache stops committing.
         """
-        if ssm_from_pending:
+        if snapshot_from_pending or ssm_from_pending:
             if is_end:
                 raise CacheStateError(
-                    f"commit: cache {self.id!r}: ssm_from_pending cannot end the sequence (is_end); the state at "
-                    "the end is the live one"
+                    f"commit: cache {self.id!r}: snapshot_from_pending cannot end the sequence (is_end); the state "
+                    "at the end is the live one"
                 )
             if self._pending is None:
-                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (ssm_from_pending)")
+                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (snapshot_from_pending)")
             try:
                 n = len(tokens) if tokens is not None else num_tokens
                 self._commit_end = self.num_committed_tokens + (n if isinstance(n, int) else 0)
@@ -531,6 +514,38 @@ class HybridKVCache(KVCache):
 class HybridCacheManager(KVCacheManager):
     """KV cache manager for hybrid attention + recurrent models (see the module docstring).
 
+    * **Live state**: every active cache holds one live state page per recurrent group (the base manager's
+      ``live_page``); a cache that reuses a prefix starts from a copy of the snapshot there.
+    * **Snapshot points** (block boundaries, tokens from the start): multiples of ``snapshot_interval``; for each
+      ``d`` in ``prompt_end_offsets`` the last block boundary at or before ``prompt_len - d`` (the default ``(0,)``
+      keeps the furthest point a longer next-turn prompt can reuse); the **branch point** (the end of the longest
+      prefix of the prompt whose attention blocks are cached, when no snapshot lies there: where this prompt
+      diverges from cached history, so the next prompt sharing that prefix reuses it); and points that requests
+      waiting for this request's prefix asked for (``request_snapshot_point``). A commit snapshots the live state
+      at a block end that is a point when the cache's history is exactly there (a step ends at it). When a cache
+      closes or is suspended with its live state at its committed end, that state becomes the snapshot there
+      (the page itself moves into the tree: no copy).
+    * **Marks for the scheduler**: :meth:`HybridCacheManager.mark_context_request` (the scheduler's optional
+      hook) sets ``request.set_snapshot_marks(points, alignment=..., pass_point=...)``: the future points, the
+      manager's mid-chunk alignment (``MIDCHUNK_SNAPSHOT_ALIGNMENT``, a constant of the class, None when the
+      manager cannot take mid-chunk snapshots) and, when at least two points remain, the next one as the pass
+      point.
+    * **Pending snapshot slot** (mid-chunk snapshots): before a step that passes point ``P`` inside it, the runtime
+      calls ``slot = cache.acquire_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
+      that page; after the step it commits up to ``P`` with ``cache.commit(..., snapshot_from_pending=True)`` (the
+      pending page moves into the tree block ending at ``P``, with the cache's priority) and then the rest. If that
+      commit records no snapshot at its end (the block is already covered, it ends inside a block or at no
+      snapshot point, committing stopped, or the commit raised) the pending page is released. Suspend,
+      stop committing and close release it too.
+    * **Short prompts**: with ``HybridCachePolicy.low_priority_snapshot_prompt_len = L > 0`` a context request
+      whose prompt is shorter than ``L`` gets its recurrent pages (live state and snapshots) at priority 0;
+      attention pages keep the default (or the caller's callback).
+    * **Counters** (:class:`HybridCounters`), logged at INFO at most once per ``log_interval_s`` (a minute) on the
+      injected clock.
+    * **State-index upload** (:class:`StateIndexUpload`): the per-step live-state indices and dummy-request mask
+      reach the device through ``kernels.copy_small_pinned_pair`` when ``HybridCachePolicy.state_index_upload_kernel``
+      is on, through ordinary copies otherwise, and not at all when neither changed.
+
     ``policy``: the model's :class:`~kvforge.kvcache.hooks.HybridCachePolicy` (short-prompt priority, upload
     path). ``snapshot_interval``: periodic snapshot points every that many tokens (a multiple of
     ``tokens_per_block``; 0 = off). ``prompt_end_offsets``: points at ``align_down(prompt_len - d)``.
@@ -699,7 +714,7 @@ class HybridCacheManager(KVCacheManager):
         rec = self.recurrent_groups
         if len(rec) != 1:
             raise CacheStateError(
-                f"acquire_ssm_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
+                f"acquire_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
                 f"manager has {len(rec)} ({list(rec)})"
             )
         return rec[0]

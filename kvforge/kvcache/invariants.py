@@ -67,9 +67,9 @@ def check_block_pool(bp: BlockPool, refs: Iterable[Page], full_groups: Iterable[
             assert block.pages[g] is not None, f"{block!r} lost its full-attention page"
         if not block.children:
             assert any(p is not None for p in block.pages), f"empty leaf {block!r}"
-        for g, p in enumerate(block.pages):
-            if p is not None:
-                assert p.block is block and p.pool.group == g, f"{block!r} group {g} holds {p!r}"
+        for g, page in enumerate(block.pages):
+            if page is not None:
+                assert page.block is block and page.pool.group == g, f"{block!r} group {g} holds {page!r}"
     assert count_blocks == bp.tree.num_blocks, f"tree counts {bp.tree.num_blocks}, found {count_blocks}"
 
 

@@ -161,7 +161,7 @@ class PrefixMatcher:
             lc = self.groups[g].life_cycle
             sinks = min(lc.sink_blocks(tpb), n)
             ords = [*range(sinks), *range(max(lc.first_needed_block(total, tpb), sinks), n)]
-            plan.append((g, ords, [blocks[i].pages[g] for i in ords]))  # type: ignore[misc]
+            plan.append((g, ords, [blocks[i].pages[g] for i in ords]))
         # Sources of copies are locked while the copies are recorded, so no allocation can reuse them first.
         sources: list[Page] = []
         if partial is not None:

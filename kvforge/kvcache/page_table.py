@@ -142,10 +142,10 @@ class DevicePageTable:
             for i, old in enumerate(d):
                 d[i] = lo if old is None or lo < old else old
             return
-        i = self._pos.get(group)
-        if i is not None:
-            old = d[i]
-            d[i] = lo if old is None or lo < old else old
+        pos = self._pos.get(group)
+        if pos is not None:
+            old = d[pos]
+            d[pos] = lo if old is None or lo < old else old
 
     # --- host and device -------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvforge.errors import SchedulerDeadlockError
@@ -227,6 +228,8 @@ def simulate(
             f"--cache-gib: {config.cache_gib:g} GiB per server holds {layout.attention_tokens:,} tokens of "
             f"{config.model.name} KV, but the longest request needs {longest:,}; raise --cache-gib"
         )
+    snapshot_policy = config.snapshot_policy
+    assert snapshot_policy is not None  # SimConfig.__post_init__ resolves None
     server_ids = list(range(config.servers))
     router = make_router(policy, server_ids, tpb, layout.attention_tokens // tpb)
     step_model = StepTimeModel(config.model, config.throughputs)
@@ -239,9 +242,9 @@ def simulate(
     servers: list[SimServer] = []
     clock = [0.0]
     for s in server_ids:
-        sink: Callable[[Any], None] = lambda ev, s=s: router.on_event(s, ev)
+        sink: Callable[[Any], None] = partial(router.on_event, s)
         try:
-            mgr = make_cache_manager(layout, config.model, config.snapshot_policy, sink, lambda: clock[0])
+            mgr = make_cache_manager(layout, config.model, snapshot_policy, sink, lambda: clock[0])
         except ValueError as exc:
             raise SimulationError(str(exc)) from None
         servers.append(
@@ -306,18 +309,20 @@ def simulate(
                 else:
                     sv.busy = False
             else:
-                r = requests[i]
+                arriving = requests[i]
                 i += 1
-                s = router.route(
+                routed = router.route(
                     RouteRequest(
-                        request_id=r.request_id,
-                        block_hashes=r.block_keys,
-                        num_tokens=r.prompt_tokens,
-                        conversation_id=r.conversation_id,
+                        request_id=arriving.request_id,
+                        block_hashes=arriving.block_keys,
+                        num_tokens=arriving.prompt_tokens,
+                        conversation_id=arriving.conversation_id,
                     )
                 )
-                sv = servers[s]  # type: ignore[index]
-                sv.submit(r)
+                assert isinstance(routed, int)  # the server ids are 0..servers-1
+                s = routed
+                sv = servers[s]
+                sv.submit(arriving)
                 if not sv.busy:
                     sv.busy = True
                     b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
@@ -350,7 +355,7 @@ def simulate(
     stats = [sv.scheduler.stats for sv in servers]
     return RunResult(
         policy=policy,
-        snapshot_policy=config.snapshot_policy,
+        snapshot_policy=snapshot_policy,
         requests=n,
         prompt_tokens=prompt,
         output_tokens=output,
