@@ -131,6 +131,10 @@ def check_tokens(tokens: object, name: str = "tokens", *, vocab_size: int = TOKE
     return arr.tolist() if isinstance(tokens, np.ndarray) else tokens  # type: ignore[return-value]
 
 
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    return memoryview(arr).cast("B")  # type: ignore[arg-type]  # a contiguous numpy array is a buffer
+
+
 def check_block_keys(keys: object, name: str = "block_keys") -> tuple[int, ...]:
     """``keys`` as a tuple after checking each is a Python int in ``[0, KEY_LIMIT)`` (bool and numpy ints refused)."""
     if isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence):
@@ -266,7 +270,7 @@ class BlockKeyHasher:
         if n_blocks <= 0:
             return []
         h = parent.to_bytes(KEY_BYTES, "little")
-        digests = []
+        digests: list[bytes] = []
         append = digests.append
         stop = n_blocks * step
         if self.algorithm == "sha256":
@@ -305,7 +309,7 @@ class BlockKeyHasher:
         if n_blocks == 0:
             return []
         # A memoryview, not tobytes(): a fresh multi-100-kB bytes object costs more in page faults than hashing.
-        return self._chain(parent, memoryview(arr).cast("B"), n_blocks, 4 * tpb)
+        return self._chain(parent, _bytes_view(arr), n_blocks, 4 * tpb)
 
     def partial_key(self, parent: int, tokens: Sequence[int] | np.ndarray) -> int:
         """The key a *partial* block (fewer than a block's tokens, matched by comparing tokens) is filed under
@@ -313,7 +317,7 @@ class BlockKeyHasher:
         arr = token_array(tokens, vocab_size=self.vocab_size)
         if not len(arr):
             raise ValueError("tokens: a partial block holds at least one token")
-        return self._chain(_check_parent(parent), memoryview(arr).cast("B"), 1, 4 * len(arr))[0]
+        return self._chain(_check_parent(parent), _bytes_view(arr), 1, 4 * len(arr))[0]
 
     def chain_payloads(self, parent: int, payloads: Sequence[bytes]) -> list[int]:
         """Keys of blocks described by opaque byte strings (e.g. a simulator's synthetic content), chained from

@@ -61,8 +61,8 @@ class PrefixWaitPlanner:
         self.max_wait_iters = max_wait_iters
         self.min_shared_tokens = min_shared_tokens
         self.stats = PrefixWaitStats()
-        self._index: dict[int, Request] = {}
-        self._owned: dict[int, tuple[int, ...]] = {}  # id(owner) -> keys it indexed
+        self._index: dict[Hashable, Request] = {}
+        self._owned: dict[int, tuple[Hashable, ...]] = {}  # id(owner) -> keys it indexed
 
     def __len__(self) -> int:
         return len(self._owned)

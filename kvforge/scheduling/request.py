@@ -200,7 +200,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self._prefix_keys: tuple[int, ...] | None = None
+        self._prefix_keys: tuple[Hashable, ...] | None = None
         self._batch_step = -1
         self.cache: KVCache | None = None
         self._clear_attempt()
