@@ -177,7 +177,9 @@ MANAGER_CASES = _manager_cases()
 
 @pytest.mark.parametrize("make", [_plain, _hybrid], ids=["manager", "hybrid"])
 @pytest.mark.parametrize(
-    "kind, name, call, bad, exc", MANAGER_CASES, ids=[f"{k}:{n}:{b!r}"[:60] for k, n, _, b, _ in MANAGER_CASES]
+    "kind, name, call, bad, exc",
+    MANAGER_CASES,
+    ids=[f"{k}:{n}:{i}" for i, (k, n, _, _, _) in enumerate(MANAGER_CASES)],  # stable ids for xdist
 )
 def test_manager_entry_points_refuse_bad_input_and_change_nothing(make, kind, name, call, bad, exc) -> None:
     mgr = make()
