@@ -358,7 +358,7 @@ def test_snapshot_aware_eviction_needs_a_heap_policy_for_snapshots():
         pass
 
     factory = snapshot_aware_eviction(lambda group, tier: Plain())
-    with pytest.raises(TypeError, match=r"^snapshot_policy: expected a factory of LazyHeapPolicy"):
+    with pytest.raises(TypeError, match=r"^snapshot_policy: expected a factory of policies with an on_victim hook"):
         manager(2, factory)
 
 

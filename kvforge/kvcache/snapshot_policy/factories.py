@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvforge.kvcache.config import LifeCycleKind
-from kvforge.kvcache.eviction import EvictionPolicy, EvictionPolicyFactory, LazyHeapPolicy, PrioritizedLRU
+from kvforge.kvcache.eviction import EvictionPolicy, EvictionPolicyFactory, PrioritizedLRU
 from kvforge.kvcache.snapshot_policy.attention import SnapshotAwareLRU
 from kvforge.kvcache.snapshot_policy.cost import ModelCostSpec
 from kvforge.kvcache.snapshot_policy.greedy_dual import CostAwareSnapshotPolicy
@@ -91,8 +91,8 @@ def cost_aware_eviction(
 
 
 def snapshot_aware_eviction(snapshot_policy: EvictionPolicyFactory = PrioritizedLRU) -> EvictionPolicyFactory:
-    """An ``eviction_policy`` factory for a hybrid manager: ``snapshot_policy`` for recurrent pools (a
-    :class:`~kvforge.kvcache.eviction.LazyHeapPolicy`, whose victims it watches) and :class:`SnapshotAwareLRU`
+    """An ``eviction_policy`` factory for a hybrid manager: ``snapshot_policy`` for recurrent pools (a policy with
+    an ``on_victim`` hook, whose victims it watches) and :class:`SnapshotAwareLRU`
     for the others, so attention blocks that no request can reuse (past the last snapshot of their path) are
     evicted first. Works with any snapshot policy: ``snapshot_aware_eviction()`` is plain LRU plus that rule."""
     recurrent: set[int] = set()  # shared by the policies of one manager's pools
@@ -108,9 +108,10 @@ def snapshot_aware_eviction(snapshot_policy: EvictionPolicyFactory = Prioritized
             aware.append(policy)
             return policy
         snap = snapshot_policy(group, tier)
-        if not isinstance(snap, LazyHeapPolicy):
+        if not hasattr(snap, "on_victim"):
             raise TypeError(
-                f"snapshot_policy: expected a factory of LazyHeapPolicy-based policies, got {type(snap).__name__}"
+                "snapshot_policy: expected a factory of policies with an on_victim hook (LazyHeapPolicy-based or "
+                f"PrioritizedLRU), got {type(snap).__name__}"
             )
         recurrent.add(group.group_id)
         snap.on_victim = snapshot_evicted
