@@ -189,3 +189,18 @@ def test_hybrid_commit_is_end_with_a_failing_callback_changes_nothing() -> None:
         assert not cache.committing and cache.num_committed_tokens == n
         cache.close()
         mgr.check_invariants()
+
+
+def test_snapshot_marks_do_not_grow_with_the_prompt() -> None:
+    # 2.9: snapshot_interval=4 marked every point up to the context end (a 2e7-token prompt: 5M points, ~1 GB).
+    full = LayerSpec(0, bytes_per_token=2)
+    rec = LayerSpec(1, LifeCycle.recurrent(), state_bytes=64)
+    mgr = HybridCacheManager(KVCacheConfig(TPB, (full, rec), (TierConfig(pages=(32, 8)),)), snapshot_interval=4)
+    req = Request("long", prompt_len=2_000_000)
+    req.cache = mgr.create_cache(block_keys=[], prompt_len=req.prompt_len)
+    mgr.mark_context_request(req)
+    assert req.snapshot_points == (4, 8, 12, 16, 20, 24, 28, 32)
+    req.num_computed_tokens = 1_000_000
+    mgr.mark_context_request(req)
+    assert req.snapshot_points[:2] == (1_000_004, 1_000_008) and len(req.snapshot_points) == 8
+    req.cache.close()

@@ -146,8 +146,23 @@ class HybridKVCache(KVCache):
 
     @property
     def snapshot_points(self) -> tuple[int, ...]:
-        """Every explicit snapshot point of this cache (periodic ones up to its context length included)."""
-        return tuple(sorted(self._points_of()))
+        """Every explicit snapshot point of this cache (periodic ones up to its context length included). Its
+        size grows with the context; the scheduler hook reads only the next few (:meth:`_points_between`)."""
+        interval = self._hybrid.snapshot_interval
+        out = set(self._points_of())
+        if interval:
+            out.update(range(interval, max(self._context_len, self._prompt_len) + 1, interval))
+        return tuple(sorted(out))
+
+    def _points_between(self, start: int, end: int, limit: int) -> list[int]:
+        """The first ``limit`` snapshot points strictly inside ``(start, end)``, in order, without materialising
+        the periodic ones beyond them (a 2e7-token prompt at a small interval has millions)."""
+        out = sorted(p for p in self._points_of() if start < p < end)[:limit]
+        interval = self._hybrid.snapshot_interval
+        if interval:
+            first = (start // interval + 1) * interval
+            out = sorted(set(out).union(range(first, end, interval)[:limit]))[:limit]
+        return out
 
     # --- snapshot points -----------------------------------------------------------------------------------------
 
@@ -180,15 +195,13 @@ class HybridKVCache(KVCache):
             self._points = None
 
     def _points_of(self) -> frozenset[int]:
+        """The points that are not periodic (prompt ends, branch point, requested ones): a handful."""
         pts = self._points
         if pts is not None:
             return pts
         mgr = self._hybrid
         tpb = mgr.tokens_per_block
-        ctx = max(self._context_len, self._prompt_len)
         out: set[int] = set()
-        if mgr.snapshot_interval:
-            out.update(range(mgr.snapshot_interval, ctx + 1, mgr.snapshot_interval))
         for d in mgr.prompt_end_offsets:
             p = _align_down(self._prompt_len - d, tpb)
             if p > 0:
@@ -688,7 +701,9 @@ class HybridCacheManager(KVCacheManager):
             cache.request_snapshot_point(p)
         start = request.num_computed_tokens
         end = request.context_len
-        pts = [p for p in cache.snapshot_points if start < p < end]
+        # The scheduler passes at most one point inside a step and stops at the next, so the first few points
+        # decide every step exactly (more than two, so the last one listed is never taken for the last one).
+        pts = cache._points_between(start, end, 8)
         if not pts:
             request.clear_snapshot_marks()
             return
