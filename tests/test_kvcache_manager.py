@@ -644,3 +644,51 @@ def test_a_failing_callback_at_close_or_in_a_sliding_commit_changes_nothing():
     assert cache.page_indices(1)[1] == -1
     cache.close()
     mgr.check_invariants()
+
+
+# --- listeners ----------------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.changed: list = []
+        self.closed: list = []
+
+    def cache_changed(self, cache, group, first_block):
+        self.changed.append((cache.id, group, first_block))
+
+    def cache_closed(self, cache):
+        self.closed.append(cache.id)
+
+
+def test_listeners_follow_page_changes_and_closes_until_removed():
+    mgr, _ = make(pages=16)
+    rec = _Recorder()
+    mgr.add_listener(rec)
+    mgr.add_listener(rec)  # registered once
+    cache = mgr.create_cache(seq(0, 6), cache_id="a")
+    assert cache.resize(capacity=6, history=6)  # 0 -> 2 blocks of group 0
+    assert (("a", 0, 0) in rec.changed) and cache.page_indices(0, 1) == cache.page_indices(0)[1:]
+    rec.changed.clear()
+    assert cache.resize(capacity=9)  # a third block
+    assert rec.changed == [("a", 0, 2)]
+    cache.close()
+    assert rec.closed == ["a"]
+    mgr.remove_listener(rec)
+    mgr.remove_listener(rec)  # a no-op
+    serve(mgr, seq(50, 9))
+    assert rec.closed == ["a"]
+    with pytest.raises(TypeError, match="listener"):
+        mgr.add_listener(object())
+
+
+def test_block_pool_owns_pages_and_the_manager_delegates():
+    mgr, _ = make(pages=8, host=4)
+    bp = mgr.block_pool
+    assert mgr.tree is bp.tree and mgr.tiers == bp.tiers == (Tier.GPU, Tier.HOST)
+    assert mgr.pool(0, Tier.HOST) is bp.pool(0, Tier.HOST)
+    serve(mgr, seq(0, 8))
+    assert mgr.evict(0, 2) == bp.num_pending_copies == 2  # two blocks offloaded to the host tier
+    assert len(mgr.take_pending_copies()) == 2 and bp.num_pending_copies == 0
+    assert mgr.stats is bp.stats and mgr.stats.offloaded_pages == 2
+    mgr.check_invariants()

@@ -14,49 +14,18 @@ Typical use (one request)::
     cache.commit([token])
     cache.close()                                   # committed blocks stay in the tree, evictable
 
-**Per-cache invariant**: ``num_committed_tokens <= history <= capacity``. ``capacity`` is what pages are held
-for (``ceil(capacity / tokens_per_block)`` blocks in every attention group), ``history`` is how many tokens'
-KV the cache holds, ``committed`` how many of those are final and reusable (inserted in the radix tree).
-Sliding-window pages that no token after the committed ones can read are given back as commits advance.
-
-**States**: ACTIVE (holds GPU pages) → SUSPENDED (holds none; its committed blocks stay reusable in the tree,
-``resume`` re-acquires them) → ACTIVE, and any → CLOSED. Every misuse (an operation not valid in the state,
-breaking the invariant) raises :class:`~kvforge.errors.CacheStateError` and changes nothing; bad argument types
-or values raise ``TypeError`` / ``ValueError``. ``resize`` and ``resume`` return False (changing nothing) when
-pages cannot be found even after eviction; ``create_cache`` raises :class:`~kvforge.errors.OutOfPagesError`.
-
-**Copies**: the manager never touches device memory. Moving a page between tiers (eviction to host,
-onboarding back to the GPU), reusing a partial block (copy-on-write) and starting a recurrent state from a
-snapshot are recorded as :class:`PageCopy` items in order. The runtime takes them with
-:meth:`KVCacheManager.take_pending_copies` and must execute them, in order, before the next forward step;
-that ordering is what makes it safe to reassign a source page right after its copy was recorded. A cache
-that reuses nothing (``num_committed_tokens == 0`` after create/resume) gets no copy for its recurrent live
-state: the runtime zeroes it.
-
-**Partial-block reuse**: a prompt may reuse the first tokens of a block (copied into a fresh page), matched
-by comparing tokens. The tree keeps the tokens of every partial block (a request's committed tail, inserted
-when it closes or is suspended), of every block completed token by token (decode) and of the last full block
-of every commit; other full blocks keep only their key, because copying every block's tokens would double
-the cost of inserting a long prompt. A prompt that diverges inside such a block reuses up to its start.
-
-**Keys**: full blocks are found and reused by block key alone (128-bit, salted: :mod:`kvforge.kvcache.hashing`,
-under the manager's ``hasher``); token ids are validated there (ints in ``[0, vocab_size)``). Every
-prompt-taking call accepts the prompt's ``block_keys`` (from :meth:`KVCacheManager.prompt_keys`, computed once
-per request) and ``cache_salt`` (tenant isolation: a separate root, so no block matches another tenant's).
-
-**Layout**: the manager matches prompts and admits caches; each :class:`KVCache` runs its own state machine
-and owns its state; pages, the tree, eviction, copies and events belong to the manager's
-:class:`~kvforge.kvcache.block_pool.BlockPool`; value types live in :mod:`~kvforge.kvcache.records`;
-invariant checks in :mod:`~kvforge.kvcache.invariants`. Page tables follow caches through
-:meth:`KVCacheManager.add_listener`.
-
-**Extension points** (for the hybrid manager and schedulers): ``eviction_policy`` (a factory per pool),
-``priority_callback`` per cache (block ordinal, group id) → 0..100, ``swa_priorities`` for sliding-window
-endpoints, ``cache_class`` (a :class:`KVCache` subclass whose hooks ``_snapshot_pages``, ``_on_suspend``,
-``_on_close``, ``_on_stop_committing`` run inside the state machine), and the manager's ``_extra_page_refs``.
-``check_invariants`` and ``state_snapshot`` serve tests.
-
-Not thread-safe: one scheduler thread drives a manager.
+**Contract**: ``probe_reuse`` and ``plan_admission`` are read-only (no LRU touch, no reference, no root) and
+exact: ``create_cache`` with the same arguments succeeds now iff ``plan_admission(...).fits``; it raises
+:class:`~kvforge.errors.OutOfPagesError` changing nothing otherwise. Bad argument types or values raise
+``TypeError`` / ``ValueError`` before any state changes. The manager never touches device memory: tier moves,
+partial-block copies and recurrent restores are :class:`PageCopy` items the runtime must execute, in order,
+before the next forward step (:meth:`KVCacheManager.take_pending_copies`). Full blocks are reused on their
+128-bit salted block key alone (:mod:`kvforge.kvcache.hashing`, the manager's ``hasher``); every prompt-taking
+call accepts ``block_keys`` (from :meth:`KVCacheManager.prompt_keys`, once per request) and ``cache_salt``
+(tenant isolation: its own root). Each :class:`KVCache` keeps
+``num_committed_tokens <= history <= capacity`` and its own state machine (:mod:`kvforge.kvcache.cache`).
+States, copies, partial-block reuse, layout and extension points: ``docs/kvcache.md``. Not thread-safe: one
+scheduler thread drives a manager.
 """
 
 from __future__ import annotations

@@ -14,26 +14,10 @@ chunks) → ``GENERATION`` (one token, plus accepted draft tokens, per step) →
 goes back to ``WAITING``; when it runs again, the tokens to (re)compute are the prompt *and* the tokens
 generated so far (``context_len``), minus what its cache still holds.
 
-**Contract with the hybrid manager** (issue 5). The scheduler reads, the manager writes, through
-:meth:`Request.set_snapshot_marks` (called from the manager's optional ``mark_context_request(request)``, which
-the scheduler calls before it sizes each context chunk):
-
-* ``snapshot_points``: sorted prompt positions (tokens from the start) where the manager wants the recurrent
-  state saved. A step never crosses one it may not pass (see below): the chunk ends at it.
-* ``midchunk_snapshot_alignment``: None (the manager can only snapshot the live state at the end of a step), or
-  ``A``: the recurrent prefill can store the state at ``start + k*A`` inside a step that starts at ``start``
-  (the kernel splits a step into A-token chunks counted from the step's first token), into the one pending
-  snapshot slot a cache has. Then *one* point per step may be passed mid-step, if it is so aligned and it is
-  the last snapshot point or ``midchunk_pass_point``; the step ends at the following point at the latest.
-* ``midchunk_pass_point``: one earlier point (not the last) that may also be passed mid-step.
-
-The scheduler writes, and the manager reads:
-
-* ``requested_snapshot_points``: positions that requests waiting for this request's prefix asked to have saved
-  (the divergence point of the shared prefix); the manager decides whether they become ``snapshot_points``.
-* ``waiting_for_prefix_of``: the id of the in-flight request whose prefix this one waits for (None when not
-  waiting); the scheduler also passes the requests that started waiting to the manager's optional
-  ``count_prefix_waits(requests)``.
+Snapshot marks pass between the scheduler and a hybrid manager through the request: the manager writes
+``snapshot_points`` / ``midchunk_snapshot_alignment`` / ``midchunk_pass_point`` with
+:meth:`Request.set_snapshot_marks` (their meaning is documented there); the scheduler writes
+``requested_snapshot_points`` and ``waiting_for_prefix_of``. Bad arguments raise ``TypeError`` / ``ValueError``.
 """
 
 from __future__ import annotations
@@ -248,10 +232,28 @@ class Request:
         alignment: int | None = None,
         pass_point: int | None = None,
     ) -> None:
-        """Set the snapshot points (strictly increasing, > 0) and the mid-chunk marks (the hybrid manager's call).
+        """Set the snapshot points (strictly increasing, > 0) and the mid-chunk marks (the hybrid manager's call,
+        from its ``mark_context_request(request)``, which the scheduler calls before it sizes each context chunk).
 
         ``pass_point`` needs an ``alignment`` and must be one of ``points`` other than the last. Raises
-        ValueError / TypeError naming the argument and changes nothing on bad input.
+        ValueError / TypeError naming the argument and changes nothing on bad input. The marks:
+
+        * ``snapshot_points``: sorted prompt positions (tokens from the start) where the manager wants the recurrent
+          state saved. A step never crosses one it may not pass (see below): the chunk ends at it.
+        * ``midchunk_snapshot_alignment``: None (the manager can only snapshot the live state at the end of a step), or
+          ``A``: the recurrent prefill can store the state at ``start + k*A`` inside a step that starts at ``start``
+          (the kernel splits a step into A-token chunks counted from the step's first token), into the one pending
+          snapshot slot a cache has. Then *one* point per step may be passed mid-step, if it is so aligned and it is
+          the last snapshot point or ``midchunk_pass_point``; the step ends at the following point at the latest.
+        * ``midchunk_pass_point``: one earlier point (not the last) that may also be passed mid-step.
+
+        The scheduler writes, and the manager reads:
+
+        * ``requested_snapshot_points``: positions that requests waiting for this request's prefix asked to have saved
+          (the divergence point of the shared prefix); the manager decides whether they become ``snapshot_points``.
+        * ``waiting_for_prefix_of``: the id of the in-flight request whose prefix this one waits for (None when not
+          waiting); the scheduler also passes the requests that started waiting to the manager's optional
+          ``count_prefix_waits(requests)``.
         """
         pts = _int_tuple("points", points)
         for i, p in enumerate(pts):
