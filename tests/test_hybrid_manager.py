@@ -8,9 +8,24 @@ import logging
 import pytest
 
 from kvforge.errors import CacheStateError
-from kvforge.kvcache import HybridCachePolicy, KVCacheConfig, LayerOwner, LayerSpec, LifeCycle, TierConfig
+from kvforge.kvcache import (
+    HybridCachePolicy,
+    KVCacheConfig,
+    KVCacheManager,
+    LayerOwner,
+    LayerSpec,
+    LifeCycle,
+    TierConfig,
+)
+from kvforge.kvcache.hashing import default_hasher
 from kvforge.kvcache.hybrid import HybridCacheManager, HybridKVCache
 from kvforge.scheduling import Request, Scheduler, SchedulerConfig
+
+
+def _key(parent: int, block) -> int:
+    """The block key of one full block under ``parent`` (the managers' default hasher)."""
+    return default_hasher().block_keys(list(block), len(block), parent=parent)[0]
+
 
 TPB = 4
 FULL = LayerSpec(0, bytes_per_token=2)
@@ -38,7 +53,7 @@ def snapshot_ends(mgr: HybridCacheManager, tokens) -> list[int]:
     """Token positions along ``tokens``' path in the tree whose block holds a recurrent snapshot."""
     node, out = mgr.tree.root(None), []
     for i in range(len(tokens) // TPB):
-        node = node.children.get(hash((node.key, tuple(tokens[i * TPB : (i + 1) * TPB]))))
+        node = node.children.get(_key(node.key, tokens[i * TPB : (i + 1) * TPB]))
         if node is None:
             break
         if node.pages[G_REC] is not None:
@@ -217,23 +232,46 @@ def pending_setup(**kw):
 def test_pending_page_moves_into_the_tree_with_the_cache_priority():
     mgr, cache, prompt = pending_setup()
     free = mgr.num_free_pages(G_REC)
-    slot = cache.acquire_ssm_snapshot_slot()
-    assert slot is not None and cache.pending_ssm_snapshot_slot == slot
+    slot = cache.acquire_snapshot_slot()
+    assert slot is not None and cache.pending_snapshot_slot == slot
     assert slot != cache.live_page(G_REC).index
     assert mgr.num_free_pages(G_REC) == free - 1
     mgr.check_invariants()
     assert cache.resize(capacity=16, history=16)  # the step ran to 16 and wrote the state at 8 into the slot
-    cache.commit(prompt[:8], ssm_from_pending=True)
+    cache.commit(prompt[:8], snapshot_from_pending=True)
     cache.commit(prompt[8:16])
-    assert cache.pending_ssm_snapshot_slot is None
-    block = mgr.tree.root(None).children[hash((mgr.tree.root(None).key, tuple(prompt[:4])))]
-    block = block.children[hash((block.key, tuple(prompt[4:8])))]
+    assert cache.pending_snapshot_slot is None
+    block = mgr.tree.root(None).children[_key(mgr.tree.root(None).key, prompt[:4])]
+    block = block.children[_key(block.key, prompt[4:8])]
     assert block.pages[G_REC].index == slot and block.pages[G_REC].priority == 70
     assert not any(c.dst_index == slot for c in mgr.take_pending_copies())  # the kernel wrote it: no copy
     assert mgr.counters.pending_committed == 1 and mgr.counters.points_requested_committed == 1
     mgr.check_invariants()
     cache.close()
     assert mgr.probe_reuse([*prompt[:9], 5, 5]) == 8
+
+
+def test_old_ssm_names_still_work():
+    # The vocabulary is "snapshot"; the earlier names stay for existing callers and behave the same.
+    mgr, cache, prompt = pending_setup()
+    slot = cache.acquire_ssm_snapshot_slot()
+    assert slot is not None and cache.pending_ssm_snapshot_slot == slot == cache.pending_snapshot_slot
+    assert cache.resize(capacity=16, history=16)
+    cache.commit(prompt[:8], ssm_from_pending=True)
+    assert cache.pending_snapshot_slot is None and mgr.counters.pending_committed == 1
+    assert cache.acquire_ssm_snapshot_slot() is not None and cache.release_ssm_snapshot_slot()
+    assert not cache.release_ssm_snapshot_slot()
+    mgr.check_invariants()
+
+
+def test_hybrid_caches_and_manager_satisfy_the_scheduler_seams():
+    from kvforge.scheduling.seams import ContextMarker, PrefixWaitCounter, SnapshotSlotCache
+
+    mgr, cache, _ = pending_setup()
+    assert isinstance(mgr, ContextMarker) and isinstance(mgr, PrefixWaitCounter)
+    assert isinstance(cache, SnapshotSlotCache)
+    base = KVCacheManager(mgr.config)
+    assert not isinstance(base, ContextMarker) and not isinstance(base.create_cache(), SnapshotSlotCache)
 
 
 @pytest.mark.parametrize("case", ["covered", "no_point", "mid_block", "error"])
@@ -247,15 +285,15 @@ def test_pending_page_is_released_when_the_commit_records_no_snapshot(case):
         cache = mgr.create_cache([*prompt[:12], 1, 2, 3], reuse=False)
         cache.request_snapshot_point(8)
     free = mgr.num_free_pages(G_REC)
-    assert cache.acquire_ssm_snapshot_slot() is not None
+    assert cache.acquire_snapshot_slot() is not None
     assert cache.resize(capacity=16, history=16)
     if case == "error":
         with pytest.raises(CacheStateError, match="past its history"):
-            cache.commit(prompt[:17], ssm_from_pending=True)
+            cache.commit(prompt[:17], snapshot_from_pending=True)
     else:
         n = {"covered": 8, "no_point": 4, "mid_block": 6}[case]
-        cache.commit(prompt[:n], ssm_from_pending=True)
-    assert cache.pending_ssm_snapshot_slot is None
+        cache.commit(prompt[:n], snapshot_from_pending=True)
+    assert cache.pending_snapshot_slot is None
     assert mgr.num_free_pages(G_REC) == free
     assert mgr.counters.pending_released == 1 and mgr.counters.pending_committed == 0
     mgr.check_invariants()
@@ -265,14 +303,14 @@ def test_pending_commit_misuse_raises_and_changes_nothing():
     mgr, cache, prompt = pending_setup()
     assert cache.resize(capacity=8, history=8)
     with pytest.raises(CacheStateError, match="no pending"):
-        cache.commit(prompt[:8], ssm_from_pending=True)
-    cache.acquire_ssm_snapshot_slot()
+        cache.commit(prompt[:8], snapshot_from_pending=True)
+    cache.acquire_snapshot_slot()
     before = mgr.state_snapshot()
     with pytest.raises(CacheStateError, match="is_end"):
-        cache.commit(prompt[:8], ssm_from_pending=True, is_end=True)
-    assert mgr.state_snapshot() == before and cache.pending_ssm_snapshot_slot is not None
+        cache.commit(prompt[:8], snapshot_from_pending=True, is_end=True)
+    assert mgr.state_snapshot() == before and cache.pending_snapshot_slot is not None
     with pytest.raises(CacheStateError, match="already holds"):
-        cache.acquire_ssm_snapshot_slot()
+        cache.acquire_snapshot_slot()
     assert mgr.state_snapshot() == before
 
 
@@ -280,27 +318,27 @@ def test_pending_commit_misuse_raises_and_changes_nothing():
 def test_suspend_stop_close_and_release_give_the_pending_page_back(how):
     mgr, cache, _ = pending_setup()
     free = mgr.num_free_pages(G_REC)
-    slot = cache.acquire_ssm_snapshot_slot()
-    getattr(cache, {"release": "release_ssm_snapshot_slot"}.get(how, how))()
-    assert cache.pending_ssm_snapshot_slot is None
+    slot = cache.acquire_snapshot_slot()
+    getattr(cache, {"release": "release_snapshot_slot"}.get(how, how))()
+    assert cache.pending_snapshot_slot is None
     # The cache's live page (and the slot) are back too after suspend/close.
     back = free + (1 if how in ("suspend", "close") else 0)
     assert mgr.num_free_pages(G_REC) == back
     assert slot in [p.index for p in mgr.pool(G_REC).free]
     mgr.check_invariants()
-    assert cache.release_ssm_snapshot_slot() is False
+    assert cache.release_snapshot_slot() is False
 
 
 def test_acquire_returns_none_when_not_committing_or_out_of_pages():
     mgr, cache, _ = pending_setup(pages=(32, 2))
     cache.stop_committing()
-    assert cache.acquire_ssm_snapshot_slot() is None
+    assert cache.acquire_snapshot_slot() is None
     other = mgr.create_cache(seq(14, 4))  # takes the last recurrent page as its live state
     cache.close()
     c3 = mgr.create_cache(seq(16, 4))
     assert mgr.num_available_pages(G_REC) == 0  # both pages are live states: nothing to evict
-    assert c3.acquire_ssm_snapshot_slot() is None
-    assert other.acquire_ssm_snapshot_slot() is None
+    assert c3.acquire_snapshot_slot() is None
+    assert other.acquire_snapshot_slot() is None
     mgr.check_invariants()
 
 
@@ -309,17 +347,17 @@ def test_acquire_raises_unless_exactly_one_recurrent_group_and_an_active_cache()
     mgr = make(pages=(32, 8, 8), layers=(FULL, REC, draft_rec))
     cache = mgr.create_cache(seq(17, 8))
     with pytest.raises(CacheStateError, match="exactly one"):
-        cache.acquire_ssm_snapshot_slot()
+        cache.acquire_snapshot_slot()
     mgr2 = make()
     c2 = mgr2.create_cache(seq(18, 8))
     c2.suspend()
     with pytest.raises(CacheStateError, match="suspended"):
-        c2.acquire_ssm_snapshot_slot()
+        c2.acquire_snapshot_slot()
 
 
 def test_sanity_check_catches_a_pending_page_that_is_a_live_page():
     mgr, cache, _ = pending_setup()
-    cache.acquire_ssm_snapshot_slot()
+    cache.acquire_snapshot_slot()
     mgr.check_invariants()
     real = cache._pending
     cache._pending = cache._live[G_REC]
@@ -390,7 +428,7 @@ def test_short_prompts_get_recurrent_pages_at_priority_zero_and_L_is_logged_once
     def last_block(p):
         node = mgr.tree.root(None)
         for i in range(len(p) // TPB):
-            node = node.children[hash((node.key, tuple(p[i * TPB : (i + 1) * TPB])))]
+            node = node.children[_key(node.key, p[i * TPB : (i + 1) * TPB])]
         return node
 
     assert last_block(short).pages[G_REC].priority == 0

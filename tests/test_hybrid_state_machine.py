@@ -76,14 +76,14 @@ class HybridMachine(RuleBasedStateMachine):
         k = min(n, cache.history - c) if cache.is_active else n
         if align and cache.is_active and (c + k) % TPB and (c + k) - (c + k) % TPB > c:
             k -= (c + k) % TPB  # a commit that ends at a block boundary (a pending snapshot can land there)
-        had = cache.pending_ssm_snapshot_slot is not None
+        had = cache.pending_snapshot_slot is not None
         try:
-            cache.commit(tokens[c : c + k], ssm_from_pending=pending, is_end=end and not pending)
+            cache.commit(tokens[c : c + k], snapshot_from_pending=pending, is_end=end and not pending)
         except CacheStateError:
             # Only misuse raises here (k never passes the history): not active, stopped, or no pending page.
             assert not cache.is_active or not cache.committing or (pending and not had)
         if pending:
-            assert cache.pending_ssm_snapshot_slot is None
+            assert cache.pending_snapshot_slot is None
 
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 99), blocks=st.integers(1, 4), mid=st.integers(0, 3))
@@ -98,29 +98,25 @@ class HybridMachine(RuleBasedStateMachine):
         point = (c // TPB + 1 + mid) * TPB
         if end <= c or not cache.resize(capacity=max(cache.capacity, end), history=end):
             return
-        if (
-            c < point < end
-            and cache.pending_ssm_snapshot_slot is None
-            and cache.acquire_ssm_snapshot_slot() is not None
-        ):
+        if c < point < end and cache.pending_snapshot_slot is None and cache.acquire_snapshot_slot() is not None:
             cache.request_snapshot_point(point)
-            cache.commit(tokens[c:point], ssm_from_pending=True)
-            assert cache.pending_ssm_snapshot_slot is None
+            cache.commit(tokens[c:point], snapshot_from_pending=True)
+            assert cache.pending_snapshot_slot is None
         cache.commit(tokens[cache.num_committed_tokens : end])
 
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 99))
     def acquire(self, i):
         cache, _ = self._pick(i)
-        had = cache.pending_ssm_snapshot_slot
+        had = cache.pending_snapshot_slot
         try:
-            slot = cache.acquire_ssm_snapshot_slot()
+            slot = cache.acquire_snapshot_slot()
         except CacheStateError:
             assert had is not None or not cache.is_active
-            assert cache.pending_ssm_snapshot_slot == had
+            assert cache.pending_snapshot_slot == had
             return
         assert had is None
-        assert slot == cache.pending_ssm_snapshot_slot
+        assert slot == cache.pending_snapshot_slot
         if slot is None:
             assert not cache.committing or self.mgr.num_available_pages(G_REC) == 0
 
@@ -128,9 +124,9 @@ class HybridMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def release(self, i):
         cache, _ = self._pick(i)
-        had = cache.pending_ssm_snapshot_slot is not None
-        assert cache.release_ssm_snapshot_slot() is had
-        assert cache.pending_ssm_snapshot_slot is None
+        had = cache.pending_snapshot_slot is not None
+        assert cache.release_snapshot_slot() is had
+        assert cache.pending_snapshot_slot is None
 
     @precondition(lambda self: self.caches)
     @rule(i=st.integers(0, 99), pos=st.integers(1, 40))
@@ -148,7 +144,7 @@ class HybridMachine(RuleBasedStateMachine):
         except CacheStateError:
             return
         if op != "resume":
-            assert cache.pending_ssm_snapshot_slot is None
+            assert cache.pending_snapshot_slot is None
         if op == "close":
             self.caches = [(c, t) for c, t in self.caches if c is not cache]
 
@@ -168,8 +164,8 @@ class HybridMachine(RuleBasedStateMachine):
         for cache in self.mgr.caches:
             if cache.live_page(G_REC) is not None:
                 owners.setdefault(id(cache.live_page(G_REC)), []).append("live")
-            if cache._pending is not None:
-                owners.setdefault(id(cache._pending), []).append("pending")
+            if cache.pending_snapshot_page is not None:
+                owners.setdefault(id(cache.pending_snapshot_page), []).append("pending")
                 assert cache.is_active
         for b in self.mgr.tree.blocks():
             if b.pages[G_REC] is not None:

@@ -6,9 +6,16 @@ import pytest
 import torch
 
 from kvforge.kvcache import KVCacheConfig, LayerSpec, LifeCycle, TierConfig
+from kvforge.kvcache.hashing import default_hasher
 from kvforge.kvcache.hybrid import HybridCacheManager, StateIndexUpload, UploadPath
 from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE, CostAwareSnapshotPolicy, ModelCostSpec, cost_aware_eviction
 from kvforge.sim.workload import SimRequest
+
+
+def _key(parent: int, block) -> int:
+    """The block key of one full block under ``parent`` (the managers' default hasher)."""
+    return default_hasher().block_keys(list(block), len(block), parent=parent)[0]
+
 
 TPB = 4
 FULL = LayerSpec(0, bytes_per_token=2)
@@ -109,7 +116,7 @@ def test_model_cost_spec_default_layout():
 def snapshot_ends(mgr, tokens):
     node, out = mgr.tree.root(None), []
     for i in range(len(tokens) // TPB):
-        node = node.children.get(hash((node.key, tuple(tokens[i * TPB : (i + 1) * TPB]))))
+        node = node.children.get(_key(node.key, tokens[i * TPB : (i + 1) * TPB]))
         if node is None:
             break
         if node.pages[1] is not None:
@@ -172,7 +179,7 @@ def test_policy_replay_runs_on_a_tiny_synthetic_workload():
     reqs = []
     for turn in range(4):
         for conv in range(3):
-            keys = tuple(hash((conv, b)) for b in range(2 * turn + 2))
+            keys = tuple(default_hasher().keys_from_ids([conv * 100 + b for b in range(2 * turn + 2)]))
             reqs.append(SimRequest(len(reqs), float(len(reqs)), len(keys) * 512 + 100, 10, keys))
     out = {p: replay(reqs, KIMI_K3_LIKE, 40.0, 0.5, p) for p in ("lru", "cost")}
     for o in out.values():

@@ -7,6 +7,7 @@ import pytest
 from kvforge.errors import CacheStateError, OutOfPagesError
 from kvforge.kvcache import (
     CacheStatus,
+    KVCache,
     KVCacheConfig,
     KVCacheManager,
     LayerSpec,
@@ -19,7 +20,7 @@ from kvforge.kvcache import (
     TierConfig,
 )
 from kvforge.kvcache.events import BlockRemoved, BlockStored
-from kvforge.kvcache.hashing import block_hashes, scope_root
+from kvforge.kvcache.hashing import block_keys, root_key
 
 TPB = 4
 FULL = LayerSpec(0, bytes_per_token=2)
@@ -60,7 +61,7 @@ def test_commit_inserts_blocks_and_a_later_prompt_reuses_them():
     assert cache.resize(capacity=10, history=10)
     assert cache.num_blocks == 3 and len(set(cache.page_indices(0))) == 3
     cache.commit(prompt)
-    keys = block_hashes(prompt, TPB)
+    keys = block_keys(prompt, TPB)
     assert events == [BlockStored(tuple(keys), None, TPB)]
     assert cache.block_keys == tuple(keys)
     pages = cache.page_indices(0)
@@ -82,11 +83,11 @@ def test_reuse_scopes_are_isolated_and_match_router_hashes():
     mgr, events = make()
     prompt = seq(0, 8)
     serve(mgr, prompt, scope=("lora", 3))
-    assert events[0].block_hashes == tuple(block_hashes(prompt, TPB, ("lora", 3)))
+    assert events[0].block_keys == tuple(block_keys(prompt, TPB, ("lora", 3)))
     assert mgr.probe_reuse(prompt, ("lora", 3)) == 8
     assert mgr.probe_reuse(prompt) == 0
     assert mgr.probe_reuse(prompt, "salt") == 0
-    assert scope_root(("lora", 3)) in mgr.tree.roots
+    assert root_key(("lora", 3)) in mgr.tree.roots
 
 
 def test_max_reuse_leaves_the_last_prompt_token_to_compute():
@@ -114,7 +115,7 @@ def test_partial_match_inside_a_full_block_and_divergence():
     for t in seq(50, 8):
         cache.resize(cache.history + 1, cache.history + 1)
         cache.commit([t])
-    assert cache.block_keys == tuple(block_hashes(seq(50, 8), TPB))  # the router's hashes, token by token too
+    assert cache.block_keys == tuple(block_keys(seq(50, 8), TPB))  # the router's hashes, token by token too
     cache.close()
     assert mgr.probe_reuse([50, 51, 52, 99]) == 3
 
@@ -139,7 +140,7 @@ def test_key_mode_caches_commit_and_match_by_precomputed_keys():
 def test_tokens_with_precomputed_keys_skip_hashing_but_agree():
     mgr, _ = make()
     prompt = seq(0, 12)
-    keys = block_hashes(prompt, TPB)
+    keys = block_keys(prompt, TPB)
     cache = mgr.create_cache(prompt, block_keys=keys)
     cache.resize(12, 12)
     cache.commit(prompt, block_keys=keys)
@@ -203,7 +204,7 @@ def test_lru_evicts_leaves_first_and_publishes_removals():
     events.clear()
     cache = mgr.create_cache(seq(200, 4))
     assert cache.resize(4, 4)  # takes one page: a's leaf goes (least recently used, deepest first)
-    assert events == [BlockRemoved((block_hashes(a, TPB)[2],))]
+    assert events == [BlockRemoved((block_keys(a, TPB)[2],))]
     assert mgr.probe_reuse(a) == 8 and mgr.probe_reuse(b) == 12
     assert cache.resize(16, 16)  # three more: the rest of a, then b's leaf
     assert mgr.probe_reuse(a) == 0 and mgr.probe_reuse(b) == 8
@@ -223,7 +224,7 @@ def test_lower_priority_goes_first_and_reuse_only_raises_priority():
     mgr, _ = make(pages=4)
     serve(mgr, high, cb=lambda o, g: 80)
     serve(mgr, high, cb=lambda o, g: 5)  # a reuse at a lower priority does not lower it
-    block = mgr.tree.root(None).children[block_hashes(high, TPB)[0]]
+    block = mgr.tree.root(None).children[block_keys(high, TPB)[0]]
     assert block.pages[0].priority == 80
 
 
@@ -245,7 +246,7 @@ def test_host_tier_offload_onboard_and_drop():
     mgr, events = make(pages=3, host=2)
     a, b = seq(0, 8), seq(100, 8)
     serve(mgr, a)
-    a_pages = [mgr.tree.root(None).children[block_hashes(a, TPB)[0]]]
+    a_pages = [mgr.tree.root(None).children[block_keys(a, TPB)[0]]]
     assert mgr.pool(0).num_free == 1
     serve(mgr, b)  # needs 2 pages: one free, one evicted from a (its leaf) to the host
     offload = mgr.take_pending_copies()
@@ -370,16 +371,16 @@ def test_sliding_window_match_is_pruned_to_what_the_window_needs():
     assert mgr.probe_reuse(prompt) == 24
     root = mgr.tree.root(None)
     blocks = [root]
-    for k in block_hashes(prompt, TPB):
+    for k in block_keys(prompt, TPB):
         blocks.append(blocks[-1].children[k])
     blocks = blocks[1:]
     # Drop an interior sliding-window page (block 2): a match of all 24 tokens needs only sinks + blocks 4-5.
-    mgr._drop(blocks[2].pages[1])
+    mgr.block_pool.drop(blocks[2].pages[1])
     assert mgr.probe_reuse(prompt) == 24
     # Drop a page the full match needs (block 5): the match falls back to where the window is complete.
-    mgr._drop(blocks[5].pages[1])
+    mgr.block_pool.drop(blocks[5].pages[1])
     assert mgr.probe_reuse(prompt) == 20  # resuming at token 20 reads tokens 15..19 (blocks 3-4) and the sink
-    mgr._drop(blocks[3].pages[1])
+    mgr.block_pool.drop(blocks[3].pages[1])
     assert mgr.probe_reuse(prompt) == 8  # 16 and 12 would need block 2; 8 needs blocks 0-1 only
     mgr.check_invariants()
     cache = mgr.create_cache(prompt)
@@ -394,7 +395,7 @@ def test_swa_endpoint_priorities_decide_sliding_pages_and_the_callback_the_rest(
     prompt = seq(0, 24)
     serve(mgr, prompt, cb=lambda o, g: 60, cap=False)
     node, blocks = mgr.tree.root(None), []
-    for k in block_hashes(prompt, TPB):
+    for k in block_keys(prompt, TPB):
         node = node.children[k]
         blocks.append(node)
     assert [b.pages[0].priority for b in blocks] == [60] * 6
@@ -402,18 +403,25 @@ def test_swa_endpoint_priorities_decide_sliding_pages_and_the_callback_the_rest(
     assert [b.pages[1].priority for b in blocks] == [90, 3, 3, 3, 90, 90]
 
 
-class _Snapshots(KVCacheManager):
+class _SnapshotsCache(KVCache):
     """Snapshots the recurrent state at every block whose end the cache has reached exactly."""
 
-    def _snapshot_pages(self, cache, block, ordinal):
-        if cache.history != ordinal * self.tokens_per_block + block.num_tokens:
+    __slots__ = ()
+
+    def _snapshot_pages(self, block, ordinal):
+        mgr = self.manager
+        if self.history != ordinal * mgr.tokens_per_block + block.num_tokens:
             return {}
         out = {}
-        for g in self._rec:
-            page = self._alloc_page(g)
-            self._copies.append(PageCopy(g, Tier.GPU, cache.live_page(g).index, Tier.GPU, page.index))
+        for g in mgr.recurrent_groups:
+            page = mgr.block_pool.alloc_page(g)
+            mgr.block_pool.record_copy(PageCopy(g, Tier.GPU, self.live_page(g).index, Tier.GPU, page.index))
             out[g] = page
         return out
+
+
+class _Snapshots(KVCacheManager):
+    cache_class = _SnapshotsCache
 
 
 def test_recurrent_match_is_cut_back_to_the_last_snapshot():
@@ -635,4 +643,52 @@ def test_a_failing_callback_at_close_or_in_a_sliding_commit_changes_nothing():
     cache.commit([12])
     assert cache.page_indices(1)[1] == -1
     cache.close()
+    mgr.check_invariants()
+
+
+# --- listeners ----------------------------------------------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.changed: list = []
+        self.closed: list = []
+
+    def cache_changed(self, cache, group, first_block):
+        self.changed.append((cache.id, group, first_block))
+
+    def cache_closed(self, cache):
+        self.closed.append(cache.id)
+
+
+def test_listeners_follow_page_changes_and_closes_until_removed():
+    mgr, _ = make(pages=16)
+    rec = _Recorder()
+    mgr.add_listener(rec)
+    mgr.add_listener(rec)  # registered once
+    cache = mgr.create_cache(seq(0, 6), cache_id="a")
+    assert cache.resize(capacity=6, history=6)  # 0 -> 2 blocks of group 0
+    assert (("a", 0, 0) in rec.changed) and cache.page_indices(0, 1) == cache.page_indices(0)[1:]
+    rec.changed.clear()
+    assert cache.resize(capacity=9)  # a third block
+    assert rec.changed == [("a", 0, 2)]
+    cache.close()
+    assert rec.closed == ["a"]
+    mgr.remove_listener(rec)
+    mgr.remove_listener(rec)  # a no-op
+    serve(mgr, seq(50, 9))
+    assert rec.closed == ["a"]
+    with pytest.raises(TypeError, match="listener"):
+        mgr.add_listener(object())
+
+
+def test_block_pool_owns_pages_and_the_manager_delegates():
+    mgr, _ = make(pages=8, host=4)
+    bp = mgr.block_pool
+    assert mgr.tree is bp.tree and mgr.tiers == bp.tiers == (Tier.GPU, Tier.HOST)
+    assert mgr.pool(0, Tier.HOST) is bp.pool(0, Tier.HOST)
+    serve(mgr, seq(0, 8))
+    assert mgr.evict(0, 2) == bp.num_pending_copies == 2  # two blocks offloaded to the host tier
+    assert len(mgr.take_pending_copies()) == 2 and bp.num_pending_copies == 0
+    assert mgr.stats is bp.stats and mgr.stats.offloaded_pages == 2
     mgr.check_invariants()

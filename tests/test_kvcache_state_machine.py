@@ -31,6 +31,7 @@ from hypothesis.stateful import (  # noqa: E402
 from kvforge.errors import CacheStateError, OutOfPagesError  # noqa: E402
 from kvforge.kvcache import (  # noqa: E402
     CacheStatus,
+    KVCache,
     KVCacheConfig,
     KVCacheManager,
     LayerSpec,
@@ -45,23 +46,30 @@ TPB = 4
 BASES = [[(7 * i + j) % 11 for j in range(40)] for i in range(3)]
 
 
-class SnapshottingManager(KVCacheManager):
+class SnapshottingCache(KVCache):
     """Takes a recurrent snapshot whenever a block is inserted exactly at the cache's history (the state the
-    live page holds then), the way the hybrid manager will through this hook."""
+    live page holds then), the way the hybrid manager's caches do through this hook."""
 
-    def _snapshot_pages(self, cache, block, ordinal):
-        end = ordinal * self.tokens_per_block + block.num_tokens
-        if cache.history != end:
+    __slots__ = ()
+
+    def _snapshot_pages(self, block, ordinal):
+        mgr = self.manager
+        end = ordinal * mgr.tokens_per_block + block.num_tokens
+        if self.history != end:
             return {}
         out = {}
-        for g in self._rec:
-            page = self._alloc_page(g)
+        for g in mgr.recurrent_groups:
+            page = mgr.block_pool.alloc_page(g)
             if page is None:
                 continue
-            live = cache.live_page(g)
-            self._copies.append(PageCopy(g, Tier.GPU, live.index, Tier.GPU, page.index))
+            live = self.live_page(g)
+            mgr.block_pool.record_copy(PageCopy(g, Tier.GPU, live.index, Tier.GPU, page.index))
             out[g] = page
         return out
+
+
+class SnapshottingManager(KVCacheManager):
+    cache_class = SnapshottingCache
 
 
 def _config(variant: str) -> tuple[KVCacheConfig, type[KVCacheManager]]:
@@ -102,11 +110,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     def on_event(self, event) -> None:
         if isinstance(event, BlockStored):
-            assert self.live_keys.isdisjoint(event.block_hashes), "a block was announced twice"
-            self.live_keys.update(event.block_hashes)
+            assert self.live_keys.isdisjoint(event.block_keys), "a block was announced twice"
+            self.live_keys.update(event.block_keys)
         elif isinstance(event, BlockRemoved):
-            assert self.live_keys.issuperset(event.block_hashes), "a block was removed without being stored"
-            self.live_keys.difference_update(event.block_hashes)
+            assert self.live_keys.issuperset(event.block_keys), "a block was removed without being stored"
+            self.live_keys.difference_update(event.block_keys)
 
     # --- the simulated device -------------------------------------------------------------------------------
 
@@ -126,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
     def write(self, m: Model, lo: int, hi: int) -> None:
         """The forward step: KV of positions lo..hi-1, and the recurrent state after hi tokens."""
         cache = self.mgr
-        for g in cache._attn:
+        for g in cache.attention_groups:
             pages = m.cache.pages(g)
             for pos in range(lo, hi):
                 p = pages[pos // TPB]
@@ -136,7 +144,7 @@ class CacheMachine(RuleBasedStateMachine):
                 row = list(self.mem.get(key) or [None] * TPB)
                 row[pos % TPB] = m.stream[pos]
                 self.mem[key] = row
-        for g in cache._rec:
+        for g in cache.recurrent_groups:
             self.mem[(Tier.GPU, g, m.cache.live_page(g).index)] = tuple(m.stream[:hi])
 
     def clean(self, op) -> bool:
@@ -155,20 +163,20 @@ class CacheMachine(RuleBasedStateMachine):
         """A cache that starts from nothing gets a zero recurrent state (the runtime's job, not the manager's)."""
         if m.cache.num_committed_tokens == 0:
             self.run_copies()
-            for g in self.mgr._rec:
+            for g in self.mgr.recurrent_groups:
                 self.mem[(Tier.GPU, g, m.cache.live_page(g).index)] = ()
 
     def check_content(self, m: Model, upto: int) -> None:
         """Every page the cache holds has the right tokens for positions < upto (and the exact live state)."""
         self.run_copies()
-        for g in self.mgr._attn:
+        for g in self.mgr.attention_groups:
             for b, p in enumerate(m.cache.pages(g)):
                 if p is None:
                     continue
                 row = self.mem.get((Tier.GPU, g, p.index)) or [None] * TPB
                 for pos in range(b * TPB, min(upto, (b + 1) * TPB)):
                     assert row[pos % TPB] == m.stream[pos], f"group {g} position {pos}: stale data in {p!r}"
-        for g in self.mgr._rec:
+        for g in self.mgr.recurrent_groups:
             assert self.mem.get((Tier.GPU, g, m.cache.live_page(g).index), ()) == tuple(m.stream[:upto])
 
     def prompt(self) -> list[int]:

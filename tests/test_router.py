@@ -34,7 +34,8 @@ class FakeClock:
 
 def toks(seed: int, n: int) -> list[int]:
     """``n`` token ids unique to ``seed`` (distinct seeds share no block)."""
-    return [seed * 1_000_003 + i for i in range(n)]
+    assert n <= 65536
+    return [seed % 65_521 * 65536 + i for i in range(n)]  # token ids stay below 2**32 (block keys)
 
 
 def make(servers=("a", "b", "c"), **kw) -> ConversationRouter:

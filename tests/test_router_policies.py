@@ -25,7 +25,8 @@ TPB = 16
 
 
 def toks(seed: int, n: int) -> list[int]:
-    return [seed * 1_000_003 + i for i in range(n)]
+    assert n <= 65536
+    return [seed % 65_521 * 65536 + i for i in range(n)]  # token ids stay below 2**32 (block keys)
 
 
 def req(rid, seed: int, n: int) -> RouteRequest:

@@ -36,7 +36,7 @@ def make_sched(pages: int = 64, *, tpb: int = TPB, clock=None, hooks=None, **cfg
 
 def toks(rid: object, n: int, prefix: Sequence[int] = ()) -> list[int]:
     """A prompt of ``n`` tokens: ``prefix`` then tokens unique to ``rid``."""
-    base = zlib.crc32(repr(rid).encode()) * 1000
+    base = zlib.crc32(repr(rid).encode()) % 4_000_000 * 1000  # token ids stay below 2**32
     return [*prefix, *range(base, base + n - len(prefix))]
 
 

@@ -28,7 +28,10 @@ def build(exact: bool) -> Scheduler:
         n = 1000
         s.add_request(
             Request(
-                ("run", i), block_keys=[hash(("run", i, b)) for b in range(n // TPB)], prompt_len=n, max_new_tokens=64
+                ("run", i),
+                block_keys=[hash(("run", i, b)) & (1 << 64) - 1 for b in range(n // TPB)],
+                prompt_len=n,
+                max_new_tokens=64,
             )
         )
     while any(r.state is not RequestState.GENERATION for r in s.running) or s.waiting:
@@ -36,7 +39,7 @@ def build(exact: bool) -> Scheduler:
     # 512 waiting: mostly short prompts, every 16th a long one (demoted, probed in exact mode).
     for i in range(WAITING):
         n = 20_000 if i % 16 == 0 else 300 + (i * 37) % 1500
-        keys = [hash(("wait", i, b)) for b in range(n // TPB)]
+        keys = [hash(("wait", i, b)) & (1 << 64) - 1 for b in range(n // TPB)]
         s.add_request(Request(("wait", i), block_keys=keys, prompt_len=n, max_new_tokens=16))
     return s
 

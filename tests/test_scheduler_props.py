@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforge.kvcache import KVCacheConfig, KVCacheManager, LayerSpec, LifeCycle, RuntimeHooks, Tier, TierConfig
-from kvforge.kvcache.hashing import block_hashes
+from kvforge.kvcache.hashing import block_keys
 from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
 from tests.test_scheduler import assert_nothing_held
 
@@ -41,7 +41,7 @@ def build_requests(specs, tpb: int, key_mode: bool) -> list[tuple[int, Request]]
         tokens = PREFIXES[pref][:shared] + list(range(10_000 * (i + 1), 10_000 * (i + 1) + plen - shared))
         kw = {"max_new_tokens": nout, "draft_len": draft, "estimated_uncached_tokens": est}
         if key_mode:
-            req = Request(i, block_keys=block_hashes(tokens, tpb), prompt_len=plen, **kw)
+            req = Request(i, block_keys=block_keys(tokens, tpb), prompt_len=plen, **kw)
         else:
             req = Request(i, tokens=tokens, **kw)
         out.append((arrive, req))

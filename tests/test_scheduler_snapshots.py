@@ -173,7 +173,7 @@ def test_hybrid_manager_marks_drive_mid_chunk_snapshots_end_to_end():
         b = s.schedule()
         for x in b.context:
             # The scheduler claimed the pending slot for a step that passes a point.
-            assert (x.snapshot_point is not None) == (r.cache.pending_ssm_snapshot_slot is not None)
+            assert (x.snapshot_point is not None) == (r.cache.pending_snapshot_slot is not None)
             plan.append((x.start, x.num_tokens, x.snapshot_point))
         s.on_step_done(b)
         mgr.check_invariants()

@@ -33,8 +33,11 @@ def test_default_model_is_the_hybrid_managers_description():
     back = KIMI_K3_LIKE.to_cost_spec()
     assert back.snapshot_bytes == cost.snapshot_bytes
     assert back.prefill_flops(10_000) == pytest.approx(cost.prefill_flops(10_000))
-    # Without the hybrid module the same figures are held locally: they must not drift apart.
+    # One description: the simulator's default is derived from the cost spec, and so are ModelSpec's defaults.
+    assert ModelSpec.from_cost_spec(cost) == KIMI_K3_LIKE
     assert replace(KIMI_K3_LIKE, name="x") == ModelSpec(name="x")
+    with pytest.raises(TypeError, match="spec"):
+        ModelSpec.from_cost_spec(KIMI_K3_LIKE)
 
 
 def test_kv_layers_build_a_valid_config_with_a_draft_group():

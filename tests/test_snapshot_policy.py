@@ -10,6 +10,7 @@ import pytest
 from kvforge.errors import OutOfPagesError
 from kvforge.kvcache import HybridCachePolicy, KVCacheConfig, LayerSpec, LifeCycle, LifeCycleKind, TierConfig
 from kvforge.kvcache.eviction import PrioritizedLRU
+from kvforge.kvcache.hashing import default_hasher
 from kvforge.kvcache.hybrid import HybridCacheManager
 from kvforge.kvcache.pools import Page
 from kvforge.kvcache.radix import Block
@@ -21,6 +22,11 @@ from kvforge.kvcache.snapshot_policy import (
     cost_aware_eviction,
     snapshot_aware_eviction,
 )
+
+
+def _key(parent: int, block) -> int:
+    return default_hasher().block_keys(list(block), len(block), parent=parent)[0]
+
 
 TPB = 4
 G = 1  # the recurrent group's slot in Block.pages
@@ -191,7 +197,7 @@ def serve(mgr: HybridCacheManager, prompt: list[int]) -> int:
 def snapshot_page(mgr: HybridCacheManager, prompt: list[int], end: int) -> Page | None:
     node = mgr.tree.root(None)
     for i in range(end // TPB):
-        node = node.children.get(hash((node.key, tuple(prompt[i * TPB : (i + 1) * TPB]))))
+        node = node.children.get(_key(node.key, prompt[i * TPB : (i + 1) * TPB]))
         if node is None:
             return None
     return node.pages[G]
@@ -316,7 +322,7 @@ A = 0  # the attention group's slot in Block.pages
 def leaf(mgr: HybridCacheManager, prompt: list[int]):
     node = mgr.tree.root(None)
     for i in range(len(prompt) // TPB):
-        node = node.children[hash((node.key, tuple(prompt[i * TPB : (i + 1) * TPB])))]
+        node = node.children[_key(node.key, prompt[i * TPB : (i + 1) * TPB])]
     return node
 
 
@@ -342,7 +348,7 @@ def test_a_leaf_whose_snapshot_was_evicted_goes_before_older_live_blocks():
     # live block: the leaf first, then its parent, a dead leaf in turn.
     assert mgr.evict(A, 2) == 2
     root = mgr.tree.root(None)
-    assert hash((root.key, tuple(short[:TPB]))) not in root.children
+    assert _key(root.key, short[:TPB]) not in root.children
     assert leaf(mgr, long_).pages[A] is not None and leaf(mgr, long_).pages[G] is not None
     mgr.check_invariants()
 
@@ -352,7 +358,7 @@ def test_snapshot_aware_eviction_needs_a_heap_policy_for_snapshots():
         pass
 
     factory = snapshot_aware_eviction(lambda group, tier: Plain())
-    with pytest.raises(TypeError, match=r"^snapshot_policy: expected a factory of LazyHeapPolicy"):
+    with pytest.raises(TypeError, match=r"^snapshot_policy: expected a factory of policies with an on_victim hook"):
         manager(2, factory)
 
 

@@ -3,8 +3,9 @@
 Pure Python; torch and the kernels appear only at the device page-table seam (:mod:`kvforge.kvcache.page_table`),
 which is not imported here.
 
-Main entry points: :class:`KVCacheConfig` (layers, tiers, pool ratios), :class:`KVCacheManager` (pools, tree,
-eviction, events) and its per-request :class:`KVCache`; :mod:`~kvforge.kvcache.sizing` (memory budget),
+Main entry points: :class:`KVCacheConfig` (layers, tiers, pool ratios), :class:`KVCacheManager` (matching and
+admission over a :class:`~kvforge.kvcache.block_pool.BlockPool` of pages, tree, eviction and events) and its
+per-request :class:`KVCache`; :mod:`~kvforge.kvcache.sizing` (memory budget),
 :mod:`~kvforge.kvcache.draft` (shared draft layers), :mod:`~kvforge.kvcache.hooks` (model-declared
 ``RuntimeHooks``), :mod:`~kvforge.kvcache.eviction` (pluggable policies).
 """

@@ -42,6 +42,7 @@ __all__ = [
     "Tier",
     "TierConfig",
     "dtype_name",
+    "insert_draft_pool_ratios",
 ]
 
 DTYPE_BYTES: dict[str, int] = {
@@ -315,8 +316,6 @@ class KVCacheConfig:
         object.__setattr__(self, "resolved_pool_ratios", self._resolve_ratios(groups))
 
     def _resolve_ratios(self, groups: tuple[PoolGroupSpec, ...]) -> tuple[float, ...]:
-        from kvforge.kvcache.draft import insert_draft_pool_ratios
-
         if self.pool_ratios is None:
             total = sum(g.bytes_per_page for g in groups)
             return tuple(g.bytes_per_page / total for g in groups)
@@ -329,8 +328,8 @@ class KVCacheConfig:
         object.__setattr__(self, "pool_ratios", ratios)
         n_target = sum(1 for g in groups if g.owner is LayerOwner.TARGET)
         if len(ratios) == len(groups):
-            total = sum(ratios)
-            return tuple(r / total for r in ratios)
+            ratio_sum = sum(ratios)
+            return tuple(r / ratio_sum for r in ratios)
         if len(ratios) == n_target and n_target < len(groups):
             return insert_draft_pool_ratios(ratios, groups)
         raise ValueError(
@@ -429,3 +428,39 @@ class KVCacheConfig:
                 )
             )
         return cls(tokens_per_block=tokens_per_block, layers=tuple(layers), tiers=tiers, pool_ratios=pool_ratios)
+
+
+def _reference_group(groups: Sequence[PoolGroupSpec]) -> PoolGroupSpec | None:
+    """The target group a draft group mirrors: full attention first, else the first attention group."""
+    targets = [g for g in groups if g.owner is LayerOwner.TARGET]
+    for g in targets:
+        if g.life_cycle.kind is LifeCycleKind.FULL:
+            return g
+    for g in targets:
+        if g.life_cycle.is_attention:
+            return g
+    return None
+
+
+def insert_draft_pool_ratios(target_ratios: Sequence[float], groups: Sequence[PoolGroupSpec]) -> tuple[float, ...]:
+    """Pool ratios for every group (group-id order) from ratios given for the target groups only.
+
+    With target shares ``r`` (normalised) scaled by ``s`` and draft group ``d`` given share ``x_d``, a tier
+    of ``Q`` bytes gives the reference target group ``Q * s * r_ref / B_ref`` pages and the draft group
+    ``Q * x_d / B_d``. Equal page counts need ``x_d = s * k_d`` with ``k_d = r_ref * B_d / B_ref``, and
+    ``s + sum(x_d) = 1`` gives ``s = 1 / (1 + sum(k_d))``.
+    """
+    targets = [g for g in groups if g.owner is LayerOwner.TARGET]
+    drafts = [g for g in groups if g.owner is LayerOwner.DRAFT]
+    if len(target_ratios) != len(targets):
+        raise ValueError(f"target_ratios: expected {len(targets)} shares, got {len(target_ratios)}")
+    total = float(sum(target_ratios))
+    r = {g.group_id: float(x) / total for g, x in zip(targets, target_ratios)}
+    ref = _reference_group(groups)
+    if ref is None:
+        # No target attention group to mirror: split evenly among the draft groups and the target as a whole.
+        k = dict.fromkeys((g.group_id for g in drafts), 1.0)
+    else:
+        k = {g.group_id: r[ref.group_id] * g.bytes_per_page / ref.bytes_per_page for g in drafts}
+    scale = 1.0 / (1.0 + sum(k.values()))
+    return tuple(scale * (r[g.group_id] if g.owner is LayerOwner.TARGET else k[g.group_id]) for g in groups)

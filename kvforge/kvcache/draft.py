@@ -5,7 +5,8 @@
   declaration that differs from the weight dtype is rejected too (the pool is stored in the weight dtype, so
   accepting it would silently size and read the pool wrongly).
 * :func:`with_draft_layers`: a new config with the drafter's layers appended (owner DRAFT), each checked.
-* :func:`insert_draft_pool_ratios`: the draft groups' byte shares, inserted into the target's pool ratios so
+* :func:`insert_draft_pool_ratios` (defined in :mod:`~kvforge.kvcache.config`, which resolves pool ratios
+  with it): the draft groups' byte shares, inserted into the target's pool ratios so
   that every draft group holds as many pages as the target's full-attention group (a drafter writes one draft
   page for every target block).
 """
@@ -14,12 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvforge.kvcache.config import LayerOwner, LayerSpec, LifeCycleKind, dtype_name
-
-if TYPE_CHECKING:
-    from kvforge.kvcache.config import KVCacheConfig, PoolGroupSpec
+from kvforge.kvcache.config import KVCacheConfig, LayerOwner, LayerSpec, dtype_name, insert_draft_pool_ratios
 
 __all__ = ["DRAFT_FP8_DTYPE", "insert_draft_pool_ratios", "resolve_draft_kv_dtype", "with_draft_layers"]
 
@@ -51,8 +49,6 @@ def with_draft_layers(config: KVCacheConfig, draft_layers: Sequence[LayerSpec], 
     and its layer id must be new. The target's ``pool_ratios`` (one per target group) stay as given and the
     draft shares are inserted; a config whose ratios already name every group must be rebuilt by the caller.
     """
-    from kvforge.kvcache.config import KVCacheConfig
-
     if isinstance(draft_layers, (str, bytes)) or not isinstance(draft_layers, Sequence):
         raise TypeError(f"draft_layers: expected a sequence of LayerSpec, got {type(draft_layers).__name__}")
     if not draft_layers:
@@ -76,39 +72,3 @@ def with_draft_layers(config: KVCacheConfig, draft_layers: Sequence[LayerSpec], 
         tiers=config.tiers,
         pool_ratios=ratios,
     )
-
-
-def _reference_group(groups: Sequence[PoolGroupSpec]) -> PoolGroupSpec | None:
-    """The target group a draft group mirrors: full attention first, else the first attention group."""
-    targets = [g for g in groups if g.owner is LayerOwner.TARGET]
-    for g in targets:
-        if g.life_cycle.kind is LifeCycleKind.FULL:
-            return g
-    for g in targets:
-        if g.life_cycle.is_attention:
-            return g
-    return None
-
-
-def insert_draft_pool_ratios(target_ratios: Sequence[float], groups: Sequence[PoolGroupSpec]) -> tuple[float, ...]:
-    """Pool ratios for every group (group-id order) from ratios given for the target groups only.
-
-    With target shares ``r`` (normalised) scaled by ``s`` and draft group ``d`` given share ``x_d``, a tier
-    of ``Q`` bytes gives the reference target group ``Q * s * r_ref / B_ref`` pages and the draft group
-    ``Q * x_d / B_d``. Equal page counts need ``x_d = s * k_d`` with ``k_d = r_ref * B_d / B_ref``, and
-    ``s + sum(x_d) = 1`` gives ``s = 1 / (1 + sum(k_d))``.
-    """
-    targets = [g for g in groups if g.owner is LayerOwner.TARGET]
-    drafts = [g for g in groups if g.owner is LayerOwner.DRAFT]
-    if len(target_ratios) != len(targets):
-        raise ValueError(f"target_ratios: expected {len(targets)} shares, got {len(target_ratios)}")
-    total = float(sum(target_ratios))
-    r = {g.group_id: float(x) / total for g, x in zip(targets, target_ratios)}
-    ref = _reference_group(groups)
-    if ref is None:
-        # No target attention group to mirror: split evenly among the draft groups and the target as a whole.
-        k = dict.fromkeys((g.group_id for g in drafts), 1.0)
-    else:
-        k = {g.group_id: r[ref.group_id] * g.bytes_per_page / ref.bytes_per_page for g in drafts}
-    scale = 1.0 / (1.0 + sum(k.values()))
-    return tuple(scale * (r[g.group_id] if g.owner is LayerOwner.TARGET else k[g.group_id]) for g in groups)

@@ -12,14 +12,18 @@ equal recency the deepest block first (a request unlocks its whole path at once;
 ancestors, which full attention needs to keep its descendants reachable).
 
 To plug a policy in, pass ``eviction_policy=factory`` to the manager; the factory is called once per pool as
-``factory(group_spec, tier)`` and returns an object satisfying :class:`EvictionPolicy`.
+``factory(group_spec, tier)`` and returns an object satisfying :class:`EvictionPolicy` (defined next to the
+pool that holds it, in :mod:`~kvforge.kvcache.pools`, and re-exported here).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
+
+from kvforge.kvcache.pools import EvictionPolicy, EvictionPolicyFactory
 
 if TYPE_CHECKING:
     from kvforge.kvcache.config import PoolGroupSpec, Tier
@@ -31,6 +35,8 @@ __all__ = [
     "PRIORITY_MIN",
     "EvictionPolicy",
     "EvictionPolicyFactory",
+    "HeapEntry",
+    "LazyHeapPolicy",
     "PrioritizedLRU",
     "check_priority",
 ]
@@ -48,40 +54,42 @@ def check_priority(value: object, what: str = "priority") -> int:
     return value
 
 
-@runtime_checkable
-class EvictionPolicy(Protocol):
-    """Orders one pool's eviction candidates. Every method is O(log n) or better in the default policy."""
+def heap_field(index: int, doc: str) -> Any:
+    """A named, writable view of item ``index`` of a :class:`HeapEntry` (read through ``itemgetter``, in C)."""
 
-    def add(self, page: Page) -> None:
-        """``page`` became a candidate (it is not one already)."""
+    def setter(entry: list, value: Any) -> None:
+        entry[index] = value
 
-    def discard(self, page: Page) -> None:
-        """``page`` stops being a candidate (locked again, freed, moved); a no-op if it is not one."""
-
-    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
-        """Remove and return the first candidate (for which ``accept`` holds, when given), or None."""
-
-    def __len__(self) -> int:
-        """Number of candidates."""
-
-    def __contains__(self, page: object) -> bool: ...
+    return property(itemgetter(index), setter, doc=doc)
 
 
-EvictionPolicyFactory = Callable[["PoolGroupSpec", "Tier"], EvictionPolicy]
+class HeapEntry(list):
+    """A heap entry of a :class:`LazyHeapPolicy` with named fields.
+
+    It stays a list so that the heap compares entries in C, item by item: a subclass names its leading (ordering)
+    items with :func:`heap_field`. Item 3 is a sequence number unique within the heap, so item 4, the page, is
+    never compared; items past 4 are free for the policy.
+    """
+
+    __slots__ = ()
+
+    seq = heap_field(3, "Unique per push: breaks ties, so the page is never compared.")
+    page = heap_field(4, "The candidate page; None once discarded (lazy deletion).")
 
 
 class LazyHeapPolicy:
     """The mechanics every heap-ordered policy shares: one heap of list entries with lazy deletion.
 
-    An entry is a list ordered by its leading items, with the page at index 4; ``page.policy_data`` holds the
-    page's entry, and discarding blanks the entry's page slot so the heap never needs a search. Subclasses build
-    entries in ``add`` (via :meth:`_push`) and may veto or re-key a popped candidate in :meth:`_settle`.
+    An entry is a list ordered by its leading items, with the page at index 4 (:class:`HeapEntry` names the
+    items; the default policy pushes plain lists); ``page.policy_data`` holds the page's entry, and discarding
+    blanks the entry's page slot so the heap never needs a search. Subclasses build entries in ``add`` (via
+    :meth:`_push`) and may veto or re-key a popped candidate in :meth:`_settle`.
     """
 
     __slots__ = ("_heap", "_live", "_seq", "on_victim")
 
     def __init__(self) -> None:
-        self._heap: list[list] = []
+        self._heap: list[Any] = []
         self._live = 0
         self._seq = 0
         # Called with each victim ``pop_victim`` returns: lets policies of several pools coordinate (the hybrid
@@ -117,7 +125,7 @@ class LazyHeapPolicy:
             self._heap = [e for e in self._heap if e[4] is not None]
             heapq.heapify(self._heap)
 
-    def _settle(self, entry: list, settled: set[int]) -> bool:
+    def _settle(self, entry: Any, settled: set[int]) -> bool:
         """Whether the popped, accepted ``entry`` is the victim. A subclass whose keys can go stale re-keys the
         entry, pushes it back, records ``id(page)`` in ``settled`` (once per page and call) and returns False."""
         return True
@@ -152,17 +160,84 @@ class LazyHeapPolicy:
         return [e[4] for e in sorted(e for e in self._heap if e[4] is not None)]
 
 
-class PrioritizedLRU(LazyHeapPolicy):
-    """Lowest priority first, then least recently used, then deepest block (see :class:`LazyHeapPolicy`)."""
+class PrioritizedLRU:
+    """Lowest priority first, then least recently used, then deepest block.
 
-    __slots__ = ()
+    One heap with lazy deletion, like :class:`LazyHeapPolicy`, but its entries hold only ints
+    ``(priority, last_used, -depth, seq, page index)`` and ``page.policy_data`` holds the live entry's ``seq``:
+    tuples of ints leave the cyclic garbage collector's view at their first collection, so a cache of many
+    candidate pages does not make every full collection longer (the page is found again through its pool).
+    """
+
+    __slots__ = ("_heap", "_live", "_pages", "_seq", "on_victim")
 
     def __init__(self, group: PoolGroupSpec | None = None, tier: Tier | None = None) -> None:
-        super().__init__()
+        self._heap: list[tuple[int, int, int, int, int]] = []
+        self._live = 0
+        self._seq = 0
+        self._pages: list[Page] | None = None  # the pool's pages, by index (bound at the first add)
+        self.on_victim: Callable[[Page], None] | None = None
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, page: object) -> bool:
+        pages = self._pages
+        if pages is None or getattr(page, "policy_data", None) is None:
+            return False
+        idx = page.index  # type: ignore[attr-defined]
+        return 0 <= idx < len(pages) and pages[idx] is page
 
     def add(self, page: Page) -> None:
-        self._require_new(page)
+        if page.policy_data is not None:
+            raise AssertionError(f"{page!r} is already an eviction candidate")
+        if self._pages is None:
+            self._pages = page.pool.pages
         block = page.block
-        depth = block.depth if block is not None else 0
-        self._seq += 1
-        self._push(page, [page.priority, page.last_used, -depth, self._seq, page])
+        self._seq = seq = self._seq + 1
+        page.policy_data = seq
+        heapq.heappush(
+            self._heap, (page.priority, page.last_used, -block.depth if block is not None else 0, seq, page.index)
+        )
+        self._live += 1
+
+    def discard(self, page: Page) -> None:
+        if page.policy_data is None:
+            return
+        page.policy_data = None
+        self._live -= 1
+        if len(self._heap) > 2 * self._live + 1024:
+            pages = self._pages
+            assert pages is not None
+            self._heap = [e for e in self._heap if pages[e[4]].policy_data == e[3]]
+            heapq.heapify(self._heap)
+
+    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
+        heap = self._heap
+        pages = self._pages
+        rejected = []
+        victim = None
+        while heap:
+            entry = heapq.heappop(heap)
+            page = pages[entry[4]]  # type: ignore[index]
+            if page.policy_data != entry[3]:
+                continue  # discarded (or re-added since) entry
+            if accept is not None and not accept(page):
+                rejected.append(entry)
+                continue
+            page.policy_data = None
+            self._live -= 1
+            victim = page
+            break
+        for entry in rejected:
+            heapq.heappush(heap, entry)
+        if victim is not None and self.on_victim is not None:
+            self.on_victim(victim)
+        return victim
+
+    def ordered(self) -> list[Page]:
+        """Candidates in eviction order (for tests and introspection; O(n log n))."""
+        pages = self._pages
+        if pages is None:
+            return []
+        return [pages[e[4]] for e in sorted(self._heap) if pages[e[4]].policy_data == e[3]]

@@ -1,45 +1,17 @@
-"""The hybrid cache manager: attention pages plus recurrent-state (linear attention / SSM) snapshots.
+"""The hybrid cache manager: attention pages plus recurrent-state (linear attention) snapshots.
 
-A recurrent state is reusable only at the exact token where it was saved, and one snapshot takes a whole
-state page whatever the prefix it stands for. So, on top of :class:`~kvforge.kvcache.manager.KVCacheManager`
-(whose matches are already cut back to the last block holding a snapshot of every recurrent group), this
-manager decides **where** snapshots are taken and keeps the bookkeeping a runtime and a scheduler need:
+A recurrent state is reusable only at the exact token where it was saved. On top of
+:class:`~kvforge.kvcache.manager.KVCacheManager` (whose matches are cut back to the last block holding a snapshot
+of every recurrent group), :class:`HybridCacheManager` decides where snapshots are taken and its
+:class:`HybridKVCache` caches hold one live state page per recurrent group. A runtime may pass a snapshot point
+inside a step through the cache's pending snapshot slot (``acquire_snapshot_slot``, then
+``commit(..., snapshot_from_pending=True)``); a scheduler gets the points through ``mark_context_request``.
 
-* **Live state**: every active cache holds one live state page per recurrent group (the base manager's
-  ``live_page``); a cache that reuses a prefix starts from a copy of the snapshot there.
-* **Snapshot points** (block boundaries, tokens from the start): multiples of ``snapshot_interval``; for each
-  ``d`` in ``prompt_end_offsets`` the last block boundary at or before ``prompt_len - d`` (the default ``(0,)``
-  keeps the furthest point a longer next-turn prompt can reuse); the **branch point** (the end of the longest
-  prefix of the prompt whose attention blocks are cached, when no snapshot lies there: where this prompt
-  diverges from cached history, so the next prompt sharing that prefix reuses it); and points that requests
-  waiting for this request's prefix asked for (``request_snapshot_point``). A commit snapshots the live state
-  at a block end that is a point when the cache's history is exactly there (a step ends at it). When a cache
-  closes or is suspended with its live state at its committed end, that state becomes the snapshot there
-  (the page itself moves into the tree: no copy).
-* **Marks for the scheduler**: :meth:`HybridCacheManager.mark_context_request` (the scheduler's optional
-  hook) sets ``request.set_snapshot_marks(points, alignment=..., pass_point=...)``: the future points, the
-  manager's mid-chunk alignment (``MIDCHUNK_SNAPSHOT_ALIGNMENT``, a constant of the class, None when the
-  manager cannot take mid-chunk snapshots) and, when at least two points remain, the next one as the pass
-  point.
-* **Pending snapshot slot** (mid-chunk snapshots): before a step that passes point ``P`` inside it, the runtime
-  calls ``slot = cache.acquire_ssm_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
-  that page; after the step it commits up to ``P`` with ``cache.commit(..., ssm_from_pending=True)`` (the
-  pending page moves into the tree block ending at ``P``, with the cache's priority) and then the rest. If that
-  commit records no snapshot at its end (the block is already covered, it ends inside a block or at no
-  snapshot point, committing stopped, or the commit raised) the pending page is released. Suspend,
-  stop committing and close release it too.
-* **Short prompts**: with ``HybridCachePolicy.low_priority_snapshot_prompt_len = L > 0`` a context request
-  whose prompt is shorter than ``L`` gets its recurrent pages (live state and snapshots) at priority 0;
-  attention pages keep the default (or the caller's callback).
-* **Counters** (:class:`HybridCounters`), logged at INFO at most once per ``log_interval_s`` (a minute) on the
-  injected clock.
-* **State-index upload** (:class:`StateIndexUpload`): the per-step live-state indices and dummy-request mask
-  reach the device through ``kernels.copy_small_pinned_pair`` when ``HybridCachePolicy.state_index_upload_kernel``
-  is on, through ordinary copies otherwise, and not at all when neither changed.
-
-Which snapshots survive pressure is the eviction policy's business (``eviction_policy=``; see
-:mod:`kvforge.kvcache.snapshot_policy` for the cost-aware one). Pure Python except :class:`StateIndexUpload`,
-which imports torch when built.
+Contract: the base manager's (check-then-act, ``CacheStateError`` on misuse changing nothing); a hybrid config
+needs a recurrent layer (``ValueError``); mid-chunk snapshots need exactly one recurrent pool group. Which
+snapshots survive pressure is the eviction policy's business (:mod:`kvforge.kvcache.snapshot_policy`). The
+snapshot rules are listed on :class:`HybridCacheManager`. Pure Python except :class:`StateIndexUpload`
+(re-exported from :mod:`kvforge.kvcache.state_upload`), which imports torch when built. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -48,16 +20,18 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from enum import Enum
 from typing import Any
 
 from kvforge.errors import CacheStateError
+from kvforge.kvcache.cache import CacheHost, KVCache
 from kvforge.kvcache.config import KVCacheConfig, Tier
 from kvforge.kvcache.eviction import PRIORITY_MIN
+from kvforge.kvcache.hashing import check_tokens
 from kvforge.kvcache.hooks import HybridCachePolicy
-from kvforge.kvcache.manager import KVCache, KVCacheManager, PageCopy, PriorityCallback
-from kvforge.kvcache.pools import Page
-from kvforge.kvcache.radix import Block
+from kvforge.kvcache.manager import KVCacheManager
+from kvforge.kvcache.pools import Block, Page
+from kvforge.kvcache.records import PageCopy, PriorityCallback
+from kvforge.kvcache.state_upload import StateIndexUpload, UploadPath
 
 __all__ = [
     "HybridCacheManager",
@@ -108,6 +82,7 @@ class HybridKVCache(KVCache):
         "_context_len",
         "_ending",
         "_from_pending",
+        "_hybrid",
         "_pending",
         "_points",
         "_prompt_len",
@@ -117,14 +92,17 @@ class HybridKVCache(KVCache):
 
     def __init__(
         self,
-        manager: KVCacheManager,
+        manager: CacheHost,
         cache_id: Hashable,
         scope: Hashable | None,
         root: Block,
         key_mode: bool,
         priority_callback: PriorityCallback | None,
     ) -> None:
+        if not isinstance(manager, HybridCacheManager):
+            raise TypeError(f"manager: expected a HybridCacheManager, got {type(manager).__name__}")
         super().__init__(manager, cache_id, scope, root, key_mode, priority_callback)
+        self._hybrid: HybridCacheManager = manager
         self._pending: Page | None = None
         self._from_pending = False
         self._commit_end = -1
@@ -139,13 +117,27 @@ class HybridKVCache(KVCache):
     # --- views ---------------------------------------------------------------------------------------------------
 
     @property
-    def pending_ssm_snapshot_slot(self) -> int | None:
+    def pending_snapshot_slot(self) -> int | None:
         """The GPU page index of the pending snapshot page (None when the cache holds none)."""
         return None if self._pending is None else self._pending.index
 
     @property
+    def pending_ssm_snapshot_slot(self) -> int | None:
+        """Old name of :attr:`pending_snapshot_slot` (kept for existing callers)."""
+        return None if self._pending is None else self._pending.index
+
+    @property
+    def pending_snapshot_page(self) -> Page | None:
+        """The pending snapshot page itself (None when the cache holds none)."""
+        return self._pending
+
+    @property
     def prompt_len(self) -> int:
         return self._prompt_len
+
+    @property
+    def context_len(self) -> int:
+        return self._context_len
 
     @property
     def branch_point(self) -> int | None:
@@ -154,9 +146,23 @@ class HybridKVCache(KVCache):
 
     @property
     def snapshot_points(self) -> tuple[int, ...]:
-        """Every explicit snapshot point of this cache (periodic ones up to its context length included)."""
-        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
-        return tuple(sorted(mgr._points_of(self)))
+        """Every explicit snapshot point of this cache (periodic ones up to its context length included). Its
+        size grows with the context; the scheduler hook reads only the next few (:meth:`_points_between`)."""
+        interval = self._hybrid.snapshot_interval
+        out = set(self._points_of())
+        if interval:
+            out.update(range(interval, max(self._context_len, self._prompt_len) + 1, interval))
+        return tuple(sorted(out))
+
+    def _points_between(self, start: int, end: int, limit: int) -> list[int]:
+        """The first ``limit`` snapshot points strictly inside ``(start, end)``, in order, without materialising
+        the periodic ones beyond them (a 2e7-token prompt at a small interval has millions)."""
+        out = sorted(p for p in self._points_of() if start < p < end)[:limit]
+        interval = self._hybrid.snapshot_interval
+        if interval:
+            first = (start // interval + 1) * interval
+            out = sorted(set(out).union(range(first, end, interval)[:limit]))[:limit]
+        return out
 
     # --- snapshot points -----------------------------------------------------------------------------------------
 
@@ -172,7 +178,7 @@ class HybridKVCache(KVCache):
             return False
         self._requested.add(p)
         self._points = None
-        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+        mgr = self._hybrid
         mgr.counters.points_requested += 1
         mgr._record()
         return True
@@ -181,9 +187,102 @@ class HybridKVCache(KVCache):
         if not self.is_active:
             raise CacheStateError(f"{op}: cache {self.id!r} is {self.status.value}, expected active")
 
+    def _set_lengths(self, prompt_len: int, context_len: int) -> None:
+        """The request's prompt and context lengths (they decide the prompt-end and periodic points)."""
+        if self._prompt_len != prompt_len or self._context_len != context_len:
+            self._prompt_len = prompt_len
+            self._context_len = context_len
+            self._points = None
+
+    def _points_of(self) -> frozenset[int]:
+        """The points that are not periodic (prompt ends, branch point, requested ones): a handful."""
+        pts = self._points
+        if pts is not None:
+            return pts
+        mgr = self._hybrid
+        tpb = mgr.tokens_per_block
+        out: set[int] = set()
+        for d in mgr.prompt_end_offsets:
+            p = _align_down(self._prompt_len - d, tpb)
+            if p > 0:
+                out.add(p)
+        if self._branch_point is not None:
+            out.add(self._branch_point)
+        out.update(self._requested)
+        pts = self._points = frozenset(out)
+        return pts
+
+    def _is_point(self, end: int) -> bool:
+        interval = self._hybrid.snapshot_interval
+        if interval and end % interval == 0:
+            return True
+        return end in self._points_of()
+
+    def _apply_short_prompt_rule(self, prompt_len: int) -> None:
+        if self._short_rule_done:
+            return
+        self._short_rule_done = True
+        mgr = self._hybrid
+        threshold = mgr.policy.low_priority_snapshot_prompt_len
+        if not threshold or prompt_len >= threshold:
+            return
+        rec = frozenset(mgr.recurrent_groups)
+        inner = self._priority_cb
+        default = mgr.default_priority
+
+        def short_prompt_priority(ordinal: int, group: int) -> int:
+            if group in rec:
+                return PRIORITY_MIN
+            return default if inner is None else inner(ordinal, group)
+
+        self._priority_cb = short_prompt_priority
+
+    def _start(
+        self,
+        tokens: Sequence[int] | None,
+        keys: Sequence[int] | None,
+        prompt_len: int,
+        exact: bool,
+        reuse_limit: int | None,
+    ) -> None:
+        """Right after creation: record the prompt length, apply the short-prompt rule when the length is
+        ``exact``, and (``reuse_limit`` not None) find the branch point and count the pruned tokens."""
+        mgr = self._hybrid
+        self._prompt_len = self._context_len = prompt_len
+        if exact:
+            self._apply_short_prompt_rule(prompt_len)
+        if reuse_limit is None:
+            return
+        cached = self._attention_prefix_tokens(tokens, keys, reuse_limit)
+        reused = self.num_reused_tokens
+        if cached > reused:
+            mgr.counters.pruned_tokens += cached - reused
+            # Only a point this request will pass is useful (the end of the prompt is a point anyway).
+            if cached < prompt_len:
+                self._branch_point = cached
+            mgr._record()
+
+    def _attention_prefix_tokens(self, tokens: Sequence[int] | None, keys: Sequence[int] | None, limit: int) -> int:
+        """Tokens of the prompt's leading full blocks present in the tree (ignoring the snapshot cut), capped to
+        ``limit`` rounded down to a block. Continues from the blocks the cache reused: read-only."""
+        tpb = self.manager.tokens_per_block
+        max_full = limit // tpb
+        blocks = self._blocks
+        n = len(blocks)
+        node = blocks[-1] if blocks else self._root
+        while n < max_full:
+            if keys is None or n >= len(keys):
+                break
+            child = node.children.get(keys[n])
+            if child is None or child.num_tokens != tpb:
+                break
+            node = child
+            n += 1
+        return n * tpb
+
     # --- pending snapshot slot -----------------------------------------------------------------------------------
 
-    def acquire_ssm_snapshot_slot(self) -> int | None:
+    def acquire_snapshot_slot(self) -> int | None:
         """Reserve a GPU page of the recurrent group for a mid-step snapshot; returns its index, or None when
         committing has stopped or no page is free even after eviction.
 
@@ -191,29 +290,42 @@ class HybridKVCache(KVCache):
         others would snapshot the live state at the end of the step, a different point), when the cache is not
         active, or when it already holds a pending page.
         """
-        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+        mgr = self._hybrid
         g = mgr._pending_group()
-        self._require_active("acquire_ssm_snapshot_slot")
+        self._require_active("acquire_snapshot_slot")
         if self._pending is not None:
             raise CacheStateError(
-                f"acquire_ssm_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
+                f"acquire_snapshot_slot: cache {self.id!r} already holds pending slot {self._pending.index}"
             )
         if not self.committing:
             return None
-        page = mgr._alloc_page(g)
-        mgr._flush_events()
+        bp = mgr.block_pool
+        page = bp.alloc_page(g)
+        bp.flush_events()
         if page is None:
             return None
         self._pending = page
         return page.index
 
-    def release_ssm_snapshot_slot(self) -> bool:
+    def release_snapshot_slot(self) -> bool:
         """Give the pending page back; False when the cache holds none."""
         if self._pending is None:
             return False
-        mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
-        mgr._release_pending(self)
+        self._release_pending()
         return True
+
+    # Old names (kept for existing callers): the project's vocabulary is "snapshot" and "recurrent".
+    acquire_ssm_snapshot_slot = acquire_snapshot_slot
+    release_ssm_snapshot_slot = release_snapshot_slot
+
+    def _release_pending(self) -> None:
+        page = self._pending
+        if page is None:
+            return
+        self._pending = None
+        mgr = self._hybrid
+        mgr.block_pool.free_page(page)
+        mgr.counters.pending_released += 1
 
     # --- commit --------------------------------------------------------------------------------------------------
 
@@ -223,12 +335,14 @@ class HybridKVCache(KVCache):
         *,
         num_tokens: int | None = None,
         block_keys: Sequence[int] | None = None,
-        ssm_from_pending: bool = False,
+        snapshot_from_pending: bool = False,
         is_end: bool = False,
+        ssm_from_pending: bool = False,
     ) -> None:
         """:meth:`KVCache.commit`, plus:
 
-        ``ssm_from_pending``: the snapshot at this commit's end comes from the pending page (written mid-step),
+        ``snapshot_from_pending`` (old name ``ssm_from_pending``, still accepted): the snapshot at this commit's
+        end comes from the pending page (written mid-step),
         not from the live state. Raises CacheStateError, changing nothing, without a pending page or with
         ``is_end``; otherwise the pending page ends up in the tree or released, whatever happens (an error in
         the commit itself releases it and propagates).
@@ -236,15 +350,14 @@ class HybridKVCache(KVCache):
         ``is_end``: this is the sequence's last commit: its partial tail is inserted into the tree now (with
         the live state as its snapshot when the state is exactly there) and the cache stops committing.
         """
-        if ssm_from_pending:
+        if snapshot_from_pending or ssm_from_pending:
             if is_end:
                 raise CacheStateError(
-                    f"commit: cache {self.id!r}: ssm_from_pending cannot end the sequence (is_end); the state at "
-                    "the end is the live one"
+                    f"commit: cache {self.id!r}: snapshot_from_pending cannot end the sequence (is_end); the state "
+                    "at the end is the live one"
                 )
             if self._pending is None:
-                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (ssm_from_pending)")
-            mgr: HybridCacheManager = self.manager  # type: ignore[assignment]
+                raise CacheStateError(f"commit: cache {self.id!r} has no pending snapshot slot (snapshot_from_pending)")
             try:
                 n = len(tokens) if tokens is not None else num_tokens
                 self._commit_end = self.num_committed_tokens + (n if isinstance(n, int) else 0)
@@ -254,16 +367,197 @@ class HybridKVCache(KVCache):
                 self._from_pending = False
                 self._commit_end = -1
                 if self._pending is not None:
-                    mgr._release_pending(self)
+                    self._release_pending()
             return
+        if not is_end or not self.committing or not self.is_active:
+            super().commit(tokens, num_tokens=num_tokens, block_keys=block_keys)
+            if is_end:
+                self._end_sequence()
+            return
+        # Every priority the end of the sequence needs is asked for first: a failing callback then leaves the
+        # cache exactly as it was (nothing committed, still committing).
+        n = len(tokens) if tokens is not None and hasattr(tokens, "__len__") else num_tokens
+        release = snap = None
+        if type(n) is int and n >= 0:
+            end = self.num_committed_tokens + n
+            release = self._release_priorities(end)
+            snap = self._end_snapshot_priorities(end)
         super().commit(tokens, num_tokens=num_tokens, block_keys=block_keys)
-        if is_end:
-            mgr = self.manager  # type: ignore[assignment]
-            mgr._end_sequence(self)
+        self._end_sequence(release, snap)
+
+    # --- snapshots (base-cache hooks) ----------------------------------------------------------------------------
+
+    def _snapshot_pages(self, block: Block, ordinal: int) -> dict[int, Page]:
+        mgr = self._hybrid
+        end = ordinal * mgr.tokens_per_block + block.num_tokens
+        if self._from_pending:
+            if end != self._commit_end:
+                return {}
+            g = mgr.recurrent_groups[0]
+            page = self._pending
+            if page is None or block.pages[g] is not None or not self._is_point(end):
+                return {}
+            self._pending = None
+            mgr.counters.pending_committed += 1
+            self._count_snapshot(end)
+            return {g: page}
+        if end != self._history:
+            return {}
+        partial = block.num_tokens < mgr.tokens_per_block
+        # A partial tail is inserted only when a sequence ends: its state is what the next turn reuses.
+        if not partial and not self._is_point(end):
+            return {}
+        if all(block.pages[g] is not None for g in mgr.recurrent_groups):
+            return {}
+        out = self._take_live(block) if self._ending else self._copy_live(block)
+        if out:
+            self._count_snapshot(end)
+        return out
+
+    def _copy_live(self, block: Block) -> dict[int, Page]:
+        bp = self._hybrid.block_pool
+        out: dict[int, Page] = {}
+        for g in self._hybrid.recurrent_groups:
+            if block.pages[g] is not None:
+                continue
+            page = bp.alloc_page(g)
+            if page is None:
+                continue
+            live = self._live[g]
+            assert live is not None
+            bp.record_copy(PageCopy(g, Tier.GPU, live.index, Tier.GPU, page.index))
+            out[g] = page
+        return out
+
+    def _take_live(self, block: Block) -> dict[int, Page]:
+        """The ending cache's live pages become the snapshots themselves (no copy, no allocation)."""
+        out: dict[int, Page] = {}
+        for g in self._hybrid.recurrent_groups:
+            live = self._live[g]
+            if live is not None and block.pages[g] is None:
+                self._live[g] = None
+                out[g] = live
+        return out
+
+    def _count_snapshot(self, end: int) -> None:
+        mgr = self._hybrid
+        c = mgr.counters
+        c.snapshots += 1
+        if end == self._branch_point:
+            c.branch_snapshots += 1
+            mgr._record()
+        if end in self._requested:
+            c.points_requested_committed += 1
+            mgr._record()
+
+    def _end_snapshot_priorities(self, committed: int) -> dict[int, int] | None:
+        """The recurrent priorities ``_end_snapshot`` would ask for at ``committed`` tokens (None: default)."""
+        mgr = self._hybrid
+        tpb = mgr.tokens_per_block
+        if self._constant_priority() or not committed or committed % tpb:
+            return None
+        return {g: self._priority(committed // tpb - 1, g, committed) for g in mgr.recurrent_groups}
+
+    def _end_snapshot(self, given: dict[int, int] | None = None) -> None:
+        """Snapshot the live state at the committed end when that is a full-block boundary without one (the
+        partial-tail case goes through ``_insert_partial``); ``given``: priorities asked for beforehand."""
+        mgr = self._hybrid
+        tpb = mgr.tokens_per_block
+        committed = self._committed
+        if not committed or committed % tpb or self._history != committed:
+            return
+        block = self._blocks[-1]
+        rec = mgr.recurrent_groups
+        if all(block.pages[g] is not None for g in rec):
+            return
+        ordinal = committed // tpb - 1
+        prios = given if given is not None else {g: self._priority(ordinal, g, committed) for g in rec}
+        snaps = self._take_live(block) if self._ending else self._copy_live(block)
+        if not snaps:
+            return
+        self._count_snapshot(committed)
+        bp = mgr.block_pool
+        bp.tick()
+        for g, page in snaps.items():
+            bp.attach(page, block, prios[g])
+
+    def _end_sequence(
+        self,
+        release: dict[tuple[int, int], int] | None = None,
+        snap: dict[int, int] | None = None,
+    ) -> None:
+        """``commit(..., is_end=True)``: insert the tail now (snapshots copied from the live state) and stop.
+        ``release`` / ``snap``: the priorities, asked for before the commit (asked here when not given)."""
+        if not self._committing:
+            return
+        prios = release if release is not None else self._release_priorities()
+        self._end_snapshot(snap)
+        self._insert_partial(prios)
+        self._hybrid.block_pool.flush_events()
+        self.stop_committing()
+
+    # --- life-cycle hooks ----------------------------------------------------------------------------------------
+
+    def _on_suspend(self) -> None:
+        self._release_pending()
+        self._ending = True
+        self._end_snapshot()
+
+    def _on_close(self) -> None:
+        self._release_pending()
+        self._ending = True
+        self._end_snapshot()
+
+    def _on_stop_committing(self) -> None:
+        self._release_pending()
+
+    def _suspend(self) -> None:
+        try:
+            super()._suspend()
+        finally:
+            self._ending = False
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            self._ending = False
 
 
 class HybridCacheManager(KVCacheManager):
     """KV cache manager for hybrid attention + recurrent models (see the module docstring).
+
+    * **Live state**: every active cache holds one live state page per recurrent group (the base manager's
+      ``live_page``); a cache that reuses a prefix starts from a copy of the snapshot there.
+    * **Snapshot points** (block boundaries, tokens from the start): multiples of ``snapshot_interval``; for each
+      ``d`` in ``prompt_end_offsets`` the last block boundary at or before ``prompt_len - d`` (the default ``(0,)``
+      keeps the furthest point a longer next-turn prompt can reuse); the **branch point** (the end of the longest
+      prefix of the prompt whose attention blocks are cached, when no snapshot lies there: where this prompt
+      diverges from cached history, so the next prompt sharing that prefix reuses it); and points that requests
+      waiting for this request's prefix asked for (``request_snapshot_point``). A commit snapshots the live state
+      at a block end that is a point when the cache's history is exactly there (a step ends at it). When a cache
+      closes or is suspended with its live state at its committed end, that state becomes the snapshot there
+      (the page itself moves into the tree: no copy).
+    * **Marks for the scheduler**: :meth:`HybridCacheManager.mark_context_request` (the scheduler's optional
+      hook) sets ``request.set_snapshot_marks(points, alignment=..., pass_point=...)``: the future points, the
+      manager's mid-chunk alignment (``MIDCHUNK_SNAPSHOT_ALIGNMENT``, a constant of the class, None when the
+      manager cannot take mid-chunk snapshots) and, when at least two points remain, the next one as the pass
+      point.
+    * **Pending snapshot slot** (mid-chunk snapshots): before a step that passes point ``P`` inside it, the runtime
+      calls ``slot = cache.acquire_snapshot_slot()`` and the recurrent kernel writes the state at ``P`` into
+      that page; after the step it commits up to ``P`` with ``cache.commit(..., snapshot_from_pending=True)`` (the
+      pending page moves into the tree block ending at ``P``, with the cache's priority) and then the rest. If that
+      commit records no snapshot at its end (the block is already covered, it ends inside a block or at no
+      snapshot point, committing stopped, or the commit raised) the pending page is released. Suspend,
+      stop committing and close release it too.
+    * **Short prompts**: with ``HybridCachePolicy.low_priority_snapshot_prompt_len = L > 0`` a context request
+      whose prompt is shorter than ``L`` gets its recurrent pages (live state and snapshots) at priority 0;
+      attention pages keep the default (or the caller's callback).
+    * **Counters** (:class:`HybridCounters`), logged at INFO at most once per ``log_interval_s`` (a minute) on the
+      injected clock.
+    * **State-index upload** (:class:`StateIndexUpload`): the per-step live-state indices and dummy-request mask
+      reach the device through ``kernels.copy_small_pinned_pair`` when ``HybridCachePolicy.state_index_upload_kernel``
+      is on, through ordinary copies otherwise, and not at all when neither changed.
 
     ``policy``: the model's :class:`~kvforge.kvcache.hooks.HybridCachePolicy` (short-prompt priority, upload
     path). ``snapshot_interval``: periodic snapshot points every that many tokens (a multiple of
@@ -318,12 +612,12 @@ class HybridCacheManager(KVCacheManager):
         if log_interval_s < 0:
             raise ValueError(f"log_interval_s: expected >= 0, got {log_interval_s}")
         super().__init__(config, **kwargs)
-        if not self._rec:
+        if not self.recurrent_groups:
             raise ValueError("config: a hybrid cache manager needs at least one recurrent layer")
         self.policy = policy
         self.snapshot_interval = snapshot_interval
         self.prompt_end_offsets = offsets
-        self.midchunk_snapshot_alignment: int | None = a if len(self._rec) == 1 else None
+        self.midchunk_snapshot_alignment: int | None = a if len(self.recurrent_groups) == 1 else None
         self.counters = HybridCounters()
         self._clock_fn = clock
         self.log_interval_s = float(log_interval_s)
@@ -350,6 +644,7 @@ class HybridCacheManager(KVCacheManager):
         priority_callback: PriorityCallback | None = None,
         cache_id: Hashable | None = None,
         prompt_len: int | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> HybridKVCache:
         """:meth:`KVCacheManager.create_cache`, plus ``prompt_len`` (the prompt's length in tokens, for key-mode
         prompts whose keys cover full blocks only; default ``len(tokens)`` or ``len(block_keys) *
@@ -358,7 +653,11 @@ class HybridCacheManager(KVCacheManager):
             raise TypeError(f"prompt_len: expected an int or None, got {type(prompt_len).__name__}")
         if prompt_len is not None and prompt_len < 0:
             raise ValueError(f"prompt_len: expected an int >= 0, got {prompt_len}")
-        cache: HybridKVCache = super().create_cache(  # type: ignore[assignment]
+        if tokens is not None and block_keys is None and reuse:
+            # Keyed once here: the base class and the branch-point search below both use these keys.
+            tokens = check_tokens(tokens, vocab_size=self.hasher.vocab_size)
+            block_keys = self.prompt_keys(tokens, scope, cache_salt)
+        cache = super().create_cache(
             tokens,
             block_keys=block_keys,
             scope=scope,
@@ -367,98 +666,25 @@ class HybridCacheManager(KVCacheManager):
             max_reuse_tokens=max_reuse_tokens,
             priority_callback=priority_callback,
             cache_id=cache_id,
+            cache_salt=cache_salt,
         )
+        assert isinstance(cache, HybridKVCache)
         # Keys cover full blocks only: without prompt_len a key-mode prompt's length is known only up to its
         # last full block, so the short-prompt rule waits for mark_context_request (which knows it exactly).
         exact = prompt_len is not None or tokens is not None
         if prompt_len is None:
             prompt_len = len(tokens) if tokens is not None else len(block_keys or ()) * self.tokens_per_block
-        cache._prompt_len = cache._context_len = prompt_len
-        if exact:
-            self._apply_short_prompt_rule(cache, prompt_len)
+        limit = None
         if reuse and (tokens is not None or block_keys is not None):
             limit = prompt_len if max_reuse_tokens is None else min(prompt_len, max_reuse_tokens)
-            cached = self._attention_prefix_tokens(cache, tokens, block_keys, limit)
-            reused = cache.num_reused_tokens
-            if cached > reused:
-                self.counters.pruned_tokens += cached - reused
-                # Only a point this request will pass is useful (the end of the prompt is a point anyway).
-                if cached < prompt_len:
-                    cache._branch_point = cached
-                self._record()
+        cache._start(tokens, block_keys, prompt_len, exact, limit)
         return cache
-
-    def _attention_prefix_tokens(
-        self, cache: HybridKVCache, tokens: Sequence[int] | None, keys: Sequence[int] | None, limit: int
-    ) -> int:
-        """Tokens of the prompt's leading full blocks present in the tree (ignoring the snapshot cut), capped to
-        ``limit`` rounded down to a block. Continues from the blocks the cache reused: read-only."""
-        tpb = self.tokens_per_block
-        max_full = limit // tpb
-        blocks = cache._blocks
-        n = len(blocks)
-        node = blocks[-1] if blocks else cache._root
-        while n < max_full:
-            if keys is not None and n < len(keys):
-                h = keys[n]
-            elif tokens is not None:
-                h = hash((node.key, tuple(tokens[n * tpb : (n + 1) * tpb])))
-            else:
-                break
-            child = node.children.get(h)
-            if child is None or child.num_tokens != tpb:
-                break
-            node = child
-            n += 1
-        return n * tpb
-
-    def _apply_short_prompt_rule(self, cache: HybridKVCache, prompt_len: int) -> None:
-        if cache._short_rule_done:
-            return
-        cache._short_rule_done = True
-        threshold = self.policy.low_priority_snapshot_prompt_len
-        if not threshold or prompt_len >= threshold:
-            return
-        rec = frozenset(self._rec)
-        inner = cache._priority_cb
-        default = self.default_priority
-
-        def short_prompt_priority(ordinal: int, group: int) -> int:
-            if group in rec:
-                return PRIORITY_MIN
-            return default if inner is None else inner(ordinal, group)
-
-        cache._priority_cb = short_prompt_priority
 
     # --- snapshot points -----------------------------------------------------------------------------------------
 
-    def _points_of(self, cache: HybridKVCache) -> frozenset[int]:
-        pts = cache._points
-        if pts is not None:
-            return pts
-        tpb = self.tokens_per_block
-        ctx = max(cache._context_len, cache._prompt_len)
-        out: set[int] = set()
-        if self.snapshot_interval:
-            out.update(range(self.snapshot_interval, ctx + 1, self.snapshot_interval))
-        for d in self.prompt_end_offsets:
-            p = _align_down(cache._prompt_len - d, tpb)
-            if p > 0:
-                out.add(p)
-        if cache._branch_point is not None:
-            out.add(cache._branch_point)
-        out.update(cache._requested)
-        pts = cache._points = frozenset(out)
-        return pts
-
-    def _is_point(self, cache: HybridKVCache, end: int) -> bool:
-        if self.snapshot_interval and end % self.snapshot_interval == 0:
-            return True
-        return end in self._points_of(cache)
-
     def snapshot_points(self, cache: HybridKVCache, after: int = 0) -> tuple[int, ...]:
         """The cache's snapshot points past ``after``, in order (for runtimes and replays without a scheduler)."""
-        return tuple(p for p in sorted(self._points_of(cache)) if p > after)
+        return tuple(p for p in cache.snapshot_points if p > after)
 
     def mark_context_request(self, request: Any) -> None:
         """Scheduler hook, before each context chunk is sized: set the request's snapshot points (those still
@@ -469,16 +695,15 @@ class HybridCacheManager(KVCacheManager):
         cache = getattr(request, "cache", None)
         if not isinstance(cache, HybridKVCache) or cache.manager is not self or not cache.is_active:
             return
-        if cache._prompt_len != request.prompt_len or cache._context_len != request.context_len:
-            cache._prompt_len = request.prompt_len
-            cache._context_len = request.context_len
-            cache._points = None
-        self._apply_short_prompt_rule(cache, request.prompt_len)
+        cache._set_lengths(request.prompt_len, request.context_len)
+        cache._apply_short_prompt_rule(request.prompt_len)
         for p in request.requested_snapshot_points:
             cache.request_snapshot_point(p)
         start = request.num_computed_tokens
         end = request.context_len
-        pts = [p for p in sorted(self._points_of(cache)) if start < p < end]
+        # The scheduler passes at most one point inside a step and stops at the next, so the first few points
+        # decide every step exactly (more than two, so the last one listed is never taken for the last one).
+        pts = cache._points_between(start, end, 8)
         if not pts:
             request.clear_snapshot_marks()
             return
@@ -492,153 +717,22 @@ class HybridCacheManager(KVCacheManager):
             self.counters.prefix_waits += len(requests)
             self._record()
 
-    # --- snapshots (base-manager hooks) --------------------------------------------------------------------------
-
-    def _snapshot_pages(self, cache: KVCache, block: Block, ordinal: int) -> dict[int, Page]:
-        assert isinstance(cache, HybridKVCache)
-        end = ordinal * self.tokens_per_block + block.num_tokens
-        if cache._from_pending:
-            if end != cache._commit_end:
-                return {}
-            g = self._rec[0]
-            page = cache._pending
-            if page is None or block.pages[g] is not None or not self._is_point(cache, end):
-                return {}
-            cache._pending = None
-            self.counters.pending_committed += 1
-            self._count_snapshot(cache, end)
-            return {g: page}
-        if end != cache.history:
-            return {}
-        partial = block.num_tokens < self.tokens_per_block
-        # A partial tail is inserted only when a sequence ends: its state is what the next turn reuses.
-        if not partial and not self._is_point(cache, end):
-            return {}
-        if all(block.pages[g] is not None for g in self._rec):
-            return {}
-        out = self._take_live(cache, block) if cache._ending else self._copy_live(cache, block)
-        if out:
-            self._count_snapshot(cache, end)
-        return out
-
-    def _copy_live(self, cache: HybridKVCache, block: Block) -> dict[int, Page]:
-        out: dict[int, Page] = {}
-        for g in self._rec:
-            if block.pages[g] is not None:
-                continue
-            page = self._alloc_page(g)
-            if page is None:
-                continue
-            live = cache._live[g]
-            assert live is not None
-            self._copies.append(PageCopy(g, Tier.GPU, live.index, Tier.GPU, page.index))
-            out[g] = page
-        return out
-
-    def _take_live(self, cache: HybridKVCache, block: Block) -> dict[int, Page]:
-        """The ending cache's live pages become the snapshots themselves (no copy, no allocation)."""
-        out: dict[int, Page] = {}
-        for g in self._rec:
-            live = cache._live[g]
-            if live is not None and block.pages[g] is None:
-                cache._live[g] = None
-                out[g] = live
-        return out
-
-    def _count_snapshot(self, cache: HybridKVCache, end: int) -> None:
-        c = self.counters
-        c.snapshots += 1
-        if end == cache._branch_point:
-            c.branch_snapshots += 1
-            self._record()
-        if end in cache._requested:
-            c.points_requested_committed += 1
-            self._record()
-
-    def _end_snapshot(self, cache: HybridKVCache) -> None:
-        """Snapshot the live state at the committed end when that is a full-block boundary without one (the
-        partial-tail case goes through ``_insert_partial``)."""
-        tpb = self.tokens_per_block
-        committed = cache._committed
-        if not committed or committed % tpb or cache._history != committed:
-            return
-        block = cache._blocks[-1]
-        if all(block.pages[g] is not None for g in self._rec):
-            return
-        ordinal = committed // tpb - 1
-        prios = {g: self._priority(cache, ordinal, g, committed) for g in self._rec}
-        snaps = self._take_live(cache, block) if cache._ending else self._copy_live(cache, block)
-        if not snaps:
-            return
-        self._count_snapshot(cache, committed)
-        self._clock += 1
-        for g, page in snaps.items():
-            block.pages[g] = page
-            page.block = block
-            page.priority = prios[g]
-            self._unlock(page)
-
-    def _end_sequence(self, cache: HybridKVCache) -> None:
-        """``commit(..., is_end=True)``: insert the tail now (snapshots copied from the live state) and stop."""
-        if not cache._committing:
-            return
-        prios = self._release_priorities(cache)
-        self._end_snapshot(cache)
-        self._insert_partial(cache, prios)
-        self._flush_events()
-        cache.stop_committing()
-
-    # --- life-cycle hooks ----------------------------------------------------------------------------------------
-
-    def _release_pending(self, cache: HybridKVCache) -> None:
-        page = cache._pending
-        if page is None:
-            return
-        cache._pending = None
-        self._free_page(page)
-        self.counters.pending_released += 1
-
-    def _on_suspend(self, cache: KVCache) -> None:
-        assert isinstance(cache, HybridKVCache)
-        self._release_pending(cache)
-        cache._ending = True
-        self._end_snapshot(cache)
-
-    def _on_close(self, cache: KVCache) -> None:
-        assert isinstance(cache, HybridKVCache)
-        self._release_pending(cache)
-        cache._ending = True
-        self._end_snapshot(cache)
-
-    def _on_stop_committing(self, cache: KVCache) -> None:
-        assert isinstance(cache, HybridKVCache)
-        self._release_pending(cache)
-
-    def _suspend(self, cache: KVCache) -> None:
-        try:
-            super()._suspend(cache)
-        finally:
-            cache._ending = False  # type: ignore[attr-defined]
-
-    def _close(self, cache: KVCache) -> None:
-        try:
-            super()._close(cache)
-        finally:
-            cache._ending = False  # type: ignore[attr-defined]
+    # --- pending pages -------------------------------------------------------------------------------------------
 
     def _extra_page_refs(self) -> Iterable[Page]:
         for cache in self._caches.values():
-            page = cache._pending  # type: ignore[attr-defined]
+            page = cache.pending_snapshot_page if isinstance(cache, HybridKVCache) else None
             if page is not None:
                 yield page
 
     def _pending_group(self) -> int:
-        if len(self._rec) != 1:
+        rec = self.recurrent_groups
+        if len(rec) != 1:
             raise CacheStateError(
-                f"acquire_ssm_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
-                f"manager has {len(self._rec)} ({list(self._rec)})"
+                f"acquire_snapshot_slot: mid-chunk snapshots need exactly one shared recurrent pool group, this "
+                f"manager has {len(rec)} ({list(rec)})"
             )
-        return self._rec[0]
+        return rec[0]
 
     # --- counters ------------------------------------------------------------------------------------------------
 
@@ -658,13 +752,15 @@ class HybridCacheManager(KVCacheManager):
         recurrent group in no tree block, and is nobody's live page nor another cache's pending page."""
         super().check_invariants()
         seen: set[int] = set()
-        live = {id(p) for c in self._caches.values() for p in c._live if p is not None}
-        for cache in self._caches.values():
-            page = cache._pending  # type: ignore[attr-defined]
+        rec = self.recurrent_groups
+        caches = self.caches
+        live = {id(p) for c in caches for g in rec if (p := c.live_page(g)) is not None}
+        for cache in caches:
+            page = cache.pending_snapshot_page if isinstance(cache, HybridKVCache) else None
             if page is None:
                 continue
             assert cache.is_active, f"{cache!r} is not active but holds pending {page!r}"
-            assert len(self._rec) == 1 and page.pool is self._gpu[self._rec[0]], f"pending {page!r} of a wrong pool"
+            assert len(rec) == 1 and page.pool is self.block_pool.gpu[rec[0]], f"pending {page!r} of a wrong pool"
             assert page.ref_count == 1 and page.block is None, f"pending {page!r} is not a locked uncommitted page"
             assert id(page) not in live, f"pending {page!r} is also a live page"
             assert id(page) not in seen, f"pending {page!r} is held twice"
@@ -677,12 +773,13 @@ class HybridCacheManager(KVCacheManager):
     ) -> tuple[list[int], list[bool]]:
         """Per step row: the live state page index of ``group`` (default: the first recurrent group) for each
         cache, then ``num_dummy`` padding rows (``pad_index``) flagged in the dummy-request mask."""
-        g = self._rec[0] if group is None else group
-        if g not in self._rec:
-            raise ValueError(f"group: {g} is not a recurrent pool group (those are {list(self._rec)})")
+        rec = self.recurrent_groups
+        g = rec[0] if group is None else group
+        if g not in rec:
+            raise ValueError(f"group: {g} is not a recurrent pool group (those are {list(rec)})")
         idx = []
         for c in caches:
-            page = c._live[g]
+            page = c.live_page(g)
             if page is None:
                 raise CacheStateError(f"step_state_indices: cache {c.id!r} is {c.status.value}, expected active")
             idx.append(page.index)
@@ -691,96 +788,3 @@ class HybridCacheManager(KVCacheManager):
     def state_index_upload(self, max_requests: int, **kwargs: Any) -> StateIndexUpload:
         """A :class:`StateIndexUpload` whose path follows ``policy.state_index_upload_kernel``."""
         return StateIndexUpload(max_requests, use_kernel=self.policy.state_index_upload_kernel, **kwargs)
-
-
-class UploadPath(Enum):
-    NONE = "none"  # neither buffer changed: nothing written
-    KERNEL = "kernel"  # one copy_small_pinned_pair launch wrote both
-    COPIES = "copies"  # ordinary copies of the buffers that changed
-
-
-class StateIndexUpload:
-    """Per-step upload of the recurrent state indices (int32) and the dummy-request mask (bool) to the device.
-
-    The host buffers are pinned when CUDA is present. :meth:`upload` writes them and, when either changed since
-    the last upload, sends them with one ``pair_copy`` launch (default ``kernels.copy_small_pinned_pair``) when
-    ``use_kernel`` is on and that function accepts the buffers, else with ordinary copies of the changed
-    buffers. ``pair_copy`` is injectable so the kernel path can be observed on a CPU-only machine.
-    """
-
-    def __init__(
-        self,
-        max_requests: int,
-        *,
-        use_kernel: bool,
-        device: Any = None,
-        pin_memory: bool | None = None,
-        pair_copy: Callable[..., bool] | None = None,
-    ) -> None:
-        import torch
-
-        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests < 1:
-            raise ValueError(f"max_requests: expected an int >= 1, got {max_requests!r}")
-        if not isinstance(use_kernel, bool):
-            raise TypeError(f"use_kernel: expected a bool, got {type(use_kernel).__name__}")
-        cuda = torch.cuda.is_available()
-        if device is None:
-            device = "cuda" if cuda else "cpu"
-        pin = cuda if pin_memory is None else bool(pin_memory)
-        if pair_copy is None and use_kernel:
-            from kvforge.kernels.pinned_pair import copy_small_pinned_pair
-
-            pair_copy = copy_small_pinned_pair
-        self.use_kernel = use_kernel
-        self.max_requests = max_requests
-        self._pair_copy = pair_copy
-        self.host_indices = torch.zeros(max_requests, dtype=torch.int32, pin_memory=pin)
-        self.host_mask = torch.zeros(max_requests, dtype=torch.bool, pin_memory=pin)
-        self.dev_indices = torch.zeros(max_requests, dtype=torch.int32, device=device)
-        self.dev_mask = torch.zeros(max_requests, dtype=torch.bool, device=device)
-        self._last: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())
-        self._event: Any = None
-        self.last_path = UploadPath.NONE
-        self.num_rows = 0
-
-    def upload(self, indices: Sequence[int], dummy_mask: Sequence[bool]) -> UploadPath:
-        """Make ``dev_indices[:n]`` / ``dev_mask[:n]`` hold these values (n rows); returns the path taken."""
-        import torch
-
-        idx = tuple(int(i) for i in indices)
-        mask = tuple(bool(m) for m in dummy_mask)
-        n = len(idx)
-        if len(mask) != n:
-            raise ValueError(f"dummy_mask: expected {n} entries (one per row of indices), got {len(mask)}")
-        if n > self.max_requests:
-            raise ValueError(f"indices: {n} rows exceed max_requests ({self.max_requests})")
-        old_idx, old_mask = self._last
-        idx_changed, mask_changed = idx != old_idx, mask != old_mask
-        if not idx_changed and not mask_changed:
-            self.last_path = UploadPath.NONE
-            return UploadPath.NONE
-        if self._event is not None:
-            # An earlier ordinary copy may still read the pinned host buffers.
-            self._event.synchronize()
-            self._event = None
-        hi, hm = self.host_indices[:n], self.host_mask[:n]
-        if n:
-            hi.copy_(torch.tensor(idx, dtype=torch.int32))
-            hm.copy_(torch.tensor(mask, dtype=torch.bool))
-        di, dm = self.dev_indices[:n], self.dev_mask[:n]
-        path = UploadPath.COPIES
-        if self.use_kernel and self._pair_copy is not None and self._pair_copy(hi, hm, di, dm):
-            path = UploadPath.KERNEL
-        else:
-            non_blocking = hi.is_pinned()
-            if idx_changed:
-                di.copy_(hi, non_blocking=non_blocking)
-            if mask_changed:
-                dm.copy_(hm, non_blocking=non_blocking)
-            if non_blocking and di.device.type == "cuda":
-                self._event = torch.cuda.Event()
-                self._event.record()
-        self._last = (idx, mask)
-        self.num_rows = n
-        self.last_path = path
-        return path

@@ -5,9 +5,10 @@ page), one row per cache and one pool per pool group it covers (by default every
 order). The table is pinned when CUDA is present (the kernel reads it in place) and a plain CPU tensor
 otherwise (CPU torch has no pinned memory).
 
-Rows are updated incrementally: the manager tells the table which (cache, group, first block) changed, and
-:meth:`DevicePageTable.sync` rewrites only those ranges through a numpy view of the same memory (a decode step
-touches a handful of entries, not the whole table). :meth:`DevicePageTable.materialize` then calls
+Rows are updated incrementally: the table is a listener of the manager
+(:meth:`~kvforge.kvcache.manager.KVCacheManager.add_listener`), which tells it which (cache, group, first block)
+changed, and :meth:`DevicePageTable.sync` rewrites only those ranges through a numpy view of the same memory
+(a decode step touches a handful of entries, not the whole table). :meth:`DevicePageTable.materialize` then calls
 ``kvforge.kernels.block_offsets.copy_block_offsets`` for the given caches' rows, which writes
 ``out [pools, n_seq, 2, blocks]``: plane 0 = ``index_scales[p] * page``, plane 1 = plane 0 + ``kv_offsets[p]``
 (0 in both for a missing page). On a machine without a GPU the same call runs in the Triton interpreter.
@@ -91,7 +92,7 @@ class DevicePageTable:
         self._dirty: dict[KVCache, list[int | None]] = {}
         self._written: dict[KVCache, list[int]] = {}
         self._event: Any = None
-        manager._tables.append(self)
+        manager.add_listener(self)
 
     # --- rows ----------------------------------------------------------------------------------------------
 
@@ -112,14 +113,14 @@ class DevicePageTable:
 
     def detach(self) -> None:
         """Stop following the manager (a table that is no longer used should not slow its updates down)."""
-        if self in self.manager._tables:
-            self.manager._tables.remove(self)
+        self.manager.remove_listener(self)
 
     def release(self, cache: KVCache) -> None:
         """Give the cache's row back (done automatically when the cache closes)."""
-        self._forget(cache)
+        self.cache_closed(cache)
 
-    def _forget(self, cache: KVCache) -> None:
+    def cache_closed(self, cache: KVCache) -> None:
+        """Listener callback: the cache closed; its row is given back."""
         r = self._rows.pop(cache, None)
         if r is None:
             return
@@ -130,8 +131,8 @@ class DevicePageTable:
         self._dirty.pop(cache, None)
         self._free_rows.append(r)
 
-    def _mark(self, cache: KVCache, group: int | None, lo: int) -> None:
-        """Manager callback: ``cache``'s pages of ``group`` (None: every group) changed from block ``lo`` on."""
+    def cache_changed(self, cache: KVCache, group: int | None, lo: int) -> None:
+        """Listener callback: ``cache``'s pages of ``group`` (None: every group) changed from block ``lo`` on."""
         if cache not in self._rows:
             return
         d = self._dirty.get(cache)
@@ -141,10 +142,10 @@ class DevicePageTable:
             for i, old in enumerate(d):
                 d[i] = lo if old is None or lo < old else old
             return
-        i = self._pos.get(group)
-        if i is not None:
-            old = d[i]
-            d[i] = lo if old is None or lo < old else old
+        pos = self._pos.get(group)
+        if pos is not None:
+            old = d[pos]
+            d[pos] = lo if old is None or lo < old else old
 
     # --- host and device -------------------------------------------------------------------------------------
 
@@ -165,14 +166,13 @@ class DevicePageTable:
             for pos, lo in enumerate(d):
                 if lo is None:
                     continue
-                pages = cache._pages[self.groups[pos]]
-                n = len(pages)
+                n = cache.num_blocks
                 if n > self.max_blocks:
                     raise ValueError(
                         f"max_blocks: cache {cache.id!r} holds {n} blocks, the table has {self.max_blocks}"
                     )
                 if lo < n:
-                    table[pos, r, lo:n] = [-1 if p is None else p.index for p in pages[lo:]]
+                    table[pos, r, lo:n] = cache.page_indices(self.groups[pos], lo)
                 old = written[pos]
                 if old > n:
                     table[pos, r, n:old] = -1

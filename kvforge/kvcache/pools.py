@@ -10,22 +10,23 @@ A :class:`Page` is one slot of a pool. Its life:
   else **held**. In a tier below which there is another one (the GPU tier when a host tier exists) any
   unlocked page may be *evicted* (moved down); in the last tier only droppable pages may leave.
 
-The manager keeps the counts below exact; :meth:`kvforge.kvcache.manager.KVCacheManager.check_invariants`
+A :class:`Block` (a radix-tree node, see :mod:`~kvforge.kvcache.radix`) holds one page slot per pool group and
+each page points back at its block, so both live here; so does :class:`EvictionPolicy`, the protocol a pool's
+policy satisfies (implementations in :mod:`~kvforge.kvcache.eviction`).
+
+The block pool keeps the counts below exact; :meth:`kvforge.kvcache.manager.KVCacheManager.check_invariants`
 verifies them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
-from kvforge.kvcache.config import LifeCycle, LifeCycleKind, Tier
+from kvforge.kvcache.config import LifeCycle, LifeCycleKind, PoolGroupSpec, Tier
 
-if TYPE_CHECKING:
-    from kvforge.kvcache.eviction import EvictionPolicy
-    from kvforge.kvcache.radix import Block
-
-__all__ = ["Page", "PagePool", "PageState"]
+__all__ = ["Block", "EvictionPolicy", "EvictionPolicyFactory", "Page", "PagePool", "PageState"]
 
 
 class PageState(Enum):
@@ -79,6 +80,82 @@ class Page:
 
     def __repr__(self) -> str:
         return f"Page(g{self.pool.group} {self.pool.tier.name}#{self.index} ref={self.ref_count} prio={self.priority})"
+
+
+class Block:
+    """A radix-tree node: one block of tokens under a chained-hash ``key``.
+
+    ``depth`` is the block's ordinal in its sequence (0 for the first block; -1 for a root). ``tokens`` is the
+    block's token tuple when known (None for blocks committed from precomputed hashes without tokens). Full
+    blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`; partial ones never are.
+    """
+
+    __slots__ = ("children", "depth", "key", "num_tokens", "pages", "parent", "tokens")
+
+    def __init__(
+        self,
+        key: int,
+        parent: Block | None,
+        depth: int,
+        num_tokens: int,
+        tokens: tuple[int, ...] | None,
+        num_groups: int,
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = depth
+        self.num_tokens = num_tokens
+        self.tokens = tokens
+        self.children: dict[int, Block] = {}
+        self.pages: list[Page | None] = [None] * num_groups
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens from the start of the sequence to the end of this block (a walk: off the hot path)."""
+        n, b = 0, self
+        while b.parent is not None:
+            n += b.num_tokens
+            b = b.parent
+        return n
+
+    def path(self) -> list[Block]:
+        """Blocks from the first one to this one (roots excluded)."""
+        out = []
+        b: Block | None = self
+        while b is not None and b.parent is not None:
+            out.append(b)
+            b = b.parent
+        out.reverse()
+        return out
+
+    def __repr__(self) -> str:
+        return f"Block(depth={self.depth}, tokens={self.num_tokens}, key={self.key:#x})"
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Orders one pool's eviction candidates. Every method is O(log n) or better in the default policy."""
+
+    def add(self, page: Page) -> None:
+        """``page`` became a candidate (it is not one already)."""
+
+    def discard(self, page: Page) -> None:
+        """``page`` stops being a candidate (locked again, freed, moved); a no-op if it is not one."""
+
+    def pop_victim(self, accept: Callable[[Page], bool] | None = None) -> Page | None:
+        """Remove and return the first candidate (for which ``accept`` holds, when given), or None."""
+
+    def __len__(self) -> int:
+        """Number of candidates."""
+
+    def __contains__(self, page: object) -> bool: ...
+
+
+EvictionPolicyFactory = Callable[[PoolGroupSpec, Tier], EvictionPolicy]
 
 
 class PagePool:

@@ -1,108 +1,53 @@
-"""The radix tree of reusable blocks, keyed by chained block hashes.
+"""The radix tree of reusable blocks, keyed by block keys (:mod:`kvforge.kvcache.hashing`).
 
-Each reuse scope (LoRA id, salt, ...) has its own root, whose key is :func:`kvforge.kvcache.hashing.scope_root`
-of the scope; a node's children are keyed by their chained hash, so a prompt's path is found by one dict
-lookup per block. A node (:class:`Block`) holds one page slot per pool group (None where that life cycle
-keeps nothing for the block, e.g. a sliding-window page already dropped, or a recurrent state that was never
+Each reuse scope (LoRA id, ...) and per-request ``cache_salt`` has its own root, whose key is the hasher's
+``root_key(scope, cache_salt)``; a node's children are keyed by their block key, so a prompt's path is found by one
+dict lookup per block. Full blocks are reused on a key match alone, which the keys' 128 salted bits make safe (see
+:mod:`kvforge.kvcache.hashing`). A node (:class:`Block`) holds one page slot per pool group (None where that life
+cycle keeps nothing for the block, e.g. a sliding-window page already dropped, or a recurrent state that was never
 snapshotted there).
 
-A *partial* block holds fewer than ``tokens_per_block`` tokens (what a request had committed past its last
-full block when it ended); it is always a leaf, and is found by comparing tokens, not by hash.
+A *partial* block holds fewer than ``tokens_per_block`` tokens (what a request had committed past its last full
+block when it ended); it is always a leaf, and is found by comparing tokens, not by hash.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING
 
-from kvforge.kvcache.hashing import scope_root
-
-if TYPE_CHECKING:
-    from kvforge.kvcache.pools import Page
+from kvforge.kvcache.hashing import BlockKeyHasher
+from kvforge.kvcache.pools import Block
 
 __all__ = ["Block", "RadixTree"]
 
 
-class Block:
-    """A radix-tree node: one block of tokens under a chained-hash ``key``.
-
-    ``depth`` is the block's ordinal in its sequence (0 for the first block; -1 for a root). ``tokens`` is the
-    block's token tuple when known (None for blocks committed from precomputed hashes without tokens). Full
-    blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`; partial ones never are.
-    """
-
-    __slots__ = ("children", "depth", "key", "num_tokens", "pages", "parent", "tokens")
-
-    def __init__(
-        self,
-        key: int,
-        parent: Block | None,
-        depth: int,
-        num_tokens: int,
-        tokens: tuple[int, ...] | None,
-        num_groups: int,
-    ) -> None:
-        self.key = key
-        self.parent = parent
-        self.depth = depth
-        self.num_tokens = num_tokens
-        self.tokens = tokens
-        self.children: dict[int, Block] = {}
-        self.pages: list[Page | None] = [None] * num_groups
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def prefix_tokens(self) -> int:
-        """Tokens from the start of the sequence to the end of this block (a walk: off the hot path)."""
-        n, b = 0, self
-        while b.parent is not None:
-            n += b.num_tokens
-            b = b.parent
-        return n
-
-    def path(self) -> list[Block]:
-        """Blocks from the first one to this one (roots excluded)."""
-        out = []
-        b: Block | None = self
-        while b is not None and b.parent is not None:
-            out.append(b)
-            b = b.parent
-        out.reverse()
-        return out
-
-    def __repr__(self) -> str:
-        return f"Block(depth={self.depth}, tokens={self.num_tokens}, key={self.key:#x})"
-
-
 class RadixTree:
-    """Roots per reuse scope and a count of the blocks below them."""
+    """Roots per (scope, cache_salt) and a count of the blocks below them."""
 
-    __slots__ = ("num_blocks", "num_groups", "roots")
+    __slots__ = ("hasher", "num_blocks", "num_groups", "roots")
 
-    def __init__(self, num_groups: int) -> None:
+    def __init__(self, num_groups: int, hasher: BlockKeyHasher) -> None:
         self.num_groups = num_groups
+        self.hasher = hasher
         self.roots: dict[int, Block] = {}
         self.num_blocks = 0
 
-    def root(self, scope: Hashable | None) -> Block:
-        """The root of ``scope``, created on first use (roots hold no pages and are never removed)."""
-        key = scope_root(scope)
+    def root(self, scope: Hashable | None, cache_salt: str | bytes | None = None) -> Block:
+        """The root of ``scope`` and ``cache_salt``, created on first use (roots hold no pages, never removed)."""
+        key = self.hasher.root_key(scope, cache_salt)
         root = self.roots.get(key)
         if root is None:
             root = Block(key, None, -1, 0, None, self.num_groups)
             self.roots[key] = root
         return root
 
-    def make_root(self, scope: Hashable | None) -> Block:
-        """A root for ``scope`` that is not registered (the caller registers it in ``roots`` if it keeps it)."""
-        return Block(scope_root(scope), None, -1, 0, None, self.num_groups)
+    def make_root(self, scope: Hashable | None, cache_salt: str | bytes | None = None) -> Block:
+        """A root that is not registered (the caller registers it in ``roots`` if it keeps it)."""
+        return Block(self.hasher.root_key(scope, cache_salt), None, -1, 0, None, self.num_groups)
 
-    def find_root(self, scope: Hashable | None) -> Block | None:
-        """The root of ``scope`` if it exists (read-only)."""
-        return self.roots.get(scope_root(scope))
+    def find_root(self, scope: Hashable | None, cache_salt: str | bytes | None = None) -> Block | None:
+        """The root of ``scope`` and ``cache_salt`` if it exists (read-only)."""
+        return self.roots.get(self.hasher.root_key(scope, cache_salt))
 
     def blocks(self) -> Iterator[Block]:
         """Every non-root block, parents before children."""

@@ -2,7 +2,8 @@
 
 The trace gives, per request, ``input_length`` and ``hash_ids``: one id per 512-token block of the prompt,
 chained by prefix (two requests share a block exactly when they share the id there and every id before it).
-The ids therefore stand for chained block hashes, and each request is created and committed in *key mode*
+The ids therefore stand for chained block hashes: each becomes a block key through
+:meth:`~kvforge.kvcache.hashing.BlockKeyHasher.keys_from_ids`, and each request is created and committed in *key mode*
 (:meth:`~kvforge.kvcache.manager.KVCacheManager.create_cache` with ``block_keys``), every id as one block
 (the last, partial one included, as the trace's own measurement does). A request's hit is the reused
 blocks' tokens, capped at its prompt length.
@@ -175,9 +176,10 @@ def replay_prefix_hits(
         tiers=(TierConfig(pages=capacity_blocks),),
     )
     mgr = KVCacheManager(config)
+    keys_from_ids = mgr.hasher.keys_from_ids
     prompt = hits = 0
     for r in requests:
-        keys = r.hash_ids
+        keys = keys_from_ids(r.hash_ids)
         prompt += r.input_length
         cache = mgr.create_cache(block_keys=keys)
         reused = cache.num_committed_tokens

@@ -499,7 +499,7 @@ class ConversationRouter:
         return chosen
 
     def _backlogs(self, now: float) -> list[float]:
-        loads = self._ledger.loads
+        loads: list[float] = self._ledger.loads  # type: ignore[assignment]  # ints; backlogs subtract fractions
         rate = self.config.prefill_tokens_per_s
         if self._queues is None or rate is None:
             return loads
@@ -513,7 +513,7 @@ class ConversationRouter:
                 loads[s] -= min(head.weight, rate * max(0.0, now - started))
         return loads
 
-    def _match(self, conv: str | None, hashes: Sequence[int], loads: list[float]) -> _Decision:
+    def _match(self, conv: str | None, hashes: Sequence[int], loads: Sequence[float]) -> _Decision:
         cfg = self.config
         d = _Decision()
         if cfg.use_cache_events:
@@ -524,7 +524,9 @@ class ConversationRouter:
         else:
             matched = self._trie.match(hashes)
             if conv is None and matched and matched >= cfg.match_threshold * len(hashes):
-                session = self._sessions.get(self._trie.node(hashes[matched - 1]).owner)
+                last = self._trie.node(hashes[matched - 1])
+                assert last is not None  # matched blocks are in the trie
+                session = self._sessions.get(last.owner)
                 if session is not None:
                     self.stats.implicit += 1
             if session is None:
@@ -540,12 +542,13 @@ class ConversationRouter:
         d.known_base = session.baseline if k == len(old) else min(session.baseline, k * cfg.tokens_per_block)
         return d
 
-    def _match_new(self, d: _Decision, hashes: Sequence[int], matched: int, loads: list[float]) -> None:
+    def _match_new(self, d: _Decision, hashes: Sequence[int], matched: int, loads: Sequence[float]) -> None:
         cfg = self.config
         if not cfg.matching:
             return
         if matched >= cfg.new_conversation_min_match_blocks:
             node = self._trie.node(hashes[matched - 1])
+            assert node is not None  # matched blocks are in the trie
             if cfg.always or node.refs <= cfg.specific_max_conversations:
                 owner = self._sessions.get(node.owner)
                 d.kind = _FOLLOWED
@@ -580,7 +583,7 @@ class ConversationRouter:
             return max(num_tokens - d.cached[server] * cfg.tokens_per_block, 0)
         return num_tokens
 
-    def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
+    def _choose(self, d: _Decision, num_tokens: int, loads: Sequence[float]) -> int:
         guard = self.config.imbalance_guard
         if d.target is not None and guard is None:
             return d.target
@@ -591,6 +594,7 @@ class ConversationRouter:
             return self._pick_min(loads)
         if varying:
             tpb = self.config.tokens_per_block
+            assert d.cached is not None
             backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, d.cached)]
         else:
             backlog = [load + num_tokens for load in loads]
@@ -604,11 +608,12 @@ class ConversationRouter:
             return d.target
         self.stats.guard_moves += 1
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
-        if d.cached is not None:
-            return min(near, key=lambda s: (-d.cached[s], backlog[s]))
+        cached = d.cached
+        if cached is not None:
+            return min(near, key=lambda s: (-cached[s], backlog[s]))
         return min(near, key=backlog.__getitem__)
 
-    def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
+    def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: Sequence[float], weight: float) -> int:
         if d.target is None and d.cached is None:
             return self._pick_min(loads)  # every server would compute the whole prompt
         scores = [load + weight * self._uncached(d, s, num_tokens) for s, load in enumerate(loads)]
@@ -623,7 +628,7 @@ class ConversationRouter:
             self.stats.guard_moves += 1
         return best
 
-    def _pick_min(self, values: list[float]) -> int:
+    def _pick_min(self, values: Sequence[float]) -> int:
         # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation.
         n = len(values)
         best = self._rotor % n

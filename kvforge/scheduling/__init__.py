@@ -29,14 +29,17 @@ from kvforge.scheduling.scheduler import (
     SchedulerStats,
     resolve_demotion,
 )
+from kvforge.scheduling.seams import ContextMarker, PrefixWaitCounter, SnapshotSlotCache
 
 __all__ = [
     "ENV_DEMOTE_MAX_ITERS",
     "ENV_DEMOTE_UNCACHED_TOKENS",
     "AdmissionCandidate",
     "AttentionDPRouter",
+    "ContextMarker",
     "DefaultKvBalancedPlanner",
     "KvBalancedAdmissionPlanner",
+    "PrefixWaitCounter",
     "PrefixWaitPlanner",
     "PrefixWaitStats",
     "RankState",
@@ -50,6 +53,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStateError",
     "SchedulerStats",
+    "SnapshotSlotCache",
     "passed_snapshot_point",
     "resolve_demotion",
     "snapshot_chunk_end",

@@ -355,14 +355,14 @@ class AttentionDPRouter:
         out: list[tuple[Any, int]] = []
         skipped: list[Hashable] = []
         for i, e in enumerate(window):
-            rank = chosen.get(i)
-            if rank is None:
+            picked = chosen.get(i)
+            if picked is None:
                 e.skipped_rounds += 1
                 skipped.append(e.request_id)
                 continue
-            tokens[rank] += e.num_tokens
-            n_req[rank] += 1
-            out.append((e.request, rank))
+            tokens[picked] += e.num_tokens
+            n_req[picked] += 1
+            out.append((e.request, picked))
             self._ids.discard(e.request_id)
         admitted = {id(window[i]) for i in chosen}
         self._queue = deque(e for e in self._queue if id(e) not in admitted)

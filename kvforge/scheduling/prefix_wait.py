@@ -13,23 +13,26 @@ Pure bookkeeping: the scheduler decides when to consult it and what a wait means
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from kvforge.kvcache.hashing import block_hashes
 from kvforge.scheduling.request import Request
 
 __all__ = ["PrefixWaitPlanner", "PrefixWaitStats", "prefix_keys"]
 
 
-def prefix_keys(req: Request, tokens_per_block: int) -> tuple[int, ...]:
-    """The request's chained keys per full prompt block (computed once per request and kept on it)."""
-    keys = req._prefix_keys
+def prefix_keys(req: Request, tokens_per_block: int) -> tuple[Hashable, ...]:
+    """The request's block keys per full prompt block (computed once per request, by the scheduler's
+    ``add_request``). Key-mode keys are the caller's and may repeat across scopes or salts, so they are paired
+    with those; token-mode keys already depend on both."""
+    keys: tuple[Hashable, ...] | None = req._prefix_keys
     if keys is None:
-        if req.tokens is not None:
-            keys = tuple(block_hashes(req.tokens, tokens_per_block, req.scope))
+        own = req.block_keys or ()
+        if req.tokens is None and (req.scope is not None or req.cache_salt is not None):
+            ns = (req.scope, req.cache_salt)
+            keys = tuple((ns, k) for k in own)
         else:
-            # Trace keys carry no scope; fold it in so two scopes never share a prefix.
-            keys = req.block_keys if req.scope is None else tuple(hash((req.scope, k)) for k in req.block_keys)  # type: ignore[union-attr]
+            keys = own
         req._prefix_keys = keys
     return keys
 
@@ -58,8 +61,8 @@ class PrefixWaitPlanner:
         self.max_wait_iters = max_wait_iters
         self.min_shared_tokens = min_shared_tokens
         self.stats = PrefixWaitStats()
-        self._index: dict[int, Request] = {}
-        self._owned: dict[int, tuple[int, ...]] = {}  # id(owner) -> keys it indexed
+        self._index: dict[Hashable, Request] = {}
+        self._owned: dict[int, tuple[Hashable, ...]] = {}  # id(owner) -> keys it indexed
 
     def __len__(self) -> int:
         return len(self._owned)

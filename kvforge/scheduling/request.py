@@ -6,33 +6,18 @@ A request is given by its prompt in one of two forms:
   :meth:`Scheduler.on_step_done <kvforge.scheduling.scheduler.Scheduler.on_step_done>` are committed too, so a
   later turn can reuse the answer.
 * **key mode**: ``block_keys`` (one chained hash per *full* block of the prompt, e.g. a trace's ``hash_ids``)
-  and ``prompt_len``. Only the prompt is ever committed (generated tokens have no keys).
+  and ``prompt_len``. Only the prompt is ever committed (generated tokens have no keys). ``prompt_len`` alone
+  (no keys: ``keyless``) is valid too: such a request reuses nothing and commits nothing.
 
 States: ``WAITING`` (no GPU pages: new, or preempted with a suspended cache) → ``CONTEXT`` (prefilling in
 chunks) → ``GENERATION`` (one token, plus accepted draft tokens, per step) → ``DONE``. A preempted request
 goes back to ``WAITING``; when it runs again, the tokens to (re)compute are the prompt *and* the tokens
 generated so far (``context_len``), minus what its cache still holds.
 
-**Contract with the hybrid manager** (issue 5). The scheduler reads, the manager writes, through
-:meth:`Request.set_snapshot_marks` (called from the manager's optional ``mark_context_request(request)``, which
-the scheduler calls before it sizes each context chunk):
-
-* ``snapshot_points``: sorted prompt positions (tokens from the start) where the manager wants the recurrent
-  state saved. A step never crosses one it may not pass (see below): the chunk ends at it.
-* ``midchunk_snapshot_alignment``: None (the manager can only snapshot the live state at the end of a step), or
-  ``A``: the recurrent prefill can store the state at ``start + k*A`` inside a step that starts at ``start``
-  (the kernel splits a step into A-token chunks counted from the step's first token), into the one pending
-  snapshot slot a cache has. Then *one* point per step may be passed mid-step, if it is so aligned and it is
-  the last snapshot point or ``midchunk_pass_point``; the step ends at the following point at the latest.
-* ``midchunk_pass_point``: one earlier point (not the last) that may also be passed mid-step.
-
-The scheduler writes, and the manager reads:
-
-* ``requested_snapshot_points``: positions that requests waiting for this request's prefix asked to have saved
-  (the divergence point of the shared prefix); the manager decides whether they become ``snapshot_points``.
-* ``waiting_for_prefix_of``: the id of the in-flight request whose prefix this one waits for (None when not
-  waiting); the scheduler also passes the requests that started waiting to the manager's optional
-  ``count_prefix_waits(requests)``.
+Snapshot marks pass between the scheduler and a hybrid manager through the request: the manager writes
+``snapshot_points`` / ``midchunk_snapshot_alignment`` / ``midchunk_pass_point`` with
+:meth:`Request.set_snapshot_marks` (their meaning is documented there); the scheduler writes
+``requested_snapshot_points`` and ``waiting_for_prefix_of``. Bad arguments raise ``TypeError`` / ``ValueError``.
 """
 
 from __future__ import annotations
@@ -42,6 +27,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvforge.errors import CacheStateError
+from kvforge.kvcache.hashing import check_block_keys, check_tokens
 from kvforge.kvcache.manager import CacheStatus
 
 if TYPE_CHECKING:
@@ -83,19 +69,22 @@ class Request:
     Arguments: ``request_id`` (hashable, unique within a scheduler), ``tokens`` or ``block_keys`` +
     ``prompt_len``, ``max_new_tokens`` (>= 1; the request is done after that many), ``arrival_time`` (the
     caller's clock), ``conversation_id``, ``draft_len`` (speculative tokens checked per generation step),
-    ``scope`` (reuse scope: LoRA id, salt), ``estimated_uncached_tokens`` (a router's estimate of the prefill
+    ``scope`` (reuse scope: LoRA id), ``cache_salt`` (tenant isolation: no block is shared with a request of
+    another salt), ``estimated_uncached_tokens`` (a router's estimate of the prefill
     the prompt needs, e.g. its growth since the conversation's previous prompt; None: unknown) and
     ``attention_dp_rank`` (a requested attention-DP rank for :class:`~kvforge.scheduling.adp_router.AttentionDPRouter`).
     """
 
     __slots__ = (
         "_batch_step",
+        "_generated_keys",
         "_prefix_keys",
         "aborted",
         "arrival_time",
         "attention_dp_rank",
         "block_keys",
         "cache",
+        "cache_salt",
         "context_len",
         "conversation_id",
         "demote_iters",
@@ -104,6 +93,7 @@ class Request:
         "finish_time",
         "first_scheduled_time",
         "first_token_time",
+        "keyless",
         "max_new_tokens",
         "midchunk_pass_point",
         "midchunk_snapshot_alignment",
@@ -141,6 +131,7 @@ class Request:
         scope: Hashable | None = None,
         estimated_uncached_tokens: int | None = None,
         attention_dp_rank: int | None = None,
+        cache_salt: str | bytes | None = None,
     ) -> None:
         if request_id is None:
             raise ValueError("request_id: expected a hashable id, got None")
@@ -151,7 +142,7 @@ class Request:
         self.request_id = request_id
         if tokens is None and block_keys is None and prompt_len is None:
             raise ValueError("Request: expected tokens, or block_keys with prompt_len (or prompt_len alone)")
-        self.tokens = None if tokens is None else _int_tuple("tokens", tokens)
+        self.tokens = None if tokens is None else tuple(check_tokens(tokens))
         if self.tokens is not None:
             if prompt_len is not None and prompt_len != len(self.tokens):
                 raise ValueError(f"prompt_len: {prompt_len} differs from the {len(self.tokens)} tokens given")
@@ -159,10 +150,10 @@ class Request:
         if prompt_len is None:
             raise ValueError("prompt_len: required with block_keys (the keys cover full blocks only)")
         self.prompt_len = _count("prompt_len", prompt_len, 1)
-        # Key mode without keys (prompt_len alone) is an empty key list: nothing to reuse, nothing to key.
-        self.block_keys = (
-            None if block_keys is None and self.tokens is not None else _int_tuple("block_keys", block_keys or ())
-        )
+        # Key mode without keys (prompt_len alone) is an empty key list: nothing to reuse, nothing committed.
+        self.keyless = self.tokens is None and block_keys is None
+        # Token mode: the scheduler fills block_keys in add_request (kvforge.kvcache.hashing, once per request).
+        self.block_keys = None if block_keys is None and self.tokens is not None else check_block_keys(block_keys or ())
         self.max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
         if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
             raise TypeError(f"arrival_time: expected a number, got {type(arrival_time).__name__}")
@@ -172,6 +163,10 @@ class Request:
         self.conversation_id = conversation_id
         self.draft_len = _count("draft_len", draft_len)
         self.scope = scope
+        if cache_salt is not None and (not isinstance(cache_salt, (str, bytes)) or not cache_salt):
+            raise TypeError(f"cache_salt: expected a non-empty str or bytes, or None, got {cache_salt!r}")
+        self.cache_salt = cache_salt
+        self._generated_keys: list[int] = []  # keys of blocks past the prompt's, from generated tokens
         if estimated_uncached_tokens is not None:
             _count("estimated_uncached_tokens", estimated_uncached_tokens)
         self.estimated_uncached_tokens = estimated_uncached_tokens
@@ -189,7 +184,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self._prefix_keys: tuple[int, ...] | None = None
+        self._prefix_keys: tuple[Hashable, ...] | None = None
         self._batch_step = -1
         self.cache: KVCache | None = None
         self._clear_attempt()
@@ -237,10 +232,28 @@ class Request:
         alignment: int | None = None,
         pass_point: int | None = None,
     ) -> None:
-        """Set the snapshot points (strictly increasing, > 0) and the mid-chunk marks (the hybrid manager's call).
+        """Set the snapshot points (strictly increasing, > 0) and the mid-chunk marks (the hybrid manager's call,
+        from its ``mark_context_request(request)``, which the scheduler calls before it sizes each context chunk).
 
         ``pass_point`` needs an ``alignment`` and must be one of ``points`` other than the last. Raises
-        ValueError / TypeError naming the argument and changes nothing on bad input.
+        ValueError / TypeError naming the argument and changes nothing on bad input. The marks:
+
+        * ``snapshot_points``: sorted prompt positions (tokens from the start) where the manager wants the recurrent
+          state saved. A step never crosses one it may not pass (see below): the chunk ends at it.
+        * ``midchunk_snapshot_alignment``: None (the manager can only snapshot the live state at the end of a step), or
+          ``A``: the recurrent prefill can store the state at ``start + k*A`` inside a step that starts at ``start``
+          (the kernel splits a step into A-token chunks counted from the step's first token), into the one pending
+          snapshot slot a cache has. Then *one* point per step may be passed mid-step, if it is so aligned and it is
+          the last snapshot point or ``midchunk_pass_point``; the step ends at the following point at the latest.
+        * ``midchunk_pass_point``: one earlier point (not the last) that may also be passed mid-step.
+
+        The scheduler writes, and the manager reads:
+
+        * ``requested_snapshot_points``: positions that requests waiting for this request's prefix asked to have saved
+          (the divergence point of the shared prefix); the manager decides whether they become ``snapshot_points``.
+        * ``waiting_for_prefix_of``: the id of the in-flight request whose prefix this one waits for (None when not
+          waiting); the scheduler also passes the requests that started waiting to the manager's optional
+          ``count_prefix_waits(requests)``.
         """
         pts = _int_tuple("points", points)
         for i, p in enumerate(pts):
@@ -292,6 +305,8 @@ class Request:
 
     def known_tokens(self) -> int:
         """How many leading tokens of the sequence have known keys, i.e. can be committed to the tree."""
+        if self.keyless:
+            return 0
         if self.tokens is None:
             return self.prompt_len
         return self.prompt_len + len(self.output_tokens)

@@ -1,7 +1,7 @@
 """The token-budget scheduler: every iteration, which requests run and how many tokens each computes.
 
-One server's scheduler over one :class:`~kvforge.kvcache.manager.KVCacheManager` (or a subclass such as the
-hybrid manager). The step API, independent of wall-clock time::
+One server's :class:`Scheduler` over one :class:`~kvforge.kvcache.manager.KVCacheManager` (or a subclass such as
+the hybrid manager), driven by a step API independent of wall-clock time::
 
     sched = Scheduler(manager, SchedulerConfig(max_num_tokens=8192), hooks=runtime_hooks_of(model))
     sched.add_request(Request("r1", tokens=prompt, max_new_tokens=128))
@@ -10,44 +10,11 @@ hybrid manager). The step API, independent of wall-clock time::
         ...run the forward step...
         finished = sched.on_step_done(batch)      # commit progress; optional accepted draft counts, token ids
 
-**A pass.** Generation requests first, oldest first, one token each (plus ``draft_len`` speculative tokens);
-then context requests, within a token budget (``max_num_tokens``) and a request budget (``max_num_requests``):
-chunks in flight first, then the waiting queue, each in arrival order. A context chunk is as long as the
-budget allows, ends at snapshot points (:func:`~kvforge.scheduling.chunking.snapshot_chunk_end`) and is cut
-to the pages that can be found.
-
-**Pages.** Every claim is check-then-act: ``KVCache.resize`` changes nothing when pages are short. A running
-request that cannot grow preempts (suspends) the newest running requests not in this batch, never an older
-one, so the oldest request always progresses. A new admission never preempts: it is cut to the pages left, or
-the queue stops admitting for this pass. If a pass schedules nothing while requests remain, the newest
-running request is preempted and the pass repeated (a request preempted in a ``schedule`` call is not
-readmitted by it); with nothing left to preempt the scheduler raises
-:class:`~kvforge.errors.SchedulerDeadlockError` naming what is stuck, instead of spinning.
-
-**Long-context demotion.** With a threshold (``KVFORGE_CTX_DEMOTE_UNCACHED_TOKENS``), a context request whose
-uncached prefill is estimated above it moves behind the others (to the tail of the context order); each
-iteration it is moved back counts, and after ``demote_max_iters`` (``KVFORGE_CTX_DEMOTE_MAX_ITERS``) such
-iterations it is *starved* and keeps its place. Config values win over the environment. The estimate is the
-request's ``estimated_uncached_tokens`` (a router's guess, used for every chunk) when given, else its whole
-remaining context.
-
-**Exact demotion** (``RuntimeHooks.exact_context_demotion``): an estimate above the threshold is checked once
-with the manager's read-only ``probe_reuse`` (one walk per request and attempt); a request that holds a cache
-is judged by its exact remainder. A request ordered as short whose first prepare (reuse match) shows a long
-remainder returns DEFER: its claim is released (the cache closed, or suspended again if it was resumed), its
-exact remainder kept, one demoted iteration counted, and it is retried after the rest of the pass. A starved
-request is never deferred, so the aging bound holds for every request.
-
-**Prefix waits.** A new request whose prefix an in-flight request is still prefilling waits (at most
-``max_prefix_wait_iters`` iterations) instead of computing it too, asks that owner for a snapshot point where
-their prompts part, and is probed again once it stops waiting. See :mod:`kvforge.scheduling.prefix_wait`.
-
-**Optional manager hooks** (duck-typed, so ``kvcache`` never imports this package):
-``mark_context_request(request)`` is called before each context chunk is sized (the hybrid manager sets the
-snapshot marks there); ``count_prefix_waits(requests)`` receives the requests that started waiting in a pass.
-When a chunk passes a snapshot point inside it and the cache has ``acquire_ssm_snapshot_slot`` (hybrid), the
-scheduler claims the pending slot with the chunk (no slot: the chunk ends at the point instead) and
-``on_step_done`` commits up to the point with ``ssm_from_pending=True``, then the rest.
+Contract: every page claim is check-then-act (nothing changes when pages are short); the oldest running request
+always progresses; a pass that can schedule nothing raises :class:`~kvforge.errors.SchedulerDeadlockError`
+instead of spinning; bad requests and step results raise ``TypeError`` / ``ValueError`` before any state
+changes. The pass order, demotion, prefix waits and the optional manager hooks are described on
+:class:`Scheduler`. Not thread-safe: one thread drives a scheduler.
 """
 
 from __future__ import annotations
@@ -65,6 +32,7 @@ from kvforge.kvcache.manager import CacheStatus, KVCacheManager
 from kvforge.scheduling.chunking import passed_snapshot_point, snapshot_chunk_end
 from kvforge.scheduling.prefix_wait import PrefixWaitPlanner, PrefixWaitStats
 from kvforge.scheduling.request import Request, RequestState
+from kvforge.scheduling.seams import ContextMarker, PrefixWaitCounter, SnapshotSlotCache
 
 __all__ = [
     "DEFAULT_DEMOTE_MAX_ITERS",
@@ -182,7 +150,7 @@ class ScheduledRequest(NamedTuple):
     to before them). ``is_last_chunk``: the context chunk that ends the prefill (it emits the first token).
     ``snapshot_point``: a snapshot point the step passes inside it (mid-chunk snapshot); when the cache has a
     pending snapshot slot (hybrid manager) the scheduler acquired it, the recurrent kernel writes the state at
-    that point into ``cache.pending_ssm_snapshot_slot``, and ``on_step_done`` commits up to the point from it."""
+    that point into ``cache.pending_snapshot_slot``, and ``on_step_done`` commits up to the point from it."""
 
     request: Request
     num_tokens: int
@@ -247,9 +215,53 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """See the module docstring. ``hooks``: the model's :class:`~kvforge.kvcache.hooks.RuntimeHooks` (exact
-    demotion); ``clock``: a callable giving the current time for request timestamps (default: the step
-    number), so a simulator drives it with simulated time."""
+    """One server's scheduler (see the module docstring for the step API).
+
+    ``hooks``: the model's :class:`~kvforge.kvcache.hooks.RuntimeHooks` (exact demotion); ``clock``: a callable
+    giving the current time for request timestamps (default: the step number), so a simulator drives it with
+    simulated time.
+
+    **A pass.** Generation requests first, oldest first, one token each (plus ``draft_len`` speculative tokens);
+    then context requests, within a token budget (``max_num_tokens``) and a request budget (``max_num_requests``):
+    chunks in flight first, then the waiting queue, each in arrival order. A context chunk is as long as the
+    budget allows, ends at snapshot points (:func:`~kvforge.scheduling.chunking.snapshot_chunk_end`) and is cut
+    to the pages that can be found.
+
+    **Pages.** Every claim is check-then-act: ``KVCache.resize`` changes nothing when pages are short. A running
+    request that cannot grow preempts (suspends) the newest running requests not in this batch, never an older
+    one, so the oldest request always progresses. A new admission never preempts: it is cut to the pages left, or
+    the queue stops admitting for this pass. If a pass schedules nothing while requests remain, the newest
+    running request is preempted and the pass repeated (a request preempted in a ``schedule`` call is not
+    readmitted by it); with nothing left to preempt the scheduler raises
+    :class:`~kvforge.errors.SchedulerDeadlockError` naming what is stuck, instead of spinning.
+
+    **Long-context demotion.** With a threshold (``KVFORGE_CTX_DEMOTE_UNCACHED_TOKENS``), a context request whose
+    uncached prefill is estimated above it moves behind the others (to the tail of the context order); each
+    iteration it is moved back counts, and after ``demote_max_iters`` (``KVFORGE_CTX_DEMOTE_MAX_ITERS``) such
+    iterations it is *starved* and keeps its place. Config values win over the environment. The estimate is the
+    request's ``estimated_uncached_tokens`` (a router's guess, used for every chunk) when given, else its whole
+    remaining context.
+
+    **Exact demotion** (``RuntimeHooks.exact_context_demotion``): an estimate above the threshold is checked once
+    with the manager's read-only ``probe_reuse`` (one walk per request and attempt); a request that holds a cache
+    is judged by its exact remainder. A request ordered as short whose first prepare (reuse match) shows a long
+    remainder returns DEFER: its claim is released (the cache closed, or suspended again if it was resumed), its
+    exact remainder kept, one demoted iteration counted, and it is retried after the rest of the pass. A starved
+    request is never deferred, so the aging bound holds for every request.
+
+    **Prefix waits.** A new request whose prefix an in-flight request is still prefilling waits (at most
+    ``max_prefix_wait_iters`` iterations) instead of computing it too, asks that owner for a snapshot point where
+    their prompts part, and is probed again once it stops waiting. See :mod:`kvforge.scheduling.prefix_wait`.
+
+    **Optional manager hooks** (the protocols of :mod:`kvforge.scheduling.seams`, so ``kvcache`` never imports this
+    package): a :class:`~kvforge.scheduling.seams.ContextMarker` is asked to mark each context request before its
+    chunk is sized (the hybrid manager sets the snapshot marks there); a
+    :class:`~kvforge.scheduling.seams.PrefixWaitCounter` receives the requests that started waiting in a pass.
+    When a chunk passes a snapshot point inside it and the cache is a
+    :class:`~kvforge.scheduling.seams.SnapshotSlotCache` (hybrid), the scheduler claims the pending slot with the
+    chunk (no slot: the chunk ends at the point instead) and ``on_step_done`` commits up to the point with
+    ``snapshot_from_pending=True``, then the rest.
+    """
 
     def __init__(
         self,
@@ -287,13 +299,17 @@ class Scheduler:
             if config.prefix_wait and config.max_prefix_wait_iters > 0
             else None
         )
-        self._mark_hook: Callable[[Request], Any] | None = getattr(manager, "mark_context_request", None)
-        self._count_waits_hook: Callable[[Sequence[Request]], Any] | None = getattr(manager, "count_prefix_waits", None)
+        self._mark_hook: Callable[[Request], Any] | None = (
+            manager.mark_context_request if isinstance(manager, ContextMarker) else None
+        )
+        self._count_waits_hook: Callable[[Sequence[Request]], Any] | None = (
+            manager.count_prefix_waits if isinstance(manager, PrefixWaitCounter) else None
+        )
         self._requests: dict[Hashable, Request] = {}
         self._waiting: list[Request] = []  # by seq (arrival order)
         self._running: list[Request] = []  # by seq; every one holds an active cache
         self._pending: ScheduledBatch | None = None
-        self._step = 0
+        self._step: int = 0
         self._next_seq = 0
         # Per-pass scratch.
         self._budget = 0
@@ -346,7 +362,14 @@ class Scheduler:
             raise ValueError(f"request: {request.request_id!r} was already given to a scheduler")
         if request.request_id in self._requests:
             raise ValueError(f"request: id {request.request_id!r} is already in use by an unfinished request")
-        if request.block_keys is not None and len(request.block_keys) != request.prompt_len // self.tokens_per_block:
+        if request.tokens is not None and request.block_keys is None:
+            # The one time a token-mode request is keyed: every later call passes these keys down.
+            request.block_keys = tuple(self.manager.prompt_keys(request.tokens, request.scope, request.cache_salt))
+        if (
+            request.block_keys is not None
+            and not request.keyless
+            and len(request.block_keys) != request.prompt_len // self.tokens_per_block
+        ):
             raise ValueError(
                 f"block_keys: expected one key per full block of the prompt "
                 f"({request.prompt_len // self.tokens_per_block} at {self.tokens_per_block} tokens per block), "
@@ -463,7 +486,11 @@ class Scheduler:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.state = _GENERATION
-            if s.snapshot_point is not None and getattr(cache, "pending_ssm_snapshot_slot", None) is not None:
+            if (
+                s.snapshot_point is not None
+                and isinstance(cache, SnapshotSlotCache)
+                and cache.pending_snapshot_slot is not None
+            ):
                 # The state at the passed point sits in the pending page: commit up to it from there first.
                 self._commit(req, upto=s.snapshot_point, from_pending=True)
             self._commit(req)
@@ -599,8 +626,33 @@ class Scheduler:
         self.stats.probes += 1
         limit = req.context_len - 1
         if req.tokens is not None:
-            return self.manager.probe_reuse(self._sequence(req), req.scope, max_reuse_tokens=limit)
-        return self.manager.probe_reuse(None, req.scope, block_keys=req.block_keys, max_reuse_tokens=limit)
+            seq = self._sequence(req)
+            return self.manager.probe_reuse(
+                seq,
+                req.scope,
+                block_keys=self._sequence_keys(req, seq),
+                max_reuse_tokens=limit,
+                cache_salt=req.cache_salt,
+            )
+        return self.manager.probe_reuse(
+            None, req.scope, block_keys=req.block_keys, max_reuse_tokens=limit, cache_salt=req.cache_salt
+        )
+
+    def _sequence_keys(self, req: Request, seq: Sequence[int]) -> tuple[int, ...]:
+        """Block keys of ``seq``'s full blocks (a token-mode request's known tokens from the start): the prompt's
+        keys, computed once in add_request, then keys of generated blocks, computed once each and kept."""
+        tpb = self.tokens_per_block
+        n_full = len(seq) // tpb
+        keys = req.block_keys
+        assert keys is not None
+        if n_full <= len(keys):
+            return keys[:n_full]
+        ext = req._generated_keys
+        have = len(keys) + len(ext)
+        if have < n_full:
+            parent = ext[-1] if ext else (keys[-1] if keys else self.manager.hasher.root_key(req.scope, req.cache_salt))
+            ext.extend(self.manager.hasher.block_keys(seq[have * tpb : n_full * tpb], tpb, parent=parent))
+        return (*keys, *ext[: n_full - len(keys)])
 
     def _sequence(self, req: Request) -> Sequence[int]:
         """Known tokens of the current context (token mode): the prompt, then generated ids when given."""
@@ -652,9 +704,18 @@ class Scheduler:
         limit = req.context_len - 1
         try:
             if req.tokens is not None:
-                cache = self.manager.create_cache(self._sequence(req), scope=req.scope, max_reuse_tokens=limit)
+                seq = self._sequence(req)
+                cache = self.manager.create_cache(
+                    seq,
+                    block_keys=self._sequence_keys(req, seq),
+                    scope=req.scope,
+                    max_reuse_tokens=limit,
+                    cache_salt=req.cache_salt,
+                )
             else:
-                cache = self.manager.create_cache(block_keys=req.block_keys, scope=req.scope, max_reuse_tokens=limit)
+                cache = self.manager.create_cache(
+                    block_keys=req.block_keys, scope=req.scope, max_reuse_tokens=limit, cache_salt=req.cache_salt
+                )
         except OutOfPagesError:
             return None
         cache.user_data = req
@@ -722,9 +783,12 @@ class Scheduler:
         point = None
         if req.midchunk_snapshot_alignment is not None:
             point = passed_snapshot_point(start, end, req.snapshot_points)
-            acquire = getattr(cache, "acquire_ssm_snapshot_slot", None)
-            pending = getattr(cache, "pending_ssm_snapshot_slot", None)
-            if point is not None and acquire is not None and pending is None and acquire() is None:
+            if (
+                point is not None
+                and isinstance(cache, SnapshotSlotCache)
+                and cache.pending_snapshot_slot is None
+                and cache.acquire_snapshot_slot() is None
+            ):
                 # No page for the mid-step snapshot: end the step at the point instead, where the live state is
                 # saved at the end of the step (shrinking capacity always succeeds).
                 end = point
@@ -811,17 +875,16 @@ class Scheduler:
         if upto is not None and upto < target:
             target = upto
         if target <= c or not cache.committing:
-            if from_pending:
-                cache.release_ssm_snapshot_slot()  # type: ignore[attr-defined]
+            if from_pending and isinstance(cache, SnapshotSlotCache):
+                cache.release_snapshot_slot()
             return
-        kw: dict[str, Any] = {"ssm_from_pending": True} if from_pending else {}
+        kw: dict[str, Any] = {"snapshot_from_pending": True} if from_pending else {}
         if req.tokens is not None:
-            p = req.prompt_len
-            if target <= p:
-                cache.commit(req.tokens[c:target], **kw)
-            else:
-                seq = (*req.tokens, *req.output_tokens)
-                cache.commit(seq[c:target], **kw)
+            tpb = self.tokens_per_block
+            seq = req.tokens[:target] if target <= req.prompt_len else (*req.tokens, *req.output_tokens)[:target]
+            if target // tpb > c // tpb:
+                kw["block_keys"] = self._sequence_keys(req, seq)[c // tpb : target // tpb]
+            cache.commit(seq[c:target], **kw)
             return
         tpb = self.tokens_per_block
         first = c // tpb

@@ -1,29 +1,18 @@
 """The simulator's model layout and step-time model: what a server's forward step costs.
 
-**Layout** (:class:`ModelSpec`): MLA attention layers (a compressed latent per token), recurrent
-(linear-attention) layers with a fixed-size state per request, and a speculative drafter whose MLA layer is
-appended to the target's KV manager (a DRAFT pool group). :meth:`ModelSpec.kv_layers` turns it into the
-:class:`~kvforge.kvcache.config.LayerSpec` list the real cache managers are built from, so the memory the
-simulator's caches manage is the memory that layout needs. The default, :data:`KIMI_K3_LIKE`, is a guess at a
-Kimi-K3-like hybrid (Kimi-K2-sized MoE, Kimi-Linear-style 3:1 KDA:MLA layers, one MTP drafter layer); other
-layouts are small JSON files (:func:`load_model`).
+* :class:`ModelSpec`: MLA layers (a compressed latent per token), recurrent layers (a fixed-size state per
+  request) and a speculative drafter whose MLA layers join the target's KV manager (a DRAFT pool group).
+  :meth:`ModelSpec.kv_layers` gives the :class:`~kvforge.kvcache.config.LayerSpec` list the real managers are
+  built from. :data:`KIMI_K3_LIKE` (the default) is derived from
+  :data:`kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE`; other layouts are JSON files (:func:`load_model`).
+* :class:`StepTimeModel`: a roofline over one server of ``gpus`` GPUs: ``max(compute, memory) + overhead``, with
+  matmul and MLA-attention FLOPs over their throughputs and the bytes read (weights once per step, every
+  request's latent and recurrent state) over the HBM bandwidth.
+* :class:`Throughputs`: per-GPU peaks read from ``bench/results`` when present, else the ``FALLBACK_*``
+  constants; ``efficiency`` scales them down and ``step_overhead_s`` adds a fixed per-step cost.
 
-**Step time** (:class:`StepTimeModel`): a roofline over one server of ``gpus`` GPUs. A step's time is
-``max(compute, memory) + overhead`` where compute is matmul FLOPs over the matmul throughput plus attention FLOPs
-over the MLA attention throughput, and memory is the bytes read (weights once per real step, every request's
-KV latent and recurrent state) over the HBM bandwidth. Prefill FLOPs follow ``bench/bench_mla_context.py``
-(``2·H·(d_qk + d_v)`` per query-key pair, causal); decode reads each request's whole latent.
-
-**Throughputs** (:class:`Throughputs`) default to the H200 measurements in ``bench/results/``, read at run
-time when the files are there, else to constants equal to those measurements:
-
-* matmul: ``fp8_mm_tflops`` of ``mla_context.csv`` (torch ``_scaled_mm`` FP8 8192³: 1289.6 TFLOP/s),
-* attention: the median TFLOP/s of the ``kvforge fp8`` rows of ``mla_context.csv`` (625.0 TFLOP/s),
-* bandwidth: the ``d2d copy (same bytes)`` row of ``small_copies.csv`` (4096.0 GB/s).
-
-These are per-GPU peaks of single kernels, so simulated step times are optimistic (a lower bound on a real
-engine's); ``efficiency`` scales all three down and ``step_overhead_s`` adds a fixed per-step cost
-(an assumption, not a measurement). Every figure can be overridden on the command line.
+Single-kernel peaks make simulated step times a lower bound on a real engine's. Invalid fields raise
+``TypeError`` / ``ValueError``. Where the default figures come from: ``docs/history.md``.
 """
 
 from __future__ import annotations
@@ -38,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.kvcache.config import DTYPE_BYTES, LayerOwner, LayerSpec, LifeCycle
+from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE as _K3_COST
+from kvforge.kvcache.snapshot_policy import ModelCostSpec
 
 __all__ = [
     "FALLBACK_ATTENTION_TFLOPS",
@@ -51,7 +42,7 @@ __all__ = [
     "load_model",
 ]
 
-# The measured H200 values (bench/results, runs of 2026-11-29 16:10 UTC); used when the CSVs are not beside the package.
+# H200 values from bench/results (see docs/history.md); used when the CSVs are not beside the package.
 FALLBACK_MATMUL_TFLOPS = 1289.6
 FALLBACK_ATTENTION_TFLOPS = 625.0
 FALLBACK_HBM_GBPS = 4096.0
@@ -63,6 +54,10 @@ def _pos(name: str, v: object, *, integer: bool = False, zero_ok: bool = False) 
         raise TypeError(f"{name}: expected {'an int' if integer else 'a number'}, got {v!r}")
     if v < 0 or (v == 0 and not zero_ok):
         raise ValueError(f"{name}: expected a value {'>=' if zero_ok else '>'} 0, got {v!r}")
+
+
+# Bytes per element -> the cache dtype name a ModelCostSpec's kv_dtype_bytes stands for.
+_DTYPE_OF_BYTES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
 
 
 @dataclass(frozen=True)
@@ -79,18 +74,20 @@ class ModelSpec:
     ``draft_acceptance`` given the previous ones were.
     """
 
+    # Layout and prefill-cost defaults come from the project's one model description,
+    # kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE; the MoE and drafter figures below are the simulator's own.
     name: str = "custom"
-    mla_layers: int = 16
-    mla_heads: int = 64
-    mla_qk_dim: int = 192
-    mla_v_dim: int = 128
-    mla_latent_dim: int = 576
-    kv_dtype: str = "bfloat16"
-    recurrent_layers: int = 45
-    recurrent_state_bytes: int = 4_341_760
-    recurrent_flops_per_token: float = 4.0 * 64 * 128 * 128
+    mla_layers: int = len(_K3_COST.attention_layers)
+    mla_heads: int = _K3_COST.attn_heads
+    mla_qk_dim: int = _K3_COST.qk_head_dim
+    mla_v_dim: int = _K3_COST.v_head_dim
+    mla_latent_dim: int = _K3_COST.kv_elements_per_token
+    kv_dtype: str = _DTYPE_OF_BYTES[_K3_COST.kv_dtype_bytes]
+    recurrent_layers: int = len(_K3_COST.recurrent_layers)
+    recurrent_state_bytes: int = _K3_COST.recurrent_state_bytes
+    recurrent_flops_per_token: float = _K3_COST.recurrent_flops_per_token
     total_params: float = 1.0e12
-    active_params: float = 32e9
+    active_params: float = _K3_COST.active_params
     dense_params: float = 12e9
     experts: int = 384
     top_k: int = 8
@@ -185,10 +182,11 @@ class ModelSpec:
         return tuple(out)
 
     @classmethod
-    def from_cost_spec(cls, spec: Any, **fields_: Any) -> ModelSpec:
+    def from_cost_spec(cls, spec: ModelCostSpec, **fields_: Any) -> ModelSpec:
         """The layout of a :class:`kvforge.kvcache.snapshot_policy.ModelCostSpec`, plus ``fields_`` (MoE and
         drafter figures, which it does not describe)."""
-        dtypes = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+        if not isinstance(spec, ModelCostSpec):
+            raise TypeError(f"spec: expected a ModelCostSpec, got {type(spec).__name__}")
         base: dict[str, Any] = {
             "name": spec.name,
             "mla_layers": len(spec.attention_layers),
@@ -196,7 +194,7 @@ class ModelSpec:
             "mla_qk_dim": spec.qk_head_dim,
             "mla_v_dim": spec.v_head_dim,
             "mla_latent_dim": spec.kv_elements_per_token,
-            "kv_dtype": dtypes[spec.kv_dtype_bytes],
+            "kv_dtype": _DTYPE_OF_BYTES[spec.kv_dtype_bytes],
             "recurrent_layers": len(spec.recurrent_layers),
             "recurrent_state_bytes": spec.recurrent_state_bytes,
             "recurrent_flops_per_token": spec.recurrent_flops_per_token,
@@ -205,11 +203,9 @@ class ModelSpec:
         base.update(fields_)
         return cls(**base)
 
-    def to_cost_spec(self) -> Any:
+    def to_cost_spec(self) -> ModelCostSpec:
         """This layout as the :class:`~kvforge.kvcache.snapshot_policy.ModelCostSpec` the cost-aware snapshot
         policy values snapshots with (a hybrid model only: it needs recurrent layers)."""
-        from kvforge.kvcache.snapshot_policy import ModelCostSpec
-
         if not self.is_hybrid:
             raise ValueError(f"{self.name}: a cost spec needs recurrent layers")
         n = self.mla_layers + self.recurrent_layers
@@ -220,7 +216,7 @@ class ModelSpec:
             name=self.name,
             num_layers=n,
             attention_layers=attn,
-            hidden_size=7168,
+            hidden_size=_K3_COST.hidden_size,  # not part of the cost; the simulator does not model it
             active_params=self.active_params,
             kv_elements_per_token=self.mla_latent_dim,
             kv_dtype_bytes=DTYPE_BYTES[self.kv_dtype],
@@ -241,21 +237,11 @@ class ModelSpec:
         return asdict(self)
 
 
-def _kimi_k3_like() -> ModelSpec:
-    """The cache layout and prefill cost of the hybrid manager's own Kimi-K3-like description
-    (:data:`kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE`: 16 MLA + 45 KDA layers, bf16 latent, 4.3 MB of
-    state per KDA layer, ~32e9 active parameters), completed with what the step-time model needs and that
-    description leaves out: a Kimi-K2-sized MoE (1e12 parameters, 384 experts, top-8, FP8 weights, ~12e9
-    dense) and one MTP drafter layer proposing 3 tokens at 70% acceptance each. A guess at the shape, not a
-    published model."""
-    try:
-        from kvforge.kvcache.snapshot_policy import KIMI_K3_LIKE as COST
-    except ImportError:  # an installation without the hybrid manager: the same figures, held here
-        return ModelSpec(name="kimi-k3-like")
-    return ModelSpec.from_cost_spec(COST)
-
-
-KIMI_K3_LIKE = _kimi_k3_like()
+KIMI_K3_LIKE = ModelSpec.from_cost_spec(_K3_COST)
+"""Derived from :data:`kvforge.kvcache.snapshot_policy.KIMI_K3_LIKE` (the cache layout and prefill cost: 16 MLA +
+45 KDA layers, bf16 latent, 4.3 MB of state per KDA layer, ~32e9 active parameters), completed with the
+simulator's defaults for what that description leaves out: a Kimi-K2-sized MoE (1e12 parameters, 384 experts,
+top-8, FP8 weights, ~12e9 dense) and one MTP drafter layer proposing 3 tokens at 70% acceptance each."""
 
 
 def load_model(spec: str | Path | None) -> ModelSpec:
@@ -319,7 +305,7 @@ def _floats(rows: Sequence[dict[str, str]], column: str, **match: str) -> list[f
 
 @dataclass(frozen=True)
 class Throughputs:
-    """Per-GPU throughputs of the step-time model (see the module docstring for where the defaults come from).
+    """Per-GPU throughputs of the step-time model (where the defaults come from: ``docs/history.md``).
     ``source`` says whether they were read from ``bench/results`` or are the fallback constants."""
 
     matmul_tflops: float = FALLBACK_MATMUL_TFLOPS

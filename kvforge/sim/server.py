@@ -142,8 +142,8 @@ def make_cache_manager(
     elif snapshot_policy == "cost-aware":
         from kvforge.kvcache.snapshot_policy import cost_aware_eviction
 
-        # The hit-density snapshot policy with snapshot-aware attention eviction: the pair the snapshot bench
-        # (bench/bench_snapshot_policy.py) measured saving the most prefill compute at every memory size.
+        # The hit-density snapshot policy with snapshot-aware attention eviction: the best pair on the snapshot
+        # bench (bench/bench_snapshot_policy.py; figures in docs/history.md).
         kwargs["eviction_policy"] = cost_aware_eviction(
             model.to_cost_spec(), layout.config.tokens_per_block, aging="hit-density"
         )

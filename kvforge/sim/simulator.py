@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -277,15 +278,15 @@ def simulate(
     if not requests:
         raise SimulationError("workload: no requests")
     prev = -math.inf
-    for r in requests:
-        if not math.isfinite(r.arrival_s):
-            raise SimulationError(f"workload: request {r.request_id} arrives at {r.arrival_s!r}, not a finite time")
-        if r.arrival_s < prev:
+    for sim_req in requests:
+        if not math.isfinite(sim_req.arrival_s):
+            raise SimulationError(f"workload: request {sim_req.request_id} arrives at {sim_req.arrival_s!r}, not a finite time")
+        if sim_req.arrival_s < prev:
             raise SimulationError(
-                f"workload: requests must be sorted by arrival; request {r.request_id} arrives at "
-                f"{r.arrival_s:g} s, before the one ahead of it ({prev:g} s)"
+                f"workload: requests must be sorted by arrival; request {sim_req.request_id} arrives at "
+                f"{sim_req.arrival_s:g} s, before the one ahead of it ({prev:g} s)"
             )
-        prev = r.arrival_s
+        prev = sim_req.arrival_s
     tpb = config.tokens_per_block
     try:
         layout = plan_cache_layout(config.model, int(config.cache_gib * GiB), tpb, config.state_fraction)
@@ -306,6 +307,8 @@ def simulate(
             f"argument --cache-gib: {config.cache_gib:g} GiB per server holds {layout.attention_tokens:,} tokens "
             f"of {config.model.name} KV, but the longest request needs {longest:,}; raise --cache-gib"
         )
+    snapshot_policy = config.snapshot_policy
+    assert snapshot_policy is not None  # SimConfig.__post_init__ resolves None
     server_ids = list(range(config.servers))
     router = make_router(policy, server_ids, tpb, layout.attention_tokens // tpb)
     step_model = StepTimeModel(config.model, config.throughputs)
@@ -318,9 +321,9 @@ def simulate(
     servers: list[SimServer] = []
     clock = [0.0]
     for s in server_ids:
-        sink: Callable[[Any], None] = lambda ev, s=s: router.on_event(s, ev)
+        sink: Callable[[Any], None] = partial(router.on_event, s)
         try:
-            mgr = make_cache_manager(layout, config.model, config.snapshot_policy, sink, lambda: clock[0])
+            mgr = make_cache_manager(layout, config.model, snapshot_policy, sink, lambda: clock[0])
         except ValueError as exc:
             raise SimulationError(str(exc)) from None
         servers.append(
@@ -399,18 +402,20 @@ def simulate(
                 else:
                     sv.busy = False
             else:
-                r = requests[i]
+                arriving = requests[i]
                 i += 1
-                s = router.route(
+                routed = router.route(
                     RouteRequest(
-                        request_id=r.request_id,
-                        block_hashes=r.block_keys,
-                        num_tokens=r.prompt_tokens,
-                        conversation_id=r.conversation_id,
+                        request_id=arriving.request_id,
+                        block_hashes=arriving.block_keys,
+                        num_tokens=arriving.prompt_tokens,
+                        conversation_id=arriving.conversation_id,
                     )
                 )
-                sv = servers[s]  # type: ignore[index]
-                sv.submit(r)
+                assert isinstance(routed, int)  # the server ids are 0..servers-1
+                s = routed
+                sv = servers[s]
+                sv.submit(arriving)
                 if not sv.busy:
                     sv.busy = True
                     b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
@@ -443,7 +448,7 @@ def simulate(
     stats = [sv.scheduler.stats for sv in servers]
     return RunResult(
         policy=policy,
-        snapshot_policy=config.snapshot_policy,
+        snapshot_policy=snapshot_policy,
         requests=n,
         prompt_tokens=prompt,
         output_tokens=output,

@@ -2,8 +2,9 @@
 
 Both yield ``SimRequest``s whose prompts are given as chained block keys at a fixed ``tokens_per_block``
 (the unit the caches and the router work in), so a 12k-request trace never materialises its ~10^8 tokens.
-A block's key depends on its content and on every block before it, exactly like
-``kvforge.kvcache.hashing.block_hashes`` over real tokens.
+A block's key depends on its content and on every block before it: keys come from the one key path,
+:mod:`kvforge.kvcache.hashing` (``chain_payloads`` over a synthetic block's segment pieces, ``keys_from_ids``
+over a trace's ids), under the process's default hasher.
 
 Synthetic content is described as runs of (segment id, offset range); two prompts share a block exactly when
 they hold the same segments at the same offsets up to that block's end, which is what token ids would give.
@@ -12,12 +13,13 @@ they hold the same segments at the same offsets up to that block's end, which is
 from __future__ import annotations
 
 import random
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvforge.kvcache.hashing import scope_root
+from kvforge.kvcache.hashing import default_hasher
 from kvforge.kvcache.replay import (  # noqa: F401  (default_trace_path, TraceFormatError: re-exported)
     TRACE_TOKENS_PER_BLOCK,
     TraceFormatError,
@@ -50,24 +52,23 @@ Runs = list[tuple[int, int]]
 
 
 def keys_from_runs(runs: Sequence[tuple[int, int]], tokens_per_block: int, root: int) -> tuple[int, ...]:
-    """Chained keys of every full block of the concatenated runs."""
-    keys: list[int] = []
-    h = root
-    block: list[tuple[int, int, int]] = []  # (segment, start, end) pieces of the current block
+    """Chained keys of every full block of the concatenated runs (a block's payload: its pieces as
+    (segment, start, end) words)."""
+    payloads: list[bytes] = []
+    block: list[int] = []  # segment, start, end of each piece of the current block
     filled = 0
     for seg, length in runs:
         pos = 0
         while pos < length:
             take = min(length - pos, tokens_per_block - filled)
-            block.append((seg, pos, pos + take))
+            block += (seg, pos, pos + take)
             pos += take
             filled += take
             if filled == tokens_per_block:
-                h = hash((h, tuple(block)))
-                keys.append(h)
+                payloads.append(struct.pack(f"<{len(block)}Q", *block))
                 block = []
                 filled = 0
-    return tuple(keys)
+    return tuple(default_hasher().chain_payloads(root, payloads))
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class SyntheticWorkload:
 
     def requests(self) -> list[SimRequest]:
         rng = random.Random(self.seed)
-        root = scope_root(("synthetic", self.seed))
+        root = default_hasher().root_key(("kvforge.sim.synthetic", self.seed))
         next_seg = iter(range(1, 1 << 62))
         sys_prompts = [(next(next_seg), rng.randint(*self.system_prompt_tokens)) for _ in range(self.system_prompts)]
         out: list[tuple[float, str, Runs, int, str]] = []
@@ -167,19 +168,21 @@ class TraceOrderWarning(UserWarning):
 def load_mooncake_trace(path: str | Path, *, limit: int | None = None) -> list[SimRequest]:
     """Read a Mooncake-format JSONL trace (:func:`kvforge.kvcache.replay.load_trace`) as ``SimRequest``s.
 
-    ``hash_ids`` are chained by prefix in the trace, so they are mapped to block keys as they are (full blocks
-    only); requests have no conversation ids (matching is by prefix). ``limit`` keeps the first ``limit``
-    lines' requests. Requests out of time order are sorted by timestamp (stable: equal times keep file order;
-    request ids stay the file order) and one :class:`TraceOrderWarning` names the first line that went back in
-    time. Raises ``FileNotFoundError``, ``IsADirectoryError`` or ``TraceFormatError`` naming the file and line.
+    ``hash_ids`` are chained by prefix in the trace; each full block's id becomes a block key through
+    :func:`~kvforge.kvcache.hashing.keys_from_ids`. Requests have no conversation ids (matching is by prefix).
+    ``limit`` keeps the first ``limit`` lines' requests. Requests out of time order are sorted by timestamp
+    (stable: equal times keep file order; request ids stay the file order) and one :class:`TraceOrderWarning`
+    names the first line that went back in time. Raises ``FileNotFoundError``, ``IsADirectoryError`` or
+    ``TraceFormatError`` naming the file and line.
     """
+    keys_from_ids = default_hasher().keys_from_ids
     reqs = [
         SimRequest(
             i,
             r.timestamp / 1000.0,
             r.input_length,
             r.output_length,
-            r.hash_ids[: r.input_length // MOONCAKE_BLOCK_TOKENS],
+            tuple(keys_from_ids(r.hash_ids[: r.input_length // MOONCAKE_BLOCK_TOKENS])),
             None,
             "trace",
         )

@@ -1,0 +1,416 @@
+"""Host CPU cost of prefix caching on the Mooncake trace: kvforge vs vLLM's BlockPool vs SGLang's RadixCache.
+
+Every request of the trace (``--trace``, default ``$KVFORGE_TRACE`` or ``shared/data/``; skipped when absent) is
+served in order, one at a time, by each system at each capacity (unlimited; LRU 20,000 blocks), with the garbage
+collector ON. Per request, timed as process CPU time, each system does what its server does for a prompt:
+
+* ``kvforge``: block keys from the trace's ids (:func:`~kvforge.kvcache.hashing.keys_from_ids`), then
+  ``create_cache`` (match + take pages), ``resize``, ``commit`` of the blocks not reused, ``close``.
+  ``kvforge-sha256``: the same with the sha256 hasher.
+* ``vllm`` (its default ``sha256`` prefix-caching hash) and ``vllm-xxhash``: the chained ``hash_block_tokens``
+  per block, the longest run of cached blocks by ``BlockPool.get_cached_block``, ``touch``, ``get_new_blocks``,
+  ``cache_full_blocks``, then ``free_blocks`` in reverse order (as its scheduler frees a finished request).
+* ``sglang``: ``RadixCache.match_prefix`` on the ids (one tree token per block, ``page_size=1``), ``inc_lock_ref``,
+  ``evict`` when its allocator runs short, ``insert`` of the whole key, ``dec_lock_ref``.
+
+The peers run unmodified from their published wheels (``--wheels``, default ``$KVFORGE_PEER_WHEELS`` or
+``/tmp/peer_wheels``; get them with ``pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d /tmp/peer_wheels``):
+only the modules named in ``_VLLM_REAL``/``_SGLANG_REAL`` execute, infrastructure imports are stubbed
+(``bench/_peer_import.py``). Each (system, capacity, repetition) runs in a fresh process that imports all three
+systems first, so every run starts from the same heap. Hit counts must agree exactly with an unlimited cache
+(the same longest-prefix semantics); with LRU eviction they differ by design (vLLM may evict a block whose
+children stay cached; kvforge and SGLang evict leaves) and are reported side by side. Rows go to
+``bench/results/host_cache.csv``, the plot to ``bench/results/host_cache.png``. After building its pools, every
+system's run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and
+SGLang's servers do after start-up (``--no-freeze``: not). Run::
+
+    python bench/bench_host_cache.py [--reps 3] [--systems kvforge,vllm,sglang,...] [--limit N] [--no-save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._peer_import import find_wheel, install, stub_module
+
+TPB = 512
+CAPACITIES: dict[str, int | None] = {"unlimited": None, "lru20k": 20_000}
+SYSTEMS = ("kvforge", "kvforge-sha256", "vllm", "vllm-xxhash", "sglang")
+BASELINE = "vllm"  # ratios are against vLLM with its default hash
+WHEELS_ENV = "KVFORGE_PEER_WHEELS"
+DEFAULT_TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
+
+_VLLM_REAL = ("vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_utils", "vllm.utils.hashing")
+_SGLANG_REAL = (
+    "sglang.srt.mem_cache.radix_cache",
+    "sglang.srt.mem_cache.base_prefix_cache",
+    "sglang.srt.mem_cache.evict_policy",
+    "sglang.srt.mem_cache.utils",
+    "sglang.srt.mem_cache.cache_init_params",
+)
+
+
+def _trace_path(arg: str | None) -> Path | None:
+    if arg:
+        return Path(arg)
+    from kvforge.kvcache.replay import find_trace
+
+    found = find_trace()
+    return found if found is not None else DEFAULT_TRACE
+
+
+def _wheels_dir(arg: str | None) -> Path:
+    return Path(arg or os.environ.get(WHEELS_ENV) or "/tmp/peer_wheels")
+
+
+def _import_peers(wheels: Path) -> tuple[Any, Any]:
+    vllm_whl, sglang_whl = find_wheel(wheels, "vllm"), find_wheel(wheels, "sglang")
+    if vllm_whl is None or sglang_whl is None:
+        raise FileNotFoundError(
+            f"peer wheels not found in {wheels}: pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d {wheels}"
+        )
+    try:
+        import cbor2  # noqa: F401  (vLLM imports it; only its *_cbor hashes use it)
+    except ImportError:
+        stub_module("cbor2")
+    install(
+        vllm_whl,
+        "vllm",
+        _VLLM_REAL,
+        {
+            "vllm.logger": {"init_logger": logging.getLogger},
+            "vllm.envs": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": False},
+            "vllm.utils.math_utils": {"cdiv": lambda a, b: -(a // -b)},
+        },
+    )
+    sgl_overrides = {"sglang.srt.utils.common": {"ceil_align": lambda x, a: -(-x // a) * a}}
+    install(sglang_whl, "sglang", _SGLANG_REAL, sgl_overrides)
+    import sglang.srt.mem_cache.radix_cache as sgl_radix
+    import vllm.v1.core.block_pool as vllm_pool
+
+    return vllm_pool, sgl_radix
+
+
+# --- the systems: each returns a per-request function giving the hit blocks ---------------------------------------
+
+
+def _kvforge(capacity: int, algorithm: str) -> Any:
+    from kvforge.kvcache.config import KVCacheConfig, LayerSpec, TierConfig
+    from kvforge.kvcache.hashing import BlockKeyHasher
+    from kvforge.kvcache.manager import KVCacheManager
+
+    hasher = BlockKeyHasher(algorithm=algorithm)
+    keys_from_ids = hasher.keys_from_ids
+    mgr = KVCacheManager(
+        KVCacheConfig(
+            tokens_per_block=TPB, layers=(LayerSpec(0, bytes_per_token=1),), tiers=(TierConfig(pages=capacity),)
+        )
+    )
+
+    def serve(ids: tuple[int, ...]) -> int:
+        keys = keys_from_ids(ids)
+        cache = mgr.create_cache(block_keys=keys)
+        reused = cache.num_committed_tokens
+        n = len(keys) * TPB
+        if cache.resize(capacity=n, history=n):
+            cache.commit(num_tokens=n - reused, block_keys=keys[reused // TPB :])
+        cache.close()
+        return reused // TPB
+
+    return serve
+
+
+def _vllm(capacity: int, hash_name: str, vllm_pool: Any) -> Any:
+    from vllm.utils import hashing as vh
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = getattr(vh, hash_name)
+    kv_cache_utils.init_none_hash(hash_fn)
+    hash_block_tokens = kv_cache_utils.hash_block_tokens
+    pool = vllm_pool.BlockPool(capacity + 1, True, TPB)  # block 0 is vLLM's null block
+    get_cached = pool.get_cached_block
+    group = [0]
+
+    class _Req:
+        __slots__ = ("block_hashes",)
+
+    def serve(ids: tuple[int, ...]) -> int:
+        parent = None
+        hashes = []
+        for i in ids:
+            parent = hash_block_tokens(hash_fn, parent, (i,), None)
+            hashes.append(parent)
+        hit = []
+        for h in hashes:
+            found = get_cached(h, group)
+            if found is None:
+                break
+            hit.append(found[0])
+        pool.touch(hit)
+        try:
+            new = pool.get_new_blocks(len(hashes) - len(hit))
+        except ValueError:  # longer than the whole pool: counted its hits, caches nothing
+            pool.free_blocks(reversed(hit))
+            return len(hit)
+        blocks = hit + new
+        req = _Req()
+        req.block_hashes = hashes
+        pool.cache_full_blocks(req, blocks, len(hit), len(hashes), TPB, 0)
+        pool.free_blocks(reversed(blocks))
+        return len(hit)
+
+    return serve
+
+
+def _sglang(capacity: int, sgl_radix: Any) -> Any:
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+
+    class _Allocator:
+        """The token-slot free list SGLang's allocator keeps (here a plain list of slot ids)."""
+
+        device = "cpu"
+
+        def __init__(self, n: int) -> None:
+            self.free = list(range(n))
+
+        def alloc(self, n: int) -> Any:
+            out = self.free[-n:] if n else []
+            del self.free[len(self.free) - n :]
+            return torch.tensor(out, dtype=torch.int64)
+
+        def free_segment(self, indices: Any, start_pos: int = 0) -> None:
+            self.free.extend(indices.tolist())
+
+    alloc = _Allocator(capacity)
+    tree = sgl_radix.RadixCache.create_simulated(mock_allocator=alloc)
+    RadixKey = sgl_radix.RadixKey
+
+    def serve(ids: tuple[int, ...]) -> int:
+        key = RadixKey(array("q", ids))
+        m = tree.match_prefix(MatchPrefixParams(key=key))
+        hit = m.device_prefix_len
+        node = m.last_device_node
+        tree.inc_lock_ref(node)
+        need = len(ids) - hit
+        if need > len(alloc.free):
+            tree.evict(EvictParams(num_tokens=need - len(alloc.free)))
+        if need <= len(alloc.free):
+            value = torch.cat([tree.path_device_indices(node), alloc.alloc(need)])
+            tree.insert(InsertParams(key=key, value=value))
+        tree.dec_lock_ref(node)
+        return hit
+
+    return serve
+
+
+# --- one run (child process) ---------------------------------------------------------------------------------------
+
+
+def _run_child(
+    system: str, capacity_name: str, trace: Path, wheels: Path, limit: int | None, freeze: bool
+) -> dict[str, Any]:
+    from kvforge.kvcache.replay import load_trace
+
+    vllm_pool, sgl_radix = _import_peers(wheels)  # every run imports every system: the same heap for all
+    requests = load_trace(trace, limit=limit)
+    cap = CAPACITIES[capacity_name]
+    capacity = sum(len(r.hash_ids) for r in requests) if cap is None else cap
+    if system.startswith("kvforge"):
+        serve = _kvforge(capacity, "sha256" if system.endswith("sha256") else "xxh3_128")
+    elif system.startswith("vllm"):
+        serve = _vllm(capacity, "xxhash" if system.endswith("xxhash") else "sha256", vllm_pool)
+    elif system == "sglang":
+        serve = _sglang(capacity, sgl_radix)
+    else:
+        raise ValueError(f"system: unknown {system!r}")
+    if not gc.isenabled():
+        raise RuntimeError("the garbage collector must be on")
+    if freeze:
+        from kvforge.kvcache.host import freeze_gc
+
+        freeze_gc()
+    gc_ns = [0]
+    gc_counts = [0, 0, 0]
+    gc_start = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[0] = time.process_time_ns()
+        else:
+            gc_ns[0] += time.process_time_ns() - gc_start[0]
+            gc_counts[info["generation"]] += 1
+
+    clock = time.process_time_ns
+    samples = []
+    hit_blocks = hit_tokens = prompt_tokens = 0
+    gc.callbacks.append(on_gc)
+    try:
+        for r in requests:
+            t0 = clock()
+            hit = serve(r.hash_ids)
+            samples.append(clock() - t0)
+            hit_blocks += hit
+            hit_tokens += min(hit * TPB, r.input_length)
+            prompt_tokens += r.input_length
+    finally:
+        gc.callbacks.remove(on_gc)
+    return {
+        "system": system,
+        "capacity": capacity_name,
+        "capacity_blocks": capacity,
+        "requests": len(requests),
+        "samples_ns": samples,
+        "gc_ns": gc_ns[0],
+        "gc_collections": gc_counts,
+        "hit_blocks": hit_blocks,
+        "hit_tokens": hit_tokens,
+        "prompt_tokens": prompt_tokens,
+        "freeze": freeze,
+    }
+
+
+def _stats(samples_ns: list[int]) -> dict[str, float]:
+    s = sorted(samples_ns)
+    return {
+        "median_us": s[len(s) // 2] / 1e3,
+        "mean_us": sum(s) / len(s) / 1e3,
+        "p99_us": s[min(len(s) - 1, int(0.99 * len(s)))] / 1e3,
+        "total_ms": sum(s) / 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=None, help="the Mooncake conversation trace (JSONL)")
+    ap.add_argument("--wheels", default=None, help=f"folder with the vllm and sglang wheels (${WHEELS_ENV})")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--capacities", default=",".join(CAPACITIES))
+    ap.add_argument("--reps", type=int, default=3, help="runs per (system, capacity); the median-total run reports")
+    ap.add_argument("--limit", type=int, default=None, help="first N requests only")
+    ap.add_argument("--no-save", action="store_true", help="print only (no CSV / PNG)")
+    ap.add_argument("--no-freeze", action="store_true", help="no gc.freeze() after building the pools")
+    ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "CAPACITY"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    trace = _trace_path(args.trace)
+    wheels = _wheels_dir(args.wheels)
+    if args.child:
+        print(json.dumps(_run_child(args.child[0], args.child[1], trace, wheels, args.limit, not args.no_freeze)))
+        return 0
+    if trace is None or not trace.is_file():
+        print(f"bench_host_cache: trace not found ({trace}); set --trace or $KVFORGE_TRACE. Skipped.", file=sys.stderr)
+        return 0
+    if find_wheel(wheels, "vllm") is None or find_wheel(wheels, "sglang") is None:
+        print(
+            f"bench_host_cache: peer wheels not in {wheels}. Get them with\n"
+            f"  pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d {wheels}\nSkipped.",
+            file=sys.stderr,
+        )
+        return 0
+    systems = [s for s in args.systems.split(",") if s]
+    caps = [c for c in args.capacities.split(",") if c]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"--systems: unknown {s!r} (expected some of {SYSTEMS})")
+    for c in caps:
+        if c not in CAPACITIES:
+            raise SystemExit(f"--capacities: unknown {c!r} (expected some of {tuple(CAPACITIES)})")
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for rep in range(args.reps):
+        for cap in caps:
+            order = systems if rep % 2 == 0 else systems[::-1]  # alternate, so no system always runs first
+            for system in order:
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--child", system, cap, "--trace", str(trace)]
+                cmd += ["--wheels", str(wheels)] + (["--limit", str(args.limit)] if args.limit else [])
+                cmd += ["--no-freeze"] if args.no_freeze else []
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if out.returncode != 0:
+                    raise SystemExit(f"{system} {cap} failed:\n{out.stderr[-3000:]}")
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.setdefault((system, cap), []).append(res)
+                print(f"  rep {rep} {cap:>9} {system:>15}: {_stats(res['samples_ns'])['total_ms']:9.1f} ms", flush=True)
+    rows = []
+    for cap in caps:
+        chosen: dict[str, dict[str, Any]] = {}
+        for system in systems:
+            reps = sorted(runs[(system, cap)], key=lambda r: sum(r["samples_ns"]))
+            chosen[system] = reps[len(reps) // 2]
+        hits = {s: r["hit_blocks"] for s, r in chosen.items()}
+        if CAPACITIES[cap] is None and len(set(hits.values())) != 1:
+            raise SystemExit(f"hit blocks disagree with an unlimited cache: {hits}")
+        base = _stats(chosen[BASELINE]["samples_ns"])["total_ms"] if BASELINE in chosen else None
+        frozen = "gc.freeze() after start-up" if not args.no_freeze else "no gc.freeze()"
+        print(f"\ncapacity {cap} ({chosen[systems[0]]['capacity_blocks']:,} blocks), GC on, {frozen}, CPU per request:")
+        print(
+            f"{'system':>15} {'median us':>10} {'mean us':>9} {'p99 us':>9} {'total ms':>9} {'gc ms':>7} "
+            f"{'gen2':>5} {'hit blocks':>10} {'hit rate':>8} {'x vllm':>7}"
+        )
+        for system, r in chosen.items():
+            st = _stats(r["samples_ns"])
+            totals = sorted(sum(x["samples_ns"]) / 1e6 for x in runs[(system, cap)])
+            ratio = st["total_ms"] / base if base else float("nan")
+            print(
+                f"{system:>15} {st['median_us']:10.1f} {st['mean_us']:9.1f} {st['p99_us']:9.1f} {st['total_ms']:9.1f} "
+                f"{r['gc_ns'] / 1e6:7.1f} {r['gc_collections'][2]:5d} {r['hit_blocks']:10d} "
+                f"{r['hit_tokens'] / r['prompt_tokens']:8.2%} {ratio:7.2f}"
+            )
+            rows.append(
+                {
+                    "workload": "mooncake_conversation",
+                    "capacity": cap,
+                    "capacity_blocks": r["capacity_blocks"],
+                    "system": system,
+                    "requests": r["requests"],
+                    **{k: round(v, 2) for k, v in st.items()},
+                    "total_ms_all_reps": ";".join(f"{t:.1f}" for t in totals),
+                    "gc_ms": round(r["gc_ns"] / 1e6, 2),
+                    "gc_gen0_1_2": "/".join(map(str, r["gc_collections"])),
+                    "hit_blocks": r["hit_blocks"],
+                    "hit_tokens": r["hit_tokens"],
+                    "hit_rate": round(r["hit_tokens"] / r["prompt_tokens"], 5),
+                    "ratio_to_vllm": round(ratio, 3),
+                    "gc": "on",
+                    "gc_freeze_at_start": r["freeze"],
+                    "cpu": platform.processor() or platform.machine(),
+                    "python": platform.python_version(),
+                    "vllm_wheel": find_wheel(wheels, "vllm").name,  # type: ignore[union-attr]
+                    "sglang_wheel": find_wheel(wheels, "sglang").name,  # type: ignore[union-attr]
+                }
+            )
+    if not args.no_save:
+        from bench._common import RESULTS, append_csv, bar_plot
+
+        print(f"appended to {append_csv('host_cache', rows)}")
+        total = {(r["system"], r["capacity"]): r["total_ms"] for r in rows}
+        series = {s: [total[(s, c)] for c in caps] for s in systems}
+        print(
+            "plot:",
+            bar_plot(
+                RESULTS / "host_cache.png",
+                "Mooncake conversation trace: host CPU time of match + insert per system (GC on)",
+                caps,
+                series,
+                "total CPU ms (12,031 requests)" if args.limit is None else "total CPU ms",
+            ),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

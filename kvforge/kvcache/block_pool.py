@@ -1,0 +1,335 @@
+"""The block pool: every page of every (tier, pool group), the radix tree they belong to, and eviction.
+
+:class:`BlockPool` owns the page-side state of a manager: the pools (free lists, unlocked counts, eviction
+policies), the tree of committed blocks, the LRU clock, the copies the runtime must execute and the block
+events for the router. It knows nothing of requests: a request cache locks and unlocks pages through it.
+
+Page life (see :mod:`~kvforge.kvcache.pools`): ``alloc_page`` hands out a locked page in no block (evicting if
+needed), ``free_page`` takes it back; committed pages are shared with ``lock`` / ``unlock`` (at ref count 0
+an eligible page becomes an eviction candidate); ``evict_one`` moves a candidate a tier down, or drops it from
+its last tier, taking its block out of the tree when the block loses its full-attention page. Every move is
+recorded as a :class:`~kvforge.kvcache.records.PageCopy` (``take_pending_copies``) and every block that leaves
+the tree is announced as :class:`~kvforge.kvcache.events.BlockRemoved` at the next ``flush_events``.
+
+Methods without a leading underscore are the interface of the manager and its caches; none validates its
+arguments (callers are internal). Not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvforge.kvcache.config import KVCacheConfig, PoolGroupSpec, Tier
+from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
+from kvforge.kvcache.hashing import BlockKeyHasher, default_hasher
+from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
+from kvforge.kvcache.radix import RadixTree
+from kvforge.kvcache.records import ManagerStats, PageCopy, check_count
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """Pools per (tier, group), the radix tree, the LRU clock, pending copies and block events.
+
+    ``gpu``: the GPU tier's pools in group-id order; ``tree``: the radix tree; ``clock``: the LRU clock (a page
+    unlocked now gets ``last_used = clock``; callers advance it with :meth:`tick`); ``stats``: shared running
+    totals (the page-side counters are kept here).
+    """
+
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        policy_factory: EvictionPolicyFactory,
+        *,
+        event_sink: EventSink | None = None,
+        stats: ManagerStats | None = None,
+        hasher: BlockKeyHasher | None = None,
+    ) -> None:
+        self.tokens_per_block = config.tokens_per_block
+        self.groups: tuple[PoolGroupSpec, ...] = config.groups
+        self.num_groups = len(self.groups)
+        self.stats = stats if stats is not None else ManagerStats()
+        self._sink = event_sink
+        self._pools: list[list[PagePool]] = []
+        for tier_cfg in config.tiers:
+            t = tier_cfg.tier
+            counts = config.pages_per_group(t)
+            self._pools.append(
+                [
+                    PagePool(
+                        g.group_id, tier_cfg.tier, counts[g.group_id], g.life_cycle, policy_factory(g, tier_cfg.tier)
+                    )
+                    for g in self.groups
+                ]
+            )
+        for tier_pools in self._pools[:-1]:
+            for pool in tier_pools:
+                below = self._pools[pool.tier + 1][pool.group]
+                pool.last = below.capacity == 0
+        self.gpu: list[PagePool] = self._pools[0]
+        self.tree = RadixTree(self.num_groups, default_hasher() if hasher is None else hasher)
+        self.clock = 0
+        self._copies: list[PageCopy] = []
+        self._removed: list[int] = []
+
+    # --- introspection -----------------------------------------------------------------------------------------
+
+    def pool(self, group: int, tier: Tier = Tier.GPU) -> PagePool:
+        """The pages of one pool group in one tier."""
+        if type(group) is not int:
+            raise TypeError(f"group: expected an int pool group id, got {type(group).__name__}")
+        if not isinstance(tier, int) or isinstance(tier, bool):
+            raise TypeError(f"tier: expected a Tier, got {type(tier).__name__}")
+        if tier < 0:
+            raise ValueError(f"tier: expected a Tier, got {tier}")
+        if not 0 <= group < self.num_groups:
+            raise ValueError(f"group: expected a pool group id in [0, {self.num_groups}), got {group}")
+        if tier >= len(self._pools):
+            raise ValueError(f"tier: this manager has no {Tier(tier).name} tier")
+        return self._pools[tier][group]
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(Tier(i) for i in range(len(self._pools)))
+
+    def all_pools(self) -> Iterator[PagePool]:
+        """Every pool, tier by tier, in group-id order."""
+        for tier_pools in self._pools:
+            yield from tier_pools
+
+    def can_allocate(self, pages_per_group: Sequence[int]) -> bool:
+        """Whether that many GPU pages per group (group-id order) can be obtained now (read-only)."""
+        if isinstance(pages_per_group, (str, bytes)) or not isinstance(pages_per_group, Sequence):
+            raise TypeError(f"pages_per_group: expected a sequence of ints, got {type(pages_per_group).__name__}")
+        for i, n in enumerate(pages_per_group):
+            check_count(f"pages_per_group[{i}]", n)
+        if len(pages_per_group) != self.num_groups:
+            raise ValueError(f"pages_per_group: expected {self.num_groups} counts, got {len(pages_per_group)}")
+        return all(n <= pool.num_available for n, pool in zip(pages_per_group, self.gpu))
+
+    def fits(self, need: Sequence[int], taken: Sequence[int]) -> bool:
+        """Whether ``need`` GPU pages per group can be found after ``taken`` unlocked ones per group get locked."""
+        return all(not nd or nd <= pool.num_available - tk for nd, tk, pool in zip(need, taken, self.gpu))
+
+    # --- copies and events -------------------------------------------------------------------------------------
+
+    def record_copy(self, copy: PageCopy) -> None:
+        """Append a copy the runtime must execute before the next forward step."""
+        self._copies.append(copy)
+
+    def take_pending_copies(self) -> list[PageCopy]:
+        """The copies recorded since the last call, in the order the runtime must execute them."""
+        out, self._copies = self._copies, []
+        return out
+
+    @property
+    def num_pending_copies(self) -> int:
+        return len(self._copies)
+
+    @property
+    def pending_removals(self) -> tuple[int, ...]:
+        """Keys of full blocks removed since the last :meth:`flush_events` (not announced yet)."""
+        return tuple(self._removed)
+
+    def flush_events(self) -> None:
+        """Announce the blocks removed since the last call (one BlockRemoved)."""
+        if self._removed:
+            removed, self._removed = tuple(self._removed), []
+            if self._sink is not None:
+                self._sink(BlockRemoved(removed))
+
+    def publish_stored(self, keys: Sequence[int], parent_key: int | None) -> None:
+        """Announce full blocks that entered the tree (one BlockStored), after pending removals."""
+        self.flush_events()
+        if keys and self._sink is not None:
+            self._sink(BlockStored(tuple(keys), parent_key, self.tokens_per_block))
+
+    # --- page bookkeeping ----------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Advance the LRU clock (pages unlocked after this are more recent than those before)."""
+        self.clock += 1
+
+    def eligible(self, page: Page) -> bool:
+        """An unlocked committed page is an eviction candidate: anywhere above the last tier, else if droppable."""
+        return not page.pool.last or not (page.pool.full_attention and page.block.children)  # type: ignore[union-attr]
+
+    def lock(self, page: Page) -> None:
+        if page.ref_count == 0:
+            pool = page.pool
+            pool.n_unlocked -= 1
+            if page.policy_data is not None:
+                pool.policy.discard(page)
+        page.ref_count += 1
+
+    def unlock(self, page: Page) -> None:
+        """Drop one reference to a committed page; at zero it becomes an eviction candidate."""
+        page.ref_count -= 1
+        if page.ref_count == 0:
+            pool = page.pool
+            pool.n_unlocked += 1
+            page.last_used = self.clock
+            if self.eligible(page):
+                pool.policy.add(page)
+
+    def attach(self, page: Page, block: Block, priority: int) -> None:
+        """Put a fresh locked page (a snapshot) into ``block`` at ``priority`` and unlock it."""
+        block.pages[page.pool.group] = page
+        page.block = block
+        page.priority = priority
+        self.unlock(page)
+
+    def free_page(self, page: Page) -> None:
+        """Return a locked page that belongs to no tree block (ref_count 1) to its free list."""
+        if page.block is not None or page.ref_count != 1:
+            raise AssertionError(f"free_page: {page!r} is committed or shared")
+        page.ref_count = 0
+        page.pool.free.append(page)
+
+    def free_committed(self, page: Page) -> None:
+        """Free an unlocked committed page (its block slot is cleared by the caller)."""
+        pool = page.pool
+        if page.ref_count:
+            raise AssertionError(f"free_committed: {page!r} is locked")
+        pool.n_unlocked -= 1
+        if page.policy_data is not None:
+            pool.policy.discard(page)
+        page.block = None
+        pool.free.append(page)
+
+    def alloc_page(self, group: int) -> Page | None:
+        """One GPU page of ``group`` (locked, ref_count 1, in no block), evicting if needed; None if impossible."""
+        pool = self.gpu[group]
+        if not pool.free and not self.evict_one(pool):
+            return None
+        page = pool.free.pop()
+        page.ref_count = 1
+        return page
+
+    def must_alloc(self, group: int) -> Page:
+        """:meth:`alloc_page` where an availability check already promised the page."""
+        page = self.alloc_page(group)
+        if page is None:
+            raise AssertionError(f"group {group}: the availability check promised a page")
+        return page
+
+    def onboard(self, host_page: Page) -> Page:
+        """Replace a locked host page of a tree block by a fresh GPU page holding a copy of it."""
+        gpu = self.must_alloc(host_page.pool.group)
+        block = host_page.block
+        assert block is not None
+        g = host_page.pool.group
+        block.pages[g] = gpu
+        gpu.block = block
+        gpu.priority = host_page.priority
+        gpu.ref_count = host_page.ref_count
+        self._copies.append(PageCopy(g, host_page.pool.tier, host_page.index, Tier.GPU, gpu.index))
+        host_page.ref_count = 0
+        host_page.block = None
+        host_page.pool.free.append(host_page)
+        self.stats.onboarded_pages += 1
+        return gpu
+
+    # --- eviction ------------------------------------------------------------------------------------------------
+
+    def evict(self, group: int, num_pages: int, tier: Tier = Tier.GPU) -> int:
+        """Reclaim up to ``num_pages`` unlocked pages of ``group`` in ``tier`` (moved down or dropped) into the
+        free list. Returns how many were reclaimed. Locked pages are never touched."""
+        check_count("num_pages", num_pages)
+        pool = self.pool(group, tier)
+        done = 0
+        while done < num_pages and pool.n_unlocked and self.evict_one(pool):
+            done += 1
+        self.flush_events()
+        return done
+
+    def evict_one(self, pool: PagePool) -> bool:
+        """Turn one unlocked page of ``pool`` into a free one: move it a tier down, else drop it."""
+        victim = pool.policy.pop_victim()
+        if victim is None:
+            return False
+        if not pool.last:
+            below = self._pools[pool.tier + 1][pool.group]
+            room = bool(below.free)
+            if not room:
+                # Pinned while the tier below makes room: dropping a block there may make this victim's block
+                # a leaf again, and that cascade must not put the victim back into the policy.
+                victim.ref_count += 1
+                room = self.evict_one(below)
+                victim.ref_count -= 1
+            if room:
+                self._move(victim, below.free.pop())
+                return True
+            if pool.full_attention and victim.block.children:  # type: ignore[union-attr]
+                # No room below and the victim holds descendants up: drop a leaf instead (one always exists
+                # among the unlocked pages, since a locked leaf would lock its whole path).
+                pool.policy.add(victim)
+                victim = pool.policy.pop_victim(lambda p: not p.block.children)  # type: ignore[union-attr]
+                if victim is None:
+                    return False
+        self.drop(victim)
+        return True
+
+    def _move(self, src: Page, dst: Page) -> None:
+        block = src.block
+        assert block is not None
+        g = src.pool.group
+        block.pages[g] = dst
+        dst.block = block
+        dst.priority = src.priority
+        dst.last_used = src.last_used
+        self._copies.append(PageCopy(g, src.pool.tier, src.index, dst.pool.tier, dst.index))
+        src.pool.n_unlocked -= 1
+        src.block = None
+        src.pool.free.append(src)
+        dst.pool.n_unlocked += 1
+        if self.eligible(dst):
+            dst.pool.policy.add(dst)
+        if dst.pool.tier > src.pool.tier:
+            self.stats.offloaded_pages += 1
+        else:
+            self.stats.onboarded_pages += 1
+
+    def drop(self, page: Page) -> None:
+        """Drop an unlocked page from the last tier it lives in; a full-attention page takes its block along."""
+        block = page.block
+        assert block is not None
+        self.stats.dropped_pages += 1
+        if page.pool.full_attention:
+            self.remove_block(block)
+            return
+        block.pages[page.pool.group] = None
+        self.free_committed(page)
+        if not block.children and all(p is None for p in block.pages):
+            self.remove_block(block)
+
+    def remove_block(self, block: Block) -> None:
+        """Take a block (and then every ancestor left without pages or children) out of the tree."""
+        while True:
+            for g, p in enumerate(block.pages):
+                if p is not None:
+                    block.pages[g] = None
+                    self.free_committed(p)
+            parent = block.parent
+            assert parent is not None
+            del parent.children[block.key]
+            self.tree.num_blocks -= 1
+            self.stats.removed_blocks += 1
+            if block.num_tokens == self.tokens_per_block:
+                self._removed.append(block.key)
+            if parent.parent is None or parent.children:
+                return
+            if any(p is not None for p in parent.pages):
+                break
+            block = parent
+        for p in parent.pages:
+            # The last child is gone: the parent's full-attention pages in their last tier may now be dropped.
+            if p is not None and p.ref_count == 0 and p.policy_data is None and self.eligible(p):
+                p.pool.policy.add(p)
+
+    def gain_child(self, parent: Block) -> None:
+        """``parent`` (not a root) gets its first child: its last-tier full-attention pages stop being droppable."""
+        for p in parent.pages:
+            if p is not None and p.policy_data is not None and p.pool.last and p.pool.full_attention:
+                p.pool.policy.discard(p)

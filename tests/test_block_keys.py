@@ -1,0 +1,221 @@
+"""Block keys (kvforge.kvcache.hashing): collision-safe identity, validation, salts, one chain for every caller."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvforge.kvcache import hashing
+from kvforge.kvcache.hashing import KEY_LIMIT, TOKEN_ID_LIMIT, BlockKeyHasher, check_block_keys, token_array
+
+SALT = bytes(range(16))
+
+
+@pytest.fixture(params=["xxh3_128", "sha256"])
+def hasher(request: pytest.FixtureRequest) -> BlockKeyHasher:
+    return BlockKeyHasher(SALT, algorithm=request.param)
+
+
+def test_keys_are_128_bit_ints_one_per_full_block(hasher: BlockKeyHasher) -> None:
+    keys = hasher.block_keys(list(range(10)), 4)
+    assert len(keys) == 2  # the trailing 2 tokens form no full block
+    assert all(type(k) is int and 0 <= k < KEY_LIMIT for k in keys)
+    assert len(set(keys)) == 2
+    assert hasher.block_keys(list(range(3)), 4) == []
+
+
+def test_builtin_hash_collisions_give_distinct_keys(hasher: BlockKeyHasher) -> None:
+    # Python's hash: hash(-1) == hash(-2), and ints congruent mod 2**61 - 1 hash alike. The first is now refused
+    # (negative ids), the second is out of the id range; in-range lookalikes never share a key.
+    assert hash(-1) == hash(-2)
+    with pytest.raises(ValueError, match=r"tokens\[0\].*\[0, 4294967296\)"):
+        hasher.block_keys([-1] * 4, 4)
+    with pytest.raises(ValueError, match=r"tokens\[1\]"):
+        hasher.block_keys([5, 5 + (2**61 - 1)], 2)
+    assert hasher.block_keys([1] * 8, 4) != hasher.block_keys([2] * 8, 4)
+    a, b = hasher.block_keys([0, 1, 2, 3], 4), hasher.block_keys([1, 0, 2, 3], 4)
+    assert a != b
+
+
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        ([1, True, 3], TypeError),
+        ([1, False], TypeError),
+        ([1.0, 2], TypeError),
+        ([np.float64(1.0)], TypeError),
+        ([np.float32(1.0)], TypeError),
+        (["1"], TypeError),
+        ([None], TypeError),
+        ([object()], TypeError),
+        ([np.bool_(True)], TypeError),
+        ([-1], ValueError),
+        ([TOKEN_ID_LIMIT], ValueError),
+        ([2**70], ValueError),
+        ("abcd", TypeError),
+        (b"abcd", TypeError),
+        ({1, 2}, TypeError),
+        (np.array([1.0, 2.0]), TypeError),
+        (np.array([True, False]), TypeError),
+        (np.array([[1, 2]]), ValueError),
+        (np.array([1, -3]), ValueError),
+        (np.array([1, 2**33], dtype=np.int64), ValueError),
+        (np.array([1, 2], dtype=object), TypeError),
+    ],
+)
+def test_bad_tokens_are_refused_naming_the_argument(hasher: BlockKeyHasher, bad: object, exc: type) -> None:
+    with pytest.raises(exc, match="tokens"):
+        hasher.block_keys(bad, 1)  # type: ignore[arg-type]
+
+
+def test_true_and_float_never_match_int(hasher: BlockKeyHasher) -> None:
+    for lookalike in ([True, 2], [1.0, 2]):
+        with pytest.raises(TypeError):
+            hasher.block_keys(lookalike, 2)
+
+
+def test_numpy_and_list_inputs_agree(hasher: BlockKeyHasher) -> None:
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 200_000, size=1000)
+    ref = hasher.block_keys(toks.tolist(), 16)
+    for arr in (toks, toks.astype(np.int32), toks.astype(np.uint32), toks.astype(np.uint64), toks[::-1][::-1]):
+        assert hasher.block_keys(arr, 16) == ref
+    assert hasher.block_keys(tuple(toks.tolist()), 16) == ref
+    assert hasher.block_keys([np.int64(t) for t in toks], 16) == ref
+
+
+def test_chain_continues_from_a_parent_key(hasher: BlockKeyHasher) -> None:
+    toks = list(range(100, 164))
+    full = hasher.block_keys(toks, 8)
+    head = hasher.block_keys(toks[:24], 8)
+    tail = hasher.block_keys(toks[24:], 8, parent=head[-1])
+    assert head + tail == full
+    with pytest.raises(ValueError, match="parent"):
+        hasher.block_keys(toks, 8, "scope", parent=head[-1])
+    for bad in (True, -1, KEY_LIMIT, 1.0, b"x" * 16):
+        with pytest.raises((TypeError, ValueError), match="parent"):
+            hasher.block_keys(toks, 8, parent=bad)  # type: ignore[arg-type]
+
+
+def test_salts_scopes_and_cache_salts_separate_chains() -> None:
+    toks = list(range(32))
+    a, b = BlockKeyHasher(SALT), BlockKeyHasher(bytes(16))
+    assert a.block_keys(toks, 8) == BlockKeyHasher(SALT).block_keys(toks, 8)  # deterministic under one salt
+    assert set(a.block_keys(toks, 8)).isdisjoint(b.block_keys(toks, 8))
+    assert set(a.block_keys(toks, 8)).isdisjoint(BlockKeyHasher(SALT, algorithm="sha256").block_keys(toks, 8))
+    variants = [
+        a.block_keys(toks, 8),
+        a.block_keys(toks, 8, scope=1),
+        a.block_keys(toks, 8, scope=True),
+        a.block_keys(toks, 8, scope="1"),
+        a.block_keys(toks, 8, scope=(1,)),
+        a.block_keys(toks, 8, scope=("lora", 3)),
+        a.block_keys(toks, 8, cache_salt="tenant-a"),
+        a.block_keys(toks, 8, cache_salt="tenant-b"),
+        a.block_keys(toks, 8, scope=("lora", 3), cache_salt="tenant-a"),
+    ]
+    flat = [k for v in variants for k in v]
+    assert len(set(flat)) == len(flat)  # no block of one tenant/scope matches another's
+    assert a.block_keys(toks, 8, cache_salt="t") == a.block_keys(toks, 8, cache_salt=b"t")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        ({"scope": 1.5}, TypeError),
+        ({"scope": [1]}, TypeError),
+        ({"scope": object()}, TypeError),
+        ({"cache_salt": ""}, ValueError),
+        ({"cache_salt": 3}, TypeError),
+    ],
+)
+def test_bad_scope_or_cache_salt(kwargs: dict, exc: type) -> None:
+    with pytest.raises(exc, match=r"scope|cache_salt"):
+        BlockKeyHasher(SALT).block_keys([1, 2], 1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, exc",
+    [
+        (("short",), {}, TypeError),
+        ((b"short",), {}, ValueError),
+        ((SALT,), {"algorithm": "md5"}, ValueError),
+        ((SALT,), {"vocab_size": 0}, ValueError),
+        ((SALT,), {"vocab_size": 2**33}, ValueError),
+        ((SALT,), {"vocab_size": 1.0}, TypeError),
+    ],
+)
+def test_bad_hasher_arguments(args: tuple, kwargs: dict, exc: type) -> None:
+    with pytest.raises(exc):
+        BlockKeyHasher(*args, **kwargs)
+
+
+def test_vocab_size_bound() -> None:
+    h = BlockKeyHasher(SALT, vocab_size=1000)
+    assert len(h.block_keys([999, 0], 1)) == 2
+    with pytest.raises(ValueError, match=r"tokens\[1\].*\[0, 1000\)"):
+        h.block_keys([1, 1000], 1)
+    with pytest.raises(ValueError, match="1000"):
+        h.block_keys(np.array([1, 1000]), 1)
+
+
+@pytest.mark.parametrize("tpb", [0, -1, True, 1.0, None])
+def test_bad_tokens_per_block(tpb: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="tokens_per_block"):
+        BlockKeyHasher(SALT).block_keys([1, 2], tpb)  # type: ignore[arg-type]
+
+
+def test_check_block_keys() -> None:
+    assert check_block_keys([0, 5, KEY_LIMIT - 1]) == (0, 5, KEY_LIMIT - 1)
+    assert check_block_keys(()) == ()
+    for bad, exc in (
+        ([1, True], TypeError),
+        ([1.0], TypeError),
+        (["a"], TypeError),
+        ([None], TypeError),
+        ([np.int64(3)], TypeError),
+        ([-1], ValueError),
+        ([KEY_LIMIT], ValueError),
+        ("abc", TypeError),
+        (b"abc", TypeError),
+        (5, TypeError),
+    ):
+        with pytest.raises(exc, match="block_keys"):
+            check_block_keys(bad)
+
+
+def test_keys_from_ids_chain_and_domain() -> None:
+    h = BlockKeyHasher(SALT)
+    k1 = h.keys_from_ids([0, 1, 2])
+    k2 = h.keys_from_ids([0, 1, 3])
+    assert k1[:2] == k2[:2] and k1[2] != k2[2]
+    assert h.keys_from_ids([5, 1, 2])[1:] != k1[1:]  # chained: a different first id changes every key after it
+    assert set(k1).isdisjoint(h.block_keys([0, 0, 1, 0, 2, 0], 2))  # its own domain
+    assert h.keys_from_ids([]) == []
+    for bad in ([True], [1.5], [-1], [2**64], "ab"):
+        with pytest.raises((TypeError, ValueError), match="ids"):
+            h.keys_from_ids(bad)  # type: ignore[arg-type]
+
+
+def test_token_array_returns_uint32_view() -> None:
+    out = token_array([1, 2, 3])
+    assert out.dtype == np.dtype("<u4") and out.tolist() == [1, 2, 3]
+    src = np.arange(5, dtype="<u4")
+    assert token_array(src) is src or np.shares_memory(token_array(src), src)
+
+
+def test_default_hasher_is_random_per_process_unless_salted(tmp_path) -> None:
+    code = "from kvforge.kvcache.hashing import block_keys; print(block_keys([1, 2, 3, 4], 2))"
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in (0, 1)]
+    assert runs[0].stdout != runs[1].stdout
+    env_salt = {"KVFORGE_BLOCK_KEY_SALT": SALT.hex(), "PYTHONPATH": ":".join(sys.path)}
+    salted = [
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env_salt)
+        for _ in (0, 1)
+    ]
+    assert salted[0].stdout == salted[1].stdout
+    assert salted[0].stdout.strip() == str(BlockKeyHasher(SALT).block_keys([1, 2, 3, 4], 2))
+    assert hashing.default_hasher() is hashing.default_hasher()
