@@ -280,7 +280,9 @@ def simulate(
     prev = -math.inf
     for sim_req in requests:
         if not math.isfinite(sim_req.arrival_s):
-            raise SimulationError(f"workload: request {sim_req.request_id} arrives at {sim_req.arrival_s!r}, not a finite time")
+            raise SimulationError(
+                f"workload: request {sim_req.request_id} arrives at {sim_req.arrival_s!r}, not a finite time"
+            )
         if sim_req.arrival_s < prev:
             raise SimulationError(
                 f"workload: requests must be sorted by arrival; request {sim_req.request_id} arrives at "
