@@ -51,19 +51,17 @@ class BadRequest(ValueError):
     """A client's request body is not a valid OpenAI request (the message names the field)."""
 
 
-# ---------------------------------------------------------------- keys (point these at hashing.py)
+# ---------------------------------------------------------------- keys (kvforge.kvcache.hashing, salted 128-bit)
 
 
 def root_key(scope: Hashable | None = None) -> BlockKey:
     """The parent of every chain's first block under ``scope``."""
-    return hashing.scope_root(scope)
+    return hashing.root_key(scope)
 
 
 def chain_keys(parent: BlockKey, tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
     """Keys of the full blocks of ``tokens``, chained from ``parent`` (a trailing partial block has none)."""
-    n_blocks = len(tokens) // tokens_per_block
-    out: list[BlockKey] = list(hashing.chain_hashes(parent, tokens, 0, n_blocks, tokens_per_block))  # type: ignore[arg-type]
-    return out
+    return hashing.block_keys(tokens, tokens_per_block, parent=parent)
 
 
 def block_keys_from_tokens(tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
@@ -315,18 +313,18 @@ def loads(router: Any) -> dict[Hashable, float]:
 def stored_event(keys: Sequence[BlockKey], parent: BlockKey | None, tokens_per_block: int) -> Any:
     from kvforge.kvcache.events import BlockStored
 
-    return BlockStored(block_hashes=tuple(keys), parent_hash=parent, tokens_per_block=tokens_per_block)  # type: ignore[arg-type]
+    return BlockStored(block_keys=tuple(keys), parent_key=parent, tokens_per_block=tokens_per_block)  # type: ignore[arg-type]
 
 
 def event_keys(event: Any) -> list[BlockKey]:
     """The block keys a ``kvforge.kvcache.events`` BlockStored / BlockRemoved carries."""
-    return list(event.block_hashes)
+    return list(event.block_keys)
 
 
 def removed_event(keys: Sequence[BlockKey]) -> Any:
     from kvforge.kvcache.events import BlockRemoved
 
-    return BlockRemoved(block_hashes=tuple(keys))  # type: ignore[arg-type]
+    return BlockRemoved(block_keys=tuple(keys))  # type: ignore[arg-type]
 
 
 def cleared_event() -> Any:

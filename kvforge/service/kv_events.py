@@ -193,6 +193,16 @@ def encode_batch(
     return _encoder.encode(EventBatch(time.time() if ts is None else ts, evs, data_parallel_rank))
 
 
+def _wire_hash(key: object) -> EngineHash:
+    """A kvforge block key as vLLM's wire carries a hash: msgpack ints stop at 64 bits, so a 128-bit key travels
+    as 16 big-endian bytes (vLLM's sha256 hashes are bytes too); a subscriber treats either as opaque."""
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key if key < 1 << 64 else key.to_bytes(16, "big")
+    if isinstance(key, bytes):
+        return key
+    raise TypeError(f"block key: expected a non-negative int or bytes, got {type(key).__name__}")
+
+
 def from_kvforge_event(
     event: Any, token_ids: Sequence[int] | None = None, *, medium: str | None = "GPU"
 ) -> KVWireEvent:
@@ -204,14 +214,15 @@ def from_kvforge_event(
     from kvforge.kvcache import events as kv
 
     if isinstance(event, kv.BlockStored):
-        keys: list[EngineHash] = _keys.event_keys(event)  # type: ignore[assignment]
+        keys = [_wire_hash(k) for k in _keys.event_keys(event)]
         if token_ids is None:
             raise ValueError("token_ids: required to publish a BlockStored (the wire carries the blocks' tokens)")
-        ev = BlockStored(keys, event.parent_hash, list(token_ids), event.tokens_per_block, None, medium, None)
+        parent = None if event.parent_key is None else _wire_hash(event.parent_key)
+        ev = BlockStored(keys, parent, list(token_ids), event.tokens_per_block, None, medium, None)
         _check_stored(ev)
         return ev
     if isinstance(event, kv.BlockRemoved):
-        return BlockRemoved(_keys.event_keys(event), medium)  # type: ignore[arg-type]
+        return BlockRemoved([_wire_hash(k) for k in _keys.event_keys(event)], medium)
     if isinstance(event, kv.AllBlocksCleared):
         return AllBlocksCleared()
     raise TypeError(
