@@ -61,7 +61,7 @@ def root_key(scope: Hashable | None = None) -> BlockKey:
 
 def chain_keys(parent: BlockKey, tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
     """Keys of the full blocks of ``tokens``, chained from ``parent`` (a trailing partial block has none)."""
-    return hashing.block_keys(tokens, tokens_per_block, parent=parent)
+    return list(hashing.block_keys(tokens, tokens_per_block, parent=parent))  # type: ignore[arg-type]
 
 
 def block_keys_from_tokens(tokens: Sequence[int], tokens_per_block: int) -> list[BlockKey]:
