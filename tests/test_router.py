@@ -128,13 +128,13 @@ def test_guard_validates_itself():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "name"),
     [
-        ({}, ValueError, "token_ids, text or block_hashes"),
-        ({"block_hashes": [1, 2]}, ValueError, "num_tokens"),
+        ({}, ValueError, "token_ids, text or block_keys"),
+        ({"block_keys": [1, 2]}, ValueError, "num_tokens"),
         ({"token_ids": [1], "text": "x"}, ValueError, "not both"),
         ({"token_ids": [1], "conversation_id": 7}, TypeError, "conversation_id"),
         ({"token_ids": [1], "conversation_id": ""}, ValueError, "conversation_id"),
         ({"text": b"bytes"}, TypeError, "text"),
-        ({"block_hashes": [1], "num_tokens": -1}, ValueError, "num_tokens"),
+        ({"block_keys": [1], "num_tokens": -1}, ValueError, "num_tokens"),
     ],
 )
 def test_request_validation(kwargs, exc, name):
@@ -190,10 +190,13 @@ def test_no_match_goes_to_the_least_loaded_server():
     assert r.route(RouteRequest("new", token_ids=toks(9, 40))) == "b"
 
 
-def _shared_preamble_router(mode: str, holders: int) -> tuple[ConversationRouter, list[int], str]:
-    """``holders`` conversations share a 4-block preamble; returns the router, the preamble and the server
-    of the latest holder (which is then made the busiest)."""
+def _shared_preamble_router(mode: str, holders: int, others: int = 0) -> tuple[ConversationRouter, list[int], str]:
+    """``holders`` conversations share a 4-block preamble (after ``others`` unrelated ones); returns the router,
+    the preamble and the server of the latest holder (which is then made the busiest)."""
     r = make(new_conversation_follow=mode, specific_max_conversations=4)
+    for i in range(others):
+        r.route(RouteRequest(f"o{i}", token_ids=toks(500 + i, 2 * TPB), conversation_id=f"o{i}"))
+        r.finish(f"o{i}")
     pre = toks(100, 4 * TPB)
     last = None
     for i in range(holders):
@@ -212,15 +215,26 @@ def test_prefix_specific_to_few_conversations_is_followed_in_both_modes(mode):
     assert r.stats.followed == followed + 1
 
 
-def test_shared_preamble_spreads_in_specific_mode_and_is_followed_in_always_mode():
-    r, pre, last = _shared_preamble_router("specific", holders=5)  # 5 > specific_max_conversations
+def test_shared_preamble_spreads_in_specific_mode_and_is_followed_in_always_mode_unless_common():
+    # 5 holders among 20 sessions: more than specific_max_conversations, less than one server's share (1/3).
+    r, pre, last = _shared_preamble_router("specific", holders=5, others=15)
     followed = r.stats.followed
     assert r.route(RouteRequest("n", token_ids=pre + toks(300, TPB), conversation_id="new")) != last
     assert r.stats.followed == followed
-    r, pre, last = _shared_preamble_router("always", holders=5)
+    r, pre, last = _shared_preamble_router("always", holders=5, others=15)
     followed = r.stats.followed
     assert r.route(RouteRequest("n", token_ids=pre + toks(300, TPB), conversation_id="new")) == last
     assert r.stats.followed == followed + 1
+
+
+@pytest.mark.parametrize("mode", ["specific", "always"])
+def test_preamble_in_every_session_is_common_and_spreads_in_both_modes(mode):
+    # Every session holds the preamble (and more than specific_max_conversations do): following it would
+    # send every new conversation after the latest one, the load collapse of issue 17 section 3.
+    r, pre, last = _shared_preamble_router(mode, holders=6)
+    followed = r.stats.followed
+    assert r.route(RouteRequest("n", token_ids=pre + toks(300, TPB), conversation_id="new")) != last
+    assert r.stats.followed == followed
 
 
 def test_min_match_blocks_gates_following():
@@ -306,7 +320,7 @@ def test_routing_key_carries_conversation_and_tokens():
     key = r.routing_key(RouteRequest("q", token_ids=toks(1, 296), conversation_id="t::sa:a"))
     assert key.conversation_id == "t::sa:a"
     assert key.num_tokens == 296
-    assert key.block_hashes == tuple(block_hashes(toks(1, 296), TPB))
+    assert key.block_keys == tuple(block_hashes(toks(1, 296), TPB))
     assert RoutingKey.from_mapping(key.as_dict()) == key
 
 

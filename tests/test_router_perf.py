@@ -41,7 +41,7 @@ def conv_hashes(i: int) -> tuple[int, ...]:
 def full_router(request: pytest.FixtureRequest) -> ConversationRouter:
     r = ConversationRouter(SERVERS, max_sessions=SESSIONS, **CONFIGS[request.param])
     for i in range(SESSIONS):
-        r.route(RouteRequest(i, block_hashes=conv_hashes(i), num_tokens=BLOCKS * TPB, conversation_id=f"c{i}"))
+        r.route(RouteRequest(i, block_keys=conv_hashes(i), num_tokens=BLOCKS * TPB, conversation_id=f"c{i}"))
         r.finish(i)
     assert r.num_sessions() == SESSIONS
     return r
@@ -76,7 +76,7 @@ def test_route_known_conversation(benchmark, full_router):
     def make(k: int) -> RouteRequest:
         i = rng.randrange(SESSIONS)
         hashes = (*conv_hashes(i), hash(("turn", i, k)))
-        return RouteRequest(("known", k), block_hashes=hashes, num_tokens=(BLOCKS + 1) * TPB, conversation_id=f"c{i}")
+        return RouteRequest(("known", k), block_keys=hashes, num_tokens=(BLOCKS + 1) * TPB, conversation_id=f"c{i}")
 
     drv = _Driver(full_router, make)
     homes = {}

@@ -159,16 +159,24 @@ def test_prefix_index_lru_capacity_evicts_the_least_recent():
 
 def test_trie_reference_counts():
     trie = BlockTrie()
-    trie.add([1, 2, 3], owner="x", server=0)
-    trie.add([1, 2], owner="y", server=1)
+    trie.add([1, 2, 3], owner=7, server=0)
+    trie.add([1, 2], owner=8, server=1)
     assert trie.match([1, 2, 3, 4]) == 3
-    assert trie.node(1).refs == 2 and trie.node(1).owner == "y"
+    assert trie.node(1) == (2, 8, 1) and trie.node(3) == (1, 7, 0)
     trie.remove([1, 2, 3])
     assert len(trie) == 2 and trie.node(3) is None
     trie.remove([1, 2])
     assert len(trie) == 0
     with pytest.raises(KeyError):
         trie.remove([1])
+    trie.add([5, 5, 6], owner=1, server=0)  # a repeated key counts once per position
+    with pytest.raises(KeyError):
+        trie.remove([5, 5, 5, 6])  # checked before anything changes
+    assert trie.refs(5) == 2 and trie.refs(6) == 1
+    with pytest.raises(ValueError, match="owner"):
+        trie.add([1], owner="x", server=0)
+    with pytest.raises(ValueError, match="server"):
+        trie.add([1], owner=1, server=-1)
 
 
 def test_ledger_reserve_release_expire():

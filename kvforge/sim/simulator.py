@@ -311,7 +311,7 @@ def simulate(
                 s = router.route(
                     RouteRequest(
                         request_id=r.request_id,
-                        block_hashes=r.block_keys,
+                        block_keys=r.block_keys,
                         num_tokens=r.prompt_tokens,
                         conversation_id=r.conversation_id,
                     )
