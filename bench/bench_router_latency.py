@@ -4,7 +4,8 @@
 
 The table is filled with ``--sessions`` conversations of 8 blocks (explicit ids; with cache events, each
 server's ``BlockStored`` events for its conversations too). Then, per configuration, three paths are timed one
-decision at a time with ``perf_counter_ns`` around ``route`` (its ``finish`` follows, timed apart):
+decision at a time around ``route`` (its ``finish`` follows, timed apart), in wall time (``perf_counter_ns``)
+and in this thread's CPU time (``thread_time_ns``, which a busy machine's preemptions do not inflate):
 
 - ``known``: a conversation's next turn with its id (one block more than before);
 - ``known-no-id``: the same without the id (the implicit match through the trie);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import sys
 import time
@@ -91,25 +93,31 @@ def fill(name: str, sessions: int, seed: int) -> tuple[ConversationRouter, list[
 
 def time_path(
     router: ConversationRouter, make: Callable[[int], RouteRequest], decisions: int
-) -> tuple[list[float], list[float], _GcCounter]:
+) -> tuple[list[float], list[float], list[float], _GcCounter]:
+    """Per decision: wall µs of ``route``, this thread's CPU µs of ``route``, wall µs of ``finish``."""
     counter = _GcCounter()
     gc.callbacks.append(counter)
-    route_ns: list[float] = []
-    finish_ns: list[float] = []
+    wall: list[float] = []
+    cpu: list[float] = []
+    finish: list[float] = []
     clock = time.perf_counter_ns
+    cpu_clock = time.thread_time_ns
     try:
         for k in range(decisions):
             req = make(k)
+            c0 = cpu_clock()
             t0 = clock()
             router.route(req)
             t1 = clock()
+            c1 = cpu_clock()
             router.finish(req.request_id)
             t2 = clock()
-            route_ns.append((t1 - t0) / 1000.0)
-            finish_ns.append((t2 - t1) / 1000.0)
+            wall.append((t1 - t0) / 1000.0)
+            cpu.append((c1 - c0) / 1000.0)
+            finish.append((t2 - t1) / 1000.0)
     finally:
         gc.callbacks.remove(counter)
-    return route_ns, finish_ns, counter
+    return wall, cpu, finish, counter
 
 
 def summarise(us: Sequence[float]) -> dict[str, float]:
@@ -147,12 +155,14 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
     ]
     rows = []
     for path, make in paths:
-        route_us, finish_us, gcs = time_path(router, make, decisions)
+        route_us, cpu_us, finish_us, gcs = time_path(router, make, decisions)
         st = summarise(route_us)
+        cp = summarise(cpu_us)
         fin = summarise(finish_us)
         print(
             f"{name:<26}{path:<13}{st['median_us']:>8.1f}{st['mean_us']:>8.1f}{st['p99_us']:>8.1f}"
-            f"{st['max_us']:>9.0f}{st['mean_over_median']:>9.2f}{gcs.full:>6}"
+            f"{st['max_us']:>9.0f}{st['mean_over_median']:>9.2f}   |{cp['median_us']:>8.1f}{cp['mean_us']:>8.1f}"
+            f"{cp['p99_us']:>8.1f}{cp['max_us']:>9.0f}{cp['mean_over_median']:>9.2f}{gcs.full:>6}{gcs.young:>7}"
         )
         rows.append(
             {
@@ -164,6 +174,7 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
                 "gc": "on",
                 "gc_freeze": freeze,
                 **{k: round(v, 3) for k, v in st.items()},
+                **{f"cpu_{k}": round(v, 3) for k, v in cp.items()},
                 "finish_median_us": round(fin["median_us"], 3),
                 "finish_mean_us": round(fin["mean_us"], 3),
                 "finish_p99_us": round(fin["p99_us"], 3),
@@ -190,7 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--sessions and --decisions: expected positive counts")
     gc.enable()
     print(f"python {sys.version.split()[0]}, gc thresholds {gc.get_threshold()}, freeze={args.freeze}")
-    print(f"{'config':<26}{'path':<13}{'median':>8}{'mean':>8}{'p99':>8}{'max':>9}{'mean/med':>9}{'gen2':>6}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall time includes preemption)")
+    stats = f"{'median':>8}{'mean':>8}{'p99':>8}{'max':>9}{'mean/med':>9}"
+    print(f"{'':<39}{'wall µs of route':<49}|{'thread CPU µs of route':<49}{'collections':>13}")
+    print(f"{'config':<26}{'path':<13}{stats}   |{stats}{'gen2':>6}{'young':>7}")
     rows = []
     for name in args.configs:
         rows += run_config(name, args.sessions, args.decisions, args.freeze)

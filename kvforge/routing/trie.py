@@ -117,10 +117,14 @@ class ServerPrefixIndex:
         self.num_servers = num_servers
         self.capacity_blocks = capacity_blocks
         self._mask: dict[Hashable, int] = {}
-        self._blocks: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in range(num_servers)]
+        # A plain dict of atoms is never tracked by the cyclic GC; an OrderedDict always is (and a full
+        # collection walks every key), so the LRU order is kept only when there is a capacity to enforce.
+        self._blocks: list[dict[Hashable, None]] = [
+            {} if capacity_blocks is None else OrderedDict() for _ in range(num_servers)
+        ]
         self._all = (1 << num_servers) - 1
 
-    def _held(self, server: int) -> OrderedDict[Hashable, None]:
+    def _held(self, server: int) -> dict[Hashable, None]:
         if type(server) is not int or not 0 <= server < self.num_servers:
             raise ValueError(f"server: expected a server index in [0, {self.num_servers}), got {server!r}")
         return self._blocks[server]
@@ -136,17 +140,23 @@ class ServerPrefixIndex:
         held = self._held(server)
         mask = self._mask
         bit = 1 << server
+        cap = self.capacity_blocks
+        if cap is None:
+            for h in keys:
+                if h not in held:
+                    held[h] = None
+                    mask[h] = mask.get(h, 0) | bit
+            return
+        assert isinstance(held, OrderedDict)
         for h in keys:
             if h in held:
                 held.move_to_end(h)
             else:
                 held[h] = None
                 mask[h] = mask.get(h, 0) | bit
-        cap = self.capacity_blocks
-        if cap is not None:
-            while len(held) > cap:
-                old, _ = held.popitem(last=False)
-                self._clear_bit(old, bit)
+        while len(held) > cap:
+            old, _ = held.popitem(last=False)
+            self._clear_bit(old, bit)
 
     def remove(self, server: int, keys: Iterable[Hashable]) -> None:
         held = self._held(server)
