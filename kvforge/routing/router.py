@@ -337,7 +337,10 @@ class ConversationRouter:
         self._last_release = [float("-inf")] * n
 
     def _now(self) -> float:
-        return _finite_time(self._clock())
+        t = self._clock()
+        if t.__class__ is float and t - t == 0.0:  # the common case, without a call
+            return t
+        return _finite_time(t)
 
     # ---------------------------------------------------------------- queries
 
@@ -552,7 +555,7 @@ class ConversationRouter:
         self._reclaim(now)
         if request_id in self._ledger:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
-        loads: list[float] = list(self._ledger.loads) if self._queues is None else self._backlogs(now)
+        loads: list[float] = self._ledger.loads if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
         d = self._match(conv, keys, loads)
         chosen = self._choose(d, num_tokens, loads)
         weight = self._weight(d, chosen, num_tokens)
@@ -623,10 +626,10 @@ class ConversationRouter:
         else:
             matched = self._trie.match(keys)
             if conv is None and matched and matched >= cfg.match_threshold * len(keys):
-                node = self._trie.node(keys[matched - 1])
+                node = self._trie.fields(keys[matched - 1])
                 assert node is not None
-                if self._distinctive(node.refs):
-                    key = self._key_of.get(node.owner)
+                if self._distinctive(node[0]):
+                    key = self._key_of.get(node[1])
                     session = None if key is None else self._sessions.get(key)
                     if session is not None:
                         self.stats.implicit += 1
@@ -649,13 +652,14 @@ class ConversationRouter:
         if not cfg.matching:
             return
         if matched >= cfg.new_conversation_min_match_blocks:
-            node = self._trie.node(keys[matched - 1])
+            node = self._trie.fields(keys[matched - 1])
             assert node is not None
-            if node.refs <= cfg.specific_max_conversations or (cfg.always and self._distinctive(node.refs)):
-                owner_key = self._key_of.get(node.owner)
+            refs, owner_handle, node_server = node
+            if refs <= cfg.specific_max_conversations or (cfg.always and self._distinctive(refs)):
+                owner_key = self._key_of.get(owner_handle)
                 owner = None if owner_key is None else self._sessions.get(owner_key)
                 d.kind = _FOLLOWED
-                d.target = owner[_SRV] if owner is not None else node.server
+                d.target = owner[_SRV] if owner is not None else node_server
                 d.target_cached_blocks = matched
         if d.cached is not None and (d.kind == _FOLLOWED or cfg.always):
             # The servers' own events beat the router's memory: follow where the prefix is actually cached,

@@ -63,6 +63,11 @@ class BlockTrie:
         v = self._nodes.get(key)
         return None if v is None else TrieNode(v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK)
 
+    def fields(self, key: Hashable) -> tuple[int, int, int] | None:
+        """``(refs, owner, server)`` of ``key``'s node as a plain tuple (the hot path's :meth:`node`)."""
+        v = self._nodes.get(key)
+        return None if v is None else (v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK)
+
     def refs(self, key: Hashable) -> int:
         """How many session positions hold ``key`` (0 when absent)."""
         return self._nodes.get(key, 0) & _MASK
@@ -75,28 +80,36 @@ class BlockTrie:
             raise ValueError(f"server: expected a server index in [0, 2**32), got {server!r}")
         nodes = self._nodes
         tag = (owner << (2 * _FIELD)) | (server << _FIELD)
+        first = tag | 1
+        get = nodes.get
         for k in keys:
-            nodes[k] = tag | ((nodes.get(k, 0) & _MASK) + 1)
+            v = get(k)
+            nodes[k] = first if v is None else tag | ((v & _MASK) + 1)
 
-    def remove(self, keys: Iterable[Hashable]) -> None:
+    def remove(self, keys: Sequence[Hashable]) -> None:
         """Drop one reference per position on each block; a block nobody holds any more leaves the trie.
 
-        Raises KeyError (before changing anything) if some key is held fewer times than ``keys`` lists it.
+        Raises KeyError, with the trie unchanged, if some key is held fewer times than ``keys`` lists it.
         """
         nodes = self._nodes
-        keys = tuple(keys)
-        need: dict[Hashable, int] = {}
+        distinct = set(keys)
+        if len(distinct) == len(keys):
+            if not nodes.keys() >= distinct:  # every key present once is enough (checked at C speed)
+                bad = next(k for k in keys if k not in nodes)
+                raise KeyError(f"block {bad!r} is not in the trie (removed more often than added)")
+        else:
+            need: dict[Hashable, int] = {}
+            for k in keys:
+                need[k] = need.get(k, 0) + 1
+            for k, n in need.items():
+                if nodes.get(k, 0) & _MASK < n:
+                    raise KeyError(f"block {k!r} is not in the trie {n} times (removed more often than added)")
         for k in keys:
-            need[k] = need.get(k, 0) + 1
-        for k, n in need.items():
-            if nodes.get(k, 0) & _MASK < n:
-                raise KeyError(f"block {k!r} is not in the trie {n} times (removed more often than added)")
-        for k, n in need.items():
-            v = nodes[k] - n
-            if v & _MASK:
-                nodes[k] = v
-            else:
+            v = nodes[k]
+            if v & _MASK == 1:
                 del nodes[k]
+            else:
+                nodes[k] = v - 1
 
 
 class ServerPrefixIndex:
