@@ -106,7 +106,7 @@ def _synthetic_conversations(n_conv: int, seed: int) -> list[TraceRequest]:
 def test_a_shared_preamble_does_not_collapse_any_follow_mode_on_synthetic_conversations(preamble):
     # Issue 17 section 3: with a preamble every new conversation matched, "always" followed the latest
     # conversation and sent all traffic to one server (time-averaged imbalance = number of servers).
-    trace = bench.with_preamble(_synthetic_conversations(250, seed=preamble), preamble)
+    trace = bench.with_preamble(_synthetic_conversations(400, seed=preamble), preamble)
     assert trace[0].hash_ids[:preamble] == trace[-1].hash_ids[:preamble]
     for name, (frac, imbalance) in _replay_with_preamble(trace, 4, 2_000).items():
         assert frac >= 0.95, (name, frac)
