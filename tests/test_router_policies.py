@@ -212,3 +212,19 @@ def test_ledger_heap_stays_bounded_under_churn():
 def test_ledger_validates(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LoadLedger(**kwargs)
+
+
+def test_trie_match_is_the_leading_run_for_chained_keys():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        trie = BlockTrie()
+        held = rng.randrange(0, 12)
+        keys = list(range(100, 100 + rng.randrange(0, 12)))
+        trie.add(keys[:held], owner=1, server=0)
+        trie.add([7, 8], owner=2, server=0)  # other blocks do not matter
+        assert trie.match(keys) == min(held, len(keys))
+    trie = BlockTrie()
+    trie.add([1, 3], owner=1, server=0)
+    assert trie.match([1, 2, 3, 4]) in (1, 3)  # unchained keys: some held block followed by an unheld one

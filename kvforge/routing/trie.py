@@ -50,14 +50,28 @@ class BlockTrie:
         return len(self._nodes)
 
     def match(self, keys: Sequence[Hashable]) -> int:
-        """Number of leading blocks of ``keys`` the trie holds."""
+        """Number of leading blocks of ``keys`` the trie holds.
+
+        Exact for prefix-chained keys, where the held blocks of a prompt are always a leading run: the search
+        tries the whole prompt and all but its last block first (a conversation's next turn), then bisects.
+        For keys that are not chained it returns some ``m`` with ``keys[m - 1]`` held and ``keys[m]`` not.
+        """
         nodes = self._nodes
-        n = 0
-        for k in keys:
-            if k not in nodes:
-                break
-            n += 1
-        return n
+        n = len(keys)
+        if n == 0 or keys[0] not in nodes:
+            return 0
+        if keys[n - 1] in nodes:
+            return n
+        if n == 2 or keys[n - 2] in nodes:
+            return n - 1
+        lo, hi = 1, n - 2  # keys[lo - 1] held, keys[hi] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if keys[mid] in nodes:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def node(self, key: Hashable) -> TrieNode | None:
         v = self._nodes.get(key)
