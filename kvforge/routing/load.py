@@ -95,6 +95,8 @@ class LoadLedger:
         return self._live.get(request_id)
 
     def reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any = None) -> Reservation:
+        """Add ``weight`` to server index ``server`` for ``request_id`` (checked; the routers call
+        :meth:`_reserve` with values they have checked already)."""
         if request_id in self._live:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
         if type(server) is not int or not 0 <= server < len(self._loads):
@@ -103,6 +105,9 @@ class LoadLedger:
             raise ValueError(f"weight: expected a non-negative int load, got {weight!r}")
         if not isinstance(now, (int, float)) or not math.isfinite(now):
             raise ValueError(f"now: expected a finite time in seconds, got {now!r}")
+        return self._reserve(request_id, server, weight, now, payload)
+
+    def _reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any) -> Reservation:
         self._seq += 1
         deadline = now + self.ttl_s if self.ttl_s is not None else float("inf")
         res = Reservation(request_id, server, weight, deadline, self._seq, payload)
@@ -127,8 +132,13 @@ class LoadLedger:
         """Release every reservation whose deadline is at or before ``now``."""
         if not isinstance(now, (int, float)) or math.isnan(now):
             raise ValueError(f"now: expected a time in seconds, got {now!r}")
+        return self._expire(now)
+
+    def _expire(self, now: float) -> list[Reservation]:
         out: list[Reservation] = []
         heap = self._deadlines
+        if not heap or heap[0][0] > now:
+            return out
         while heap and heap[0][0] <= now:
             _, seq, request_id = heapq.heappop(heap)
             res = self._live.get(request_id)

@@ -487,7 +487,9 @@ class ConversationRouter:
     def _reclaim(self, now: float) -> int:
         if self.config.request_ttl_s is None:
             return 0
-        expired = self._ledger.expire(now)
+        expired = self._ledger._expire(now)
+        if not expired:
+            return 0
         last = self._last
         for res in expired:
             undo: _Placement = res.payload
@@ -579,7 +581,7 @@ class ConversationRouter:
             undo = _Placement(handle, min(baseline_before, num_tokens), None)
             self._count_new_conversation(followed=d.kind == _FOLLOWED and chosen == d.target)
         self._last[handle] = undo
-        res = self._ledger.reserve(request_id, chosen, weight, now, undo)
+        res = self._ledger._reserve(request_id, chosen, weight, now, undo)
         if self._queues is not None:
             q = self._queues[chosen]
             q.append((res, now))

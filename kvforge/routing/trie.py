@@ -106,6 +106,15 @@ class BlockTrie:
         Raises KeyError, with the trie unchanged, if some key is held fewer times than ``keys`` lists it.
         """
         nodes = self._nodes
+        if len(keys) == 1:
+            v = nodes.get(keys[0])
+            if v is None:
+                raise KeyError(f"block {keys[0]!r} is not in the trie (removed more often than added)")
+            if v & _MASK == 1:
+                del nodes[keys[0]]
+            else:
+                nodes[keys[0]] = v - 1
+            return
         distinct = set(keys)
         if len(distinct) == len(keys):
             if not nodes.keys() >= distinct:  # every key present once is enough (checked at C speed)
