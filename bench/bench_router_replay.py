@@ -8,6 +8,11 @@ events, which only the event-consuming policies read. The ceiling is one LRU cac
 capacity, computed in the same run (and quoted from the data README).
 
     python bench/bench_router_replay.py [--servers 4 8] [--utilisation 0.8 [0.9 ...]] [--calibrate policy]
+        [--preamble-blocks 0 2 [1 4 8 ...]]
+
+``--preamble-blocks P`` puts one shared preamble of ``P`` blocks (512 tokens each, new keys) in front of every
+request of the trace (a system prompt): a router that follows a prefix everyone shares piles all new
+conversations onto one server. The default replays the plain trace and a 2-block preamble.
 
 Service model: every server drains its backlog at one rate. ``--calibrate ceiling`` (the default) picks the
 rate so that the fleet runs at ``--utilisation`` at the ceiling's hit rate: the same servers for every policy,
@@ -110,6 +115,18 @@ class LruBlockCache:
             if removed:
                 self.sink(BlockRemoved(tuple(removed)))
         return hit
+
+
+def with_preamble(trace: Sequence[TraceRequest], blocks: int) -> list[TraceRequest]:
+    """The trace with ``blocks`` shared blocks in front of every request (keys above every key of the trace)."""
+    if blocks == 0:
+        return list(trace)
+    base = 1 + max((h for r in trace for h in r.hash_ids), default=-1)
+    pre = tuple(range(base, base + blocks))
+    return [
+        TraceRequest(r.timestamp, r.input_length + blocks * TOKENS_PER_BLOCK, r.output_length, pre + tuple(r.hash_ids))
+        for r in trace
+    ]
 
 
 def ceiling_hit_rate(trace: Sequence[TraceRequest], capacity: int) -> float:
@@ -264,7 +281,7 @@ def replay(
             now[0] = t_done
             router.finish(done_id)
         now[0] = t_s
-        s = router.route(RouteRequest(request_id=rid, block_hashes=r.hash_ids, num_tokens=r.input_length))
+        s = router.route(RouteRequest(request_id=rid, block_keys=r.hash_ids, num_tokens=r.input_length))
         cached = min(caches[s].access(r.hash_ids) * TOKENS_PER_BLOCK, r.input_length)
         hit += cached
         total += r.input_length
@@ -373,6 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the +drain policy is told the simulated prefill rate times this (its error)",
     )
     ap.add_argument("--policies", nargs="*", default=None, help="subset of policy names")
+    ap.add_argument(
+        "--preamble-blocks",
+        type=int,
+        nargs="+",
+        default=[0, 2],
+        help="shared preamble in front of every request, in blocks (0: the trace as it is; several: one table each)",
+    )
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
     for u in args.utilisation:
@@ -380,17 +404,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--utilisation: expected positive numbers, got {u}")
     if not args.router_rate_scale > 0:
         ap.error(f"--router-rate-scale: expected a positive number, got {args.router_rate_scale}")
+    for p in args.preamble_blocks:
+        if not 0 <= p <= 1024:
+            ap.error(f"--preamble-blocks: expected block counts in [0, 1024], got {p}")
 
     path = args.trace or default_trace_path()
     if path is None or not path.exists():
         print(f"SKIP: trace not found at {path or '../shared/data/'} (set KVFORGE_TRACE); nothing to replay")
         return 0
-    trace = load_trace(path)
+    plain = load_trace(path)
+    for pre in args.preamble_blocks:
+        run_tables(args, with_preamble(plain, pre), pre)
+    return 0
+
+
+def run_tables(args: argparse.Namespace, trace: list[TraceRequest], preamble: int) -> None:
+    """One table per utilisation and fleet size on ``trace`` (``preamble`` shared blocks in front of each)."""
     duration = (trace[-1].timestamp - trace[0].timestamp) / 1000.0
     prompt_tokens = sum(r.input_length for r in trace)
     guard = ImbalanceGuard(rel_slack=args.guard_rel, abs_slack_tokens=args.guard_abs)
     cost = CostGuard(recompute_weight=args.recompute_weight)
-    print(f"trace: {len(trace)} requests, {prompt_tokens / 1e6:.1f}M prompt tokens over {duration:.0f} s")
+    print(
+        f"\ntrace: {len(trace)} requests, {prompt_tokens / 1e6:.1f}M prompt tokens over {duration:.0f} s; "
+        f"shared preamble: {preamble} blocks"
+    )
 
     rows = []
     table = []
@@ -441,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "blocks_per_server": args.blocks_per_server,
                         "utilisation": util,
                         "calibrate": args.calibrate,
+                        "preamble_blocks": preamble,
                         "drain_tokens_per_s": round(policy_rate, 1),
                         "policy": name,
                         "guard_rel": args.guard_rel if "guard" in name else "",
@@ -449,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "router_rate_scale": args.router_rate_scale if "drain" in name else "",
                         "hit_rate": round(res.hit_rate, 5),
                         "ceiling_same_run": round(ceiling, 5),
-                        "ceiling_readme": README_CEILINGS.get(capacity, ""),
+                        "ceiling_readme": README_CEILINGS.get(capacity, "") if preamble == 0 else "",
                         "hit_over_ceiling": round(frac, 4),
                         "rho": round(res.rho, 4),
                         "imbalance_mean": round(res.imbalance_mean, 4),
@@ -469,11 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     if not args.no_csv and rows:
         print(f"\nrows appended to {append_csv('router_replay', rows)}")
-        print(f"figure: {plot(table, RESULTS / 'router_replay.png')}")
-    return 0
+        name = "router_replay.png" if preamble == 0 else f"router_replay_preamble{preamble}.png"
+        print(f"figure: {plot(table, RESULTS / name, preamble)}")
 
 
-def plot(table: list, path: Path) -> Path:
+def plot(table: list, path: Path, preamble: int = 0) -> Path:
     """Grouped bars (one group per policy, one bar per fleet size) at the first utilisation, and, for a sweep,
     the backlog-weighted instantaneous imbalance against utilisation on the largest fleet."""
     import matplotlib
@@ -546,7 +584,10 @@ def plot(table: list, path: Path) -> Path:
     else:
         sweep.axis("off")
     axes[5].axis("off")
-    fig.suptitle("Mooncake conversation trace replay, 10,000 blocks of 512 tokens per server", fontsize=10)
+    title = "Mooncake conversation trace replay, 10,000 blocks of 512 tokens per server"
+    if preamble:
+        title += f", {preamble}-block shared preamble in front of every request"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvforge.kvcache.hashing import block_hashes
+from kvforge.kvcache.hashing import block_keys
 from kvforge.routing import (
     ConversationRouter,
     CostGuard,
@@ -129,13 +129,13 @@ def test_guard_validates_itself():
 @pytest.mark.parametrize(
     ("kwargs", "exc", "name"),
     [
-        ({}, ValueError, "token_ids, text or block_hashes"),
-        ({"block_hashes": [1, 2]}, ValueError, "num_tokens"),
+        ({}, ValueError, "token_ids, text or block_keys"),
+        ({"block_keys": [1, 2]}, ValueError, "num_tokens"),
         ({"token_ids": [1], "text": "x"}, ValueError, "not both"),
         ({"token_ids": [1], "conversation_id": 7}, TypeError, "conversation_id"),
         ({"token_ids": [1], "conversation_id": ""}, ValueError, "conversation_id"),
         ({"text": b"bytes"}, TypeError, "text"),
-        ({"block_hashes": [1], "num_tokens": -1}, ValueError, "num_tokens"),
+        ({"block_keys": [1], "num_tokens": -1}, ValueError, "num_tokens"),
     ],
 )
 def test_request_validation(kwargs, exc, name):
@@ -191,10 +191,13 @@ def test_no_match_goes_to_the_least_loaded_server():
     assert r.route(RouteRequest("new", token_ids=toks(9, 40))) == "b"
 
 
-def _shared_preamble_router(mode: str, holders: int) -> tuple[ConversationRouter, list[int], str]:
-    """``holders`` conversations share a 4-block preamble; returns the router, the preamble and the server
-    of the latest holder (which is then made the busiest)."""
+def _shared_preamble_router(mode: str, holders: int, others: int = 0) -> tuple[ConversationRouter, list[int], str]:
+    """``holders`` conversations share a 4-block preamble (after ``others`` unrelated ones); returns the router,
+    the preamble and the server of the latest holder (which is then made the busiest)."""
     r = make(new_conversation_follow=mode, specific_max_conversations=4)
+    for i in range(others):
+        r.route(RouteRequest(f"o{i}", token_ids=toks(500 + i, 2 * TPB), conversation_id=f"o{i}"))
+        r.finish(f"o{i}")
     pre = toks(100, 4 * TPB)
     last = None
     for i in range(holders):
@@ -213,15 +216,26 @@ def test_prefix_specific_to_few_conversations_is_followed_in_both_modes(mode):
     assert r.stats.followed == followed + 1
 
 
-def test_shared_preamble_spreads_in_specific_mode_and_is_followed_in_always_mode():
-    r, pre, last = _shared_preamble_router("specific", holders=5)  # 5 > specific_max_conversations
+def test_shared_preamble_spreads_in_specific_mode_and_is_followed_in_always_mode_unless_common():
+    # 5 holders among 20 sessions: more than specific_max_conversations, less than one server's share (1/3).
+    r, pre, last = _shared_preamble_router("specific", holders=5, others=15)
     followed = r.stats.followed
     assert r.route(RouteRequest("n", token_ids=pre + toks(300, TPB), conversation_id="new")) != last
     assert r.stats.followed == followed
-    r, pre, last = _shared_preamble_router("always", holders=5)
+    r, pre, last = _shared_preamble_router("always", holders=5, others=15)
     followed = r.stats.followed
     assert r.route(RouteRequest("n", token_ids=pre + toks(300, TPB), conversation_id="new")) == last
     assert r.stats.followed == followed + 1
+
+
+@pytest.mark.parametrize("mode", ["specific", "always"])
+def test_preamble_in_every_session_is_common_and_spreads_in_both_modes(mode):
+    # Every session holds the preamble (and more than specific_max_conversations do): following it would
+    # send every new conversation after the latest one, the load collapse of issue 17 section 3.
+    r, pre, last = _shared_preamble_router(mode, holders=6)
+    followed = r.stats.followed
+    assert r.route(RouteRequest("n", token_ids=pre + toks(300, TPB), conversation_id="new")) != last
+    assert r.stats.followed == followed
 
 
 def test_min_match_blocks_gates_following():
@@ -307,7 +321,7 @@ def test_routing_key_carries_conversation_and_tokens():
     key = r.routing_key(RouteRequest("q", token_ids=toks(1, 296), conversation_id="t::sa:a"))
     assert key.conversation_id == "t::sa:a"
     assert key.num_tokens == 296
-    assert key.block_hashes == tuple(block_hashes(toks(1, 296), TPB))
+    assert key.block_keys == tuple(block_keys(toks(1, 296), TPB))
     assert RoutingKey.from_mapping(key.as_dict()) == key
 
 
@@ -470,7 +484,7 @@ def test_no_info_line_with_matching_off(caplog):
 def test_cache_events_place_a_new_conversation_where_its_prefix_is_cached():
     r = make(new_conversation_follow="always", use_cache_events=True)
     prompt = toks(1, 10 * TPB)
-    hashes = block_hashes(prompt, TPB)
+    hashes = block_keys(prompt, TPB)
     # The router never routed this prefix; only server c's cache says it holds the first 8 blocks.
     r.on_event("c", BlockStored(tuple(hashes[:8]), None, TPB))
     occupy(r, "c", 100, "f")
@@ -490,7 +504,7 @@ def test_cache_events_break_ties_by_load():
     r = make(new_conversation_follow="always", use_cache_events=True, new_conversation_min_match_blocks=1)
     pre = toks(1, TPB)
     for s in r.servers:
-        r.on_event(s, BlockStored(tuple(block_hashes(pre, TPB)), None, TPB))
+        r.on_event(s, BlockStored(tuple(block_keys(pre, TPB)), None, TPB))
     occupy(r, "a", 900, "fa")
     occupy(r, "b", 100, "fb")
     occupy(r, "c", 500, "fc")
@@ -500,7 +514,7 @@ def test_cache_events_break_ties_by_load():
 def test_events_are_ignored_unless_enabled():
     r = make(new_conversation_follow="always")
     prompt = toks(1, 10 * TPB)
-    r.on_event("c", BlockStored(tuple(block_hashes(prompt, TPB)), None, TPB))
+    r.on_event("c", BlockStored(tuple(block_keys(prompt, TPB)), None, TPB))
     assert r.cached_blocks("c") == 0
     occupy(r, "c", 100, "f")
     assert r.route(RouteRequest("1", token_ids=prompt, conversation_id="x")) != "c"
@@ -552,7 +566,7 @@ def test_guard_moves_a_conversation_off_an_overloaded_server():
 def test_guard_with_events_prefers_the_near_minimum_server_caching_most():
     r, home, prompt = _guarded(ImbalanceGuard(rel_slack=0.5, abs_slack_tokens=1000), events=True)
     others = [s for s in r.servers if s != home]
-    hashes = block_hashes(prompt, TPB)
+    hashes = block_keys(prompt, TPB)
     r.on_event(others[1], BlockStored(tuple(hashes[:12]), None, TPB))
     occupy(r, others[1], 500, "warm")
     # Backlogs after placing: home 10,032; others[0] 0 + 672; others[1] 500 + 288 = 788 (busier, but it
@@ -602,7 +616,7 @@ def test_cost_guard_moves_when_the_gap_exceeds_the_recompute_cost():
 def test_cost_guard_with_events_weighs_what_each_server_caches():
     r, home, prompt = _guarded(CostGuard(recompute_weight=8), events=True)
     others = [s for s in r.servers if s != home]
-    r.on_event(others[1], BlockStored(tuple(block_hashes(prompt, TPB)[:12]), None, TPB))
+    r.on_event(others[1], BlockStored(tuple(block_keys(prompt, TPB)[:12]), None, TPB))
     occupy(r, others[1], 500, "warm")
     # Scores: home 10,000 + 8 * 32; others[0] 0 + 8 * 672 = 5,376; others[1] 500 + 8 * 288 = 2,804.
     assert r.route(RouteRequest("t2", token_ids=prompt + toks(2, TPB), conversation_id="conv")) == others[1]
@@ -612,12 +626,12 @@ def test_cost_guard_with_events_weighs_what_each_server_caches():
 def test_cost_guard_sends_a_new_conversation_towards_its_cached_prefix():
     r = make(new_conversation_follow="always", use_cache_events=True, imbalance_guard=CostGuard(recompute_weight=2))
     prompt = toks(1, 10 * TPB)
-    r.on_event("c", BlockStored(tuple(block_hashes(prompt, TPB)[:1]), None, TPB))  # one block: too few to follow
+    r.on_event("c", BlockStored(tuple(block_keys(prompt, TPB)[:1]), None, TPB))  # one block: too few to follow
     occupy(r, "c", 400, "busy")
     # Scores load + 2 * uncached: c 400 + 2 * 288 = 976 against an idle server's 2 * 320 = 640: the idle one.
     assert r.route(RouteRequest("1", token_ids=prompt, conversation_id="x")) != "c"
     r2 = make(new_conversation_follow="always", use_cache_events=True, imbalance_guard=CostGuard(recompute_weight=2))
-    r2.on_event("c", BlockStored(tuple(block_hashes(prompt, TPB)[:1]), None, TPB))
+    r2.on_event("c", BlockStored(tuple(block_keys(prompt, TPB)[:1]), None, TPB))
     occupy(r2, "c", 20, "busy")  # c: 20 + 576 = 596 < 640, so the one cached block now decides
     assert r2.route(RouteRequest("1", token_ids=prompt, conversation_id="x")) == "c"
 

@@ -1,11 +1,14 @@
 """Routing-decision time with a full session table (100,000 conversations), recorded by pytest-benchmark.
 
 No time is asserted (CI machines vary); run ``python -m pytest tests/test_router_perf.py --benchmark-enable -q``
-to measure. The target is a median of at most 50 µs per decision. Each test still checks what was decided.
+to measure. The garbage collector stays on and nothing collects in setup, so a full collection during the
+rounds shows in the mean. The targets (mean <= 1.5 x median, p99 <= 50 µs, per path) are measured by
+``bench/bench_router_latency.py``. Each test still checks what was decided.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 
@@ -39,9 +42,10 @@ def conv_hashes(i: int) -> tuple[int, ...]:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def full_router(request: pytest.FixtureRequest) -> ConversationRouter:
+    assert gc.isenabled()  # timings are taken with the collector on
     r = ConversationRouter(SERVERS, max_sessions=SESSIONS, **CONFIGS[request.param])
     for i in range(SESSIONS):
-        r.route(RouteRequest(i, block_hashes=conv_hashes(i), num_tokens=BLOCKS * TPB, conversation_id=f"c{i}"))
+        r.route(RouteRequest(i, block_keys=conv_hashes(i), num_tokens=BLOCKS * TPB, conversation_id=f"c{i}"))
         r.finish(i)
     assert r.num_sessions() == SESSIONS
     return r
@@ -76,7 +80,7 @@ def test_route_known_conversation(benchmark, full_router):
     def make(k: int) -> RouteRequest:
         i = rng.randrange(SESSIONS)
         hashes = (*conv_hashes(i), hash(("turn", i, k)))
-        return RouteRequest(("known", k), block_hashes=hashes, num_tokens=(BLOCKS + 1) * TPB, conversation_id=f"c{i}")
+        return RouteRequest(("known", k), block_keys=hashes, num_tokens=(BLOCKS + 1) * TPB, conversation_id=f"c{i}")
 
     drv = _Driver(full_router, make)
     homes = {}

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvforge.kvcache.hashing import block_hashes
+from kvforge.kvcache.hashing import block_keys
 from kvforge.routing import (
     BlockTrie,
     CacheAwareRouter,
@@ -123,7 +123,7 @@ def test_cache_aware_validates(kwargs, name):
 )
 def test_prefix_index_matches_a_brute_force_model(ops, query):
     def chain(family: int, n: int) -> list[int]:
-        return block_hashes(toks(family, n * TPB), TPB)
+        return block_keys(toks(family, n * TPB), TPB)
 
     index = ServerPrefixIndex(3)
     model: list[set[int]] = [set(), set(), set()]
@@ -160,16 +160,24 @@ def test_prefix_index_lru_capacity_evicts_the_least_recent():
 
 def test_trie_reference_counts():
     trie = BlockTrie()
-    trie.add([1, 2, 3], owner="x", server=0)
-    trie.add([1, 2], owner="y", server=1)
+    trie.add([1, 2, 3], owner=7, server=0)
+    trie.add([1, 2], owner=8, server=1)
     assert trie.match([1, 2, 3, 4]) == 3
-    assert trie.node(1).refs == 2 and trie.node(1).owner == "y"
+    assert trie.node(1) == (2, 8, 1) and trie.node(3) == (1, 7, 0)
     trie.remove([1, 2, 3])
     assert len(trie) == 2 and trie.node(3) is None
     trie.remove([1, 2])
     assert len(trie) == 0
     with pytest.raises(KeyError):
         trie.remove([1])
+    trie.add([5, 5, 6], owner=1, server=0)  # a repeated key counts once per position
+    with pytest.raises(KeyError):
+        trie.remove([5, 5, 5, 6])  # checked before anything changes
+    assert trie.refs(5) == 2 and trie.refs(6) == 1
+    with pytest.raises(ValueError, match="owner"):
+        trie.add([1], owner="x", server=0)
+    with pytest.raises(ValueError, match="server"):
+        trie.add([1], owner=1, server=-1)
 
 
 def test_ledger_reserve_release_expire():
@@ -205,3 +213,19 @@ def test_ledger_heap_stays_bounded_under_churn():
 def test_ledger_validates(kwargs, name):
     with pytest.raises(ValueError, match=name):
         LoadLedger(**kwargs)
+
+
+def test_trie_match_is_the_leading_run_for_chained_keys():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        trie = BlockTrie()
+        held = rng.randrange(0, 12)
+        keys = list(range(100, 100 + rng.randrange(0, 12)))
+        trie.add(keys[:held], owner=1, server=0)
+        trie.add([7, 8], owner=2, server=0)  # other blocks do not matter
+        assert trie.match(keys) == min(held, len(keys))
+    trie = BlockTrie()
+    trie.add([1, 3], owner=1, server=0)
+    assert trie.match([1, 2, 3, 4]) in (1, 3)  # unchained keys: some held block followed by an unheld one

@@ -18,7 +18,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
-from kvforge.kvcache.hashing import block_hashes  # noqa: E402
+from kvforge.kvcache.hashing import block_keys  # noqa: E402
 from kvforge.routing import (  # noqa: E402
     CacheAwareRouter,
     ConversationRouter,
@@ -126,7 +126,7 @@ class RouterMachine(RuleBasedStateMachine):
         op=st.sampled_from(["store", "remove", "clear"]),
     )
     def cache_event(self, server, family, blocks, op):
-        hashes = tuple(block_hashes(prompt(family, blocks, 0), TPB))
+        hashes = tuple(block_keys(prompt(family, blocks, 0), TPB))
         if op == "store":
             ev = BlockStored(hashes, None, TPB)
         elif op == "remove":

@@ -64,3 +64,62 @@ def test_replay_of_a_small_trace_keeps_the_books():
     assert hits["round-robin"] < ceiling
     for name in ("specific", "always", "always+events+guard", "always+events+cost", "always+events+cost+drain"):
         assert hits[name] == pytest.approx(ceiling), name
+
+
+def _replay_with_preamble(trace, n_servers: int, blocks_per_server: int, util: float = 0.8):
+    """name -> (hit rate / same-capacity ceiling, time-averaged max/mean backlog over servers)."""
+    duration = (trace[-1].timestamp - trace[0].timestamp) / 1000.0
+    ceiling = bench.ceiling_hit_rate(trace, n_servers * blocks_per_server)
+    rate = sum(r.input_length for r in trace) * (1.0 - ceiling) / duration / (n_servers * util)
+    out = {}
+    for name, (factory, events) in bench.policies(
+        blocks_per_server, bench.ImbalanceGuard(), bench.CostGuard(), rate
+    ).items():
+        if name in ("round-robin", "least-load", "sglang-like"):
+            continue
+        res = bench.replay(trace, factory, n_servers, blocks_per_server, rate, events)
+        out[name] = (res.hit_rate / ceiling, res.server_imbalance_mean)
+    return out
+
+
+def _synthetic_conversations(n_conv: int, seed: int) -> list[TraceRequest]:
+    """Multi-turn conversations arriving over time; each turn extends its prompt by 1-3 blocks."""
+    import random
+
+    rng = random.Random(seed)
+    events = []
+    next_key = 0
+    for _ in range(n_conv):
+        t = rng.uniform(0, 600_000.0)
+        keys: tuple[int, ...] = ()
+        for _ in range(rng.randint(2, 6)):
+            grow = rng.randint(1, 3)
+            keys = keys + tuple(range(next_key, next_key + grow))
+            next_key += grow
+            events.append((t, len(keys) * 512 - rng.randint(0, 511), keys))
+            t += rng.uniform(5_000.0, 60_000.0)
+    events.sort()
+    return [TraceRequest(t, n, 1, keys) for t, n, keys in events]
+
+
+@pytest.mark.parametrize("preamble", [2, 8])
+def test_a_shared_preamble_does_not_collapse_any_follow_mode_on_synthetic_conversations(preamble):
+    # Issue 17 section 3: with a preamble every new conversation matched, "always" followed the latest
+    # conversation and sent all traffic to one server (time-averaged imbalance = number of servers).
+    trace = bench.with_preamble(_synthetic_conversations(400, seed=preamble), preamble)
+    assert trace[0].hash_ids[:preamble] == trace[-1].hash_ids[:preamble]
+    for name, (frac, imbalance) in _replay_with_preamble(trace, 4, 2_000).items():
+        assert frac >= 0.95, (name, frac)
+        assert imbalance <= 1.3, (name, imbalance)
+
+
+def test_a_shared_preamble_on_a_prefix_of_the_conversation_trace():
+    from kvforge.kvcache.replay import default_trace_path, load_trace
+
+    path = default_trace_path()
+    if path is None or not path.exists():
+        pytest.skip("conversation trace not present (set KVFORGE_TRACE)")
+    trace = bench.with_preamble(load_trace(path)[:2_000], 2)
+    for name, (frac, imbalance) in _replay_with_preamble(trace, 4, 2_500).items():
+        assert frac >= 0.95, (name, frac)
+        assert imbalance <= 1.3, (name, imbalance)

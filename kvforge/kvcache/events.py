@@ -3,8 +3,7 @@
 ``BlockStored``: blocks became reusable (inserted in the radix tree), in prefix order; ``block_keys`` are their
 block keys (:mod:`kvforge.kvcache.hashing`) and ``parent_key`` the key of the block before the first one (None at
 the root). ``BlockRemoved``: blocks can no longer be reused from this server (dropped from the last tier).
-``AllBlocksCleared``: the server's cache was reset. ``block_hashes`` / ``parent_hash`` are read-only aliases of
-the old field names, kept while consumers move to ``block_keys`` / ``parent_key``.
+``AllBlocksCleared``: the server's cache was reset.
 """
 
 from __future__ import annotations
@@ -19,22 +18,10 @@ class BlockStored:
     parent_key: int | None
     tokens_per_block: int
 
-    @property
-    def block_hashes(self) -> tuple[int, ...]:
-        return self.block_keys
-
-    @property
-    def parent_hash(self) -> int | None:
-        return self.parent_key
-
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_keys: tuple[int, ...]
-
-    @property
-    def block_hashes(self) -> tuple[int, ...]:
-        return self.block_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -420,7 +420,3 @@ def keys_from_ids(
 ) -> list[int]:
     """:meth:`BlockKeyHasher.keys_from_ids` with ``hasher`` (default: :func:`default_hasher`)."""
     return (default_hasher() if hasher is None else hasher).keys_from_ids(ids, scope, cache_salt=cache_salt)
-
-
-# Deprecated name, kept only while kvforge.routing imports it (the router's rename to block_keys is pending).
-block_hashes = block_keys

@@ -3,12 +3,13 @@
 A router adds a request's weight to its server when it places it and subtracts exactly that weight when the
 request finishes. A request whose finish never arrives (a crashed client, a lost message) would otherwise
 hold its load forever and steer traffic away from a healthy server; like llm-d's pending-token scorer, each
-reservation carries a deadline after which it is reclaimed.
+reservation carries a deadline after which it is reclaimed. Not thread-safe on its own (the routers lock).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,12 @@ class LoadLedger:
     """In-flight reservations per server; ``ttl_s=None`` never expires them."""
 
     def __init__(self, num_servers: int, ttl_s: float | None) -> None:
-        if not isinstance(num_servers, int) or num_servers <= 0:
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers <= 0:
             raise ValueError(f"num_servers: expected a positive int, got {num_servers!r}")
-        if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
-            raise ValueError(f"ttl_s: expected a positive number of seconds or None, got {ttl_s!r}")
+        if ttl_s is not None and (
+            not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not 0 < ttl_s < math.inf
+        ):
+            raise ValueError(f"ttl_s: expected a finite positive number of seconds or None, got {ttl_s!r}")
         self.ttl_s = ttl_s
         self._loads = [0] * num_servers
         self._counts = [0] * num_servers
@@ -92,10 +95,19 @@ class LoadLedger:
         return self._live.get(request_id)
 
     def reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any = None) -> Reservation:
+        """Add ``weight`` to server index ``server`` for ``request_id`` (checked; the routers call
+        :meth:`_reserve` with values they have checked already)."""
         if request_id in self._live:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
-        if weight < 0:
-            raise ValueError(f"weight: expected a non-negative load, got {weight}")
+        if type(server) is not int or not 0 <= server < len(self._loads):
+            raise ValueError(f"server: expected a server index in [0, {len(self._loads)}), got {server!r}")
+        if type(weight) is not int or weight < 0:
+            raise ValueError(f"weight: expected a non-negative int load, got {weight!r}")
+        if not isinstance(now, (int, float)) or not math.isfinite(now):
+            raise ValueError(f"now: expected a finite time in seconds, got {now!r}")
+        return self._reserve(request_id, server, weight, now, payload)
+
+    def _reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any) -> Reservation:
         self._seq += 1
         deadline = now + self.ttl_s if self.ttl_s is not None else float("inf")
         res = Reservation(request_id, server, weight, deadline, self._seq, payload)
@@ -118,8 +130,15 @@ class LoadLedger:
 
     def expire(self, now: float) -> list[Reservation]:
         """Release every reservation whose deadline is at or before ``now``."""
+        if not isinstance(now, (int, float)) or math.isnan(now):
+            raise ValueError(f"now: expected a time in seconds, got {now!r}")
+        return self._expire(now)
+
+    def _expire(self, now: float) -> list[Reservation]:
         out: list[Reservation] = []
         heap = self._deadlines
+        if not heap or heap[0][0] > now:
+            return out
         while heap and heap[0][0] <= now:
             _, seq, request_id = heapq.heappop(heap)
             res = self._live.get(request_id)

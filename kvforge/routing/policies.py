@@ -9,17 +9,20 @@
   tree. Defaults are SGLang's (0.3, 64, 1.5).
 
 All of them charge a server the whole prompt in tokens and reclaim unfinished requests after a time-to-live.
+Like the conversation router, each is thread-safe (one lock per public call) and checks its inputs first.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from kvforge.kvcache.events import KVEvent
+from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvforge.routing.load import LoadLedger, RequestInFlightError, server_tuple
 from kvforge.routing.request import RouteRequest, request_content
+from kvforge.routing.router import _check_request_id, _finite_number, _finite_time
 from kvforge.routing.trie import ServerPrefixIndex
 
 __all__ = ["CacheAwareRouter", "LeastLoadRouter", "RoundRobinRouter", "Router"]
@@ -54,8 +57,10 @@ class _LedgerRouter:
     ) -> None:
         if not isinstance(tokens_per_block, int) or isinstance(tokens_per_block, bool) or tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block: expected a positive int, got {tokens_per_block!r}")
-        if not isinstance(chars_per_token, (int, float)) or not chars_per_token > 0:
-            raise ValueError(f"chars_per_token: expected a positive number, got {chars_per_token!r}")
+        if not _finite_number(chars_per_token) or not chars_per_token > 0:
+            raise ValueError(f"chars_per_token: expected a finite positive number, got {chars_per_token!r}")
+        if request_ttl_s is not None and (not _finite_number(request_ttl_s) or not request_ttl_s > 0):
+            raise ValueError(f"request_ttl_s: expected a finite positive number or None, got {request_ttl_s!r}")
         if not callable(clock):
             raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
         self.servers = server_tuple(servers)
@@ -63,13 +68,16 @@ class _LedgerRouter:
         self.chars_per_token = chars_per_token
         self._ledger = LoadLedger(len(self.servers), request_ttl_s)
         self._clock = clock
+        self._lock = threading.Lock()
         self._index_of = {s: i for i, s in enumerate(self.servers)}
 
     def loads(self) -> dict[Hashable, int]:
-        return dict(zip(self.servers, self._ledger.loads))
+        with self._lock:
+            return dict(zip(self.servers, self._ledger.loads))
 
     def load(self, server: Hashable) -> int:
-        return self._ledger.load(self._server_index(server))
+        with self._lock:
+            return self._ledger.load(self._server_index(server))
 
     def _server_index(self, server: Hashable) -> int:
         try:
@@ -80,23 +88,33 @@ class _LedgerRouter:
     def route(self, request: RouteRequest) -> Hashable:
         if not isinstance(request, RouteRequest):
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
-        now = self._clock()
-        self._ledger.expire(now)
-        if request.request_id in self._ledger:
-            raise RequestInFlightError(f"request {request.request_id!r} is already in flight")
-        hashes, num_tokens = request_content(request, self.tokens_per_block, self.chars_per_token)
-        server = self._pick(hashes, num_tokens)
-        self._ledger.reserve(request.request_id, server, num_tokens, now)
-        return self.servers[server]
+        keys, num_tokens = request_content(request, self.tokens_per_block, self.chars_per_token)
+        with self._lock:
+            now = _finite_time(self._clock())
+            self._ledger.expire(now)
+            if request.request_id in self._ledger:
+                raise RequestInFlightError(f"request {request.request_id!r} is already in flight")
+            server = self._pick(keys, num_tokens)
+            self._ledger.reserve(request.request_id, server, num_tokens, now)
+            return self.servers[server]
 
     def finish(self, request_id: Hashable, success: bool = True) -> bool:
-        self._ledger.expire(self._clock())
-        return self._ledger.release(request_id) is not None
+        _check_request_id(request_id)
+        if not isinstance(success, bool):
+            raise TypeError(f"success: expected a bool, got {type(success).__name__}")
+        with self._lock:
+            self._ledger.expire(_finite_time(self._clock()))
+            return self._ledger.release(request_id) is not None
 
     def on_event(self, server: Hashable, event: KVEvent) -> None:
-        self._server_index(server)  # baselines ignore cache events, but still reject an unknown server
+        # Baselines ignore cache events, but still reject an unknown server or something that is no event.
+        self._server_index(server)
+        if not isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            raise TypeError(
+                f"event: expected a BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}"
+            )
 
-    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+    def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
         raise NotImplementedError
 
 
@@ -105,7 +123,7 @@ class RoundRobinRouter(_LedgerRouter):
         super().__init__(servers, **kwargs)
         self._next = 0
 
-    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+    def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
         s = self._next
         self._next = (s + 1) % len(self.servers)
         return s
@@ -116,7 +134,7 @@ class LeastLoadRouter(_LedgerRouter):
         super().__init__(servers, **kwargs)
         self._rotor = 0
 
-    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+    def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
         loads = self._ledger.loads
         n = len(loads)
         best = self._rotor % n
@@ -142,18 +160,22 @@ class CacheAwareRouter(_LedgerRouter):
         **kwargs: Any,
     ) -> None:
         super().__init__(servers, **kwargs)
-        if not isinstance(cache_threshold, (int, float)) or not 0.0 <= cache_threshold <= 1.0:
+        if not _finite_number(cache_threshold) or not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold: expected a number in [0, 1], got {cache_threshold!r}")
-        if not isinstance(balance_abs_threshold, int) or balance_abs_threshold < 0:
+        if (
+            not isinstance(balance_abs_threshold, int)
+            or isinstance(balance_abs_threshold, bool)
+            or balance_abs_threshold < 0
+        ):
             raise ValueError(f"balance_abs_threshold: expected an int >= 0, got {balance_abs_threshold!r}")
-        if not isinstance(balance_rel_threshold, (int, float)) or balance_rel_threshold < 1.0:
+        if not _finite_number(balance_rel_threshold) or balance_rel_threshold < 1.0:
             raise ValueError(f"balance_rel_threshold: expected a number >= 1, got {balance_rel_threshold!r}")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self._trees = ServerPrefixIndex(len(self.servers), tree_capacity_blocks)
 
-    def _pick(self, hashes: Sequence[int], num_tokens: int) -> int:
+    def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
         n = len(self.servers)
         queued = [self._ledger.in_flight(s) for s in range(n)]
         lo, hi = min(queued), max(queued)

@@ -1,16 +1,17 @@
-"""What a router sees of a request: its content (token ids, text or precomputed block hashes) and identity.
+"""What a router sees of a request: its content (token ids, text or precomputed block keys) and identity.
 
-A router never needs the prompt itself, only the chained block hashes of its full blocks and its length in
-tokens. Three ways to give them:
+A router never needs the prompt itself, only the block keys of its full blocks and its length in tokens. Three
+ways to give them:
 
-- ``token_ids``: hashed with :func:`kvforge.kvcache.hashing.block_hashes`, the same hashes a server's KV cache
-  publishes in its block events.
-- ``text`` (no tokenizer at the router): hashed over code points in blocks of ``tokens_per_block *
-  chars_per_token`` characters and estimated at ``ceil(len / chars_per_token)`` tokens. These hashes only match
+- ``token_ids``: keyed by :mod:`kvforge.kvcache.hashing`, the same keys a server's KV cache publishes in its
+  block events.
+- ``text`` (no tokenizer at the router): keyed over code points in blocks of ``tokens_per_block *
+  chars_per_token`` characters and estimated at ``ceil(len / chars_per_token)`` tokens. These keys only match
   other text requests (never a server's token blocks).
-- ``block_hashes`` + ``num_tokens``: hashes computed elsewhere (a trace's ``hash_ids``, a gateway that already
-  tokenised), one per ``tokens_per_block`` tokens of the prompt and chained by prefix: equal hashes at position
-  ``i`` mean equal prompts up to the end of block ``i``.
+- ``block_keys`` + ``num_tokens``: keys computed elsewhere (a trace's ``hash_ids``, a gateway that already
+  tokenised), one per ``tokens_per_block`` tokens, each an ``int`` or 16 ``bytes`` (:func:`check_block_keys`).
+  Keys are meant to be chained by prefix (equal keys at position ``i`` mean equal prompts up to block ``i``);
+  the router stays consistent when they are not, it only matches less well.
 """
 
 from __future__ import annotations
@@ -20,9 +21,39 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.kvcache.hashing import block_hashes
+from kvforge.kvcache.hashing import block_keys as _hash_token_blocks
 
-__all__ = ["RouteRequest", "RoutingKey", "request_content"]
+__all__ = ["BlockKeys", "RouteRequest", "RoutingKey", "check_block_keys", "request_content"]
+
+BlockKeys = tuple[int | bytes, ...]
+
+_KEY_BYTES = 16
+
+
+def check_block_keys(keys: object, name: str = "block_keys") -> BlockKeys:
+    """``keys`` as a tuple, checked: a sequence of ``int`` (not bool) or of 16-byte ``bytes``, not a mix.
+
+    Raises TypeError for a str/bytes in place of the sequence, a non-sequence, or any other element type
+    (str, bool, float, None, ...), and ValueError for ``bytes`` of another length. The checks run at C speed
+    (``map``/``set``), since they sit on every routing decision.
+    """
+    if isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence):
+        raise TypeError(f"{name}: expected a sequence of block keys (ints or 16-byte bytes), got {type(keys).__name__}")
+    t: tuple[Any, ...] = tuple(keys)
+    if not t:
+        return t
+    kinds = set(map(type, t))
+    if kinds == {int}:
+        return t
+    if kinds == {bytes}:
+        if set(map(len, t)) != {_KEY_BYTES}:
+            bad = next(k for k in t if len(k) != _KEY_BYTES)
+            raise ValueError(f"{name}: expected {_KEY_BYTES}-byte keys, got one of {len(bad)} bytes")
+        return t
+    if kinds == {int, bytes}:
+        raise TypeError(f"{name}: expected keys of one kind (all int or all bytes), got a mix")
+    bad_kind = next(k for k in kinds if k is not int and k is not bytes)
+    raise TypeError(f"{name}: expected int or 16-byte bytes keys, got a {bad_kind.__name__}")
 
 
 def _check_count(name: str, value: object) -> None:
@@ -41,17 +72,17 @@ def _check_conversation_id(value: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """One request to place. Give ``token_ids``, ``text``, or ``block_hashes`` with ``num_tokens``.
+    """One request to place. Give ``token_ids``, ``text``, or ``block_keys`` with ``num_tokens``.
 
-    ``block_hashes`` may accompany ``token_ids``/``text`` to skip hashing them again; ``num_tokens`` then
+    ``block_keys`` may accompany ``token_ids``/``text`` to skip keying them again; ``num_tokens`` then
     defaults to the token count (or the text estimate). ``scope`` is the reuse scope (LoRA id, salt) the
-    server's cache hashes under.
+    server's cache keys under. ``block_keys`` is stored as the checked tuple (:func:`check_block_keys`).
     """
 
     request_id: Hashable
     token_ids: Sequence[int] | None = None
     text: str | None = None
-    block_hashes: Sequence[int] | None = None
+    block_keys: Sequence[int | bytes] | None = None
     num_tokens: int | None = None
     conversation_id: str | None = None
     scope: Hashable | None = None
@@ -63,20 +94,22 @@ class RouteRequest:
             hash(self.request_id)
         except TypeError:
             raise TypeError(f"request_id: expected a hashable id, got {type(self.request_id).__name__}") from None
-        if self.token_ids is None and self.text is None and self.block_hashes is None:
-            raise ValueError("RouteRequest: expected token_ids, text or block_hashes (with num_tokens), got none")
+        if self.token_ids is None and self.text is None and self.block_keys is None:
+            raise ValueError("RouteRequest: expected token_ids, text or block_keys (with num_tokens), got none")
         if self.token_ids is not None and self.text is not None:
             raise ValueError("RouteRequest: expected token_ids or text, not both")
         if self.text is not None and not isinstance(self.text, str):
             raise TypeError(f"text: expected a str, got {type(self.text).__name__}")
-        if self.token_ids is not None and isinstance(self.token_ids, (str, bytes)):
-            raise TypeError("token_ids: expected a sequence of ints, got a string")
-        if self.block_hashes is not None and isinstance(self.block_hashes, (str, bytes)):
-            raise TypeError("block_hashes: expected a sequence of ints, got a string")
+        if self.token_ids is not None and (
+            isinstance(self.token_ids, (str, bytes, bytearray)) or not isinstance(self.token_ids, Sequence)
+        ):
+            raise TypeError(f"token_ids: expected a sequence of ints, got {type(self.token_ids).__name__}")
+        if self.block_keys is not None:
+            object.__setattr__(self, "block_keys", check_block_keys(self.block_keys))
         if self.num_tokens is not None:
             _check_count("num_tokens", self.num_tokens)
         elif self.token_ids is None and self.text is None:
-            raise ValueError("num_tokens: required when a request carries only block_hashes")
+            raise ValueError("num_tokens: required when a request carries only block_keys")
         _check_conversation_id(self.conversation_id)
 
 
@@ -85,60 +118,61 @@ class RoutingKey:
     """What a coordinator forwards instead of the request: enough to place it and to weigh its load.
 
     ``num_tokens`` is in the router's one load unit (tokens; text is estimated), so the coordinator path and
-    the direct path charge a server the same. ``block_hashes`` lets a new conversation be matched without
-    sending its content again.
+    the direct path charge a server the same. ``block_keys`` lets a new conversation be matched without
+    sending its content again (any sequence is checked and stored as a tuple).
     """
 
     conversation_id: str | None
     num_tokens: int
-    block_hashes: tuple[int, ...] = ()
+    block_keys: BlockKeys = ()
 
     def __post_init__(self) -> None:
         _check_conversation_id(self.conversation_id)
         _check_count("num_tokens", self.num_tokens)
-        if not isinstance(self.block_hashes, tuple):
-            raise TypeError(f"block_hashes: expected a tuple of ints, got {type(self.block_hashes).__name__}")
+        object.__setattr__(self, "block_keys", check_block_keys(self.block_keys))
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON/msgpack-friendly form (``from_mapping`` reads it back)."""
         return {
             "conversation_id": self.conversation_id,
             "num_tokens": self.num_tokens,
-            "block_hashes": list(self.block_hashes),
+            "block_keys": list(self.block_keys),
         }
 
     @classmethod
     def from_mapping(cls, key: Mapping[str, Any]) -> RoutingKey:
+        """Read :meth:`as_dict`'s form (an older sender's ``block_hashes`` entry is read as ``block_keys``)."""
         if not isinstance(key, Mapping):
             raise TypeError(f"key: expected a RoutingKey or a mapping, got {type(key).__name__}")
         if "num_tokens" not in key:
             raise ValueError("key: expected a 'num_tokens' entry (the request's prompt length in tokens)")
+        keys = key.get("block_keys", key.get("block_hashes"))
         return cls(
             conversation_id=key.get("conversation_id"),
             num_tokens=key["num_tokens"],
-            block_hashes=tuple(key.get("block_hashes") or ()),
+            block_keys=() if keys is None else check_block_keys(keys, "key['block_keys']"),
         )
 
 
-def request_content(request: RouteRequest, tokens_per_block: int, chars_per_token: float) -> tuple[Sequence[int], int]:
-    """The request's block hashes and its length in tokens (text estimated in the same token unit)."""
+def request_content(request: RouteRequest, tokens_per_block: int, chars_per_token: float) -> tuple[BlockKeys, int]:
+    """The request's block keys (a tuple) and its length in tokens (text estimated in the same token unit)."""
     if request.text is not None:
         # Code points, not ``hash(str)``: string hashing is salted per process, so two router processes
         # would disagree about the same text.
         num_tokens = math.ceil(len(request.text) / chars_per_token)
-        hashes = request.block_hashes
-        if hashes is None:
+        keys = request.block_keys
+        if keys is None:
             chars_per_block = max(1, round(tokens_per_block * chars_per_token))
-            hashes = block_hashes([ord(c) for c in request.text], chars_per_block, ("text", request.scope))
+            keys = _hash_token_blocks([ord(c) for c in request.text], chars_per_block, ("text", request.scope))
     elif request.token_ids is not None:
         num_tokens = len(request.token_ids)
-        hashes = request.block_hashes
-        if hashes is None:
-            hashes = block_hashes(request.token_ids, tokens_per_block, request.scope)
+        keys = request.block_keys
+        if keys is None:
+            keys = _hash_token_blocks(request.token_ids, tokens_per_block, request.scope)
     else:
-        num_tokens = 0  # replaced below: __post_init__ guarantees num_tokens with bare hashes
-        hashes = request.block_hashes
+        num_tokens = 0  # replaced below: __post_init__ guarantees num_tokens with bare keys
+        keys = request.block_keys
     if request.num_tokens is not None:
         num_tokens = request.num_tokens
-    assert hashes is not None
-    return hashes, num_tokens
+    assert keys is not None
+    return tuple(keys), num_tokens

@@ -4,11 +4,13 @@ Decision, in order:
 
 1. **Sticky**: a request with a known ``conversation_id`` goes to its session's server (bounded LRU table).
 2. **Implicit match**: a request without an id whose leading blocks cover at least ``match_threshold`` of its
-   blocks in the trie continues the conversation that last added the deepest matched block.
+   blocks in the trie continues the conversation that last added the deepest matched block, unless that block
+   is *common*: held by more than ``specific_max_conversations`` conversations and by more than one server's
+   share (1/servers) of the session table, as a system prompt in front of every request is.
 3. **New conversation**: it follows the matched prefix's server when the match has at least
-   ``new_conversation_min_match_blocks`` blocks and either the mode is ``"always"`` or (``"specific"``) the
-   prefix is held by at most ``specific_max_conversations`` conversations, so that a preamble shared by many
-   conversations spreads them out. Otherwise it goes to the least-loaded server.
+   ``new_conversation_min_match_blocks`` blocks and the prefix is held by at most ``specific_max_conversations``
+   conversations (``"specific"``) or is not common (``"always"``). Otherwise it goes to the least-loaded server,
+   so a preamble shared by everyone spreads conversations out instead of piling them onto one server.
 
 Load, per server, is the sum of the weights of its in-flight requests, in tokens (text estimated at
 ``chars_per_token``; the direct and the coordinator paths use the same unit). ``"specific"`` weighs a request
@@ -25,21 +27,33 @@ backlog after placing the request is near the minimum (:class:`ImbalanceGuard`) 
 backlog plus weighted recomputation (:class:`CostGuard`); and ``prefill_tokens_per_s`` lets the decisions see
 each server's backlog net of the progress its oldest request has made, instead of every in-flight request at
 full weight until its finish arrives.
+
+Inputs are checked before any state changes (block keys: ints or 16-byte bytes; a clock that returns a
+non-finite time raises ValueError). Keys that are not prefix-chained never corrupt the session table; they only
+match less well. The router is thread-safe (one lock per public call).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any
+from typing import Any, Final
 
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvforge.routing.load import LoadLedger, RequestInFlightError, Reservation, server_tuple
-from kvforge.routing.request import RouteRequest, RoutingKey, request_content
+from kvforge.routing.request import (
+    RouteRequest,
+    RoutingKey,
+    _check_conversation_id,
+    check_block_keys,
+    request_content,
+)
 from kvforge.routing.trie import BlockTrie, ServerPrefixIndex
 
 __all__ = ["FOLLOW_MODES", "ConversationRouter", "CostGuard", "ImbalanceGuard", "RouterConfig", "RouterStats"]
@@ -57,6 +71,10 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> None:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class ImbalanceGuard:
     """Keep affinity only while the affine server's backlog (after placing the request) stays within
@@ -72,8 +90,8 @@ class ImbalanceGuard:
     abs_slack_tokens: int = 32768
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rel_slack, (int, float)) or isinstance(self.rel_slack, bool) or self.rel_slack < 0:
-            raise ValueError(f"rel_slack: expected a number >= 0, got {self.rel_slack!r}")
+        if not _finite_number(self.rel_slack) or self.rel_slack < 0:
+            raise ValueError(f"rel_slack: expected a finite number >= 0, got {self.rel_slack!r}")
         _positive_int("abs_slack_tokens", self.abs_slack_tokens, minimum=0)
 
     def limit(self, min_backlog: float) -> float:
@@ -102,8 +120,8 @@ class CostGuard:
 
     def __post_init__(self) -> None:
         w = self.recompute_weight
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 1.0:
-            raise ValueError(f"recompute_weight: expected a number >= 1, got {w!r}")
+        if not _finite_number(w) or not w >= 1.0:
+            raise ValueError(f"recompute_weight: expected a finite number >= 1, got {w!r}")
 
 
 @dataclass(frozen=True)
@@ -136,11 +154,11 @@ class RouterConfig:
         _positive_int("new_conversation_min_match_blocks", self.new_conversation_min_match_blocks, minimum=0)
         _positive_int("specific_max_conversations", self.specific_max_conversations)
         c = self.chars_per_token
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 0:
-            raise ValueError(f"chars_per_token: expected a positive number, got {c!r}")
+        if not _finite_number(c) or not c > 0:
+            raise ValueError(f"chars_per_token: expected a finite positive number, got {c!r}")
         ttl = self.request_ttl_s
-        if ttl is not None and (not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0):
-            raise ValueError(f"request_ttl_s: expected a positive number of seconds or None, got {ttl!r}")
+        if ttl is not None and (not _finite_number(ttl) or not ttl > 0):
+            raise ValueError(f"request_ttl_s: expected a finite positive number of seconds or None, got {ttl!r}")
         if not isinstance(self.use_cache_events, bool):
             raise TypeError(f"use_cache_events: expected a bool, got {type(self.use_cache_events).__name__}")
         if self.imbalance_guard is not None and not isinstance(self.imbalance_guard, (ImbalanceGuard, CostGuard)):
@@ -150,7 +168,7 @@ class RouterConfig:
             )
         _positive_int("log_every_new_conversations", self.log_every_new_conversations)
         r = self.prefill_tokens_per_s
-        if r is not None and (not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r < float("inf")):
+        if r is not None and (not _finite_number(r) or not r > 0):
             raise ValueError(
                 f"prefill_tokens_per_s: expected a positive number (load units per second) or None, got {r!r}"
             )
@@ -180,20 +198,6 @@ class RouterStats:
     evicted_sessions: int = 0
 
 
-class _Session:
-    """A conversation: its server, its latest prompt's blocks, and the tokens assumed cached there."""
-
-    __slots__ = ("baseline", "hashes", "key", "last", "server")
-
-    def __init__(self, key: Hashable, server: int, hashes: Sequence[int], baseline: int) -> None:
-        self.key = key
-        self.server = server
-        self.hashes = hashes
-        self.baseline = baseline
-        self.last: _Placement | None = None  # the placement that set ``baseline``
-
-
-@dataclass(slots=True, eq=False)
 class _Placement:
     """Undo information a reservation carries so a failure can restore its conversation's baseline.
 
@@ -201,21 +205,44 @@ class _Placement:
     finished or reclaimed placement drops it, so a chain only spans requests still in flight or failed.
     """
 
-    session_key: Hashable  # the key, not the session: a reference back from it would make a garbage cycle
-    baseline_before: int
-    prev: _Placement | None
-    failed: bool = False
+    __slots__ = ("baseline_before", "failed", "handle", "prev")
+
+    def __init__(self, handle: int, baseline_before: int, prev: _Placement | None) -> None:
+        self.handle = handle  # the session's integer handle: a reference back would make a garbage cycle
+        self.baseline_before = baseline_before
+        self.prev = prev
+        self.failed = False
+
+
+# A session is a tuple of atoms, (handle, server, keys, baseline), so that the cyclic garbage collector stops
+# tracking it after one young collection: 100,000 session objects made full collections pause decisions.
+_H: Final = 0
+_SRV: Final = 1
+_KEYS: Final = 2
+_BASE: Final = 3
+_Sess = tuple[int, int, tuple[Any, ...], int]
 
 
 @dataclass(slots=True)
 class _Decision:
     kind: int = _NEW
-    session: _Session | None = None
+    key: Hashable = None  # the known session's key
+    session: _Sess | None = None
     target: int | None = None
     target_cached_blocks: int = 0
     known_base: int = 0
     common_blocks: int = 0
     cached: list[int] | None = field(default=None)
+
+
+def _finite_time(t: object) -> float:
+    if type(t) is not float:
+        if type(t) is not int:
+            raise TypeError(f"clock: expected it to return seconds as a float, got {type(t).__name__}")
+        t = float(t)
+    if t - t != 0.0:  # NaN and +-inf alike
+        raise ValueError(f"clock: expected a finite time in seconds, got {t!r}")
+    return t
 
 
 class ConversationRouter:
@@ -224,7 +251,10 @@ class ConversationRouter:
     Direct path: ``route(request) -> server``, then ``finish(request_id, success)``. Coordinator path:
     ``routing_key(request)`` on the front end, ``route_by_key(request_id, key)`` and
     ``finish_request_by_id(request_id, success)`` where the load lives. Cache events: ``on_event(server, ev)``.
-    ``clock`` (seconds, monotonic) is injectable for the time-to-live.
+    ``clock`` (seconds, monotonic, finite) is injectable for the time-to-live.
+
+    Thread-safe: every public method holds one lock for its whole call, so request handlers on several threads
+    may share one router (decisions are serialised; each takes microseconds).
 
     ``prefill_tokens_per_s`` (in the load unit: tokens, uncached ones in ``"always"`` mode) is each server's
     prefill rate as the router assumes it. Set, decisions use :meth:`backlogs` instead of :meth:`loads`: the
@@ -284,13 +314,18 @@ class ConversationRouter:
         self.servers = server_tuple(servers)
         self.config = config
         self.stats = RouterStats()
+        self._lock = threading.Lock()
         self._clock = clock
         self._index_of = {s: i for i, s in enumerate(self.servers)}
         self._ledger = LoadLedger(len(self.servers), config.request_ttl_s)
-        self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()
+        # key -> (handle, server, keys, baseline), least recent first; handle -> key for trie owners.
+        self._sessions: OrderedDict[Hashable, _Sess] = OrderedDict()
+        self._key_of: dict[int, Hashable] = {}
+        # handle -> the session's latest placement, only while it is in flight (or failed and rolled onto).
+        self._last: dict[int, _Placement] = {}
         self._trie = BlockTrie()
         self._cache_index = ServerPrefixIndex(len(self.servers))
-        self._implicit_ids = count()
+        self._handles = count()
         self._rotor = 0
         self._followed_at_last_log = 0
         # Per server, its reservations in placement order (finished ones are skipped when they reach the
@@ -301,34 +336,48 @@ class ConversationRouter:
         )
         self._last_release = [float("-inf")] * n
 
+    def _now(self) -> float:
+        t = self._clock()
+        if t.__class__ is float and t - t == 0.0:  # the common case, without a call
+            return t
+        return _finite_time(t)
+
     # ---------------------------------------------------------------- queries
 
     def load(self, server: Hashable) -> int:
         """The server's load (tokens in flight by this router's estimate)."""
-        return self._ledger.load(self._server_index(server))
+        with self._lock:
+            return self._ledger.load(self._server_index(server))
 
     def loads(self) -> dict[Hashable, int]:
-        return dict(zip(self.servers, self._ledger.loads))
+        with self._lock:
+            return dict(zip(self.servers, self._ledger.loads))
 
     def backlogs(self) -> dict[Hashable, float]:
         """The load each server is judged by when placing: :meth:`loads`, less the estimated progress of its
         oldest in-flight request when ``prefill_tokens_per_s`` is set."""
-        return dict(zip(self.servers, self._backlogs(self._clock())))
+        with self._lock:
+            return dict(zip(self.servers, self._backlogs(self._now())))
 
     def in_flight(self) -> int:
-        return len(self._ledger)
+        with self._lock:
+            return len(self._ledger)
 
     def num_sessions(self) -> int:
-        return len(self._sessions)
+        with self._lock:
+            return len(self._sessions)
 
     def session_server(self, conversation_id: str) -> Hashable | None:
         """The server an explicit conversation sticks to (None if unknown); does not refresh its recency."""
-        s = self._sessions.get(conversation_id)
-        return None if s is None else self.servers[s.server]
+        _check_conversation_id(conversation_id)
+        with self._lock:
+            s = self._sessions.get(conversation_id)
+            return None if s is None else self.servers[s[_SRV]]
 
     def cached_blocks(self, server: Hashable) -> int:
         """Blocks the server's cache events say it holds."""
-        return self._cache_index.blocks(self._server_index(server))
+        with self._lock:
+            return self._cache_index.blocks(self._server_index(server))
 
     def _server_index(self, server: Hashable) -> int:
         try:
@@ -338,20 +387,27 @@ class ConversationRouter:
 
     def sanity_check(self) -> None:
         """Raise AssertionError if the internal state is inconsistent (for tests and simulators; O(state))."""
+        with self._lock:
+            self._sanity_check()
+
+    def _sanity_check(self) -> None:
         loads = [0] * len(self.servers)
         for res in self._ledger.reservations():
             loads[res.server] += res.weight
         assert loads == self._ledger.loads, f"loads {self._ledger.loads} != reservations {loads}"
         assert min(loads) >= 0, f"negative load {loads}"
         assert len(self._sessions) <= self.config.max_sessions
-        refs: dict[int, int] = {}
-        for s in self._sessions.values():
-            for h in s.hashes:
+        assert len(self._key_of) == len(self._sessions), "session handles and sessions differ"
+        refs: dict[Hashable, int] = {}
+        for key, s in self._sessions.items():
+            assert self._key_of.get(s[_H]) == key, f"session {key!r}: handle {s[_H]} maps elsewhere"
+            for h in s[_KEYS]:
                 refs[h] = refs.get(h, 0) + 1
+        assert set(self._last) <= set(self._key_of), "a placement is kept for a session that is gone"
         assert len(refs) == len(self._trie), f"trie holds {len(self._trie)} blocks, sessions {len(refs)}"
         for h, n in refs.items():
             node = self._trie.node(h)
-            assert node is not None and node.refs == n, f"block {h:#x}: {n} sessions, node {node and node.refs}"
+            assert node is not None and node.refs == n, f"block {h!r}: {n} sessions, node {node and node.refs}"
 
     # ---------------------------------------------------------------- routing
 
@@ -359,23 +415,24 @@ class ConversationRouter:
         """Place ``request`` and reserve its load on the chosen server."""
         if not isinstance(request, RouteRequest):
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
-        hashes, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
-        return self.servers[self._place(request.request_id, request.conversation_id, hashes, num_tokens)]
+        keys, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
+        with self._lock:
+            return self.servers[self._place(request.request_id, request.conversation_id, keys, num_tokens)]
 
     def routing_key(self, request: RouteRequest) -> RoutingKey:
-        """What a coordinator forwards: ``{conversation_id, num_tokens}`` (tokens, text estimated) + hashes."""
+        """What a coordinator forwards: ``{conversation_id, num_tokens}`` (tokens, text estimated) + block keys."""
         if not isinstance(request, RouteRequest):
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
-        hashes, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
-        return RoutingKey(request.conversation_id, num_tokens, tuple(hashes))
+        keys, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
+        return RoutingKey(request.conversation_id, num_tokens, keys)
 
     def route_by_key(self, request_id: Hashable, key: RoutingKey | Mapping[str, Any]) -> Hashable:
         """Coordinator path: place a request from its routing key (same rules and weights as ``route``)."""
-        if request_id is None:
-            raise ValueError("request_id: expected a hashable id, got None")
+        _check_request_id(request_id)
         if not isinstance(key, RoutingKey):
             key = RoutingKey.from_mapping(key)
-        return self.servers[self._place(request_id, key.conversation_id, key.block_hashes, key.num_tokens)]
+        with self._lock:
+            return self.servers[self._place(request_id, key.conversation_id, key.block_keys, key.num_tokens)]
 
     def finish_request_by_id(self, request_id: Hashable, success: bool = True) -> bool:
         """Remove exactly the load the request added; False if it is not in flight (unknown or expired).
@@ -383,41 +440,62 @@ class ConversationRouter:
         A failed request restores its conversation's token baseline, so a retry reserves its uncached prompt
         again, unless a newer request of that conversation has set a baseline since.
         """
-        now = self._clock()
+        _check_request_id(request_id)
+        if not isinstance(success, bool):
+            raise TypeError(f"success: expected a bool, got {type(success).__name__}")
+        with self._lock:
+            return self._finish(request_id, success)
+
+    finish = finish_request_by_id
+
+    def _finish(self, request_id: Hashable, success: bool) -> bool:
+        now = self._now()
         self._reclaim(now)
         res = self._ledger.release(request_id)
         if res is None:
             return False
         self._last_release[res.server] = now
         undo: _Placement = res.payload
+        last = self._last
         if success:
             undo.prev = None
+            if last.get(undo.handle) is undo:
+                del last[undo.handle]  # a finished placement at the head rolls nothing back
             return True
         self.stats.failed += 1
         undo.failed = True
-        s = self._sessions.get(undo.session_key)
-        if s is not None and s.last is undo:
+        if last.get(undo.handle) is undo:
+            key = self._key_of[undo.handle]
             # Roll back past every failed placement at the head of the chain: their prompts were never
             # cached. A failure of an older placement, superseded by a newer one, leaves the baseline alone.
             q = undo
             while q.prev is not None and q.prev.failed:
                 q = q.prev
-            s.baseline = q.baseline_before
-            s.last = q.prev
+            h, srv, keys, _ = self._sessions[key]
+            self._sessions[key] = (h, srv, keys, q.baseline_before)
+            if q.prev is None:
+                del last[undo.handle]
+            else:
+                last[undo.handle] = q.prev
         return True
-
-    finish = finish_request_by_id
 
     def reclaim_expired(self) -> int:
         """Release requests older than the time-to-live now; returns how many."""
-        return self._reclaim(self._clock())
+        with self._lock:
+            return self._reclaim(self._now())
 
     def _reclaim(self, now: float) -> int:
         if self.config.request_ttl_s is None:
             return 0
-        expired = self._ledger.expire(now)
+        expired = self._ledger._expire(now)
+        if not expired:
+            return 0
+        last = self._last
         for res in expired:
-            res.payload.prev = None
+            undo: _Placement = res.payload
+            undo.prev = None
+            if last.get(undo.handle) is undo:
+                del last[undo.handle]
             self._last_release[res.server] = now
         self.stats.expired += len(expired)
         return len(expired)
@@ -430,65 +508,80 @@ class ConversationRouter:
         Events are validated always but indexed only with ``use_cache_events``, so a router that does not use
         them spends no memory on them.
         """
+        with self._lock:
+            self._on_event(server, event)
+
+    def on_events(self, server: Hashable, events: Iterable[KVEvent]) -> None:
+        """Consume several events of ``server`` in order (all checked before any is applied)."""
+        if isinstance(events, (str, bytes)) or not isinstance(events, Iterable):
+            raise TypeError(f"events: expected an iterable of KV events, got {type(events).__name__}")
+        events = list(events)
+        with self._lock:
+            checked = [self._check_event(server, ev) for ev in events]
+            for idx, keys, ev in checked:
+                self._apply_event(idx, keys, ev)
+
+    def _on_event(self, server: Hashable, event: KVEvent) -> None:
+        idx, keys, ev = self._check_event(server, event)
+        self._apply_event(idx, keys, ev)
+
+    def _check_event(self, server: Hashable, event: KVEvent) -> tuple[int, tuple[Any, ...], KVEvent]:
         idx = self._server_index(server)
-        use = self.config.use_cache_events
         if isinstance(event, BlockStored):
             if event.tokens_per_block != self.config.tokens_per_block:
                 raise ValueError(
                     f"event.tokens_per_block: expected {self.config.tokens_per_block} (the router's block size), "
-                    f"got {event.tokens_per_block}"
+                    f"got {event.tokens_per_block!r}"
                 )
-            if use:
-                self._cache_index.store(idx, event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            if use:
-                self._cache_index.remove(idx, event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
-            if use:
-                self._cache_index.clear(idx)
-        else:
-            raise TypeError(
-                f"event: expected a BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}"
-            )
+            return idx, _event_keys(event), event
+        if isinstance(event, BlockRemoved):
+            return idx, _event_keys(event), event
+        if isinstance(event, AllBlocksCleared):
+            return idx, (), event
+        raise TypeError(f"event: expected a BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}")
 
-    def on_events(self, server: Hashable, events: Iterable[KVEvent]) -> None:
-        for ev in events:
-            self.on_event(server, ev)
+    def _apply_event(self, idx: int, keys: tuple[Any, ...], event: KVEvent) -> None:
+        if not self.config.use_cache_events:
+            return
+        if isinstance(event, BlockStored):
+            self._cache_index.store(idx, keys)
+        elif isinstance(event, BlockRemoved):
+            self._cache_index.remove(idx, keys)
+        else:
+            self._cache_index.clear(idx)
 
     # ---------------------------------------------------------------- core
 
-    def _place(self, request_id: Hashable, conv: str | None, hashes: Sequence[int], num_tokens: int) -> int:
-        now = self._clock()
+    def _place(self, request_id: Hashable, conv: str | None, keys: tuple[Any, ...], num_tokens: int) -> int:
+        now = self._now()
         self._reclaim(now)
         if request_id in self._ledger:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
-        loads = self._ledger.loads if self._queues is None else self._backlogs(now)
-        d = self._match(conv, hashes, loads)
+        loads: list[float] = self._ledger.loads if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
+        d = self._match(conv, keys, loads)
         chosen = self._choose(d, num_tokens, loads)
         weight = self._weight(d, chosen, num_tokens)
         cfg = self.config
         if d.kind == _KNOWN:
             s = d.session
             assert s is not None
-            if chosen == s.server:
-                baseline_before = s.baseline
+            if chosen == s[_SRV]:
+                baseline_before = s[_BASE]
             else:
                 baseline_before = d.cached[chosen] * cfg.tokens_per_block if d.cached is not None else 0
-            undo = _Placement(s.key, baseline_before, s.last)
-            s.server = chosen
-            self._update_session_blocks(s, hashes, d.common_blocks)
-            self._sessions.move_to_end(s.key)
+            handle = s[_H]
+            undo = _Placement(handle, baseline_before, self._last.get(handle))
+            self._update_session(d.key, s, chosen, keys, d.common_blocks, num_tokens)
         else:
             if d.kind == _FOLLOWED and chosen == d.target:
                 baseline_before = d.target_cached_blocks * cfg.tokens_per_block
             else:
                 baseline_before = d.cached[chosen] * cfg.tokens_per_block if d.cached is not None else 0
-            s = self._new_session(conv, chosen, hashes)
-            undo = _Placement(s.key, min(baseline_before, num_tokens), None)
+            handle = self._new_session(conv, chosen, keys, num_tokens)
+            undo = _Placement(handle, min(baseline_before, num_tokens), None)
             self._count_new_conversation(followed=d.kind == _FOLLOWED and chosen == d.target)
-        s.baseline = num_tokens
-        s.last = undo
-        res = self._ledger.reserve(request_id, chosen, weight, now, undo)
+        self._last[handle] = undo
+        res = self._ledger._reserve(request_id, chosen, weight, now, undo)
         if self._queues is not None:
             q = self._queues[chosen]
             q.append((res, now))
@@ -499,7 +592,7 @@ class ConversationRouter:
         return chosen
 
     def _backlogs(self, now: float) -> list[float]:
-        loads: list[float] = self._ledger.loads  # type: ignore[assignment]  # ints; backlogs subtract fractions
+        loads: list[float] = list(self._ledger.loads)
         rate = self.config.prefill_tokens_per_s
         if self._queues is None or rate is None:
             return loads
@@ -513,46 +606,62 @@ class ConversationRouter:
                 loads[s] -= min(head.weight, rate * max(0.0, now - started))
         return loads
 
-    def _match(self, conv: str | None, hashes: Sequence[int], loads: Sequence[float]) -> _Decision:
+    def _distinctive(self, refs: int) -> bool:
+        """Whether a prefix held by ``refs`` session positions says where a request belongs.
+
+        A prefix held by a few conversations does; so does one held by less than one server's share of the
+        session table (a document some conversations share). A prefix in more than that share (a system
+        prompt in front of everything) does not: following it would pile everyone onto one server, and every
+        server soon caches it anyway.
+        """
+        return refs <= self.config.specific_max_conversations or refs * len(self.servers) <= len(self._sessions)
+
+    def _match(self, conv: str | None, keys: tuple[Any, ...], loads: list[float]) -> _Decision:
         cfg = self.config
         d = _Decision()
         if cfg.use_cache_events:
-            d.cached = self._cache_index.match_lengths(hashes)
+            d.cached = self._cache_index.match_lengths(keys)
+        key: Hashable = conv
         session = self._sessions.get(conv) if conv is not None else None
         if session is not None:
             self.stats.sticky += 1
         else:
-            matched = self._trie.match(hashes)
-            if conv is None and matched and matched >= cfg.match_threshold * len(hashes):
-                last = self._trie.node(hashes[matched - 1])
-                assert last is not None  # matched blocks are in the trie
-                session = self._sessions.get(last.owner)
-                if session is not None:
-                    self.stats.implicit += 1
+            matched = self._trie.match(keys)
+            if conv is None and matched and matched >= cfg.match_threshold * len(keys):
+                node = self._trie.fields(keys[matched - 1])
+                assert node is not None
+                if self._distinctive(node[0]):
+                    key = self._key_of.get(node[1])
+                    session = None if key is None else self._sessions.get(key)
+                    if session is not None:
+                        self.stats.implicit += 1
             if session is None:
-                self._match_new(d, hashes, matched, loads)
+                self._match_new(d, keys, matched, loads)
                 return d
         d.kind = _KNOWN
+        d.key = key
         d.session = session
-        d.target = session.server
-        old = session.hashes
-        k = self._common_blocks(old, hashes)
+        d.target = session[_SRV]
+        old = session[_KEYS]
+        k = self._common_blocks(old, keys)
         d.common_blocks = k
         # An edited history (the prompt no longer extends the previous one) is only cached up to the fork.
-        d.known_base = session.baseline if k == len(old) else min(session.baseline, k * cfg.tokens_per_block)
+        d.known_base = session[_BASE] if k == len(old) else min(session[_BASE], k * cfg.tokens_per_block)
         return d
 
-    def _match_new(self, d: _Decision, hashes: Sequence[int], matched: int, loads: Sequence[float]) -> None:
+    def _match_new(self, d: _Decision, keys: tuple[Any, ...], matched: int, loads: list[float]) -> None:
         cfg = self.config
         if not cfg.matching:
             return
         if matched >= cfg.new_conversation_min_match_blocks:
-            node = self._trie.node(hashes[matched - 1])
-            assert node is not None  # matched blocks are in the trie
-            if cfg.always or node.refs <= cfg.specific_max_conversations:
-                owner = self._sessions.get(node.owner)
+            node = self._trie.fields(keys[matched - 1])
+            assert node is not None
+            refs, owner_handle, node_server = node
+            if refs <= cfg.specific_max_conversations or (cfg.always and self._distinctive(refs)):
+                owner_key = self._key_of.get(owner_handle)
+                owner = None if owner_key is None else self._sessions.get(owner_key)
                 d.kind = _FOLLOWED
-                d.target = owner.server if owner is not None else node.server
+                d.target = owner[_SRV] if owner is not None else node_server
                 d.target_cached_blocks = matched
         if d.cached is not None and (d.kind == _FOLLOWED or cfg.always):
             # The servers' own events beat the router's memory: follow where the prefix is actually cached,
@@ -583,7 +692,7 @@ class ConversationRouter:
             return max(num_tokens - d.cached[server] * cfg.tokens_per_block, 0)
         return num_tokens
 
-    def _choose(self, d: _Decision, num_tokens: int, loads: Sequence[float]) -> int:
+    def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
         guard = self.config.imbalance_guard
         if d.target is not None and guard is None:
             return d.target
@@ -594,8 +703,9 @@ class ConversationRouter:
             return self._pick_min(loads)
         if varying:
             tpb = self.config.tokens_per_block
-            assert d.cached is not None
-            backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, d.cached)]
+            cached = d.cached
+            assert cached is not None
+            backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
         else:
             backlog = [load + num_tokens for load in loads]
         if d.target is not None:
@@ -608,12 +718,12 @@ class ConversationRouter:
             return d.target
         self.stats.guard_moves += 1
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
-        cached = d.cached
-        if cached is not None:
-            return min(near, key=lambda s: (-cached[s], backlog[s]))
+        held = d.cached
+        if held is not None:
+            return min(near, key=lambda s: (-held[s], backlog[s]))
         return min(near, key=backlog.__getitem__)
 
-    def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: Sequence[float], weight: float) -> int:
+    def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
         if d.target is None and d.cached is None:
             return self._pick_min(loads)  # every server would compute the whole prompt
         scores = [load + weight * self._uncached(d, s, num_tokens) for s, load in enumerate(loads)]
@@ -628,7 +738,7 @@ class ConversationRouter:
             self.stats.guard_moves += 1
         return best
 
-    def _pick_min(self, values: Sequence[float]) -> int:
+    def _pick_min(self, values: list[float]) -> int:
         # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation.
         n = len(values)
         best = self._rotor % n
@@ -643,10 +753,11 @@ class ConversationRouter:
     # ---------------------------------------------------------------- sessions
 
     @staticmethod
-    def _common_blocks(old: Sequence[int], new: Sequence[int]) -> int:
+    def _common_blocks(old: tuple[Any, ...], new: tuple[Any, ...]) -> int:
+        """Length of the common leading run of ``old`` and ``new``, compared in full (keys from a client are
+        not trusted to be chained: a last-block shortcut let a forged prompt desynchronise the trie)."""
         n = len(old)
-        # Chained hashes: equal last blocks mean equal prefixes, so a growing prompt costs one comparison.
-        if n == 0 or (len(new) >= n and new[n - 1] == old[n - 1]):
+        if len(new) >= n and new[:n] == old:
             return n
         k = 0
         for a, b in zip(old, new):
@@ -655,23 +766,30 @@ class ConversationRouter:
             k += 1
         return k
 
-    def _update_session_blocks(self, s: _Session, hashes: Sequence[int], common: int) -> None:
-        if common < len(s.hashes):
-            self._trie.remove(s.hashes[common:])
-        if common < len(hashes):
-            self._trie.add(hashes[common:], s.key, s.server)
-        s.hashes = tuple(hashes)
+    def _update_session(
+        self, key: Hashable, s: _Sess, server: int, keys: tuple[Any, ...], common: int, baseline: int
+    ) -> None:
+        handle, _, old, _ = s
+        if common < len(old):
+            self._trie.remove(old[common:])
+        if common < len(keys):
+            self._trie.add(keys[common:], handle, server)
+        self._sessions[key] = (handle, server, keys, baseline)
+        self._sessions.move_to_end(key)
 
-    def _new_session(self, conv: str | None, server: int, hashes: Sequence[int]) -> _Session:
-        key: Hashable = conv if conv is not None else next(self._implicit_ids)
-        s = _Session(key, server, tuple(hashes), 0)
-        self._sessions[key] = s
-        self._trie.add(s.hashes, s.key, server)
+    def _new_session(self, conv: str | None, server: int, keys: tuple[Any, ...], baseline: int) -> int:
+        handle = next(self._handles)
+        key: Hashable = conv if conv is not None else handle
+        self._sessions[key] = (handle, server, keys, baseline)
+        self._key_of[handle] = key
+        self._trie.add(keys, handle, server)
         while len(self._sessions) > self.config.max_sessions:
             _, old = self._sessions.popitem(last=False)
-            self._trie.remove(old.hashes)
+            self._trie.remove(old[_KEYS])
+            del self._key_of[old[_H]]
+            self._last.pop(old[_H], None)
             self.stats.evicted_sessions += 1
-        return s
+        return handle
 
     def _count_new_conversation(self, followed: bool) -> None:
         st = self.stats
@@ -689,3 +807,16 @@ class ConversationRouter:
                 st.followed,
                 100.0 * st.followed / st.new_conversations,
             )
+
+
+def _check_request_id(request_id: object) -> None:
+    if request_id is None:
+        raise ValueError("request_id: expected a hashable id, got None")
+    try:
+        hash(request_id)
+    except TypeError:
+        raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+
+
+def _event_keys(event: BlockStored | BlockRemoved) -> tuple[Any, ...]:
+    return check_block_keys(event.block_keys, "event.block_keys")

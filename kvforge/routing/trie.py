@@ -1,14 +1,18 @@
-"""Prefix indexes over chained block hashes: what the router remembers, and what each server has cached.
+"""Prefix indexes over block keys: what the router remembers, and what each server has cached.
 
-Because a block hash covers every token before it, the hash at depth ``i`` names the whole path from the root:
-a trie over chained hashes is a flat dict from hash to node, and the longest match of a prompt is its longest
-leading run of hashes present in the dict.
+Block keys are chained (a key covers every token before it), so a trie over them is a flat dict from key to
+node, and the longest match of a prompt is its longest leading run of keys present in the dict. Keys are ints
+or 16-byte ``bytes`` (checked by the router's callers); nothing here relies on the chaining for consistency.
 
 - :class:`BlockTrie` holds the prompts of the conversations in the router's session table, with per block the
-  number of conversations that contain it (how *specific* a prefix is) and the key of the latest one to add it.
+  number of prompt positions that hold it (how *specific* a prefix is) and the integer handle and server of
+  the latest session to add it.
 - :class:`ServerPrefixIndex` holds, per server, the set of blocks it can reuse: exact when fed by the server's
   own KV-cache events, or an LRU-bounded guess built from the router's own placements (as SGLang's
   cache-aware router does).
+
+Both store only ints and keys (no per-block objects), so with millions of blocks they give the cyclic garbage
+collector nothing to traverse. Neither is thread-safe; :class:`~kvforge.routing.ConversationRouter` locks.
 """
 
 from __future__ import annotations
@@ -19,65 +23,120 @@ from typing import NamedTuple
 
 __all__ = ["BlockTrie", "ServerPrefixIndex", "TrieNode"]
 
+_FIELD = 32  # bits of refs and of server in a packed node
+_MASK = (1 << _FIELD) - 1
+
 
 class TrieNode(NamedTuple):
-    """One block: how many sessions contain it, the key of the latest session to add it, and its server then."""
+    """One block: how many session positions hold it, the handle of the latest session to add it, its server."""
 
     refs: int
-    owner: Hashable
+    owner: int
     server: int
 
 
 class BlockTrie:
     """Reference-counted blocks of the prompts the router remembers.
 
-    Nodes are stored as plain tuples of atoms (ints, str keys) rather than objects: the cyclic garbage
-    collector stops tracking such tuples, and with a million blocks in the table a tracked node per block made
-    full collections pause routing for tens of milliseconds.
+    A node is one int, ``refs | server << 32 | owner << 64``: a dict of ints is never tracked by the cyclic
+    garbage collector, whatever its size, so a million blocks cost no collection time. ``owner`` is an integer
+    session handle (the router maps handles to sessions); ``server`` an index below 2**32.
     """
 
     def __init__(self) -> None:
-        self._nodes: dict[int, tuple[int, Hashable, int]] = {}
+        self._nodes: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading blocks of ``hashes`` the trie holds."""
-        nodes = self._nodes
-        n = 0
-        for h in hashes:
-            if h not in nodes:
-                break
-            n += 1
-        return n
+    def match(self, keys: Sequence[Hashable]) -> int:
+        """Number of leading blocks of ``keys`` the trie holds.
 
-    def node(self, block_hash: int) -> TrieNode | None:
-        t = self._nodes.get(block_hash)
-        return None if t is None else TrieNode._make(t)
-
-    def add(self, hashes: Iterable[int], owner: Hashable, server: int) -> None:
-        """Take one reference on each block (creating it), making ``owner`` its latest session."""
+        Exact for prefix-chained keys, where the held blocks of a prompt are always a leading run: the search
+        tries the whole prompt and all but its last block first (a conversation's next turn), then bisects.
+        For keys that are not chained it returns some ``m`` with ``keys[m - 1]`` held and ``keys[m]`` not.
+        """
         nodes = self._nodes
-        for h in hashes:
-            t = nodes.get(h)
-            nodes[h] = (1 if t is None else t[0] + 1, owner, server)
-
-    def remove(self, hashes: Iterable[int]) -> None:
-        """Drop one reference on each block; a block nobody holds any more leaves the trie."""
-        nodes = self._nodes
-        for h in hashes:
-            t = nodes.get(h)
-            if t is None:
-                raise KeyError(f"block {h:#x} is not in the trie (removed more often than added)")
-            if t[0] == 1:
-                del nodes[h]
+        n = len(keys)
+        if n == 0 or keys[0] not in nodes:
+            return 0
+        if keys[n - 1] in nodes:
+            return n
+        if n == 2 or keys[n - 2] in nodes:
+            return n - 1
+        lo, hi = 1, n - 2  # keys[lo - 1] held, keys[hi] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if keys[mid] in nodes:
+                lo = mid + 1
             else:
-                nodes[h] = (t[0] - 1, t[1], t[2])
+                hi = mid
+        return lo
+
+    def node(self, key: Hashable) -> TrieNode | None:
+        v = self._nodes.get(key)
+        return None if v is None else TrieNode(v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK)
+
+    def fields(self, key: Hashable) -> tuple[int, int, int] | None:
+        """``(refs, owner, server)`` of ``key``'s node as a plain tuple (the hot path's :meth:`node`)."""
+        v = self._nodes.get(key)
+        return None if v is None else (v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK)
+
+    def refs(self, key: Hashable) -> int:
+        """How many session positions hold ``key`` (0 when absent)."""
+        return self._nodes.get(key, 0) & _MASK
+
+    def add(self, keys: Iterable[Hashable], owner: int, server: int) -> None:
+        """Take one reference per position on each block (creating it), making ``owner`` its latest session."""
+        if type(owner) is not int or owner < 0:
+            raise ValueError(f"owner: expected a non-negative int session handle, got {owner!r}")
+        if type(server) is not int or not 0 <= server <= _MASK:
+            raise ValueError(f"server: expected a server index in [0, 2**32), got {server!r}")
+        nodes = self._nodes
+        tag = (owner << (2 * _FIELD)) | (server << _FIELD)
+        first = tag | 1
+        get = nodes.get
+        for k in keys:
+            v = get(k)
+            nodes[k] = first if v is None else tag | ((v & _MASK) + 1)
+
+    def remove(self, keys: Sequence[Hashable]) -> None:
+        """Drop one reference per position on each block; a block nobody holds any more leaves the trie.
+
+        Raises KeyError, with the trie unchanged, if some key is held fewer times than ``keys`` lists it.
+        """
+        nodes = self._nodes
+        if len(keys) == 1:
+            v = nodes.get(keys[0])
+            if v is None:
+                raise KeyError(f"block {keys[0]!r} is not in the trie (removed more often than added)")
+            if v & _MASK == 1:
+                del nodes[keys[0]]
+            else:
+                nodes[keys[0]] = v - 1
+            return
+        distinct = set(keys)
+        if len(distinct) == len(keys):
+            if not nodes.keys() >= distinct:  # every key present once is enough (checked at C speed)
+                bad = next(k for k in keys if k not in nodes)
+                raise KeyError(f"block {bad!r} is not in the trie (removed more often than added)")
+        else:
+            need: dict[Hashable, int] = {}
+            for k in keys:
+                need[k] = need.get(k, 0) + 1
+            for k, n in need.items():
+                if nodes.get(k, 0) & _MASK < n:
+                    raise KeyError(f"block {k!r} is not in the trie {n} times (removed more often than added)")
+        for k in keys:
+            v = nodes[k]
+            if v & _MASK == 1:
+                del nodes[k]
+            else:
+                nodes[k] = v - 1
 
 
 class ServerPrefixIndex:
-    """Which blocks each server can reuse, as one bitmask of servers per block hash.
+    """Which blocks each server can reuse, as one bitmask of servers per block key.
 
     ``capacity_blocks=None``: the index is what events say (store / remove / clear), nothing more.
     ``capacity_blocks=N``: each server's set is an LRU of N blocks refreshed by ``store`` (an approximation
@@ -85,7 +144,7 @@ class ServerPrefixIndex:
     """
 
     def __init__(self, num_servers: int, capacity_blocks: int | None = None) -> None:
-        if not isinstance(num_servers, int) or num_servers <= 0:
+        if not isinstance(num_servers, int) or isinstance(num_servers, bool) or num_servers <= 0:
             raise ValueError(f"num_servers: expected a positive int, got {num_servers!r}")
         if capacity_blocks is not None and (
             not isinstance(capacity_blocks, int) or isinstance(capacity_blocks, bool) or capacity_blocks <= 0
@@ -93,61 +152,77 @@ class ServerPrefixIndex:
             raise ValueError(f"capacity_blocks: expected a positive int or None, got {capacity_blocks!r}")
         self.num_servers = num_servers
         self.capacity_blocks = capacity_blocks
-        self._mask: dict[int, int] = {}
-        self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_servers)]
+        self._mask: dict[Hashable, int] = {}
+        # A plain dict of atoms is never tracked by the cyclic GC; an OrderedDict always is (and a full
+        # collection walks every key), so the LRU order is kept only when there is a capacity to enforce.
+        self._blocks: list[dict[Hashable, None]] = [
+            {} if capacity_blocks is None else OrderedDict() for _ in range(num_servers)
+        ]
         self._all = (1 << num_servers) - 1
+
+    def _held(self, server: int) -> dict[Hashable, None]:
+        if type(server) is not int or not 0 <= server < self.num_servers:
+            raise ValueError(f"server: expected a server index in [0, {self.num_servers}), got {server!r}")
+        return self._blocks[server]
 
     def blocks(self, server: int) -> int:
         """Number of blocks server index ``server`` holds."""
-        return len(self._blocks[server])
+        return len(self._held(server))
 
-    def contains(self, server: int, block_hash: int) -> bool:
-        return block_hash in self._blocks[server]
+    def contains(self, server: int, key: Hashable) -> bool:
+        return key in self._held(server)
 
-    def store(self, server: int, hashes: Iterable[int]) -> None:
-        held = self._blocks[server]
+    def store(self, server: int, keys: Iterable[Hashable]) -> None:
+        held = self._held(server)
         mask = self._mask
         bit = 1 << server
-        for h in hashes:
+        cap = self.capacity_blocks
+        if cap is None:
+            for h in keys:
+                if h not in held:
+                    held[h] = None
+                    mask[h] = mask.get(h, 0) | bit
+            return
+        assert isinstance(held, OrderedDict)
+        for h in keys:
             if h in held:
                 held.move_to_end(h)
             else:
                 held[h] = None
                 mask[h] = mask.get(h, 0) | bit
-        cap = self.capacity_blocks
-        if cap is not None:
-            while len(held) > cap:
-                old, _ = held.popitem(last=False)
-                self._clear_bit(old, bit)
+        while len(held) > cap:
+            old, _ = held.popitem(last=False)
+            self._clear_bit(old, bit)
 
-    def remove(self, server: int, hashes: Iterable[int]) -> None:
-        held = self._blocks[server]
+    def remove(self, server: int, keys: Iterable[Hashable]) -> None:
+        held = self._held(server)
         bit = 1 << server
-        for h in hashes:
+        for h in keys:
             if h in held:
                 del held[h]
                 self._clear_bit(h, bit)
 
     def clear(self, server: int) -> None:
+        held = self._held(server)
         bit = 1 << server
-        for h in self._blocks[server]:
+        for h in held:
             self._clear_bit(h, bit)
-        self._blocks[server].clear()
+        held.clear()
 
-    def _clear_bit(self, h: int, bit: int) -> None:
+    def _clear_bit(self, h: Hashable, bit: int) -> None:
         m = self._mask[h] & ~bit
         if m:
             self._mask[h] = m
         else:
             del self._mask[h]
 
-    def match_lengths(self, hashes: Sequence[int]) -> list[int]:
-        """Per server, the number of leading blocks of ``hashes`` it holds (one pass for all servers)."""
+    def match_lengths(self, keys: Sequence[Hashable]) -> list[int]:
+        """Per server, the number of leading blocks of ``keys`` it holds (one pass for all servers)."""
         lengths = [0] * self.num_servers
         get = self._mask.get
         alive = self._all
         i = 0
-        for h in hashes:
+        for h in keys:
             still = get(h, 0) & alive
             dropped = alive & ~still
             while dropped:

@@ -298,7 +298,7 @@ def make_router(
 def route(router: Any, request_id: Hashable, keys: Sequence[BlockKey], num_tokens: int, conv: str | None) -> Hashable:
     from kvforge.routing import RouteRequest
 
-    req = RouteRequest(request_id, block_hashes=keys, num_tokens=num_tokens, conversation_id=conv)  # type: ignore[arg-type]
+    req = RouteRequest(request_id, block_keys=keys, num_tokens=num_tokens, conversation_id=conv)  # type: ignore[arg-type]
     return router.route(req)
 
 

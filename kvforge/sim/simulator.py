@@ -409,7 +409,7 @@ def simulate(
                 routed = router.route(
                     RouteRequest(
                         request_id=arriving.request_id,
-                        block_hashes=arriving.block_keys,
+                        block_keys=arriving.block_keys,
                         num_tokens=arriving.prompt_tokens,
                         conversation_id=arriving.conversation_id,
                     )
