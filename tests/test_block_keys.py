@@ -263,3 +263,40 @@ def test_keys_are_pinned_under_a_fixed_salt(algorithm: str) -> None:
     assert h.partial_key(h.root_key(), toks[:5]) == want["partial"]
     assert h.keys_from_ids([0, 7, 2**64 - 1]) == want["ids"]
     assert h.block_keys([0, 2**32 - 1], 1) == want["edge"]
+
+
+def test_list_path_refuses_bool_lookalikes_among_many_small_ids(hasher: BlockKeyHasher) -> None:
+    # The list path reads 0s and 1s through __index__ and looks at those positions' objects afterwards: a bool
+    # hidden among ordinary ids, or among many 0/1 ids (the one-pass branch), is still named by position.
+    n = 5000
+    ids = [(i * 7919) % 50_000 + 2 for i in range(n)]
+    zero_one = [i & 1 for i in range(n)]
+    for base in (ids, zero_one):
+        for pos in (0, n // 2, n - 1):
+            bad = list(base)
+            bad[pos] = bool(base[pos] & 1)
+            with pytest.raises(TypeError, match=rf"tokens\[{pos}\].*bool"):
+                hasher.block_keys(bad, 16)
+            with pytest.raises(TypeError, match=rf"tokens\[{pos}\].*bool"):
+                hasher.block_keys(tuple(bad), 16)
+    assert hasher.block_keys(zero_one, 16) == hasher.block_keys(np.array(zero_one), 16)
+
+
+def test_list_path_refuses_torch_bool_scalars() -> None:
+    torch = pytest.importorskip("torch")
+    h = BlockKeyHasher(SALT)
+    for flag in (True, False):
+        with pytest.raises(TypeError, match=r"tokens\[1\].*Tensor"):
+            h.block_keys([5, torch.tensor(flag), 7], 1)
+
+
+def test_int_subclasses_read_as_their_value() -> None:
+    import enum
+
+    class Tok(enum.IntEnum):
+        PAD = 0
+        BOS = 1
+        EOS = 2
+
+    h = BlockKeyHasher(SALT)
+    assert h.block_keys([Tok.BOS, Tok.PAD, Tok.EOS, 9], 2) == h.block_keys([1, 0, 2, 9], 2)
