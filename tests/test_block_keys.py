@@ -219,3 +219,84 @@ def test_default_hasher_is_random_per_process_unless_salted(tmp_path) -> None:
     assert salted[0].stdout == salted[1].stdout
     assert salted[0].stdout.strip() == str(BlockKeyHasher(SALT).block_keys([1, 2, 3, 4], 2))
     assert hashing.default_hasher() is hashing.default_hasher()
+
+
+# Keys computed with SALT before the list fast path landed: a change of key derivation (byte order, word size,
+# chaining, seed, root encoding) fails here, and would silently invalidate every key a deployment has exchanged.
+_PINNED = {
+    "xxh3_128": {
+        "blocks": [0x54AF6E516DDFEDDE339ABD8507B6024F, 0x289FA637EA0699EEF0E2371AB1A292A3],
+        "scoped": [0x5964348F80045900E6F5C65DA2254469, 0x2FAB5164EA580E0159778759707F9E49],
+        "root": 0xDD70C455B43D695BC4F41A99EBA2EB21,
+        "partial": 0xAB005D17B4B48AD6D449BEDEE5B190CF,
+        "ids": [
+            0xAD75281229C9D8741AC377FF7B393DC3,
+            0x7190FB20DCE53C8C8741ACED3BBE8308,
+            0xEBCC348956E61D81A1EF6537CADD1092,
+        ],
+        "edge": [0x6C2CEB6FD91FFC8BCFB50EA3795CC30C, 0xC9F37BBDC4E17165D7CA5678FC6E0145],
+    },
+    "sha256": {
+        "blocks": [0xAABF6E657268A66C507401A63AFAEDA2, 0x592B2B913285EEB221F9432E4E769D],
+        "scoped": [0xDA57B3E12B21DC80726FC0F6B2EEB317, 0x11A34FB5CAC51F14A004F185B23A2C4D],
+        "root": 0xE5CA3F8999FD90109C0E3E7D5B44CA65,
+        "partial": 0xCD6CD882821A714A50B7E6F103DDB6F6,
+        "ids": [
+            0x9FA7782DC75D6DC3F281CA33944672C5,
+            0x32DD47DB7C662EED9826CE38B3DFFA17,
+            0x85ED2371DCA1CB69E043DB763F103FCA,
+        ],
+        "edge": [0x4BAE1CE3002BE6479EC09269E1C453F3, 0xB3D8940813B7D7B3E7DE7971B56D24FB],
+    },
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(_PINNED))
+def test_keys_are_pinned_under_a_fixed_salt(algorithm: str) -> None:
+    want = _PINNED[algorithm]
+    h = BlockKeyHasher(SALT, algorithm=algorithm)
+    toks = [(i * 2654435761) % 200003 for i in range(40)]
+    for form in (toks, tuple(toks), np.array(toks, dtype=np.int64), np.array(toks, dtype=np.uint32)):
+        assert h.block_keys(form, 16) == want["blocks"]
+    assert h.block_keys(toks[:8], 4, scope=("lora", 3), cache_salt="tenant-a") == want["scoped"]
+    assert h.root_key() == want["root"]
+    assert h.partial_key(h.root_key(), toks[:5]) == want["partial"]
+    assert h.keys_from_ids([0, 7, 2**64 - 1]) == want["ids"]
+    assert h.block_keys([0, 2**32 - 1], 1) == want["edge"]
+
+
+def test_list_path_refuses_bool_lookalikes_among_many_small_ids(hasher: BlockKeyHasher) -> None:
+    # The list path reads 0s and 1s through __index__ and looks at those positions' objects afterwards: a bool
+    # hidden among ordinary ids, or among many 0/1 ids (the one-pass branch), is still named by position.
+    n = 5000
+    ids = [(i * 7919) % 50_000 + 2 for i in range(n)]
+    zero_one = [i & 1 for i in range(n)]
+    for base in (ids, zero_one):
+        for pos in (0, n // 2, n - 1):
+            bad = list(base)
+            bad[pos] = bool(base[pos] & 1)
+            with pytest.raises(TypeError, match=rf"tokens\[{pos}\].*bool"):
+                hasher.block_keys(bad, 16)
+            with pytest.raises(TypeError, match=rf"tokens\[{pos}\].*bool"):
+                hasher.block_keys(tuple(bad), 16)
+    assert hasher.block_keys(zero_one, 16) == hasher.block_keys(np.array(zero_one), 16)
+
+
+def test_list_path_refuses_torch_bool_scalars() -> None:
+    torch = pytest.importorskip("torch")
+    h = BlockKeyHasher(SALT)
+    for flag in (True, False):
+        with pytest.raises(TypeError, match=r"tokens\[1\].*Tensor"):
+            h.block_keys([5, torch.tensor(flag), 7], 1)
+
+
+def test_int_subclasses_read_as_their_value() -> None:
+    import enum
+
+    class Tok(enum.IntEnum):
+        PAD = 0
+        BOS = 1
+        EOS = 2
+
+    h = BlockKeyHasher(SALT)
+    assert h.block_keys([Tok.BOS, Tok.PAD, Tok.EOS, 9], 2) == h.block_keys([1, 0, 2, 9], 2)

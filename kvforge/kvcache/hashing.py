@@ -8,9 +8,11 @@ block and every block after it). A full block is reused on a key match alone: wi
 hash, two different prefixes share a key with probability about 2**-128 per pair, which is what makes that safe.
 
 Token ids are ints in ``[0, vocab_size)`` (``vocab_size <= TOKEN_ID_LIMIT = 2**32``), hashed as 4-byte little-endian
-words. Accepted: a list/tuple/other sequence of ints (numpy integer scalars included), or a 1-D numpy integer
-array (the fast path). Refused with ``TypeError``: bool, float (numpy floats too), str, None, other objects;
-with ``ValueError``: negative ids, ids at or past the bound. Keys given by callers are checked by
+words. Accepted: a list/tuple/other sequence of ints (numpy integer scalars included; a list is the common,
+fast path), or a 1-D numpy integer array. Refused with ``TypeError``: bool (and any non-int object that reads
+as 0 or 1, such as a 0-d torch bool tensor), float (numpy floats too), str, None, objects without
+``__index__``; with ``ValueError``: negative ids, ids at or past the bound. (Other ``__index__`` objects in a
+sequence are read as their integer value.) Keys given by callers are checked by
 :func:`check_block_keys` (Python ints in range, nothing else).
 
 Algorithms: ``"xxh3_128"`` (default; xxhash's XXH3-128 seeded from the salt: fast, not cryptographic) and
@@ -71,6 +73,10 @@ def _check_vocab(vocab_size: object) -> int:
     return vocab_size
 
 
+def _int_like(kind: type) -> bool:
+    return issubclass(kind, (int, np.integer)) and kind is not bool
+
+
 def _bad_token(name: str, tokens: Sequence[Any], vocab_size: int) -> Exception:
     """The precise error for the first bad element of a sequence (the slow path, taken only on failure)."""
     for i, t in enumerate(tokens):
@@ -100,19 +106,31 @@ def token_array(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN
     if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
         raise TypeError(f"{name}: expected a sequence of int token ids, got {type(tokens).__name__}")
     try:
-        # One C loop converts and range-checks every element; it refuses floats, str, None and any object
-        # without __index__, and accepts Python and numpy ints (and bool, handled below).
-        words = array.array("I", tokens)
+        # One C loop converts and range-checks every element: it refuses floats, str, None and any object
+        # without __index__, and accepts Python and numpy ints (and bool, handled below). fromlist walks a
+        # list's items directly, about 1.4x faster than array("I", seq)'s generic per-item lookup.
+        if isinstance(tokens, list):
+            words = array.array("I")
+            words.fromlist(tokens)
+        else:
+            words = array.array("I", tokens)
     except (TypeError, OverflowError):
         raise _bad_token(name, tokens, vocab_size) from None
     out = np.frombuffer(words, dtype=np.uint32)
     if not _NATIVE_LITTLE:
         out = out.astype(_U32)
     if out.size:
-        # A bool converted to 0 or 1: only those positions need a look at the original objects.
-        small = np.flatnonzero(out <= 1)
-        if small.size and any(isinstance(tokens[i], bool) for i in small.tolist()):
-            raise _bad_token(name, tokens, vocab_size)
+        # A bool, or any other object whose __index__ gives 0 or 1 (a 0-d torch bool tensor), reads as 0 or 1:
+        # only those positions need a look at the original objects, and there only ints (not bool) pass.
+        if int(out.min()) <= 1:
+            small = np.flatnonzero(out <= 1)
+            # Many 0s and 1s: one C pass over every object's type beats fetching them one by one.
+            many = 4 * small.size > out.size
+            kinds = set(map(type, tokens if many else map(tokens.__getitem__, small.tolist())))
+            if not all(_int_like(k) for k in kinds) and (
+                not many or not all(_int_like(type(tokens[i])) for i in small.tolist())
+            ):
+                raise _bad_token(name, tokens, vocab_size)
         if vocab_size < TOKEN_ID_LIMIT and int(out.max()) >= vocab_size:
             raise _bad_token(name, tokens, vocab_size)
     return out
@@ -270,21 +288,20 @@ class BlockKeyHasher:
         if n_blocks <= 0:
             return []
         h = parent.to_bytes(KEY_BYTES, "little")
-        digests: list[bytes] = []
-        append = digests.append
+        keys: list[int] = []
+        append, frm = keys.append, int.from_bytes
         stop = n_blocks * step
         if self.algorithm == "sha256":
             sha = hashlib.sha256
             for i in range(0, stop, step):
                 h = sha(h + data[i : i + step]).digest()[:KEY_BYTES]
-                append(h)
+                append(frm(h, "little"))
         else:
             f, seed = xxhash.xxh3_128_digest, self._seed
             for i in range(0, stop, step):
                 h = f(h + data[i : i + step], seed)
-                append(h)
-        frm = int.from_bytes
-        return [frm(d, "little") for d in digests]
+                append(frm(h, "little"))
+        return keys
 
     def block_keys(
         self,
