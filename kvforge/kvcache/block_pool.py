@@ -170,8 +170,21 @@ class BlockPool:
             pool = page.pool
             pool.n_unlocked += 1
             page.last_used = self.clock
-            if self.eligible(page):
+            # ``eligible`` inlined: this runs once per page of every cache that closes.
+            if not pool.last or not (pool.full_attention and page.block.children):  # type: ignore[union-attr]
                 pool.policy.add(page)
+
+    def unlock_pages(self, pages: Sequence[Page]) -> None:
+        """:meth:`unlock` each of ``pages``, in order (one call per cache release instead of one per page)."""
+        clock = self.clock
+        for page in pages:
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                pool = page.pool
+                pool.n_unlocked += 1
+                page.last_used = clock
+                if not pool.last or not (pool.full_attention and page.block.children):  # type: ignore[union-attr]
+                    pool.policy.add(page)
 
     def attach(self, page: Page, block: Block, priority: int) -> None:
         """Put a fresh locked page (a snapshot) into ``block`` at ``priority`` and unlock it."""
@@ -206,6 +219,24 @@ class BlockPool:
         page = pool.free.pop()
         page.ref_count = 1
         return page
+
+    def alloc_pages(self, group: int, n: int) -> list[Page]:
+        """``n`` GPU pages of ``group`` where an availability check already promised them: the same pages, in the
+        same order and after the same evictions, as ``n`` calls of :meth:`must_alloc` (in one call per request)."""
+        pool = self.gpu[group]
+        free = pool.free
+        # What the free list holds now comes off its end without evicting anything.
+        take = min(n, len(free))
+        out = free[len(free) - take :]
+        out.reverse()
+        del free[len(free) - take :]
+        for _ in range(n - take):
+            if not free and not self.evict_one(pool):
+                raise AssertionError(f"group {group}: the availability check promised a page")
+            out.append(free.pop())
+        for page in out:
+            page.ref_count = 1
+        return out
 
     def must_alloc(self, group: int) -> Page:
         """:meth:`alloc_page` where an availability check already promised the page."""
@@ -301,26 +332,28 @@ class BlockPool:
             return
         block.pages[page.pool.group] = None
         self.free_committed(page)
-        if not block.children and all(p is None for p in block.pages):
+        if not block.children and block.pages.count(None) == len(block.pages):
             self.remove_block(block)
 
     def remove_block(self, block: Block) -> None:
         """Take a block (and then every ancestor left without pages or children) out of the tree."""
+        tree, stats = self.tree, self.stats
         while True:
-            for g, p in enumerate(block.pages):
+            pages = block.pages
+            for g, p in enumerate(pages):
                 if p is not None:
-                    block.pages[g] = None
+                    pages[g] = None
                     self.free_committed(p)
             parent = block.parent
             assert parent is not None
             del parent.children[block.key]
-            self.tree.num_blocks -= 1
-            self.stats.removed_blocks += 1
+            tree.num_blocks -= 1
+            stats.removed_blocks += 1
             if block.num_tokens == self.tokens_per_block:
                 self._removed.append(block.key)
             if parent.parent is None or parent.children:
                 return
-            if any(p is not None for p in parent.pages):
+            if parent.pages.count(None) != len(parent.pages):  # the parent still holds a page
                 break
             block = parent
         for p in parent.pages:
