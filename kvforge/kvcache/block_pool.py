@@ -106,11 +106,22 @@ class BlockPool:
             check_count(f"pages_per_group[{i}]", n)
         if len(pages_per_group) != self.num_groups:
             raise ValueError(f"pages_per_group: expected {self.num_groups} counts, got {len(pages_per_group)}")
-        return all(n <= pool.num_available for n, pool in zip(pages_per_group, self.gpu))
+        return self.has_pages(pages_per_group)
+
+    def has_pages(self, need: Sequence[int]) -> bool:
+        """:meth:`can_allocate` for counts the caller computed itself (no validation: the cache's growth path)."""
+        # A loop, not all() over a generator: this runs on every cache growth.
+        for nd, pool in zip(need, self.gpu):  # noqa: SIM110
+            if nd and nd > len(pool.free) + pool.n_unlocked:
+                return False
+        return True
 
     def fits(self, need: Sequence[int], taken: Sequence[int]) -> bool:
         """Whether ``need`` GPU pages per group can be found after ``taken`` unlocked ones per group get locked."""
-        return all(not nd or nd <= pool.num_available - tk for nd, tk, pool in zip(need, taken, self.gpu))
+        for nd, tk, pool in zip(need, taken, self.gpu):
+            if nd and nd > len(pool.free) + pool.n_unlocked - tk:
+                return False
+        return True
 
     # --- copies and events -------------------------------------------------------------------------------------
 
@@ -162,6 +173,16 @@ class BlockPool:
             if page.policy_data is not None:
                 pool.policy.discard(page)
         page.ref_count += 1
+
+    def lock_pages(self, pages: Sequence[Page]) -> None:
+        """:meth:`lock` each of ``pages`` (a reused prefix: one call per request instead of one per block)."""
+        for page in pages:
+            if page.ref_count == 0:
+                pool = page.pool
+                pool.n_unlocked -= 1
+                if page.policy_data is not None:
+                    pool.policy.discard(page)
+            page.ref_count += 1
 
     def unlock(self, page: Page) -> None:
         """Drop one reference to a committed page; at zero it becomes an eviction candidate."""

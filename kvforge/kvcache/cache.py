@@ -425,12 +425,9 @@ class KVCache:
 
         width = n + (partial is not None)
         pages: list[list[Page | None]] = [[] for _ in range(mgr.num_groups)]
-        lock = bp.lock
         for _, _, lst in plan:
-            for p in lst:
-                lock(p)
-        for p in sources:
-            lock(p)
+            bp.lock_pages(lst)
+        bp.lock_pages(sources)
         full = mgr.full_groups
         for g, ords, lst in plan:
             if onboard[g]:
@@ -562,8 +559,8 @@ class KVCache:
         bp = mgr.block_pool
         old = self._nblocks
         if nblocks > old:
-            need = self._pages_needed(nblocks)
-            if not bp.can_allocate(need):
+            need = mgr.matcher.block_needs(old, nblocks, self._stale_lo)
+            if not bp.has_pages(need):
                 return False
             tpb = mgr.tokens_per_block
             swa = mgr.sliding_groups
