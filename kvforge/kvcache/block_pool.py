@@ -106,11 +106,22 @@ class BlockPool:
             check_count(f"pages_per_group[{i}]", n)
         if len(pages_per_group) != self.num_groups:
             raise ValueError(f"pages_per_group: expected {self.num_groups} counts, got {len(pages_per_group)}")
-        return all(n <= pool.num_available for n, pool in zip(pages_per_group, self.gpu))
+        return self.has_pages(pages_per_group)
+
+    def has_pages(self, need: Sequence[int]) -> bool:
+        """:meth:`can_allocate` for counts the caller computed itself (no validation: the cache's growth path)."""
+        # A loop, not all() over a generator: this runs on every cache growth.
+        for nd, pool in zip(need, self.gpu):  # noqa: SIM110
+            if nd and nd > len(pool.free) + pool.n_unlocked:
+                return False
+        return True
 
     def fits(self, need: Sequence[int], taken: Sequence[int]) -> bool:
         """Whether ``need`` GPU pages per group can be found after ``taken`` unlocked ones per group get locked."""
-        return all(not nd or nd <= pool.num_available - tk for nd, tk, pool in zip(need, taken, self.gpu))
+        for nd, tk, pool in zip(need, taken, self.gpu):
+            if nd and nd > len(pool.free) + pool.n_unlocked - tk:
+                return False
+        return True
 
     # --- copies and events -------------------------------------------------------------------------------------
 
@@ -163,6 +174,16 @@ class BlockPool:
                 pool.policy.discard(page)
         page.ref_count += 1
 
+    def lock_pages(self, pages: Sequence[Page]) -> None:
+        """:meth:`lock` each of ``pages`` (a reused prefix: one call per request instead of one per block)."""
+        for page in pages:
+            if page.ref_count == 0:
+                pool = page.pool
+                pool.n_unlocked -= 1
+                if page.policy_data is not None:
+                    pool.policy.discard(page)
+            page.ref_count += 1
+
     def unlock(self, page: Page) -> None:
         """Drop one reference to a committed page; at zero it becomes an eviction candidate."""
         page.ref_count -= 1
@@ -170,8 +191,21 @@ class BlockPool:
             pool = page.pool
             pool.n_unlocked += 1
             page.last_used = self.clock
-            if self.eligible(page):
+            # ``eligible`` inlined: this runs once per page of every cache that closes.
+            if not pool.last or not (pool.full_attention and page.block.children):  # type: ignore[union-attr]
                 pool.policy.add(page)
+
+    def unlock_pages(self, pages: Sequence[Page]) -> None:
+        """:meth:`unlock` each of ``pages``, in order (one call per cache release instead of one per page)."""
+        clock = self.clock
+        for page in pages:
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                pool = page.pool
+                pool.n_unlocked += 1
+                page.last_used = clock
+                if not pool.last or not (pool.full_attention and page.block.children):  # type: ignore[union-attr]
+                    pool.policy.add(page)
 
     def attach(self, page: Page, block: Block, priority: int) -> None:
         """Put a fresh locked page (a snapshot) into ``block`` at ``priority`` and unlock it."""
@@ -206,6 +240,24 @@ class BlockPool:
         page = pool.free.pop()
         page.ref_count = 1
         return page
+
+    def alloc_pages(self, group: int, n: int) -> list[Page]:
+        """``n`` GPU pages of ``group`` where an availability check already promised them: the same pages, in the
+        same order and after the same evictions, as ``n`` calls of :meth:`must_alloc` (in one call per request)."""
+        pool = self.gpu[group]
+        free = pool.free
+        # What the free list holds now comes off its end without evicting anything.
+        take = min(n, len(free))
+        out = free[len(free) - take :]
+        out.reverse()
+        del free[len(free) - take :]
+        for _ in range(n - take):
+            if not free and not self.evict_one(pool):
+                raise AssertionError(f"group {group}: the availability check promised a page")
+            out.append(free.pop())
+        for page in out:
+            page.ref_count = 1
+        return out
 
     def must_alloc(self, group: int) -> Page:
         """:meth:`alloc_page` where an availability check already promised the page."""
@@ -301,26 +353,28 @@ class BlockPool:
             return
         block.pages[page.pool.group] = None
         self.free_committed(page)
-        if not block.children and all(p is None for p in block.pages):
+        if not block.children and block.pages.count(None) == len(block.pages):
             self.remove_block(block)
 
     def remove_block(self, block: Block) -> None:
         """Take a block (and then every ancestor left without pages or children) out of the tree."""
+        tree, stats = self.tree, self.stats
         while True:
-            for g, p in enumerate(block.pages):
+            pages = block.pages
+            for g, p in enumerate(pages):
                 if p is not None:
-                    block.pages[g] = None
+                    pages[g] = None
                     self.free_committed(p)
             parent = block.parent
             assert parent is not None
             del parent.children[block.key]
-            self.tree.num_blocks -= 1
-            self.stats.removed_blocks += 1
+            tree.num_blocks -= 1
+            stats.removed_blocks += 1
             if block.num_tokens == self.tokens_per_block:
                 self._removed.append(block.key)
             if parent.parent is None or parent.children:
                 return
-            if any(p is not None for p in parent.pages):
+            if parent.pages.count(None) != len(parent.pages):  # the parent still holds a page
                 break
             block = parent
         for p in parent.pages:

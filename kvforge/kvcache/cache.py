@@ -425,12 +425,9 @@ class KVCache:
 
         width = n + (partial is not None)
         pages: list[list[Page | None]] = [[] for _ in range(mgr.num_groups)]
-        lock = bp.lock
         for _, _, lst in plan:
-            for p in lst:
-                lock(p)
-        for p in sources:
-            lock(p)
+            bp.lock_pages(lst)
+        bp.lock_pages(sources)
         full = mgr.full_groups
         for g, ords, lst in plan:
             if onboard[g]:
@@ -562,8 +559,8 @@ class KVCache:
         bp = mgr.block_pool
         old = self._nblocks
         if nblocks > old:
-            need = self._pages_needed(nblocks)
-            if not bp.can_allocate(need):
+            need = mgr.matcher.block_needs(old, nblocks, self._stale_lo)
+            if not bp.has_pages(need):
                 return False
             tpb = mgr.tokens_per_block
             swa = mgr.sliding_groups
@@ -576,8 +573,7 @@ class KVCache:
                     for b in range(old, nblocks):
                         lst.append(bp.must_alloc(g) if b < sinks or b >= lo else None)
                 else:
-                    for _ in range(old, nblocks):
-                        lst.append(bp.must_alloc(g))
+                    lst.extend(bp.alloc_pages(g, nblocks - old))
                 self._note_changed(g, old)
             bp.flush_events()
         else:
@@ -797,13 +793,26 @@ class KVCache:
         default = mgr.default_priority
         const = prios is None
         bp.tick()
+        reused = self.num_reused_blocks
+        shared = self._shared
         for g in mgr.attention_groups:
             lst = self._pages[g]
+            # What ``_release`` does per page, in one pass per group: uncommitted pages go back to the free list,
+            # committed ones take their priority (a reused block's only rises) and are unlocked together.
+            committed: list[Page] = []
             # Deepest first so that, at equal recency, policies see leaves before their ancestors.
             for b in range(len(lst) - 1, -1, -1):
                 p = lst[b]
-                if p is not None:
-                    self._release(p, b, default if const else prios.get((g, b), default))  # type: ignore[union-attr]
+                if p is None:
+                    continue
+                if p.block is None:
+                    bp.free_page(p)
+                    continue
+                priority = default if const else prios.get((g, b), default)  # type: ignore[union-attr]
+                if (b >= reused and b not in shared) or priority > p.priority:
+                    p.priority = priority
+                committed.append(p)
+            bp.unlock_pages(committed)
             self._pages[g] = []
         for g in mgr.recurrent_groups:
             live = self._live[g]
