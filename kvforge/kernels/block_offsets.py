@@ -6,9 +6,9 @@
     out[p, i, 0, b] = index_scales[p] * page            (0 when page < 0; -1 is the bad-page marker)
     out[p, i, 1, b] = out[p, i, 0, b] + kv_offset[p]    (0 when page < 0)
 
-in wrapping int32; other rows of ``out`` are untouched. ``page_indices`` is ``[pools, row_capacity, blocks]`` int32 (any
-strides) or the reference ``[pools, rows, 2, blocks]`` table (plane 0 read). ``out`` decides the device; on a
-GPU the inputs may be device tensors or *pinned* host tensors (a pageable host tensor: ``ValueError``);
+in wrapping int32; other rows of ``out`` are untouched. ``page_indices`` is ``[pools, row_capacity, blocks]``
+int32 (any strides) or the reference ``[pools, rows, 2, blocks]`` table (plane 0 read). ``out`` decides the
+device; on a GPU the inputs may be device tensors or *pinned* host tensors (a pageable host tensor: ``ValueError``);
 ``index_scales`` / ``kv_offset`` may be int sequences. A host ``copy_index`` is range-checked; an out-of-range
 device row yields zeros. Input placement and grid details: ``docs/kernels.md``.
 """
