@@ -2,25 +2,16 @@
 
 The cache manager (``kvforge.kvcache``) provides these; disaggregation never calls the manager itself.
 
-* ``KVLayer``: one layer's page pool on this rank. ``owner`` is ``"target"`` or ``"draft"`` (a drafter sharing
-  the cache appends its layers after the target's); ``layer_id`` numbers the owner's layers over the whole model
-  (target ids run over all PP stages, draft ids from 0); ``group`` is the layer group (life cycle) whose page
-  list addresses the pool; ``pool`` is ``[num_pages, tokens_per_block, elems_per_token]`` in ``dtype``, each token
-  row holding ``heads`` KV heads of ``elems_per_token // heads`` elements, head-major (for MLA one latent "head"
-  of 576 elements). Non-MLA layers keep a head's K and V together in its slice so that a TP head split is one
-  column range per row.
+* ``KVLayer``: one layer's page pool on this rank (``owner`` ``"target"`` or ``"draft"``, ``layer_id``, ``group``,
+  ``pool [num_pages, tokens_per_block, elems_per_token]`` in ``dtype``, ``heads``; ``kind="state"`` for a
+  recurrent state pool ``[num_state_pages, rows, elems]``).
 * ``RequestKV``: a request's pages on this rank, ``page_indices[group][k]`` = the page holding the k-th block
-  this rank holds, in block order. A context rank holds every block of the prompt; a helix generation rank
-  holds its round-robin share (``kvforge.disagg.mapping.helix_blocks``). ``state_pages[group]`` lists the
-  recurrent-state pages that travel whole (the live state first, then snapshots, in an order both sides agree
-  on); both sides must list the same number, or the transfer fails on the message size.
-* State layers (``kind="state"``): a recurrent (linear-attention / SSM) layer's state pool
-  ``[num_state_pages, rows, elems]`` (any rows; e.g. a ``[pages, H, K, V]`` pool viewed ``[pages, H, K * V]``).
-  A state is replicated across TP (like the MLA latent) and goes to every generation rank that holds the layer
-  (every CP rank under helix), from one context rank.
+  this rank holds, in block order, and ``state_pages[group]`` (the recurrent-state pages that travel whole;
+  both sides must list the same number, or the transfer fails on the message size).
 
 :func:`kv_layers_from_manager` and :func:`request_kv_from_cache` build both from a ``KVCacheManager``'s config
-and a cache's pages, given the tensors that the runtime allocated for each layer.
+and a cache's pages, given the tensors that the runtime allocated for each layer. Field meanings in detail:
+``docs/disagg.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Which context rank sends which layers, heads and blocks to which generation rank.
 
 Ranks inside an instance are numbered ``instance_rank = (pp_rank * cp_size + cp_rank) * tp_size + tp_rank``.
+The plan is per instance pair and covers PP (stage layer ranges; draft layers on the last stage), TP (a piece
+carries the intersection of the two sides' KV head ranges; an MLA cache is replicated and sent from one context
+TP rank, round-robin) and CP/helix (the generation instance deals blocks round-robin over its CP ranks; the
+context side has cp = 1). Recurrent state layers travel whole in the pieces with ``with_state``.
 
-* PP: stage p holds target layers ``[sum(layers_per_pp[:p]), sum(layers_per_pp[:p+1]))``; draft layers live on
-  the last stage. A piece carries the intersection of a context stage's layers with a generation stage's.
-* TP: a non-MLA cache splits its KV heads evenly over the attention TP ranks; a piece carries the intersection
-  of the two sides' head ranges, kept as a fraction of the head space (``heads_lo/heads_den`` to
-  ``heads_hi/heads_den``) so target and draft layers with different head counts split alike. An MLA cache is
-  replicated across TP: each generation rank receives everything from one context TP rank, chosen round-robin so
-  the context ranks share the sending.
-* CP (helix): the generation instance deals the prompt's blocks round-robin over its CP ranks, rank r holding
-  blocks r, r + cp, r + 2 cp, ... (lower ranks take the extra block). The context side has cp = 1 and holds all.
+Attention DP is not mapped: ``InstanceLayout.of`` rejects dp_size > 1 (``ValueError``) with
+:func:`kvforge.disagg.peer.attention_dp_problem`, the same rule the peer check applies at registration.
 
-Attention DP (requests spread over DP ranks) is not mapped: which DP group holds a request is per request, and
-the plan here is per instance pair. ``InstanceLayout.of`` rejects dp_size > 1 with
-:func:`kvforge.disagg.peer.attention_dp_problem`, the same rule the peer check applies at registration, so a
-peer is never accepted by one and rejected by the other.
-
-Recurrent state layers (``KVLayer.kind == "state"``) travel whole in the pieces with ``with_state``: every piece
-of an MLA transfer, and the first head span of a generation rank's pieces per context stage otherwise.
+The mapping rules in full: ``docs/disagg.md``.
 """
 
 from __future__ import annotations

@@ -1,50 +1,18 @@
 """Context-side sender and generation-side receiver of KV caches, with sessions, deadlines and status polling.
 
-Life of a transfer (``transfer_id``: an int in ``[0, MAX_TRANSFER_ID)``, unique per attempt, known to both sides):
+``KVSender`` / ``KVReceiver``: ``connect(peer, ranks)`` once per peer instance on both sides (exchanges
+``RankInfo`` and runs the peer checks); then per transfer (``transfer_id`` an int in ``[0, MAX_TRANSFER_ID)``,
+unique per attempt, known to both sides) the generation side calls ``KVReceiver.request(transfer_id, request,
+peer)`` and the context side ``KVSender.send(transfer_id, request, peer)`` on every rank of their instance.
+``check_status`` polls completion (non-blocking, blocking, or until N transfers completed); a transfer is
+complete only when every rank of the receiving instance has all its messages.
 
-1. Registration (once per peer instance): ``connect(peer, ranks)`` on both sides exchanges ``RankInfo`` (msgpack)
-   with every rank of the peer instance and runs the peer checks; both sides then derive the same message plan
-   (``kvforge.disagg.mapping.plan_pieces``).
-2. The generation side calls ``KVReceiver.request(transfer_id, request, peer)`` on every rank of its instance
-   with the pages it allocated; each rank posts one receive per context rank that sends to it.
-3. The context side calls ``KVSender.send(transfer_id, request, peer)`` on every rank of its instance; each rank
-   packs, for each generation rank it serves, the blocks of its layers (target and draft, each in its own dtype)
-   into one message and sends it.
-4. A receiving rank unpacks each message into its pages once all of its messages have arrived, and reports the
-   transfer complete only when every rank of its instance has (the consensus in ``check_status``).
+Failures are bounded: every session has a deadline; a dead or silent peer, a malformed message or a cancellation
+ends it with a reason, and the pages go back through ``release`` exactly once. A failed request may be retried
+under a new transfer id. Over NCCL both sides must start the transfers between two ranks in the same order.
 
-Message layout: a 32-byte header (int64 magic, transfer id, payload bytes, piece index) followed by the packed
-blocks (``kvforge.kernels.kv_pack`` layout) of the piece's layers in ``Piece.layer_keys()`` order. A recurrent
-state layer (``KVLayer.kind == "state"``) contributes its pages ``RequestKV.state_pages[group]`` whole (live
-state and snapshots) in pieces with ``with_state``, and nothing in the others; a sender and a receiver that
-list different numbers of state pages disagree on the message size, and the transfer fails on the header.
-
-Failures are bounded: every session has a deadline. A dead or silent peer, a malformed message or a cancellation
-ends the session with a reason; the pages go back through ``release`` exactly once (receiver: on failure or
-cancellation; on success they hold the request's KV. Sender: when the transfer ends in any way). Buffers of
-operations still posted when a session ends are kept (``orphans``) until the transport finishes or drops them, so
-a late message never lands in memory that was handed back. The same request can then be retried under a new
-transfer id, from the same or another context instance, or recomputed.
-
-Status polling on the generation side (``check_status``): non-blocking, blocking, or until at least N transfers
-completed. Under helix (cp > 1, no attention DP, one PP stage, the group being the TP x CP ranks) a non-blocking
-poll first all-gathers one int64 vector of per-rank receive-session counts and skips the consensus when every
-count is zero. The decision comes from the collective, so every rank takes the same branch.
-
-Ordering: gloo matches messages by tag (the transfer id), so transfers may start in any order. NCCL matches a
-pair's messages in posting order, so over NCCL both sides must start the transfers between two ranks in the
-same order, and a transfer that ends with a receive still posted makes that pair unusable (the transport
-refuses it afterwards instead of letting the stale receive swallow the next message). A posted NCCL receive keeps
-its kernel spinning until the data arrives, so nothing here synchronises the whole device while operations are
-posted: the sender packs every message of a transfer before posting its sends, and the receiver runs each new
-kind of unpack once when it registers a request while idle (kernel tuning synchronises the device).
-
-Posting: on a GPU (or with ``post_async=True``) ``KVSender.send`` packs on the caller's thread and hands the
-messages to one posting thread, which posts them in ``send`` call order on the caller's stream; ``send`` returns
-without waiting for torch's NCCL bookkeeping, which cost more host time per request than everything else in a
-transfer. A message that fails to post fails its transfer at the next poll, like a message that fails in flight.
-
-Neither class is thread-safe: drive each from one thread.
+Neither class is thread-safe: drive each from one thread. Design notes (message layout, ordering, helix
+polling, posting thread): ``docs/disagg.md``.
 """
 
 from __future__ import annotations

@@ -5,39 +5,15 @@ vectors inside a group. Completion is polled (``Handle.done()``), never waited o
 transceiver owns the deadlines, so a dead or silent peer costs a timeout, not a hang. Another engine (NIXL, UCX)
 fits behind the same interface.
 
-``TorchDistTransport`` wraps the default torch.distributed process group:
+``TorchDistTransport`` wraps the default torch.distributed process group (gloo on CPU, NCCL on GPU; building it
+is collective over the world). A peer found dead, or a pair left with a timed-out NCCL receive posted
+(``mark_broken``), is marked broken: later operations with it raise ``TransferError`` at once. Over NCCL, sends
+and receives of a pair are matched in posting order, so both sides must start transfers in the same order;
+initialise the default group with ``device_id``, choose the process group's timeout longer than any transfer
+timeout, and never synchronise the whole device while a receive is posted.
 
-* gloo (CPU): messages live in host memory and are matched by tag, so transfers may be started in any order.
-  gloo's point-to-point work reports completion only from a blocking ``wait()`` (``is_completed()`` stays
-  False until then, and ``wait(timeout)`` closes the connection to the peer when it expires), so each operation
-  is waited on by a daemon thread and polled through a flag. A peer that dies *between* messages ends that
-  wait at once with gloo's "connection closed" error, but one killed *in the middle of* a message does not:
-  gloo's pending wait is not woken by the closed connection and would last until the process group's timeout.
-  So while an operation has been pending for ``PROBE_AFTER_S``, ``done()`` probes its peer at most every
-  ``PROBE_EVERY_S``: it posts a 1-byte receive on a reserved tag (``PROBE_TAG``, never sent), which gloo refuses
-  at once on a closed connection. A dead peer is thus reported (``TransferError``) within about a second; the
-  price is that each probe of a *live* peer leaves one unmatched 1-byte receive posted for the life of the
-  process group (a few per second of a long transfer). A silent peer is bounded by the transceiver's deadline,
-  while the thread keeps waiting until the message arrives or the process group's own timeout (choose it
-  longer than any transfer timeout: when it expires gloo closes the pair). A peer found dead is marked broken:
-  later operations with it raise ``TransferError`` at once (never gloo's raw ``RuntimeError``).
-* NCCL (GPU): messages live on this rank's CUDA device; NCCL ignores tags and matches the sends and receives of
-  a pair in the order they are posted, so both sides must start transfers with a given peer in the same order.
-  NCCL operations run on NCCL's stream and a receive posted before its send *occupies the GPU* (its kernel spins
-  until the data arrives), so the transport keeps every host-side exchange off NCCL: ``all_gather_int64`` (the
-  transceiver's consensus and idle probe) runs over a gloo group of the whole world (``control``, created when
-  the transport is built: building it is collective over the world) and, for a subgroup, over tagged gloo
-  point-to-point messages inside it, so no NCCL collective ever queues behind (or competes with) a posted
-  receive, and ``new_group`` creates no NCCL communicator. Completion is polled with ``work.is_completed()`` (it
-  queries the op's CUDA end event and never blocks); ``work.wait()`` on NCCL only makes the current stream wait
-  for the op, so it is called once the op is known complete, to order later kernels (unpacking) after it.
-  Initialise the default group with ``device_id`` (eager: one communicator for the world, no per-pair
-  communicator created lazily on a rank's first send or receive, which blocks that rank until its peer posts
-  too). A receive that timed out stays posted on NCCL's stream; the pair is unusable afterwards (recreate the
-  process group), which ``TorchDistTransport.mark_broken`` records so later transfers fail at once instead of
-  hanging. Never synchronise the whole device while such a receive is posted: it would wait forever. There is
-  no liveness probe on this path: a dead NCCL peer is noticed at the transceiver's deadline (or by NCCL's own
-  error handling, when enabled), not sooner.
+Backend details (gloo's waiting threads and dead-peer probe, NCCL streams and the gloo control group):
+``docs/disagg.md``.
 """
 
 from __future__ import annotations

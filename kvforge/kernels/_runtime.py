@@ -1,24 +1,14 @@
 """Where kernels run and with which launch configuration.
 
-* ``interpreting()``: True under ``TRITON_INTERPRET=1`` (set automatically by ``kvforge.kernels`` when torch
-  sees no CUDA device), where kernels run on CPU tensors.
-* ``device_capability()`` / ``num_sms()``: queried lazily and cached, never at import, so importing kvforge on a
-  machine without a driver works.
-* ``TunedKernel``: per-SM launch configuration. Candidates come from a table keyed by compute capability with a
-  fallback. On a GPU the best candidate per (arch, key) is taken from the committed file ``tuned/sm<XY>.json``
-  when present, else measured once with ``triton.testing.do_bench`` and remembered (at most ``tune_first``
-  candidates, as each one compiles; ``ConfigTable.keep_arch`` drops those an architecture cannot hold). In the
-  interpreter (where multi-config ``@triton.autotune`` cannot run without a driver) the table's interpreter
-  config is used.
-  The key holds only what changes the best tile (head dims, dtypes, flags), never batch size or lengths.
-* ``TunedKernel.launch_fast``: the same launch for hot paths. The first call per ``spec`` goes through
-  ``JITFunction.run`` (compiles, tunes); later calls with an equal ``spec`` hand the arguments straight to the
-  compiled kernel's launcher, skipping the per-argument binder, cache-key string and launch-metadata work.
-* ``TunedKernel.direct(spec)`` / ``DirectLaunch``: that cached launcher itself, for wrappers that keep a per-call
-  launch plan (prebuilt argument tuples, raw device pointers) and call it with no Python layer in between.
-* ``tensor_key`` / ``PlanCache``: a small cache of such plans keyed by what validation and launch depend on (each
-  tensor's address, shape, strides, dtype and device), so repeated calls with the same buffers skip
-  re-validation while a changed buffer takes the fully checked path again.
+* ``interpreting()``: True under ``TRITON_INTERPRET=1`` (set by ``kvforge.kernels`` when torch sees no CUDA
+  device). ``device_capability()`` / ``num_sms()``: queried lazily and cached, never at import.
+* ``TunedKernel``: per-SM launch configuration, from the committed ``tuned/sm<XY>.json`` when present, else
+  measured once on a GPU; the interpreter uses the table's interpreter config. ``launch_fast`` and
+  ``direct(spec)`` / ``DirectLaunch`` skip the per-call binder work after the first call per ``spec``.
+* ``tensor_key`` / ``PlanCache``: a cache of per-call launch plans keyed by each tensor's address, shape,
+  strides, dtype and device, so a changed buffer takes the fully checked path again.
+
+How tuning and the fast launch paths work: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

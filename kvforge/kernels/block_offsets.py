@@ -1,34 +1,16 @@
 """The device page table: per-request block offsets for every pool, from a host or device page-index table.
 
 ``copy_block_offsets(page_indices, copy_index, index_scales, kv_offset, out)`` writes, for each selected row
-``i < n_seq = len(copy_index)``, pool ``p`` and block ``b`` (``page = page_indices[p, copy_index[i], b]``)::
+``i < len(copy_index)``, pool ``p`` and block ``b`` (``page = page_indices[p, copy_index[i], b]``)::
 
     out[p, i, 0, b] = index_scales[p] * page            (0 when page < 0; -1 is the bad-page marker)
     out[p, i, 1, b] = out[p, i, 0, b] + kv_offset[p]    (0 when page < 0)
 
-Rows ``i >= n_seq`` of ``out`` are left untouched; ``n_seq == 0`` launches nothing. The arithmetic is int32
-and wraps like the reference system's int32 planes.
-
-Where the inputs may live (``out`` decides the device):
-* on a GPU, ``page_indices``, ``copy_index``, ``index_scales`` and ``kv_offset`` may each be a tensor on
-  ``out``'s device or a *pinned* host tensor, which the kernel reads directly through unified addressing
-  (no staging copy). A pageable host tensor cannot be read by the device: ValueError.
-* in the Triton interpreter (a CPU machine) everything is an ordinary CPU tensor.
-* on a GPU machine with a CPU ``out`` (a KV cache manager kept on the host, tests), the same values are
-  computed on the host with torch ops, after the same checks: a compiled kernel cannot write pageable memory.
-``index_scales`` / ``kv_offset`` may also be Python sequences of ints; their device copy is made once and
-cached, so a steady-state call allocates nothing.
-
-``page_indices`` is ``[pools, row_capacity, blocks]`` int32 with any strides, or the reference system's
-``[pools, rows, 2, blocks]`` table, of which plane 0 is read through strides (no copy).
-
-Row indices are checked on the host when ``copy_index`` is a host tensor. A device ``copy_index`` cannot be
-checked without a synchronisation; there, an out-of-range row is treated as a row of bad pages (zeros in both
-planes) instead of reading outside the table.
-
-Grid: axis 0 splits each row into chunks of BLOCK blocks (axis 0 allows 2**31 - 1 programs, so a row of a
-million blocks is just more chunks); axis 1 walks the selected rows and is folded (each program loops over
-rows with a stride of the grid size) past 65,535; axis 2 is the pool, rejected past 65,535.
+in wrapping int32; other rows of ``out`` are untouched. ``page_indices`` is ``[pools, row_capacity, blocks]``
+int32 (any strides) or the reference ``[pools, rows, 2, blocks]`` table (plane 0 read). ``out`` decides the
+device; on a GPU the inputs may be device tensors or *pinned* host tensors (a pageable host tensor: ``ValueError``);
+``index_scales`` / ``kv_offset`` may be int sequences. A host ``copy_index`` is range-checked; an out-of-range
+device row yields zeros. Input placement and grid details: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -3,22 +3,13 @@
 This is the data path of a disaggregated KV transfer: the context side packs a request's blocks of every layer
 into a send buffer, the generation side unpacks the received buffer into its own pages.
 
-Inputs
-* ``pools``: one tensor per layer, ``[num_pages, tokens_per_block, elems_per_token]``, each in its own dtype (e.g.
-  bf16 target layers and an FP8 draft layer); the last dimension contiguous, the page and token strides free.
-* ``page_indices``: per layer, the pages to copy in block order (a 1-D integer tensor or a list of ints). Layers of
-  one layer group usually share one list.
-* ``col_ranges`` (optional): per layer, the element range ``(start, stop)`` of each token row to copy (a slice of
-  KV heads when tensor parallelism differs between the two sides); the whole row by default.
-
-Buffer layout (the wire layout, no padding): for each layer in order, its blocks in order, each block
-``[tokens_per_block, stop - start]`` elements of the layer's dtype, row-major. ``kv_pack_nbytes`` gives its size.
-
-The copy is a byte copy: NaN payloads and FP8 bit patterns travel unchanged. One launch handles every layer: the
-kernel addresses all pools relative to the buffer's pointer, in the widest word (4, 2 or 1 bytes) that divides
-every address, stride and row length, and tells the compiler how far those are aligned so it can use 16-byte
-accesses. ``KVPackPlan`` splits host work (checks, page tables, per-layer metadata; once per transfer) from the
-launches (``pack`` / ``unpack``).
+Inputs: ``pools`` (per layer ``[num_pages, tokens_per_block, elems_per_token]``, own dtype, last dim contiguous),
+``page_indices`` (per layer, the pages to copy in block order) and optional ``col_ranges`` (per layer, the
+``(start, stop)`` element range of each token row; the whole row by default). Buffer layout (no padding): for
+each layer in order, its blocks in order, each ``[tokens_per_block, stop - start]`` of the layer's dtype;
+``kv_pack_nbytes`` gives its size. The copy is a byte copy (NaN payloads and FP8 bit patterns travel unchanged).
+``KVPackPlan`` does the host work (checks, page tables) once per transfer; ``pack`` / ``unpack`` launch.
+Details: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """Absorbed-MLA decode attention over a paged latent cache, split over the keys (flash-decoding) and merged.
 
-Each request b has one query token with H heads, ``q [B, H, D_qk]`` (DeepSeek: 576 = 512 latent + 64 rope, the
-up-projections absorbed into q and the output). All heads share one latent cache row per token, stored in pages:
-``kv_cache [num_pages, page_size, D_qk]``. Token t of request b lives in page ``block_table[b, t // page_size]``
-at row ``t % page_size``; the request has ``seq_lens[b]`` tokens. Keys are whole rows, values are the first
-``v_head_dim`` (512) columns of the same rows:
+One query token per request, ``q [B, H, D_qk]``, over ``kv_cache [num_pages, page_size, D_qk]`` addressed by
+``block_table [B, max_pages]`` and ``seq_lens [B]``; keys are whole rows, values the first ``v_head_dim``
+columns::
 
     s = softmax_scale · q · kᵀ        out = softmax(s) · v        lse = log Σ exp(s)   (natural log, fp32)
 
-A request with ``seq_lens[b] == 0`` gets ``out = 0`` and ``lse = −inf`` (the empty-share convention of
-``merge_attention_states``). q and kv_cache are bf16 (fp16/fp32 also accepted, both the same dtype); out takes
-q's dtype. The keys are cut into ``num_splits`` contiguous shares per request (chosen from the shapes only, so
-no device→host sync and the call is graph-capturable); each share writes an fp32 partial output and lse, and
-``merge_attention_states`` combines them exactly. Checks, before any launch: types, dtypes, shapes, devices
-(meta and non-interpreter CPU refused), ``out``/``lse`` not overlapping any input or each other, and, unless
-``check_values=False``, seq_lens within ``[0, max_pages · page_size]`` and every page id a request reads within
-``[0, num_pages)`` (one device→host read; callers whose tables come from a checked page table may skip it).
-
-Launch variants (per-SM candidates, tuned once per ``config_key``): head tile ``BLOCK_H``, key tile ``BLOCK_N``;
-``USE_TMA`` loads key tiles through 2-D tensor descriptors when a tile lies inside one page and the cache is
-evenly strided; ``SPLIT_DV`` gives each head tile two programs that each write half of the 512 output columns
-(half the accumulator registers, the scores computed twice). bench/bench_mla_decode.py times every candidate.
+A request with ``seq_lens[b] == 0`` gets ``out = 0`` and ``lse = −inf``. q and kv_cache share one dtype (bf16,
+fp16 or fp32); out takes q's dtype. No device→host sync beyond the optional value check, so the call is
+graph-capturable. Checks, before any launch: types, dtypes, shapes, devices (meta and non-interpreter CPU
+refused), ``out``/``lse`` not overlapping any input or each other, and, unless ``check_values=False``,
+seq_lens and page ids in range (one device→host read). Layout, splits and launch variants: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Paired small upload: one SM kernel writes two device buffers from two small pinned host buffers.
 
-Why a kernel: two ``copy_(non_blocking=True)`` are two copy-engine hand-offs that delay the execution stream in
-front of the next step's inputs; one kernel reading pinned memory through unified addressing is one launch.
+``copy_small_pinned_pair`` snapshots both host buffers into a pinned staging slot of its own and launches one
+kernel that reads the snapshot, so callers may refill their host buffers as soon as it returns. It returns
+False and launches nothing when the kernel path does not apply, and the caller then copies as usual: no CUDA
+device, a host buffer that is not a pinned contiguous CPU tensor or holds more than 4 KiB, a destination that
+is not a contiguous CUDA tensor, or a stream being captured into a CUDA graph. Mismatched pairs (dtype,
+element count), meta tensors and (on the kernel path) overlapping destinations are errors, not fallbacks.
+With 64 uploads in flight on a device, the next call waits for the oldest.
 
-Why a snapshot: the kernel runs later than the call returns, and callers refill their host buffers for the
-next step at once (admission, scheduling). So the call first copies both host buffers (on the CPU, one
-``memmove`` each) into a pinned staging slot of its own and the kernel reads that snapshot. torch's pinned
-allocator keeps a block alive for a ``copy_`` it saw, but it does not see a kernel's reads, so the staging
-slots are not handed back to it: per device, one pinned slab holds 64 slots of 2 x 4 KiB, handed out by a
-ring (``StagingRing``), and a slot is reused only after the event recorded behind its kernel (on the stream
-that launched it) has completed. With the ring full (64 uploads in flight) the next call waits for the oldest.
-
-Hot path: the checks of a (host_a, host_b, dev_a, dev_b) set whose addresses, shapes, strides, dtypes and
-devices were seen before are reused (a plan cache, no tensors held); the call then only checks the current
-device and graph capture, takes a slot, snapshots, launches the compiled kernel's launcher with raw device
-addresses for the destinations, and records the slot's event (one driver call each).
-
-``copy_small_pinned_pair`` returns False and launches nothing when the kernel path does not apply, and the
-caller then copies as usual: no CUDA device (CPU torch has no pinned memory), a host buffer that is not a
-pinned contiguous CPU tensor or holds more than 4 KiB, a destination that is not a contiguous CUDA tensor, or
-a stream that is being captured into a CUDA graph (a graph would bake one staging buffer in). Mismatched
-pairs (dtype, element count), meta tensors and (on the kernel path) overlapping destinations are errors, not
-fallbacks.
+Why a kernel, the staging ring and the hot path: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
 """Speculative-decoding bookkeeping: one launch to store a step's outputs per slot, one to build the next inputs.
 
-A *slot* is a request's row in the slot stores, which keep the reference system's layouts and meanings
-(``S`` slots; store widths ``W_new``, ``W_next``, ``W_draft``)::
+A *slot* is a request's row in the slot stores (``SlotStores``: ``new_tokens [W_new, S]``,
+``next_new_tokens [W_next, S]``, ``new_token_counts [S]``, ``next_draft_tokens [S, W_draft]``).
 
-    SlotStores.new_tokens         [W_new,  S]  tokens accepted this step (column per slot; 0 past the count)
-    SlotStores.next_new_tokens    [W_next, S]  the tokens the next step feeds for the slot (golden + drafts)
-    SlotStores.new_token_counts   [S]          how many tokens were accepted this step
-    SlotStores.next_draft_tokens  [S, W_draft] the draft tokens the next step verifies
+* ``slot_scatter``: stores row ``row_begin + r`` of the step's outputs into slot ``slot_ids[r]`` of every store,
+  zero-padded or truncated to the store's width; slots not named in ``slot_ids`` are untouched.
+* ``step_gather``: builds ``input_ids``, ``position_offsets``, ``draft_tokens`` and ``kv_offsets`` of the next
+  step for ``N`` rows of ``T = 1 + draft length`` tokens from the stores.
 
-``slot_scatter`` (one launch, replacing four ``index_copy_``): for each row ``r < N`` of the step, with
-``src = row_begin + r``, ``s = slot_ids[r]`` and ``n = new_token_counts[src]``::
-
-    stores.new_tokens[w, s]        = new_tokens[src, w]      if w < a and w < n else 0    (w < W_new)
-    stores.next_new_tokens[w, s]   = next_new_tokens[src, w] if w < b else 0              (w < W_next)
-    stores.new_token_counts[s]     = n
-    stores.next_draft_tokens[s, w] = next_draft_tokens[src, w] if w < c else 0           (w < W_draft)
-
-so every row is zero-padded or truncated to its store's width. Slots not named in ``slot_ids`` are untouched.
-
-``step_gather`` (one launch) builds the inputs of the next step for ``N`` rows of ``T`` tokens each
-(``T = 1 + draft length``), with ``s = slot_ids[r]`` and ``n = stores.new_token_counts[s]``::
-
-    input_ids[r*T + t]        = stores.next_new_tokens[t, s]      (t < T)
-    position_offsets[r*T + t] = n - T                             (the same for the row's T tokens)
-    draft_tokens[r, k]        = stores.next_draft_tokens[s, k]    (k < K, K = T - 1 unless given)
-    kv_offsets[r]             = n - T
-
-The offsets correct positions and KV lengths that the host advanced by ``T`` assuming every draft token was
-accepted (``n - T <= 0`` when ``1 <= n <= T``).
-
-Slot ids. Host-side (CPU) ``slot_ids`` are checked before the launch: each in ``[0, S)``, and for a scatter no
-duplicates (two rows writing one slot would race; a gather may read a slot twice). Device ``slot_ids`` cannot
-be checked without a synchronisation; the kernels then skip a scatter row whose slot is out of range and
-gather zeros for it. Duplicate device slot ids in a scatter leave the slot holding one of the rows,
-unspecified which (as ``index_copy_`` would).
-
-Both functions accept preallocated outputs and allocate nothing else, so a captured CUDA graph replays them
-after the caller rewrites ``slot_ids`` and the step outputs in place. Call each once before capture (the
-first call compiles and, on a GPU without a committed config, tunes).
+Host (CPU) ``slot_ids`` are checked before the launch (``ValueError``): each in ``[0, S)``, and no duplicates
+for a scatter. Device ``slot_ids`` are not checked (no synchronisation): out-of-range rows are skipped by a
+scatter and read as zeros by a gather. Both functions accept preallocated outputs and allocate nothing else, so
+they are CUDA-graph capturable; call each once before capture (compile, tune). Exact formulas: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -3,22 +3,13 @@
 Every object here is a frozen dataclass that validates itself in ``__post_init__``; a bad value raises
 ``ValueError`` / ``TypeError`` naming the field.
 
-Vocabulary (see ``shared/DESIGN.md``): a *block* is a run of ``tokens_per_block`` tokens in the radix tree; a
-*page* is the memory that holds one block for one *pool group*. Layers whose life cycle and owner are equal
-share one pool group (one page index addresses the same block in every layer of the group), so the group id
-(its position in :attr:`KVCacheConfig.groups`, in order of first appearance in ``layers``) is the index used
-everywhere: page tables, priority callbacks, pool ratios, tier page counts.
+Layers whose life cycle and owner are equal share one *pool group*; the group id (its position in
+:attr:`KVCacheConfig.groups`, in order of first appearance in ``layers``) is the index used everywhere: page
+tables, priority callbacks, pool ratios, tier page counts. Life cycles: ``FULL``, ``SLIDING`` (window plus
+``sink_tokens``) and ``RECURRENT`` (one live state page per request, snapshots in the tree). Owners: ``TARGET``
+or ``DRAFT``; target and draft layers never share a pool group or a partition key.
 
-Life cycles:
-
-* ``FULL``: full attention; a block's page is needed as long as any later token may attend to it.
-* ``SLIDING``: sliding-window attention; a token at position ``p`` attends to positions
-  ``p - window + 1 .. p`` and to the first ``sink_tokens`` tokens, so pages outside that range are *stale*.
-* ``RECURRENT``: a recurrent (linear-attention / SSM) state; a request holds one live state page, and the radix
-  tree holds *snapshots*: one page per block boundary where the state was saved.
-
-Owners: ``TARGET`` (the served model) or ``DRAFT`` (a speculative drafter's layers appended to the target's
-manager). Target and draft layers never share a pool group or a partition key.
+Vocabulary and life cycles in full: ``docs/kvcache.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Block keys: the identity of a block of tokens everywhere in kvforge (cache tree, scheduler, events, router, sim).
 
 A **block key** is a 128-bit unsigned ``int`` (``0 <= key < KEY_LIMIT``): a salted hash of the block's token
-bytes and its parent's key, so one key stands for every token from the start of the sequence. A chain starts
-at a **root key** derived from the hasher's salt, the reuse ``scope`` (LoRA id, ...) and an optional per-request
-``cache_salt`` (tenant isolation: a different salt gives a different root, hence a different key for the first
-block and every block after it). A full block is reused on a key match alone: with 128-bit keys from a salted
-hash, two different prefixes share a key with probability about 2**-128 per pair, which is what makes that safe.
+bytes and its parent's key. A chain starts at a **root key** from the hasher's salt, the reuse ``scope`` and an
+optional per-request ``cache_salt``. Processes that exchange keys must share salt and algorithm.
 
-Token ids are ints in ``[0, vocab_size)`` (``vocab_size <= TOKEN_ID_LIMIT = 2**32``), hashed as 4-byte little-endian
-words. Accepted: a list/tuple/other sequence of ints (numpy integer scalars included; a list is the common,
-fast path), or a 1-D numpy integer array. Refused with ``TypeError``: bool (and any non-int object that reads
-as 0 or 1, such as a 0-d torch bool tensor), float (numpy floats too), str, None, objects without
-``__index__``; with ``ValueError``: negative ids, ids at or past the bound. (Other ``__index__`` objects in a
-sequence are read as their integer value.) Keys given by callers are checked by
-:func:`check_block_keys` (Python ints in range, nothing else).
+Token ids are ints in ``[0, vocab_size)`` (``vocab_size <= TOKEN_ID_LIMIT = 2**32``), given as a sequence of
+ints or a 1-D numpy integer array. ``TypeError``: bool, float, str, None, objects without ``__index__``;
+``ValueError``: negative ids, ids at or past the bound. Keys given by callers are checked by
+:func:`check_block_keys`. Algorithms: ``"xxh3_128"`` (default, not cryptographic) and ``"sha256"``; the salt is
+random per process unless given (``salt=`` or ``$KVFORGE_BLOCK_KEY_SALT``).
 
-Algorithms: ``"xxh3_128"`` (default; xxhash's XXH3-128 seeded from the salt: fast, not cryptographic) and
-``"sha256"`` (hashlib, truncated to 128 bits: use it when tenants may see keys and must not be able to build
-collisions). The salt is random per process unless given (``salt=`` or ``$KVFORGE_BLOCK_KEY_SALT`` in hex for
-the default hasher): processes that exchange keys (a router and its servers) must share salt and algorithm.
+Rationale and the full input rules: ``docs/kvcache.md``.
 """
 
 from __future__ import annotations

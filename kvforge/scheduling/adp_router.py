@@ -1,23 +1,16 @@
 """The attention-DP router: which attention data-parallel rank each new request joins.
 
-With attention DP, every rank runs attention (and holds the KV cache) for its own requests, so where a request
-lands decides both the balance of work and the balance of KV memory. Two modes:
+* **Default**: queued requests are placed in queue order on the least-loaded rank (``(active tokens, active
+  requests, rank)``), or on the ``attention_dp_rank`` they name; a rank at ``max_requests_per_rank`` takes no
+  more.
+* **KV-balanced admission**: a *planner* (:class:`DefaultKvBalancedPlanner`, or a model's
+  ``RuntimeHooks.kv_balanced_admission_planner``) chooses which requests of a window at the head of the queue to
+  admit and where, from each rank's free KV tokens. The library validates the plan, forces admission of a
+  candidate skipped ``max_skipped_rounds`` times, and gives the queue head to an idle rank when a round admits
+  nothing.
 
-* **Default**: every queued request is placed, in queue order, on the rank with the least load, a min-heap over
-  ``(active tokens, active requests, rank)``; a request that names an ``attention_dp_rank`` goes there. A rank
-  at ``max_requests_per_rank`` takes no more (a request that asked for it stays queued).
-* **KV-balanced admission**: only a window of requests at the head of the queue is considered each round, and a
-  *planner* chooses which of them to admit and where, from each rank's free KV tokens. The library's planner
-  (:class:`DefaultKvBalancedPlanner`) admits in queue order, each request to the rank with the most free KV
-  tokens that fits it. A model may declare ``RuntimeHooks.kv_balanced_admission_planner`` (an object with
-  :meth:`~KvBalancedAdmissionPlanner.window` and :meth:`~KvBalancedAdmissionPlanner.plan`) to replace the window
-  and the plan. Whatever the planner, the library keeps the rest: the plan is validated (a requested rank is
-  honoured), a candidate skipped ``max_skipped_rounds`` times is admitted anyway (forced admission, to its
-  requested rank or the least-loaded one), a round that admits nothing while a rank is idle gives the head of
-  the queue to that rank, and the queue and skip counts are kept here.
-
-``candidate_groups`` tells a planner which candidates may be reordered among themselves: candidates of one
-group are interchangeable, groups are in priority order. The FCFS queue here puts every candidate in group 0.
+``candidate_groups`` tells a planner which candidates are interchangeable (groups in priority order; the FCFS
+queue here puts every candidate in group 0). Both modes in full: ``docs/scheduling.md``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The scheduler's request model: what a request asks for, where it stands, and the marks other layers set on it.
 
-A request is given by its prompt in one of two forms:
+A request is given by its prompt either as ``tokens`` (token mode: generated tokens are committed too) or as
+``block_keys`` plus ``prompt_len`` (key mode: only the prompt is committed; ``prompt_len`` alone, ``keyless``,
+reuses and commits nothing).
 
-* **token mode**: ``tokens`` (the prompt's token ids). Its cache hashes them; generated tokens passed to
-  :meth:`Scheduler.on_step_done <kvforge.scheduling.scheduler.Scheduler.on_step_done>` are committed too, so a
-  later turn can reuse the answer.
-* **key mode**: ``block_keys`` (one chained hash per *full* block of the prompt, e.g. a trace's ``hash_ids``)
-  and ``prompt_len``. Only the prompt is ever committed (generated tokens have no keys). ``prompt_len`` alone
-  (no keys: ``keyless``) is valid too: such a request reuses nothing and commits nothing.
-
-States: ``WAITING`` (no GPU pages: new, or preempted with a suspended cache) → ``CONTEXT`` (prefilling in
-chunks) → ``GENERATION`` (one token, plus accepted draft tokens, per step) → ``DONE``. A preempted request
-goes back to ``WAITING``; when it runs again, the tokens to (re)compute are the prompt *and* the tokens
-generated so far (``context_len``), minus what its cache still holds.
-
-Snapshot marks pass between the scheduler and a hybrid manager through the request: the manager writes
-``snapshot_points`` / ``midchunk_snapshot_alignment`` / ``midchunk_pass_point`` with
-:meth:`Request.set_snapshot_marks` (their meaning is documented there); the scheduler writes
+States: ``WAITING`` → ``CONTEXT`` → ``GENERATION`` → ``DONE``; a preempted request goes back to ``WAITING``.
+The manager writes snapshot marks with :meth:`Request.set_snapshot_marks`; the scheduler writes
 ``requested_snapshot_points`` and ``waiting_for_prefix_of``. Bad arguments raise ``TypeError`` / ``ValueError``.
+
+Modes, states and marks in full: ``docs/scheduling.md``.
 """
 
 from __future__ import annotations
