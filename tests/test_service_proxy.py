@@ -355,3 +355,61 @@ def test_streaming_is_passed_through_chunk_by_chunk() -> None:
             assert len(arrivals) >= 3 and arrivals[-1] - arrivals[0] > 0.15
 
     run(main())
+
+
+@pytest.mark.parametrize("policy", ["conversation", "conversation-always"])
+def test_membership_changes_keep_sessions_and_move_only_the_dead_backends_conversations(policy: str) -> None:
+    async def main() -> None:
+        kw = {"tokens_per_s": 4000}
+        async with fleet(3, policy=policy, tokens_per_block=64, backend_kw=kw, health_interval_s=30.0) as (
+            svc, base, backends, s,
+        ):  # fmt: skip
+            by_name = {b.name: b for b in backends}
+            router = svc.fleet._epoch.router
+            prompts = {f"k{i}": "".join(random.Random(i).choice("abcdefgh ") for _ in range(2000)) for i in range(6)}
+
+            async def turn(conv: str) -> str:
+                prompts[conv] += " more" * 20
+                body = {"messages": [{"role": "user", "content": prompts[conv]}], "stream": True, "max_tokens": 2}
+                r = await post_chat(s, base, body, conv)
+                assert r["done"] and r["status"] == 200, r
+                return r["backend"]
+
+            home = {c: await turn(c) for c in prompts}
+            assert len(set(home.values())) == 3  # spread over the fleet
+            a = home["k0"]
+            c = next(n for n in by_name if n != a)
+            # An unrelated backend leaves (admin) and comes back: no other conversation moves.
+            async with s.delete(base + "/admin/backends", params={"url": by_name[c].url}) as r:
+                assert r.status == 200
+            for conv in prompts:
+                got = await turn(conv)
+                assert got != c and (home[conv] == c or got == home[conv]), (conv, home[conv], got)
+                home[conv] = got
+            async with s.post(base + "/admin/backends", json={"url": by_name[c].url}) as r:
+                assert r.status == 201
+            for conv in prompts:
+                assert await turn(conv) == home[conv]
+            assert svc.fleet._epoch.router is router  # one router throughout: sessions were never lost
+            # The backend of k0 dies: its conversations move once (the first request is retried elsewhere) and
+            # stick to their new backend, also after the dead one is back in rotation.
+            await by_name[a].kill()
+            moved = {}
+            for conv in prompts:
+                got = await turn(conv)
+                assert got != a
+                if home[conv] == a:
+                    moved[conv] = got
+                else:
+                    assert got == home[conv], (conv, home[conv], got)
+            assert "k0" in moved and not svc.fleet.backends[by_name[a].url].healthy
+            svc.fleet.set_health(svc.fleet.backends[by_name[a].url], True)
+            assert svc.fleet.backends[by_name[a].url].healthy
+            for _ in range(2):
+                for conv, b in moved.items():
+                    assert await turn(conv) == b
+            assert svc.fleet._epoch.router is router
+            assert await wait_for(lambda: svc.fleet.total_backlog() == 0)
+            router.sanity_check()
+
+    run(main())
