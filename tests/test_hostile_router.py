@@ -667,3 +667,50 @@ def test_four_threads_on_one_router_keep_it_consistent():
     assert set(r.loads().values()) == {0}
     assert r.stats.routed == 4 * 400
     assert math.isclose(r.stats.failed, 4 * 100)
+
+
+_member_op = st.one_of(
+    st.tuples(st.just("route"), _keys),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.booleans()),
+    st.tuples(st.just("add"), st.sampled_from((*SERVERS, "d"))),
+    st.tuples(st.just("remove"), st.sampled_from((*SERVERS, "d"))),
+    st.tuples(st.just("available"), st.sampled_from((*SERVERS, "d")), st.booleans()),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(_member_op, max_size=40), cls=st.sampled_from([RoundRobinRouter, LeastLoadRouter, CacheAwareRouter])
+)
+def test_baseline_routers_keep_the_books_through_membership_changes(ops, cls):
+    r = cls(list(SERVERS), tokens_per_block=TPB, clock=Clock(), request_ttl_s=None)
+    placed: dict[int, int] = {}  # request -> tokens
+    for n, op in enumerate(ops):
+        kind = op[0]
+        if kind == "route":
+            rotation = r.available_servers()
+            request = RouteRequest(n, block_keys=op[1], num_tokens=TPB * len(op[1]) + 1)
+            if not rotation:
+                with pytest.raises(NoServerAvailableError):
+                    r.route(request)
+                continue
+            assert r.route(request) in rotation
+            placed[n] = request.num_tokens
+        elif kind == "finish" and placed:
+            rid = sorted(placed)[op[1] % len(placed)]
+            assert r.finish(rid, success=op[2])
+            del placed[rid]
+        elif kind in ("add", "remove", "available"):
+            member = op[1] in r.servers
+            method = {"add": r.add_server, "remove": r.remove_server}.get(kind, r.set_server_available)
+            if (kind == "add") == member or (kind == "remove" and len(r.servers) == 1):
+                before = (r.servers, r.available_servers(), r._ledger.loads)
+                with pytest.raises(ValueError):
+                    method(*op[1:])
+                assert (r.servers, r.available_servers(), r._ledger.loads) == before
+            else:
+                method(*op[1:])
+        assert sum(r._ledger.loads) == sum(placed.values()) and min(r._ledger.loads) >= 0
+    for rid in list(placed):
+        assert r.finish(rid)
+    assert set(r._ledger.loads) == {0}

@@ -161,12 +161,12 @@ class _LedgerRouter:
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
         keys, num_tokens = request_content(request, self.tokens_per_block, self.chars_per_token)
         with self._lock:
+            if len(self._down) == len(self._slot_server):
+                raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
             now = _finite_time(self._clock())
             self._ledger.expire(now)
             if request.request_id in self._ledger:
                 raise RequestInFlightError(f"request {request.request_id!r} is already in flight")
-            if len(self._down) == len(self._slot_server):
-                raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
             server = self._pick(keys, num_tokens)
             self._ledger.reserve(request.request_id, server, num_tokens, now)
             return self._slot_server[server]

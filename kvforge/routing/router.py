@@ -666,14 +666,17 @@ class ConversationRouter:
     # ---------------------------------------------------------------- core
 
     def _place(self, request_id: Hashable, conv: str | None, keys: tuple[Any, ...], num_tokens: int) -> int:
+        down = self._down
+        if down and len(down) == len(self._slot_server):
+            raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
         now = self._now()
         self._reclaim(now)
         if request_id in self._ledger:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
         loads: list[float] = self._ledger.loads if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
-        down = self._down
         if down:
-            self._exclude_down(loads)
+            for s in down:  # out of rotation: loses every comparison
+                loads[s] = math.inf
         d = self._match(conv, keys, loads)
         if down and d.target in down:
             # Its server left rotation: the conversation is placed afresh (and sticks to where it lands).
@@ -711,13 +714,6 @@ class ConversationRouter:
                 self._queues[chosen] = deque(e for e in q if self._ledger.get(e[0].request_id) is e[0])
         self.stats.routed += 1
         return chosen
-
-    def _exclude_down(self, loads: list[float]) -> None:
-        """Make every server out of rotation lose every comparison (infinite load); raise if none is left."""
-        if len(self._down) == len(loads):
-            raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
-        for s in self._down:
-            loads[s] = math.inf
 
     def _backlogs(self, now: float) -> list[float]:
         loads: list[float] = list(self._ledger.loads)
