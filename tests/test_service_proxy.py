@@ -413,3 +413,44 @@ def test_membership_changes_keep_sessions_and_move_only_the_dead_backends_conver
             router.sanity_check()
 
     run(main())
+
+
+def test_fleet_changes_its_router_in_place() -> None:
+    from kvforge.service.proxy import Fleet, NoBackend, ServiceConfig
+
+    async def main() -> None:
+        cfg = ServiceConfig(backends=["http://h0:1"], policy="conversation", tokens_per_block=64)
+        f = Fleet(cfg)
+        b0 = f.add("http://h0:1")
+        router = f._epoch.router
+        b1 = f.add("http://h1:1")
+        assert f._epoch.router is router and router.servers == (b0.url, b1.url)
+        f.eject(b0, "test")
+        assert not router.is_available(b0.url) and router.available_servers() == (b1.url,)
+        f.eject(b1, "test")
+        with pytest.raises(NoBackend):  # every backend out of rotation
+            f.place("r0", [1, 2], 128, "c")
+        f.set_health(b0, True)
+        assert router.available_servers() == (b0.url,)
+        ep, b = f.place("r1", [1, 2], 128, "c")
+        assert b is b0 and ep.router is router
+        assert await f.remove(b0.url)  # in flight on it: still finishes exactly
+        assert router.servers == (b1.url,) and router.available_servers() == ()
+        f.finish(ep, "r1", True)
+        assert router.in_flight() == 0 and set(router._ledger.loads) == {0}
+        # A backend with KV events joining a conversation router built without them: rebuilt with events,
+        # the unhealthy member kept out of rotation.
+        b2 = f.add("http://h2:1", kv_events="tcp://127.0.0.1:1")
+        assert f._epoch.router is not router and f._epoch.router.config.use_cache_events
+        assert f._epoch.router.servers == (b1.url, b2.url)
+        assert f._epoch.router.available_servers() == (b2.url,)
+        router = f._epoch.router
+        f.add("http://h3:1", kv_events="tcp://127.0.0.1:2")
+        assert f._epoch.router is router  # already has events
+        for u in list(f.backends):
+            assert await f.remove(u)
+        assert f._epoch is None
+        with pytest.raises(NoBackend):
+            f.place("r2", [1], 64, None)
+
+    run(main())
