@@ -675,8 +675,8 @@ class ConversationRouter:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
         loads: list[float] = self._ledger.loads if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
         if down:
-            for s in down:  # out of rotation: loses every comparison
-                loads[s] = math.inf
+            for i in down:  # out of rotation: loses every comparison
+                loads[i] = math.inf
         d = self._match(conv, keys, loads)
         if down and d.target in down:
             # Its server left rotation: the conversation is placed afresh (and sticks to where it lands).
@@ -745,8 +745,8 @@ class ConversationRouter:
         d = _Decision()
         if cfg.use_cache_events:
             d.cached = cached = self._cache_index.match_lengths(keys)
-            for s in self._down:  # a server out of rotation caches nothing a new placement could use
-                cached[s] = 0
+            for i in self._down:  # a server out of rotation caches nothing a new placement could use
+                cached[i] = 0
         key: Hashable = conv
         session = self._sessions.get(conv) if conv is not None else None
         if session is not None:
