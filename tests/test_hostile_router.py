@@ -21,6 +21,7 @@ from kvforge.routing import (
     ImbalanceGuard,
     LeastLoadRouter,
     LoadLedger,
+    NoServerAvailableError,
     RequestInFlightError,
     RoundRobinRouter,
     RouterConfig,
@@ -62,7 +63,10 @@ def state(r: ConversationRouter) -> tuple:
         dict(r.stats.__dict__),
         sorted(map(repr, r._sessions.items())),
         sorted(map(repr, r._trie._nodes.items())),
-        [r.cached_blocks(s) for s in SERVERS],
+        {s: r.cached_blocks(s) for s in r.servers},
+        r.servers,
+        r.available_servers(),
+        r._ledger.loads,
     )
 
 
@@ -378,6 +382,15 @@ def _bad_calls(r: ConversationRouter) -> list:
         # One bad event in a batch: none of the batch is applied.
         (lambda: r.on_events("a", [BlockStored((9,), None, TPB), BlockRemoved(("x",))]), TypeError, "block_keys"),
         (lambda: r.on_events("b", [AllBlocksCleared(), "junk"]), TypeError, "event"),
+        (lambda: r.add_server("a"), ValueError, "already a member"),
+        (lambda: r.add_server([1]), TypeError, "server"),
+        (lambda: r.remove_server("zz"), ValueError, "server"),
+        (lambda: r.remove_server({}), TypeError, "server"),
+        (lambda: r.set_server_available("zz", False), ValueError, "server"),
+        (lambda: r.set_server_available("a", 0), TypeError, "available"),
+        (lambda: r.set_server_available("a", None), TypeError, "available"),
+        (lambda: r.set_server_available([1], True), TypeError, "server"),
+        (lambda: r.is_available("zz"), ValueError, "server"),
     ]
 
 
@@ -405,10 +418,31 @@ def test_bad_calls_on_baseline_routers(cls):
         (lambda: r.load("zz"), ValueError, "server"),
         (lambda: r.on_event("zz", AllBlocksCleared()), ValueError, "server"),
         (lambda: r.on_event("a", object()), TypeError, "event"),
+        (lambda: r.add_server("b"), ValueError, "already a member"),
+        (lambda: r.add_server([1]), TypeError, "server"),
+        (lambda: r.remove_server("zz"), ValueError, "server"),
+        (lambda: r.set_server_available("a", "no"), TypeError, "available"),
+        (lambda: r.set_server_available("zz", True), ValueError, "server"),
     ]:
         with pytest.raises(exc, match=name):
             call()
-        assert r.loads() == before
+        assert r.loads() == before and r.servers == SERVERS and r.available_servers() == SERVERS
+
+
+@pytest.mark.parametrize("cls", [ConversationRouter, RoundRobinRouter, LeastLoadRouter, CacheAwareRouter])
+def test_the_last_member_cannot_be_removed_and_no_rotation_places_nothing(cls):
+    r = cls(["a", "b"], tokens_per_block=TPB, clock=Clock())
+    r.remove_server("a")
+    with pytest.raises(ValueError, match="last server"):
+        r.remove_server("b")
+    assert r.servers == ("b",)
+    r.set_server_available("b", False)
+    before = (r.loads(), r._ledger.loads, len(r._ledger))
+    with pytest.raises(NoServerAvailableError, match="no server is in rotation"):
+        r.route(RouteRequest("q", block_keys=[1, 2], num_tokens=8, conversation_id="c"))
+    assert (r.loads(), r._ledger.loads, len(r._ledger)) == before
+    r.set_server_available("b", True)
+    assert r.route(RouteRequest("q", block_keys=[1, 2], num_tokens=8, conversation_id="c")) == "b"
 
 
 def test_bad_calls_on_the_building_blocks():
@@ -464,6 +498,9 @@ _op = st.one_of(
     st.tuples(st.just("tick"), st.floats(0.0, 30.0)),
     st.tuples(st.just("event"), st.sampled_from(SERVERS), st.integers(0, 2), st.one_of(_keys, _bytes_keys)),
     st.tuples(st.just("bad"), st.sampled_from(["keys", "str", "nan", "dup", "event"])),
+    st.tuples(st.just("add"), st.sampled_from((*SERVERS, "d"))),
+    st.tuples(st.just("remove"), st.sampled_from((*SERVERS, "d"))),
+    st.tuples(st.just("available"), st.sampled_from((*SERVERS, "d")), st.booleans()),
 )
 
 
@@ -496,11 +533,47 @@ def test_random_operation_sequences_keep_the_books(ops, mode, events, guard, dra
         kind = op[0]
         if kind == "route":
             _, keys, conv, with_key = op
+            rotation = r.available_servers()
+            if not rotation:
+                before = state(r)
+                with pytest.raises(NoServerAvailableError):
+                    r.route(RouteRequest(n, block_keys=keys, num_tokens=TPB * len(keys) + 1, conversation_id=conv))
+                assert state(r) == before
+                continue
             if with_key:
-                r.route_by_key(n, {"conversation_id": conv, "num_tokens": TPB * len(keys) + 1, "block_keys": keys})
+                got = r.route_by_key(
+                    n, {"conversation_id": conv, "num_tokens": TPB * len(keys) + 1, "block_keys": keys}
+                )
             else:
-                r.route(RouteRequest(n, block_keys=keys, num_tokens=TPB * len(keys) + 1, conversation_id=conv))
+                got = r.route(RouteRequest(n, block_keys=keys, num_tokens=TPB * len(keys) + 1, conversation_id=conv))
+            assert got in rotation, f"placed on {got!r}, out of rotation {r.servers} - {rotation}"
+            if conv is not None:
+                assert r.session_server(conv) == got
             placed.append(n)
+        elif kind in ("add", "remove", "available"):
+            server = op[1]
+            member = server in r.servers
+            bad = (
+                (kind == "add" and member)
+                or (kind != "add" and not member)
+                or (kind == "remove" and len(r.servers) == 1)
+            )
+            before = state(r)
+            if bad:
+                with pytest.raises(ValueError):
+                    getattr(r, {"add": "add_server", "remove": "remove_server"}.get(kind, "set_server_available"))(
+                        *op[1:]
+                    )
+                assert state(r) == before
+            elif kind == "add":
+                r.add_server(server)
+                assert r.servers[-1] == server and r.load(server) == 0 and r.cached_blocks(server) == 0
+            elif kind == "remove":
+                r.remove_server(server)
+                assert server not in r.servers and r.loads() == {s: v for s, v in before[0].items() if s != server}
+            else:
+                r.set_server_available(server, op[2])
+                assert r.is_available(server) is op[2] and r.loads() == before[0]
         elif kind == "finish" and placed:
             _, pick, success = op
             r.finish(placed[pick % len(placed)], success=success)
@@ -509,7 +582,11 @@ def test_random_operation_sequences_keep_the_books(ops, mode, events, guard, dra
         elif kind == "event":
             _, server, what, keys = op
             ev = (BlockStored(tuple(keys), None, TPB), BlockRemoved(tuple(keys)), AllBlocksCleared())[what]
-            r.on_event(server, ev)
+            if server in r.servers:
+                r.on_event(server, ev)
+            else:
+                with pytest.raises(ValueError, match="server"):
+                    r.on_event(server, ev)
         elif kind == "bad":
             before = state(r)
             bad = op[1]
@@ -530,13 +607,13 @@ def test_random_operation_sequences_keep_the_books(ops, mode, events, guard, dra
                         raise RequestInFlightError("nothing in flight to reuse")
                     r.route(RouteRequest(placed[-1], block_keys=[1], num_tokens=4))
                 else:
-                    r.on_events("a", [BlockStored((1,), None, TPB), BlockStored((1.5,), None, TPB)])
+                    r.on_events(r.servers[0], [BlockStored((1,), None, TPB), BlockStored((1.5,), None, TPB)])
             assert state(r) == before
         r.sanity_check()
         assert min(r.loads().values()) >= 0
     clock.t += 100.0  # past every time-to-live
     r.reclaim_expired()
-    assert set(r.loads().values()) == {0}
+    assert set(r.loads().values()) == {0} and set(r._ledger.loads) == {0}
     r.sanity_check()
 
 
@@ -590,3 +667,50 @@ def test_four_threads_on_one_router_keep_it_consistent():
     assert set(r.loads().values()) == {0}
     assert r.stats.routed == 4 * 400
     assert math.isclose(r.stats.failed, 4 * 100)
+
+
+_member_op = st.one_of(
+    st.tuples(st.just("route"), _keys),
+    st.tuples(st.just("finish"), st.integers(0, 40), st.booleans()),
+    st.tuples(st.just("add"), st.sampled_from((*SERVERS, "d"))),
+    st.tuples(st.just("remove"), st.sampled_from((*SERVERS, "d"))),
+    st.tuples(st.just("available"), st.sampled_from((*SERVERS, "d")), st.booleans()),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(_member_op, max_size=40), cls=st.sampled_from([RoundRobinRouter, LeastLoadRouter, CacheAwareRouter])
+)
+def test_baseline_routers_keep_the_books_through_membership_changes(ops, cls):
+    r = cls(list(SERVERS), tokens_per_block=TPB, clock=Clock(), request_ttl_s=None)
+    placed: dict[int, int] = {}  # request -> tokens
+    for n, op in enumerate(ops):
+        kind = op[0]
+        if kind == "route":
+            rotation = r.available_servers()
+            request = RouteRequest(n, block_keys=op[1], num_tokens=TPB * len(op[1]) + 1)
+            if not rotation:
+                with pytest.raises(NoServerAvailableError):
+                    r.route(request)
+                continue
+            assert r.route(request) in rotation
+            placed[n] = request.num_tokens
+        elif kind == "finish" and placed:
+            rid = sorted(placed)[op[1] % len(placed)]
+            assert r.finish(rid, success=op[2])
+            del placed[rid]
+        elif kind in ("add", "remove", "available"):
+            member = op[1] in r.servers
+            method = {"add": r.add_server, "remove": r.remove_server}.get(kind, r.set_server_available)
+            if (kind == "add") == member or (kind == "remove" and len(r.servers) == 1):
+                before = (r.servers, r.available_servers(), r._ledger.loads)
+                with pytest.raises(ValueError):
+                    method(*op[1:])
+                assert (r.servers, r.available_servers(), r._ledger.loads) == before
+            else:
+                method(*op[1:])
+        assert sum(r._ledger.loads) == sum(placed.values()) and min(r._ledger.loads) >= 0
+    for rid in list(placed):
+        assert r.finish(rid)
+    assert set(r._ledger.loads) == {0}

@@ -355,3 +355,102 @@ def test_streaming_is_passed_through_chunk_by_chunk() -> None:
             assert len(arrivals) >= 3 and arrivals[-1] - arrivals[0] > 0.15
 
     run(main())
+
+
+@pytest.mark.parametrize("policy", ["conversation", "conversation-always"])
+def test_membership_changes_keep_sessions_and_move_only_the_dead_backends_conversations(policy: str) -> None:
+    async def main() -> None:
+        kw = {"tokens_per_s": 4000}
+        async with fleet(3, policy=policy, tokens_per_block=64, backend_kw=kw, health_interval_s=30.0) as (
+            svc, base, backends, s,
+        ):  # fmt: skip
+            by_name = {b.name: b for b in backends}
+            router = svc.fleet._epoch.router
+            prompts = {f"k{i}": "".join(random.Random(i).choice("abcdefgh ") for _ in range(2000)) for i in range(6)}
+
+            async def turn(conv: str) -> str:
+                prompts[conv] += " more" * 20
+                body = {"messages": [{"role": "user", "content": prompts[conv]}], "stream": True, "max_tokens": 2}
+                r = await post_chat(s, base, body, conv)
+                assert r["done"] and r["status"] == 200, r
+                return r["backend"]
+
+            home = {c: await turn(c) for c in prompts}
+            assert len(set(home.values())) == 3  # spread over the fleet
+            a = home["k0"]
+            c = next(n for n in by_name if n != a)
+            # An unrelated backend leaves (admin) and comes back: no other conversation moves.
+            async with s.delete(base + "/admin/backends", params={"url": by_name[c].url}) as r:
+                assert r.status == 200
+            for conv in prompts:
+                got = await turn(conv)
+                assert got != c and (home[conv] == c or got == home[conv]), (conv, home[conv], got)
+                home[conv] = got
+            async with s.post(base + "/admin/backends", json={"url": by_name[c].url}) as r:
+                assert r.status == 201
+            for conv in prompts:
+                assert await turn(conv) == home[conv]
+            assert svc.fleet._epoch.router is router  # one router throughout: sessions were never lost
+            # The backend of k0 dies: its conversations move once (the first request is retried elsewhere) and
+            # stick to their new backend, also after the dead one is back in rotation.
+            await by_name[a].kill()
+            moved = {}
+            for conv in prompts:
+                got = await turn(conv)
+                assert got != a
+                if home[conv] == a:
+                    moved[conv] = got
+                else:
+                    assert got == home[conv], (conv, home[conv], got)
+            assert "k0" in moved and not svc.fleet.backends[by_name[a].url].healthy
+            svc.fleet.set_health(svc.fleet.backends[by_name[a].url], True)
+            assert svc.fleet.backends[by_name[a].url].healthy
+            for _ in range(2):
+                for conv, b in moved.items():
+                    assert await turn(conv) == b
+            assert svc.fleet._epoch.router is router
+            assert await wait_for(lambda: svc.fleet.total_backlog() == 0)
+            router.sanity_check()
+
+    run(main())
+
+
+def test_fleet_changes_its_router_in_place() -> None:
+    from kvforge.service.proxy import Fleet, NoBackend, ServiceConfig
+
+    async def main() -> None:
+        cfg = ServiceConfig(backends=["http://h0:1"], policy="conversation", tokens_per_block=64)
+        f = Fleet(cfg)
+        b0 = f.add("http://h0:1")
+        router = f._epoch.router
+        b1 = f.add("http://h1:1")
+        assert f._epoch.router is router and router.servers == (b0.url, b1.url)
+        f.eject(b0, "test")
+        assert not router.is_available(b0.url) and router.available_servers() == (b1.url,)
+        f.eject(b1, "test")
+        with pytest.raises(NoBackend):  # every backend out of rotation
+            f.place("r0", [1, 2], 128, "c")
+        f.set_health(b0, True)
+        assert router.available_servers() == (b0.url,)
+        ep, b = f.place("r1", [1, 2], 128, "c")
+        assert b is b0 and ep.router is router
+        assert await f.remove(b0.url)  # in flight on it: still finishes exactly
+        assert router.servers == (b1.url,) and router.available_servers() == ()
+        f.finish(ep, "r1", True)
+        assert router.in_flight() == 0 and set(router._ledger.loads) == {0}
+        # A backend with KV events joining a conversation router built without them: rebuilt with events,
+        # the unhealthy member kept out of rotation.
+        b2 = f.add("http://h2:1", kv_events="tcp://127.0.0.1:1")
+        assert f._epoch.router is not router and f._epoch.router.config.use_cache_events
+        assert f._epoch.router.servers == (b1.url, b2.url)
+        assert f._epoch.router.available_servers() == (b2.url,)
+        router = f._epoch.router
+        f.add("http://h3:1", kv_events="tcp://127.0.0.1:2")
+        assert f._epoch.router is router  # already has events
+        for u in list(f.backends):
+            assert await f.remove(u)
+        assert f._epoch is None
+        with pytest.raises(NoBackend):
+            f.place("r2", [1], 64, None)
+
+    run(main())

@@ -12,6 +12,7 @@ from kvforge.routing.router import (
     ConversationRouter,
     CostGuard,
     ImbalanceGuard,
+    NoServerAvailableError,
     RouterConfig,
     RouterStats,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "ImbalanceGuard",
     "LeastLoadRouter",
     "LoadLedger",
+    "NoServerAvailableError",
     "RequestInFlightError",
     "Reservation",
     "RoundRobinRouter",

@@ -83,6 +83,16 @@ class LoadLedger:
     def load(self, server: int) -> int:
         return self._loads[server]
 
+    @property
+    def num_servers(self) -> int:
+        return len(self._loads)
+
+    def add_server(self) -> int:
+        """Append an empty server index and return it (a router adding a server; indexes are never reused)."""
+        self._loads.append(0)
+        self._counts.append(0)
+        return len(self._loads) - 1
+
     def in_flight(self, server: int) -> int:
         """Number of requests in flight on server index ``server``."""
         return self._counts[server]

@@ -8,7 +8,10 @@
   largest share of the request, if that share exceeds ``cache_threshold``, else the server with the smallest
   tree. Defaults are SGLang's (0.3, 64, 1.5).
 
-All of them charge a server the whole prompt in tokens and reclaim unfinished requests after a time-to-live.
+All of them charge a server the whole prompt in tokens and reclaim unfinished requests after a time-to-live,
+and share the conversation router's membership API (``add_server``, ``remove_server``, ``set_server_available``,
+same semantics: a server out of rotation is skipped; the cache-aware policy's approximate tree of a removed
+server is dropped, that of one merely out of rotation kept).
 Like the conversation router, each is thread-safe (one lock per public call) and checks its inputs first.
 """
 
@@ -22,7 +25,14 @@ from typing import Any, Protocol, runtime_checkable
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvforge.routing.load import LoadLedger, RequestInFlightError, server_tuple
 from kvforge.routing.request import RouteRequest, request_content
-from kvforge.routing.router import _check_request_id, _finite_number, _finite_time
+from kvforge.routing.router import (
+    NoServerAvailableError,
+    _check_available,
+    _check_request_id,
+    _check_server_id,
+    _finite_number,
+    _finite_time,
+)
 from kvforge.routing.trie import ServerPrefixIndex
 
 __all__ = ["CacheAwareRouter", "LeastLoadRouter", "RoundRobinRouter", "Router"]
@@ -41,6 +51,12 @@ class Router(Protocol):
     def on_event(self, server: Hashable, event: KVEvent) -> None: ...
 
     def loads(self) -> dict[Hashable, int]: ...
+
+    def add_server(self, server: Hashable) -> None: ...
+
+    def remove_server(self, server: Hashable) -> None: ...
+
+    def set_server_available(self, server: Hashable, available: bool) -> None: ...
 
 
 class _LedgerRouter:
@@ -70,10 +86,65 @@ class _LedgerRouter:
         self._clock = clock
         self._lock = threading.Lock()
         self._index_of = {s: i for i, s in enumerate(self.servers)}
+        # Index -> server id for every membership ever; indexes out of rotation; removed memberships.
+        self._slot_server: list[Hashable] = list(self.servers)
+        self._down: set[int] = set()
+        self._retired: set[int] = set()
 
     def loads(self) -> dict[Hashable, int]:
         with self._lock:
-            return dict(zip(self.servers, self._ledger.loads))
+            loads = self._ledger.loads
+            return {s: loads[i] for s, i in self._index_of.items()}
+
+    def add_server(self, server: Hashable) -> None:
+        """Add ``server`` in rotation, empty (see :meth:`ConversationRouter.add_server`)."""
+        _check_server_id(server)
+        with self._lock:
+            if server in self._index_of:
+                raise ValueError(f"server: {server!r} is already a member")
+            i = self._ledger.add_server()
+            self._grow()
+            self._slot_server.append(server)
+            self._index_of[server] = i
+            self.servers = (*self.servers, server)
+
+    def remove_server(self, server: Hashable) -> None:
+        """Remove member ``server`` (not the last one); its requests in flight still finish exactly."""
+        _check_server_id(server)
+        with self._lock:
+            i = self._server_index(server)
+            if len(self.servers) == 1:
+                raise ValueError(f"server: cannot remove {server!r}, the router's last server")
+            del self._index_of[server]
+            self._down.add(i)
+            self._retired.add(i)
+            self._forget(i)
+            self.servers = tuple(s for j, s in enumerate(self._slot_server) if j not in self._retired)
+
+    def set_server_available(self, server: Hashable, available: bool) -> None:
+        """Take member ``server`` out of rotation or put it back."""
+        _check_server_id(server)
+        _check_available(available)
+        with self._lock:
+            i = self._server_index(server)
+            if available:
+                self._down.discard(i)
+            else:
+                self._down.add(i)
+
+    def available_servers(self) -> tuple[Hashable, ...]:
+        with self._lock:
+            return tuple(s for s in self.servers if self._index_of[s] not in self._down)
+
+    def is_available(self, server: Hashable) -> bool:
+        with self._lock:
+            return self._server_index(server) not in self._down
+
+    def _grow(self) -> None:
+        """Per-server state of a subclass for one more index."""
+
+    def _forget(self, index: int) -> None:
+        """Drop a removed index's per-server state in a subclass."""
 
     def load(self, server: Hashable) -> int:
         with self._lock:
@@ -90,13 +161,15 @@ class _LedgerRouter:
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
         keys, num_tokens = request_content(request, self.tokens_per_block, self.chars_per_token)
         with self._lock:
+            if len(self._down) == len(self._slot_server):
+                raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
             now = _finite_time(self._clock())
             self._ledger.expire(now)
             if request.request_id in self._ledger:
                 raise RequestInFlightError(f"request {request.request_id!r} is already in flight")
             server = self._pick(keys, num_tokens)
             self._ledger.reserve(request.request_id, server, num_tokens, now)
-            return self.servers[server]
+            return self._slot_server[server]
 
     def finish(self, request_id: Hashable, success: bool = True) -> bool:
         _check_request_id(request_id)
@@ -124,8 +197,11 @@ class RoundRobinRouter(_LedgerRouter):
         self._next = 0
 
     def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
-        s = self._next
-        self._next = (s + 1) % len(self.servers)
+        n = len(self._slot_server)
+        s = self._next % n
+        while s in self._down:
+            s = (s + 1) % n
+        self._next = (s + 1) % n
         return s
 
 
@@ -135,7 +211,9 @@ class LeastLoadRouter(_LedgerRouter):
         self._rotor = 0
 
     def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
-        loads = self._ledger.loads
+        loads: list[float] = self._ledger.loads  # type: ignore[assignment]
+        for s in self._down:
+            loads[s] = float("inf")
         n = len(loads)
         best = self._rotor % n
         for j in range(1, n):
@@ -175,18 +253,27 @@ class CacheAwareRouter(_LedgerRouter):
         self.balance_rel_threshold = balance_rel_threshold
         self._trees = ServerPrefixIndex(len(self.servers), tree_capacity_blocks)
 
+    def _grow(self) -> None:
+        self._trees.add_server()
+
+    def _forget(self, index: int) -> None:
+        self._trees.clear(index)
+
     def _pick(self, hashes: Sequence[Hashable], num_tokens: int) -> int:
-        n = len(self.servers)
+        n = len(self._slot_server)
         queued = [self._ledger.in_flight(s) for s in range(n)]
-        lo, hi = min(queued), max(queued)
+        down = self._down
+        cand: Sequence[int] = range(n) if not down else [s for s in range(n) if s not in down]
+        lo = min(queued[s] for s in cand)
+        hi = max(queued[s] for s in cand)
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            server = queued.index(lo)
+            server = min(cand, key=queued.__getitem__)
         else:
             matched = self._trees.match_lengths(hashes)
-            best = max(range(n), key=lambda s: (matched[s], -queued[s]))
+            best = max(cand, key=lambda s: (matched[s], -queued[s]))
             if hashes and matched[best] / len(hashes) > self.cache_threshold:
                 server = best
             else:
-                server = min(range(n), key=lambda s: (self._trees.blocks(s), queued[s]))
+                server = min(cand, key=lambda s: (self._trees.blocks(s), queued[s]))
         self._trees.store(server, hashes)
         return server

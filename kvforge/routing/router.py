@@ -28,6 +28,11 @@ backlog plus weighted recomputation (:class:`CostGuard`); and ``prefill_tokens_p
 each server's backlog net of the progress its oldest request has made, instead of every in-flight request at
 full weight until its finish arrives.
 
+Membership changes in place (:meth:`~ConversationRouter.add_server`, :meth:`~ConversationRouter.remove_server`,
+:meth:`~ConversationRouter.set_server_available`): a server out of rotation gets no new request, and each of its
+conversations moves on its next request (placed as on a server that caches nothing) and sticks to its new server;
+its requests in flight still finish exactly. Sessions, the trie and the other servers' event indexes survive.
+
 Inputs are checked before any state changes (block keys: ints or 16-byte bytes; a clock that returns a
 non-finite time raises ValueError). Keys that are not prefix-chained never corrupt the session table; they only
 match less well. The router is thread-safe (one lock per public call).
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Final
 
+from kvforge.errors import KvforgeError
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvforge.routing.load import LoadLedger, RequestInFlightError, Reservation, server_tuple
 from kvforge.routing.request import (
@@ -56,7 +62,15 @@ from kvforge.routing.request import (
 )
 from kvforge.routing.trie import BlockTrie, ServerPrefixIndex
 
-__all__ = ["FOLLOW_MODES", "ConversationRouter", "CostGuard", "ImbalanceGuard", "RouterConfig", "RouterStats"]
+__all__ = [
+    "FOLLOW_MODES",
+    "ConversationRouter",
+    "CostGuard",
+    "ImbalanceGuard",
+    "NoServerAvailableError",
+    "RouterConfig",
+    "RouterStats",
+]
 
 logger = logging.getLogger("kvforge.routing")
 
@@ -64,6 +78,22 @@ FOLLOW_MODES = ("specific", "always")
 
 # How a request was matched (decides its weight on the affinity server).
 _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
+
+
+class NoServerAvailableError(KvforgeError):
+    """Every server is out of rotation (:meth:`ConversationRouter.set_server_available`); nothing was placed."""
+
+
+def _check_server_id(server: object) -> None:
+    try:
+        hash(server)
+    except TypeError:
+        raise TypeError(f"server: expected a hashable server id, got {type(server).__name__}") from None
+
+
+def _check_available(available: object) -> None:
+    if not isinstance(available, bool):
+        raise TypeError(f"available: expected a bool, got {type(available).__name__}")
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:
@@ -253,6 +283,16 @@ class ConversationRouter:
     ``finish_request_by_id(request_id, success)`` where the load lives. Cache events: ``on_event(server, ev)``.
     ``clock`` (seconds, monotonic, finite) is injectable for the time-to-live.
 
+    Membership: ``servers`` is the tuple of current members, in order of joining. ``add_server`` joins a server
+    empty (a server removed earlier and added again starts afresh); ``remove_server`` drops it with its
+    block-event index (the last member cannot be removed); ``set_server_available(server, False)`` takes it out
+    of rotation but keeps its event index, so it comes back knowing what it caches. A server out of rotation
+    receives no new request; a conversation stuck to it moves on its next request, weighed and based as on a
+    server caching nothing of it (unless events say otherwise), and sticks there; requests already in flight on
+    it finish and restore their load and baseline exactly. With every member out of rotation, placing raises
+    :class:`NoServerAvailableError`. Internally each membership takes a fresh index (never reused, so a late
+    finish can never touch a newcomer's load); decisions cost nothing extra until a server leaves rotation.
+
     Thread-safe: every public method holds one lock for its whole call, so request handlers on several threads
     may share one router (decisions are serialised; each takes microseconds).
 
@@ -317,6 +357,11 @@ class ConversationRouter:
         self._lock = threading.Lock()
         self._clock = clock
         self._index_of = {s: i for i, s in enumerate(self.servers)}
+        # Index -> server id for every membership ever (removed ones included: their requests may be in flight).
+        self._slot_server: list[Hashable] = list(self.servers)
+        # Indexes that take no new request: members out of rotation and removed memberships (``_retired``).
+        self._down: set[int] = set()
+        self._retired: set[int] = set()
         self._ledger = LoadLedger(len(self.servers), config.request_ttl_s)
         # key -> (handle, server, keys, baseline), least recent first; handle -> key for trie owners.
         self._sessions: OrderedDict[Hashable, _Sess] = OrderedDict()
@@ -350,14 +395,28 @@ class ConversationRouter:
             return self._ledger.load(self._server_index(server))
 
     def loads(self) -> dict[Hashable, int]:
+        """Load per member (a removed server's requests still in flight are not reported)."""
         with self._lock:
-            return dict(zip(self.servers, self._ledger.loads))
+            loads = self._ledger.loads
+            return {s: loads[i] for s, i in self._index_of.items()}
 
     def backlogs(self) -> dict[Hashable, float]:
         """The load each server is judged by when placing: :meth:`loads`, less the estimated progress of its
         oldest in-flight request when ``prefill_tokens_per_s`` is set."""
         with self._lock:
-            return dict(zip(self.servers, self._backlogs(self._now())))
+            backlogs = self._backlogs(self._now())
+            return {s: backlogs[i] for s, i in self._index_of.items()}
+
+    def available_servers(self) -> tuple[Hashable, ...]:
+        """The members in rotation (that new requests may go to), in order."""
+        with self._lock:
+            down = self._down
+            return tuple(s for s in self.servers if self._index_of[s] not in down)
+
+    def is_available(self, server: Hashable) -> bool:
+        """Whether member ``server`` is in rotation (ValueError for a server that is not a member)."""
+        with self._lock:
+            return self._server_index(server) not in self._down
 
     def in_flight(self) -> int:
         with self._lock:
@@ -372,7 +431,7 @@ class ConversationRouter:
         _check_conversation_id(conversation_id)
         with self._lock:
             s = self._sessions.get(conversation_id)
-            return None if s is None else self.servers[s[_SRV]]
+            return None if s is None else self._slot_server[s[_SRV]]
 
     def cached_blocks(self, server: Hashable) -> int:
         """Blocks the server's cache events say it holds."""
@@ -391,7 +450,17 @@ class ConversationRouter:
             self._sanity_check()
 
     def _sanity_check(self) -> None:
-        loads = [0] * len(self.servers)
+        n = len(self._slot_server)
+        assert self.servers, "no member"
+        assert self._ledger.num_servers == n == self._cache_index.num_servers == len(self._last_release)
+        assert self._queues is None or len(self._queues) == n
+        assert self._retired <= self._down and all(0 <= i < n for i in self._down)
+        members = tuple(s for i, s in enumerate(self._slot_server) if i not in self._retired)
+        assert members == self.servers, f"members {members} != servers {self.servers}"
+        assert self._index_of == {s: i for i, s in enumerate(self._slot_server) if i not in self._retired}
+        for i in self._retired:
+            assert self._cache_index.blocks(i) == 0, f"removed index {i} still holds blocks"
+        loads = [0] * n
         for res in self._ledger.reservations():
             loads[res.server] += res.weight
         assert loads == self._ledger.loads, f"loads {self._ledger.loads} != reservations {loads}"
@@ -409,6 +478,50 @@ class ConversationRouter:
             node = self._trie.node(h)
             assert node is not None and node.refs == n, f"block {h!r}: {n} sessions, node {node and node.refs}"
 
+    # ---------------------------------------------------------------- membership
+
+    def add_server(self, server: Hashable) -> None:
+        """Add ``server`` (a hashable id not already a member) in rotation, with no load, sessions or blocks."""
+        _check_server_id(server)
+        with self._lock:
+            if server in self._index_of:
+                raise ValueError(f"server: {server!r} is already a member")
+            i = self._ledger.add_server()
+            self._cache_index.add_server()
+            self._slot_server.append(server)
+            self._last_release.append(float("-inf"))
+            if self._queues is not None:
+                self._queues.append(deque())
+            self._index_of[server] = i
+            self.servers = (*self.servers, server)
+
+    def remove_server(self, server: Hashable) -> None:
+        """Remove member ``server``: no new request goes there, its block-event index is dropped, its
+        conversations move on their next request; its requests in flight still finish exactly.
+        The last member cannot be removed (ValueError)."""
+        _check_server_id(server)
+        with self._lock:
+            i = self._server_index(server)
+            if len(self.servers) == 1:
+                raise ValueError(f"server: cannot remove {server!r}, the router's last server")
+            del self._index_of[server]
+            self._down.add(i)
+            self._retired.add(i)
+            self._cache_index.clear(i)
+            self.servers = tuple(s for j, s in enumerate(self._slot_server) if j not in self._retired)
+
+    def set_server_available(self, server: Hashable, available: bool) -> None:
+        """Take member ``server`` out of rotation (``False``) or put it back (``True``); its event index is kept
+        and still updated by :meth:`on_event` meanwhile. Setting the current state again changes nothing."""
+        _check_server_id(server)
+        _check_available(available)
+        with self._lock:
+            i = self._server_index(server)
+            if available:
+                self._down.discard(i)
+            else:
+                self._down.add(i)
+
     # ---------------------------------------------------------------- routing
 
     def route(self, request: RouteRequest) -> Hashable:
@@ -417,7 +530,7 @@ class ConversationRouter:
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
         keys, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
         with self._lock:
-            return self.servers[self._place(request.request_id, request.conversation_id, keys, num_tokens)]
+            return self._slot_server[self._place(request.request_id, request.conversation_id, keys, num_tokens)]
 
     def routing_key(self, request: RouteRequest) -> RoutingKey:
         """What a coordinator forwards: ``{conversation_id, num_tokens}`` (tokens, text estimated) + block keys."""
@@ -432,7 +545,7 @@ class ConversationRouter:
         if not isinstance(key, RoutingKey):
             key = RoutingKey.from_mapping(key)
         with self._lock:
-            return self.servers[self._place(request_id, key.conversation_id, key.block_keys, key.num_tokens)]
+            return self._slot_server[self._place(request_id, key.conversation_id, key.block_keys, key.num_tokens)]
 
     def finish_request_by_id(self, request_id: Hashable, success: bool = True) -> bool:
         """Remove exactly the load the request added; False if it is not in flight (unknown or expired).
@@ -553,12 +666,23 @@ class ConversationRouter:
     # ---------------------------------------------------------------- core
 
     def _place(self, request_id: Hashable, conv: str | None, keys: tuple[Any, ...], num_tokens: int) -> int:
+        down = self._down
+        if down and len(down) == len(self._slot_server):
+            raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
         now = self._now()
         self._reclaim(now)
         if request_id in self._ledger:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
         loads: list[float] = self._ledger.loads if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
+        if down:
+            for i in down:  # out of rotation: loses every comparison
+                loads[i] = math.inf
         d = self._match(conv, keys, loads)
+        if down and d.target in down:
+            # Its server left rotation: the conversation is placed afresh (and sticks to where it lands).
+            d.target = None
+            if d.kind == _FOLLOWED:
+                d.kind = _NEW
         chosen = self._choose(d, num_tokens, loads)
         weight = self._weight(d, chosen, num_tokens)
         cfg = self.config
@@ -620,7 +744,9 @@ class ConversationRouter:
         cfg = self.config
         d = _Decision()
         if cfg.use_cache_events:
-            d.cached = self._cache_index.match_lengths(keys)
+            d.cached = cached = self._cache_index.match_lengths(keys)
+            for i in self._down:  # a server out of rotation caches nothing a new placement could use
+                cached[i] = 0
         key: Hashable = conv
         session = self._sessions.get(conv) if conv is not None else None
         if session is not None:

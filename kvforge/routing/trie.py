@@ -160,6 +160,13 @@ class ServerPrefixIndex:
         ]
         self._all = (1 << num_servers) - 1
 
+    def add_server(self) -> int:
+        """Append a server index holding nothing and return it."""
+        self._blocks.append({} if self.capacity_blocks is None else OrderedDict())
+        self.num_servers += 1
+        self._all = (1 << self.num_servers) - 1
+        return self.num_servers - 1
+
     def _held(self, server: int) -> dict[Hashable, None]:
         if type(server) is not int or not 0 <= server < self.num_servers:
             raise ValueError(f"server: expected a server index in [0, {self.num_servers}), got {server!r}")

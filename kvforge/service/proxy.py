@@ -15,8 +15,10 @@ retried on another, up to ``max_retries`` times.
 Membership: backends are health-checked (``GET health_path``) and ejected on a failed check or a failed
 connection; they rejoin after ``healthy_after`` passing checks. Admin: ``GET/POST/DELETE /admin/backends``
 (``Authorization: Bearer <token>`` when an admin token is set) and an optional backends file polled for
-changes. A change of the set of healthy backends builds a new router over that set (sessions restart there;
-requests placed earlier finish on the router that placed them). ``GET /metrics`` is Prometheus text;
+changes. One router lives across membership changes (its ``add_server`` / ``remove_server`` /
+``set_server_available``): an ejected backend leaves rotation, and only its conversations move (each on its
+next request, then sticking to its new backend); every other conversation keeps its backend, and the event
+index of a backend merely out of rotation is kept. ``GET /metrics`` is Prometheus text;
 ``GET /health`` is 200 while any backend is in rotation.
 """
 
@@ -38,6 +40,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvforge.routing.router import NoServerAvailableError
 from kvforge.service import keys as K
 from kvforge.service.kv_events import BlockMapper, KVEventSubscriber
 from kvforge.service.metrics import ServiceMetrics
@@ -138,13 +141,17 @@ class Backend:
 
 
 class _Epoch:
-    """One router over one set of backends, and the requests it placed that are still in flight."""
+    """One router, and the requests it placed that are still in flight.
 
-    __slots__ = ("in_flight", "router", "servers")
+    A router lives across membership changes; a new one is built only when the first backend joins an empty
+    fleet, or when a backend with KV events joins a conversation router built without them (``events``).
+    """
 
-    def __init__(self, router: Any, servers: tuple[str, ...]) -> None:
+    __slots__ = ("events", "in_flight", "router")
+
+    def __init__(self, router: Any, events: bool) -> None:
         self.router = router
-        self.servers = servers
+        self.events = events
         self.in_flight = 0
 
 
@@ -160,7 +167,7 @@ class NoBackend(RuntimeError):
 
 
 class Fleet:
-    """Backends, their health, and the router over the healthy ones (rebuilt when that set changes)."""
+    """Backends, their health, and one router over them all (healthy ones in rotation, changed in place)."""
 
     _SENT_CAP = 1_000_000  # keys remembered per backend for the hit estimate without events
 
@@ -188,9 +195,13 @@ class Fleet:
         self.backends[url] = b
         if b.kv_events is not None:
             b.mapper = BlockMapper(self.cfg.tokens_per_block, self.cfg.kv_group)
-            if self._started:
-                self._start_subscriber(b)
-        self._rebuild()
+        ep = self._epoch
+        if ep is None or (b.mapper is not None and not ep.events and self._conversation_policy()):
+            self._new_router()
+        else:
+            ep.router.add_server(url)
+        if b.mapper is not None and self._started:
+            self._start_subscriber(b)
         logger.info("backend added", extra={"fields": {"backend": url, "kv_events": kv_events}})
         return b
 
@@ -199,9 +210,16 @@ class Fleet:
         b = self.backends.pop(url, None)
         if b is None:
             return False
+        # Out of the router before the first await, so the same URL may be added again meanwhile.
+        ep = self._epoch
+        if ep is not None:
+            if self.backends:
+                ep.router.remove_server(url)
+            else:
+                self._retire(ep)
+                self._epoch = None
         if b.subscriber is not None:
             await b.subscriber.stop()
-        self._rebuild()
         logger.info("backend removed", extra={"fields": {"backend": url}})
         return True
 
@@ -212,7 +230,7 @@ class Fleet:
             if not b.healthy and b.passes >= self.cfg.healthy_after:
                 b.healthy = True
                 logger.info("backend back in rotation", extra={"fields": {"backend": b.url}})
-                self._rebuild()
+                self._set_available(b)
             return
         b.passes = 0
         b.fails += 1
@@ -225,25 +243,34 @@ class Fleet:
             return
         b.healthy = False
         logger.warning("backend out of rotation", extra={"fields": {"backend": b.url, "reason": reason}})
-        self._rebuild()
+        self._set_available(b)
         # Requests still waiting for its response headers move elsewhere now rather than at their timeout.
         for a in list(b.attempts):
             if not a.started and not a.ejected and a.task is not None:
                 a.ejected = True
                 a.task.cancel()
 
-    def _rebuild(self) -> None:
-        servers = tuple(u for u, b in self.backends.items() if b.healthy)
+    def _set_available(self, b: Backend) -> None:
+        ep = self._epoch
+        if ep is not None and self.backends.get(b.url) is b:
+            ep.router.set_server_available(b.url, b.healthy)
+
+    def _conversation_policy(self) -> bool:
+        return self.cfg.policy in ("conversation", "conversation-always")
+
+    def _retire(self, ep: _Epoch) -> None:
+        if ep.in_flight:
+            self._draining.append(ep)
+
+    def _new_router(self) -> None:
+        """A router over every backend (the unhealthy ones out of rotation); the old one drains."""
         old = self._epoch
-        if old is not None and old.servers == servers:
-            return
-        if old is not None and old.in_flight:
-            self._draining.append(old)
-        if not servers:
-            self._epoch = None
-            return
+        if old is not None:
+            self._retire(old)
+            logger.warning("router rebuilt: a backend with KV events joined; conversations start afresh")
         cfg = self.cfg
-        use_events = any(self.backends[s].mapper is not None for s in servers)
+        servers = tuple(self.backends)
+        use_events = any(b.mapper is not None for b in self.backends.values())
         router = K.make_router(
             cfg.policy,
             servers,
@@ -252,12 +279,14 @@ class Fleet:
             use_cache_events=use_events,
             request_ttl_s=cfg.request_ttl_s,
         )
-        # What each engine holds survives the rebuild: its mapper re-announces it to the new router.
-        for s in servers:
-            m = self.backends[s].mapper
+        for u, b in self.backends.items():
+            if not b.healthy:
+                router.set_server_available(u, False)
+            # What an engine holds survives a rebuild: its mapper re-announces it to the new router.
+            m = b.mapper
             if m is not None and len(m.present):
-                router.on_event(s, K.stored_event(list(m.present), None, cfg.tokens_per_block))
-        self._epoch = _Epoch(router, servers)
+                router.on_event(u, K.stored_event(list(m.present), None, cfg.tokens_per_block))
+        self._epoch = _Epoch(router, use_events)
 
     # ---------------------------------------------------------------- placement
 
@@ -267,7 +296,10 @@ class Fleet:
         ep = self._epoch
         if ep is None:
             raise NoBackend("no backend is in rotation")
-        url = K.route(ep.router, request_id, keys, num_tokens, conv)
+        try:
+            url = K.route(ep.router, request_id, keys, num_tokens, conv)
+        except NoServerAvailableError:
+            raise NoBackend("no backend is in rotation") from None
         ep.in_flight += 1
         return ep, self.backends[url]  # type: ignore[index]
 
@@ -311,9 +343,10 @@ class Fleet:
     def _start_subscriber(self, b: Backend) -> None:
         assert b.mapper is not None and b.kv_events is not None
 
-        def sink(events: list[Any], url: str = b.url) -> None:
+        def sink(events: list[Any], url: str = b.url, backend: Backend = b) -> None:
+            # Also while the backend is out of rotation: the router keeps its index for when it returns.
             ep = self._epoch
-            if ep is not None and url in ep.servers:
+            if ep is not None and self.backends.get(url) is backend:
                 for ev in events:
                     ep.router.on_event(url, ev)
 
