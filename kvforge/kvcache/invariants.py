@@ -80,10 +80,12 @@ def _page_state(p: Page) -> tuple:
 def _policy_state(pol: Any) -> tuple:
     ordered = getattr(pol, "ordered", None)
     heap = getattr(pol, "_heap", None)
+    run = getattr(pol, "_run", ())  # PrioritizedLRU's sorted run: dead entries there count as state too
     return (
         len(pol),
         None if ordered is None else tuple(p.index for p in ordered()),
         None if heap is None else len(heap),
+        len(run),
     )
 
 
