@@ -218,6 +218,15 @@ def main() -> int:
                     break
             except OSError:
                 time.sleep(0.05)
+        # The trace replay runs first, on a fresh proxy, so its router starts as empty as the in-process one.
+        hit_proxy = hit_inproc = float("nan")
+        trace = Path(
+            os.environ.get("KVFORGE_TRACE", ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
+        )
+        if trace.is_file() and args.trace_requests > 0:
+            rows = [json.loads(line) for _, line in zip(range(args.trace_requests), trace.open())]
+            hit_proxy, hit_inproc = asyncio.run(_replay(proxy, f"http://127.0.0.1:{ctl_port}", rows, args.policy,
+                                                        args.backends))  # fmt: skip
         body = {"messages": [{"role": "user", "content": "x" * args.prompt_chars}], "stream": True,
                 "max_tokens": args.tokens}  # fmt: skip
         # One-second windows, direct and proxied in turn, so that the machine's other load (this machine is
@@ -233,16 +242,6 @@ def main() -> int:
         proxy_cpu_ms = cpu * 1e3 / max(1, len(via))
         rps_direct = asyncio.run(_closed_loop(urls[0], args.concurrency, 5.0))
         rps_proxy = asyncio.run(_closed_loop(proxy, args.concurrency, 5.0))
-        hit_proxy = hit_inproc = float("nan")
-        trace = Path(
-            os.environ.get("KVFORGE_TRACE", ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
-        )
-        if not trace.is_file():
-            trace = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
-        if trace.is_file() and args.trace_requests > 0:
-            rows = [json.loads(line) for _, line in zip(range(args.trace_requests), trace.open())]
-            hit_proxy, hit_inproc = asyncio.run(_replay(proxy, f"http://127.0.0.1:{ctl_port}", rows, args.policy,
-                                                        args.backends))  # fmt: skip
     finally:
         for p in procs:
             p.terminate()
