@@ -23,13 +23,12 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvforge.routing.load import LoadLedger, RequestInFlightError, server_tuple
+from kvforge.routing.load import LoadLedger, RequestInFlightError
+from kvforge.routing.membership import ServerMembership
 from kvforge.routing.request import RouteRequest, request_content
 from kvforge.routing.router import (
     NoServerAvailableError,
-    _check_available,
     _check_request_id,
-    _check_server_id,
     _finite_number,
     _finite_time,
 )
@@ -59,7 +58,7 @@ class Router(Protocol):
     def set_server_available(self, server: Hashable, available: bool) -> None: ...
 
 
-class _LedgerRouter:
+class _LedgerRouter(ServerMembership):
     """Shared plumbing: server ids, whole-prompt token load with a time-to-live, content hashing."""
 
     def __init__(
@@ -79,82 +78,12 @@ class _LedgerRouter:
             raise ValueError(f"request_ttl_s: expected a finite positive number or None, got {request_ttl_s!r}")
         if not callable(clock):
             raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
-        self.servers = server_tuple(servers)
+        self._init_membership(servers)
         self.tokens_per_block = tokens_per_block
         self.chars_per_token = chars_per_token
         self._ledger = LoadLedger(len(self.servers), request_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()
-        self._index_of = {s: i for i, s in enumerate(self.servers)}
-        # Index -> server id for every membership ever; indexes out of rotation; removed memberships.
-        self._slot_server: list[Hashable] = list(self.servers)
-        self._down: set[int] = set()
-        self._retired: set[int] = set()
-
-    def loads(self) -> dict[Hashable, int]:
-        with self._lock:
-            loads = self._ledger.loads
-            return {s: loads[i] for s, i in self._index_of.items()}
-
-    def add_server(self, server: Hashable) -> None:
-        """Add ``server`` in rotation, empty (see :meth:`ConversationRouter.add_server`)."""
-        _check_server_id(server)
-        with self._lock:
-            if server in self._index_of:
-                raise ValueError(f"server: {server!r} is already a member")
-            i = self._ledger.add_server()
-            self._grow()
-            self._slot_server.append(server)
-            self._index_of[server] = i
-            self.servers = (*self.servers, server)
-
-    def remove_server(self, server: Hashable) -> None:
-        """Remove member ``server`` (not the last one); its requests in flight still finish exactly."""
-        _check_server_id(server)
-        with self._lock:
-            i = self._server_index(server)
-            if len(self.servers) == 1:
-                raise ValueError(f"server: cannot remove {server!r}, the router's last server")
-            del self._index_of[server]
-            self._down.add(i)
-            self._retired.add(i)
-            self._forget(i)
-            self.servers = tuple(s for j, s in enumerate(self._slot_server) if j not in self._retired)
-
-    def set_server_available(self, server: Hashable, available: bool) -> None:
-        """Take member ``server`` out of rotation or put it back."""
-        _check_server_id(server)
-        _check_available(available)
-        with self._lock:
-            i = self._server_index(server)
-            if available:
-                self._down.discard(i)
-            else:
-                self._down.add(i)
-
-    def available_servers(self) -> tuple[Hashable, ...]:
-        with self._lock:
-            return tuple(s for s in self.servers if self._index_of[s] not in self._down)
-
-    def is_available(self, server: Hashable) -> bool:
-        with self._lock:
-            return self._server_index(server) not in self._down
-
-    def _grow(self) -> None:
-        """Per-server state of a subclass for one more index."""
-
-    def _forget(self, index: int) -> None:
-        """Drop a removed index's per-server state in a subclass."""
-
-    def load(self, server: Hashable) -> int:
-        with self._lock:
-            return self._ledger.load(self._server_index(server))
-
-    def _server_index(self, server: Hashable) -> int:
-        try:
-            return self._index_of[server]
-        except (KeyError, TypeError):
-            raise ValueError(f"server: expected one of {list(self.servers)}, got {server!r}") from None
 
     def route(self, request: RouteRequest) -> Hashable:
         if not isinstance(request, RouteRequest):

@@ -52,7 +52,8 @@ from typing import Any, Final
 
 from kvforge.errors import KvforgeError
 from kvforge.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvforge.routing.load import LoadLedger, RequestInFlightError, Reservation, server_tuple
+from kvforge.routing.load import LoadLedger, RequestInFlightError, Reservation
+from kvforge.routing.membership import ServerMembership
 from kvforge.routing.request import (
     RouteRequest,
     RoutingKey,
@@ -82,18 +83,6 @@ _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
 
 class NoServerAvailableError(KvforgeError):
     """Every server is out of rotation (:meth:`ConversationRouter.set_server_available`); nothing was placed."""
-
-
-def _check_server_id(server: object) -> None:
-    try:
-        hash(server)
-    except TypeError:
-        raise TypeError(f"server: expected a hashable server id, got {type(server).__name__}") from None
-
-
-def _check_available(available: object) -> None:
-    if not isinstance(available, bool):
-        raise TypeError(f"available: expected a bool, got {type(available).__name__}")
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:
@@ -275,7 +264,7 @@ def _finite_time(t: object) -> float:
     return t
 
 
-class ConversationRouter:
+class ConversationRouter(ServerMembership):
     """Routes requests over ``servers`` (any distinct hashable ids).
 
     Direct path: ``route(request) -> server``, then ``finish(request_id, success)``. Coordinator path:
@@ -351,17 +340,11 @@ class ConversationRouter:
     def _setup(self, servers: Sequence[Hashable], config: RouterConfig, clock: Callable[[], float]) -> None:
         if not callable(clock):
             raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
-        self.servers = server_tuple(servers)
+        self._init_membership(servers)
         self.config = config
         self.stats = RouterStats()
         self._lock = threading.Lock()
         self._clock = clock
-        self._index_of = {s: i for i, s in enumerate(self.servers)}
-        # Index -> server id for every membership ever (removed ones included: their requests may be in flight).
-        self._slot_server: list[Hashable] = list(self.servers)
-        # Indexes that take no new request: members out of rotation and removed memberships (``_retired``).
-        self._down: set[int] = set()
-        self._retired: set[int] = set()
         self._ledger = LoadLedger(len(self.servers), config.request_ttl_s)
         # key -> (handle, server, keys, baseline), least recent first; handle -> key for trie owners.
         self._sessions: OrderedDict[Hashable, _Sess] = OrderedDict()
@@ -389,34 +372,12 @@ class ConversationRouter:
 
     # ---------------------------------------------------------------- queries
 
-    def load(self, server: Hashable) -> int:
-        """The server's load (tokens in flight by this router's estimate)."""
-        with self._lock:
-            return self._ledger.load(self._server_index(server))
-
-    def loads(self) -> dict[Hashable, int]:
-        """Load per member (a removed server's requests still in flight are not reported)."""
-        with self._lock:
-            loads = self._ledger.loads
-            return {s: loads[i] for s, i in self._index_of.items()}
-
     def backlogs(self) -> dict[Hashable, float]:
         """The load each server is judged by when placing: :meth:`loads`, less the estimated progress of its
         oldest in-flight request when ``prefill_tokens_per_s`` is set."""
         with self._lock:
             backlogs = self._backlogs(self._now())
             return {s: backlogs[i] for s, i in self._index_of.items()}
-
-    def available_servers(self) -> tuple[Hashable, ...]:
-        """The members in rotation (that new requests may go to), in order."""
-        with self._lock:
-            down = self._down
-            return tuple(s for s in self.servers if self._index_of[s] not in down)
-
-    def is_available(self, server: Hashable) -> bool:
-        """Whether member ``server`` is in rotation (ValueError for a server that is not a member)."""
-        with self._lock:
-            return self._server_index(server) not in self._down
 
     def in_flight(self) -> int:
         with self._lock:
@@ -437,12 +398,6 @@ class ConversationRouter:
         """Blocks the server's cache events say it holds."""
         with self._lock:
             return self._cache_index.blocks(self._server_index(server))
-
-    def _server_index(self, server: Hashable) -> int:
-        try:
-            return self._index_of[server]
-        except (KeyError, TypeError):
-            raise ValueError(f"server: expected one of {list(self.servers)}, got {server!r}") from None
 
     def sanity_check(self) -> None:
         """Raise AssertionError if the internal state is inconsistent (for tests and simulators; O(state))."""
@@ -480,47 +435,17 @@ class ConversationRouter:
 
     # ---------------------------------------------------------------- membership
 
-    def add_server(self, server: Hashable) -> None:
-        """Add ``server`` (a hashable id not already a member) in rotation, with no load, sessions or blocks."""
-        _check_server_id(server)
-        with self._lock:
-            if server in self._index_of:
-                raise ValueError(f"server: {server!r} is already a member")
-            i = self._ledger.add_server()
-            self._cache_index.add_server()
-            self._slot_server.append(server)
-            self._last_release.append(float("-inf"))
-            if self._queues is not None:
-                self._queues.append(deque())
-            self._index_of[server] = i
-            self.servers = (*self.servers, server)
+    # add_server, remove_server, set_server_available and the membership queries are ServerMembership's;
+    # these hooks keep the per-server state (event index, release times, prefill queues) in step.
 
-    def remove_server(self, server: Hashable) -> None:
-        """Remove member ``server``: no new request goes there, its block-event index is dropped, its
-        conversations move on their next request; its requests in flight still finish exactly.
-        The last member cannot be removed (ValueError)."""
-        _check_server_id(server)
-        with self._lock:
-            i = self._server_index(server)
-            if len(self.servers) == 1:
-                raise ValueError(f"server: cannot remove {server!r}, the router's last server")
-            del self._index_of[server]
-            self._down.add(i)
-            self._retired.add(i)
-            self._cache_index.clear(i)
-            self.servers = tuple(s for j, s in enumerate(self._slot_server) if j not in self._retired)
+    def _grow(self) -> None:
+        self._cache_index.add_server()
+        self._last_release.append(float("-inf"))
+        if self._queues is not None:
+            self._queues.append(deque())
 
-    def set_server_available(self, server: Hashable, available: bool) -> None:
-        """Take member ``server`` out of rotation (``False``) or put it back (``True``); its event index is kept
-        and still updated by :meth:`on_event` meanwhile. Setting the current state again changes nothing."""
-        _check_server_id(server)
-        _check_available(available)
-        with self._lock:
-            i = self._server_index(server)
-            if available:
-                self._down.discard(i)
-            else:
-                self._down.add(i)
+    def _forget(self, index: int) -> None:
+        self._cache_index.clear(index)
 
     # ---------------------------------------------------------------- routing
 
