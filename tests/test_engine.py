@@ -189,21 +189,21 @@ def test_bad_input_is_refused(model: HybridModel) -> None:
     assert not eng.scheduler.has_unfinished
 
 
-def test_decode_attention_torch_path_matches_a_per_request_softmax() -> None:
-    """The engine-local absorbed-MLA decode (the kernel's switch point) on awkward sizes, against an explicit
+def test_decode_attention_matches_a_per_request_softmax() -> None:
+    """The engine's absorbed-MLA decode switch point (the Triton kernel) on awkward lengths, against an explicit
     per-request softmax over rows gathered page by page."""
-    from kvforge.engine.ops import mla_decode_attention_torch
+    from kvforge.engine.ops import decode_attention
 
     g = torch.Generator().manual_seed(2)
-    pages, ps, d, dv, h = 11, 5, 24, 16, 3
+    pages, ps, d, dv, h = 11, 4, 48, 32, 3
     kv = torch.randn(pages, ps, d, generator=g)
-    lens = torch.tensor([1, 7, 13], dtype=torch.int32)
+    lens = torch.tensor([1, 7, 11], dtype=torch.int32)
     table = torch.tensor([[4, 0, 0], [2, 9, 0], [10, 3, 6]], dtype=torch.int32)
     q = torch.randn(3, h, d, generator=g)
-    out = mla_decode_attention_torch(q, kv, table, lens, softmax_scale=0.3, v_head_dim=dv)
+    out = decode_attention(q, kv, table, lens, softmax_scale=0.3, v_head_dim=dv)
     for b in range(3):
         rows = torch.cat([kv[int(p)] for p in table[b]])[: int(lens[b])].double()
         p = torch.softmax(q[b].double() @ rows.T * 0.3, -1)
         torch.testing.assert_close(out[b].double(), p @ rows[:, :dv], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="q/kv_cache"):
-        mla_decode_attention_torch(q[..., :8], kv, table, lens, softmax_scale=0.3)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        decode_attention(q[..., :8], kv, table, lens, softmax_scale=0.3, v_head_dim=dv)

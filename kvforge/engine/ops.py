@@ -3,8 +3,8 @@
 * :func:`decode_attention` is the one switch point for absorbed-MLA paged decode: ``q [B, H, latent]`` against
   the latent cache ``kv_cache [num_pages, page_size, latent]`` addressed by ``block_table [B, max_pages]`` int32
   and ``seq_lens [B]`` int32, returning ``[B, H, v_head_dim]`` with values the first ``v_head_dim`` latent
-  columns. It runs the Triton kernel ``kvforge.kernels.mla_decode.mla_decode_attention``;
-  :func:`mla_decode_attention_torch` is an engine-local torch path with the same signature, kept for tests.
+  columns. It runs the Triton kernel ``kvforge.kernels.mla_decode.mla_decode_attention`` (whose plain-torch
+  reference is ``mla_decode_attention_ref``).
 * :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
   and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
   reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
@@ -15,44 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_attention", "kda_segments", "kda_tokens", "mla_decode_attention_torch"]
-
-
-def mla_decode_attention_torch(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    v_head_dim: int = 512,
-) -> torch.Tensor:
-    """Absorbed MLA over a paged latent cache in plain torch (fp32 math), one query row per batch row.
-
-    Row b attends to tokens ``0 .. seq_lens[b] - 1`` of its pages ``block_table[b]``; keys are whole latent
-    rows, values their first ``v_head_dim`` columns. Returns ``[B, H, v_head_dim]`` in ``q``'s dtype.
-    """
-    if q.dim() != 3 or kv_cache.dim() != 3 or q.shape[2] != kv_cache.shape[2]:
-        raise ValueError(
-            f"q/kv_cache: expected q [B, H, D] and kv_cache [pages, page_size, D], got {list(q.shape)} and "
-            f"{list(kv_cache.shape)}"
-        )
-    b = q.shape[0]
-    if block_table.shape[0] < b or seq_lens.shape[0] < b:
-        raise ValueError(f"block_table/seq_lens: expected {b} rows, got {block_table.shape[0]} / {seq_lens.shape[0]}")
-    if b == 0:
-        return q.new_empty((0, q.shape[1], v_head_dim))
-    ps = kv_cache.shape[1]
-    lens = seq_lens[:b].long()
-    max_len = int(lens.max())
-    pos = torch.arange(max_len, device=q.device)
-    pages = block_table[:b, pos // ps].long()  # [B, L]
-    flat = kv_cache.reshape(-1, kv_cache.shape[2])
-    kv = flat[pages * ps + pos % ps].float()  # [B, L, D]
-    scores = torch.einsum("bhd,bld->bhl", q.float(), kv) * softmax_scale
-    scores = scores.masked_fill((pos[None, :] >= lens[:, None])[:, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhl,bld->bhd", p, kv[..., :v_head_dim]).to(q.dtype)
+__all__ = ["decode_attention", "kda_segments", "kda_tokens"]
 
 
 def decode_attention(
