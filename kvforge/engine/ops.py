@@ -31,7 +31,7 @@ def decode_attention(
     table and lengths itself, so the kernel's value check (a device-to-host read) is skipped."""
     from kvforge.kernels.mla_decode import mla_decode_attention
 
-    return mla_decode_attention(
+    out = mla_decode_attention(
         q.contiguous(),
         kv_cache,
         block_table.contiguous(),
@@ -40,6 +40,8 @@ def decode_attention(
         v_head_dim=v_head_dim,
         check_values=False,
     )
+    assert isinstance(out, torch.Tensor)  # return_lse=False: the output alone
+    return out
 
 
 def _use_fla_kernels(t: torch.Tensor) -> bool:
