@@ -19,6 +19,7 @@ This module does not import torch: metadata is plain data.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -60,35 +61,14 @@ def _wire_types() -> tuple[type, type]:
 
         version: Any = None
 
-    class _WireV1(msgspec.Struct, forbid_unknown_fields=True):
-        """The typed shape of a version-1 message (``RankInfo``'s fields; ``__post_init__`` checks the values)."""
-
-        version: int
-        instance_name: str
-        instance_rank: int
-        transport_rank: int
-        tp_size: int
-        tp_rank: int
-        pp_size: int
-        pp_rank: int
-        dp_size: int
-        dp_rank: int
-        cp_size: int
-        cp_rank: int
-        attention_dp: bool
-        layers_per_pp: tuple[int, ...]
-        is_mla: bool
-        kv_heads: int
-        head_dim: int
-        kv_dtype: str
-        element_bytes: int
-        tokens_per_block: int
-        page_groups: tuple[int, ...]
-        num_draft_layers: int | None = None
-        draft_kv_dtype: str | None = None
-        draft_kv_heads: int | None = None
-        state_layers: int | None = None
-        state_bytes: int | None = None
+    # The typed shape of a version-1 message, derived from RankInfo's own fields (so a new field cannot be
+    # forgotten here): required fields first, ``version`` required on the wire, optional ones default to None.
+    # ``__post_init__`` checks the values.
+    hints = typing.get_type_hints(RankInfo)
+    fields = dataclasses.fields(RankInfo)
+    required = [(f.name, hints[f.name]) for f in fields if f.default is dataclasses.MISSING or f.name == "version"]
+    optional = [(f.name, hints[f.name], None) for f in fields if f.name in OPTIONAL_FIELDS]
+    _WireV1 = msgspec.defstruct("_WireV1", [*required, *optional], forbid_unknown_fields=True)
 
     return _WireHead, _WireV1
 
