@@ -30,8 +30,8 @@ import torch
 
 from bench._common import append_csv, env_stamp
 from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits, tiny
+from kvforge.kvcache.replay import find_trace
 
-TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
 T_START = time.perf_counter()
 
 
@@ -141,8 +141,12 @@ def run(args) -> dict:
     if args.budget_s and time.perf_counter() - T_START > args.budget_s:
         print("out of time budget: prefix-reuse phase skipped", flush=True)
         return out
+    trace = args.trace if args.trace is not None else find_trace()
+    if trace is None or not trace.is_file():
+        print(f"trace not found ({trace}; set --trace or $KVFORGE_TRACE): prefix-reuse phase skipped", flush=True)
+        return out
     reqs = []
-    with args.trace.open() as f:
+    with trace.open() as f:
         for line in f:
             reqs.append(json.loads(line))
             if len(reqs) == args.trace_requests:
@@ -198,7 +202,7 @@ def main() -> None:
     ap.add_argument("--trace-requests", type=int, default=200)
     ap.add_argument("--trace-max-len", type=int, default=2048)
     ap.add_argument("--trace-out", type=int, default=2)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", type=Path, default=None, help="default: $KVFORGE_TRACE or shared/data/")
     ap.add_argument("--check-len", type=int, default=300)
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip later phases past this many seconds")
     args = ap.parse_args()

@@ -51,7 +51,6 @@ CAPACITIES: dict[str, int | None] = {"unlimited": None, "lru20k": 20_000}
 SYSTEMS = ("kvforge", "kvforge-sha256", "vllm", "vllm-xxhash", "sglang")
 BASELINE = "vllm"  # ratios are against vLLM with its default hash
 WHEELS_ENV = "KVFORGE_PEER_WHEELS"
-DEFAULT_TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
 
 _VLLM_REAL = ("vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_utils", "vllm.utils.hashing")
 _SGLANG_REAL = (
@@ -68,8 +67,7 @@ def _trace_path(arg: str | None) -> Path | None:
         return Path(arg)
     from kvforge.kvcache.replay import find_trace
 
-    found = find_trace()
-    return found if found is not None else DEFAULT_TRACE
+    return find_trace()
 
 
 def _wheels_dir(arg: str | None) -> Path:

@@ -11,20 +11,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvforge.kvcache.replay import find_trace
 from kvforge.service.keys import Keyer
 from kvforge.service.kv_events import KVEventPublisher
 from kvforge.service.proxy import RouterService, ServiceConfig
 from kvforge.service.testing import FakeBackend, trace_text
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
-TRACE_FALLBACK = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
-
 
 def trace_path() -> Path | None:
-    for p in (TRACE, TRACE_FALLBACK):
-        if p.is_file():
-            return p
-    return None
+    """The conversation trace ($KVFORGE_TRACE or shared/data beside the checkout), None when absent."""
+    return find_trace()
 
 
 def load_trace(limit: int) -> list[dict[str, Any]]:
