@@ -220,10 +220,10 @@ def main() -> int:
                 time.sleep(0.05)
         # The trace replay runs first, on a fresh proxy, so its router starts as empty as the in-process one.
         hit_proxy = hit_inproc = float("nan")
-        trace = Path(
-            os.environ.get("KVFORGE_TRACE", ROOT.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl")
-        )
-        if trace.is_file() and args.trace_requests > 0:
+        from kvforge.kvcache.replay import find_trace
+
+        trace = find_trace()
+        if trace is not None and args.trace_requests > 0:
             rows = [json.loads(line) for _, line in zip(range(args.trace_requests), trace.open())]
             hit_proxy, hit_inproc = asyncio.run(_replay(proxy, f"http://127.0.0.1:{ctl_port}", rows, args.policy,
                                                         args.backends))  # fmt: skip
