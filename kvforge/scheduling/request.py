@@ -2,7 +2,9 @@
 
 A request is given by its prompt either as ``tokens`` (token mode: generated tokens are committed too) or as
 ``block_keys`` plus ``prompt_len`` (key mode: only the prompt is committed; ``prompt_len`` alone, ``keyless``,
-reuses and commits nothing).
+reuses and commits nothing). Token ids are checked once, here: ``tokens`` keeps them as a tuple of ints and
+``token_ids`` as a read-only little-endian uint32 array, which the scheduler keys (the manager's vocabulary
+bound is checked in ``add_request``).
 
 States: ``WAITING`` → ``CONTEXT`` → ``GENERATION`` → ``DONE``; a preempted request goes back to ``WAITING``.
 The manager writes snapshot marks with :meth:`Request.set_snapshot_marks`; the scheduler writes
@@ -17,8 +19,10 @@ from collections.abc import Hashable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvforge.errors import CacheStateError
-from kvforge.kvcache.hashing import check_block_keys, check_tokens
+from kvforge.kvcache.hashing import check_block_keys, token_array
 from kvforge.kvcache.manager import CacheStatus
 
 if TYPE_CHECKING:
@@ -52,6 +56,19 @@ def _int_tuple(name: str, v: object) -> tuple[int, ...]:
         if isinstance(x, bool) or not isinstance(x, int):
             raise TypeError(f"{name}[{i}]: expected an int, got {type(x).__name__}")
     return out
+
+
+def _prompt_tokens(tokens: object) -> tuple[tuple[int, ...], np.ndarray]:
+    """The prompt as a tuple of ints and as a read-only uint32 array, validated once (one C pass)."""
+    ids = token_array(tokens, "tokens")
+    if isinstance(tokens, np.ndarray):
+        if np.may_share_memory(ids, tokens):
+            ids = ids.copy()  # the caller's array may change later; the request's prompt may not
+        as_tuple = tuple(ids.tolist())
+    else:
+        as_tuple = tokens if type(tokens) is tuple else tuple(tokens)  # type: ignore[arg-type]
+    ids.flags.writeable = False
+    return as_tuple, ids
 
 
 class Request:
@@ -102,6 +119,7 @@ class Request:
         "seq",
         "snapshot_points",
         "state",
+        "token_ids",
         "tokens",
         "uncached_prefill_probed",
         "user_data",
@@ -133,7 +151,10 @@ class Request:
         self.request_id = request_id
         if tokens is None and block_keys is None and prompt_len is None:
             raise ValueError("Request: expected tokens, or block_keys with prompt_len (or prompt_len alone)")
-        self.tokens = None if tokens is None else tuple(check_tokens(tokens))
+        self.tokens: tuple[int, ...] | None = None
+        self.token_ids: np.ndarray | None = None
+        if tokens is not None:
+            self.tokens, self.token_ids = _prompt_tokens(tokens)
         if self.tokens is not None:
             if prompt_len is not None and prompt_len != len(self.tokens):
                 raise ValueError(f"prompt_len: {prompt_len} differs from the {len(self.tokens)} tokens given")

@@ -24,7 +24,7 @@ from bisect import insort
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from kvforge.errors import KvforgeError, OutOfPagesError, SchedulerDeadlockError
 from kvforge.kvcache.hooks import RuntimeHooks
@@ -362,10 +362,13 @@ class Scheduler:
             raise ValueError(f"request: {request.request_id!r} was already given to a scheduler")
         if request.request_id in self._requests:
             raise ValueError(f"request: id {request.request_id!r} is already in use by an unfinished request")
-        if request.tokens is not None and request.block_keys is None:
-            # The one time a token-mode request is keyed: every later call passes these keys down.
-            request.block_keys = tuple(self.manager.prompt_keys(request.tokens, request.scope, request.cache_salt))
-        if (
+        keys = None
+        if request.token_ids is not None and request.block_keys is None:
+            # The one time a token-mode request is keyed (from its validated array, checked here against the
+            # manager's vocabulary): every later call passes these keys down.
+            ids = cast("Sequence[int]", request.token_ids)  # prompt_keys hashes numpy arrays too (hashing.py)
+            keys = tuple(self.manager.prompt_keys(ids, request.scope, request.cache_salt))
+        if keys is None and (
             request.block_keys is not None
             and not request.keyless
             and len(request.block_keys) != request.prompt_len // self.tokens_per_block
@@ -380,6 +383,8 @@ class Scheduler:
                 f"draft_len: a generation step needs {request.draft_len + 1} tokens, more than max_num_tokens "
                 f"({self.config.max_num_tokens})"
             )
+        if keys is not None:
+            request.block_keys = keys
         request.seq = self._next_seq
         self._next_seq += 1
         self._requests[request.request_id] = request
@@ -458,6 +463,7 @@ class Scheduler:
             emits = {rid: (accepted_tokens or {}).get(rid, 1) for rid in gen_n}
             for s in batch.context:
                 emits[s.request.request_id] = int(s.is_last_chunk)
+            vocab = self.manager.hasher.vocab_size
             for rid, toks in new_tokens.items():
                 if rid not in emits:
                     raise ValueError(f"new_tokens: {rid!r} is not part of this batch")
@@ -468,6 +474,9 @@ class Scheduler:
                 for t in toks:
                     if isinstance(t, bool) or not isinstance(t, int):
                         raise TypeError(f"new_tokens[{rid!r}]: expected ints, got {type(t).__name__}")
+                    if not 0 <= t < vocab:
+                        # Checked here: a token-mode request keys these ids when it commits them.
+                        raise ValueError(f"new_tokens[{rid!r}]: expected token ids in [0, {vocab}), got {t}")
         self._pending = None
         now = self._clock()
         finished: list[Request] = []
@@ -630,7 +639,7 @@ class Scheduler:
             return self.manager.probe_reuse(
                 seq,
                 req.scope,
-                block_keys=self._sequence_keys(req, seq),
+                block_keys=self._keys_range(req, 0, len(seq) // self.tokens_per_block),
                 max_reuse_tokens=limit,
                 cache_salt=req.cache_salt,
             )
@@ -638,21 +647,39 @@ class Scheduler:
             None, req.scope, block_keys=req.block_keys, max_reuse_tokens=limit, cache_salt=req.cache_salt
         )
 
-    def _sequence_keys(self, req: Request, seq: Sequence[int]) -> tuple[int, ...]:
-        """Block keys of ``seq``'s full blocks (a token-mode request's known tokens from the start): the prompt's
-        keys, computed once in add_request, then keys of generated blocks, computed once each and kept."""
-        tpb = self.tokens_per_block
-        n_full = len(seq) // tpb
+    def _keys_range(self, req: Request, first: int, stop: int) -> tuple[int, ...]:
+        """Block keys of blocks ``first .. stop - 1`` of a token-mode request's known tokens: the prompt's,
+        computed once in add_request, then keys of generated blocks, each computed once (from its own tokens
+        and its parent's key) and kept."""
         keys = req.block_keys
         assert keys is not None
-        if n_full <= len(keys):
-            return keys[:n_full]
+        n_prompt = len(keys)
+        if stop <= n_prompt:
+            return keys[first:stop]
         ext = req._generated_keys
-        have = len(keys) + len(ext)
-        if have < n_full:
+        have = n_prompt + len(ext)
+        if have < stop:
+            tpb = self.tokens_per_block
             parent = ext[-1] if ext else (keys[-1] if keys else self.manager.hasher.root_key(req.scope, req.cache_salt))
-            ext.extend(self.manager.hasher.block_keys(seq[have * tpb : n_full * tpb], tpb, parent=parent))
-        return (*keys, *ext[: n_full - len(keys)])
+            new = self._token_range(req, have * tpb, stop * tpb)
+            ext.extend(self.manager.hasher.block_keys(new, tpb, parent=parent))
+        if first >= n_prompt:
+            return tuple(ext[first - n_prompt : stop - n_prompt])
+        return (*keys[first:], *ext[: stop - n_prompt])
+
+    @staticmethod
+    def _token_range(req: Request, start: int, stop: int) -> Sequence[int]:
+        """Token ids at positions ``start .. stop - 1`` of a token-mode request (prompt, then generated ids),
+        without building the whole sequence (a decode step touches only its own tokens)."""
+        toks = req.tokens
+        assert toks is not None
+        p = req.prompt_len
+        if stop <= p:
+            return toks[start:stop]
+        out = req.output_tokens
+        if start >= p:
+            return out[start - p : stop - p]
+        return (*toks[start:], *out[: stop - p])
 
     def _sequence(self, req: Request) -> Sequence[int]:
         """Known tokens of the current context (token mode): the prompt, then generated ids when given."""
@@ -707,7 +734,7 @@ class Scheduler:
                 seq = self._sequence(req)
                 cache = self.manager.create_cache(
                     seq,
-                    block_keys=self._sequence_keys(req, seq),
+                    block_keys=self._keys_range(req, 0, len(seq) // self.tokens_per_block),
                     scope=req.scope,
                     max_reuse_tokens=limit,
                     cache_salt=req.cache_salt,
@@ -881,10 +908,9 @@ class Scheduler:
         kw: dict[str, Any] = {"snapshot_from_pending": True} if from_pending else {}
         if req.tokens is not None:
             tpb = self.tokens_per_block
-            seq = req.tokens[:target] if target <= req.prompt_len else (*req.tokens, *req.output_tokens)[:target]
             if target // tpb > c // tpb:
-                kw["block_keys"] = self._sequence_keys(req, seq)[c // tpb : target // tpb]
-            cache.commit(seq[c:target], **kw)
+                kw["block_keys"] = self._keys_range(req, c // tpb, target // tpb)
+            cache.commit(self._token_range(req, c, target), **kw)
             return
         tpb = self.tokens_per_block
         first = c // tpb
