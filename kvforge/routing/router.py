@@ -1,41 +1,20 @@
 """The conversation router: places each request on one of several servers, where its prefix is cached.
 
-Decision, in order:
+``ConversationRouter(servers, ...)``: ``route(request) -> server``, then ``finish(request_id, success)``; the
+coordinator path is ``routing_key`` / ``route_by_key`` / ``finish_request_by_id``; ``on_event(server, event)``
+consumes a server's block events (with ``use_cache_events``). Settings: :class:`RouterConfig`; optional guards:
+:class:`ImbalanceGuard`, :class:`CostGuard`. Membership changes in place (``add_server``, ``remove_server``,
+``set_server_available``).
 
-1. **Sticky**: a request with a known ``conversation_id`` goes to its session's server (bounded LRU table).
-2. **Implicit match**: a request without an id whose leading blocks cover at least ``match_threshold`` of its
-   blocks in the trie continues the conversation that last added the deepest matched block, unless that block
-   is *common*: held by more than ``specific_max_conversations`` conversations and by more than one server's
-   share (1/servers) of the session table, as a system prompt in front of every request is.
-3. **New conversation**: it follows the matched prefix's server when the match has at least
-   ``new_conversation_min_match_blocks`` blocks and the prefix is held by at most ``specific_max_conversations``
-   conversations (``"specific"``) or is not common (``"always"``). Otherwise it goes to the least-loaded server,
-   so a preamble shared by everyone spreads conversations out instead of piling them onto one server.
+A request with a known ``conversation_id`` sticks to its session's server; one without an id whose leading
+blocks match enough of a remembered conversation continues it; any other is new and follows a matched prefix
+only when that prefix is specific enough (``new_conversation_follow``), else goes to the least-loaded server.
+Load is tokens in flight per server: ``finish`` subtracts exactly what ``route`` added, and a request never
+finished is reclaimed after ``request_ttl_s``.
 
-Load, per server, is the sum of the weights of its in-flight requests, in tokens (text estimated at
-``chars_per_token``; the direct and the coordinator paths use the same unit). ``"specific"`` weighs a request
-by its whole prompt. ``"always"`` weighs it by its estimated uncached prompt: a known conversation by the growth
-of its prompt since its previous request (at least one block), a followed new conversation by its prompt past
-the matched prefix, any other request by its whole prompt (or, with cache events, past what the chosen server
-holds). A finish subtracts exactly what was added; a failed request restores its conversation's baseline unless
-a newer request has replaced it; a request never finished is reclaimed after ``request_ttl_s``.
-
-Beyond the reference system: ``use_cache_events`` makes the router consume the servers' ``BlockStored`` /
-``BlockRemoved`` events (:meth:`ConversationRouter.on_event`) so it knows what each server can reuse instead of
-guessing from its own placements; ``imbalance_guard`` either keeps prefix affinity only among servers whose
-backlog after placing the request is near the minimum (:class:`ImbalanceGuard`) or places every request by
-backlog plus weighted recomputation (:class:`CostGuard`); and ``prefill_tokens_per_s`` lets the decisions see
-each server's backlog net of the progress its oldest request has made, instead of every in-flight request at
-full weight until its finish arrives.
-
-Membership changes in place (:meth:`~ConversationRouter.add_server`, :meth:`~ConversationRouter.remove_server`,
-:meth:`~ConversationRouter.set_server_available`): a server out of rotation gets no new request, and each of its
-conversations moves on its next request (placed as on a server that caches nothing) and sticks to its new server;
-its requests in flight still finish exactly. Sessions, the trie and the other servers' event indexes survive.
-
-Inputs are checked before any state changes (block keys: ints or 16-byte bytes; a clock that returns a
-non-finite time raises ValueError). Keys that are not prefix-chained never corrupt the session table; they only
-match less well. The router is thread-safe (one lock per public call).
+Bad input raises ``TypeError`` / ``ValueError`` before any state changes; ``NoServerAvailableError`` when every
+server is out of rotation; ``RequestInFlightError`` for an id already in flight. Thread-safe (one lock per
+public call). The full rules, weights and guards: ``docs/routing.md``.
 """
 
 from __future__ import annotations
@@ -251,6 +230,8 @@ class _Decision:
     target_cached_blocks: int = 0
     known_base: int = 0
     common_blocks: int = 0
+    keys: tuple[Any, ...] = ()
+    # Per server, the leading blocks its cache events say it holds: computed on first use (see _held).
     cached: list[int] | None = field(default=None)
 
 
@@ -617,7 +598,8 @@ class ConversationRouter(ServerMembership):
             if chosen == s[_SRV]:
                 baseline_before = s[_BASE]
             else:
-                baseline_before = d.cached[chosen] * cfg.tokens_per_block if d.cached is not None else 0
+                held = self._held(d)
+                baseline_before = held[chosen] * cfg.tokens_per_block if held is not None else 0
             handle = s[_H]
             undo = _Placement(handle, baseline_before, self._last.get(handle))
             self._update_session(d.key, s, chosen, keys, d.common_blocks, num_tokens)
@@ -625,7 +607,8 @@ class ConversationRouter(ServerMembership):
             if d.kind == _FOLLOWED and chosen == d.target:
                 baseline_before = d.target_cached_blocks * cfg.tokens_per_block
             else:
-                baseline_before = d.cached[chosen] * cfg.tokens_per_block if d.cached is not None else 0
+                held = self._held(d)
+                baseline_before = held[chosen] * cfg.tokens_per_block if held is not None else 0
             handle = self._new_session(conv, chosen, keys, num_tokens)
             undo = _Placement(handle, min(baseline_before, num_tokens), None)
             self._count_new_conversation(followed=d.kind == _FOLLOWED and chosen == d.target)
@@ -668,10 +651,7 @@ class ConversationRouter(ServerMembership):
     def _match(self, conv: str | None, keys: tuple[Any, ...], loads: list[float]) -> _Decision:
         cfg = self.config
         d = _Decision()
-        if cfg.use_cache_events:
-            d.cached = cached = self._cache_index.match_lengths(keys)
-            for i in self._down:  # a server out of rotation caches nothing a new placement could use
-                cached[i] = 0
+        d.keys = keys
         key: Hashable = conv
         session = self._sessions.get(conv) if conv is not None else None
         if session is not None:
@@ -714,10 +694,11 @@ class ConversationRouter(ServerMembership):
                 d.kind = _FOLLOWED
                 d.target = owner[_SRV] if owner is not None else node_server
                 d.target_cached_blocks = matched
-        if d.cached is not None and (d.kind == _FOLLOWED or cfg.always):
+        cached = self._held(d) if cfg.use_cache_events and (d.kind == _FOLLOWED or cfg.always) else None
+        # (A prefix cached nowhere for the minimum length cannot be followed: skip the search.)
+        if cached is not None and max(cached) >= cfg.new_conversation_min_match_blocks:
             # The servers' own events beat the router's memory: follow where the prefix is actually cached,
             # and among servers caching equally much (a preamble held everywhere), the least loaded.
-            cached = d.cached
             best = max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
             have = cached[best]
             if have >= cfg.new_conversation_min_match_blocks and (
@@ -726,6 +707,19 @@ class ConversationRouter(ServerMembership):
                 d.kind = _FOLLOWED
                 d.target = best
                 d.target_cached_blocks = have
+
+    def _held(self, d: _Decision) -> list[int] | None:
+        """Per server, the leading blocks of the request its cache events say it holds (None without events).
+
+        Looked up on first use only: a decision that keeps its affine server within the guard's bound never
+        needs it (the index does not change during a decision, so when it is read does not matter).
+        """
+        held = d.cached
+        if held is None and self.config.use_cache_events:
+            held = d.cached = self._cache_index.match_lengths(d.keys)
+            for i in self._down:  # a server out of rotation caches nothing a new placement could use
+                held[i] = 0
+        return held
 
     def _weight(self, d: _Decision, server: int, num_tokens: int) -> int:
         if not self.config.always:
@@ -739,8 +733,9 @@ class ConversationRouter(ServerMembership):
             if d.kind == _KNOWN:
                 return max(num_tokens - d.known_base, cfg.tokens_per_block)
             return max(num_tokens - d.target_cached_blocks * cfg.tokens_per_block, 0)
-        if d.cached is not None:
-            return max(num_tokens - d.cached[server] * cfg.tokens_per_block, 0)
+        held = self._held(d)
+        if held is not None:
+            return max(num_tokens - held[server] * cfg.tokens_per_block, 0)
         return num_tokens
 
     def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
@@ -749,12 +744,18 @@ class ConversationRouter(ServerMembership):
             return d.target
         if isinstance(guard, CostGuard):
             return self._choose_by_cost(d, num_tokens, loads, guard.recompute_weight)
-        varying = self.config.always and d.cached is not None
+        varying = self.config.always and self.config.use_cache_events
         if d.target is None and not varying:
             return self._pick_min(loads)
+        if d.target is not None:
+            assert guard is not None
+            # Every backlog below is at least its server's load, so the guard's bound is at least this one: an
+            # affine server within it keeps the request without the per-server backlogs (the same answer).
+            if loads[d.target] + self._weight(d, d.target, num_tokens) <= guard.limit(min(loads)):
+                return d.target
         if varying:
             tpb = self.config.tokens_per_block
-            cached = d.cached
+            cached = self._held(d)
             assert cached is not None
             backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
         else:
@@ -769,15 +770,23 @@ class ConversationRouter(ServerMembership):
             return d.target
         self.stats.guard_moves += 1
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
-        held = d.cached
+        held = self._held(d)
         if held is not None:
             return min(near, key=lambda s: (-held[s], backlog[s]))
         return min(near, key=backlog.__getitem__)
 
     def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
-        if d.target is None and d.cached is None:
+        if d.target is None and not self.config.use_cache_events:
             return self._pick_min(loads)  # every server would compute the whole prompt
-        scores = [load + weight * self._uncached(d, s, num_tokens) for s, load in enumerate(loads)]
+        # What _uncached gives every server but the affine one, computed in one pass.
+        cached = self._held(d)
+        if cached is not None:
+            tpb = self.config.tokens_per_block
+            scores = [load + weight * max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+        else:
+            scores = [load + weight * num_tokens for load in loads]
+        if d.target is not None:
+            scores[d.target] = loads[d.target] + weight * self._uncached(d, d.target, num_tokens)
         if d.target is None:
             return self._pick_min(scores)
         best = d.target
