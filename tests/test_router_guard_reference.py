@@ -123,7 +123,7 @@ def test_the_event_index_is_not_read_when_the_affine_server_keeps_the_request() 
     index = r._cache_index
     calls = []
     real = index.match_lengths
-    index.match_lengths = lambda k: calls.append(k) or real(k)  # type: ignore[method-assign]
+    index.match_lengths = lambda k, *a: calls.append(k) or real(k, *a)  # type: ignore[method-assign]
     assert r.route(RouteRequest("2", block_keys=[*keys, 4], num_tokens=4 * TPB, conversation_id="x")) == home
     assert calls == []  # within the bound (16 + 0 <= 0 + 100): no server's cache needs comparing
     r.finish("2")
@@ -132,3 +132,30 @@ def test_the_event_index_is_not_read_when_the_affine_server_keeps_the_request() 
     r.on_event(other, BlockStored(tuple([*keys, 4]), None, TPB))
     r.route(RouteRequest("big", block_keys=[*keys, 4, 5], num_tokens=5 * TPB + 9000, conversation_id="x"))
     assert len(calls) == 1
+
+
+def test_match_lengths_are_exact_except_for_ignored_servers() -> None:
+    from kvforge.routing.trie import ServerPrefixIndex
+
+    rng = random.Random(7)
+    for _ in range(400):
+        n = rng.randint(1, 9)
+        index = ServerPrefixIndex(n)
+        universe = list(range(rng.randint(1, 12)))
+        for s in range(n):
+            index.store(s, [k for k in universe if rng.random() < 0.7])
+        keys = [rng.choice([*universe, 99]) for _ in range(rng.randint(0, 10))]
+        exact = []
+        for s in range(n):
+            m = 0
+            while m < len(keys) and index.contains(s, keys[m]):
+                m += 1
+            exact.append(m)
+        assert index.match_lengths(keys) == exact
+        ignore = rng.getrandbits(n)
+        got = index.match_lengths(keys, ignore)
+        for s in range(n):
+            if ignore >> s & 1:
+                assert got[s] <= exact[s]
+            else:
+                assert got[s] == exact[s], (keys, ignore, s)

@@ -712,11 +712,14 @@ class ConversationRouter(ServerMembership):
         """Per server, the leading blocks of the request its cache events say it holds (None without events).
 
         Looked up on first use only: a decision that keeps its affine server within the guard's bound never
-        needs it (the index does not change during a decision, so when it is read does not matter).
+        needs it (the index does not change during a decision, so when it is read does not matter). A known
+        conversation's own server is weighed by the conversation's growth, never by this list, so its entry is
+        only a lower bound (the lookups stop once no other server still matches).
         """
         held = d.cached
         if held is None and self.config.use_cache_events:
-            held = d.cached = self._cache_index.match_lengths(d.keys)
+            own = 1 << d.target if d.kind == _KNOWN and d.target is not None else 0
+            held = d.cached = self._cache_index.match_lengths(d.keys, own)
             for i in self._down:  # a server out of rotation caches nothing a new placement could use
                 held[i] = 0
         return held

@@ -223,11 +223,16 @@ class ServerPrefixIndex:
         else:
             del self._mask[h]
 
-    def match_lengths(self, keys: Sequence[Hashable]) -> list[int]:
-        """Per server, the number of leading blocks of ``keys`` it holds (one pass for all servers)."""
+    def match_lengths(self, keys: Sequence[Hashable], ignore: int = 0) -> list[int]:
+        """Per server, the number of leading blocks of ``keys`` it holds (one pass for all servers).
+
+        ``ignore``: a bitmask of server indexes whose lengths the caller does not need; the pass stops as soon
+        as only they still match, so their entries are then lower bounds (the others are exact).
+        """
         lengths = [0] * self.num_servers
         get = self._mask.get
         alive = self._all
+        wanted = ~ignore
         i = 0
         for h in keys:
             still = get(h, 0) & alive
@@ -237,8 +242,9 @@ class ServerPrefixIndex:
                 lengths[low.bit_length() - 1] = i
                 dropped ^= low
             alive = still
-            if not alive:
-                return lengths
+            if not alive & wanted:
+                i += 1
+                break
             i += 1
         while alive:
             low = alive & -alive
