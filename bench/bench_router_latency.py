@@ -154,6 +154,7 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
         ("new", new),
     ]
     rows = []
+    load = os.getloadavg()[0]  # other work inflates wall time (and, through the caches, CPU time too)
     for path, make in paths:
         route_us, cpu_us, finish_us, gcs = time_path(router, make, decisions)
         st = summarise(route_us)
@@ -181,6 +182,7 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
                 "gen2_collections": gcs.full,
                 "young_collections": gcs.young,
                 "python": sys.version.split()[0],
+                "load_avg_1m": round(load, 2),
             }
         )
     router.sanity_check()
