@@ -11,6 +11,10 @@ and in this thread's CPU time (``thread_time_ns``, which a busy machine's preemp
 - ``known-no-id``: the same without the id (the implicit match through the trie);
 - ``new``: a new anonymous conversation with fresh keys (each one evicts the least recent session).
 
+With cache events, a fourth row, ``on_event``, times the event path itself: per step, one ``BlockStored``
+of a new block continuing a random conversation on its server, and one ``BlockRemoved`` of the block stored
+1,000 steps before (the index keeps its size); each call is one sample.
+
 Reported per path: median, mean, p99 and max in µs, mean / median, and how many full (generation 2)
 collections ran during the timed decisions. Targets (issue 18): mean <= 1.5 x median and p99 <= 50 µs on
 every path. ``--freeze`` calls ``gc.freeze()`` after filling the table, as a server would after warm-up; the
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import random
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -34,7 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import append_csv
-from kvforge.kvcache.events import BlockStored
+from kvforge.kvcache.events import BlockRemoved, BlockStored
 from kvforge.routing import ConversationRouter, CostGuard, ImbalanceGuard, RouteRequest
 
 BLOCKS = 8
@@ -120,6 +126,41 @@ def time_path(
     return wall, cpu, finish, counter
 
 
+def time_events(
+    router: ConversationRouter, keys: list[tuple[int, ...]], steps: int, rng: random.Random
+) -> tuple[list[float], list[float], list[float], _GcCounter]:
+    """Per ``on_event`` call: wall µs, this thread's CPU µs (and no finish: an empty list)."""
+    counter = _GcCounter()
+    gc.callbacks.append(counter)
+    wall: list[float] = []
+    cpu: list[float] = []
+    stored: deque[tuple[str, int]] = deque()
+    clock = time.perf_counter_ns
+    cpu_clock = time.thread_time_ns
+    try:
+        for _ in range(steps):
+            i = rng.randrange(len(keys))
+            # (Its session may have been evicted by the "new" path; its server still caches it.)
+            server = router.session_server(f"c{i}") or SERVERS[i % len(SERVERS)]
+            key = rng.randrange(_KEY_SPACE)
+            events: list[tuple[str, object]] = [(server, BlockStored((key,), keys[i][-1], TPB))]
+            stored.append((server, key))
+            if len(stored) > 1000:
+                old_server, old_key = stored.popleft()
+                events.append((old_server, BlockRemoved((old_key,))))
+            for srv, ev in events:
+                c0 = cpu_clock()
+                t0 = clock()
+                router.on_event(srv, ev)  # type: ignore[arg-type]
+                t1 = clock()
+                c1 = cpu_clock()
+                wall.append((t1 - t0) / 1000.0)
+                cpu.append((c1 - c0) / 1000.0)
+    finally:
+        gc.callbacks.remove(counter)
+    return wall, cpu, [], counter
+
+
 def summarise(us: Sequence[float]) -> dict[str, float]:
     a = np.asarray(us)
     med = float(np.median(a))
@@ -153,13 +194,18 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
         ("known-no-id", lambda k: known(k, False)),
         ("new", new),
     ]
+    timed: list[tuple[str, Callable[[], tuple[list[float], list[float], list[float], _GcCounter]]]] = [
+        (path, lambda make=make: time_path(router, make, decisions)) for path, make in paths
+    ]
+    if CONFIGS[name].get("use_cache_events"):
+        timed.append(("on_event", lambda: time_events(router, keys, decisions, rng)))
     rows = []
     load = os.getloadavg()[0]  # other work inflates wall time (and, through the caches, CPU time too)
-    for path, make in paths:
-        route_us, cpu_us, finish_us, gcs = time_path(router, make, decisions)
+    for path, run in timed:
+        route_us, cpu_us, finish_us, gcs = run()
         st = summarise(route_us)
         cp = summarise(cpu_us)
-        fin = summarise(finish_us)
+        fin = summarise(finish_us) if finish_us else {"median_us": math.nan, "mean_us": math.nan, "p99_us": math.nan}
         print(
             f"{name:<26}{path:<13}{st['median_us']:>8.1f}{st['mean_us']:>8.1f}{st['p99_us']:>8.1f}"
             f"{st['max_us']:>9.0f}{st['mean_over_median']:>9.2f}   |{cp['median_us']:>8.1f}{cp['mean_us']:>8.1f}"
