@@ -87,6 +87,34 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
 
 
 @triton.jit
+def _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
+                        sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
+                        PRECISION: tl.constexpr):  # fmt: skip
+    """``_decode_step`` transposed: keys are the rows of the products (``sᵀ = k qᵀ``, ``accᵀ += vᵀ pᵀ``), so
+    the M dimension is the key tile, not the head tile. Triton spreads a chained product's rows over all warps;
+    with few heads as rows that copies the score product into every warp (or warpgroup), with keys as rows each
+    warp computes its own keys. ``q_*`` come transposed ``[D, BLOCK_H]``, the accumulators are ``[D, BLOCK_H]``."""
+    if UPCAST:
+        k_mine = k_mine.to(tl.float32)
+        k_other = k_other.to(tl.float32)
+        k_rope = k_rope.to(tl.float32)
+    s = tl.dot(k_mine, q_mine, input_precision=PRECISION)
+    s = tl.dot(k_other, q_other, s, input_precision=PRECISION)
+    s = tl.dot(k_rope, q_rope, s, input_precision=PRECISION) * sm_scale_log2
+    if MASKED:
+        s = tl.where(nmask[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_sum = l_sum * alpha + tl.sum(p, 0)
+    pc = p.to(k_mine.dtype)
+    acc_mine = tl.dot(tl.trans(k_mine), pc, acc_mine * alpha[None, :], input_precision=PRECISION)
+    if not SPLIT_DV:
+        acc_other = tl.dot(tl.trans(k_other), pc, acc_other * alpha[None, :], input_precision=PRECISION)
+    return acc_mine, acc_other, m_new, l_sum
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_ptr, kv_ptr, desc_h, desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
     H, tiles_per_split,
@@ -94,14 +122,16 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KEYS_M: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (requests, head tiles x (2 if SPLIT_DV else 1), key shares). The latent columns are handled as two
-    halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its half of the output (half
-    the accumulator registers, the scores computed by both programs of the pair)."""
+    """Grid (head tiles x (2 if SPLIT_DV else 1), requests, key shares): the programs that read the same keys
+    are neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
+    columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
+    half of the output (half the accumulator registers, the scores computed by both programs of the pair).
+    KEYS_M computes the transposed products (``_decode_step_keys_m``)."""
     D_HALF: tl.constexpr = D_V // 2
-    b = tl.program_id(0).to(tl.int64)
-    pid1 = tl.program_id(1)
+    pid1 = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     if SPLIT_DV:
         pid_h = pid1 // 2
@@ -123,14 +153,22 @@ def _mla_decode_split_kernel(
         q_mine = q_mine.to(tl.float32)
         q_other = q_other.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
+    if KEYS_M:
+        q_mine = tl.trans(q_mine)
+        q_other = tl.trans(q_other)
+        q_rope = tl.trans(q_rope)
     seq_len = tl.load(seq_ptr + b)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     full_end = tl.maximum(start, start + ((end - start) // BLOCK_N) * BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
-    acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
-    acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+    if KEYS_M:
+        acc_mine = tl.zeros((D_HALF, BLOCK_H), tl.float32)
+        acc_other = tl.zeros((D_HALF, BLOCK_H), tl.float32)
+    else:
+        acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+        acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * s_btb
     for n0 in tl.range(start, full_end, BLOCK_N):
@@ -141,9 +179,14 @@ def _mla_decode_split_kernel(
             page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
-        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                     k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, False, PRECISION)  # fmt: skip
+        if KEYS_M:
+            acc_mine, acc_other, m, l_sum = _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other,
+                                                                q_rope, k_mine, k_other, k_rope, None, sm_scale_log2,
+                                                                UPCAST, SPLIT_DV, False, PRECISION)  # fmt: skip
+        else:
+            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                         k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
+                                                         SPLIT_DV, False, PRECISION)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -153,32 +196,59 @@ def _mla_decode_split_kernel(
             page = tl.load(bt_row + tok // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
-        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                     k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, True, PRECISION)  # fmt: skip
+        if KEYS_M:
+            acc_mine, acc_other, m, l_sum = _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other,
+                                                                q_rope, k_mine, k_other, k_rope, nmask, sm_scale_log2,
+                                                                UPCAST, SPLIT_DV, True, PRECISION)  # fmt: skip
+        else:
+            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                         k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
+                                                         SPLIT_DV, True, PRECISION)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero partial; the merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
-    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos + heads.to(tl.int64)[:, None] * s_poh
-    tl.store(po + col_mine + dh[None, :], acc_mine * inv[:, None], mask=hmask[:, None])
-    if not SPLIT_DV:
-        tl.store(po + col_other + dh[None, :], acc_other * inv[:, None], mask=hmask[:, None])
+    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos
+    if KEYS_M:
+        po = po + heads.to(tl.int64)[None, :] * s_poh
+        tl.store(po + col_mine + dh[:, None], acc_mine * inv[None, :], mask=hmask[None, :])
+        if not SPLIT_DV:
+            tl.store(po + col_other + dh[:, None], acc_other * inv[None, :], mask=hmask[None, :])
+    else:
+        po = po + heads.to(tl.int64)[:, None] * s_poh
+        tl.store(po + col_mine + dh[None, :], acc_mine * inv[:, None], mask=hmask[:, None])
+        if not SPLIT_DV:
+            tl.store(po + col_other + dh[None, :], acc_other * inv[:, None], mask=hmask[:, None])
     if half == 0:
         lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(plse_ptr + b * s_plb + heads.to(tl.int64) * s_plh + split, lse, mask=hmask)
 
 
-def _cfg(bh: int, bn: int, warps: int, stages: int, split_dv: bool = False, tma: bool = False) -> triton.Config:
-    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma}
+def _cfg(
+    bh: int,
+    bn: int,
+    warps: int,
+    stages: int,
+    split_dv: bool = False,
+    tma: bool = False,
+    keys_m: bool = False,
+    per_sm: int = 2,
+) -> triton.Config:
+    """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares;
+    a launch parameter, not a kernel argument."""
+    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "KEYS_M": keys_m, "PER_SM": per_sm}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16, page size, TMA-able layout)
     kw = cfg.kwargs
+    keys_m = kw.get("KEYS_M", False)
     if kw["BLOCK_H"] > max(16, key[3]):  # no head tile wider than the heads
         return False
-    if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
+    # Many heads: small head tiles re-read the cache per tile (KEYS_M keeps every product's width at 32+).
+    if key[3] >= 64 and kw["BLOCK_H"] < (32 if keys_m else 64):
+        return False
+    if keys_m and kw["USE_TMA"]:  # the transposed value operand from a TMA tile spills (sm_90, Triton 3.6-3.9)
         return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
@@ -188,19 +258,19 @@ _CONFIGS = ConfigTable(
     fallback=[_cfg(16, 32, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
+        # Few heads (memory-bound): head tiles of 16, scores as heads x keys (mma.sync) or keys x heads (wgmma).
+        # Many heads (matrix-bound): head tiles of 64 (the scores copied into both warpgroups of 8 warps), of
+        # 64 x 128 keys in keys x heads form (no copy, one stage), or 32 heads x 64 keys on one warpgroup.
         9: [
             _cfg(16, 64, 4, 2),
-            _cfg(16, 64, 4, 2, tma=True),
-            _cfg(16, 32, 4, 3, tma=True),
-            _cfg(16, 32, 4, 4, tma=True),
-            _cfg(16, 32, 8, 4, tma=True),
-            _cfg(64, 64, 8, 1),
-            _cfg(64, 32, 8, 2, tma=True),
-            _cfg(64, 64, 8, 2, tma=True),
-            _cfg(64, 64, 4, 2, split_dv=True, tma=True),
-            _cfg(64, 32, 4, 3, split_dv=True, tma=True),
-            _cfg(128, 32, 8, 1, split_dv=True, tma=True),
-            _cfg(128, 32, 8, 2, split_dv=True, tma=True),
+            _cfg(16, 64, 4, 2, keys_m=True, per_sm=1),
+            _cfg(16, 64, 8, 2, keys_m=True, per_sm=1),
+            _cfg(16, 32, 4, 4, keys_m=True),
+            _cfg(64, 64, 8, 2, tma=True, per_sm=1),
+            _cfg(64, 64, 8, 2, per_sm=1),
+            _cfg(64, 128, 8, 1, keys_m=True, per_sm=1),
+            _cfg(32, 64, 4, 2, keys_m=True, per_sm=1),
+            _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
         ]
     },
     keep=_keep,
@@ -312,11 +382,13 @@ def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -
     return (v_head_dim, q.shape[-1] - v_head_dim, str(q.dtype).split(".")[-1], heads, kv_cache.shape[1], tma_ok)
 
 
-def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int) -> int:
-    """Key shares per request: up to about two programs per SM, choosing the count whose programs fill the last
-    wave best (a wave of 2 x SMs programs; 300 programs on 132 SMs leave most of a third wave idle)."""
+def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int = 2) -> int:
+    """Key shares per request: up to about one wave of programs (``per_sm`` resident per SM), choosing the count
+    whose programs fill the last wave best (with a wave of 264, 300 programs leave most of a second wave idle)."""
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"per_sm: expected an int >= 1, got {per_sm!r}")
     base = max(1, batch * head_tiles)
-    slots = 2 * sms
+    slots = per_sm * sms
     best, best_eff = 1, 0.0
     for s in range(1, max(1, min(max_tiles, triton.cdiv(slots, base))) + 1):
         progs = base * s
@@ -393,17 +465,22 @@ def mla_decode_attention(
         head_tiles = triton.cdiv(H, block_h)
         programs_per_request = head_tiles * (2 if split_dv else 1)
         max_tiles = max(1, triton.cdiv(max_pages * page_size, block_n))
-        splits = num_splits if num_splits is not None else default_num_splits(B, programs_per_request, max_tiles, sms)
+        per_sm = int(cfg.kwargs.get("PER_SM", 2))
+        if num_splits is None:
+            splits = default_num_splits(B, programs_per_request, max_tiles, sms, per_sm)
+        else:
+            splits = num_splits
         splits = min(splits, max_tiles)
         tiles_per_split = triton.cdiv(max_tiles, splits)
         partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
         partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
-        _mla_decode_split_kernel[(B, programs_per_request, splits)](
+        _mla_decode_split_kernel[(programs_per_request, B, splits)](
             q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, tiles_per_split,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1),
             float(softmax_scale) * 1.4426950408889634,
-            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, PRECISION=precision, **cfg.kwargs,
+            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, PRECISION=precision,
+            **{"KEYS_M": False, **{k: v for k, v in cfg.kwargs.items() if k != "PER_SM"}},
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return partial, partial_lse
