@@ -228,7 +228,7 @@ def main() -> None:
                 print(f"{wl:>18} {labels[name]}: no CUDA-graph time ({type(exc).__name__}: {str(exc)[:120]})")
             extra["host_us"] = host_us(fns[name])
             ratio = paired["flashinfer"]["ms"] / t["ms"] if "flashinfer" in paired else float("nan")
-            line(labels[name] + " (paired)", splits or "", t, errs[name])
+            line(labels[name] + " (paired)", (splits or "") if name == "kvforge" else "", t, errs[name])
             print(
                 f"{wl:>18} {labels[name]:>48}: {ratio:.3f} x FlashInfer's throughput (paired medians); graph "
                 f"{extra.get('graph_ms', float('nan')):.3f} ms, host {extra['host_us']:.1f} us/call"

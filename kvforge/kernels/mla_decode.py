@@ -114,7 +114,8 @@ def _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, 
     return acc_mine, acc_other, m_new, l_sum
 
 
-@triton.jit
+# The share length and the split count change with the batch: never specialise on them (a recompile per value).
+@triton.jit(do_not_specialize=["tiles_per_split", "s_plb", "s_plh"])
 def _mla_decode_split_kernel(
     q_ptr, kv_ptr, desc_h, desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
     H, tiles_per_split,
