@@ -123,13 +123,14 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, KEYS_M: tl.constexpr = False,
+    PRECISION: tl.constexpr, KEYS_M: tl.constexpr = False, PER_SM: tl.constexpr = 2,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, key shares): the programs that read the same keys
     are neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
     columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
     half of the output (half the accumulator registers, the scores computed by both programs of the pair).
-    KEYS_M computes the transposed products (``_decode_step_keys_m``)."""
+    KEYS_M computes the transposed products (``_decode_step_keys_m``). PER_SM is not read: it is the launcher's
+    (programs resident per SM, for the split count) and a parameter so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -234,8 +235,7 @@ def _cfg(
     keys_m: bool = False,
     per_sm: int = 2,
 ) -> triton.Config:
-    """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares;
-    a launch parameter, not a kernel argument."""
+    """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares."""
     kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "KEYS_M": keys_m, "PER_SM": per_sm}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
@@ -379,7 +379,7 @@ def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -
     """What the best launch configuration depends on: widths, dtype, heads (rounded up to a power of two), page
     size and whether the cache layout allows TMA. Never batch size or lengths."""
     tma_ok = not interpreting() and _tma_layout_ok(kv_cache, v_head_dim)
-    heads = max(16, triton.next_power_of_2(q.shape[1]))
+    heads = max(16, 1 << max(0, q.shape[1] - 1).bit_length())  # host int math: triton.* helpers cost µs
     return (v_head_dim, q.shape[-1] - v_head_dim, str(q.dtype).split(".")[-1], heads, kv_cache.shape[1], tma_ok)
 
 
@@ -391,12 +391,44 @@ def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, pe
     base = max(1, batch * head_tiles)
     slots = per_sm * sms
     best, best_eff = 1, 0.0
-    for s in range(1, max(1, min(max_tiles, triton.cdiv(slots, base))) + 1):
+    for s in range(1, max(1, min(max_tiles, -(-slots // base))) + 1):
         progs = base * s
-        eff = progs / (triton.cdiv(progs, slots) * slots)
+        eff = progs / (-(-progs // slots) * slots)
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
+
+
+def _cfg_id(cfg: triton.Config) -> tuple:
+    return (tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages)
+
+
+def _aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _int_spec(ints: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
+    """What Triton specialises an int argument on: equal to 1, a multiple of 16, wider than 32 bits."""
+    return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints)
+
+
+def _merge(partial: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """merge_attention_states on the partials ``[S, B, H, D]`` / ``[S, B, H]`` this module allocated, without
+    its input checks (out and lse were checked by the caller) and through the cached direct launcher."""
+    from kvforge.kernels.merge_states import _MERGE
+
+    S, B, H, D = partial.shape
+    R = B * H
+    ints = (S, R, H, D, *partial.stride()[:3], *partial_lse.stride(), out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1))  # fmt: skip
+    key = (1 << max(0, D - 1).bit_length(),)  # merge_attention_states' key
+    spec = (key, out.dtype, _aligned(partial, partial_lse, out, lse), _int_spec(ints))
+    _MERGE.launch_fast(
+        lambda meta: (-(-R // meta["BLOCK_R"]), -(-D // meta["BLOCK_D"])),
+        key,
+        spec,
+        (partial, partial_lse, out, lse, *ints),
+    )
 
 
 def mla_decode_attention(
@@ -456,42 +488,44 @@ def mla_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     sms = num_sms(dev)
 
-    def run(cfg: triton.Config) -> tuple[torch.Tensor, torch.Tensor]:
-        block_n, block_h = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_H"]
-        use_tma, split_dv = bool(cfg.kwargs["USE_TMA"]), bool(cfg.kwargs["SPLIT_DV"])
-        descs = _descriptors(kv_cache, block_n, v_head_dim, d_r) if use_tma else None
-        if use_tma and descs is None:
+    scale_log2 = float(softmax_scale) * 1.4426950408889634
+    consts = {"PAGE_SIZE": page_size, "D_V": v_head_dim, "D_R": d_r, "UPCAST": upcast, "PRECISION": precision}
+
+    def launch(cfg: triton.Config, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        kw = cfg.kwargs
+        block_n, block_h = kw["BLOCK_N"], kw["BLOCK_H"]
+        descs = _descriptors(kv_cache, block_n, v_head_dim, d_r) if kw["USE_TMA"] else None
+        if kw["USE_TMA"] and descs is None:
             raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
         desc_h, desc_r = descs if descs is not None else (kv_cache, kv_cache)
-        head_tiles = triton.cdiv(H, block_h)
-        programs_per_request = head_tiles * (2 if split_dv else 1)
-        max_tiles = max(1, triton.cdiv(max_pages * page_size, block_n))
-        per_sm = int(cfg.kwargs.get("PER_SM", 2))
+        programs_per_request = -(-H // block_h) * (2 if kw["SPLIT_DV"] else 1)
+        max_tiles = max(1, -(-(max_pages * page_size) // block_n))
         if num_splits is None:
-            splits = default_num_splits(B, programs_per_request, max_tiles, sms, per_sm)
+            splits = default_num_splits(B, programs_per_request, max_tiles, sms, int(kw.get("PER_SM", 2)))
         else:
             splits = num_splits
         splits = min(splits, max_tiles)
-        tiles_per_split = triton.cdiv(max_tiles, splits)
         partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
         partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
-        _mla_decode_split_kernel[(programs_per_request, B, splits)](
-            q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, tiles_per_split,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-            partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1),
-            float(softmax_scale) * 1.4426950408889634,
-            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, PRECISION=precision,
-            **{"KEYS_M": False, **{k: v for k, v in cfg.kwargs.items() if k != "PER_SM"}},
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+                partial.stride(0), partial.stride(1), partial.stride(2))  # fmt: skip
+        args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, -(-max_tiles // splits),
+                *ints[1:], partial_lse.stride(0), partial_lse.stride(1), scale_log2)  # fmt: skip
+        grid = (programs_per_request, B, splits)
+        if fast and "KEYS_M" in kw and "PER_SM" in kw:  # a config naming every constexpr (the direct launch)
+            # Everything Triton specialises the compiled kernel on (tiles_per_split and the lse strides are
+            # do_not_specialize), so a repeat call launches the cached kernel directly.
+            spec = (key, _cfg_id(cfg), q.dtype, _aligned(q, kv_cache, block_table, seq_lens), _int_spec(ints), upcast)
+            _SPLIT.launch_fast(lambda meta: grid, key, spec, args, **consts)
+        else:
+            _mla_decode_split_kernel[grid](*args, **consts, **{"KEYS_M": False, "PER_SM": 2, **kw},
+                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
         return partial, partial_lse
 
     # Tuned once per key on a GPU without a committed config (idempotent: it writes only the partials).
-    partial, partial_lse = run(_SPLIT.config_for(key, run))
-    from kvforge.kernels.merge_states import merge_attention_states
-
-    # [B, H, S, D] viewed as [S, B, H, D]: the merge reads any strides with D contiguous.
-    merge_attention_states(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out=out, out_lse=lse)
+    cfg = _SPLIT.config_for(key, lambda c: launch(c, False))
+    partial, partial_lse = launch(cfg, True)
+    _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse)
     # An empty request merges to 0 with lse -inf already (every share reported -inf).
     return (out, lse) if return_lse else out
 
