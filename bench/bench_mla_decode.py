@@ -82,11 +82,7 @@ def kvforge_runner(q, kv, bt, sl, scale, out, splits=None):
 
 def cfg_label(cfg) -> str:
     kw = cfg.kwargs
-    flags = "".join(
-        f" {name}"
-        for name, on in (("keys_m", kw.get("KEYS_M")), ("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]))
-        if on
-    )
+    flags = "".join(f" {name}" for name, on in (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"])) if on)
     return f"kvforge BH{kw['BLOCK_H']} BN{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 

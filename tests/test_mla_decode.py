@@ -67,29 +67,17 @@ def test_split_count_does_not_change_the_result(gen, device):
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "page_size,split_dv,keys_m,dtype",
-    [
-        (4, True, False, torch.float32),
-        (16, True, False, torch.float32),
-        (32, True, False, torch.float32),
-        (4, False, True, torch.float32),
-        (16, False, True, torch.bfloat16),
-        (32, True, True, torch.float16),
-    ],
-)
-def test_launch_variants(gen, device, monkeypatch, page_size, split_dv, keys_m, dtype):
-    """The SPLIT_DV variant (two programs per head tile, each writing half of the output columns) and the KEYS_M
-    variant (transposed products: keys as rows, heads as columns), with tiles inside one page (16, 32) and across
-    pages (4), several key shares per request."""
+@pytest.mark.parametrize("page_size,dtype", [(4, torch.float32), (16, torch.float32), (32, torch.float16)])
+def test_split_value_halves(gen, device, monkeypatch, page_size, dtype):
+    """The SPLIT_DV variant (two programs per head tile, each writing half of the output columns), with tiles
+    inside one page (16, 32) and across pages (4), several key shares per request."""
     import kvforge.kernels.mla_decode as md
     from kvforge.kernels._runtime import ConfigTable, TunedKernel
 
     if device.type != "cpu":
         pytest.skip("the GPU sweeps every configuration in bench/bench_mla_decode.py")
-    cfg = md._cfg(16, 16, 1, 1, split_dv=split_dv, keys_m=keys_m)
-    monkeypatch.setattr(md, "_SPLIT", TunedKernel(f"mla_decode_variant_test_{split_dv}_{keys_m}",
-                                                  md._mla_decode_split_kernel,
+    cfg = md._cfg(16, 16, 1, 1, split_dv=True)
+    monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_split_dv_test", md._mla_decode_split_kernel,
                                                   ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
     q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, page_size, [0, 37, 70], dtype, device)
     check(q, kv, bt, sl, 32, 0.25, dtype, num_splits=2)

@@ -1,9 +1,9 @@
 """The decode kernel's launch variants compile offline for every target architecture (no GPU).
 
 tests/test_compile_targets.py compiles the kernel once per architecture with its default variant; this file adds
-the KEYS_M (transposed products) and SPLIT_DV variants at narrow widths (64 + 16, bf16) on every architecture and
-at DeepSeek's real widths (512 + 64) on sm_90, where they are launched, so a variant that stops compiling on one
-architecture fails here rather than at a user's first launch. The compiles
+the SPLIT_DV variant (two programs per head tile, each with half the value columns) at narrow widths (64 + 16,
+bf16) on every architecture and at DeepSeek's real widths (512 + 64) on sm_90, where it is launched, so a variant
+that stops compiling on one architecture fails here rather than at a user's first launch. The compiles
 run in a subprocess with the interpreter off (this file is also the script: ``python
 tests/test_mla_decode_compile.py``).
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHS = [80, 89, 90, 100, 120]
-# (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_DV, KEYS_M)
-VARIANTS = [(64, 16, 16, 64, 4, 2, False, True), (64, 16, 16, 32, 4, 2, True, True)]
-REAL_WIDTH_SM90 = [(512, 64, 16, 64, 4, 2, False, True)]
+# (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_DV)
+VARIANTS = [(64, 16, 16, 32, 4, 2, True)]
+REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
 
 
 def _compile_all() -> list[dict[str, object]]:
@@ -35,10 +35,10 @@ def _compile_all() -> list[dict[str, object]]:
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     records = []
     jobs = [(arch, v) for arch in ARCHS for v in VARIANTS] + [(90, v) for v in REAL_WIDTH_SM90]
-    for arch, (dv, dr, bh, bn, warps, stages, split_dv, keys_m) in jobs:
+    for arch, (dv, dr, bh, bn, warps, stages, split_dv) in jobs:
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
-                  "SPLIT_DV": split_dv, "USE_TMA": False, "PRECISION": "tf32", "KEYS_M": keys_m}  # fmt: skip
-        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} split_dv={split_dv} keys_m={keys_m}"
+                  "SPLIT_DV": split_dv, "USE_TMA": False, "PRECISION": "tf32"}  # fmt: skip
+        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} split_dv={split_dv}"
         try:
             triton.compile(
                 ASTSource(fn, sig, constexprs=consts),

@@ -86,34 +86,6 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
     return acc_mine, acc_other, m_new, l_sum
 
 
-@triton.jit
-def _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
-                        sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                        PRECISION: tl.constexpr):  # fmt: skip
-    """``_decode_step`` transposed: keys are the rows of the products (``sᵀ = k qᵀ``, ``accᵀ += vᵀ pᵀ``), so
-    the M dimension is the key tile, not the head tile. Triton spreads a chained product's rows over all warps;
-    with few heads as rows that copies the score product into every warp (or warpgroup), with keys as rows each
-    warp computes its own keys. ``q_*`` come transposed ``[D, BLOCK_H]``, the accumulators are ``[D, BLOCK_H]``."""
-    if UPCAST:
-        k_mine = k_mine.to(tl.float32)
-        k_other = k_other.to(tl.float32)
-        k_rope = k_rope.to(tl.float32)
-    s = tl.dot(k_mine, q_mine, input_precision=PRECISION)
-    s = tl.dot(k_other, q_other, s, input_precision=PRECISION)
-    s = tl.dot(k_rope, q_rope, s, input_precision=PRECISION) * sm_scale_log2
-    if MASKED:
-        s = tl.where(nmask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 0))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_sum = l_sum * alpha + tl.sum(p, 0)
-    pc = p.to(k_mine.dtype)
-    acc_mine = tl.dot(tl.trans(k_mine), pc, acc_mine * alpha[None, :], input_precision=PRECISION)
-    if not SPLIT_DV:
-        acc_other = tl.dot(tl.trans(k_other), pc, acc_other * alpha[None, :], input_precision=PRECISION)
-    return acc_mine, acc_other, m_new, l_sum
-
-
 # The share length and the split count change with the batch: never specialise on them (a recompile per value).
 @triton.jit(do_not_specialize=["tiles_per_split", "s_plb", "s_plh"])
 def _mla_decode_split_kernel(
@@ -123,14 +95,14 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, KEYS_M: tl.constexpr = False, PER_SM: tl.constexpr = 2,
+    PRECISION: tl.constexpr, PER_SM: tl.constexpr = 2,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, key shares): the programs that read the same keys
     are neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
     columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
     half of the output (half the accumulator registers, the scores computed by both programs of the pair).
-    KEYS_M computes the transposed products (``_decode_step_keys_m``). PER_SM is not read: it is the launcher's
-    (programs resident per SM, for the split count) and a parameter so that a config's kwargs launch as they are."""
+    PER_SM is not read: it is the launcher's (programs resident per SM, for the split count) and a parameter so
+    that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -155,22 +127,14 @@ def _mla_decode_split_kernel(
         q_mine = q_mine.to(tl.float32)
         q_other = q_other.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
-    if KEYS_M:
-        q_mine = tl.trans(q_mine)
-        q_other = tl.trans(q_other)
-        q_rope = tl.trans(q_rope)
     seq_len = tl.load(seq_ptr + b)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     full_end = tl.maximum(start, start + ((end - start) // BLOCK_N) * BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
-    if KEYS_M:
-        acc_mine = tl.zeros((D_HALF, BLOCK_H), tl.float32)
-        acc_other = tl.zeros((D_HALF, BLOCK_H), tl.float32)
-    else:
-        acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
-        acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+    acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+    acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * s_btb
     for n0 in tl.range(start, full_end, BLOCK_N):
@@ -181,14 +145,9 @@ def _mla_decode_split_kernel(
             page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
-        if KEYS_M:
-            acc_mine, acc_other, m, l_sum = _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other,
-                                                                q_rope, k_mine, k_other, k_rope, None, sm_scale_log2,
-                                                                UPCAST, SPLIT_DV, False, PRECISION)  # fmt: skip
-        else:
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, False, PRECISION)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, False, PRECISION)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -198,58 +157,35 @@ def _mla_decode_split_kernel(
             page = tl.load(bt_row + tok // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
-        if KEYS_M:
-            acc_mine, acc_other, m, l_sum = _decode_step_keys_m(acc_mine, acc_other, m, l_sum, q_mine, q_other,
-                                                                q_rope, k_mine, k_other, k_rope, nmask, sm_scale_log2,
-                                                                UPCAST, SPLIT_DV, True, PRECISION)  # fmt: skip
-        else:
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, True, PRECISION)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, True, PRECISION)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero partial; the merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
-    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos
-    if KEYS_M:
-        po = po + heads.to(tl.int64)[None, :] * s_poh
-        tl.store(po + col_mine + dh[:, None], acc_mine * inv[None, :], mask=hmask[None, :])
-        if not SPLIT_DV:
-            tl.store(po + col_other + dh[:, None], acc_other * inv[None, :], mask=hmask[None, :])
-    else:
-        po = po + heads.to(tl.int64)[:, None] * s_poh
-        tl.store(po + col_mine + dh[None, :], acc_mine * inv[:, None], mask=hmask[:, None])
-        if not SPLIT_DV:
-            tl.store(po + col_other + dh[None, :], acc_other * inv[:, None], mask=hmask[:, None])
+    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos + heads.to(tl.int64)[:, None] * s_poh
+    tl.store(po + col_mine + dh[None, :], acc_mine * inv[:, None], mask=hmask[:, None])
+    if not SPLIT_DV:
+        tl.store(po + col_other + dh[None, :], acc_other * inv[:, None], mask=hmask[:, None])
     if half == 0:
         lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(plse_ptr + b * s_plb + heads.to(tl.int64) * s_plh + split, lse, mask=hmask)
 
 
 def _cfg(
-    bh: int,
-    bn: int,
-    warps: int,
-    stages: int,
-    split_dv: bool = False,
-    tma: bool = False,
-    keys_m: bool = False,
-    per_sm: int = 2,
+    bh: int, bn: int, warps: int, stages: int, split_dv: bool = False, tma: bool = False, per_sm: int = 2
 ) -> triton.Config:
     """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares."""
-    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "KEYS_M": keys_m, "PER_SM": per_sm}
+    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16, page size, TMA-able layout)
     kw = cfg.kwargs
-    keys_m = kw.get("KEYS_M", False)
     if kw["BLOCK_H"] > max(16, key[3]):  # no head tile wider than the heads
         return False
-    # Many heads: small head tiles re-read the cache per tile (KEYS_M keeps every product's width at 32+).
-    if key[3] >= 64 and kw["BLOCK_H"] < (32 if keys_m else 64):
-        return False
-    if keys_m and kw["USE_TMA"]:  # the transposed value operand from a TMA tile spills (sm_90, Triton 3.6-3.9)
+    if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
         return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
@@ -259,18 +195,13 @@ _CONFIGS = ConfigTable(
     fallback=[_cfg(16, 32, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
-        # Few heads (memory-bound): head tiles of 16, scores as heads x keys (mma.sync) or keys x heads (wgmma).
-        # Many heads (matrix-bound): head tiles of 64 (the scores copied into both warpgroups of 8 warps), of
-        # 64 x 128 keys in keys x heads form (no copy, one stage), or 32 heads x 64 keys on one warpgroup.
+        # Few heads (memory-bound): head tiles of 16, two programs per SM. Many heads (matrix-bound): head tiles
+        # of 64 on 8 warps, or 128 with the value columns split over two programs; one program per SM.
         9: [
             _cfg(16, 64, 4, 2),
-            _cfg(16, 64, 4, 2, keys_m=True, per_sm=1),
-            _cfg(16, 64, 8, 2, keys_m=True, per_sm=1),
-            _cfg(16, 32, 4, 4, keys_m=True),
+            _cfg(16, 32, 4, 3),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1),
             _cfg(64, 64, 8, 2, per_sm=1),
-            _cfg(64, 128, 8, 1, keys_m=True, per_sm=1),
-            _cfg(32, 64, 4, 2, keys_m=True, per_sm=1),
             _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
         ]
     },
@@ -512,13 +443,13 @@ def mla_decode_attention(
         args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, -(-max_tiles // splits),
                 *ints[1:], partial_lse.stride(0), partial_lse.stride(1), scale_log2)  # fmt: skip
         grid = (programs_per_request, B, splits)
-        if fast and "KEYS_M" in kw and "PER_SM" in kw:  # a config naming every constexpr (the direct launch)
+        if fast and "PER_SM" in kw:  # a config naming every constexpr (what the direct launch passes)
             # Everything Triton specialises the compiled kernel on (tiles_per_split and the lse strides are
             # do_not_specialize), so a repeat call launches the cached kernel directly.
             spec = (key, _cfg_id(cfg), q.dtype, _aligned(q, kv_cache, block_table, seq_lens), _int_spec(ints), upcast)
             _SPLIT.launch_fast(lambda meta: grid, key, spec, args, **consts)
         else:
-            _mla_decode_split_kernel[grid](*args, **consts, **{"KEYS_M": False, "PER_SM": 2, **kw},
+            _mla_decode_split_kernel[grid](*args, **consts, **{"PER_SM": 2, **kw},
                                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
         return partial, partial_lse
 
