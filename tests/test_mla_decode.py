@@ -197,3 +197,37 @@ def test_zero_requests(device):
 def test_gpu_deepseek_sizes(gen, device, H, B, lens, page_size):
     q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
     check(q, kv, bt, sl, 512, 576**-0.5, torch.bfloat16)
+
+
+def test_repeat_calls_reuse_the_checked_plan(gen, device, monkeypatch):
+    """A call with the same tensors (address, shape, strides, dtype, device) and arguments reuses the first
+    call's checked launch plan: results stay right, values are still checked, and a plan made for another
+    kernel or config is not used."""
+    import kvforge.kernels.mla_decode as md
+    from kvforge.kernels._runtime import ConfigTable, TunedKernel
+
+    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, 4, [0, 23, 9], torch.float32, device)
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    out = torch.empty(3, 5, 32, device=device)
+
+    def call() -> None:
+        out.fill_(float("nan"))
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out)
+        assert_all_written(out)
+        assert rel_rmse(out.cpu()[1:], ref.cpu()[1:]) < 1e-5 and bool((out[0] == 0).all())
+
+    call()
+    plans = len(md._PLANS)
+    for _ in range(2):
+        call()
+    assert len(md._PLANS) == plans  # the same plan, used again
+    good = sl.clone()
+    sl.copy_(torch.tensor([0, 23, 13 * 4], dtype=torch.int32))  # past the block table: refused on a reused plan
+    with pytest.raises(ValueError, match=r"seq_lens\[2\]"):
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out)
+    sl.copy_(good)
+    cfg = md._cfg(16, 16, 1, 1, split_dv=True)
+    monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_plan_test", md._mla_decode_split_kernel,
+                                                  ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
+    call()
+    assert any(p.cfg is cfg for p in md._PLANS._plans.values())  # planned again with the swapped kernel's config

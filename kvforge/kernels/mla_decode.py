@@ -10,19 +10,31 @@ A request with ``seq_lens[b] == 0`` gets ``out = 0`` and ``lse = −inf``. q and
 fp16 or fp32); out takes q's dtype. No device→host sync beyond the optional value check, so the call is
 graph-capturable. Checks, before any launch: types, dtypes, shapes, devices (meta and non-interpreter CPU
 refused), ``out``/``lse`` not overlapping any input or each other, and, unless ``check_values=False``,
-seq_lens and page ids in range (one device→host read). Layout, splits and launch variants: ``docs/kernels.md``.
+seq_lens and page ids in range (one device→host read). A call whose tensors (address, shape, strides, dtype,
+device) and arguments equal an earlier valid call's reuses its checked launch plan; the value check still runs.
+Layout, splits and launch variants: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting, num_sms
+from kvforge.kernels._runtime import (
+    ConfigTable,
+    PlanCache,
+    TunedKernel,
+    arch_name,
+    device_capability,
+    interpreting,
+    num_sms,
+    tensor_key,
+)
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -343,23 +355,90 @@ def _int_spec(ints: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
     return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints)
 
 
-def _merge(partial: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """merge_attention_states on the partials ``[S, B, H, D]`` / ``[S, B, H]`` this module allocated, without
-    its input checks (out and lse were checked by the caller) and through the cached direct launcher."""
+def _merge_args(S: int, B: int, H: int, D: int, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """merge_attention_states' key, launch spec and int arguments for this module's partials: fresh contiguous
+    ``[B, H, S, D]`` / ``[B, H, S]`` buffers read as ``[S, B, H, D]`` / ``[S, B, H]``."""
+    ints = (S, B * H, H, D, D, H * S * D, S * D, 1, H * S, S, out.stride(0), out.stride(1), lse.stride(0),
+            lse.stride(1))  # fmt: skip
+    key = (1 << max(0, D - 1).bit_length(),)  # merge_attention_states' key
+    # The partials come from the caching allocator: 16-byte aligned.
+    return key, (key, out.dtype, (True, True, *_aligned(out, lse)), _int_spec(ints)), ints
+
+
+def _merge(
+    partial: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, margs: tuple
+) -> None:
+    """merge_attention_states on the partials this module allocated, without its input checks (out and lse were
+    checked by the caller) and through the cached direct launcher; ``margs`` from ``_merge_args``."""
     from kvforge.kernels.merge_states import _MERGE
 
-    S, B, H, D = partial.shape
-    R = B * H
-    ints = (S, R, H, D, *partial.stride()[:3], *partial_lse.stride(), out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1))  # fmt: skip
-    key = (1 << max(0, D - 1).bit_length(),)  # merge_attention_states' key
-    spec = (key, out.dtype, _aligned(partial, partial_lse, out, lse), _int_spec(ints))
+    key, spec, ints = margs
+    R, D = ints[1], ints[3]
     _MERGE.launch_fast(
         lambda meta: (-(-R // meta["BLOCK_R"]), -(-D // meta["BLOCK_D"])),
         key,
         spec,
         (partial, partial_lse, out, lse, *ints),
     )
+
+
+class _Plan(NamedTuple):
+    """A checked call's launch, keyed by its tensors' metadata (``_PLANS``); holds no tensor."""
+
+    kernel: TunedKernel  # the module's TunedKernel when planned (tests swap it)
+    memo: tuple  # (arch, config key): the plan is stale once another config is chosen for it
+    cfg: triton.Config
+    key: tuple
+    spec: tuple
+    consts: tuple
+    ints: tuple  # H and the specialised strides, in kernel order
+    grid: tuple[int, int, int]
+    tiles_per_split: int
+    scale_log2: float
+    B: int
+    H: int
+    v_head_dim: int
+    d_r: int
+    num_pages: int
+    page_size: int
+    direct: bool
+    merge: tuple  # _merge_args: fixed by the shapes and out/lse's metadata
+
+
+_PLANS = PlanCache(maxsize=64)
+
+
+def _launch(
+    plan: _Plan,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    fast: bool = True,
+) -> None:
+    """The split kernel into fresh partials, then the merge into ``out``/``lse`` (inputs already checked)."""
+    kw = plan.cfg.kwargs
+    if kw["USE_TMA"]:
+        descs = _descriptors(kv_cache, kw["BLOCK_N"], plan.v_head_dim, plan.d_r)
+        if descs is None:
+            raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
+        desc_h, desc_r = descs
+    else:
+        desc_h = desc_r = kv_cache
+    B, H, splits, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
+    partial = torch.empty((B, H, splits, dv), dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, plan.tiles_per_split,
+            *plan.ints[1:], H * splits, splits, plan.scale_log2)  # fmt: skip
+    grid = plan.grid
+    if fast and plan.direct:
+        _SPLIT.launch_fast(lambda meta: grid, plan.key, plan.spec, args, **dict(plan.consts))
+    else:
+        _mla_decode_split_kernel[grid](*args, **dict(plan.consts), **{"PER_SM": 2, **kw},
+                                       num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)  # fmt: skip
+    _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse, plan.merge)
 
 
 def mla_decode_attention(
@@ -378,6 +457,27 @@ def mla_decode_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D_qk]`` over the paged latent cache; returns ``out [B, H, v_head_dim]``
     (q's dtype) and, with ``return_lse``, ``lse [B, H]`` fp32. ``out``/``lse`` buffers are written when given."""
+    try:
+        pkey = (
+            tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
+            None if out is None else tensor_key(out), None if lse is None else tensor_key(lse),
+            type(softmax_scale), softmax_scale, type(v_head_dim), v_head_dim, type(num_splits), num_splits,
+            type(return_lse), type(check_values),
+        )  # fmt: skip
+        plan = _PLANS.get(pkey)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checked path says which
+        pkey, plan = None, None
+    if plan is not None and plan.kernel is _SPLIT and _SPLIT._chosen.get(plan.memo) is plan.cfg:
+        # Same tensors (address, shape, strides, dtype, device) and arguments as an earlier checked call.
+        if check_values:
+            _check_values(block_table, seq_lens, plan.num_pages, plan.page_size)
+        B, H, dv = plan.B, plan.H, plan.v_head_dim
+        if out is None:
+            out = torch.empty((B, H, dv), dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty((B, H), dtype=torch.float32, device=q.device)
+        _launch(plan, q, kv_cache, block_table, seq_lens, out, lse)
+        return (out, lse) if return_lse else out
     B, H, D, num_pages, page_size, max_pages = _check_args(
         q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim
     )
@@ -418,45 +518,36 @@ def mla_decode_attention(
     # fp32 inputs get fp32 products (a GPU's default for fp32 tl.dot is TF32, about 1e-3 relative error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     sms = num_sms(dev)
+    consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast), ("PRECISION", precision))
 
-    scale_log2 = float(softmax_scale) * 1.4426950408889634
-    consts = {"PAGE_SIZE": page_size, "D_V": v_head_dim, "D_R": d_r, "UPCAST": upcast, "PRECISION": precision}
-
-    def launch(cfg: triton.Config, fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
-        block_n, block_h = kw["BLOCK_N"], kw["BLOCK_H"]
-        descs = _descriptors(kv_cache, block_n, v_head_dim, d_r) if kw["USE_TMA"] else None
-        if kw["USE_TMA"] and descs is None:
-            raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
-        desc_h, desc_r = descs if descs is not None else (kv_cache, kv_cache)
-        programs_per_request = -(-H // block_h) * (2 if kw["SPLIT_DV"] else 1)
-        max_tiles = max(1, -(-(max_pages * page_size) // block_n))
+        programs_per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
+        max_tiles = max(1, -(-(max_pages * page_size) // kw["BLOCK_N"]))
         if num_splits is None:
             splits = default_num_splits(B, programs_per_request, max_tiles, sms, int(kw.get("PER_SM", 2)))
         else:
             splits = num_splits
         splits = min(splits, max_tiles)
-        partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
-        partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-                partial.stride(0), partial.stride(1), partial.stride(2))  # fmt: skip
-        args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, -(-max_tiles // splits),
-                *ints[1:], partial_lse.stride(0), partial_lse.stride(1), scale_log2)  # fmt: skip
-        grid = (programs_per_request, B, splits)
-        if fast and "PER_SM" in kw:  # a config naming every constexpr (what the direct launch passes)
-            # Everything Triton specialises the compiled kernel on (tiles_per_split and the lse strides are
-            # do_not_specialize), so a repeat call launches the cached kernel directly.
-            spec = (key, _cfg_id(cfg), q.dtype, _aligned(q, kv_cache, block_table, seq_lens), _int_spec(ints), upcast)
-            _SPLIT.launch_fast(lambda meta: grid, key, spec, args, **consts)
-        else:
-            _mla_decode_split_kernel[grid](*args, **consts, **{"PER_SM": 2, **kw},
-                                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
-        return partial, partial_lse
+                H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
+        # Everything Triton specialises the compiled kernel on (tiles_per_split and the lse strides are
+        # do_not_specialize): a repeat call launches the cached kernel directly.
+        spec = (key, _cfg_id(cfg), q.dtype, _aligned(q, kv_cache, block_table, seq_lens), _int_spec(ints), consts)
+        return _Plan(
+            _SPLIT, (arch_name(device_capability(dev)), key), cfg, key, spec, consts, ints,
+            (programs_per_request, B, splits), -(-max_tiles // splits), float(softmax_scale) * 1.4426950408889634,
+            B, H, v_head_dim, d_r, num_pages, page_size,
+            # a config naming every constexpr (what the direct launch passes); an older table's may not
+            "PER_SM" in kw, _merge_args(splits, B, H, v_head_dim, out, lse),
+        )  # fmt: skip
 
     # Tuned once per key on a GPU without a committed config (idempotent: it writes only the partials).
-    cfg = _SPLIT.config_for(key, lambda c: launch(c, False))
-    partial, partial_lse = launch(cfg, True)
-    _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse)
+    cfg = _SPLIT.config_for(key, lambda c: _launch(make_plan(c), q, kv_cache, block_table, seq_lens, out, lse, False))
+    plan = make_plan(cfg)
+    _launch(plan, q, kv_cache, block_table, seq_lens, out, lse)
+    if pkey is not None:
+        _PLANS.put(pkey, plan)
     # An empty request merges to 0 with lse -inf already (every share reported -inf).
     return (out, lse) if return_lse else out
 
