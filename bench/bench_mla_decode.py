@@ -15,15 +15,18 @@ Appends rows to bench/results/mla_decode.csv (GPU name, versions, git revision, 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import append_csv, time_gpu
+from bench._common import RESULTS, append_csv, bar_plot, git_revision, time_gpu, time_graph, time_interleaved
 from kvforge.kernels import mla_decode as md
 from kvforge.kernels._runtime import arch_name, device_capability
 
@@ -77,110 +80,204 @@ def kvforge_runner(q, kv, bt, sl, scale, out, splits=None):
     )
 
 
+def cfg_label(cfg) -> str:
+    kw = cfg.kwargs
+    flags = "".join(f" {name}" for name, on in (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"])) if on)
+    return f"kvforge BH{kw['BLOCK_H']} BN{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
+
+
+def default_splits(cfg, B: int, H: int, L: int) -> int:
+    """The split count mla_decode_attention chooses for this config and workload (printed with each row)."""
+    kw = cfg.kwargs
+    per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
+    max_tiles = -(-L // kw["BLOCK_N"])
+    splits = md.default_num_splits(B, per_request, max_tiles, md.num_sms(), int(kw.get("PER_SM", 2)))
+    return min(splits, max_tiles)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per call: ``calls`` back-to-back calls without a sync (the launch queue holds them) over the
+    wall clock, after a sync; the GPU may still be running when the clock stops."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def warm(which: str) -> None:
+    """Compile one kvforge config (index into the candidates, per workload) or FlashInfer's kernel, untimed:
+    run in parallel before the timed run so that its compiles come from the caches."""
+    for H, B, L in WORKLOADS:
+        q, kv, bt, sl = build(H, B, L)
+        scale = 1.0 / math.sqrt(DV + DR)
+        out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
+        if which == "flashinfer":
+            run_fi, _ = flashinfer_runner(q, kv, bt, sl, H, scale)
+            run_fi()
+        else:
+            key = md.config_key(q, kv, DV)
+            cands = md._CONFIGS.candidates(device_capability(), key)
+            i = int(which)
+            if i < len(cands):
+                md._SPLIT._chosen[(arch_name(device_capability()), key)] = cands[i]
+                try:
+                    kvforge_runner(q, kv, bt, sl, scale, out)()
+                except Exception as exc:
+                    print(f"warm {cfg_label(cands[i])}: {type(exc).__name__}: {str(exc)[:200]}")
+        torch.cuda.synchronize()
+        del q, kv, bt, sl
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="time the best-known config only")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--warm", help="compile only: 'flashinfer' or a candidate index")
+    ap.add_argument("--tuned-out", help="write the sm<XY>.json tuned table with the winners merged in here")
     args = ap.parse_args()
+    if args.warm is not None:
+        warm(args.warm)
+        return
     torch.manual_seed(0)
-    arch = arch_name(device_capability())
+    cap = device_capability()
+    arch = arch_name(cap)
     rows = []
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, SMs {md.num_sms()}")
-    print(f"{'workload':>22} {'provider':>34} {'ms':>8} {'TB/s':>6}  check")
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, SMs {md.num_sms()}")
+    print(f"{'workload':>18} {'provider':>48} {'splits':>6} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>7}  check")
     for H, B, L in WORKLOADS:
         q, kv, bt, sl = build(H, B, L)
         scale = 1.0 / math.sqrt(DV + DR)
         nbytes = B * L * (DV + DR) * 2
+        flops = 2 * B * H * L * (DV + DR + DV)
         wl = f"H{H} B{B} L{L}"
         out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
         key = md.config_key(q, kv, DV)
-        cands = md._CONFIGS.candidates(device_capability(), key)
+        cands = md._CONFIGS.candidates(cap, key)
+        print(f"{wl:>18} key {key}: {len(cands)} candidates kept by _keep")
+
+        def line(label, splits, t, err, wl=wl, nbytes=nbytes, flops=flops):
+            ms = t["ms"]
+            print(
+                f"{wl:>18} {label:>48} {splits:>6} {ms:8.3f} {nbytes / (ms * 1e-3) / 1e12:6.2f} "
+                f"{flops / (ms * 1e-3) / 1e12:7.0f}  rmse {err:.2e} (p20 {t['ms_p20']:.3f} p80 {t['ms_p80']:.3f})"
+            )
+
         if args.quick:
             cands = cands[:1]
-        best = None
+        best = None  # (label, t, err, cfg, splits)
         for cfg in cands:
             md._SPLIT._chosen[(arch, key)] = cfg
             fn = kvforge_runner(q, kv, bt, sl, scale, out)
+            splits = default_splits(cfg, B, H, L)
             try:
+                out.fill_(float("nan"))
                 fn()
                 err = check("kvforge", out, q, kv, bt, sl, scale)
                 t = time_gpu(fn)
-            except Exception as exc:  # a config that does not compile or fit is reported and skipped
-                print(
-                    f"{wl:>22} {'kvforge ' + str(cfg.kwargs) + f' w{cfg.num_warps} s{cfg.num_stages}':>34} "
-                    f"failed: {type(exc).__name__}: {str(exc)[:120]}"
-                )
+            except Exception as exc:  # a config that does not compile, fit or match is reported and skipped
+                print(f"{wl:>18} {cfg_label(cfg):>48} failed: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
-            label = f"kvforge BH{cfg.kwargs['BLOCK_H']} BN{cfg.kwargs['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"
-            tbs = nbytes / (t["ms"] * 1e-3) / 1e12
-            print(f"{wl:>22} {label:>34} {t['ms']:8.3f} {tbs:6.2f}  rmse {err:.2e}")
+            line(cfg_label(cfg), splits, t, err)
             if best is None or t["ms"] < best[1]["ms"]:
-                best = (label, t, err, cfg)
+                best = (cfg_label(cfg), t, err, cfg, None)
         if best is not None and not args.quick:
             # The best config with other split counts (a runtime argument: no new compile).
-            label = best[0]
             md._SPLIT._chosen[(arch, key)] = best[3]
-            for splits in (1, 2, 3, 4, 6, 8, 12, 16):
+            for splits in (1, 2, 3, 4, 6, 8, 16):
                 fn = kvforge_runner(q, kv, bt, sl, scale, out, splits)
                 fn()
                 err = check("kvforge", out, q, kv, bt, sl, scale)
                 t = time_gpu(fn)
-                print(
-                    f"{wl:>22} {label + f' splits={splits}':>34} {t['ms']:8.3f} "
-                    f"{nbytes / (t['ms'] * 1e-3) / 1e12:6.2f}  rmse {err:.2e}"
-                )
+                line(best[0], splits, t, err)
                 if t["ms"] < best[1]["ms"]:
-                    best = (label + f" splits={splits}", t, err, best[3])
-            md._SPLIT._chosen[(arch, key)] = best[3]
-        fi = None
+                    best = (best[0], t, err, best[3], splits)
+        if best is None:
+            continue
+        md._SPLIT._chosen[(arch, key)] = best[3]
+        label, _, err, cfg, splits = best
+        fn = kvforge_runner(q, kv, bt, sl, scale, out, splits)
+        fns = {"kvforge": fn}
+        errs = {"kvforge": err}
+        labels = {"kvforge": label + (f" splits={splits}" if splits else " default splits")}
         if not args.no_flashinfer:
             try:
                 run_fi, fi_out = flashinfer_runner(q, kv, bt, sl, H, scale)
                 run_fi()
-                err = check("flashinfer", fi_out, q, kv, bt, sl, scale)
-                t = time_gpu(run_fi)
-                fi = (t, err)
-                tbs = nbytes / (t["ms"] * 1e-3) / 1e12
-                print(f"{wl:>22} {'flashinfer fa3':>34} {t['ms']:8.3f} {tbs:6.2f}  rmse {err:.2e}")
+                errs["flashinfer"] = check("flashinfer", fi_out, q, kv, bt, sl, scale)
+                fns["flashinfer"] = run_fi
+                labels["flashinfer"] = "flashinfer fa3"
             except Exception as exc:
-                print(f"{wl:>22} {'flashinfer fa3':>34} not run: {type(exc).__name__}: {str(exc)[:300]}")
-        if best is not None:
-            label, t, err, _ = best
-            ratio = (fi[0]["ms"] / t["ms"]) if fi else float("nan")
+                print(f"{wl:>18} {'flashinfer fa3':>48} not run: {type(exc).__name__}: {str(exc)[:300]}")
+        # Same-run comparison, sample by sample in turn (each call behind its own L2 flush).
+        paired = time_interleaved(fns, samples=600)
+        for name, t in paired.items():
+            extra = {}
+            try:
+                extra["graph_ms"] = time_graph(fns[name])["ms"]
+            except Exception as exc:  # a provider that cannot be captured still has its eager time
+                print(f"{wl:>18} {labels[name]}: no CUDA-graph time ({type(exc).__name__}: {str(exc)[:120]})")
+            extra["host_us"] = host_us(fns[name])
+            ratio = paired["flashinfer"]["ms"] / t["ms"] if "flashinfer" in paired else float("nan")
+            line(labels[name] + " (paired)", (splits or "") if name == "kvforge" else "", t, errs[name])
             print(
-                f"{wl:>22} best kvforge {label}: {nbytes / (t['ms'] * 1e-3) / 1e12:.2f} TB/s, "
-                f"{ratio:.3f} x FlashInfer's throughput"
+                f"{wl:>18} {labels[name]:>48}: {ratio:.3f} x FlashInfer's throughput (paired medians); graph "
+                f"{extra.get('graph_ms', float('nan')):.3f} ms, host {extra['host_us']:.1f} us/call"
             )
             rows.append(
                 {
                     "workload": wl,
-                    "provider": label,
+                    "provider": labels[name],
                     "ms": t["ms"],
                     "ms_p20": t["ms_p20"],
                     "ms_p80": t["ms_p80"],
                     "tb_s": nbytes / (t["ms"] * 1e-3) / 1e12,
-                    "rel_rmse": err,
+                    "tflop_s": flops / (t["ms"] * 1e-3) / 1e12,
+                    "rel_rmse": errs[name],
                     "ratio_vs_flashinfer": ratio,
+                    "timing": "interleaved",
+                    **extra,
                 }
             )
-        if fi is not None:
-            t, err = fi
-            rows.append(
-                {
-                    "workload": wl,
-                    "provider": "flashinfer fa3",
-                    "ms": t["ms"],
-                    "ms_p20": t["ms_p20"],
-                    "ms_p80": t["ms_p80"],
-                    "tb_s": nbytes / (t["ms"] * 1e-3) / 1e12,
-                    "rel_rmse": err,
-                    "ratio_vs_flashinfer": 1.0,
-                }
-            )
+        del q, kv, bt, sl, out
         torch.cuda.empty_cache()
-    print("chosen configs (for kvforge/kernels/tuned):", md._SPLIT.chosen())
+    chosen = md._SPLIT.chosen()
+    print("chosen configs (for kvforge/kernels/tuned):", json.dumps(chosen))
+    if args.tuned_out:
+        write_tuned(Path(args.tuned_out), arch, chosen)
     if rows:
         print("wrote", append_csv("mla_decode", rows))
+        groups = sorted({r["workload"] for r in rows}, key=[f"H{h} B{b} L{n}" for h, b, n in WORKLOADS].index)
+        series = {
+            prov: [next((r["tb_s"] for r in rows if r["workload"] == g and r["provider"].startswith(prov)), 0.0)
+                   for g in groups]
+            for prov in ("kvforge", "flashinfer")
+        }  # fmt: skip
+        png = bar_plot(
+            RESULTS / "mla_decode.png",
+            f"MLA decode, bf16, 576/512, page 64 ({torch.cuda.get_device_name()}, rev {git_revision()})",
+            groups,
+            series,
+            "latent cache read, TB/s (higher is better)",
+        )
+        print("wrote", png)
+
+
+def write_tuned(path: Path, arch: str, chosen: dict) -> None:
+    """The committed table (kvforge/kernels/tuned/<arch>.json) with this run's decode winners merged in."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    entries = table.setdefault(md._SPLIT.name, {})
+    for k, cfg in chosen.items():
+        a, key = k.split("|", 1)
+        if a == arch:
+            entries[key] = cfg
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -67,10 +67,10 @@ def test_split_count_does_not_change_the_result(gen, device):
         torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("page_size", [4, 16, 32])
-def test_split_value_halves(gen, device, monkeypatch, page_size):
+@pytest.mark.parametrize("page_size,dtype", [(4, torch.float32), (16, torch.float32), (32, torch.float16)])
+def test_split_value_halves(gen, device, monkeypatch, page_size, dtype):
     """The SPLIT_DV variant (two programs per head tile, each writing half of the output columns), with tiles
-    inside one page (16, 32) and across pages (4)."""
+    inside one page (16, 32) and across pages (4), several key shares per request."""
     import kvforge.kernels.mla_decode as md
     from kvforge.kernels._runtime import ConfigTable, TunedKernel
 
@@ -79,8 +79,21 @@ def test_split_value_halves(gen, device, monkeypatch, page_size):
     cfg = md._cfg(16, 16, 1, 1, split_dv=True)
     monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_split_dv_test", md._mla_decode_split_kernel,
                                                   ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
-    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, page_size, [0, 37, 70], torch.float32, device)
-    check(q, kv, bt, sl, 32, 0.25, torch.float32)
+    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, page_size, [0, 37, 70], dtype, device)
+    check(q, kv, bt, sl, 32, 0.25, dtype, num_splits=2)
+
+
+def test_default_num_splits_fills_the_wave():
+    from kvforge.kernels.mla_decode import default_num_splits
+
+    # 64 requests x 1 head tile on 132 SMs: two resident programs per SM -> 4 shares (256 of 264 slots), one
+    # resident program -> 2 shares (128 of 132).
+    assert default_num_splits(64, 1, 128, 132) == 4
+    assert default_num_splits(64, 1, 128, 132, per_sm=1) == 2
+    assert default_num_splits(64, 1, 1, 132) == 1  # never more shares than key tiles
+    assert default_num_splits(500, 2, 64, 132) == 1  # a full wave already
+    with pytest.raises(ValueError, match="per_sm"):
+        default_num_splits(4, 1, 8, 132, per_sm=0)
 
 
 def test_strided_q_and_full_width_latent(gen, device):
@@ -184,3 +197,37 @@ def test_zero_requests(device):
 def test_gpu_deepseek_sizes(gen, device, H, B, lens, page_size):
     q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
     check(q, kv, bt, sl, 512, 576**-0.5, torch.bfloat16)
+
+
+def test_repeat_calls_reuse_the_checked_plan(gen, device, monkeypatch):
+    """A call with the same tensors (address, shape, strides, dtype, device) and arguments reuses the first
+    call's checked launch plan: results stay right, values are still checked, and a plan made for another
+    kernel or config is not used."""
+    import kvforge.kernels.mla_decode as md
+    from kvforge.kernels._runtime import ConfigTable, TunedKernel
+
+    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, 4, [0, 23, 9], torch.float32, device)
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    out = torch.empty(3, 5, 32, device=device)
+
+    def call() -> None:
+        out.fill_(float("nan"))
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out)
+        assert_all_written(out)
+        assert rel_rmse(out.cpu()[1:], ref.cpu()[1:]) < 1e-5 and bool((out[0] == 0).all())
+
+    call()
+    plans = len(md._PLANS)
+    for _ in range(2):
+        call()
+    assert len(md._PLANS) == plans  # the same plan, used again
+    good = sl.clone()
+    sl.copy_(torch.tensor([0, 23, 13 * 4], dtype=torch.int32))  # past the block table: refused on a reused plan
+    with pytest.raises(ValueError, match=r"seq_lens\[2\]"):
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out)
+    sl.copy_(good)
+    cfg = md._cfg(16, 16, 1, 1, split_dv=True)
+    monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_plan_test", md._mla_decode_split_kernel,
+                                                  ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
+    call()
+    assert any(p.cfg is cfg for p in md._PLANS._plans.values())  # planned again with the swapped kernel's config

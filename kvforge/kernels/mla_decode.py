@@ -10,19 +10,31 @@ A request with ``seq_lens[b] == 0`` gets ``out = 0`` and ``lse = −inf``. q and
 fp16 or fp32); out takes q's dtype. No device→host sync beyond the optional value check, so the call is
 graph-capturable. Checks, before any launch: types, dtypes, shapes, devices (meta and non-interpreter CPU
 refused), ``out``/``lse`` not overlapping any input or each other, and, unless ``check_values=False``,
-seq_lens and page ids in range (one device→host read). Layout, splits and launch variants: ``docs/kernels.md``.
+seq_lens and page ids in range (one device→host read). A call whose tensors (address, shape, strides, dtype,
+device) and arguments equal an earlier valid call's reuses its checked launch plan; the value check still runs.
+Layout, splits and launch variants: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting, num_sms
+from kvforge.kernels._runtime import (
+    ConfigTable,
+    PlanCache,
+    TunedKernel,
+    arch_name,
+    device_capability,
+    interpreting,
+    num_sms,
+    tensor_key,
+)
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -86,7 +98,8 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
     return acc_mine, acc_other, m_new, l_sum
 
 
-@triton.jit
+# The share length and the split count change with the batch: never specialise on them (a recompile per value).
+@triton.jit(do_not_specialize=["tiles_per_split", "s_plb", "s_plh"])
 def _mla_decode_split_kernel(
     q_ptr, kv_ptr, desc_h, desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
     H, tiles_per_split,
@@ -94,14 +107,17 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PER_SM: tl.constexpr = 2,
 ):  # fmt: skip
-    """Grid (requests, head tiles x (2 if SPLIT_DV else 1), key shares). The latent columns are handled as two
-    halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its half of the output (half
-    the accumulator registers, the scores computed by both programs of the pair)."""
+    """Grid (head tiles x (2 if SPLIT_DV else 1), requests, key shares): the programs that read the same keys
+    are neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
+    columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
+    half of the output (half the accumulator registers, the scores computed by both programs of the pair).
+    PER_SM is not read: it is the launcher's (programs resident per SM, for the split count) and a parameter so
+    that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
-    b = tl.program_id(0).to(tl.int64)
-    pid1 = tl.program_id(1)
+    pid1 = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     if SPLIT_DV:
         pid_h = pid1 // 2
@@ -168,8 +184,11 @@ def _mla_decode_split_kernel(
         tl.store(plse_ptr + b * s_plb + heads.to(tl.int64) * s_plh + split, lse, mask=hmask)
 
 
-def _cfg(bh: int, bn: int, warps: int, stages: int, split_dv: bool = False, tma: bool = False) -> triton.Config:
-    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma}
+def _cfg(
+    bh: int, bn: int, warps: int, stages: int, split_dv: bool = False, tma: bool = False, per_sm: int = 2
+) -> triton.Config:
+    """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares."""
+    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
@@ -188,19 +207,14 @@ _CONFIGS = ConfigTable(
     fallback=[_cfg(16, 32, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
+        # Few heads (memory-bound): head tiles of 16, two programs per SM. Many heads (matrix-bound): head tiles
+        # of 64 on 8 warps, or 128 with the value columns split over two programs; one program per SM.
         9: [
             _cfg(16, 64, 4, 2),
-            _cfg(16, 64, 4, 2, tma=True),
-            _cfg(16, 32, 4, 3, tma=True),
-            _cfg(16, 32, 4, 4, tma=True),
-            _cfg(16, 32, 8, 4, tma=True),
-            _cfg(64, 64, 8, 1),
-            _cfg(64, 32, 8, 2, tma=True),
-            _cfg(64, 64, 8, 2, tma=True),
-            _cfg(64, 64, 4, 2, split_dv=True, tma=True),
-            _cfg(64, 32, 4, 3, split_dv=True, tma=True),
-            _cfg(128, 32, 8, 1, split_dv=True, tma=True),
-            _cfg(128, 32, 8, 2, split_dv=True, tma=True),
+            _cfg(16, 32, 4, 3),
+            _cfg(64, 64, 8, 2, tma=True, per_sm=1),
+            _cfg(64, 64, 8, 2, per_sm=1),
+            _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
         ]
     },
     keep=_keep,
@@ -308,22 +322,123 @@ def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -
     """What the best launch configuration depends on: widths, dtype, heads (rounded up to a power of two), page
     size and whether the cache layout allows TMA. Never batch size or lengths."""
     tma_ok = not interpreting() and _tma_layout_ok(kv_cache, v_head_dim)
-    heads = max(16, triton.next_power_of_2(q.shape[1]))
+    heads = max(16, 1 << max(0, q.shape[1] - 1).bit_length())  # host int math: triton.* helpers cost µs
     return (v_head_dim, q.shape[-1] - v_head_dim, str(q.dtype).split(".")[-1], heads, kv_cache.shape[1], tma_ok)
 
 
-def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int) -> int:
-    """Key shares per request: up to about two programs per SM, choosing the count whose programs fill the last
-    wave best (a wave of 2 x SMs programs; 300 programs on 132 SMs leave most of a third wave idle)."""
+def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int = 2) -> int:
+    """Key shares per request: up to about one wave of programs (``per_sm`` resident per SM), choosing the count
+    whose programs fill the last wave best (with a wave of 264, 300 programs leave most of a second wave idle)."""
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"per_sm: expected an int >= 1, got {per_sm!r}")
     base = max(1, batch * head_tiles)
-    slots = 2 * sms
+    slots = per_sm * sms
     best, best_eff = 1, 0.0
-    for s in range(1, max(1, min(max_tiles, triton.cdiv(slots, base))) + 1):
+    for s in range(1, max(1, min(max_tiles, -(-slots // base))) + 1):
         progs = base * s
-        eff = progs / (triton.cdiv(progs, slots) * slots)
+        eff = progs / (-(-progs // slots) * slots)
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
+
+
+def _cfg_id(cfg: triton.Config) -> tuple:
+    return (tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages)
+
+
+def _aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _int_spec(ints: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
+    """What Triton specialises an int argument on: equal to 1, a multiple of 16, wider than 32 bits."""
+    return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints)
+
+
+def _merge_args(S: int, B: int, H: int, D: int, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """merge_attention_states' key, launch spec and int arguments for this module's partials: fresh contiguous
+    ``[B, H, S, D]`` / ``[B, H, S]`` buffers read as ``[S, B, H, D]`` / ``[S, B, H]``."""
+    ints = (S, B * H, H, D, D, H * S * D, S * D, 1, H * S, S, out.stride(0), out.stride(1), lse.stride(0),
+            lse.stride(1))  # fmt: skip
+    key = (1 << max(0, D - 1).bit_length(),)  # merge_attention_states' key
+    # The partials come from the caching allocator: 16-byte aligned.
+    return key, (key, out.dtype, (True, True, *_aligned(out, lse)), _int_spec(ints)), ints
+
+
+def _merge(
+    partial: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, margs: tuple
+) -> None:
+    """merge_attention_states on the partials this module allocated, without its input checks (out and lse were
+    checked by the caller) and through the cached direct launcher; ``margs`` from ``_merge_args``."""
+    from kvforge.kernels.merge_states import _MERGE
+
+    key, spec, ints = margs
+    R, D = ints[1], ints[3]
+    _MERGE.launch_fast(
+        lambda meta: (-(-R // meta["BLOCK_R"]), -(-D // meta["BLOCK_D"])),
+        key,
+        spec,
+        (partial, partial_lse, out, lse, *ints),
+    )
+
+
+class _Plan(NamedTuple):
+    """A checked call's launch, keyed by its tensors' metadata (``_PLANS``); holds no tensor."""
+
+    kernel: TunedKernel  # the module's TunedKernel when planned (tests swap it)
+    memo: tuple  # (arch, config key): the plan is stale once another config is chosen for it
+    cfg: triton.Config
+    key: tuple
+    spec: tuple
+    consts: tuple
+    ints: tuple  # H and the specialised strides, in kernel order
+    grid: tuple[int, int, int]
+    tiles_per_split: int
+    scale_log2: float
+    B: int
+    H: int
+    v_head_dim: int
+    d_r: int
+    num_pages: int
+    page_size: int
+    direct: bool
+    merge: tuple  # _merge_args: fixed by the shapes and out/lse's metadata
+
+
+_PLANS = PlanCache(maxsize=64)
+
+
+def _launch(
+    plan: _Plan,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    fast: bool = True,
+) -> None:
+    """The split kernel into fresh partials, then the merge into ``out``/``lse`` (inputs already checked)."""
+    kw = plan.cfg.kwargs
+    if kw["USE_TMA"]:
+        descs = _descriptors(kv_cache, kw["BLOCK_N"], plan.v_head_dim, plan.d_r)
+        if descs is None:
+            raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
+        desc_h, desc_r = descs
+    else:
+        desc_h = desc_r = kv_cache
+    B, H, splits, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
+    partial = torch.empty((B, H, splits, dv), dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, plan.tiles_per_split,
+            *plan.ints[1:], H * splits, splits, plan.scale_log2)  # fmt: skip
+    grid = plan.grid
+    if fast and plan.direct:
+        _SPLIT.launch_fast(lambda meta: grid, plan.key, plan.spec, args, **dict(plan.consts))
+    else:
+        _mla_decode_split_kernel[grid](*args, **dict(plan.consts), **{"PER_SM": 2, **kw},
+                                       num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)  # fmt: skip
+    _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse, plan.merge)
 
 
 def mla_decode_attention(
@@ -342,6 +457,27 @@ def mla_decode_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D_qk]`` over the paged latent cache; returns ``out [B, H, v_head_dim]``
     (q's dtype) and, with ``return_lse``, ``lse [B, H]`` fp32. ``out``/``lse`` buffers are written when given."""
+    try:
+        pkey = (
+            tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
+            None if out is None else tensor_key(out), None if lse is None else tensor_key(lse),
+            type(softmax_scale), softmax_scale, type(v_head_dim), v_head_dim, type(num_splits), num_splits,
+            type(return_lse), type(check_values),
+        )  # fmt: skip
+        plan = _PLANS.get(pkey)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checked path says which
+        pkey, plan = None, None
+    if plan is not None and plan.kernel is _SPLIT and _SPLIT._chosen.get(plan.memo) is plan.cfg:
+        # Same tensors (address, shape, strides, dtype, device) and arguments as an earlier checked call.
+        if check_values:
+            _check_values(block_table, seq_lens, plan.num_pages, plan.page_size)
+        B, H, dv = plan.B, plan.H, plan.v_head_dim
+        if out is None:
+            out = torch.empty((B, H, dv), dtype=q.dtype, device=q.device)
+        if lse is None:
+            lse = torch.empty((B, H), dtype=torch.float32, device=q.device)
+        _launch(plan, q, kv_cache, block_table, seq_lens, out, lse)
+        return (out, lse) if return_lse else out
     B, H, D, num_pages, page_size, max_pages = _check_args(
         q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim
     )
@@ -382,38 +518,36 @@ def mla_decode_attention(
     # fp32 inputs get fp32 products (a GPU's default for fp32 tl.dot is TF32, about 1e-3 relative error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     sms = num_sms(dev)
+    consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast), ("PRECISION", precision))
 
-    def run(cfg: triton.Config) -> tuple[torch.Tensor, torch.Tensor]:
-        block_n, block_h = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_H"]
-        use_tma, split_dv = bool(cfg.kwargs["USE_TMA"]), bool(cfg.kwargs["SPLIT_DV"])
-        descs = _descriptors(kv_cache, block_n, v_head_dim, d_r) if use_tma else None
-        if use_tma and descs is None:
-            raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
-        desc_h, desc_r = descs if descs is not None else (kv_cache, kv_cache)
-        head_tiles = triton.cdiv(H, block_h)
-        programs_per_request = head_tiles * (2 if split_dv else 1)
-        max_tiles = max(1, triton.cdiv(max_pages * page_size, block_n))
-        splits = num_splits if num_splits is not None else default_num_splits(B, programs_per_request, max_tiles, sms)
+    def make_plan(cfg: triton.Config) -> _Plan:
+        kw = cfg.kwargs
+        programs_per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
+        max_tiles = max(1, -(-(max_pages * page_size) // kw["BLOCK_N"]))
+        if num_splits is None:
+            splits = default_num_splits(B, programs_per_request, max_tiles, sms, int(kw.get("PER_SM", 2)))
+        else:
+            splits = num_splits
         splits = min(splits, max_tiles)
-        tiles_per_split = triton.cdiv(max_tiles, splits)
-        partial = torch.empty((B, H, splits, v_head_dim), dtype=torch.float32, device=dev)
-        partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=dev)
-        _mla_decode_split_kernel[(B, programs_per_request, splits)](
-            q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, tiles_per_split,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-            partial.stride(0), partial.stride(1), partial.stride(2), partial_lse.stride(0), partial_lse.stride(1),
-            float(softmax_scale) * 1.4426950408889634,
-            PAGE_SIZE=page_size, D_V=v_head_dim, D_R=d_r, UPCAST=upcast, PRECISION=precision, **cfg.kwargs,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+                H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
+        # Everything Triton specialises the compiled kernel on (tiles_per_split and the lse strides are
+        # do_not_specialize): a repeat call launches the cached kernel directly.
+        spec = (key, _cfg_id(cfg), q.dtype, _aligned(q, kv_cache, block_table, seq_lens), _int_spec(ints), consts)
+        return _Plan(
+            _SPLIT, (arch_name(device_capability(dev)), key), cfg, key, spec, consts, ints,
+            (programs_per_request, B, splits), -(-max_tiles // splits), float(softmax_scale) * 1.4426950408889634,
+            B, H, v_head_dim, d_r, num_pages, page_size,
+            # a config naming every constexpr (what the direct launch passes); an older table's may not
+            "PER_SM" in kw, _merge_args(splits, B, H, v_head_dim, out, lse),
         )  # fmt: skip
-        return partial, partial_lse
 
     # Tuned once per key on a GPU without a committed config (idempotent: it writes only the partials).
-    partial, partial_lse = run(_SPLIT.config_for(key, run))
-    from kvforge.kernels.merge_states import merge_attention_states
-
-    # [B, H, S, D] viewed as [S, B, H, D]: the merge reads any strides with D contiguous.
-    merge_attention_states(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out=out, out_lse=lse)
+    cfg = _SPLIT.config_for(key, lambda c: _launch(make_plan(c), q, kv_cache, block_table, seq_lens, out, lse, False))
+    plan = make_plan(cfg)
+    _launch(plan, q, kv_cache, block_table, seq_lens, out, lse)
+    if pkey is not None:
+        _PLANS.put(pkey, plan)
     # An empty request merges to 0 with lse -inf already (every share reported -inf).
     return (out, lse) if return_lse else out
 

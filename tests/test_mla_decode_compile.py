@@ -1,0 +1,67 @@
+"""The decode kernel's launch variants compile offline for every target architecture (no GPU).
+
+tests/test_compile_targets.py compiles the kernel once per architecture with its default variant; this file adds
+the SPLIT_DV variant (two programs per head tile, each with half the value columns) at narrow widths (64 + 16,
+bf16) on every architecture and at DeepSeek's real widths (512 + 64) on sm_90, where it is launched, so a variant
+that stops compiling on one architecture fails here rather than at a user's first launch. The compiles
+run in a subprocess with the interpreter off (this file is also the script: ``python
+tests/test_mla_decode_compile.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHS = [80, 89, 90, 100, 120]
+# (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_DV)
+VARIANTS = [(64, 16, 16, 32, 4, 2, True)]
+REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
+
+
+def _compile_all() -> list[dict[str, object]]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvforge.kernels.mla_decode import _mla_decode_split_kernel as fn
+
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf16", "bt_ptr": "*i32",
+             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32"}  # fmt: skip
+    sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+    records = []
+    jobs = [(arch, v) for arch in ARCHS for v in VARIANTS] + [(90, v) for v in REAL_WIDTH_SM90]
+    for arch, (dv, dr, bh, bn, warps, stages, split_dv) in jobs:
+        consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
+                  "SPLIT_DV": split_dv, "USE_TMA": False, "PRECISION": "tf32"}  # fmt: skip
+        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} split_dv={split_dv}"
+        try:
+            triton.compile(
+                ASTSource(fn, sig, constexprs=consts),
+                target=GPUTarget("cuda", arch, 32),
+                options={"num_warps": warps, "num_stages": stages},
+            )
+            records.append({"name": name, "ok": True})
+        except Exception as e:  # reported with the variant's name; the test fails on any
+            records.append({"name": name, "ok": False, "error": f"{e}"[:400]})
+    return records
+
+
+def test_decode_variants_compile_offline():
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    assert len(records) == len(ARCHS) * len(VARIANTS) + len(REAL_WIDTH_SM90)
+
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "0"  # before kvforge.kernels decides (no driver here)
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(_compile_all()))
