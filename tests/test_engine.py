@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, reference_logits, tiny
-from kvforge.engine.numerics import compare_logits
+from kvforge.engine.numerics import compare_logits, component_errors
 
 LOGIT_ATOL = 0.3
 
@@ -197,3 +197,66 @@ def test_decode_attention_matches_a_per_request_softmax() -> None:
         torch.testing.assert_close(out[b].double(), p @ rows[:, :dv], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="v_head_dim"):
         decode_attention(q[..., :8], kv, table, lens, softmax_scale=0.3, v_head_dim=dv)
+
+
+def test_compare_logits_excuses_only_near_ties() -> None:
+    ref = torch.tensor([[3.0, 2.99, 0.0], [3.0, 1.0, 0.0], [1.0, 0.0, 2.0]])
+    eng = ref + torch.tensor([[-0.02, 0.02, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.01]])
+    chk = compare_logits(eng, ref, [1, 0, 2], bound=0.05)  # row 0 flips at a near tie (margin 0.01 < 2 x 0.02)
+    assert chk.ok and chk.mismatches == 1 and chk.excused == 1 and chk.decisive == 2
+    chk = compare_logits(eng, ref, [1, 1, 2], bound=0.05)  # row 1 differs with margin 2.0: not excused
+    assert not chk.ok and chk.unexcused == [1]
+    assert not compare_logits(eng, ref, [1, 0, 2], bound=0.015).ok  # the error is over the bound
+    with pytest.raises(ValueError, match="engine_rows"):
+        compare_logits(eng[:2], ref, [1, 0, 2], bound=0.05)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_component_errors_isolate_the_context_attention(model: HybridModel, fp8: bool) -> None:
+    """Per layer and phase, each mixer against the reference mixer on the engine's own inputs (fp32 model):
+    KDA (fla-core's naive recurrence here), MLA decode (the Triton decode kernel over the fp32 latent cache) and
+    the drafter's decode agree to fp32 rounding; the MLA context attention carries FP8's 3 mantissa bits
+    (relative RMS error of a few percent) or fp16's (16-bit mode, under 2e-3)."""
+    rng = random.Random(4)
+    rep = component_errors(model, EngineConfig(context_fp8=fp8), _prompt(rng, 40), 4)
+    kinds = {(c.kind, c.phase) for c in rep}
+    assert kinds == {("KDA", "prefill"), ("KDA", "decode"), ("MLA", "prefill"), ("MLA", "decode"),
+                     ("draft", "prefill"), ("draft", "decode")}  # fmt: skip
+    for c in rep:
+        if c.kind != "KDA" and c.phase == "prefill":
+            assert (5e-3 < c.mixer_rel < 0.08) if fp8 else (c.mixer_rel < 2e-3), c
+        else:
+            assert c.mixer_rel < 1e-5, c
+        if c.kind != "draft":
+            assert c.hidden_rel is not None and c.hidden_rel < (0.05 if fp8 else 2e-3), c
+
+
+def test_committed_fla_configs_are_found_for_their_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The committed fla-core configs parse as fla's config files, are selected for their GPU (strict mode: the
+    exact tuned key finds its config, another key does not), and a user's own FLA_CACHE_MODE is left alone."""
+    import os
+
+    from fla.ops.utils import cache as fla_cache
+
+    from kvforge.engine.fla_configs import FLA_CONFIG_ROOT, use_committed_fla_configs
+
+    gpu_dir = FLA_CONFIG_ROOT / "NVIDIA_H200"
+    files = sorted(gpu_dir.glob("*.json"))
+    assert files
+    monkeypatch.setattr(fla_cache, "get_gpu_info", lambda: "NVIDIA_H200")
+    monkeypatch.setattr(fla_cache, "FLA_CACHE_MODE", fla_cache.FlaCacheMode.DISABLED)
+    monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
+    assert use_committed_fla_configs() is None  # the user chose a mode
+    monkeypatch.delenv("FLA_CACHE_MODE")
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    assert use_committed_fla_configs() == gpu_dir
+    assert os.environ["FLA_CONFIG_DIR"] == str(gpu_dir)  # monkeypatch restores the environment afterwards
+    assert fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.STRICT
+    for f in files:
+        doc = fla_cache.KernelConfigFile.from_file(f)
+        assert doc is not None and doc.kernel_name == f.stem and doc.autotune_entries
+        for entry in doc.autotune_entries.values():
+            key = fla_cache.AutotuneKey(tuple(entry["autotune_key"]))
+            assert fla_cache.load_cached_config(f.stem, key) == entry["config"]
+            other = fla_cache.AutotuneKey((*entry["autotune_key"][:-1], "torch.float16"))
+            assert fla_cache.load_cached_config(f.stem, other) is None
