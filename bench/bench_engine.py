@@ -1,6 +1,6 @@
 """Engine numbers: prefill and decode tokens/s, the host share of a decode step, the prefix-reuse speedup.
 
-    python3 -m bench.bench_engine --size real            # the H200 run (~2.5 B parameters, bf16)
+    python3 -m bench.bench_engine --size real            # the H200 run (~2.9 B parameters, bf16)
     python3 -m bench.bench_engine --size tiny --quick    # a CPU smoke run (interpreter)
 
 Phases (one process, same model):

@@ -5,7 +5,7 @@
 ``"M"`` an MLA layer whose latent cache holds ``kv_lora_rank + qk_rope_dim`` values per token (576 for the
 DeepSeek/Kimi sizes: 512 + 64). MLA attention in context form uses ``qk_nope_dim + qk_rope_dim`` wide keys
 (192 = 128 + 64) and ``v_head_dim`` wide values (128). ``draft_layers`` is 0 or 1 (one MLA drafter layer, MTP
-style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is about 2.5 B parameters.
+style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is about 2.9 B parameters.
 
 :class:`EngineConfig` holds the cache and scheduler budgets: ``tokens_per_block``, pages per pool group (attention,
 recurrent state, draft), the token and request budgets of a step, snapshot placement, and the device.
@@ -121,7 +121,7 @@ def tiny(**kw: object) -> ModelConfig:
 
 
 def real(**kw: object) -> ModelConfig:
-    """About 2.5 B parameters with the DeepSeek/Kimi MLA sizes (qk 128 + 64, v 128, latent 512 + 64)."""
+    """About 2.9 B parameters with the DeepSeek/Kimi MLA sizes (qk 128 + 64, v 128, latent 512 + 64)."""
     base = ModelConfig(
         vocab_size=32768,
         hidden_size=2560,
