@@ -43,7 +43,7 @@ def use_committed_fla_configs() -> Path | None:
 
 
 def _autotuners() -> list:
-    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.autotuner import Autotuner  # type: ignore[import-untyped]
 
     found, seen = [], set()
     for name, mod in list(sys.modules.items()):
@@ -62,7 +62,7 @@ def _autotuners() -> list:
 def export_fla_configs(dest: Path) -> int:
     """Write the configs fla-core's autotuners hold in this process into ``dest`` (one JSON per kernel, fla's
     format); returns the number of kernels written."""
-    import triton
+    import triton  # type: ignore[import-untyped]
     from fla.ops.utils.cache import AutotuneKey  # type: ignore[import-untyped]
 
     dest.mkdir(parents=True, exist_ok=True)
