@@ -7,9 +7,8 @@ Its tokens are laid out flat in that order. Per layer:
   whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
   up-project it to K/V, quantise Q, K and V to FP8 at one per-tensor scale (``quantize_fp8``; or pass them in
   16 bits with ``EngineConfig.context_fp8=False``) and run ``mla_context_attention`` over all context rows at
-  once. Generation rows (one token, or 1 + draft tokens when
-  verifying) run absorbed-MLA decode (:func:`kvforge.engine.ops.decode_attention`), one query row per token
-  with ``seq_len = start + t + 1``.
+  once. Generation rows (one token, or 1 + draft tokens when verifying) run absorbed-MLA decode
+  (:func:`kvforge.engine.ops.decode_attention`), one query row per token with ``seq_len = start + t + 1``.
 * **KDA**: each row starts from its live state page (indices uploaded by ``StateIndexUpload``). A context row
   that passes a snapshot point mid-step is split there: the state at the point is written into the cache's
   pending snapshot page, then the rest runs from it. A verifying generation row keeps the state after every
@@ -149,7 +148,8 @@ class Runner:
             k, v = model.mla_up(m, EngineCache.read(pool, lay.ctx_kv_rows).to(model.dtype))
             q_ctx = q[g:]
             if self.context_fp8:
-                # Q, K and V quantised by the engine at one per-tensor scale (FP8 Q: the kernel's FP8 x FP8 path).
+                # Q too, at the K/V scale, and V token-major: both dtype/layout keys (FP8 and 16-bit) have committed
+                # H200 launch configs, so a first prefill does not stop to tune the context kernel.
                 s = self.kv_scale_orig_quant
                 q_in, k_in, v_in = (quantize_fp8(x, s) for x in (q_ctx, k, v))
                 scale = 1.0 / s
