@@ -1,11 +1,14 @@
 """Engine numbers: prefill and decode tokens/s, the host share of a decode step, the prefix-reuse speedup.
 
-    python3 -m bench.bench_engine --size real            # the H200 run (~2.5 B parameters, bf16)
+    python3 -m bench.bench_engine --size real            # the H200 run (~2.9 B parameters, bf16)
     python3 -m bench.bench_engine --size tiny --quick    # a CPU smoke run (interpreter)
 
 Phases (one process, same model):
-1. warm-up: one small prefill and decode (compiles the kernels; fla-core's first calls autotune), then one
-   prompt's logits against the plain forward pass (:func:`kvforge.engine.reference_logits`) at this size;
+1. warm-up: one small prefill and decode (compiles the kernels; fla-core's first calls autotune unless its
+   configs for this GPU are committed, see :mod:`kvforge.engine.fla_configs`), then, with FP8 and with 16-bit
+   context attention, one prompt's logits against the plain forward pass (:func:`kvforge.engine.numerics.
+   compare_logits`, the bounds of tests/test_engine_gpu.py) and the per-layer, per-component errors of one
+   request (:func:`kvforge.engine.numerics.component_errors`);
 2. prefill: ``--prefill-requests`` prompts of ``--prefill-len`` tokens, one output token each: prompt tokens / s;
 3. decode at batch ``--batch``: that many requests decoding together after their prefill; generated tokens / s
    over the decode steps only, and the share of each step spent in kvforge's host code (scheduler, cache
@@ -21,18 +24,23 @@ Rows go to ``bench/results/engine.csv`` (GPU, versions, git revision) and, with 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bench._common import append_csv, env_stamp
 from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits, tiny
+from kvforge.engine.numerics import compare_logits, component_errors
 from kvforge.kvcache.replay import find_trace
 
 T_START = time.perf_counter()
+# The correctness bound of tests/test_engine_gpu.py (a fraction of the reference's logit std).
+BOUND = 0.25
 
 
 def _engine(model: HybridModel, args, *, reuse: bool = True, sync: bool = False) -> Engine:
@@ -78,22 +86,42 @@ def run(args) -> dict:
     print(f"warm-up {out['warmup_s']:.1f} s", flush=True)
     del warm
 
-    # Correctness at this size: an engine's logits against the plain forward pass, same weights.
-    chk = Engine(model, _engine(model, args).config, record_logits=True)
+    if args.export_fla_configs is not None:
+        from kvforge.engine.fla_configs import export_fla_configs
+
+        print(f"fla-core configs exported: {export_fla_configs(args.export_fla_configs)} kernels", flush=True)
+
+    # Correctness at this size, FP8 and 16-bit context attention: logits against the plain forward pass (same
+    # weights), the near-tie-aware greedy check, and the per-layer, per-component errors of one request.
     prompt = [rng.randrange(vocab) for _ in range(args.check_len)]
-    got = chk.generate({0: prompt}, 8)[0]
-    ref, _ = reference_logits(model, prompt + got)
-    rows = torch.cat(chk.logits[0]).to(ref.device)
-    ref_rows = ref[len(prompt) - 1 : len(prompt) - 1 + len(got)]
-    out["check_max_abs_logit_err"] = float((rows - ref_rows).abs().max())
-    out["check_logit_std"] = float(ref_rows.std())
-    out["check_greedy_equal"] = rows.argmax(-1).tolist() == ref_rows.argmax(-1).tolist()
-    print(
-        f"check vs reference: max |logit err| {out['check_max_abs_logit_err']:.4f} (std "
-        f"{out['check_logit_std']:.3f}), greedy equal {out['check_greedy_equal']}",
-        flush=True,
-    )
-    del chk
+    for fp8 in (True, False):
+        tag = "fp8" if fp8 else "bf16"
+        cfg_c = replace(_engine(model, args).config, context_fp8=fp8)
+        chk_eng = Engine(model, cfg_c, record_logits=True)
+        got = chk_eng.generate({0: prompt}, args.check_tokens)[0]
+        ref, _ = reference_logits(model, prompt + got)
+        rows = torch.cat(chk_eng.logits[0])
+        ref_rows = ref[len(prompt) - 1 : len(prompt) - 1 + len(got)]
+        chk = compare_logits(rows, ref_rows, got, BOUND * float(ref_rows.std()))
+        out[f"check_{tag}"] = {
+            "max_abs_logit_err": chk.max_abs_err,
+            "logit_std": chk.logit_std,
+            "bound": chk.bound,
+            "rows": chk.rows,
+            "greedy_mismatches": chk.mismatches,
+            "near_ties_excused": chk.excused,
+            "unexcused": len(chk.unexcused),
+            "decisive_rows": chk.decisive,
+            "ok": chk.ok,
+        }
+        print(f"check vs reference ({tag} context attention): {chk.summary()}", flush=True)
+        del chk_eng
+        comp = component_errors(model, cfg_c, prompt[: args.probe_len], args.probe_tokens)
+        out[f"components_{tag}"] = [dataclasses.asdict(c) for c in comp]
+        print(f"per-layer errors ({tag}): layer kind phase tokens mixer_rel hidden_rel", flush=True)
+        for c in comp:
+            hid = "-" if c.hidden_rel is None else f"{c.hidden_rel:.2e}"
+            print(f"  {c.layer:3d} {c.kind:5s} {c.phase:7s} {c.tokens:4d} {c.mixer_rel:.2e} {hid}", flush=True)
 
     eng = _engine(model, args)
     prompts = _prompts(rng, args.prefill_requests, args.prefill_len, vocab)
@@ -204,6 +232,10 @@ def main() -> None:
     ap.add_argument("--trace-out", type=int, default=2)
     ap.add_argument("--trace", type=Path, default=None, help="default: $KVFORGE_TRACE or shared/data/")
     ap.add_argument("--check-len", type=int, default=300)
+    ap.add_argument("--check-tokens", type=int, default=16)
+    ap.add_argument("--probe-len", type=int, default=200, help="prompt tokens of the per-layer error probe")
+    ap.add_argument("--probe-tokens", type=int, default=6)
+    ap.add_argument("--export-fla-configs", type=Path, default=None, help="write fla-core's tuned configs here")
     ap.add_argument("--budget-s", type=float, default=0.0, help="skip later phases past this many seconds")
     args = ap.parse_args()
     if args.quick:
@@ -211,8 +243,12 @@ def main() -> None:
         args.snapshot_interval, args.batch, args.prefill_requests, args.prefill_len = 64, 4, 2, 48
         args.decode_prompt_len, args.decode_tokens, args.trace_requests = 24, 3, 4
         args.trace_max_len, args.trace_out, args.max_num_tokens, args.check_len = 96, 1, 256, 30
+        args.check_tokens, args.probe_len, args.probe_tokens = 4, 24, 3
     out = run(args)
-    row = {k: v for k, v in out.items() if not isinstance(v, dict)}
+    row = {k: v for k, v in out.items() if not isinstance(v, (dict, list))}
+    for tag in ("fp8", "bf16"):
+        for k, v in out.get(f"check_{tag}", {}).items():
+            row[f"check_{tag}_{k}"] = v
     row["host_phases_ms_per_step"] = json.dumps(out.get("host_phases_ms_per_step"))
     append_csv("engine", [row])
     if args.out is not None:

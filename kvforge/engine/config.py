@@ -5,7 +5,7 @@
 ``"M"`` an MLA layer whose latent cache holds ``kv_lora_rank + qk_rope_dim`` values per token (576 for the
 DeepSeek/Kimi sizes: 512 + 64). MLA attention in context form uses ``qk_nope_dim + qk_rope_dim`` wide keys
 (192 = 128 + 64) and ``v_head_dim`` wide values (128). ``draft_layers`` is 0 or 1 (one MLA drafter layer, MTP
-style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is about 2.5 B parameters.
+style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is about 2.9 B parameters.
 
 :class:`EngineConfig` holds the cache and scheduler budgets: ``tokens_per_block``, pages per pool group (attention,
 recurrent state, draft), the token and request budgets of a step, snapshot placement, and the device.
@@ -121,7 +121,7 @@ def tiny(**kw: object) -> ModelConfig:
 
 
 def real(**kw: object) -> ModelConfig:
-    """About 2.5 B parameters with the DeepSeek/Kimi MLA sizes (qk 128 + 64, v 128, latent 512 + 64)."""
+    """About 2.9 B parameters with the DeepSeek/Kimi MLA sizes (qk 128 + 64, v 128, latent 512 + 64)."""
     base = ModelConfig(
         vocab_size=32768,
         hidden_size=2560,
@@ -150,7 +150,10 @@ class EngineConfig:
     snapshot placement (alignment None: a step always ends at a snapshot point; 1: the recurrent prefill splits
     a step at any point, so one point per step is passed mid-step). ``reuse``: prefix reuse on or off.
     ``staging_state_pages``: extra recurrent-state rows outside the manager, where a disaggregated generation
-    engine receives snapshots before it commits them. ``device``: None picks CUDA when available."""
+    engine receives snapshots before it commits them. ``device``: None picks CUDA when available.
+    ``context_fp8``: the context (prefill/extend) attention reads Q/K/V quantised to FP8 e4m3 at the model's
+    ``kv_scale_orig_quant``; False passes them in 16 bits (bf16 on a GPU, fp16 in the CPU interpreter), the
+    mode whose only rounding is the model dtype's (decode always reads the model-dtype latent cache)."""
 
     tokens_per_block: int = 16
     attention_pages: int = 64
@@ -166,6 +169,7 @@ class EngineConfig:
     staging_state_pages: int = 8
     device: str | None = None
     prefix_wait: bool = True
+    context_fp8: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -182,7 +186,8 @@ class EngineConfig:
         _pos("staging_state_pages", self.staging_state_pages, 0)
         if self.midchunk_snapshot_alignment is not None:
             _pos("midchunk_snapshot_alignment", self.midchunk_snapshot_alignment)
-        if not isinstance(self.reuse, bool):
-            raise TypeError(f"reuse: expected a bool, got {type(self.reuse).__name__}")
+        for name in ("reuse", "context_fp8", "prefix_wait"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
         if self.device is not None and not isinstance(self.device, str):
             raise TypeError(f"device: expected a device name or None, got {type(self.device).__name__}")

@@ -157,7 +157,7 @@ class Engine:
         self.stores = SlotStores.zeros(config.max_num_requests, t, t, max(1, draft_len), dev)
         self._free_slots = list(range(config.max_num_requests - 1, -1, -1))
         self._slot: dict[Hashable, int] = {}
-        self.runner = Runner(model, self.cache, record_logits=record_logits)
+        self.runner = Runner(model, self.cache, record_logits=record_logits, context_fp8=config.context_fp8)
         self.record_logits = record_logits
         self.outputs: dict[Hashable, list[int]] = {}
         self.logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)

@@ -8,7 +8,8 @@
 * :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
   and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
   reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
-  token (speculative verification keeps the state after the last accepted token).
+  token (speculative verification keeps the state after the last accepted token). Before fla-core's first
+  GPU call, its committed launch configs for the GPU are selected (:mod:`kvforge.engine.fla_configs`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ def _use_fla_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+_FLA_CONFIGS_SET = False
+
+
+def _fla_configs_once() -> None:
+    """Before fla-core's first GPU call: its committed configs for this GPU, if any (no tuning pause)."""
+    global _FLA_CONFIGS_SET
+    if not _FLA_CONFIGS_SET:
+        _FLA_CONFIGS_SET = True
+        from kvforge.engine.fla_configs import use_committed_fla_configs
+
+        use_committed_fla_configs()
+
+
 def kda_segments(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,6 +77,7 @@ def kda_segments(
     if initial_states.shape[0] != n:
         raise ValueError(f"initial_states: expected {n} states (one per segment), got {initial_states.shape[0]}")
     if _use_fla_kernels(q):
+        _fla_configs_once()
         from fla.ops.kda import chunk_kda  # type: ignore[import-untyped]
 
         cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
@@ -107,6 +122,7 @@ def kda_tokens(
     for t in range(t_len):
         sl = slice(t, t + 1)
         if _use_fla_kernels(q):
+            _fla_configs_once()
             from fla.ops.kda import fused_recurrent_kda  # type: ignore[import-untyped]
 
             o, s = fused_recurrent_kda(

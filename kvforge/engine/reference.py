@@ -4,7 +4,13 @@ Attention is the context (non-absorbed) form with an explicit causal mask, witho
 a token loop written here in fp64 (independent of fla-core). :func:`reference_logits` returns the target's
 logits at every position (row p predicts token p + 1) and, for a model with a drafter, the drafter's logits
 at every position p < T - 1 (row p predicts token p + 2 from token p + 1). The engine's tests compare against
-these; :func:`reference_greedy` is the same model generating greedily.
+these; :func:`reference_greedy` is the same model generating greedily. :func:`reference_hidden` (the residual
+stream after every layer) and :func:`reference_mixer` (one layer's mixer on given inputs) serve the per-layer
+error report of :mod:`kvforge.engine.numerics`.
+
+Precision: the projections, norms, MLP and residual adds run in the model's dtype (bf16 on a GPU) exactly as
+the engine runs them (the same :class:`HybridModel` methods); only the two mixer cores differ: attention here
+is fp64 over unquantised K/V, and the KDA recurrence is an fp64 token loop.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 
 from kvforge.engine.model import HybridModel, KDAWeights, MLAWeights
 
-__all__ = ["reference_greedy", "reference_logits"]
+__all__ = ["reference_greedy", "reference_hidden", "reference_logits", "reference_mixer"]
 
 
 def _mla(model: HybridModel, m: MLAWeights, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -42,7 +48,18 @@ def _kda(model: HybridModel, m: KDAWeights, h: torch.Tensor) -> torch.Tensor:
     return model.kda_out(m, out)
 
 
-def _stack(model: HybridModel, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def reference_mixer(model: HybridModel, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Layer ``layer``'s mixer (``num_layers``: the drafter's MLA) on normed inputs ``h [T, D]`` at positions
+    ``0 .. T - 1``: what the engine's mixer should return for the same inputs (diagnostics)."""
+    pos = torch.arange(h.shape[0], device=h.device)
+    blk = model.draft_block if layer == model.config.num_layers else model.blocks[layer]
+    assert blk is not None
+    if isinstance(blk.mixer, MLAWeights):
+        return _mla(model, blk.mixer, h, pos)
+    return _kda(model, blk.mixer, h)
+
+
+def _stack(model: HybridModel, x: torch.Tensor, pos: torch.Tensor, trace: list | None = None) -> torch.Tensor:
     for blk in model.blocks:
         h = model.rms(x, blk.norm1)
         if isinstance(blk.mixer, MLAWeights):
@@ -50,7 +67,17 @@ def _stack(model: HybridModel, x: torch.Tensor, pos: torch.Tensor) -> torch.Tens
         else:
             x = x + _kda(model, blk.mixer, h)
         x = x + model.mlp(blk, x)
+        if trace is not None:
+            trace.append(x)
     return x
+
+
+def reference_hidden(model: HybridModel, tokens: Sequence[int]) -> list[torch.Tensor]:
+    """The residual stream ``[T, D]`` after every target layer (diagnostics)."""
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=model.device)
+    trace: list[torch.Tensor] = []
+    _stack(model, model.embed[ids], torch.arange(len(ids), device=model.device), trace)
+    return trace
 
 
 def reference_logits(model: HybridModel, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -5,10 +5,10 @@ Its tokens are laid out flat in that order. Per layer:
 
 * **MLA**: the new tokens' latent rows are written into their pages first. Context rows then gather their
   whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
-  up-project it to K/V, quantise both to FP8 (``quantize_fp8``, V straight into the dim-major layout) and run
-  ``mla_context_attention`` over all context rows at once. Generation rows (one token, or 1 + draft tokens when
-  verifying) run absorbed-MLA decode (:func:`kvforge.engine.ops.decode_attention`), one query row per token
-  with ``seq_len = start + t + 1``.
+  up-project it to K/V, quantise Q, K and V to FP8 at one per-tensor scale (``quantize_fp8``; or pass them in
+  16 bits with ``EngineConfig.context_fp8=False``) and run ``mla_context_attention`` over all context rows at
+  once. Generation rows (one token, or 1 + draft tokens when verifying) run absorbed-MLA decode
+  (:func:`kvforge.engine.ops.decode_attention`), one query row per token with ``seq_len = start + t + 1``.
 * **KDA**: each row starts from its live state page (indices uploaded by ``StateIndexUpload``). A context row
   that passes a snapshot point mid-step is split there: the state at the point is written into the cache's
   pending snapshot page, then the rest runs from it. A verifying generation row keeps the state after every
@@ -20,6 +20,7 @@ latent pages, and proposes the next draft token from the last one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -108,10 +109,15 @@ class _Layout:
 class Runner:
     """Runs steps of ``model`` over ``cache`` (see the module docstring)."""
 
-    def __init__(self, model: HybridModel, cache: EngineCache, *, record_logits: bool = False) -> None:
+    def __init__(
+        self, model: HybridModel, cache: EngineCache, *, record_logits: bool = False, context_fp8: bool = True
+    ) -> None:
         self.model = model
         self.cache = cache
         self.record_logits = record_logits
+        self.context_fp8 = context_fp8
+        # Diagnostics (kvforge.engine.numerics): called after every layer as probe(layer, layout, h, mixer, x).
+        self.probe: Callable[[int, _Layout, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         mc = model.config
         self.kv_scale_orig_quant = float(mc.kv_scale_orig_quant)
         # The context kernel takes bf16/fp16 queries; the interpreter's fp16 keeps more of the fp32 model's bits.
@@ -140,21 +146,24 @@ class Runner:
             out[:g] = model.mla_unabsorb(m, o_lat)
         if lay.ctx_kv_rows is not None:
             k, v = model.mla_up(m, EngineCache.read(pool, lay.ctx_kv_rows).to(model.dtype))
-            s = self.kv_scale_orig_quant
-            k8 = quantize_fp8(k.contiguous(), s)
-            t = v.shape[0]
-            cap = -(-t // 16) * 16  # dim-major V rows padded to 16 bytes (the kernel's tensor descriptors)
-            v_buf = torch.empty(mc.num_heads, mc.v_head_dim, cap, device=v.device, dtype=k8.dtype)
-            v8 = quantize_fp8(v.contiguous(), s, v_buf[:, :, :t], transpose_tokens=True)
+            q_ctx = q[g:]
+            if self.context_fp8:
+                # Q too, at the K/V scale, and V token-major: both dtype/layout keys (FP8 and 16-bit) have committed
+                # H200 launch configs, so a first prefill does not stop to tune the context kernel.
+                s = self.kv_scale_orig_quant
+                q_in, k_in, v_in = (quantize_fp8(x, s) for x in (q_ctx, k, v))
+                scale = 1.0 / s
+            else:
+                q_in, k_in, v_in = (x.to(self.q_dtype).contiguous() for x in (q_ctx, k, v))
+                scale = 1.0
             o = mla_context_attention(  # returns the output alone (return_lse is off)
-                q[g:].to(self.q_dtype).contiguous(),
-                k8,
-                v8,
+                q_in,
+                k_in,
+                v_in,
                 lay.cu_q,
                 lay.cu_kv,
-                kv_scale_quant_orig=1.0 / s,
+                kv_scale_quant_orig=scale,
                 softmax_scale=model.softmax_scale,
-                v_layout="dim_major",
             )
             assert isinstance(o, torch.Tensor)
             out[g:] = o.to(model.dtype)
@@ -228,10 +237,13 @@ class Runner:
         for i, blk in enumerate(model.blocks):
             h = model.rms(x, blk.norm1)
             if isinstance(blk.mixer, MLAWeights):
-                x = x + self._mla(blk.mixer, h, self.cache.latent[i], lay)
+                mix = self._mla(blk.mixer, h, self.cache.latent[i], lay)
             else:
-                x = x + self._kda(i, blk.mixer, h, rows, state_idx)
+                mix = self._kda(i, blk.mixer, h, rows, state_idx)
+            x = x + mix
             x = x + model.mlp(blk, x)
+            if self.probe is not None:
+                self.probe(i, lay, h, mix, x)
         return x
 
     def step(
@@ -313,8 +325,12 @@ class Runner:
         dev = model.device
         x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
         lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
-        x = x + self._mla(blk.mixer, model.rms(x, blk.norm1), self.cache.draft_latent, lay)
+        h = model.rms(x, blk.norm1)
+        mix = self._mla(blk.mixer, h, self.cache.draft_latent, lay)
+        x = x + mix
         x = x + model.mlp(blk, x)
+        if self.probe is not None:
+            self.probe(model.config.num_layers, lay, h, mix, x)
         last, off = [], 0
         for c in counts:
             off += c
