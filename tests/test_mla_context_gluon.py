@@ -1,0 +1,119 @@
+"""The warp-specialised sm_90 Gluon path of MLA context attention (kvforge.kernels.mla_context_gluon).
+
+Gluon does not run in the interpreter: on the CPU these tests check that a ``GLUON`` config falls back to the
+portable kernel with the same result, that only sm_90 keeps such candidates, and that the path says why it is
+unavailable; the offline sm_90 compile is in tests/test_compile_targets.py. The ``gpu`` cases run the Gluon
+kernel itself on the H200 against the independent reference (awkward lengths, NaN rows around the batch, an
+empty request, GQA, both V layouts, FP8 and bf16 Q, s in {1, 1.5, 2}) and fail if it did not run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvforge.kernels.mla_context as mc
+import kvforge.kernels.mla_context_gluon as mg
+from kvforge.kernels._checks import FP8
+from kvforge.kernels.mla_context import MLAContextPlan, mla_context_attention_ref
+from tests.helpers import assert_all_written, poisoned
+from tests.test_mla_context import _cast, _dim_major, _make
+from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
+
+GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True)
+
+
+def _run(plan: MLAContextPlan, q, k, v, s: float, heads: int, d_v: int, device):
+    out = poisoned((q.shape[0], heads, d_v), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], heads), torch.float32, device)
+    plan.run(q, k, v, kv_scale_quant_orig=s, out=out, lse_out=lse)
+    return out, lse
+
+
+def _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg):
+    return MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=heads, num_kv_heads=kv_heads, head_dim_qk=q.shape[2], head_dim_v=128,
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=cfg,
+    )  # fmt: skip
+
+
+def test_unavailable_reason_on_this_machine(device):
+    reason = mg.gluon_unavailable_reason(device if device.type == "cuda" else None)
+    if device.type == "cpu":
+        assert reason is not None and not mg.gluon_available()
+
+
+def test_gluon_candidates_only_on_sm90():
+    key = (192, 128, "e4m3", "e4m3", "token_major")
+    for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
+        kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
+        assert bool(kept) == expect, arch
+    # 16-bit K/V never takes it
+    assert not [c for c in mc._CONFIGS.candidates((9, 0), (192, 128, "bf16", "bf16", "token_major"))
+                if c.kwargs.get("GLUON")]  # fmt: skip
+    assert mc._smem_estimate(GLUON_CFG, key) <= mc.capability_for((9, 0)).smem_per_block
+
+
+@pytest.mark.parametrize("mode,v_layout", [("fp8", "token_major"), ("fp8kv", "token_major"), ("fp8", "dim_major")])
+def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layout):
+    """Where the Gluon path cannot run (here: the interpreter), a GLUON config computes the same result with
+    the portable kernel (128x128 tiles, FP8 Q quantised on chip for a bf16 Q, token-major V widened)."""
+    if mg.gluon_available(device):
+        pytest.skip("the Gluon path runs on this device (see the gpu cases)")
+    q, k, v, cu_q, cu_kv = _make(gen, device, [5, 0, 130], [17, 40, 3], heads=2, kv_start=3)
+    q, k, v = _cast(mode, q, k, v, 1.5)
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    plan = _plan(cu_q, cu_kv, 2, 2, q, k, v_layout, GLUON_CFG)
+    out, lse = _run(plan, q, k, vk, 1.5, 2, 128, device)
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=1.5)
+    assert rel_rmse(out, ref) < 0.03
+
+
+GPU_CASES = [
+    # mode, v_layout, s, heads, kv_heads, kv_start, q_lens, cached
+    ("fp8", "token_major", 1.5, 16, 16, 5, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("fp8", "dim_major", 2.0, 16, 16, 7, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("fp8kv", "token_major", 1.0, 16, 16, 0, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("fp8", "token_major", 1.0, 8, 2, 3, [777, 64], [4097, 33]),
+    ("fp8kv", "dim_major", 1.5, 8, 2, 16, [2048, 5], [0, 9000]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("mode,v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
+def test_gpu_gluon_matches_reference(gen, device, stages, mode, v_layout, s, heads, kv_heads, kv_start, q_lens, cached):
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
+    q, k, v = _cast(mode, q, k, v, s)
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, heads_outer=True)
+    plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
+    out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], heads), torch.float32, device)
+    handle = plan._launch(q, k, vk, out, lse, 1.0 / 192**0.5, s, None)
+    assert "gluon" in str(getattr(handle, "name", "")), f"the Gluon kernel did not run: {handle!r}"
+    torch.cuda.synchronize()
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s, head_chunk=4)
+    atol, rtol = tol(FP8)
+    torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
+    assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_scale_tensor_and_one_call(gen, device):
+    """Device scale tensor and the one-call API (device-built work table) through the Gluon config."""
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, [1000, 3, 257], [500, 0, 4096], heads=16, extra_rows=5)
+    q, k, v = _cast("fp8", q, k, v, 2.0)
+    sh = mc._check_shapes(16, 16, 192, 128, q.dtype, k.dtype, "token_major")
+    plan = mc.MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, 1000, 4353, q.shape[0], k.shape[0], config=GLUON_CFG)
+    assert plan is not None
+    out = plan.run(q, k, v, kv_scale_quant_orig=torch.tensor([2.0], device=device))
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)
+    assert rel_rmse(out, ref) < 0.035
