@@ -20,7 +20,7 @@ from tests.helpers import assert_all_written, poisoned
 from tests.test_mla_context import _cast, _dim_major, _make
 from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
 
-GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True)
+GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, gluon_split=True, heads_outer=True)
 
 
 def _run(plan: MLAContextPlan, q, k, v, s: float, heads: int, d_v: int, device):
@@ -43,15 +43,21 @@ def test_unavailable_reason_on_this_machine(device):
         assert reason is not None and not mg.gluon_available()
 
 
-def test_gluon_candidates_only_on_sm90():
-    key = (192, 128, "e4m3", "e4m3", "token_major")
-    for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
-        kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
-        assert bool(kept) == expect, arch
-    # 16-bit K/V never takes it
-    assert not [c for c in mc._CONFIGS.candidates((9, 0), (192, 128, "bf16", "bf16", "token_major"))
-                if c.kwargs.get("GLUON")]  # fmt: skip
-    assert mc._smem_estimate(GLUON_CFG, key) <= mc.capability_for((9, 0)).smem_per_block
+def test_gluon_candidates_only_on_sm90_for_fp8_q():
+    for layout in ("token_major", "dim_major"):
+        key = (192, 128, "e4m3", "e4m3", layout)
+        for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
+            kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
+            assert bool(kept) == expect, arch
+            assert all(mc._smem_estimate(c, key) <= mc.capability_for(arch).smem_per_block for c in kept)
+    # a 16-bit Q (quantised on chip, e4m3 P: past the accuracy bound) and 16-bit K/V never take it
+    for key in ((192, 128, "bf16", "e4m3", "token_major"), (192, 128, "bf16", "bf16", "token_major")):
+        assert not [c for c in mc._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("KVFORGE_DISABLE_GLUON", "1")
+    assert mg.gluon_unavailable_reason() == "disabled by KVFORGE_DISABLE_GLUON"
 
 
 @pytest.mark.parametrize("mode,v_layout", [("fp8", "token_major"), ("fp8kv", "token_major"), ("fp8", "dim_major")])
@@ -72,24 +78,24 @@ def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layo
 
 
 GPU_CASES = [
-    # mode, v_layout, s, heads, kv_heads, kv_start, q_lens, cached
-    ("fp8", "token_major", 1.5, 16, 16, 5, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
-    ("fp8", "dim_major", 2.0, 16, 16, 7, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
-    ("fp8kv", "token_major", 1.0, 16, 16, 0, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
-    ("fp8", "token_major", 1.0, 8, 2, 3, [777, 64], [4097, 33]),
-    ("fp8kv", "dim_major", 1.5, 8, 2, 16, [2048, 5], [0, 9000]),
+    # v_layout, s, heads, kv_heads, kv_start, q_lens, cached
+    ("token_major", 1.5, 16, 16, 5, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("dim_major", 2.0, 16, 16, 7, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("token_major", 1.0, 8, 2, 3, [777, 64], [4097, 33]),
+    ("dim_major", 1.5, 8, 2, 16, [2048, 5], [0, 9000]),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("mode,v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
-def test_gpu_gluon_matches_reference(gen, device, stages, mode, v_layout, s, heads, kv_heads, kv_start, q_lens, cached):
+@pytest.mark.parametrize("stages,split", [(2, True), (3, True), (2, False)])
+@pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
+def test_gpu_gluon_matches_reference(gen, device, stages, split, v_layout, s, heads, kv_heads, kv_start, q_lens,
+                                     cached):  # fmt: skip
     assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
-    q, k, v = _cast(mode, q, k, v, s)
+    q, k, v = _cast("fp8", q, k, v, s)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, heads_outer=True)
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, gluon_split=split, heads_outer=True)
     plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
     out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], heads), torch.float32, device)
@@ -102,6 +108,18 @@ def test_gpu_gluon_matches_reference(gen, device, stages, mode, v_layout, s, hea
     atol, rtol = tol(FP8)
     torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.double(), ref_lse.double(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
+    assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_q_with_gluon_config_takes_the_portable_kernel(gen, device):
+    q, k, v, cu_q, cu_kv = _make(gen, device, [300, 7], [100, 0], heads=4)
+    q, k, v = _cast("fp8kv", q, k, v, 1.5)
+    plan = _plan(cu_q, cu_kv, 4, 4, q, k, "token_major", GLUON_CFG)
+    out = poisoned((q.shape[0], 4, 128), torch.bfloat16, device)
+    handle = plan._launch(q, k, v, out, None, 1.0 / 192**0.5, 1.5, None)
+    assert "gluon" not in str(getattr(handle, "name", ""))
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=1.5)
     assert rel_rmse(out, ref) < 0.035
 
 

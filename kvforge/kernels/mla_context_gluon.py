@@ -20,6 +20,8 @@ interpreter) and the per-GPU table chose it (config knob ``GLUON``); everything 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # Gluon ships with Triton >= 3.5; its API moves between releases, so every name is checked here
@@ -57,6 +59,8 @@ def gluon_unavailable_reason(device: torch.device | None = None) -> str | None:
     """None when the Gluon path can run on ``device``, else why not (import error, architecture, interpreter)."""
     from kvforge.kernels._runtime import device_capability, interpreting
 
+    if os.environ.get("KVFORGE_DISABLE_GLUON", "") not in ("", "0"):
+        return "disabled by KVFORGE_DISABLE_GLUON"
     if _GLUON_IMPORT_ERROR is not None:
         return f"Gluon not importable ({_GLUON_IMPORT_ERROR})"
     if interpreting():
@@ -254,6 +258,48 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index(s), count=1)
         return acc, m_i, l_i
 
+    @gluon.jit
+    def _gl_rows(Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                 stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
+                 diag0, n_end, qk_scale, kv_scale, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr,
+                 D_B: gl.constexpr, DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr,
+                 P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup as its own partition: query rows [ROW_OFF, ROW_OFF + ROWS) of the tile, from
+        the FP8 Q load to the output store. Two of these run side by side without synchronising with each
+        other (each frees a ring slot by its own arrival; the slot barriers count two), so one warpgroup's
+        softmax overlaps the other's matrix work."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])  # fmt: skip
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        offs_m = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+        row_ok = offs_m < n_rows
+        q_base = Q + (q_row0 + offs_m).to(gl.int64)[:, None] * stride_qt + head.to(gl.int64) * stride_qh
+        qa = gl.load(q_base + gl.arange(0, D_A, layout=gl.SliceLayout(0, ld))[None, :], mask=row_ok[:, None],
+                     other=0.0)  # fmt: skip
+        qa8 = gl.convert_layout(qa, q_layout)
+        if D_B > 0:
+            qb = gl.load(q_base + D_A + gl.arange(0, D_B, layout=gl.SliceLayout(0, ld))[None, :],
+                         mask=row_ok[:, None], other=0.0)  # fmt: skip
+            qb8 = gl.convert_layout(qb, q_layout)
+        else:
+            qb8 = qa8
+        row_scale = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_layout))
+        acc, m_i, l_i = _gl_consumer(
+            qa8, qb8, row_scale, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks,
+            shift, diag0 + ROW_OFF, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR, False, P_OFFSET, BLOCK_N,
+            NUM_STAGES, True,
+        )  # fmt: skip
+        o = acc * (kv_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+        o_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
+        o_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_layout))
+        o_ptrs = O + (q_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
+        gl.store(o_ptrs + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < n_rows)[:, None])
+        if WRITE_LSE:
+            lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, float("nan"))
+            gl.store(LSE + (q_row0 + o_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
+                     mask=o_rows < n_rows)  # fmt: skip
+
     @gluon.jit(do_not_specialize=["n_items"])
     def _mla_context_gluon_kernel(
         Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, scale_ptr, softmax_scale, kv_scale,
@@ -261,11 +307,12 @@ if gluon is not None:
         H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
         Q_FP8: gl.constexpr, V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr,
         P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr,
-        HEADS_OUTER: gl.constexpr, V_REGS: gl.constexpr, OVERLAP: gl.constexpr,
+        HEADS_OUTER: gl.constexpr, V_REGS: gl.constexpr, OVERLAP: gl.constexpr, SPLIT: gl.constexpr,
+        C_REGS: gl.constexpr,
     ):  # fmt: skip
         """One (query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``."""
         BM: gl.constexpr = 128
-        NW: gl.constexpr = 8  # two consumer warpgroups, 64 query rows each
+        NW: gl.constexpr = 8  # two consumer warpgroups, 64 query rows each (SPLIT: one partition each)
         pid = gl.program_id(0)
         if HEADS_OUTER:
             item = pid % n_items
@@ -290,35 +337,6 @@ if gluon is not None:
         pos_end = gl.maximum(n_end + shift, 0)
         n_blocks = (pos_end + BLOCK_N - 1) // BLOCK_N
 
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                             instr_shape=[16, BLOCK_N, 32])  # fmt: skip
-        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
-        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-        offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
-        row_ok = offs_m < n_rows
-        q_base = Q + (q_row0 + offs_m).to(gl.int64)[:, None] * stride_qt + head.to(gl.int64) * stride_qh
-        qa = gl.load(q_base + gl.arange(0, D_A, layout=gl.SliceLayout(0, ld))[None, :], mask=row_ok[:, None],
-                     other=0.0)  # fmt: skip
-        if D_B > 0:
-            qb = gl.load(q_base + D_A + gl.arange(0, D_B, layout=gl.SliceLayout(0, ld))[None, :],
-                         mask=row_ok[:, None], other=0.0)  # fmt: skip
-        else:
-            qb = qa
-        row_scale = gl.full([BM], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_layout))
-        if Q_FP8:
-            qa8 = gl.convert_layout(qa, q_layout)
-            qb8 = gl.convert_layout(qb, q_layout)
-        else:
-            # Per-row scale amax / 448 over the whole head dim; the row's largest element is exact.
-            amax = gl.max(gl.abs(qa.to(gl.float32)), 1)
-            if D_B > 0:
-                amax = gl.maximum(amax, gl.max(gl.abs(qb.to(gl.float32)), 1))
-            s_q = gl.where(amax > 0, amax / 448.0, 1.0)
-            inv = 1.0 / s_q
-            qa8 = gl.convert_layout((qa.to(gl.float32) * inv[:, None]).to(gl.float8e4nv), q_layout)
-            qb8 = gl.convert_layout((qb.to(gl.float32) * inv[:, None]).to(gl.float8e4nv), q_layout)
-            row_scale = gl.convert_layout(s_q, gl.SliceLayout(1, mma_layout))
-
         ka_bufs = gl.allocate_shared_memory(
             k_desc_a.dtype, [NUM_STAGES, BLOCK_N, k_desc_a.block_type.shape[1]], k_desc_a.layout
         )
@@ -340,47 +358,101 @@ if gluon is not None:
         vt_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
             mbarrier.init(vt_ready.index(i), count=1)
+            if SPLIT:  # each consumer warpgroup frees a slot by its own arrival
+                mbarrier.init(k_empty.index(i), count=2)
+                mbarrier.init(v_empty.index(i), count=2)
+            else:
+                mbarrier.init(k_empty.index(i), count=1)
+                mbarrier.init(v_empty.index(i), count=1)
 
         k_col = kvh * (D_A + D_B)
         v_col = kvh * DV
         # The argument tuples are written out in the call: a tuple held in a variable turns its constexprs
         # into tensors (Triton 3.6 and 3.9).
-        acc, m_i, l_i = gl.warp_specialize(
-            [
-                (_gl_consumer, (qa8, qb8, row_scale, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                                v_empty, n_blocks, shift, diag0, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR,
-                                not Q_FP8, P_OFFSET, BLOCK_N, NUM_STAGES, OVERLAP)),
-                (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                              v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
-                              V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
-                (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
-                               V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
-            ],
-            [1, 4],
-            [24, V_REGS],
-        )  # fmt: skip
+        if SPLIT:
+            gl.warp_specialize(
+                [
+                    (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                                stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                                v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, 0, BM // 2, D_A, D_B, DV,
+                                V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
+                    (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                                stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                                v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, BM // 2, BM // 2, D_A,
+                                D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
+                    (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                  v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
+                                  V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                    (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                   v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B,
+                                   DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                ],
+                [4, 1, 4],
+                [C_REGS, 24, V_REGS],
+            )  # fmt: skip
+        else:
+            mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                                 instr_shape=[16, BLOCK_N, 32])  # fmt: skip
+            q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+            ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
+            offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+            row_ok = offs_m < n_rows
+            q_base = Q + (q_row0 + offs_m).to(gl.int64)[:, None] * stride_qt + head.to(gl.int64) * stride_qh
+            qa = gl.load(q_base + gl.arange(0, D_A, layout=gl.SliceLayout(0, ld))[None, :], mask=row_ok[:, None],
+                         other=0.0)  # fmt: skip
+            if D_B > 0:
+                qb = gl.load(q_base + D_A + gl.arange(0, D_B, layout=gl.SliceLayout(0, ld))[None, :],
+                             mask=row_ok[:, None], other=0.0)  # fmt: skip
+            else:
+                qb = qa
+            row_scale = gl.full([BM], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_layout))
+            if Q_FP8:
+                qa8 = gl.convert_layout(qa, q_layout)
+                qb8 = gl.convert_layout(qb, q_layout)
+            else:
+                # Per-row scale amax / 448 over the whole head dim; the row's largest element is exact.
+                amax = gl.max(gl.abs(qa.to(gl.float32)), 1)
+                if D_B > 0:
+                    amax = gl.maximum(amax, gl.max(gl.abs(qb.to(gl.float32)), 1))
+                s_q = gl.where(amax > 0, amax / 448.0, 1.0)
+                inv = 1.0 / s_q
+                qa8 = gl.convert_layout((qa.to(gl.float32) * inv[:, None]).to(gl.float8e4nv), q_layout)
+                qb8 = gl.convert_layout((qb.to(gl.float32) * inv[:, None]).to(gl.float8e4nv), q_layout)
+                row_scale = gl.convert_layout(s_q, gl.SliceLayout(1, mma_layout))
+
+            acc, m_i, l_i = gl.warp_specialize(
+                [
+                    (_gl_consumer, (qa8, qb8, row_scale, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                                    v_empty, n_blocks, shift, diag0, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR,
+                                    not Q_FP8, P_OFFSET, BLOCK_N, NUM_STAGES, OVERLAP)),
+                    (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                  v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
+                                  V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                    (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                                   v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
+                                   V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                ],
+                [1, 4],
+                [24, V_REGS],
+            )  # fmt: skip
+            out_scale = kv_scale
+            o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+            o_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+            o_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_layout))
+            o_ptrs = O + (q_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
+            gl.store(o_ptrs + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < n_rows)[:, None])
+            if WRITE_LSE:
+                lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, float("nan"))
+                gl.store(LSE + (q_row0 + o_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
+                         mask=o_rows < n_rows)  # fmt: skip
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(v_empty.index(i))
             mbarrier.invalidate(vt_ready.index(i))
-
-        out_scale = kv_scale
-        o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
-        o_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-        o_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_layout))
-        o_ptrs = O + (q_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
-        gl.store(o_ptrs + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < n_rows)[:, None])
-        if WRITE_LSE:
-            lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, float("nan"))
-            gl.store(LSE + (q_row0 + o_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
-                     mask=o_rows < n_rows)  # fmt: skip
 
 
 def _nvmma(block: list[int], dtype) -> object:
@@ -407,7 +479,7 @@ def gluon_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: 
 
 def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
                           softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2, heads_outer=True,
-                          v_regs=80, maxnreg=128, overlap=True):  # fmt: skip
+                          v_regs=64, maxnreg=128, overlap=True, split=True, c_regs=216):  # fmt: skip
     """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller)."""
     kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
     lse_t = lse if lse is not None else out
@@ -419,5 +491,5 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group,
         H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv, Q_FP8=q.dtype == torch.float8_e4m3fn,
         V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, WRITE_LSE=lse is not None, P_OFFSET=8.0,
         BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1, HEADS_OUTER=heads_outer,
-        V_REGS=v_regs, OVERLAP=overlap, num_warps=8, maxnreg=maxnreg,
+        V_REGS=v_regs, OVERLAP=overlap, SPLIT=split, C_REGS=c_regs, num_warps=4 if split else 8, maxnreg=maxnreg,
     )  # fmt: skip
