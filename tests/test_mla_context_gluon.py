@@ -135,3 +135,10 @@ def test_gpu_gluon_scale_tensor_and_one_call(gen, device):
     out = plan.run(q, k, v, kv_scale_quant_orig=torch.tensor([2.0], device=device))
     ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)
     assert rel_rmse(out, ref) < 0.035
+
+
+def test_paths_table_names_the_gluon_kernel_on_sm90(monkeypatch):
+    monkeypatch.setattr(mc, "gpu_capability", lambda d=None: mc.capability_for((9, 0)))
+    assert "Gluon" in mc.mla_context_paths("cuda")["fp8 q/k/v"]
+    monkeypatch.setattr(mc, "gpu_capability", lambda d=None: mc.capability_for((10, 0)))
+    assert "Gluon" not in mc.mla_context_paths("cuda")["fp8 q/k/v"]

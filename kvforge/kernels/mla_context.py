@@ -773,6 +773,15 @@ def mla_context_paths(device: torch.device | str | None = None) -> dict[str, str
         return {"fp16": f"fp16 MMA, {where}", "bf16": no, "fp8 q/k/v": no, "bf16 q + fp8 k/v": no}
     if cap.fp8_mma:
         fp8 = f"e4m3 MMA, {where}"
+        if cap.warp_specialized:
+            from kvforge.kernels.mla_context_gluon import gluon_unavailable_reason
+
+            why = gluon_unavailable_reason(torch.device(device) if device is not None else None)
+            fp8 += (
+                "; the warp-specialised Gluon kernel where the per-GPU table chose it"
+                if why is None
+                else f"; no warp-specialised Gluon kernel ({why})"
+            )
         mixed = f"Q quantised on chip to e4m3 or K widened to bf16 (per-GPU table), {where}"
     else:
         fp8 = f"FP8 decoded on chip to fp16 MMA ({cap.name} has no e4m3 MMA), {where}"
