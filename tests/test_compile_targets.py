@@ -6,8 +6,8 @@ file is also the script: ``python tests/test_compile_targets.py 90``); one test 
 spreads them. ``SPECS`` holds one signature per kernel and, for the MLA kernel, one small-tile variant per
 product mode that architecture runs (e4m3 MMA from sm_89, FP8 decoded from bytes on sm_80). A new ``*_kernel``
 without a spec fails ``test_every_kernel_has_a_spec``: add its signature below. The warp-specialised Gluon
-kernel of ``mla_context_gluon`` compiles for sm_90 only (``GLUON_VARIANTS``: both V layouts, its two consumer
-layouts), whenever the installed Triton has Gluon.
+kernel of ``mla_context_gluon`` compiles for sm_90 only (``GLUON_VARIANTS``: both V layouts and ring depths),
+whenever the installed Triton has Gluon.
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ MLA_BY_ARCH = {
 }
 
 
-# name -> (V dim-major, consumer warpgroups as separate partitions, ring stages)
-GLUON_VARIANTS: dict[str, tuple[bool, bool, int]] = {
-    "token-major V, split consumers, 3 stages": (False, True, 3),
-    "dim-major V, split consumers, 2 stages": (True, True, 2),
-    "token-major V, one consumer partition, 2 stages": (False, False, 2),
+# name -> (V dim-major, ring stages)
+GLUON_VARIANTS: dict[str, tuple[bool, int]] = {
+    "token-major V, 2 stages": (False, 2),
+    "token-major V, 3 stages": (False, 3),
+    "dim-major V, 2 stages": (True, 2),
 }
 
 
@@ -143,16 +143,16 @@ def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], 
         return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
     jobs = []
-    for label, (dim_major, split, stages) in GLUON_VARIANTS.items():
+    for label, (dim_major, stages) in GLUON_VARIANTS.items():
         types = {"Q": "*fp8e4nv", "O": "*bf16", "LSE": "*fp32", "k_desc_a": desc([128, 128]),
                  "k_desc_b": desc([128, 64]), "v_desc": desc([128, 128]), "Work": "*i32", "n_items": "i32",
                  "scale_ptr": "*fp32", "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
-        consts = {"H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "Q_FP8": True, "V_DIM_MAJOR": dim_major,
+        consts = {"H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "V_DIM_MAJOR": dim_major,
                   "SCALE_FROM_PTR": False, "WRITE_LSE": True, "P_OFFSET": 8.0, "BLOCK_N": 128, "NUM_STAGES": stages,
-                  "KV_ALIGN": 16 if dim_major else 1, "HEADS_OUTER": True, "V_REGS": 64, "OVERLAP": True,
-                  "SPLIT": split, "C_REGS": 216}  # fmt: skip
+                  "KV_ALIGN": 16 if dim_major else 1, "HEADS_OUTER": True, "C_REGS": mg._C_REGS,
+                  "V_REGS": mg._V_REGS}  # fmt: skip
         jobs.append((f"_mla_context_gluon_kernel [{label}]", mg._mla_context_gluon_kernel, types, consts,
-                     4 if split else 8, {"maxnreg": 128}))  # fmt: skip
+                     4, {"maxnreg": mg._MAXNREG}))  # fmt: skip
     return jobs
 
 

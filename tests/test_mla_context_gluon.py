@@ -20,7 +20,7 @@ from tests.helpers import assert_all_written, poisoned
 from tests.test_mla_context import _cast, _dim_major, _make
 from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
 
-GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, gluon_split=True, heads_outer=True)
+GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True)
 
 
 def _run(plan: MLAContextPlan, q, k, v, s: float, heads: int, d_v: int, device):
@@ -87,15 +87,14 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages,split", [(2, True), (3, True), (2, False)])
+@pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
-def test_gpu_gluon_matches_reference(gen, device, stages, split, v_layout, s, heads, kv_heads, kv_start, q_lens,
-                                     cached):  # fmt: skip
+def test_gpu_gluon_matches_reference(gen, device, stages, v_layout, s, heads, kv_heads, kv_start, q_lens, cached):
     assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
     q, k, v = _cast("fp8", q, k, v, s)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, gluon_split=split, heads_outer=True)
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, heads_outer=True)
     plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
     out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], heads), torch.float32, device)

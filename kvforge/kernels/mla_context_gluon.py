@@ -51,6 +51,9 @@ except Exception as e:  # any failure means "no Gluon path", reported by gluon_u
 __all__ = ["gluon_available", "gluon_unavailable_reason", "mla_context_gluon_fwd"]
 
 BLOCK_M = 128
+# Registers per thread (setmaxnreg, per warpgroup; 16 warps x 128 = the SM's 64k): the second consumer
+# warpgroup 216 (the first gets the rest, 208), the loader 24, the V warpgroup 64. No spills (ptxas, sm_90a).
+_MAXNREG, _C_REGS, _V_REGS = 128, 216, 64
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -168,14 +171,10 @@ if gluon is not None:
         return sc
 
     @gluon.jit
-    def _gl_softmax(sc, m_i, l_i, scale, Q_QUANT: gl.constexpr, P_OFFSET: gl.constexpr):
+    def _gl_softmax(sc, m_i, l_i, scale, P_OFFSET: gl.constexpr):
         """Online softmax of one block in log2 units: (P in [0, 2**P_OFFSET], alpha, new max, new sum)."""
-        if Q_QUANT:  # one multiplier per row: the on-chip Q scale folded in
-            m_new = gl.maximum(m_i, gl.max(sc * scale[:, None], 1))
-            p = gl.exp2(sc * scale[:, None] - (m_new[:, None] - P_OFFSET))
-        else:
-            m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
-            p = gl.exp2(sc * scale - (m_new[:, None] - P_OFFSET))
+        m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
+        p = gl.exp2(sc * scale - (m_new[:, None] - P_OFFSET))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         return p, alpha, m_new, l_i
@@ -192,14 +191,13 @@ if gluon is not None:
         return warpgroup_mma(p8, vb, acc, is_async=True)
 
     @gluon.jit
-    def _gl_consumer(qa8, qb8, row_scale, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty,
-                     n_blocks, shift, diag0, n_end, qk_scale, mma_layout: gl.constexpr, D_B: gl.constexpr,
-                     DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, Q_QUANT: gl.constexpr, P_OFFSET: gl.constexpr,
-                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
-        """Two warpgroups (64 query rows each): scores, online softmax, P·V; returns (acc, m, l).
-
-        ``OVERLAP``: block i's scores are issued together with block i - 1's P·V, and block i's softmax runs
-        while that P·V is still on the matrix unit (acc is rescaled once it has landed)."""
+    def _gl_consumer(qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks,
+                     shift, diag0, n_end, scale, mma_layout: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
+                     V_DIM_MAJOR: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr):  # fmt: skip
+        """The key loop of one consumer warpgroup; returns (acc, m, l). Block i's scores are issued together
+        with block i - 1's P·V, and block i's softmax runs while that P·V is still on the matrix unit (acc is
+        rescaled once it has landed)."""
         row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
@@ -208,54 +206,36 @@ if gluon is not None:
         acc = gl.zeros([qa8.shape[0], DV], gl.float32, layout=mma_layout)
         key_limit = diag0 + gl.arange(0, qa8.shape[0], layout=row_l)
         offs_n = gl.arange(0, BLOCK_N, layout=col_l)
-        scale = qk_scale
-        if Q_QUANT:
-            scale = qk_scale * row_scale
         n_full = gl.maximum(((diag0 + shift + 1) // BLOCK_N) * BLOCK_N, 0)
-        if OVERLAP:
-            p = gl.zeros([qa8.shape[0], BLOCK_N], gl.float32, layout=mma_layout)
-            if n_blocks > 0:
-                mbarrier.wait(k_ready.index(0), 0)
-                sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, 0, mma_layout, D_B, BLOCK_N)
-                sc = warpgroup_mma_wait(0, deps=(sc,))
-                mbarrier.arrive(k_empty.index(0), count=1)
-                sc = _gl_mask(sc, 0, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
-                p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, Q_QUANT, P_OFFSET)
-            for i in range(1, n_blocks):
-                s = i % NUM_STAGES
-                ph = (i // NUM_STAGES) & 1
-                sp = (i - 1) % NUM_STAGES
-                php = ((i - 1) // NUM_STAGES) & 1
-                mbarrier.wait(k_ready.index(s), ph)
-                sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout, D_B, BLOCK_N)
-                acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, sp, php, p_layout, V_DIM_MAJOR)
-                sc = warpgroup_mma_wait(1, deps=(sc,))  # the scores landed; P·V may still run
-                mbarrier.arrive(k_empty.index(s), count=1)
-                sc = _gl_mask(sc, i, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
-                p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, Q_QUANT, P_OFFSET)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(sp), count=1)
-                acc = acc * alpha[:, None]
-            if n_blocks > 0:
-                last = n_blocks - 1
-                acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, last % NUM_STAGES, (last // NUM_STAGES) & 1,
-                             p_layout, V_DIM_MAJOR)  # fmt: skip
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-        else:
-            for i in range(n_blocks):
-                s = i % NUM_STAGES
-                ph = (i // NUM_STAGES) & 1
-                mbarrier.wait(k_ready.index(s), ph)
-                sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout, D_B, BLOCK_N)
-                sc = warpgroup_mma_wait(0, deps=(sc,))
-                mbarrier.arrive(k_empty.index(s), count=1)
-                sc = _gl_mask(sc, i, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
-                p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, Q_QUANT, P_OFFSET)
-                acc = acc * alpha[:, None]
-                acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, s, ph, p_layout, V_DIM_MAJOR)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                mbarrier.arrive(v_empty.index(s), count=1)
+        p = gl.zeros([qa8.shape[0], BLOCK_N], gl.float32, layout=mma_layout)
+        if n_blocks > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, 0, mma_layout, D_B, BLOCK_N)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            sc = _gl_mask(sc, 0, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
+            p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, P_OFFSET)
+        for i in range(1, n_blocks):
+            s = i % NUM_STAGES
+            ph = (i // NUM_STAGES) & 1
+            sp = (i - 1) % NUM_STAGES
+            php = ((i - 1) // NUM_STAGES) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout, D_B, BLOCK_N)
+            acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, sp, php, p_layout, V_DIM_MAJOR)
+            sc = warpgroup_mma_wait(1, deps=(sc,))  # the scores landed; P·V may still run
+            mbarrier.arrive(k_empty.index(s), count=1)
+            sc = _gl_mask(sc, i, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
+            p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, P_OFFSET)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(sp), count=1)
+            acc = acc * alpha[:, None]
+        if n_blocks > 0:
+            last = n_blocks - 1
+            acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, last % NUM_STAGES, (last // NUM_STAGES) & 1, p_layout,
+                         V_DIM_MAJOR)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
         return acc, m_i, l_i
 
     @gluon.jit
@@ -284,11 +264,9 @@ if gluon is not None:
             qb8 = gl.convert_layout(qb, q_layout)
         else:
             qb8 = qa8
-        row_scale = gl.full([ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_layout))
         acc, m_i, l_i = _gl_consumer(
-            qa8, qb8, row_scale, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks,
-            shift, diag0 + ROW_OFF, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR, False, P_OFFSET, BLOCK_N,
-            NUM_STAGES, True,
+            qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
+            diag0 + ROW_OFF, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR, P_OFFSET, BLOCK_N, NUM_STAGES,
         )  # fmt: skip
         o = acc * (kv_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
         o_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
@@ -305,14 +283,13 @@ if gluon is not None:
         Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, scale_ptr, softmax_scale, kv_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
         H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
-        Q_FP8: gl.constexpr, V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr,
-        P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr,
-        HEADS_OUTER: gl.constexpr, V_REGS: gl.constexpr, OVERLAP: gl.constexpr, SPLIT: gl.constexpr,
-        C_REGS: gl.constexpr,
+        V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
+        C_REGS: gl.constexpr, V_REGS: gl.constexpr,
     ):  # fmt: skip
-        """One (query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``."""
+        """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``. Launched
+        with 4 warps (the first consumer warpgroup); the partitions add 4 + 1 + 4 warps."""
         BM: gl.constexpr = 128
-        NW: gl.constexpr = 8  # two consumer warpgroups, 64 query rows each (SPLIT: one partition each)
         pid = gl.program_id(0)
         if HEADS_OUTER:
             item = pid % n_items
@@ -328,9 +305,7 @@ if gluon is not None:
         kvh = head // GROUP
         if SCALE_FROM_PTR:
             kv_scale = gl.load(scale_ptr).to(gl.float32)
-        qk_scale = softmax_scale * 1.4426950408889634 * kv_scale
-        if Q_FP8:
-            qk_scale = qk_scale * kv_scale
+        qk_scale = softmax_scale * 1.4426950408889634 * kv_scale * kv_scale  # log2 e, s_q, s_k
         shift = kv_row0 % KV_ALIGN
         kv_tok0 = kv_row0 - shift
         n_end = diag0 + n_rows
@@ -360,93 +335,33 @@ if gluon is not None:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(vt_ready.index(i), count=1)
-            if SPLIT:  # each consumer warpgroup frees a slot by its own arrival
-                mbarrier.init(k_empty.index(i), count=2)
-                mbarrier.init(v_empty.index(i), count=2)
-            else:
-                mbarrier.init(k_empty.index(i), count=1)
-                mbarrier.init(v_empty.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
+            mbarrier.init(v_empty.index(i), count=2)
 
         k_col = kvh * (D_A + D_B)
         v_col = kvh * DV
         # The argument tuples are written out in the call: a tuple held in a variable turns its constexprs
         # into tensors (Triton 3.6 and 3.9).
-        if SPLIT:
-            gl.warp_specialize(
-                [
-                    (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
-                                stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                                v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, 0, BM // 2, D_A, D_B, DV,
-                                V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
-                    (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
-                                stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                                v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, BM // 2, BM // 2, D_A,
-                                D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
-                    (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                  v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
-                                  V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
-                    (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                   v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B,
-                                   DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
-                ],
-                [4, 1, 4],
-                [C_REGS, 24, V_REGS],
-            )  # fmt: skip
-        else:
-            mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                                 instr_shape=[16, BLOCK_N, 32])  # fmt: skip
-            q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
-            ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])
-            offs_m = gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
-            row_ok = offs_m < n_rows
-            q_base = Q + (q_row0 + offs_m).to(gl.int64)[:, None] * stride_qt + head.to(gl.int64) * stride_qh
-            qa = gl.load(q_base + gl.arange(0, D_A, layout=gl.SliceLayout(0, ld))[None, :], mask=row_ok[:, None],
-                         other=0.0)  # fmt: skip
-            if D_B > 0:
-                qb = gl.load(q_base + D_A + gl.arange(0, D_B, layout=gl.SliceLayout(0, ld))[None, :],
-                             mask=row_ok[:, None], other=0.0)  # fmt: skip
-            else:
-                qb = qa
-            row_scale = gl.full([BM], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_layout))
-            if Q_FP8:
-                qa8 = gl.convert_layout(qa, q_layout)
-                qb8 = gl.convert_layout(qb, q_layout)
-            else:
-                # Per-row scale amax / 448 over the whole head dim; the row's largest element is exact.
-                amax = gl.max(gl.abs(qa.to(gl.float32)), 1)
-                if D_B > 0:
-                    amax = gl.maximum(amax, gl.max(gl.abs(qb.to(gl.float32)), 1))
-                s_q = gl.where(amax > 0, amax / 448.0, 1.0)
-                inv = 1.0 / s_q
-                qa8 = gl.convert_layout((qa.to(gl.float32) * inv[:, None]).to(gl.float8e4nv), q_layout)
-                qb8 = gl.convert_layout((qb.to(gl.float32) * inv[:, None]).to(gl.float8e4nv), q_layout)
-                row_scale = gl.convert_layout(s_q, gl.SliceLayout(1, mma_layout))
-
-            acc, m_i, l_i = gl.warp_specialize(
-                [
-                    (_gl_consumer, (qa8, qb8, row_scale, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                                    v_empty, n_blocks, shift, diag0, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR,
-                                    not Q_FP8, P_OFFSET, BLOCK_N, NUM_STAGES, OVERLAP)),
-                    (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                  v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
-                                  V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
-                    (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                                   v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
-                                   V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
-                ],
-                [1, 4],
-                [24, V_REGS],
-            )  # fmt: skip
-            out_scale = kv_scale
-            o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
-            o_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-            o_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_layout))
-            o_ptrs = O + (q_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
-            gl.store(o_ptrs + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < n_rows)[:, None])
-            if WRITE_LSE:
-                lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, float("nan"))
-                gl.store(LSE + (q_row0 + o_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
-                         mask=o_rows < n_rows)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, 0, BM // 2, D_A, D_B, DV,
+                            V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
+                (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, BM // 2, BM // 2, D_A,
+                            D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
+                (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                              v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
+                              V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B,
+                               DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+            ],
+            [4, 1, 4],
+            [C_REGS, 24, V_REGS],
+        )  # fmt: skip
         for i in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
@@ -478,8 +393,8 @@ def gluon_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: 
 
 
 def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
-                          softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2, heads_outer=True,
-                          v_regs=64, maxnreg=128, overlap=True, split=True, c_regs=216):  # fmt: skip
+                          softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2,
+                          heads_outer=True):  # fmt: skip
     """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller)."""
     kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
     lse_t = lse if lse is not None else out
@@ -488,8 +403,8 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group,
     return _mla_context_gluon_kernel[grid](
         q, out, lse_t, kd_a, kd_b, vd, work, n_items, scale_ptr if scale_ptr is not None else work,
         float(softmax_scale), float(scale_val), q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
-        H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv, Q_FP8=q.dtype == torch.float8_e4m3fn,
+        H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv,
         V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, WRITE_LSE=lse is not None, P_OFFSET=8.0,
         BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1, HEADS_OUTER=heads_outer,
-        V_REGS=v_regs, OVERLAP=overlap, SPLIT=split, C_REGS=c_regs, num_warps=4 if split else 8, maxnreg=maxnreg,
+        C_REGS=_C_REGS, V_REGS=_V_REGS, num_warps=4, maxnreg=_MAXNREG,
     )  # fmt: skip
