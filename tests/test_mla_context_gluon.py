@@ -16,7 +16,7 @@ import kvforge.kernels.mla_context as mc
 import kvforge.kernels.mla_context_gluon as mg
 from kvforge.kernels._checks import FP8
 from kvforge.kernels.mla_context import MLAContextPlan, mla_context_attention_ref
-from tests.helpers import assert_all_written, poisoned
+from tests.helpers import assert_all_written, poison, poisoned
 from tests.test_mla_context import _cast, _dim_major, _make
 from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
 
@@ -141,3 +141,25 @@ def test_paths_table_names_the_gluon_kernel_on_sm90(monkeypatch):
     assert "Gluon" in mc.mla_context_paths("cuda")["fp8 q/k/v"]
     monkeypatch.setattr(mc, "gpu_capability", lambda d=None: mc.capability_for((10, 0)))
     assert "Gluon" not in mc.mla_context_paths("cuda")["fp8 q/k/v"]
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_cuda_graph_replay(gen, device):
+    """The Gluon launch captured in a CUDA graph replays the current contents of the same buffers."""
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, [1000, 0, 77], [500, 64, 4096], heads=16, extra_rows=0)
+    q8, k8, v8 = _cast("fp8", q, k, v, 2.0)
+    plan = _plan(cu_q, cu_kv, 16, 16, q8, k8, "token_major", GLUON_CFG)
+    scale = torch.tensor([2.0], device=device)
+    out = torch.empty(plan.total_q, 16, 128, device=device, dtype=torch.bfloat16)
+    plan.run(q8, k8, v8, kv_scale_quant_orig=scale, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q8, k8, v8, kv_scale_quant_orig=scale, out=out)
+    q8.copy_(_cast("fp8", torch.randn(q.shape, generator=gen).to(device), k, v, 2.0)[0])
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)
+    assert rel_rmse(out, ref) < 0.035
