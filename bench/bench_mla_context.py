@@ -122,7 +122,7 @@ def sweep_key(path: str) -> str:
 
 def cfg_str(cfg) -> str:
     k = cfg.kwargs
-    names = ("GLUON", "USE_TMA", "Q_QUANT", "V_WIDEN", "HEADS_OUTER", "EXP_POLY")
+    names = ("GLUON", "GLUON_PP", "USE_TMA", "Q_QUANT", "V_WIDEN", "HEADS_OUTER", "EXP_POLY")
     flags = [n.lower() for n in names if k.get(n)]
     if k.get("PIPE_QK"):
         flags.append(f"pipe{k['PIPE_QK']}")

@@ -87,14 +87,15 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages,pingpong", [(2, False), (3, False), (2, True)])
 @pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
-def test_gpu_gluon_matches_reference(gen, device, stages, v_layout, s, heads, kv_heads, kv_start, q_lens, cached):
+def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, v_layout, s, heads, kv_heads, kv_start, q_lens,
+                                     cached):  # fmt: skip
     assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
     q, k, v = _cast("fp8", q, k, v, s)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, heads_outer=True)
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, pingpong=pingpong, heads_outer=True)
     plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
     out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], heads), torch.float32, device)

@@ -573,6 +573,7 @@ def _cfg(
     v_widen: bool = False,
     fp8_bytes: bool = False,
     gluon: bool = False,
+    pingpong: bool = False,
 ) -> triton.Config:
     """A launch configuration. ``pipe_qk``: 0 (plain loops) or 2 (carried score part; 1 named a variant that
     lost and was removed). ``q_quant``: quantise a 16-bit Q on chip when K/V are FP8. ``v_widen``: FP8 token-major
@@ -582,7 +583,8 @@ def _cfg(
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "EXP_POLY": int(exp_poly), "USE_TMA": int(tma)}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
     for name, val in (("PIPE_QK", pipe_qk), ("HEADS_OUTER", heads_outer), ("Q_QUANT", q_quant),
-                      ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes), ("GLUON", gluon)):  # fmt: skip
+                      ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes), ("GLUON", gluon),
+                      ("GLUON_PP", pingpong)):  # fmt: skip
         if val:
             kwargs[name] = int(val)
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
@@ -990,6 +992,7 @@ class MLAContextPlan:
                 return handle
             # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
             # portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V widened.
+            kw.pop("GLUON_PP", None)
             kw.setdefault("Q_QUANT", 1)
             kw.setdefault("V_WIDEN", 1)
         q_quant = bool(kw.pop("Q_QUANT", 0)) and kv_fp8 and not q_fp8 and not fp8_bytes
@@ -1054,7 +1057,7 @@ class MLAContextPlan:
             group=sh.num_heads // sh.num_kv_heads, d_a=d_a, d_b=d_b, dv=sh.head_dim_v,
             dim_major=sh.v_layout == "dim_major", softmax_scale=softmax_scale, scale_val=scale_val,
             scale_ptr=scale_ptr, block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
-            heads_outer=bool(kw.get("HEADS_OUTER", 0)),
+            heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
         )  # fmt: skip
 
 

@@ -192,12 +192,13 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_consumer(qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks,
-                     shift, diag0, n_end, scale, mma_layout: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
-                     V_DIM_MAJOR: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr):  # fmt: skip
+                     shift, diag0, n_end, scale, turn_mine, turn_other, mma_layout: gl.constexpr, D_B: gl.constexpr,
+                     DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
         """The key loop of one consumer warpgroup; returns (acc, m, l). Block i's scores are issued together
         with block i - 1's P·V, and block i's softmax runs while that P·V is still on the matrix unit (acc is
-        rescaled once it has landed)."""
+        rescaled once it has landed). ``PINGPONG``: the two warpgroups take turns issuing their products
+        (``turn_mine`` / ``turn_other`` mbarriers), so one's softmax lines up with the other's products."""
         row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
@@ -221,8 +222,12 @@ if gluon is not None:
             sp = (i - 1) % NUM_STAGES
             php = ((i - 1) // NUM_STAGES) & 1
             mbarrier.wait(k_ready.index(s), ph)
+            if PINGPONG:
+                mbarrier.wait(turn_mine, (i - 1) & 1)
             sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout, D_B, BLOCK_N)
             acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, sp, php, p_layout, V_DIM_MAJOR)
+            if PINGPONG:
+                mbarrier.arrive(turn_other, count=1)
             sc = warpgroup_mma_wait(1, deps=(sc,))  # the scores landed; P·V may still run
             mbarrier.arrive(k_empty.index(s), count=1)
             sc = _gl_mask(sc, i, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
@@ -241,9 +246,10 @@ if gluon is not None:
     @gluon.jit
     def _gl_rows(Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                  stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
-                 diag0, n_end, qk_scale, kv_scale, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr,
-                 D_B: gl.constexpr, DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr,
-                 P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+                 diag0, n_end, qk_scale, kv_scale, turn_mine, turn_other, PINGPONG: gl.constexpr,
+                 ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
+                 V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):  # fmt: skip
         """One consumer warpgroup as its own partition: query rows [ROW_OFF, ROW_OFF + ROWS) of the tile, from
         the FP8 Q load to the output store. Two of these run side by side without synchronising with each
         other (each frees a ring slot by its own arrival; the slot barriers count two), so one warpgroup's
@@ -266,7 +272,8 @@ if gluon is not None:
             qb8 = qa8
         acc, m_i, l_i = _gl_consumer(
             qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
-            diag0 + ROW_OFF, n_end, qk_scale, mma_layout, D_B, DV, V_DIM_MAJOR, P_OFFSET, BLOCK_N, NUM_STAGES,
+            diag0 + ROW_OFF, n_end, qk_scale, turn_mine, turn_other, mma_layout, D_B, DV, V_DIM_MAJOR, P_OFFSET,
+            BLOCK_N, NUM_STAGES, PINGPONG,
         )  # fmt: skip
         o = acc * (kv_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
         o_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
@@ -285,7 +292,7 @@ if gluon is not None:
         H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
         V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
-        C_REGS: gl.constexpr, V_REGS: gl.constexpr,
+        C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr,
     ):  # fmt: skip
         """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``. Launched
         with 4 warps (the first consumer warpgroup); the partitions add 4 + 1 + 4 warps."""
@@ -337,6 +344,11 @@ if gluon is not None:
             mbarrier.init(vt_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
             mbarrier.init(v_empty.index(i), count=2)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(0), count=1)  # the first consumer warpgroup goes first
 
         k_col = kvh * (D_A + D_B)
         v_col = kvh * DV
@@ -346,11 +358,13 @@ if gluon is not None:
             [
                 (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, 0, BM // 2, D_A, D_B, DV,
+                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(0), turn.index(1),
+                            PINGPONG, 0, BM // 2, D_A, D_B, DV,
                             V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
                 (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, BM // 2, BM // 2, D_A,
+                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(1), turn.index(0),
+                            PINGPONG, BM // 2, BM // 2, D_A,
                             D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
                 (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
@@ -368,6 +382,8 @@ if gluon is not None:
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(v_empty.index(i))
             mbarrier.invalidate(vt_ready.index(i))
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
 
 
 def _nvmma(block: list[int], dtype) -> object:
@@ -393,8 +409,8 @@ def gluon_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: 
 
 
 def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
-                          softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2,
-                          heads_outer=True):  # fmt: skip
+                          softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2, heads_outer=True,
+                          pingpong=False):  # fmt: skip
     """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller)."""
     kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
     lse_t = lse if lse is not None else out
@@ -406,5 +422,5 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group,
         H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv,
         V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, WRITE_LSE=lse is not None, P_OFFSET=8.0,
         BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1, HEADS_OUTER=heads_outer,
-        C_REGS=_C_REGS, V_REGS=_V_REGS, num_warps=4, maxnreg=_MAXNREG,
+        C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, num_warps=4, maxnreg=_MAXNREG,
     )  # fmt: skip
