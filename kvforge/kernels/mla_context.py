@@ -14,7 +14,9 @@ partial results merge exactly with ``merge_attention_states``.
 Entry points: ``MLAContextPlan.plan`` (host work table, once per step) + ``run`` (per layer, graph-capturable),
 or one call ``mla_context_attention``, which with ``max_seqlen_q``/``max_seqlen_kv`` and device ``cu_seqlens``
 builds the work table on the device (no host sync). ``mla_context_paths`` says which paths a GPU has; inputs a
-device cannot run raise ``ValueError`` before any launch. Design notes and measurements: bench/results/mla_context.md.
+device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route FP8 Q/K/V to the
+warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``); elsewhere, or without Gluon, the same
+config runs this module's portable kernel. Design notes and measurements: bench/results/mla_context.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,22 @@
-"""Warp-specialised sm_90 path of MLA context attention for FP8 K/V (Gluon), same contract as ``mla_context``.
+"""Warp-specialised sm_90 path of MLA context attention for FP8 Q/K/V (Gluon), same contract as ``mla_context``.
 
-``mla_context_gluon_fwd`` computes exactly what ``kvforge.kernels.mla_context`` computes for FP8 K/V with FP8 Q
-or a 16-bit Q quantised on chip (per-row ``amax / 448``, e4m3), token-major or dim-major V, 192 = 128 + 64 head
-dims (any split ``_split_head_dim`` allows), over the same (request, query-tile) work table; the caller
-(``MLAContextPlan.run``) has already checked every input. One program per (128-row query tile, head), three
+``mla_context_gluon_fwd`` computes what ``kvforge.kernels.mla_context`` computes for FP8 (e4m3) Q, K and V,
+token-major or dim-major V, d_qk = D_A + D_B (192 = 128 + 64), over the same (request, 128-row query tile) work
+table; the caller (``MLAContextPlan.run``) has checked every input. One program per (tile, head), four
 partitions that talk through mbarriers:
 
-* a loader warp issues the TMA copies of each key block's K (both head-dim parts) and V into an
-  ``NUM_STAGES``-deep shared-memory ring;
-* a V warpgroup turns each token-major V tile into a tokens-contiguous copy (Hopper's FP8 ``wgmma`` reads its
-  B operand K-major only, and for P·V the reduction runs over tokens) and zeroes the V rows of blocks that reach
-  outside the request (a 0-weighted NaN row would still poison the sum); with dim-major V it only zeroes;
-* two consumer warpgroups run q·kᵀ (FP8 x FP8), the online softmax in log2 units and P·V (e4m3 P x e4m3 V).
+* a loader warp: TMA copies of each key block's K (both head-dim parts) and V into an ``NUM_STAGES`` ring;
+* a V warpgroup: turns a token-major V tile into a tokens-contiguous one (Hopper's FP8 ``wgmma`` reads its B
+  operand K-major only, and P·V reduces over tokens) and zeroes the V rows of blocks that reach outside the
+  request (a 0-weighted NaN row would still poison the sum); with dim-major V it only zeroes;
+* two consumer warpgroups, each its own partition with 64 query rows: q·kᵀ (e4m3 x e4m3), the online softmax in
+  log2 units with P in [0, 256] (offset 8, as the portable kernel), P·V (e4m3 P); block i's scores are issued
+  with block i - 1's P·V. Optionally (``pingpong``) they take turns issuing their products.
 
-It is used only where ``gluon_available()`` (Gluon importable with the Hopper API, an sm_90 device, no
-interpreter) and the per-GPU table chose it (config knob ``GLUON``); everything else takes the portable
-``@triton.jit`` kernel. Design notes and measurements: bench/results/mla_context.md.
+Used only where ``gluon_available()`` (Gluon importable with the Hopper API, an sm_90 device, no interpreter,
+``KVFORGE_DISABLE_GLUON`` unset) and the per-GPU table chose it (config knob ``GLUON``); everything else takes
+the portable ``@triton.jit`` kernel. Written against Triton 3.6 and 3.9 (``_tma_load`` bridges the one renamed
+call). Design notes and measurements: bench/results/mla_context.md.
 """
 
 from __future__ import annotations
