@@ -99,7 +99,7 @@ _G = mc._GLUON  # the warp-specialised sm_90 kernel (kvforge/kernels/mla_context
 SWEEP: dict[str, list] = {
     "fp8_tok": [_C(**_L, v_widen=True), *(_C(**_G, stages=s) for s in (2, 3))],
     "mixed_tok": [_C(**_L, q_quant=True, v_widen=True)],
-    "fp8_dim": [_C(**_L), *(_C(**_G, stages=s) for s in (2, 3))],
+    "fp8_dim": [_C(**_L), _C(**_G, stages=2, pingpong=True), _C(**_G, stages=2)],
     "bf16": [_C(**dict(_L, block_n=64, stages=4))],
 }  # fmt: skip
 _KEYS = {

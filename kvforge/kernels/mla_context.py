@@ -663,6 +663,7 @@ _SM90 = [
     _cfg(**_LONG),
     _cfg(**_GLUON, stages=2),  # FP8 Q/K/V, warp-specialised (mla_context_gluon)
     _cfg(**_GLUON, stages=3),
+    _cfg(**_GLUON, stages=2, pingpong=True),
     _cfg(**dict(_LONG, block_n=64)),
     _cfg(**_T128, block_n=128, stages=4, heads_outer=True),
     _cfg(**_T64, stages=3, q_quant=True, v_widen=True),
