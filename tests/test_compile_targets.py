@@ -5,7 +5,9 @@ fails here rather than at a user's first launch. The compiles run in a subproces
 file is also the script: ``python tests/test_compile_targets.py 90``); one test per architecture, so xdist
 spreads them. ``SPECS`` holds one signature per kernel and, for the MLA kernel, one small-tile variant per
 product mode that architecture runs (e4m3 MMA from sm_89, FP8 decoded from bytes on sm_80). A new ``*_kernel``
-without a spec fails ``test_every_kernel_has_a_spec``: add its signature below.
+without a spec fails ``test_every_kernel_has_a_spec``: add its signature below. The warp-specialised Gluon
+kernel of ``mla_context_gluon`` compiles for sm_90 only (``GLUON_VARIANTS``: both V layouts and ring depths),
+whenever the installed Triton has Gluon.
 """
 
 from __future__ import annotations
@@ -120,6 +122,40 @@ MLA_BY_ARCH = {
 }
 
 
+# name -> (V dim-major, ring stages, consumers take turns)
+GLUON_VARIANTS: dict[str, tuple[bool, int, bool]] = {
+    "token-major V, 2 stages": (False, 2, False),
+    "token-major V, 3 stages, ping-pong": (False, 3, True),
+    "dim-major V, 2 stages": (True, 2, False),
+}
+
+
+def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], int, dict[str, object]]]:
+    """(label, kernel, types, constexprs, num_warps, extra options) of the sm_90 Gluon kernel; [] without Gluon."""
+    from kvforge.kernels import mla_context_gluon as mg
+
+    if mg._GLUON_IMPORT_ERROR is not None:
+        return []
+    gl = mg.gl
+
+    def desc(block: list[int]) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+
+    jobs = []
+    for label, (dim_major, stages, pingpong) in GLUON_VARIANTS.items():
+        types = {"Q": "*fp8e4nv", "O": "*bf16", "LSE": "*fp32", "k_desc_a": desc([128, 128]),
+                 "k_desc_b": desc([128, 64]), "v_desc": desc([128, 128]), "Work": "*i32", "n_items": "i32",
+                 "scale_ptr": "*fp32", "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
+        consts = {"H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "V_DIM_MAJOR": dim_major,
+                  "SCALE_FROM_PTR": False, "WRITE_LSE": True, "P_OFFSET": 8.0, "BLOCK_N": 128, "NUM_STAGES": stages,
+                  "KV_ALIGN": 16 if dim_major else 1, "HEADS_OUTER": True, "C_REGS": mg._C_REGS,
+                  "V_REGS": mg._V_REGS, "PINGPONG": pingpong}  # fmt: skip
+        jobs.append((f"_mla_context_gluon_kernel [{label}]", mg._mla_context_gluon_kernel, types, consts,
+                     4, {"maxnreg": mg._MAXNREG}))  # fmt: skip
+    return jobs
+
+
 def _jit_kernels() -> dict[str, str]:
     """``*_kernel`` functions decorated with triton.jit in kvforge/kernels/*.py -> module name."""
     found = {}
@@ -141,25 +177,31 @@ def _compile_all(arch: int) -> list[dict[str, object]]:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
-    jobs = []
+    jobs: list = []
     for name, (module, types, consts, warps) in SPECS.items():
         fn = getattr(importlib.import_module(f"kvforge.kernels.{module}"), name)
         if name != "_mla_context_fwd_kernel":
-            jobs.append((name, fn, types, consts, warps))
+            jobs.append((name, fn, types, consts, warps, {}))
             continue
         for variant in MLA_BY_ARCH[arch]:
             q_t, kv_t, over = MLA_VARIANTS[variant]
             types = {"Q": q_t, "K": kv_t, "V": kv_t, "O": "*bf16", "LSE": "*fp32", "Qd_a": q_t, "Qd_b": q_t,
                      "Kd_a": kv_t, "Kd_b": kv_t, "Vd": kv_t, "Work": "*i32", "n_items": "i32", "scale_ptr": "*fp32",
                      "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
-            jobs.append((f"{name} [{variant}]", fn, types, {**_MLA_BASE, **over}, warps))
+            jobs.append((f"{name} [{variant}]", fn, types, {**_MLA_BASE, **over}, warps, {}))
+    gluon = _gluon_jobs() if arch == 90 else []
     records = []
-    for label, fn, types, consts, warps in jobs:
+    for label, fn, types, consts, warps, extra in jobs + gluon:
         sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
         t0 = time.time()
         try:
-            src = ASTSource(fn, sig, constexprs={k: v for k, v in consts.items()})
-            triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2})
+            if extra:  # a Gluon kernel
+                from triton.experimental.gluon._runtime import GluonASTSource
+
+                src = GluonASTSource(fn, sig, constexprs=dict(consts))
+            else:
+                src = ASTSource(fn, sig, constexprs=dict(consts))
+            triton.compile(src, target=target, options={"num_warps": warps, "num_stages": 2, **extra})
             records.append({"name": label, "ok": True, "s": round(time.time() - t0, 1)})
         except Exception as e:  # reported with the kernel's name; the test fails on any
             records.append({"name": label, "ok": False, "s": round(time.time() - t0, 1), "error": f"{e}"[:400]})
@@ -181,7 +223,9 @@ def test_kernels_compile_offline(arch: int):
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, f"sm_{arch}: " + "\n".join(failed)
-    assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch])
+    n_gluon = sum("_mla_context_gluon_kernel" in str(r["name"]) for r in records)
+    assert n_gluon in ((len(GLUON_VARIANTS), 0) if arch == 90 else (0,)), n_gluon
+    assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch]) + n_gluon
 
 
 if __name__ == "__main__":

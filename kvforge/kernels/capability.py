@@ -3,8 +3,10 @@
 ``gpu_capability(device)`` returns a ``GPUCapability`` for a CUDA device, or the interpreter's (``arch=None``)
 under ``TRITON_INTERPRET=1``; ``capability_for((major, minor))`` gives the same for an architecture without a
 device (offline compiles, tests). Fields: bf16 arithmetic (sm_80+), e4m3 matrix instructions (sm_89+), the
-tensor-memory copy engine behind Triton's tensor descriptors (sm_90+), and the shared memory one program may
-take (the opt-in limit per block). Kernels check these before launch and raise ``ValueError`` for inputs a
+tensor-memory copy engine behind Triton's tensor descriptors (sm_90+), Hopper's warpgroup MMA that the
+warp-specialised Gluon kernels are written for (sm_90 only: ``warp_specialized``; whether Gluon itself is
+importable is checked where it is used), and the shared memory one program may take (the opt-in limit per
+block). Kernels check these before launch and raise ``ValueError`` for inputs a
 device cannot run; ``kvforge.kernels.mla_context.mla_context_paths`` turns them into a per-path table.
 """
 
@@ -33,6 +35,7 @@ class GPUCapability:
     fp8_mma: bool
     tma: bool
     smem_per_block: int
+    warp_specialized: bool = False
 
     @property
     def name(self) -> str:
@@ -42,10 +45,10 @@ class GPUCapability:
 def capability_for(arch: tuple[int, int] | None, smem_per_block: int | None = None) -> GPUCapability:
     """The capability of an architecture (None: the interpreter); ``smem_per_block`` overrides the table."""
     if arch is None:
-        return GPUCapability(None, True, True, True, smem_per_block or _INTERPRETER_SMEM)
+        return GPUCapability(None, True, True, True, smem_per_block or _INTERPRETER_SMEM, False)
     major = arch[0]
     smem = smem_per_block or _SMEM_OPTIN.get(arch) or _SMEM_OPTIN.get((major, 0)) or 101376
-    return GPUCapability(arch, arch >= (8, 0), arch >= (8, 9), major >= 9, smem)
+    return GPUCapability(arch, arch >= (8, 0), arch >= (8, 9), major >= 9, smem, tuple(arch) == (9, 0))
 
 
 def gpu_capability(device: torch.device | None = None) -> GPUCapability:

@@ -14,7 +14,9 @@ partial results merge exactly with ``merge_attention_states``.
 Entry points: ``MLAContextPlan.plan`` (host work table, once per step) + ``run`` (per layer, graph-capturable),
 or one call ``mla_context_attention``, which with ``max_seqlen_q``/``max_seqlen_kv`` and device ``cu_seqlens``
 builds the work table on the device (no host sync). ``mla_context_paths`` says which paths a GPU has; inputs a
-device cannot run raise ``ValueError`` before any launch. Design notes and measurements: bench/results/mla_context.md.
+device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route FP8 Q/K/V to the
+warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``); elsewhere, or without Gluon, the same
+config runs this module's portable kernel. Design notes and measurements: bench/results/mla_context.md.
 """
 
 from __future__ import annotations
@@ -572,6 +574,8 @@ def _cfg(
     q_quant: bool = False,
     v_widen: bool = False,
     fp8_bytes: bool = False,
+    gluon: bool = False,
+    pingpong: bool = False,
 ) -> triton.Config:
     """A launch configuration. ``pipe_qk``: 0 (plain loops) or 2 (carried score part; 1 named a variant that
     lost and was removed). ``q_quant``: quantise a 16-bit Q on chip when K/V are FP8. ``v_widen``: FP8 token-major
@@ -581,7 +585,8 @@ def _cfg(
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "EXP_POLY": int(exp_poly), "USE_TMA": int(tma)}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
     for name, val in (("PIPE_QK", pipe_qk), ("HEADS_OUTER", heads_outer), ("Q_QUANT", q_quant),
-                      ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes)):  # fmt: skip
+                      ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes), ("GLUON", gluon),
+                      ("GLUON_PP", pingpong)):  # fmt: skip
         if val:
             kwargs[name] = int(val)
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
@@ -595,6 +600,10 @@ def _smem_estimate(cfg: triton.Config, key: tuple) -> int:
     qb, kvb = (1 if q_kind == "e4m3" else 2), (1 if kv_kind == "e4m3" else 2)
     bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     d_a, d_b = _split_head_dim(d_qk) or (d_qk, 0)
+    if cfg.kwargs.get("GLUON"):  # Q in registers; K and V ring slots, plus a transposed V slot each (token-major)
+        v_slots = 1 if key[4] == "dim_major" else 2
+        # + layout-conversion scratch: 16 KB for Q and P (measured 98,396 B at 2 stages, dim-major, Triton 3.6)
+        return max(1, cfg.num_stages) * bn * (d_qk + v_slots * d_v) * kvb + 16 * 1024
     extra = bn * d_a * kvb if cfg.kwargs.get("PIPE_QK") == 2 and d_b else 0
     return bm * d_qk * qb + max(1, cfg.num_stages) * bn * (d_qk + d_v) * kvb + extra
 
@@ -614,6 +623,10 @@ def _applies(cfg: triton.Config, key: tuple) -> bool:
         return False
     if k.get("V_WIDEN") and not (kv_kind == "e4m3" and layout == "token_major"):
         return False
+    # The Gluon kernel takes FP8 Q only: a 16-bit Q quantised on chip with its e4m3 P measured rel-RMSE 0.036
+    # on the H200 grid, past the bench's 0.035 bound (the portable kernel widens V to keep P in fp16 there).
+    if k.get("GLUON") and (q_kind != "e4m3" or kv_kind != "e4m3" or k.get("FP8_BYTES") or k["BLOCK_M"] != 128):
+        return False
     return not (k.get("FP8_BYTES") and kv_kind != "e4m3")
 
 
@@ -628,6 +641,8 @@ def _keep(cfg: triton.Config, key: tuple, arch: tuple[int, int] | None) -> bool:
         return False  # no e4m3 matrix instructions: FP8 is decoded on chip
     if cfg.kwargs["USE_TMA"] and not cap.tma:
         return False
+    if cfg.kwargs.get("GLUON") and not cap.warp_specialized:
+        return False
     smem = cap.smem_per_block
     if _SHORT_Q in key[5:]:
         return cfg.kwargs["BLOCK_M"] <= SHORT_Q_ROWS and 2 * _smem_estimate(cfg, key) <= smem
@@ -640,11 +655,15 @@ _LONG = dict(_T128, block_n=128, stages=3, pipe_qk=2, heads_outer=True)  # the l
 # Key: (d_qk, d_v, q dtype, kv dtype, v_layout[, "short_q"]); the first candidate a key keeps is what an untuned
 # key gets, the rest are what tuning at first use (or bench/bench_mla_context.py --tune) times. sm_90's order
 # follows the H200 sweeps recorded in bench/results/mla_context.md; committed choices live in tuned/sm90.json.
+_GLUON = dict(block_m=128, block_n=128, warps=8, gluon=True, heads_outer=True)
 _SM90 = [
     _cfg(**_LONG, q_quant=True, v_widen=True),  # 16-bit Q, FP8 K/V, token-major V
     _cfg(**_LONG, q_quant=True),
     _cfg(**_LONG, v_widen=True),  # FP8 Q/K/V, token-major V
     _cfg(**_LONG),
+    _cfg(**_GLUON, stages=2),  # FP8 Q/K/V, warp-specialised (mla_context_gluon)
+    _cfg(**_GLUON, stages=3),
+    _cfg(**_GLUON, stages=2, pingpong=True),
     _cfg(**dict(_LONG, block_n=64)),
     _cfg(**_T128, block_n=128, stages=4, heads_outer=True),
     _cfg(**_T64, stages=3, q_quant=True, v_widen=True),
@@ -757,6 +776,15 @@ def mla_context_paths(device: torch.device | str | None = None) -> dict[str, str
         return {"fp16": f"fp16 MMA, {where}", "bf16": no, "fp8 q/k/v": no, "bf16 q + fp8 k/v": no}
     if cap.fp8_mma:
         fp8 = f"e4m3 MMA, {where}"
+        if cap.warp_specialized:
+            from kvforge.kernels.mla_context_gluon import gluon_unavailable_reason
+
+            why = gluon_unavailable_reason(torch.device(device) if device is not None else None)
+            fp8 += (
+                "; the warp-specialised Gluon kernel where the per-GPU table chose it"
+                if why is None
+                else f"; no warp-specialised Gluon kernel ({why})"
+            )
         mixed = f"Q quantised on chip to e4m3 or K widened to bf16 (per-GPU table), {where}"
     else:
         fp8 = f"FP8 decoded on chip to fp16 MMA ({cap.name} has no e4m3 MMA), {where}"
@@ -961,6 +989,15 @@ class MLAContextPlan:
         kw = dict(self.config.kwargs)
         q_fp8, kv_fp8 = sh.q_dtype == FP8, sh.kv_dtype == FP8
         fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma)
+        if kw.pop("GLUON", 0):
+            handle = self._launch_gluon(q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, kw, fp8_bytes)
+            if handle is not None:
+                return handle
+            # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
+            # portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V widened.
+            kw.pop("GLUON_PP", None)
+            kw.setdefault("Q_QUANT", 1)
+            kw.setdefault("V_WIDEN", 1)
         q_quant = bool(kw.pop("Q_QUANT", 0)) and kv_fp8 and not q_fp8 and not fp8_bytes
         v_widen = bool(kw.pop("V_WIDEN", 0)) and kv_fp8 and not fp8_bytes
         if fp8_bytes:  # no FP8 types reach the kernel: FP8 tensors as their bytes
@@ -1006,6 +1043,24 @@ class MLAContextPlan:
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), svt, svh, svd,
             out.stride(0), out.stride(1), slt, slh,
             **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages,
+        )  # fmt: skip
+
+    def _launch_gluon(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, kw, fp8_bytes):
+        """The warp-specialised sm_90 kernel (``mla_context_gluon``), or None when it cannot run here."""
+        from kvforge.kernels import mla_context_gluon as mg
+
+        sh = self.shapes
+        if sh.q_dtype != FP8 or fp8_bytes or kw["BLOCK_M"] != mg.BLOCK_M or not mg.gluon_available(self.device):
+            return None
+        d_a, d_b = _split_head_dim(sh.head_dim_qk)
+        if _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) is None:
+            return None
+        return mg.mla_context_gluon_fwd(
+            q, k, v, out, lse, self.work, self.n_items, num_heads=sh.num_heads,
+            group=sh.num_heads // sh.num_kv_heads, d_a=d_a, d_b=d_b, dv=sh.head_dim_v,
+            dim_major=sh.v_layout == "dim_major", softmax_scale=softmax_scale, scale_val=scale_val,
+            scale_ptr=scale_ptr, block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
+            heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
         )  # fmt: skip
 
 

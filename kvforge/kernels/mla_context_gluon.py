@@ -1,0 +1,427 @@
+"""Warp-specialised sm_90 path of MLA context attention for FP8 Q/K/V (Gluon), same contract as ``mla_context``.
+
+``mla_context_gluon_fwd`` computes what ``kvforge.kernels.mla_context`` computes for FP8 (e4m3) Q, K and V,
+token-major or dim-major V, d_qk = D_A + D_B (192 = 128 + 64), over the same (request, 128-row query tile) work
+table; the caller (``MLAContextPlan.run``) has checked every input. One program per (tile, head), four
+partitions that talk through mbarriers:
+
+* a loader warp: TMA copies of each key block's K (both head-dim parts) and V into an ``NUM_STAGES`` ring;
+* a V warpgroup: turns a token-major V tile into a tokens-contiguous one (Hopper's FP8 ``wgmma`` reads its B
+  operand K-major only, and P·V reduces over tokens) and zeroes the V rows of blocks that reach outside the
+  request (a 0-weighted NaN row would still poison the sum); with dim-major V it only zeroes;
+* two consumer warpgroups, each its own partition with 64 query rows: q·kᵀ (e4m3 x e4m3), the online softmax in
+  log2 units with P in [0, 256] (offset 8, as the portable kernel), P·V (e4m3 P); block i's scores are issued
+  with block i - 1's P·V. Optionally (``pingpong``) they take turns issuing their products.
+
+Used only where ``gluon_available()`` (Gluon importable with the Hopper API, an sm_90 device, no interpreter,
+``KVFORGE_DISABLE_GLUON`` unset) and the per-GPU table chose it (config knob ``GLUON``); everything else takes
+the portable ``@triton.jit`` kernel. Written against Triton 3.6 and 3.9 (``_tma_load`` bridges the one renamed
+call). Design notes and measurements: bench/results/mla_context.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; its API moves between releases, so every name is checked here
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later releases call it async_load (same
+    # leading arguments: descriptor, coordinates, barrier, destination).
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _GLUON_IMPORT_ERROR: str | None = None
+    for _name in ("warp_specialize", "NVMMADistributedLayout", "NVMMASharedLayout", "DotOperandLayout",
+                  "BlockedLayout", "allocate_shared_memory", "SliceLayout", "permute", "convert_layout"):  # fmt: skip
+        if not hasattr(gl, _name):
+            raise ImportError(f"triton.experimental.gluon.language has no {_name}")
+except Exception as e:  # any failure means "no Gluon path", reported by gluon_unavailable_reason()
+    _GLUON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+    gluon = None
+
+__all__ = ["gluon_available", "gluon_unavailable_reason", "mla_context_gluon_fwd"]
+
+BLOCK_M = 128
+# Registers per thread (setmaxnreg, per warpgroup; 16 warps x 128 = the SM's 64k): the second consumer
+# warpgroup 216 (the first gets the rest, 208), the loader 24, the V warpgroup 64. No spills (ptxas, sm_90a).
+_MAXNREG, _C_REGS, _V_REGS = 128, 216, 64
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def gluon_unavailable_reason(device: torch.device | None = None) -> str | None:
+    """None when the Gluon path can run on ``device``, else why not (import error, architecture, interpreter)."""
+    from kvforge.kernels._runtime import device_capability, interpreting
+
+    if os.environ.get("KVFORGE_DISABLE_GLUON", "") not in ("", "0"):
+        return "disabled by KVFORGE_DISABLE_GLUON"
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"Gluon not importable ({_GLUON_IMPORT_ERROR})"
+    if interpreting():
+        return "the Triton interpreter does not run Gluon"
+    cap = device_capability(device)
+    if cap is None or tuple(cap) != (9, 0):
+        return f"the Gluon path is written for sm_90 (wgmma), device is {cap}"
+    return None
+
+
+def gluon_available(device: torch.device | None = None) -> bool:
+    return gluon_unavailable_reason(device) is None
+
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _v_tile_layout(dim_major, dv, block_n, num_warps):
+        """Register layout of the V partition's tiles: dim-major [DV, BLOCK_N] with 16 consecutive tokens per
+        thread; token-major [BLOCK_N, DV] with 16 consecutive dims x 8 tokens per thread (written transposed)."""
+        if dim_major:
+            return gl.BlockedLayout([1, 16], [32 // (block_n // 16), block_n // 16], [num_warps, 1], [1, 0])
+        return gl.BlockedLayout([8, 16], [32 // (dv // 16), dv // 16], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _gl_loader(k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, kv_tok0,
+                   k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B: gl.constexpr, DV: gl.constexpr,
+                   V_DIM_MAJOR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+        """One warp: TMA copies of K (then V) of key block i into ring slot i % NUM_STAGES, once it is free."""
+        for i in range(n_blocks):
+            s = i % NUM_STAGES
+            ph = (i // NUM_STAGES) & 1
+            row = kv_tok0 + i * BLOCK_N
+            mbarrier.wait(k_empty.index(s), ph ^ 1)
+            if D_B > 0:
+                mbarrier.expect(k_ready.index(s), k_desc_a.block_type.nbytes + k_desc_b.block_type.nbytes)
+            else:
+                mbarrier.expect(k_ready.index(s), k_desc_a.block_type.nbytes)
+            _tma_load(k_desc_a, [row, k_col], k_ready.index(s), ka_bufs.index(s))
+            if D_B > 0:
+                _tma_load(k_desc_b, [row, k_col + k_desc_a.block_type.shape[1]],
+                                                k_ready.index(s), kb_bufs.index(s))  # fmt: skip
+            mbarrier.wait(v_empty.index(s), ph ^ 1)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            if V_DIM_MAJOR:
+                _tma_load(v_desc, [v_col, row], v_ready.index(s), v_bufs.index(s))
+            else:
+                _tma_load(v_desc, [row, v_col], v_ready.index(s), v_bufs.index(s))
+
+    @gluon.jit
+    def _gl_v_fixer(k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
+                    kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B: gl.constexpr,
+                    DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):  # fmt: skip
+        """One warpgroup: the P·V operand of block i in ``vt_bufs`` slot i % NUM_STAGES as [DV, BLOCK_N]
+        (tokens contiguous), rows outside the request zeroed. Dim-major V arrives in that shape and is
+        rewritten in place only for blocks that reach outside the request."""
+        lay: gl.constexpr = _v_tile_layout(V_DIM_MAJOR, DV, BLOCK_N, 4)  # the partition's 4 warps
+        for i in range(n_blocks):
+            s = i % NUM_STAGES
+            ph = (i // NUM_STAGES) & 1
+            lo = i * BLOCK_N - shift  # key index of the block's first position
+            bounds = (lo < 0) | (lo + BLOCK_N > n_end)
+            mbarrier.wait(v_ready.index(s), ph)
+            if V_DIM_MAJOR:
+                if bounds:
+                    vt = v_bufs.index(s).load(lay)
+                    toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+                    ok = (toks >= 0) & (toks < n_end)
+                    vt = gl.where(ok[None, :], vt, gl.zeros_like(vt))
+                    v_bufs.index(s).store(vt)
+                fence_async_shared()
+                mbarrier.arrive(vt_ready.index(s), count=1)
+            else:
+                v = v_bufs.index(s).load(lay)
+                if bounds:
+                    toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+                    ok = (toks >= 0) & (toks < n_end)
+                    v = gl.where(ok[:, None], v, gl.zeros_like(v))
+                # the consumer has finished P·V on this slot's previous tile before it freed the slot (v_empty),
+                # and the loader refilled it only after that, so vt slot s is free once v_ready fired
+                vt_bufs.index(s).store(gl.permute(v, [1, 0]))
+                fence_async_shared()
+                mbarrier.arrive(vt_ready.index(s), count=1)
+
+    @gluon.jit
+    def _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout: gl.constexpr, D_B: gl.constexpr,
+                   BLOCK_N: gl.constexpr):  # fmt: skip
+        """Issue q·kᵀ of ring slot s (both head-dim parts chained on the matrix unit, no wait)."""
+        sc = gl.zeros([qa8.shape[0], BLOCK_N], gl.float32, layout=mma_layout)
+        sc = warpgroup_mma(qa8, ka_bufs.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+        if D_B > 0:
+            sc = warpgroup_mma(qb8, kb_bufs.index(s).permute((1, 0)), sc, is_async=True)
+        return sc
+
+    @gluon.jit
+    def _gl_mask(sc, i, shift, n_full, n_end, key_limit, offs_n, BLOCK_N: gl.constexpr):
+        """-inf where a row may not see a key: only blocks on the causal diagonal or reaching outside the
+        request's keys pay for it (a masked score is replaced whatever the K row held)."""
+        start = i * BLOCK_N
+        if ((start < BLOCK_N) & (shift > 0)) | (start + BLOCK_N > n_full):
+            toks = start - shift + offs_n
+            ok = (toks[None, :] <= key_limit[:, None]) & (toks[None, :] >= 0) & (toks[None, :] < n_end)
+            sc = gl.where(ok, sc, float("-inf"))
+        return sc
+
+    @gluon.jit
+    def _gl_softmax(sc, m_i, l_i, scale, P_OFFSET: gl.constexpr):
+        """Online softmax of one block in log2 units: (P in [0, 2**P_OFFSET], alpha, new max, new sum)."""
+        m_new = gl.maximum(m_i, gl.max(sc, 1) * scale)
+        p = gl.exp2(sc * scale - (m_new[:, None] - P_OFFSET))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, s, ph, p_layout: gl.constexpr, V_DIM_MAJOR: gl.constexpr):
+        """Issue acc + P·V of ring slot s once its tokens-contiguous V tile is ready (no wait)."""
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        mbarrier.wait(vt_ready.index(s), ph)
+        if V_DIM_MAJOR:
+            vb = v_bufs.index(s).permute((1, 0))
+        else:
+            vb = vt_bufs.index(s).permute((1, 0))
+        return warpgroup_mma(p8, vb, acc, is_async=True)
+
+    @gluon.jit
+    def _gl_consumer(qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks,
+                     shift, diag0, n_end, scale, turn_mine, turn_other, mma_layout: gl.constexpr, D_B: gl.constexpr,
+                     DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+        """The key loop of one consumer warpgroup; returns (acc, m, l). Block i's scores are issued together
+        with block i - 1's P·V, and block i's softmax runs while that P·V is still on the matrix unit (acc is
+        rescaled once it has landed). ``PINGPONG``: the two warpgroups take turns issuing their products
+        (``turn_mine`` / ``turn_other`` mbarriers), so one's softmax lines up with the other's products."""
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+        m_i = gl.full([qa8.shape[0]], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([qa8.shape[0]], gl.float32, layout=row_l)
+        acc = gl.zeros([qa8.shape[0], DV], gl.float32, layout=mma_layout)
+        key_limit = diag0 + gl.arange(0, qa8.shape[0], layout=row_l)
+        offs_n = gl.arange(0, BLOCK_N, layout=col_l)
+        n_full = gl.maximum(((diag0 + shift + 1) // BLOCK_N) * BLOCK_N, 0)
+        p = gl.zeros([qa8.shape[0], BLOCK_N], gl.float32, layout=mma_layout)
+        if n_blocks > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, 0, mma_layout, D_B, BLOCK_N)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            sc = _gl_mask(sc, 0, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
+            p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, P_OFFSET)
+        for i in range(1, n_blocks):
+            s = i % NUM_STAGES
+            ph = (i // NUM_STAGES) & 1
+            sp = (i - 1) % NUM_STAGES
+            php = ((i - 1) // NUM_STAGES) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            if PINGPONG:
+                mbarrier.wait(turn_mine, (i - 1) & 1)
+            sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout, D_B, BLOCK_N)
+            acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, sp, php, p_layout, V_DIM_MAJOR)
+            if PINGPONG:
+                mbarrier.arrive(turn_other, count=1)
+            sc = warpgroup_mma_wait(1, deps=(sc,))  # the scores landed; P·V may still run
+            mbarrier.arrive(k_empty.index(s), count=1)
+            sc = _gl_mask(sc, i, shift, n_full, n_end, key_limit, offs_n, BLOCK_N)
+            p, alpha, m_i, l_i = _gl_softmax(sc, m_i, l_i, scale, P_OFFSET)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(sp), count=1)
+            acc = acc * alpha[:, None]
+        if n_blocks > 0:
+            last = n_blocks - 1
+            acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, last % NUM_STAGES, (last // NUM_STAGES) & 1, p_layout,
+                         V_DIM_MAJOR)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _gl_rows(Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                 stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
+                 diag0, n_end, qk_scale, kv_scale, turn_mine, turn_other, PINGPONG: gl.constexpr,
+                 ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
+                 V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup as its own partition: query rows [ROW_OFF, ROW_OFF + ROWS) of the tile, from
+        the FP8 Q load to the output store. Two of these run side by side without synchronising with each
+        other (each frees a ring slot by its own arrival; the slot barriers count two), so one warpgroup's
+        softmax overlaps the other's matrix work."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])  # fmt: skip
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        offs_m = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
+        row_ok = offs_m < n_rows
+        q_base = Q + (q_row0 + offs_m).to(gl.int64)[:, None] * stride_qt + head.to(gl.int64) * stride_qh
+        qa = gl.load(q_base + gl.arange(0, D_A, layout=gl.SliceLayout(0, ld))[None, :], mask=row_ok[:, None],
+                     other=0.0)  # fmt: skip
+        qa8 = gl.convert_layout(qa, q_layout)
+        if D_B > 0:
+            qb = gl.load(q_base + D_A + gl.arange(0, D_B, layout=gl.SliceLayout(0, ld))[None, :],
+                         mask=row_ok[:, None], other=0.0)  # fmt: skip
+            qb8 = gl.convert_layout(qb, q_layout)
+        else:
+            qb8 = qa8
+        acc, m_i, l_i = _gl_consumer(
+            qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
+            diag0 + ROW_OFF, n_end, qk_scale, turn_mine, turn_other, mma_layout, D_B, DV, V_DIM_MAJOR, P_OFFSET,
+            BLOCK_N, NUM_STAGES, PINGPONG,
+        )  # fmt: skip
+        o = acc * (kv_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+        o_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
+        o_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_layout))
+        o_ptrs = O + (q_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
+        gl.store(o_ptrs + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < n_rows)[:, None])
+        if WRITE_LSE:
+            lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, float("nan"))
+            gl.store(LSE + (q_row0 + o_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
+                     mask=o_rows < n_rows)  # fmt: skip
+
+    @gluon.jit(do_not_specialize=["n_items"])
+    def _mla_context_gluon_kernel(
+        Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, scale_ptr, softmax_scale, kv_scale,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+        H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
+        V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
+        C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    ):  # fmt: skip
+        """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``. Launched
+        with 4 warps (the first consumer warpgroup); the partitions add 4 + 1 + 4 warps."""
+        BM: gl.constexpr = 128
+        pid = gl.program_id(0)
+        if HEADS_OUTER:
+            item = pid % n_items
+            head = pid // n_items
+        else:
+            item = pid // H
+            head = pid % H
+        w = Work + item.to(gl.int64) * 4
+        q_row0 = gl.load(w)
+        n_rows = gl.load(w + 1)
+        kv_row0 = gl.load(w + 2)
+        diag0 = gl.load(w + 3)
+        kvh = head // GROUP
+        if SCALE_FROM_PTR:
+            kv_scale = gl.load(scale_ptr).to(gl.float32)
+        qk_scale = softmax_scale * 1.4426950408889634 * kv_scale * kv_scale  # log2 e, s_q, s_k
+        shift = kv_row0 % KV_ALIGN
+        kv_tok0 = kv_row0 - shift
+        n_end = diag0 + n_rows
+        pos_end = gl.maximum(n_end + shift, 0)
+        n_blocks = (pos_end + BLOCK_N - 1) // BLOCK_N
+
+        ka_bufs = gl.allocate_shared_memory(
+            k_desc_a.dtype, [NUM_STAGES, BLOCK_N, k_desc_a.block_type.shape[1]], k_desc_a.layout
+        )
+        kb_bufs = gl.allocate_shared_memory(
+            k_desc_b.dtype, [NUM_STAGES, BLOCK_N, k_desc_b.block_type.shape[1]], k_desc_b.layout
+        )
+        v_bufs = gl.allocate_shared_memory(
+            v_desc.dtype, [NUM_STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]], v_desc.layout
+        )
+        vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DV, BLOCK_N], gl.float8e4nv)
+        if V_DIM_MAJOR:
+            vt_bufs = v_bufs
+        else:
+            vt_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, DV, BLOCK_N], vt_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        vt_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(vt_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
+            mbarrier.init(v_empty.index(i), count=2)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(0), count=1)  # the first consumer warpgroup goes first
+
+        k_col = kvh * (D_A + D_B)
+        v_col = kvh * DV
+        # The argument tuples are written out in the call: a tuple held in a variable turns its constexprs
+        # into tensors (Triton 3.6 and 3.9).
+        gl.warp_specialize(
+            [
+                (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(0), turn.index(1),
+                            PINGPONG, 0, BM // 2, D_A, D_B, DV,
+                            V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
+                (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
+                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(1), turn.index(0),
+                            PINGPONG, BM // 2, BM // 2, D_A,
+                            D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
+                (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                              v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
+                              V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
+                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B,
+                               DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+            ],
+            [4, 1, 4],
+            [C_REGS, 24, V_REGS],
+        )  # fmt: skip
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(k_empty.index(i))
+            mbarrier.invalidate(v_ready.index(i))
+            mbarrier.invalidate(v_empty.index(i))
+            mbarrier.invalidate(vt_ready.index(i))
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
+
+
+def _nvmma(block: list[int], dtype) -> object:
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def gluon_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: int, num_kv_heads: int,
+                      dim_major: bool, block_n: int) -> tuple:  # fmt: skip
+    """Host-side Gluon tensor descriptors of K (two head-dim parts) and V (rows = tokens; dim-major:
+    rows = head x dim). The caller has checked that the layouts allow them (``_descriptors`` in mla_context)."""
+    d_qk = d_a + d_b
+    k2 = [k.shape[0], num_kv_heads * d_qk]
+    kd_a = GluonTensorDescriptor(k, k2, [k.stride(0), 1], [block_n, d_a], _nvmma([block_n, d_a], gl.float8e4nv))
+    d_bb = d_b or d_a
+    kd_b = GluonTensorDescriptor(k, k2, [k.stride(0), 1], [block_n, d_bb], _nvmma([block_n, d_bb], gl.float8e4nv))
+    if dim_major:
+        vd = GluonTensorDescriptor(v, [num_kv_heads * dv, v.shape[2]], [v.stride(1), 1], [dv, block_n],
+                                   _nvmma([dv, block_n], gl.float8e4nv))  # fmt: skip
+    else:
+        vd = GluonTensorDescriptor(v, [v.shape[0], num_kv_heads * dv], [v.stride(0), 1], [block_n, dv],
+                                   _nvmma([block_n, dv], gl.float8e4nv))  # fmt: skip
+    return kd_a, kd_b, vd
+
+
+def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
+                          softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2, heads_outer=True,
+                          pingpong=False):  # fmt: skip
+    """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller)."""
+    kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
+    lse_t = lse if lse is not None else out
+    slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    grid = (n_items * num_heads,)
+    return _mla_context_gluon_kernel[grid](
+        q, out, lse_t, kd_a, kd_b, vd, work, n_items, scale_ptr if scale_ptr is not None else work,
+        float(softmax_scale), float(scale_val), q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
+        H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv,
+        V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, WRITE_LSE=lse is not None, P_OFFSET=8.0,
+        BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1, HEADS_OUTER=heads_outer,
+        C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, num_warps=4, maxnreg=_MAXNREG,
+    )  # fmt: skip

@@ -1,0 +1,166 @@
+"""The warp-specialised sm_90 Gluon path of MLA context attention (kvforge.kernels.mla_context_gluon).
+
+Gluon does not run in the interpreter: on the CPU these tests check that a ``GLUON`` config falls back to the
+portable kernel with the same result, that only sm_90 keeps such candidates, and that the path says why it is
+unavailable; the offline sm_90 compile is in tests/test_compile_targets.py. The ``gpu`` cases run the Gluon
+kernel itself on the H200 against the independent reference (awkward lengths, NaN rows around the batch, an
+empty request, GQA, both V layouts, FP8 and bf16 Q, s in {1, 1.5, 2}) and fail if it did not run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvforge.kernels.mla_context as mc
+import kvforge.kernels.mla_context_gluon as mg
+from kvforge.kernels._checks import FP8
+from kvforge.kernels.mla_context import MLAContextPlan, mla_context_attention_ref
+from tests.helpers import assert_all_written, poison, poisoned
+from tests.test_mla_context import _cast, _dim_major, _make
+from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
+
+GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True)
+
+
+def _run(plan: MLAContextPlan, q, k, v, s: float, heads: int, d_v: int, device):
+    out = poisoned((q.shape[0], heads, d_v), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], heads), torch.float32, device)
+    plan.run(q, k, v, kv_scale_quant_orig=s, out=out, lse_out=lse)
+    return out, lse
+
+
+def _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg):
+    return MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=heads, num_kv_heads=kv_heads, head_dim_qk=q.shape[2], head_dim_v=128,
+        q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=v_layout, config=cfg,
+    )  # fmt: skip
+
+
+def test_unavailable_reason_on_this_machine(device):
+    reason = mg.gluon_unavailable_reason(device if device.type == "cuda" else None)
+    if device.type == "cpu":
+        assert reason is not None and not mg.gluon_available()
+
+
+def test_gluon_candidates_only_on_sm90_for_fp8_q():
+    for layout in ("token_major", "dim_major"):
+        key = (192, 128, "e4m3", "e4m3", layout)
+        for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
+            kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
+            assert bool(kept) == expect, arch
+            assert all(mc._smem_estimate(c, key) <= mc.capability_for(arch).smem_per_block for c in kept)
+    # a 16-bit Q (quantised on chip, e4m3 P: past the accuracy bound) and 16-bit K/V never take it
+    for key in ((192, 128, "bf16", "e4m3", "token_major"), (192, 128, "bf16", "bf16", "token_major")):
+        assert not [c for c in mc._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("KVFORGE_DISABLE_GLUON", "1")
+    assert mg.gluon_unavailable_reason() == "disabled by KVFORGE_DISABLE_GLUON"
+
+
+@pytest.mark.parametrize("mode,v_layout", [("fp8", "token_major"), ("fp8kv", "token_major"), ("fp8", "dim_major")])
+def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layout):
+    """Where the Gluon path cannot run (here: the interpreter), a GLUON config computes the same result with
+    the portable kernel (128x128 tiles, FP8 Q quantised on chip for a bf16 Q, token-major V widened)."""
+    if mg.gluon_available(device):
+        pytest.skip("the Gluon path runs on this device (see the gpu cases)")
+    q, k, v, cu_q, cu_kv = _make(gen, device, [5, 0, 130], [17, 40, 3], heads=2, kv_start=3)
+    q, k, v = _cast(mode, q, k, v, 1.5)
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    plan = _plan(cu_q, cu_kv, 2, 2, q, k, v_layout, GLUON_CFG)
+    out, lse = _run(plan, q, k, vk, 1.5, 2, 128, device)
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=1.5)
+    assert rel_rmse(out, ref) < 0.03
+
+
+GPU_CASES = [
+    # v_layout, s, heads, kv_heads, kv_start, q_lens, cached
+    ("token_major", 1.5, 16, 16, 5, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("dim_major", 2.0, 16, 16, 7, [1, 300, 0, 1000, 129], [64, 17, 5, 2000, 0]),
+    ("token_major", 1.0, 8, 2, 3, [777, 64], [4097, 33]),
+    ("dim_major", 1.5, 8, 2, 16, [2048, 5], [0, 9000]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages,pingpong", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
+def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, v_layout, s, heads, kv_heads, kv_start, q_lens,
+                                     cached):  # fmt: skip
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
+    q, k, v = _cast("fp8", q, k, v, s)
+    vk = _dim_major(v) if v_layout == "dim_major" else v
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, pingpong=pingpong, heads_outer=True)
+    plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
+    out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], heads), torch.float32, device)
+    handle = plan._launch(q, k, vk, out, lse, 1.0 / 192**0.5, s, None)
+    assert "gluon" in str(getattr(handle, "name", "")), f"the Gluon kernel did not run: {handle!r}"
+    torch.cuda.synchronize()
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s, head_chunk=4)
+    atol, rtol = tol(FP8)
+    torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
+    assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_q_with_gluon_config_takes_the_portable_kernel(gen, device):
+    q, k, v, cu_q, cu_kv = _make(gen, device, [300, 7], [100, 0], heads=4)
+    q, k, v = _cast("fp8kv", q, k, v, 1.5)
+    plan = _plan(cu_q, cu_kv, 4, 4, q, k, "token_major", GLUON_CFG)
+    out = poisoned((q.shape[0], 4, 128), torch.bfloat16, device)
+    handle = plan._launch(q, k, v, out, None, 1.0 / 192**0.5, 1.5, None)
+    assert "gluon" not in str(getattr(handle, "name", ""))
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=1.5)
+    assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_scale_tensor_and_one_call(gen, device):
+    """Device scale tensor and the one-call API (device-built work table) through the Gluon config."""
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, [1000, 3, 257], [500, 0, 4096], heads=16, extra_rows=5)
+    q, k, v = _cast("fp8", q, k, v, 2.0)
+    sh = mc._check_shapes(16, 16, 192, 128, q.dtype, k.dtype, "token_major")
+    plan = mc.MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, 1000, 4353, q.shape[0], k.shape[0], config=GLUON_CFG)
+    assert plan is not None
+    out = plan.run(q, k, v, kv_scale_quant_orig=torch.tensor([2.0], device=device))
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)
+    assert rel_rmse(out, ref) < 0.035
+
+
+def test_paths_table_names_the_gluon_kernel_on_sm90(monkeypatch):
+    monkeypatch.setattr(mc, "gpu_capability", lambda d=None: mc.capability_for((9, 0)))
+    assert "Gluon" in mc.mla_context_paths("cuda")["fp8 q/k/v"]
+    monkeypatch.setattr(mc, "gpu_capability", lambda d=None: mc.capability_for((10, 0)))
+    assert "Gluon" not in mc.mla_context_paths("cuda")["fp8 q/k/v"]
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_cuda_graph_replay(gen, device):
+    """The Gluon launch captured in a CUDA graph replays the current contents of the same buffers."""
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, [1000, 0, 77], [500, 64, 4096], heads=16, extra_rows=0)
+    q8, k8, v8 = _cast("fp8", q, k, v, 2.0)
+    plan = _plan(cu_q, cu_kv, 16, 16, q8, k8, "token_major", GLUON_CFG)
+    scale = torch.tensor([2.0], device=device)
+    out = torch.empty(plan.total_q, 16, 128, device=device, dtype=torch.bfloat16)
+    plan.run(q8, k8, v8, kv_scale_quant_orig=scale, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q8, k8, v8, kv_scale_quant_orig=scale, out=out)
+    q8.copy_(_cast("fp8", torch.randn(q.shape, generator=gen).to(device), k, v, 2.0)[0])
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)
+    assert rel_rmse(out, ref) < 0.035
