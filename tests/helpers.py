@@ -1,6 +1,9 @@
-"""Shared test helpers: poisoned outputs and write checks; a RankInfo with defaults."""
+"""Shared test helpers: poisoned outputs and write checks; a RankInfo with defaults; multi-turn engine traffic."""
 
 from __future__ import annotations
+
+import random
+from typing import Any
 
 import torch
 
@@ -70,3 +73,29 @@ def rank_info(**kw) -> RankInfo:
     )
     base.update(kw)
     return RankInfo(**base)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def multi_turn(
+    eng: Any, seed: int, *, turns: int, n_conv: int, new_tokens: int, vocab: int,
+    first: tuple[int, int], follow: tuple[int, int],
+) -> dict[str, list[int]]:  # fmt: skip
+    """Runs ``n_conv`` conversations for ``turns`` turns on an engine: turn t+1's prompt is turn t's prompt + its
+    answer + new user tokens (first prompts of ``first`` tokens, follow-ups of ``follow``, both [lo, hi)).
+    Returns every request's prompt by id."""
+    rng = random.Random(seed)
+    prompts = {}
+    history = {c: random_prompt(rng, rng.randrange(*first), vocab) for c in range(n_conv)}
+    for t in range(turns):
+        for c in range(n_conv):
+            rid = f"c{c}t{t}"
+            prompts[rid] = list(history[c])
+            eng.add_request(rid, history[c], new_tokens)
+        eng.run()
+        for c in range(n_conv):
+            extra = random_prompt(rng, rng.randrange(*follow), vocab)
+            history[c] = [*history[c], *eng.outputs[f"c{c}t{t}"], *extra]
+    return prompts

@@ -18,6 +18,7 @@ import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, reference_logits, tiny
 from kvforge.engine.numerics import compare_logits, component_errors
+from tests.helpers import multi_turn, random_prompt
 
 LOGIT_ATOL = 0.3
 
@@ -27,8 +28,15 @@ def model() -> HybridModel:
     return HybridModel(tiny())
 
 
+VOCAB = 256
+
+
 def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(256) for _ in range(n)]
+    return random_prompt(rng, n, VOCAB)
+
+
+def _conversations(eng: Engine, seed: int, **kw) -> dict:
+    return multi_turn(eng, seed, vocab=VOCAB, first=(20, 45), follow=(3, 12), **kw)
 
 
 def check_against_reference(
@@ -55,26 +63,10 @@ def check_against_reference(
     return ties
 
 
-def _conversations(eng: Engine, model: HybridModel, seed: int, *, turns: int, n_conv: int, new_tokens: int) -> dict:
-    """Multi-turn: turn t+1's prompt is turn t's prompt + its answer + new user tokens. Returns every prompt."""
-    rng = random.Random(seed)
-    prompts = {}
-    history = {c: _prompt(rng, rng.randrange(20, 45)) for c in range(n_conv)}
-    for t in range(turns):
-        for c in range(n_conv):
-            rid = f"c{c}t{t}"
-            prompts[rid] = list(history[c])
-            eng.add_request(rid, history[c], new_tokens)
-        eng.run()
-        for c in range(n_conv):
-            history[c] = [*history[c], *eng.outputs[f"c{c}t{t}"], *_prompt(rng, rng.randrange(3, 12))]
-    return prompts
-
-
 @pytest.mark.parametrize("reuse", [True, False])
 def test_multiturn_reuse_on_and_off(model: HybridModel, reuse: bool) -> None:
     eng = Engine(model, EngineConfig(reuse=reuse), draft_len=1, record_logits=True)
-    prompts = _conversations(eng, model, 1, turns=2, n_conv=2, new_tokens=4)
+    prompts = _conversations(eng, 1, turns=2, n_conv=2, new_tokens=4)
     assert check_against_reference(model, eng, prompts, check_drafts=True) == 0
     reused = eng.manager.stats.reused_tokens
     assert (reused > 0) if reuse else (reused == 0), reused

@@ -23,6 +23,7 @@ import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits
 from kvforge.engine.numerics import LogitCheck, compare_logits, component_errors
+from tests.helpers import multi_turn, random_prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -50,8 +51,15 @@ def _cfg(**kw) -> EngineConfig:
     return EngineConfig(**base)  # type: ignore[arg-type]
 
 
+VOCAB = 32768
+
+
 def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(32768) for _ in range(n)]
+    return random_prompt(rng, n, VOCAB)
+
+
+def _conversations(eng: Engine, seed: int, **kw) -> dict:
+    return multi_turn(eng, seed, vocab=VOCAB, first=(150, 300), follow=(20, 60), **kw)
 
 
 def check(model: HybridModel, eng: Engine, prompts: dict, name: str) -> list[LogitCheck]:
@@ -69,21 +77,6 @@ def check(model: HybridModel, eng: Engine, prompts: dict, name: str) -> list[Log
     for chk in checks:
         assert chk.ok, chk.summary()
     return checks
-
-
-def _conversations(eng: Engine, seed: int, *, turns: int, n_conv: int, new_tokens: int) -> dict:
-    rng = random.Random(seed)
-    prompts = {}
-    history = {c: _prompt(rng, rng.randrange(150, 300)) for c in range(n_conv)}
-    for t in range(turns):
-        for c in range(n_conv):
-            rid = f"c{c}t{t}"
-            prompts[rid] = list(history[c])
-            eng.add_request(rid, history[c], new_tokens)
-        eng.run()
-        for c in range(n_conv):
-            history[c] = [*history[c], *eng.outputs[f"c{c}t{t}"], *_prompt(rng, rng.randrange(20, 60))]
-    return prompts
 
 
 @pytest.mark.parametrize(("reuse", "fp8"), [(True, True), (False, True), (True, False)])
