@@ -17,6 +17,8 @@ arguments (callers are internal). Not thread-safe.
 
 from __future__ import annotations
 
+import sys
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from kvforge.kvcache.config import KVCacheConfig, PoolGroupSpec, Tier
@@ -26,7 +28,12 @@ from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
 from kvforge.kvcache.radix import RadixTree
 from kvforge.kvcache.records import ManagerStats, PageCopy, check_count
 
-__all__ = ["BlockPool"]
+__all__ = ["MAX_PREALLOCATED_BLOCKS", "BlockPool"]
+
+MAX_PREALLOCATED_BLOCKS = 1 << 22
+"""At most this many tree blocks are built at construction (about 250 bytes each)."""
+
+_getrefcount = sys.getrefcount
 
 
 class BlockPool:
@@ -72,6 +79,15 @@ class BlockPool:
         self.clock = 0
         self._copies: list[PageCopy] = []
         self._removed: list[int] = []
+        # Tree blocks built once, here, and reused after they leave the tree (``new_block``), so a server that
+        # freezes the collector after start-up creates no GC-tracked object per block it caches. Every committed
+        # block holds a page of the first group (its full-attention page in a model with full attention), so
+        # that group's pages over all tiers bound the blocks most layouts need; more are made on demand.
+        g0 = sum(tier_pools[0].capacity for tier_pools in self._pools) if self.num_groups else 0
+        self._no_pages: list[None] = [None] * self.num_groups
+        self._spare: deque[Block] = deque(
+            Block(0, None, 0, 0, None, self.num_groups) for _ in range(min(g0, MAX_PREALLOCATED_BLOCKS))
+        )
 
     # --- introspection -----------------------------------------------------------------------------------------
 
@@ -283,6 +299,24 @@ class BlockPool:
         self.stats.onboarded_pages += 1
         return gpu
 
+    # --- tree blocks ---------------------------------------------------------------------------------------------
+
+    def new_block(self, key: int, parent: Block, depth: int, num_tokens: int, tokens: tuple[int, ...] | None) -> Block:
+        """A block in no tree yet (no pages, no children): a spare one when one is free, else a new one."""
+        spare = self._spare
+        while spare:
+            b = spare.popleft()
+            # Reused only when nothing but this frame refers to it (the name ``b`` and the call's argument): no
+            # holder of a removed block (a match, a policy, a test) can see it come back as another block.
+            if _getrefcount(b) == 2 and not b.children:
+                b.key = key
+                b.parent = parent
+                b.depth = depth
+                b.num_tokens = num_tokens
+                b.tokens = tokens
+                return b
+        return Block(key, parent, depth, num_tokens, tokens, self.num_groups)
+
     # --- eviction ------------------------------------------------------------------------------------------------
 
     def evict(self, group: int, num_pages: int, tier: Tier = Tier.GPU) -> int:
@@ -358,29 +392,42 @@ class BlockPool:
 
     def remove_block(self, block: Block) -> None:
         """Take a block (and then every ancestor left without pages or children) out of the tree."""
-        tree, stats = self.tree, self.stats
+        # The cost of every eviction from the last tier: free_committed and eligible are inlined.
+        spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
+        no_pages = self._no_pages
+        n = 0
         while True:
             pages = block.pages
-            for g, p in enumerate(pages):
+            for p in pages:
                 if p is not None:
-                    pages[g] = None
-                    self.free_committed(p)
+                    if p.ref_count:
+                        raise AssertionError(f"remove_block: {p!r} is locked")
+                    pool = p.pool
+                    pool.n_unlocked -= 1
+                    if p.policy_data is not None:
+                        pool.policy.discard(p)
+                    p.block = None
+                    pool.free.append(p)
+            pages[:] = no_pages
             parent = block.parent
             assert parent is not None
             del parent.children[block.key]
-            tree.num_blocks -= 1
-            stats.removed_blocks += 1
-            if block.num_tokens == self.tokens_per_block:
-                self._removed.append(block.key)
+            spare.append(block)
+            n += 1
+            if block.num_tokens == tpb:
+                removed.append(block.key)
             if parent.parent is None or parent.children:
-                return
-            if parent.pages.count(None) != len(parent.pages):  # the parent still holds a page
+                break
+            if parent.pages != no_pages:  # the parent still holds a page
+                # Its last child is gone: its full-attention pages in their last tier may now be dropped (any
+                # unlocked committed page of a childless block is a candidate).
+                for p in parent.pages:
+                    if p is not None and p.ref_count == 0 and p.policy_data is None:
+                        p.pool.policy.add(p)
                 break
             block = parent
-        for p in parent.pages:
-            # The last child is gone: the parent's full-attention pages in their last tier may now be dropped.
-            if p is not None and p.ref_count == 0 and p.policy_data is None and self.eligible(p):
-                p.pool.policy.add(p)
+        self.tree.num_blocks -= n
+        self.stats.removed_blocks += n
 
     def gain_child(self, parent: Block) -> None:
         """``parent`` (not a root) gets its first child: its last-tier full-attention pages stop being droppable."""

@@ -649,10 +649,10 @@ class KVCache:
         new_keys = list(keys[first_new:])
         new_parent_key = None if parent is root else parent.key
         attn_pages = [(g, self._pages[g]) for g in mgr.attention_groups]
-        num_groups = mgr.num_groups
+        new_block = bp.new_block
         for h in new_keys:
             ordinal = first + i
-            child = Block(h, parent, ordinal, tpb, None, num_groups)
+            child = new_block(h, parent, ordinal, tpb, None)
             parent.children[h] = child
             cpages = child.pages
             for g, lst in attn_pages:
@@ -767,7 +767,7 @@ class KVCache:
         default = mgr.default_priority
         given = release_prios or {}
         prios = [given.get((g, ordinal), default) for g in range(mgr.num_groups)]
-        child = Block(key, parent, ordinal, len(blk), blk, mgr.num_groups)
+        child = bp.new_block(key, parent, ordinal, len(blk), blk)
         for g in mgr.attention_groups:
             # An active cache holds a page for every full-attention block below its capacity, and the window
             # (which contains this block) of every sliding-window group.
