@@ -267,10 +267,33 @@ class BlockPool:
         out = free[len(free) - take :]
         out.reverse()
         del free[len(free) - take :]
-        for _ in range(n - take):
-            if not free and not self.evict_one(pool):
-                raise AssertionError(f"group {group}: the availability check promised a page")
-            out.append(free.pop())
+        if n > take and pool.last and pool.full_attention:
+            # Evicting from the last tier of a full-attention pool drops the victim's block: evict_one and drop
+            # inlined, since this loop is the cost of every block a full cache admits.
+            # A victim's parent that becomes a leaf is often the next victim: the policy hands it back at once
+            # (add_unless_next) instead of queueing it for the next pop.
+            policy = pool.policy
+            pop_victim, remove_block = policy.pop_victim, self.remove_block
+            chain = pool if getattr(policy, "add_unless_next", None) is not None else None
+            stats = self.stats
+            victim = None
+            left = n - take
+            while left:
+                if not free:
+                    if victim is None:
+                        victim = pop_victim()
+                        if victim is None:
+                            raise AssertionError(f"group {group}: the availability check promised a page")
+                    stats.dropped_pages += 1
+                    victim = remove_block(victim.block, chain if left > 1 else None)  # type: ignore[arg-type]
+                out.append(free.pop())
+                left -= 1
+            assert victim is None
+        else:
+            for _ in range(n - take):
+                if not free and not self.evict_one(pool):
+                    raise AssertionError(f"group {group}: the availability check promised a page")
+                out.append(free.pop())
         for page in out:
             page.ref_count = 1
         return out
@@ -316,6 +339,51 @@ class BlockPool:
                 b.tokens = tokens
                 return b
         return Block(key, parent, depth, num_tokens, tokens, self.num_groups)
+
+    def new_chain(
+        self,
+        parent: Block,
+        keys: Sequence[int],
+        first: int,
+        rows: Sequence[tuple[int, Sequence[Page | None]]],
+        priority: int,
+    ) -> list[Block]:
+        """New full blocks, each the child of the one before (the first of ``parent``), one per key in ``keys``;
+        block ``i`` is ordinal ``first + i`` and takes page ``row[first + i]`` (where not None) of each
+        ``(group, row)`` in ``rows`` at ``priority``. The caller counts them into the tree and announces them."""
+        # :meth:`new_block` inlined: this loop is the cost of every block a cache inserts.
+        spare = self._spare
+        tpb, num_groups = self.tokens_per_block, self.num_groups
+        getrefcount = _getrefcount
+        out: list[Block] = []
+        append = out.append
+        ordinal = first
+        for h in keys:
+            child = None
+            while spare:
+                b = spare.popleft()
+                if getrefcount(b) == 2 and not b.children:  # see new_block
+                    child = b
+                    child.key = h
+                    child.parent = parent
+                    child.depth = ordinal
+                    child.num_tokens = tpb
+                    child.tokens = None
+                    break
+            if child is None:
+                child = Block(h, parent, ordinal, tpb, None, num_groups)
+            parent.children[h] = child
+            cpages = child.pages
+            for g, row in rows:
+                p = row[ordinal]
+                if p is not None:
+                    cpages[g] = p
+                    p.block = child
+                    p.priority = priority
+            append(child)
+            parent = child
+            ordinal += 1
+        return out
 
     # --- eviction ------------------------------------------------------------------------------------------------
 
@@ -390,12 +458,17 @@ class BlockPool:
         if not block.children and block.pages.count(None) == len(block.pages):
             self.remove_block(block)
 
-    def remove_block(self, block: Block) -> None:
-        """Take a block (and then every ancestor left without pages or children) out of the tree."""
+    def remove_block(self, block: Block, next_from: PagePool | None = None) -> Page | None:
+        """Take a block (and then every ancestor left without pages or children) out of the tree.
+
+        ``next_from``: a pool the caller evicts from next. When the removal makes an ancestor's page of that pool
+        a candidate that would be the pool's next victim, that page is returned (not queued; see
+        ``PrioritizedLRU.add_unless_next``) and the caller must evict it next. Otherwise None."""
         # The cost of every eviction from the last tier: free_committed and eligible are inlined.
         spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
         no_pages = self._no_pages
         n = 0
+        nxt = None
         while True:
             pages = block.pages
             for p in pages:
@@ -423,11 +496,15 @@ class BlockPool:
                 # unlocked committed page of a childless block is a candidate).
                 for p in parent.pages:
                     if p is not None and p.ref_count == 0 and p.policy_data is None:
-                        p.pool.policy.add(p)
+                        if p.pool is not next_from or nxt is not None:
+                            p.pool.policy.add(p)
+                        elif next_from.policy.add_unless_next(p):  # type: ignore[attr-defined]
+                            nxt = p
                 break
             block = parent
         self.tree.num_blocks -= n
         self.stats.removed_blocks += n
+        return nxt
 
     def gain_child(self, parent: Block) -> None:
         """``parent`` (not a root) gets its first child: its last-tier full-attention pages stop being droppable."""

@@ -649,8 +649,11 @@ class KVCache:
         new_keys = list(keys[first_new:])
         new_parent_key = None if parent is root else parent.key
         attn_pages = [(g, self._pages[g]) for g in mgr.attention_groups]
+        if prios is None and not rec:
+            blocks.extend(bp.new_chain(parent, new_keys, first + i, attn_pages, default))
+            i = n_full
         new_block = bp.new_block
-        for h in new_keys:
+        for h in new_keys[i - first_new :]:
             ordinal = first + i
             child = new_block(h, parent, ordinal, tpb, None)
             parent.children[h] = child

@@ -58,11 +58,12 @@ class PrefixMatcher:
         blocks: list[Block] = []
         node = root
         if keys is not None:
-            for i in range(min(max_full, len(keys))):
-                child = node.children.get(keys[i])
+            append = blocks.append
+            for key in keys[:max_full] if max_full < len(keys) else keys:
+                child = node.children.get(key)
                 if child is None or child.num_tokens != tpb:
                     break
-                blocks.append(child)
+                append(child)
                 node = child
         n = len(blocks)
         partial, ptoks = None, 0
@@ -73,7 +74,7 @@ class PrefixMatcher:
         if partial is None and (self.sliding_groups or self.recurrent_groups):
             while n and not self.usable(blocks, n, None, 0):
                 n -= 1
-        return ReuseMatch(root, tuple(blocks[:n]), partial, ptoks, tpb)
+        return ReuseMatch(root, tuple(blocks if n == len(blocks) else blocks[:n]), partial, ptoks, tpb)
 
     def usable(self, blocks: Sequence[Block], n: int, partial: Block | None, ptoks: int) -> bool:
         """Whether the first ``n`` full blocks (then ``ptoks`` tokens of ``partial``) can resume a request:
@@ -175,10 +176,13 @@ class PrefixMatcher:
             gpu_pool = gpu[g]
             nd = tk = 0
             for p in lst:
-                if p.pool is not gpu_pool:
+                if p.ref_count == 0:
+                    if p.pool is gpu_pool:
+                        tk += 1
+                    else:
+                        nd += 1
+                elif p.pool is not gpu_pool:
                     nd += 1
-                elif p.ref_count == 0:
-                    tk += 1
             onboard[g] = nd
             taken[g] = tk
         for p in sources:
