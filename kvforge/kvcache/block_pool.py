@@ -9,7 +9,9 @@ needed), ``free_page`` takes it back; committed pages are shared with ``lock`` /
 an eligible page becomes an eviction candidate); ``evict_one`` moves a candidate a tier down, or drops it from
 its last tier, taking its block out of the tree when the block loses its full-attention page. Every move is
 recorded as a :class:`~kvforge.kvcache.records.PageCopy` (``take_pending_copies``) and every block that leaves
-the tree is announced as :class:`~kvforge.kvcache.events.BlockRemoved` at the next ``flush_events``.
+the tree is announced as :class:`~kvforge.kvcache.events.BlockRemoved` at the next ``flush_events``. Tree
+blocks come from ``new_block`` / ``new_chain``: built at construction and reused once out of the tree and
+unreferenced, so a frozen server allocates no GC-tracked object per block (``docs/kvcache.md``, host cost).
 
 Methods without a leading underscore are the interface of the manager and its caches; none validates its
 arguments (callers are internal). Not thread-safe.
@@ -268,27 +270,7 @@ class BlockPool:
         out.reverse()
         del free[len(free) - take :]
         if n > take and pool.last and pool.full_attention:
-            # Evicting from the last tier of a full-attention pool drops the victim's block: evict_one and drop
-            # inlined, since this loop is the cost of every block a full cache admits.
-            # A victim's parent that becomes a leaf is often the next victim: the policy hands it back at once
-            # (add_unless_next) instead of queueing it for the next pop.
-            policy = pool.policy
-            pop_victim, remove_block = policy.pop_victim, self.remove_block
-            chain = pool if getattr(policy, "add_unless_next", None) is not None else None
-            stats = self.stats
-            victim = None
-            left = n - take
-            while left:
-                if not free:
-                    if victim is None:
-                        victim = pop_victim()
-                        if victim is None:
-                            raise AssertionError(f"group {group}: the availability check promised a page")
-                    stats.dropped_pages += 1
-                    victim = remove_block(victim.block, chain if left > 1 else None)  # type: ignore[arg-type]
-                out.append(free.pop())
-                left -= 1
-            assert victim is None
+            self._drop_leaves(pool, n - take, out)
         else:
             for _ in range(n - take):
                 if not free and not self.evict_one(pool):
@@ -458,17 +440,12 @@ class BlockPool:
         if not block.children and block.pages.count(None) == len(block.pages):
             self.remove_block(block)
 
-    def remove_block(self, block: Block, next_from: PagePool | None = None) -> Page | None:
-        """Take a block (and then every ancestor left without pages or children) out of the tree.
-
-        ``next_from``: a pool the caller evicts from next. When the removal makes an ancestor's page of that pool
-        a candidate that would be the pool's next victim, that page is returned (not queued; see
-        ``PrioritizedLRU.add_unless_next``) and the caller must evict it next. Otherwise None."""
-        # The cost of every eviction from the last tier: free_committed and eligible are inlined.
+    def remove_block(self, block: Block) -> None:
+        """Take a block (and then every ancestor left without pages or children) out of the tree."""
+        # free_committed and eligible inlined: this runs for every block dropped from the tree.
         spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
         no_pages = self._no_pages
         n = 0
-        nxt = None
         while True:
             pages = block.pages
             for p in pages:
@@ -496,15 +473,70 @@ class BlockPool:
                 # unlocked committed page of a childless block is a candidate).
                 for p in parent.pages:
                     if p is not None and p.ref_count == 0 and p.policy_data is None:
-                        if p.pool is not next_from or nxt is not None:
-                            p.pool.policy.add(p)
-                        elif next_from.policy.add_unless_next(p):  # type: ignore[attr-defined]
-                            nxt = p
+                        p.pool.policy.add(p)
                 break
             block = parent
         self.tree.num_blocks -= n
         self.stats.removed_blocks += n
-        return nxt
+
+    def _drop_leaves(self, pool: PagePool, k: int, out: list[Page]) -> None:
+        """Evict ``k`` victims from ``pool`` (last tier, full attention, empty free list), each dropping its block
+        (:meth:`remove_block`), their pages appended to ``out`` in eviction order: what ``k`` calls of
+        :meth:`evict_one` then ``free.pop()`` do, in one loop, since it is the cost of every block a full cache
+        admits. A victim's parent that becomes a leaf is often the next victim: the policy hands it back at once
+        (``add_unless_next``, when it has it) instead of queueing it for the next pop."""
+        policy = pool.policy
+        pop_victim = policy.pop_victim
+        take_next = getattr(policy, "add_unless_next", None)
+        free = pool.free
+        spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
+        no_pages = self._no_pages
+        n = 0
+        victim: Page | None = None
+        for left in range(k, 0, -1):
+            if victim is None:
+                victim = pop_victim()
+                if victim is None:
+                    raise AssertionError(f"group {pool.group}: the availability check promised a page")
+            block = victim.block
+            assert block is not None
+            victim = None
+            while True:  # remove_block(block), but a parent page that is the next victim is taken, not queued
+                pages = block.pages
+                for p in pages:
+                    if p is not None:
+                        if p.ref_count:
+                            raise AssertionError(f"_drop_leaves: {p!r} is locked")
+                        ppool = p.pool
+                        ppool.n_unlocked -= 1
+                        if p.policy_data is not None:
+                            ppool.policy.discard(p)
+                        p.block = None
+                        ppool.free.append(p)
+                pages[:] = no_pages
+                parent = block.parent
+                assert parent is not None
+                del parent.children[block.key]
+                spare.append(block)
+                n += 1
+                if block.num_tokens == tpb:
+                    removed.append(block.key)
+                if parent.parent is None or parent.children:
+                    break
+                if parent.pages != no_pages:
+                    for p in parent.pages:
+                        if p is not None and p.ref_count == 0 and p.policy_data is None:
+                            if victim is None and left > 1 and p.pool is pool and take_next is not None:
+                                if take_next(p):
+                                    victim = p
+                            else:
+                                p.pool.policy.add(p)
+                    break
+                block = parent
+            out.append(free.pop())
+        self.stats.dropped_pages += k
+        self.tree.num_blocks -= n
+        self.stats.removed_blocks += n
 
     def gain_child(self, parent: Block) -> None:
         """``parent`` (not a root) gets its first child: its last-tier full-attention pages stop being droppable."""

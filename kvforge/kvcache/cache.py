@@ -15,6 +15,7 @@ Subclasses (the hybrid cache) hook in with ``_snapshot_pages``, ``_on_suspend``,
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -93,6 +94,7 @@ class KVCache:
         "_pages",
         "_partial",
         "_priority_cb",
+        "_prompt_keys",
         "_root",
         "_shared",
         "_stale_lo",
@@ -135,6 +137,9 @@ class KVCache:
         self._blocks: list[Block] = []
         self._keys: list[int] = []
         self._partial: list[int] = []
+        # The prompt's block keys as the manager validated them (key mode): a commit passing the same keys is not
+        # validated again.
+        self._prompt_keys: tuple[int, ...] = ()
         self._priority_cb = priority_callback
         # Ordinals of blocks this cache completed but found already in the tree (shared like reused ones).
         self._shared: set[int] = set()
@@ -400,10 +405,20 @@ class KVCache:
 
     # --- adoption (create, resume) -----------------------------------------------------------------------------
 
-    def _admit(self, match: ReuseMatch, tokens: Sequence[int] | None, nblocks: int, capacity: int) -> bool:
-        """A new cache takes ``match`` and grows to ``nblocks`` blocks; False (nothing changed) without pages."""
+    def _admit(
+        self,
+        match: ReuseMatch,
+        tokens: Sequence[int] | None,
+        nblocks: int,
+        capacity: int,
+        keys: tuple[int, ...] | None = None,
+    ) -> bool:
+        """A new cache takes ``match`` and grows to ``nblocks`` blocks; False (nothing changed) without pages.
+        ``keys``: the prompt's validated block keys (kept in key mode)."""
         if not self._adopt(match, tokens, nblocks):
             return False
+        if self.key_mode and keys is not None:
+            self._prompt_keys = keys
         self._capacity = capacity
         self.num_reused_blocks = len(match.blocks)
         self.num_reused_tokens = match.num_tokens
@@ -599,7 +614,12 @@ class KVCache:
         first = start // tpb
         n_full = (start + n) // tpb - first
         if keys is not None:
-            keys = check_block_keys(keys)
+            # The very key objects the manager validated with the prompt are valid already.
+            pk = self._prompt_keys[first : first + n_full]
+            if not (
+                type(keys) in (list, tuple) and len(keys) == n_full == len(pk) and all(map(operator.is_, keys, pk))
+            ):
+                keys = check_block_keys(keys)
             if len(keys) != n_full:
                 raise ValueError(f"block_keys: this commit completes {n_full} blocks, got {len(keys)} keys")
         elif tokens is None:

@@ -12,7 +12,8 @@ A :class:`Page` is one slot of a pool. Its life:
 
 A :class:`Block` (a radix-tree node, see :mod:`~kvforge.kvcache.radix`) holds one page slot per pool group and
 each page points back at its block, so both live here; so does :class:`EvictionPolicy`, the protocol a pool's
-policy satisfies (implementations in :mod:`~kvforge.kvcache.eviction`).
+policy satisfies (implementations in :mod:`~kvforge.kvcache.eviction`). Pages, and most blocks, are built once
+by the block pool and reused (see ``docs/kvcache.md``, host cost), so a frozen server allocates none per block.
 
 The block pool keeps the counts below exact; :meth:`kvforge.kvcache.manager.KVCacheManager.check_invariants`
 verifies them.
