@@ -23,7 +23,7 @@ import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from kvforge.kvcache.config import KVCacheConfig, PoolGroupSpec, Tier
+from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, PoolGroupSpec, Tier
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
 from kvforge.kvcache.hashing import BlockKeyHasher, default_hasher
 from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
@@ -82,13 +82,15 @@ class BlockPool:
         self._copies: list[PageCopy] = []
         self._removed: list[int] = []
         # Tree blocks built once, here, and reused after they leave the tree (``new_block``), so a server that
-        # freezes the collector after start-up creates no GC-tracked object per block it caches. Every committed
-        # block holds a page of the first group (its full-attention page in a model with full attention), so
-        # that group's pages over all tiers bound the blocks most layouts need; more are made on demand.
-        g0 = sum(tier_pools[0].capacity for tier_pools in self._pools) if self.num_groups else 0
+        # freezes the collector after start-up creates no GC-tracked object per block it caches. Every block
+        # holds a page of each full-attention group, so the first one's pages over all tiers bound the tree;
+        # without full attention, the largest group's pages are a guess. More are made on demand.
+        full = [g.group_id for g in self.groups if g.life_cycle.kind is LifeCycleKind.FULL]
+        per_group = [sum(tier_pools[g].capacity for tier_pools in self._pools) for g in range(self.num_groups)]
+        n_blocks = per_group[full[0]] if full else max(per_group, default=0)
         self._no_pages: list[None] = [None] * self.num_groups
         self._spare: deque[Block] = deque(
-            Block(0, None, 0, 0, None, self.num_groups) for _ in range(min(g0, MAX_PREALLOCATED_BLOCKS))
+            Block(0, None, 0, 0, None, self.num_groups) for _ in range(min(n_blocks, MAX_PREALLOCATED_BLOCKS))
         )
 
     # --- introspection -----------------------------------------------------------------------------------------
