@@ -421,7 +421,7 @@ class KVCache:
             self._prompt_keys = keys
         self._capacity = capacity
         self.num_reused_blocks = len(match.blocks)
-        self.num_reused_tokens = match.num_tokens
+        self.num_reused_tokens = self._committed
         return True
 
     def _adopt(self, match: ReuseMatch, tokens: Sequence[int] | None, nblocks: int = 0) -> bool:
@@ -442,7 +442,8 @@ class KVCache:
         pages: list[list[Page | None]] = [[] for _ in range(mgr.num_groups)]
         for _, _, lst in plan:
             bp.lock_pages(lst)
-        bp.lock_pages(sources)
+        if sources:
+            bp.lock_pages(sources)
         full = mgr.full_groups
         for g, ords, lst in plan:
             if onboard[g]:
@@ -485,7 +486,10 @@ class KVCache:
             self._partial = list(partial.tokens[: match.partial_tokens])  # type: ignore[index]
         else:
             self._partial = []
-        self._reset_stale()
+        if mgr.sliding_groups:
+            self._reset_stale()
+        else:
+            self._next_stale_at = NEVER
         self._note_changed()
         if nblocks > self._nblocks and not self._set_num_blocks(nblocks):
             raise AssertionError("the availability check promised the capacity's pages")
@@ -823,6 +827,7 @@ class KVCache:
             # What ``_release`` does per page, in one pass per group: uncommitted pages go back to the free list,
             # committed ones take their priority (a reused block's only rises) and are unlocked together.
             committed: list[Page] = []
+            append = committed.append
             # Deepest first so that, at equal recency, policies see leaves before their ancestors.
             for b in range(len(lst) - 1, -1, -1):
                 p = lst[b]
@@ -832,9 +837,9 @@ class KVCache:
                     bp.free_page(p)
                     continue
                 priority = default if const else prios.get((g, b), default)  # type: ignore[union-attr]
-                if (b >= reused and b not in shared) or priority > p.priority:
+                if priority > p.priority or (b >= reused and b not in shared):
                     p.priority = priority
-                committed.append(p)
+                append(p)
             bp.unlock_pages(committed)
             self._pages[g] = []
         for g in mgr.recurrent_groups:
@@ -893,7 +898,8 @@ class KVCache:
         if self._status is _ACTIVE:
             prios = self._release_priorities()
             self._on_close()
-            self._insert_partial(prios)
+            if self._partial:
+                self._insert_partial(prios)
             self._release_all(prios)
             self._blocks = []
         self._status = _CLOSED

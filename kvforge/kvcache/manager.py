@@ -319,18 +319,19 @@ class KVCacheManager:
         if reuse:
             keys = self._keys_for(root, keys, tokens)
         match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
-        cap = max(capacity or 0, match.num_tokens)
+        reused = match.num_tokens
+        cap = reused if capacity is None or capacity < reused else capacity
         cache = self.cache_class(self, cache_id, scope, root, key_mode, priority_callback)
         if not cache._admit(match, tokens, -(-cap // self.tokens_per_block), cap, keys):  # type: ignore[arg-type]
             bp.flush_events()
             raise OutOfPagesError(
-                f"create_cache: no GPU pages for {match.num_tokens} reused tokens and a capacity of {cap} even "
+                f"create_cache: no GPU pages for {reused} reused tokens and a capacity of {cap} even "
                 f"after eviction (available per group: {[p.num_available for p in bp.gpu]})"
             )
         tree.roots.setdefault(root.key, root)
         self._caches[cache_id] = cache
         self.stats.caches_created += 1
-        self.stats.reused_tokens += match.num_tokens
+        self.stats.reused_tokens += reused
         bp.flush_events()
         return cache
 
