@@ -62,6 +62,8 @@ class CacheHost(Protocol):
 
     def can_allocate(self, pages_per_group: Sequence[int]) -> bool: ...
 
+    _listeners: list  # the manager's CacheListeners: a cache tells them only when there are some
+
     def _notify_changed(self, cache: KVCache, group: int | None, lo: int) -> None: ...
 
     def _forget(self, cache: KVCache) -> None: ...
@@ -316,7 +318,7 @@ class KVCache:
                 raise ValueError("tokens: expected the committed tokens (this cache is in token mode)")
             if num_tokens is None:
                 raise ValueError("num_tokens: required with block_keys in key mode")
-            n = check_count("num_tokens", num_tokens)
+            n = num_tokens if type(num_tokens) is int and num_tokens >= 0 else check_count("num_tokens", num_tokens)
         committed = self._committed
         if committed + n > self._history:
             raise CacheStateError(
@@ -401,7 +403,9 @@ class KVCache:
         return self._priority_cb is None and (mgr.swa_priorities is None or not mgr.sliding_groups)
 
     def _note_changed(self, group: int | None = None, lo: int = 0) -> None:
-        self.manager._notify_changed(self, group, lo)
+        mgr = self.manager
+        if mgr._listeners:
+            mgr._notify_changed(self, group, lo)
 
     # --- adoption (create, resume) -----------------------------------------------------------------------------
 
@@ -490,7 +494,8 @@ class KVCache:
             self._reset_stale()
         else:
             self._next_stale_at = NEVER
-        self._note_changed()
+        if mgr._listeners:
+            mgr._notify_changed(self, None, 0)
         if nblocks > self._nblocks and not self._set_num_blocks(nblocks):
             raise AssertionError("the availability check promised the capacity's pages")
         return True
@@ -593,7 +598,8 @@ class KVCache:
                         lst.append(bp.must_alloc(g) if b < sinks or b >= lo else None)
                 else:
                     lst.extend(bp.alloc_pages(g, nblocks - old))
-                self._note_changed(g, old)
+                if mgr._listeners:
+                    mgr._notify_changed(self, g, old)
             bp.flush_events()
         else:
             for g in mgr.attention_groups:
@@ -631,8 +637,9 @@ class KVCache:
         end = start + n
         prios: list[list[int]] | None = None
         stale_prios = None
-        if not self._constant_priority():
-            # Asked before any change, so a failing callback leaves the cache as it was.
+        if self._priority_cb is not None or (mgr.swa_priorities is not None and mgr.sliding_groups):
+            # Not _constant_priority() (inlined). Asked before any change, so a failing callback leaves the cache
+            # as it was.
             prios = [[self._priority(first + i, g, end) for g in range(mgr.num_groups)] for i in range(n_full)]
             if end >= self._next_stale_at:
                 stale_prios = self._stale_priorities(end)
@@ -848,7 +855,8 @@ class KVCache:
                 bp.free_page(live)
                 self._live[g] = None
         self._nblocks = 0
-        self._note_changed()
+        if mgr._listeners:
+            mgr._notify_changed(self, None, 0)
 
     def _suspend(self) -> None:
         prios = self._release_priorities()

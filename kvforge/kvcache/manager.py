@@ -298,7 +298,10 @@ class KVCacheManager:
         so the last prompt token is computed. ``cache_salt`` isolates a tenant. Raises OutOfPagesError (nothing
         changed) when the pages cannot be found even after eviction; :meth:`plan_admission` answers first.
         """
-        keys, tokens = self._check_prompt(tokens, block_keys)
+        if tokens is None and block_keys is not None:  # key mode: _check_prompt inlined
+            keys: Sequence[int] | None = check_block_keys(block_keys)
+        else:
+            keys, tokens = self._check_prompt(tokens, block_keys)
         key_mode = tokens is None and keys is not None
         if max_reuse_tokens is not None:
             check_count("max_reuse_tokens", max_reuse_tokens)
@@ -318,7 +321,10 @@ class KVCacheManager:
         root = tree.find_root(scope, cache_salt) or tree.make_root(scope, cache_salt)
         if reuse:
             keys = self._keys_for(root, keys, tokens)
-        match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
+        if reuse and keys is not None:  # _match_for inlined (the common call)
+            match = self.matcher.match(root, keys, tokens, max_reuse_tokens)
+        else:
+            match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
         reused = match.num_tokens
         cap = reused if capacity is None or capacity < reused else capacity
         cache = self.cache_class(self, cache_id, scope, root, key_mode, priority_callback)
