@@ -11,6 +11,7 @@ or any count, so the manager's ``probe_reuse`` and ``plan_admission`` are exact 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.config import LifeCycleKind, PoolGroupSpec, Tier
@@ -18,6 +19,8 @@ from kvforge.kvcache.pools import Block, Page
 from kvforge.kvcache.records import ReuseMatch
 
 __all__ = ["PrefixMatcher"]
+
+_ref_count = attrgetter("ref_count")
 
 
 class PrefixMatcher:
@@ -37,6 +40,7 @@ class PrefixMatcher:
         self.recurrent_groups = tuple(i for i, k in enumerate(kinds) if k is LifeCycleKind.RECURRENT)
         self.attention_groups = tuple(i for i, k in enumerate(kinds) if k is not LifeCycleKind.RECURRENT)
         self._gpu = block_pool.gpu
+        self._gpu_only = len(block_pool.tiers) == 1
         self.hasher = block_pool.tree.hasher
 
     # --- matching ------------------------------------------------------------------------------------------------
@@ -173,6 +177,10 @@ class PrefixMatcher:
         onboard = [0] * self.num_groups
         taken = [0] * self.num_groups
         for g, _, lst in plan:
+            if self._gpu_only:
+                # One tier: nothing to onboard; the unlocked pages are counted in C.
+                taken[g] = list(map(_ref_count, lst)).count(0)
+                continue
             gpu_pool = gpu[g]
             nd = tk = 0
             for p in lst:
