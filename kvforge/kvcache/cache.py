@@ -831,6 +831,10 @@ class KVCache:
         shared = self._shared
         for g in mgr.attention_groups:
             lst = self._pages[g]
+            if const:
+                bp.release_row(lst, default, reused, shared)
+                self._pages[g] = []
+                continue
             # What ``_release`` does per page, in one pass per group: uncommitted pages go back to the free list,
             # committed ones take their priority (a reused block's only rises) and are unlocked together.
             committed: list[Page] = []
@@ -843,7 +847,7 @@ class KVCache:
                 if p.block is None:
                     bp.free_page(p)
                     continue
-                priority = default if const else prios.get((g, b), default)  # type: ignore[union-attr]
+                priority = prios.get((g, b), default)  # type: ignore[union-attr]
                 if priority > p.priority or (b >= reused and b not in shared):
                     p.priority = priority
                 append(p)
