@@ -38,6 +38,18 @@ MAX_PREALLOCATED_BLOCKS = 1 << 22
 _getrefcount = sys.getrefcount
 
 
+def _unheld_refs() -> int:
+    """What ``sys.getrefcount`` reports for a block just taken off the spare queue that nothing else refers to,
+    measured the way ``new_block`` and ``new_chain`` measure it (the local name and the call's argument: 2 on
+    CPython 3.11; measured, not assumed, for interpreters that borrow references to locals)."""
+    spare = deque([Block(0, None, 0, 0, None, 0)])
+    b = spare.popleft()
+    return _getrefcount(b)
+
+
+_UNHELD = _unheld_refs()
+
+
 class BlockPool:
     """Pools per (tier, group), the radix tree, the LRU clock, pending copies and block events.
 
@@ -337,9 +349,9 @@ class BlockPool:
         spare = self._spare
         while spare:
             b = spare.popleft()
-            # Reused only when nothing but this frame refers to it (the name ``b`` and the call's argument): no
-            # holder of a removed block (a match, a policy, a test) can see it come back as another block.
-            if _getrefcount(b) == 2 and not b.children:
+            # Reused only when nothing but this frame refers to it (``_UNHELD``): no holder of a removed block (a
+            # match, a policy, a test) can see it come back as another block.
+            if _getrefcount(b) == _UNHELD and not b.children:
                 b.key = key
                 b.parent = parent
                 b.depth = depth
@@ -362,7 +374,7 @@ class BlockPool:
         # :meth:`new_block` inlined: this loop is the cost of every block a cache inserts.
         spare = self._spare
         tpb, num_groups = self.tokens_per_block, self.num_groups
-        getrefcount = _getrefcount
+        getrefcount, unheld = _getrefcount, _UNHELD
         out: list[Block] = []
         append = out.append
         ordinal = first
@@ -370,7 +382,7 @@ class BlockPool:
             child = None
             while spare:
                 b = spare.popleft()
-                if getrefcount(b) == 2 and not b.children:  # see new_block
+                if getrefcount(b) == unheld and not b.children:  # see new_block
                     child = b
                     child.key = h
                     child.parent = parent
