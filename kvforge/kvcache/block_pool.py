@@ -375,6 +375,7 @@ class BlockPool:
         spare = self._spare
         tpb, num_groups = self.tokens_per_block, self.num_groups
         getrefcount, unheld = _getrefcount, _UNHELD
+        only_g, only = rows[0] if len(rows) == 1 else (0, None)
         out: list[Block] = []
         append = out.append
         ordinal = first
@@ -393,13 +394,20 @@ class BlockPool:
             if child is None:
                 child = Block(h, parent, ordinal, tpb, None, num_groups)
             parent.children[h] = child
-            cpages = child.pages
-            for g, row in rows:
-                p = row[ordinal]
+            if only is not None:  # one attention group (the common layout): no inner loop
+                p = only[ordinal]
                 if p is not None:
-                    cpages[g] = p
+                    child.pages[only_g] = p
                     p.block = child
                     p.priority = priority
+            else:
+                cpages = child.pages
+                for g, row in rows:
+                    p = row[ordinal]
+                    if p is not None:
+                        cpages[g] = p
+                        p.block = child
+                        p.priority = priority
             append(child)
             parent = child
             ordinal += 1
