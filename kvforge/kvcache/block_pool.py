@@ -239,12 +239,19 @@ class BlockPool:
                 if not pool.last or not (pool.full_attention and page.block.children):  # type: ignore[union-attr]
                     pool.policy.add(page)
 
-    def release_row(self, row: Sequence[Page | None], priority: int, own_from: int, shared: set[int]) -> None:
-        """Give back a cache's pages of one group, deepest first (so that, at equal recency, policies see leaves
-        before their ancestors): uncommitted ones to the free list, committed ones unlocked at ``priority`` (a
-        block below ordinal ``own_from`` or in ``shared`` was reused: its priority only rises). What setting
-        each priority then :meth:`unlock_pages` does, in one pass (every cache's close runs it)."""
+    def release_row(
+        self, group: int, row: Sequence[Page | None], priority: int, own_from: int, shared: set[int]
+    ) -> None:
+        """Give back a cache's pages of ``group`` (GPU pages, as every page a cache holds), deepest first (so that,
+        at equal recency, policies see leaves before their ancestors): uncommitted ones to the free list,
+        committed ones unlocked at ``priority`` (a block below ordinal ``own_from`` or in ``shared`` was reused:
+        its priority only rises). What setting each priority then :meth:`unlock_pages` does, in one pass (every
+        cache's close runs it)."""
+        pool = self.gpu[group]
         clock = self.clock
+        add = pool.policy.add
+        any_leaf = not pool.last or not pool.full_attention  # else only childless blocks' pages are candidates
+        unlocked = 0
         for b in range(len(row) - 1, -1, -1):
             p = row[b]
             if p is None:
@@ -257,11 +264,14 @@ class BlockPool:
                 p.priority = priority
             p.ref_count -= 1
             if p.ref_count == 0:
-                pool = p.pool
-                pool.n_unlocked += 1
+                unlocked += 1
                 p.last_used = clock
-                if not pool.last or not (pool.full_attention and block.children):
-                    pool.policy.add(p)
+                if any_leaf or not block.children:
+                    # n_unlocked counts this page before the policy sees it, as unlock() does.
+                    pool.n_unlocked += unlocked
+                    unlocked = 0
+                    add(p)
+        pool.n_unlocked += unlocked
 
     def attach(self, page: Page, block: Block, priority: int) -> None:
         """Put a fresh locked page (a snapshot) into ``block`` at ``priority`` and unlock it."""
@@ -380,18 +390,16 @@ class BlockPool:
         append = out.append
         ordinal = first
         for h in keys:
-            child = None
             while spare:
-                b = spare.popleft()
-                if getrefcount(b) == unheld and not b.children:  # see new_block
-                    child = b
+                child = spare.popleft()
+                if getrefcount(child) == unheld and not child.children:  # see new_block
                     child.key = h
                     child.parent = parent
                     child.depth = ordinal
                     child.num_tokens = tpb
                     child.tokens = None
                     break
-            if child is None:
+            else:
                 child = Block(h, parent, ordinal, tpb, None, num_groups)
             parent.children[h] = child
             if only is not None:  # one attention group (the common layout): no inner loop

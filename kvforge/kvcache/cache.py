@@ -832,7 +832,7 @@ class KVCache:
         for g in mgr.attention_groups:
             lst = self._pages[g]
             if const:
-                bp.release_row(lst, default, reused, shared)
+                bp.release_row(g, lst, default, reused, shared)
                 self._pages[g] = []
                 continue
             # What ``_release`` does per page, in one pass per group: uncommitted pages go back to the free list,
