@@ -33,7 +33,7 @@ from kvforge.kvcache.records import ManagerStats, PageCopy, check_count
 __all__ = ["MAX_PREALLOCATED_BLOCKS", "BlockPool"]
 
 MAX_PREALLOCATED_BLOCKS = 1 << 22
-"""At most this many tree blocks are built at construction (about 250 bytes each)."""
+"""At most this many tree blocks are built at construction (about 225 bytes each on CPython 3.11)."""
 
 _getrefcount = sys.getrefcount
 
