@@ -1,4 +1,5 @@
-"""PrioritizedLRU picks the same victims, in the same order, as a plain min over its ordering key."""
+"""PrioritizedLRU picks the same victims, in the same order, as a plain min over its ordering key (also through
+``add_unless_next``, the block pool's shortcut for add-then-pop)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ N_PAGES = 24
 op = st.one_of(
     # add: page, priority (few values, so ties on priority are common), clock step (mostly rising), depth
     st.tuples(
-        st.just("add"),
+        st.sampled_from(["add", "add", "add_unless_next"]),
         st.integers(0, N_PAGES - 1),
         st.sampled_from([35, 35, 35, 10, 90]),
         st.integers(-3, 4),
@@ -35,17 +36,31 @@ def test_victims_follow_priority_then_recency_then_depth(ops: list[tuple]) -> No
     model: dict[int, tuple[int, int, int, int]] = {}  # page index -> (priority, last_used, -depth, add order)
     clock = adds = 0
     for o in ops:
-        if o[0] == "add":
-            _, i, prio, step, depth = o
+        if o[0] in ("add", "add_unless_next"):
+            kind, i, prio, step, depth = o
             page = pool.pages[i]
             if i in model:
                 continue
             clock = max(0, clock + step)
             page.priority, page.last_used = prio, clock
             page.block = SimpleNamespace(depth=depth)
-            policy.add(page)
             adds += 1
-            model[i] = (prio, clock, -depth, adds)
+            key = (prio, clock, -depth, adds)
+            if kind == "add":
+                policy.add(page)
+                model[i] = key
+            else:
+                taken = policy.add_unless_next(page)
+                # Taken only when it would have been the next victim (it is then no candidate); else added, and
+                # taken always when nothing at all (not even a lazily deleted entry) sorts before it.
+                next_victim = all(key < k for k in model.values())
+                assert not taken or next_victim
+                if not model and not policy._heap and not policy._run:
+                    assert taken
+                if taken:
+                    assert page.policy_data is None and page not in policy
+                else:
+                    model[i] = key
         elif o[0] == "discard":
             policy.discard(pool.pages[o[1]])
             model.pop(o[1], None)

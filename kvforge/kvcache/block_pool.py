@@ -9,7 +9,9 @@ needed), ``free_page`` takes it back; committed pages are shared with ``lock`` /
 an eligible page becomes an eviction candidate); ``evict_one`` moves a candidate a tier down, or drops it from
 its last tier, taking its block out of the tree when the block loses its full-attention page. Every move is
 recorded as a :class:`~kvforge.kvcache.records.PageCopy` (``take_pending_copies``) and every block that leaves
-the tree is announced as :class:`~kvforge.kvcache.events.BlockRemoved` at the next ``flush_events``.
+the tree is announced as :class:`~kvforge.kvcache.events.BlockRemoved` at the next ``flush_events``. Tree
+blocks come from ``new_block`` / ``new_chain``: built at construction and reused once out of the tree and
+unreferenced, so a frozen server allocates no GC-tracked object per block (``docs/kvcache.md``, host cost).
 
 Methods without a leading underscore are the interface of the manager and its caches; none validates its
 arguments (callers are internal). Not thread-safe.
@@ -17,16 +19,35 @@ arguments (callers are internal). Not thread-safe.
 
 from __future__ import annotations
 
+import sys
+from collections import deque
 from collections.abc import Iterator, Sequence
 
-from kvforge.kvcache.config import KVCacheConfig, PoolGroupSpec, Tier
+from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, PoolGroupSpec, Tier
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
 from kvforge.kvcache.hashing import BlockKeyHasher, default_hasher
 from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
 from kvforge.kvcache.radix import RadixTree
 from kvforge.kvcache.records import ManagerStats, PageCopy, check_count
 
-__all__ = ["BlockPool"]
+__all__ = ["MAX_PREALLOCATED_BLOCKS", "BlockPool"]
+
+MAX_PREALLOCATED_BLOCKS = 1 << 22
+"""At most this many tree blocks are built at construction (about 225 bytes each on CPython 3.11)."""
+
+_getrefcount = sys.getrefcount
+
+
+def _unheld_refs() -> int:
+    """What ``sys.getrefcount`` reports for a block just taken off the spare queue that nothing else refers to,
+    measured the way ``new_block`` and ``new_chain`` measure it (the local name and the call's argument: 2 on
+    CPython 3.11; measured, not assumed, for interpreters that borrow references to locals)."""
+    spare = deque([Block(0, None, 0, 0, None, 0)])
+    b = spare.popleft()
+    return _getrefcount(b)
+
+
+_UNHELD = _unheld_refs()
 
 
 class BlockPool:
@@ -72,6 +93,17 @@ class BlockPool:
         self.clock = 0
         self._copies: list[PageCopy] = []
         self._removed: list[int] = []
+        # Tree blocks built once, here, and reused after they leave the tree (``new_block``), so a server that
+        # freezes the collector after start-up creates no GC-tracked object per block it caches. Every block
+        # holds a page of each full-attention group, so the first one's pages over all tiers bound the tree;
+        # without full attention, the largest group's pages are a guess. More are made on demand.
+        full = [g.group_id for g in self.groups if g.life_cycle.kind is LifeCycleKind.FULL]
+        per_group = [sum(tier_pools[g].capacity for tier_pools in self._pools) for g in range(self.num_groups)]
+        n_blocks = per_group[full[0]] if full else max(per_group, default=0)
+        self._no_pages: list[None] = [None] * self.num_groups
+        self._spare: deque[Block] = deque(
+            Block(0, None, 0, 0, None, self.num_groups) for _ in range(min(n_blocks, MAX_PREALLOCATED_BLOCKS))
+        )
 
     # --- introspection -----------------------------------------------------------------------------------------
 
@@ -207,6 +239,40 @@ class BlockPool:
                 if not pool.last or not (pool.full_attention and page.block.children):  # type: ignore[union-attr]
                     pool.policy.add(page)
 
+    def release_row(
+        self, group: int, row: Sequence[Page | None], priority: int, own_from: int, shared: set[int]
+    ) -> None:
+        """Give back a cache's pages of ``group`` (GPU pages, as every page a cache holds), deepest first (so that,
+        at equal recency, policies see leaves before their ancestors): uncommitted ones to the free list,
+        committed ones unlocked at ``priority`` (a block below ordinal ``own_from`` or in ``shared`` was reused:
+        its priority only rises). What setting each priority then :meth:`unlock_pages` does, in one pass (every
+        cache's close runs it)."""
+        pool = self.gpu[group]
+        clock = self.clock
+        add = pool.policy.add
+        any_leaf = not pool.last or not pool.full_attention  # else only childless blocks' pages are candidates
+        unlocked = 0
+        for b in range(len(row) - 1, -1, -1):
+            p = row[b]
+            if p is None:
+                continue
+            block = p.block
+            if block is None:
+                self.free_page(p)
+                continue
+            if priority > p.priority or (b >= own_from and b not in shared):
+                p.priority = priority
+            p.ref_count -= 1
+            if p.ref_count == 0:
+                unlocked += 1
+                p.last_used = clock
+                if any_leaf or not block.children:
+                    # n_unlocked counts this page before the policy sees it, as unlock() does.
+                    pool.n_unlocked += unlocked
+                    unlocked = 0
+                    add(p)
+        pool.n_unlocked += unlocked
+
     def attach(self, page: Page, block: Block, priority: int) -> None:
         """Put a fresh locked page (a snapshot) into ``block`` at ``priority`` and unlock it."""
         block.pages[page.pool.group] = page
@@ -251,10 +317,13 @@ class BlockPool:
         out = free[len(free) - take :]
         out.reverse()
         del free[len(free) - take :]
-        for _ in range(n - take):
-            if not free and not self.evict_one(pool):
-                raise AssertionError(f"group {group}: the availability check promised a page")
-            out.append(free.pop())
+        if n > take and pool.last and pool.full_attention:
+            self._drop_leaves(pool, n - take, out)
+        else:
+            for _ in range(n - take):
+                if not free and not self.evict_one(pool):
+                    raise AssertionError(f"group {group}: the availability check promised a page")
+                out.append(free.pop())
         for page in out:
             page.ref_count = 1
         return out
@@ -282,6 +351,75 @@ class BlockPool:
         host_page.pool.free.append(host_page)
         self.stats.onboarded_pages += 1
         return gpu
+
+    # --- tree blocks ---------------------------------------------------------------------------------------------
+
+    def new_block(self, key: int, parent: Block, depth: int, num_tokens: int, tokens: tuple[int, ...] | None) -> Block:
+        """A block in no tree yet (no pages, no children): a spare one when one is free, else a new one."""
+        spare = self._spare
+        while spare:
+            b = spare.popleft()
+            # Reused only when nothing but this frame refers to it (``_UNHELD``): no holder of a removed block (a
+            # match, a policy, a test) can see it come back as another block.
+            if _getrefcount(b) == _UNHELD and not b.children:
+                b.key = key
+                b.parent = parent
+                b.depth = depth
+                b.num_tokens = num_tokens
+                b.tokens = tokens
+                return b
+        return Block(key, parent, depth, num_tokens, tokens, self.num_groups)
+
+    def new_chain(
+        self,
+        parent: Block,
+        keys: Sequence[int],
+        first: int,
+        rows: Sequence[tuple[int, Sequence[Page | None]]],
+        priority: int,
+    ) -> list[Block]:
+        """New full blocks, each the child of the one before (the first of ``parent``), one per key in ``keys``;
+        block ``i`` is ordinal ``first + i`` and takes page ``row[first + i]`` (where not None) of each
+        ``(group, row)`` in ``rows`` at ``priority``. The caller counts them into the tree and announces them."""
+        # :meth:`new_block` inlined: this loop is the cost of every block a cache inserts.
+        spare = self._spare
+        tpb, num_groups = self.tokens_per_block, self.num_groups
+        getrefcount, unheld = _getrefcount, _UNHELD
+        only_g, only = rows[0] if len(rows) == 1 else (0, None)
+        out: list[Block] = []
+        append = out.append
+        ordinal = first
+        for h in keys:
+            while spare:
+                child = spare.popleft()
+                if getrefcount(child) == unheld and not child.children:  # see new_block
+                    child.key = h
+                    child.parent = parent
+                    child.depth = ordinal
+                    child.num_tokens = tpb
+                    child.tokens = None
+                    break
+            else:
+                child = Block(h, parent, ordinal, tpb, None, num_groups)
+            parent.children[h] = child
+            if only is not None:  # one attention group (the common layout): no inner loop
+                p = only[ordinal]
+                if p is not None:
+                    child.pages[only_g] = p
+                    p.block = child
+                    p.priority = priority
+            else:
+                cpages = child.pages
+                for g, row in rows:
+                    p = row[ordinal]
+                    if p is not None:
+                        cpages[g] = p
+                        p.block = child
+                        p.priority = priority
+            append(child)
+            parent = child
+            ordinal += 1
+        return out
 
     # --- eviction ------------------------------------------------------------------------------------------------
 
@@ -358,29 +496,101 @@ class BlockPool:
 
     def remove_block(self, block: Block) -> None:
         """Take a block (and then every ancestor left without pages or children) out of the tree."""
-        tree, stats = self.tree, self.stats
+        # free_committed and eligible inlined: this runs for every block dropped from the tree.
+        spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
+        no_pages = self._no_pages
+        n = 0
         while True:
             pages = block.pages
-            for g, p in enumerate(pages):
+            for p in pages:
                 if p is not None:
-                    pages[g] = None
-                    self.free_committed(p)
+                    if p.ref_count:
+                        raise AssertionError(f"remove_block: {p!r} is locked")
+                    pool = p.pool
+                    pool.n_unlocked -= 1
+                    if p.policy_data is not None:
+                        pool.policy.discard(p)
+                    p.block = None
+                    pool.free.append(p)
+            pages[:] = no_pages
             parent = block.parent
             assert parent is not None
             del parent.children[block.key]
-            tree.num_blocks -= 1
-            stats.removed_blocks += 1
-            if block.num_tokens == self.tokens_per_block:
-                self._removed.append(block.key)
+            spare.append(block)
+            n += 1
+            if block.num_tokens == tpb:
+                removed.append(block.key)
             if parent.parent is None or parent.children:
-                return
-            if parent.pages.count(None) != len(parent.pages):  # the parent still holds a page
+                break
+            if parent.pages != no_pages:  # the parent still holds a page
+                # Its last child is gone: its full-attention pages in their last tier may now be dropped (any
+                # unlocked committed page of a childless block is a candidate).
+                for p in parent.pages:
+                    if p is not None and p.ref_count == 0 and p.policy_data is None:
+                        p.pool.policy.add(p)
                 break
             block = parent
-        for p in parent.pages:
-            # The last child is gone: the parent's full-attention pages in their last tier may now be dropped.
-            if p is not None and p.ref_count == 0 and p.policy_data is None and self.eligible(p):
-                p.pool.policy.add(p)
+        self.tree.num_blocks -= n
+        self.stats.removed_blocks += n
+
+    def _drop_leaves(self, pool: PagePool, k: int, out: list[Page]) -> None:
+        """Evict ``k`` victims from ``pool`` (last tier, full attention, empty free list), each dropping its block
+        (:meth:`remove_block`), their pages appended to ``out`` in eviction order: what ``k`` calls of
+        :meth:`evict_one` then ``free.pop()`` do, in one loop, since it is the cost of every block a full cache
+        admits. A victim's parent that becomes a leaf is often the next victim: the policy hands it back at once
+        (``add_unless_next``, when it has it) instead of queueing it for the next pop."""
+        policy = pool.policy
+        pop_victim = policy.pop_victim
+        take_next = getattr(policy, "add_unless_next", None)
+        free = pool.free
+        spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
+        no_pages = self._no_pages
+        n = 0
+        victim: Page | None = None
+        for left in range(k, 0, -1):
+            if victim is None:
+                victim = pop_victim()
+                if victim is None:
+                    raise AssertionError(f"group {pool.group}: the availability check promised a page")
+            block = victim.block
+            assert block is not None
+            victim = None
+            while True:  # remove_block(block), but a parent page that is the next victim is taken, not queued
+                pages = block.pages
+                for p in pages:
+                    if p is not None:
+                        if p.ref_count:
+                            raise AssertionError(f"_drop_leaves: {p!r} is locked")
+                        ppool = p.pool
+                        ppool.n_unlocked -= 1
+                        if p.policy_data is not None:
+                            ppool.policy.discard(p)
+                        p.block = None
+                        ppool.free.append(p)
+                pages[:] = no_pages
+                parent = block.parent
+                assert parent is not None
+                del parent.children[block.key]
+                spare.append(block)
+                n += 1
+                if block.num_tokens == tpb:
+                    removed.append(block.key)
+                if parent.parent is None or parent.children:
+                    break
+                if parent.pages != no_pages:
+                    for p in parent.pages:
+                        if p is not None and p.ref_count == 0 and p.policy_data is None:
+                            if victim is None and left > 1 and p.pool is pool and take_next is not None:
+                                if take_next(p):
+                                    victim = p
+                            else:
+                                p.pool.policy.add(p)
+                    break
+                block = parent
+            out.append(free.pop())
+        self.stats.dropped_pages += k
+        self.tree.num_blocks -= n
+        self.stats.removed_blocks += n
 
     def gain_child(self, parent: Block) -> None:
         """``parent`` (not a root) gets its first child: its last-tier full-attention pages stop being droppable."""

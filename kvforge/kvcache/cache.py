@@ -15,6 +15,7 @@ Subclasses (the hybrid cache) hook in with ``_snapshot_pages``, ``_on_suspend``,
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -61,6 +62,8 @@ class CacheHost(Protocol):
 
     def can_allocate(self, pages_per_group: Sequence[int]) -> bool: ...
 
+    _listeners: list  # the manager's CacheListeners: a cache tells them only when there are some
+
     def _notify_changed(self, cache: KVCache, group: int | None, lo: int) -> None: ...
 
     def _forget(self, cache: KVCache) -> None: ...
@@ -93,6 +96,7 @@ class KVCache:
         "_pages",
         "_partial",
         "_priority_cb",
+        "_prompt_keys",
         "_root",
         "_shared",
         "_stale_lo",
@@ -135,6 +139,9 @@ class KVCache:
         self._blocks: list[Block] = []
         self._keys: list[int] = []
         self._partial: list[int] = []
+        # The prompt's block keys as the manager validated them (key mode): a commit passing the same keys is not
+        # validated again.
+        self._prompt_keys: tuple[int, ...] = ()
         self._priority_cb = priority_callback
         # Ordinals of blocks this cache completed but found already in the tree (shared like reused ones).
         self._shared: set[int] = set()
@@ -311,7 +318,7 @@ class KVCache:
                 raise ValueError("tokens: expected the committed tokens (this cache is in token mode)")
             if num_tokens is None:
                 raise ValueError("num_tokens: required with block_keys in key mode")
-            n = check_count("num_tokens", num_tokens)
+            n = num_tokens if type(num_tokens) is int and num_tokens >= 0 else check_count("num_tokens", num_tokens)
         committed = self._committed
         if committed + n > self._history:
             raise CacheStateError(
@@ -396,17 +403,29 @@ class KVCache:
         return self._priority_cb is None and (mgr.swa_priorities is None or not mgr.sliding_groups)
 
     def _note_changed(self, group: int | None = None, lo: int = 0) -> None:
-        self.manager._notify_changed(self, group, lo)
+        mgr = self.manager
+        if mgr._listeners:
+            mgr._notify_changed(self, group, lo)
 
     # --- adoption (create, resume) -----------------------------------------------------------------------------
 
-    def _admit(self, match: ReuseMatch, tokens: Sequence[int] | None, nblocks: int, capacity: int) -> bool:
-        """A new cache takes ``match`` and grows to ``nblocks`` blocks; False (nothing changed) without pages."""
+    def _admit(
+        self,
+        match: ReuseMatch,
+        tokens: Sequence[int] | None,
+        nblocks: int,
+        capacity: int,
+        keys: tuple[int, ...] | None = None,
+    ) -> bool:
+        """A new cache takes ``match`` and grows to ``nblocks`` blocks; False (nothing changed) without pages.
+        ``keys``: the prompt's validated block keys (kept in key mode)."""
         if not self._adopt(match, tokens, nblocks):
             return False
+        if self.key_mode and keys is not None:
+            self._prompt_keys = keys
         self._capacity = capacity
         self.num_reused_blocks = len(match.blocks)
-        self.num_reused_tokens = match.num_tokens
+        self.num_reused_tokens = self._committed
         return True
 
     def _adopt(self, match: ReuseMatch, tokens: Sequence[int] | None, nblocks: int = 0) -> bool:
@@ -427,7 +446,8 @@ class KVCache:
         pages: list[list[Page | None]] = [[] for _ in range(mgr.num_groups)]
         for _, _, lst in plan:
             bp.lock_pages(lst)
-        bp.lock_pages(sources)
+        if sources:
+            bp.lock_pages(sources)
         full = mgr.full_groups
         for g, ords, lst in plan:
             if onboard[g]:
@@ -470,8 +490,12 @@ class KVCache:
             self._partial = list(partial.tokens[: match.partial_tokens])  # type: ignore[index]
         else:
             self._partial = []
-        self._reset_stale()
-        self._note_changed()
+        if mgr.sliding_groups:
+            self._reset_stale()
+        else:
+            self._next_stale_at = NEVER
+        if mgr._listeners:
+            mgr._notify_changed(self, None, 0)
         if nblocks > self._nblocks and not self._set_num_blocks(nblocks):
             raise AssertionError("the availability check promised the capacity's pages")
         return True
@@ -574,7 +598,8 @@ class KVCache:
                         lst.append(bp.must_alloc(g) if b < sinks or b >= lo else None)
                 else:
                     lst.extend(bp.alloc_pages(g, nblocks - old))
-                self._note_changed(g, old)
+                if mgr._listeners:
+                    mgr._notify_changed(self, g, old)
             bp.flush_events()
         else:
             for g in mgr.attention_groups:
@@ -599,7 +624,12 @@ class KVCache:
         first = start // tpb
         n_full = (start + n) // tpb - first
         if keys is not None:
-            keys = check_block_keys(keys)
+            # The very key objects the manager validated with the prompt are valid already.
+            pk = self._prompt_keys[first : first + n_full]
+            if not (
+                type(keys) in (list, tuple) and len(keys) == n_full == len(pk) and all(map(operator.is_, keys, pk))
+            ):
+                keys = check_block_keys(keys)
             if len(keys) != n_full:
                 raise ValueError(f"block_keys: this commit completes {n_full} blocks, got {len(keys)} keys")
         elif tokens is None:
@@ -607,8 +637,9 @@ class KVCache:
         end = start + n
         prios: list[list[int]] | None = None
         stale_prios = None
-        if not self._constant_priority():
-            # Asked before any change, so a failing callback leaves the cache as it was.
+        if self._priority_cb is not None or (mgr.swa_priorities is not None and mgr.sliding_groups):
+            # Not _constant_priority() (inlined). Asked before any change, so a failing callback leaves the cache
+            # as it was.
             prios = [[self._priority(first + i, g, end) for g in range(mgr.num_groups)] for i in range(n_full)]
             if end >= self._next_stale_at:
                 stale_prios = self._stale_priorities(end)
@@ -649,10 +680,13 @@ class KVCache:
         new_keys = list(keys[first_new:])
         new_parent_key = None if parent is root else parent.key
         attn_pages = [(g, self._pages[g]) for g in mgr.attention_groups]
-        num_groups = mgr.num_groups
-        for h in new_keys:
+        if prios is None and not rec:
+            blocks.extend(bp.new_chain(parent, new_keys, first + i, attn_pages, default))
+            i = n_full
+        new_block = bp.new_block
+        for h in new_keys[i - first_new :]:
             ordinal = first + i
-            child = Block(h, parent, ordinal, tpb, None, num_groups)
+            child = new_block(h, parent, ordinal, tpb, None)
             parent.children[h] = child
             cpages = child.pages
             for g, lst in attn_pages:
@@ -767,7 +801,7 @@ class KVCache:
         default = mgr.default_priority
         given = release_prios or {}
         prios = [given.get((g, ordinal), default) for g in range(mgr.num_groups)]
-        child = Block(key, parent, ordinal, len(blk), blk, mgr.num_groups)
+        child = bp.new_block(key, parent, ordinal, len(blk), blk)
         for g in mgr.attention_groups:
             # An active cache holds a page for every full-attention block below its capacity, and the window
             # (which contains this block) of every sliding-window group.
@@ -797,9 +831,14 @@ class KVCache:
         shared = self._shared
         for g in mgr.attention_groups:
             lst = self._pages[g]
+            if const:
+                bp.release_row(g, lst, default, reused, shared)
+                self._pages[g] = []
+                continue
             # What ``_release`` does per page, in one pass per group: uncommitted pages go back to the free list,
             # committed ones take their priority (a reused block's only rises) and are unlocked together.
             committed: list[Page] = []
+            append = committed.append
             # Deepest first so that, at equal recency, policies see leaves before their ancestors.
             for b in range(len(lst) - 1, -1, -1):
                 p = lst[b]
@@ -808,10 +847,10 @@ class KVCache:
                 if p.block is None:
                     bp.free_page(p)
                     continue
-                priority = default if const else prios.get((g, b), default)  # type: ignore[union-attr]
-                if (b >= reused and b not in shared) or priority > p.priority:
+                priority = prios.get((g, b), default)  # type: ignore[union-attr]
+                if priority > p.priority or (b >= reused and b not in shared):
                     p.priority = priority
-                committed.append(p)
+                append(p)
             bp.unlock_pages(committed)
             self._pages[g] = []
         for g in mgr.recurrent_groups:
@@ -820,7 +859,8 @@ class KVCache:
                 bp.free_page(live)
                 self._live[g] = None
         self._nblocks = 0
-        self._note_changed()
+        if mgr._listeners:
+            mgr._notify_changed(self, None, 0)
 
     def _suspend(self) -> None:
         prios = self._release_priorities()
@@ -870,7 +910,8 @@ class KVCache:
         if self._status is _ACTIVE:
             prios = self._release_priorities()
             self._on_close()
-            self._insert_partial(prios)
+            if self._partial:
+                self._insert_partial(prios)
             self._release_all(prios)
             self._blocks = []
         self._status = _CLOSED

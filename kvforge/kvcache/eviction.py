@@ -210,8 +210,38 @@ class PrioritizedLRU:
         block = page.block
         self._seq = seq = self._seq + 1
         page.policy_data = seq
-        self._insert((page.priority, page.last_used, -block.depth if block is not None else 0, seq, page.index))
+        entry = (page.priority, page.last_used, -block.depth if block is not None else 0, seq, page.index)
+        # ``_insert`` inlined (every unlocked page passes here).
+        run = self._run
+        if not run or entry > run[-1]:
+            run.append(entry)
+        elif entry < run[0]:
+            run.appendleft(entry)
+        else:
+            heapq.heappush(self._heap, entry)
         self._live += 1
+
+    def add_unless_next(self, page: Page) -> bool:
+        """:meth:`add`, for a caller that calls :meth:`pop_victim` next: True (``page`` is that victim, taken now
+        and not a candidate) when nothing, not even a lazily deleted entry, sorts before it; else False after
+        adding it. Either way the order and every count end as ``add`` then ``pop_victim`` leave them. A subclass
+        that overrides ``add`` must override this too."""
+        if page.policy_data is not None:
+            raise AssertionError(f"{page!r} is already an eviction candidate")
+        if self._pages is None:
+            self._pages = page.pool.pages
+        block = page.block
+        seq = self._seq + 1
+        entry = (page.priority, page.last_used, -block.depth if block is not None else 0, seq, page.index)
+        run, heap = self._run, self._heap
+        # Before both heads, so before every entry: popping now would pop nothing else first.
+        if (run and not entry < run[0]) or (heap and not entry < heap[0]):
+            self.add(page)
+            return False
+        self._seq = seq
+        if self.on_victim is not None:
+            self.on_victim(page)
+        return True
 
     def discard(self, page: Page) -> None:
         if page.policy_data is None:
@@ -229,6 +259,21 @@ class PrioritizedLRU:
         heap = self._heap
         run = self._run
         pages = self._pages
+        if accept is None:
+            # The common call (every eviction): no veto, so nothing to push back.
+            while run or heap:
+                if run and (not heap or run[0] < heap[0]):
+                    entry = run.popleft()
+                else:
+                    entry = heapq.heappop(heap)
+                page = pages[entry[4]]  # type: ignore[index]
+                if page.policy_data == entry[3]:
+                    page.policy_data = None
+                    self._live -= 1
+                    if self.on_victim is not None:
+                        self.on_victim(page)
+                    return page
+            return None
         rejected = []
         victim = None
         while heap or run:

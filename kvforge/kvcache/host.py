@@ -1,10 +1,10 @@
 """Host-side process settings for a server that runs kvforge's cache: keeping the cyclic garbage collector cheap.
 
-A manager allocates its pages once, at construction, and its radix tree grows by a few objects per block; every
-full collection of CPython's cyclic collector walks all of them. :func:`freeze_gc` moves every object alive now
-(the imported modules, the pools' pages) into the collector's permanent generation, as vLLM and SGLang do once
-their engine has started: call it once after building the managers (and a warm-up, if any). The collector stays
-on; objects created afterwards are collected as usual.
+A manager builds its pages and its tree blocks once, at construction, and reuses them (``docs/kvcache.md``, host
+cost); each collection of CPython's cyclic collector walks every object of the generations it collects.
+:func:`freeze_gc` moves every object alive now (the imported modules, the pools' pages and blocks) into the
+collector's permanent generation, as vLLM and SGLang do once their engine has started: call it once after building
+the managers (and a warm-up, if any). The collector stays on; objects created afterwards are collected as usual.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
-"""The paged KV cache manager and its per-request caches.
+"""The paged KV cache manager: prefix matching, admission and the per-request caches (:class:`KVCache`).
 
-Typical use (one request)::
+Per request: ``keys = mgr.prompt_keys(prompt, scope)`` once; ``mgr.plan_admission(...)`` (read-only), then
+``mgr.create_cache(prompt, block_keys=keys, capacity=chunk_end, max_reuse_tokens=len(prompt) - 1)``; each step
+``cache.resize(...)``, the forward pass writes into ``cache.page_indices(group)``, ``cache.commit(tokens)``; at the
+end ``cache.close()`` (committed blocks stay in the tree, evictable).
 
-    mgr = KVCacheManager(config, event_sink=router_feed)
-    keys = mgr.prompt_keys(prompt, scope)           # once per request (kvforge.kvcache.hashing); optional
-    n = mgr.probe_reuse(prompt, scope, block_keys=keys)               # read-only: how much is cached
-    if mgr.plan_admission(prompt, block_keys=keys, scope=scope, capacity=chunk_end).fits:   # check ...
-        cache = mgr.create_cache(prompt, block_keys=keys, scope=scope, capacity=chunk_end,  # ... then act
-                                 max_reuse_tokens=len(prompt) - 1)
-    cache.resize(history=chunk_end)                 # the forward step writes KV into cache.page_indices(g)
-    cache.commit(prompt[cache.num_committed_tokens:chunk_end])      # full blocks become reusable (BlockStored)
-    cache.resize(capacity=cache.history + 1, history=cache.history + 1)   # each decode step (False: no pages)
-    cache.commit([token])
-    cache.close()                                   # committed blocks stay in the tree, evictable
-
-**Contract**: ``probe_reuse`` and ``plan_admission`` are read-only (no LRU touch, no reference, no root) and
-exact: ``create_cache`` with the same arguments succeeds now iff ``plan_admission(...).fits``; it raises
-:class:`~kvforge.errors.OutOfPagesError` changing nothing otherwise. Bad argument types or values raise
-``TypeError`` / ``ValueError`` before any state changes. The manager never touches device memory: tier moves,
-partial-block copies and recurrent restores are :class:`PageCopy` items the runtime must execute, in order,
-before the next forward step (:meth:`KVCacheManager.take_pending_copies`). Full blocks are reused on their
-128-bit salted block key alone (:mod:`kvforge.kvcache.hashing`, the manager's ``hasher``); every prompt-taking
-call accepts ``block_keys`` (from :meth:`KVCacheManager.prompt_keys`, once per request) and ``cache_salt``
-(tenant isolation: its own root). Each :class:`KVCache` keeps
-``num_committed_tokens <= history <= capacity`` and its own state machine (:mod:`kvforge.kvcache.cache`).
-States, copies, partial-block reuse, layout and extension points: ``docs/kvcache.md``. Not thread-safe: one
-scheduler thread drives a manager.
+**Contract**: ``probe_reuse`` and ``plan_admission`` change nothing (no LRU touch, no reference, no root) and are
+exact: ``create_cache`` with the same arguments succeeds now iff ``plan_admission(...).fits``, else it raises
+:class:`~kvforge.errors.OutOfPagesError` changing nothing. Bad argument types or values raise ``TypeError`` /
+``ValueError`` before any state changes. Device memory is never touched: tier moves, partial-block copies and
+recurrent restores are :class:`PageCopy` items the runtime executes, in order, before the next forward step
+(:meth:`KVCacheManager.take_pending_copies`). Full blocks are reused on their 128-bit block key alone (the
+manager's ``hasher``); ``cache_salt`` isolates a tenant. Not thread-safe. States, copies, partial-block reuse,
+layout, extension points and host cost: ``docs/kvcache.md``.
 """
 
 from __future__ import annotations
@@ -311,7 +298,10 @@ class KVCacheManager:
         so the last prompt token is computed. ``cache_salt`` isolates a tenant. Raises OutOfPagesError (nothing
         changed) when the pages cannot be found even after eviction; :meth:`plan_admission` answers first.
         """
-        keys, tokens = self._check_prompt(tokens, block_keys)
+        if tokens is None and block_keys is not None:  # key mode: _check_prompt inlined
+            keys: Sequence[int] | None = check_block_keys(block_keys)
+        else:
+            keys, tokens = self._check_prompt(tokens, block_keys)
         key_mode = tokens is None and keys is not None
         if max_reuse_tokens is not None:
             check_count("max_reuse_tokens", max_reuse_tokens)
@@ -331,19 +321,23 @@ class KVCacheManager:
         root = tree.find_root(scope, cache_salt) or tree.make_root(scope, cache_salt)
         if reuse:
             keys = self._keys_for(root, keys, tokens)
-        match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
-        cap = max(capacity or 0, match.num_tokens)
+        if reuse and keys is not None:  # _match_for inlined (the common call)
+            match = self.matcher.match(root, keys, tokens, max_reuse_tokens)
+        else:
+            match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
+        reused = match.num_tokens
+        cap = reused if capacity is None or capacity < reused else capacity
         cache = self.cache_class(self, cache_id, scope, root, key_mode, priority_callback)
-        if not cache._admit(match, tokens, -(-cap // self.tokens_per_block), cap):
+        if not cache._admit(match, tokens, -(-cap // self.tokens_per_block), cap, keys):  # type: ignore[arg-type]
             bp.flush_events()
             raise OutOfPagesError(
-                f"create_cache: no GPU pages for {match.num_tokens} reused tokens and a capacity of {cap} even "
+                f"create_cache: no GPU pages for {reused} reused tokens and a capacity of {cap} even "
                 f"after eviction (available per group: {[p.num_available for p in bp.gpu]})"
             )
         tree.roots.setdefault(root.key, root)
         self._caches[cache_id] = cache
         self.stats.caches_created += 1
-        self.stats.reused_tokens += match.num_tokens
+        self.stats.reused_tokens += reused
         bp.flush_events()
         return cache
 

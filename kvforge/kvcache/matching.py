@@ -11,6 +11,7 @@ or any count, so the manager's ``probe_reuse`` and ``plan_admission`` are exact 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.config import LifeCycleKind, PoolGroupSpec, Tier
@@ -18,6 +19,8 @@ from kvforge.kvcache.pools import Block, Page
 from kvforge.kvcache.records import ReuseMatch
 
 __all__ = ["PrefixMatcher"]
+
+_ref_count = attrgetter("ref_count")
 
 
 class PrefixMatcher:
@@ -37,6 +40,7 @@ class PrefixMatcher:
         self.recurrent_groups = tuple(i for i, k in enumerate(kinds) if k is LifeCycleKind.RECURRENT)
         self.attention_groups = tuple(i for i, k in enumerate(kinds) if k is not LifeCycleKind.RECURRENT)
         self._gpu = block_pool.gpu
+        self._gpu_only = len(block_pool.tiers) == 1
         self.hasher = block_pool.tree.hasher
 
     # --- matching ------------------------------------------------------------------------------------------------
@@ -58,11 +62,12 @@ class PrefixMatcher:
         blocks: list[Block] = []
         node = root
         if keys is not None:
-            for i in range(min(max_full, len(keys))):
-                child = node.children.get(keys[i])
+            append = blocks.append
+            for key in keys[:max_full] if max_full < len(keys) else keys:
+                child = node.children.get(key)
                 if child is None or child.num_tokens != tpb:
                     break
-                blocks.append(child)
+                append(child)
                 node = child
         n = len(blocks)
         partial, ptoks = None, 0
@@ -73,7 +78,7 @@ class PrefixMatcher:
         if partial is None and (self.sliding_groups or self.recurrent_groups):
             while n and not self.usable(blocks, n, None, 0):
                 n -= 1
-        return ReuseMatch(root, tuple(blocks[:n]), partial, ptoks, tpb)
+        return ReuseMatch(root, tuple(blocks if n == len(blocks) else blocks[:n]), partial, ptoks, tpb)
 
     def usable(self, blocks: Sequence[Block], n: int, partial: Block | None, ptoks: int) -> bool:
         """Whether the first ``n`` full blocks (then ``ptoks`` tokens of ``partial``) can resume a request:
@@ -172,13 +177,20 @@ class PrefixMatcher:
         onboard = [0] * self.num_groups
         taken = [0] * self.num_groups
         for g, _, lst in plan:
+            if self._gpu_only:
+                # One tier: nothing to onboard; the unlocked pages are counted in C.
+                taken[g] = list(map(_ref_count, lst)).count(0)
+                continue
             gpu_pool = gpu[g]
             nd = tk = 0
             for p in lst:
-                if p.pool is not gpu_pool:
+                if p.ref_count == 0:
+                    if p.pool is gpu_pool:
+                        tk += 1
+                    else:
+                        nd += 1
+                elif p.pool is not gpu_pool:
                     nd += 1
-                elif p.ref_count == 0:
-                    tk += 1
             onboard[g] = nd
             taken[g] = tk
         for p in sources:

@@ -12,7 +12,8 @@ A :class:`Page` is one slot of a pool. Its life:
 
 A :class:`Block` (a radix-tree node, see :mod:`~kvforge.kvcache.radix`) holds one page slot per pool group and
 each page points back at its block, so both live here; so does :class:`EvictionPolicy`, the protocol a pool's
-policy satisfies (implementations in :mod:`~kvforge.kvcache.eviction`).
+policy satisfies (implementations in :mod:`~kvforge.kvcache.eviction`). Pages, and most blocks, are built once
+by the block pool and reused (see ``docs/kvcache.md``, host cost), so a frozen server allocates none per block.
 
 The block pool keeps the counts below exact; :meth:`kvforge.kvcache.manager.KVCacheManager.check_invariants`
 verifies them.
@@ -26,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvforge.kvcache.config import LifeCycle, LifeCycleKind, PoolGroupSpec, Tier
 
-__all__ = ["Block", "EvictionPolicy", "EvictionPolicyFactory", "Page", "PagePool", "PageState"]
+__all__ = ["Block", "Children", "EvictionPolicy", "EvictionPolicyFactory", "Page", "PagePool", "PageState"]
 
 
 class PageState(Enum):
@@ -82,6 +83,15 @@ class Page:
         return f"Page(g{self.pool.group} {self.pool.tier.name}#{self.index} ref={self.ref_count} prio={self.priority})"
 
 
+class Children(dict):
+    """A block's children by block key. A dict subclass only so that CPython's collector never stops tracking it:
+    a plain dict with no tracked values is untracked at a full collection and tracked again (into the youngest
+    generation) by its next insertion, so the children of blocks frozen at start-up would re-enter the
+    collector's view one by one (see :mod:`~kvforge.kvcache.host`)."""
+
+    __slots__ = ()
+
+
 class Block:
     """A radix-tree node: one block of tokens under a chained-hash ``key``.
 
@@ -106,7 +116,7 @@ class Block:
         self.depth = depth
         self.num_tokens = num_tokens
         self.tokens = tokens
-        self.children: dict[int, Block] = {}
+        self.children: dict[int, Block] = Children()
         self.pages: list[Page | None] = [None] * num_groups
 
     @property
