@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvforge.kvcache import hashing
-from kvforge.kvcache.hashing import KEY_LIMIT, TOKEN_ID_LIMIT, BlockKeyHasher, check_block_keys, token_array
+from kvforge.kvcache.hashing import ALGORITHMS, KEY_LIMIT, TOKEN_ID_LIMIT, BlockKeyHasher, check_block_keys, token_array
 
 SALT = bytes(range(16))
 
@@ -198,6 +201,43 @@ def test_keys_from_ids_chain_and_domain() -> None:
     for bad in ([True], [1.5], [-1], [2**64], "ab"):
         with pytest.raises((TypeError, ValueError), match="ids"):
             h.keys_from_ids(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_keys_from_ids_equals_an_independent_chain(algorithm: str) -> None:
+    # The hashed input written out by hand: the root of domain "X", then 16-byte parent key + 8-byte id per block.
+    rng = random.Random(7)
+    h = BlockKeyHasher(SALT, algorithm=algorithm)
+
+    def digest(data: bytes) -> bytes:
+        if algorithm == "sha256":
+            return hashlib.sha256(data).digest()[:16]
+        return xxhash.xxh3_128_digest(data, h._seed)
+
+    for scope, salt in ((None, None), (("lora", 2), None), (None, "tenant")):
+        root = h._root(b"X", scope, salt)
+        ids = [rng.randrange(2**64) for _ in range(rng.randint(0, 30))] + [0, 2**64 - 1]
+        want, parent = [], root.to_bytes(16, "little")
+        for v in ids:
+            parent = digest(parent + v.to_bytes(8, "little"))
+            want.append(int.from_bytes(parent, "little"))
+        assert h.keys_from_ids(ids, scope, cache_salt=salt) == want
+        assert h.keys_from_ids(tuple(ids), scope, cache_salt=salt) == want
+
+
+@pytest.mark.parametrize("bad_at", [0, 5, 11])
+def test_keys_from_ids_names_the_first_bad_id_anywhere(hasher: BlockKeyHasher, bad_at: int) -> None:
+    for bad, exc in (
+        (True, TypeError),
+        (np.int64(3), TypeError),
+        (2.0, TypeError),
+        (-1, ValueError),
+        (2**64, ValueError),
+    ):
+        ids = list(range(12))
+        ids[bad_at] = bad  # type: ignore[call-overload]
+        with pytest.raises(exc, match=rf"ids\[{bad_at}\]"):
+            hasher.keys_from_ids(ids)
 
 
 def test_token_array_returns_uint32_view() -> None:

@@ -542,6 +542,9 @@ class BlockPool:
         policy = pool.policy
         pop_victim = policy.pop_victim
         take_next = getattr(policy, "add_unless_next", None)
+        if self.num_groups == 1 and take_next is not None:
+            self._drop_leaves_one_group(pool, k, out)
+            return
         free = pool.free
         spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
         no_pages = self._no_pages
@@ -597,3 +600,55 @@ class BlockPool:
         for p in parent.pages:
             if p is not None and p.policy_data is not None and p.pool.last and p.pool.full_attention:
                 p.pool.policy.discard(p)
+
+    def _drop_leaves_one_group(self, pool: PagePool, k: int, out: list[Page]) -> None:
+        """:meth:`_drop_leaves` for a layout of one pool group whose policy has ``add_unless_next``: a block
+        holds one page, so a victim's block frees the victim alone (appended to ``out`` directly, not through
+        the free list, which is empty here) and the pool's unlocked count drops by ``k`` at the end (nothing in
+        this loop reads it)."""
+        policy = pool.policy
+        pop_victim, take_next = policy.pop_victim, policy.add_unless_next  # type: ignore[attr-defined]
+        spare_append, removed_append, out_append = self._spare.append, self._removed.append, out.append
+        tpb = self.tokens_per_block
+        n = 0
+        victim: Page | None = None
+        for left in range(k, 0, -1):
+            if victim is None:
+                victim = pop_victim()
+                if victim is None:
+                    raise AssertionError(f"group {pool.group}: the availability check promised a page")
+            if victim.ref_count:
+                raise AssertionError(f"_drop_leaves: {victim!r} is locked")
+            block = victim.block
+            assert block is not None
+            block.pages[0] = None
+            victim.block = None
+            out_append(victim)
+            victim = None
+            while True:  # the block, then each ancestor left with no page and no child, leaves the tree
+                parent = block.parent
+                assert parent is not None
+                key = block.key
+                del parent.children[key]
+                spare_append(block)
+                n += 1
+                if block.num_tokens == tpb:
+                    removed_append(key)
+                if parent.parent is None or parent.children:
+                    break
+                p = parent.pages[0]
+                if p is not None:
+                    # Now a leaf: its page, if unlocked, becomes a candidate, and is taken at once when it is the
+                    # next victim (add_unless_next added it otherwise).
+                    if p.ref_count == 0 and p.policy_data is None:
+                        if left > 1 and p.pool is pool:
+                            if take_next(p):
+                                victim = p
+                        else:
+                            p.pool.policy.add(p)
+                    break
+                block = parent
+        pool.n_unlocked -= k
+        self.stats.dropped_pages += k
+        self.tree.num_blocks -= n
+        self.stats.removed_blocks += n

@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import hashlib
 import os
+import struct
 import sys
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -49,6 +50,8 @@ SALT_ENV = "KVFORGE_BLOCK_KEY_SALT"
 _ID_LIMIT = 1 << 64  # external block ids (a trace's hash_ids) are hashed as 8-byte words
 
 _U32 = "<u4"
+# A parent key's 16 bytes then an external id as the 8-byte little-endian word: what an id's key hashes.
+_PACK_ID_INPUT = struct.Struct(f"<{KEY_BYTES}sQ").pack
 _NATIVE_LITTLE = sys.byteorder == "little"
 if array.array("I").itemsize != 4:  # 4 on every platform CPython supports today
     raise ImportError("kvforge.kvcache.hashing needs array('I') to hold 32-bit words")
@@ -213,6 +216,15 @@ def _check_cache_salt(cache_salt: object) -> bytes | None:
     return cache_salt
 
 
+def _check_ids(ids: Sequence[object]) -> None:
+    """Raise the precise error for the first id of ``ids`` that is not an int in ``[0, 2**64)``."""
+    for i, v in enumerate(ids):
+        if type(v) is not int:
+            raise TypeError(f"ids[{i}]: expected an int, got {type(v).__name__}")
+        if not 0 <= v < _ID_LIMIT:
+            raise ValueError(f"ids[{i}]: expected an id in [0, 2**64), got {v}")
+
+
 # --- the hasher ----------------------------------------------------------------------------------------------------
 
 
@@ -223,7 +235,7 @@ class BlockKeyHasher:
     ``vocab_size``: token ids must be below it (default and maximum 2**32).
     """
 
-    __slots__ = ("_default_root", "_prefix", "_salt", "_seed", "algorithm", "vocab_size")
+    __slots__ = ("_default_id_root", "_default_root", "_prefix", "_salt", "_seed", "algorithm", "vocab_size")
 
     def __init__(
         self, salt: bytes | None = None, *, algorithm: str = "xxh3_128", vocab_size: int = TOKEN_ID_LIMIT
@@ -243,7 +255,9 @@ class BlockKeyHasher:
         # (every key's input starts with its parent's key, so every key depends on the root).
         self._seed = int.from_bytes(hashlib.blake2b(salt, digest_size=8, person=b"kvforge-seed").digest(), "little")
         self._prefix = b"kvforge-root\0" + algorithm.encode() + b"\0" + salt
+        # The two roots of a request without scope or salt, computed once (every keys_from_ids call needs one).
         self._default_root = self.root_key()
+        self._default_id_root = self._root(b"X", None, None)
 
     @property
     def salt(self) -> bytes:
@@ -360,15 +374,34 @@ class BlockKeyHasher:
         keys live in their own domain, so they never equal keys of token blocks."""
         if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, Sequence):
             raise TypeError(f"ids: expected a sequence of ints, got {type(ids).__name__}")
-        ids = tuple(ids)
-        if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= _ID_LIMIT):
-            for i, v in enumerate(ids):
-                if type(v) is not int:
-                    raise TypeError(f"ids[{i}]: expected an int, got {type(v).__name__}")
-                if not 0 <= v < _ID_LIMIT:
-                    raise ValueError(f"ids[{i}]: expected an id in [0, 2**64), got {v}")
-        data = np.array(ids, dtype="<u8").tobytes()
-        return self._chain(self._root(b"X", scope, cache_salt), data, len(ids), 8)
+        parent = self._default_id_root if scope is None and cache_salt is None else self._root(b"X", scope, cache_salt)
+        # The chain inlined, each id packed as it is hashed: the pack refuses a negative, too large or non-integer
+        # id, and the exact type test refuses bool and numpy ints (both would pack); the first failure re-checks
+        # the whole sequence for a precise error, before anything is returned.
+        h = parent.to_bytes(KEY_BYTES, "little")
+        keys: list[int] = []
+        append, frm, pack = keys.append, int.from_bytes, _PACK_ID_INPUT
+        try:
+            if self.algorithm == "sha256":
+                sha = hashlib.sha256
+                for v in ids:
+                    if type(v) is not int:
+                        break
+                    h = sha(pack(h, v)).digest()[:KEY_BYTES]
+                    append(frm(h, "little"))
+            else:
+                f, seed = xxhash.xxh3_128_digest, self._seed
+                for v in ids:
+                    if type(v) is not int:
+                        break
+                    h = f(pack(h, v), seed)
+                    append(frm(h, "little"))
+        except struct.error:
+            pass
+        if len(keys) != len(ids):
+            _check_ids(ids)
+            raise AssertionError("keys_from_ids: an id failed to pack but passed the checks")  # pragma: no cover
+        return keys
 
     def __repr__(self) -> str:
         return f"BlockKeyHasher(algorithm={self.algorithm!r}, vocab_size={self.vocab_size})"
