@@ -23,7 +23,7 @@ from kvforge.errors import CacheStateError
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.config import LifeCycle, PoolGroupSpec, Tier
 from kvforge.kvcache.eviction import check_priority
-from kvforge.kvcache.hashing import check_block_keys, check_tokens
+from kvforge.kvcache.hashing import check_block_keys, check_tokens, token_ints
 from kvforge.kvcache.matching import PrefixMatcher
 from kvforge.kvcache.pools import Block, Page
 from kvforge.kvcache.records import (
@@ -331,7 +331,7 @@ class KVCache:
                 self._commit_in_block(tokens, committed + n)
                 return
             if tokens is not None:
-                self._partial.extend(tokens)
+                self._partial.extend(token_ints(tokens))
             self._committed = committed + n
             return
         self._commit_blocks(tokens, n, block_keys)
@@ -485,7 +485,7 @@ class KVCache:
         self._nblocks = n + (partial is not None)
         self._committed = self._history = self._capacity = total
         if partial is not None and tokens is not None:
-            self._partial = list(tokens[n * tpb : total])
+            self._partial = list(token_ints(tokens[n * tpb : total]))
         elif partial is not None:
             self._partial = list(partial.tokens[: match.partial_tokens])  # type: ignore[index]
         else:
@@ -532,7 +532,7 @@ class KVCache:
         """A commit that completes no block but moves a sliding window past some pages."""
         prios = self._stale_priorities(committed)
         if tokens is not None:
-            self._partial.extend(tokens)
+            self._partial.extend(token_ints(tokens))
         self._committed = committed
         self._release_stale(prios)
 
@@ -705,14 +705,14 @@ class KVCache:
             # would double the cost of a long insert. Block j > 0 starts at j * tpb - fill in ``tokens``.
             base = len(blocks) - n_full
             if fill and first_new == 0:
-                blocks[base].tokens = (*partial, *tokens[: tpb - fill])
+                blocks[base].tokens = (*partial, *token_ints(tokens[: tpb - fill]))
             last = n_full - 1
             if last >= first_new and (last or not fill):
-                blocks[base + last].tokens = tuple(tokens[last * tpb - fill : n_full * tpb - fill])
+                blocks[base + last].tokens = tuple(token_ints(tokens[last * tpb - fill : n_full * tpb - fill]))
             if n_full:
-                self._partial = list(tokens[n_full * tpb - fill :])
+                self._partial = list(token_ints(tokens[n_full * tpb - fill :]))
             else:
-                partial.extend(tokens)
+                partial.extend(token_ints(tokens))
         self._committed = end
         bp.tree.num_blocks += len(new_keys)
         mgr.stats.inserted_blocks += len(new_keys)

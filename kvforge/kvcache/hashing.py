@@ -40,6 +40,7 @@ __all__ = [
     "keys_from_ids",
     "root_key",
     "token_array",
+    "token_ints",
 ]
 
 KEY_BYTES = 16
@@ -50,6 +51,7 @@ SALT_ENV = "KVFORGE_BLOCK_KEY_SALT"
 _ID_LIMIT = 1 << 64  # external block ids (a trace's hash_ids) are hashed as 8-byte words
 
 _U32 = "<u4"
+_U32_DTYPE = np.dtype(_U32)
 # A parent key's 16 bytes then an external id as the 8-byte little-endian word: what an id's key hashes.
 _PACK_ID_INPUT = struct.Struct(f"<{KEY_BYTES}sQ").pack
 _NATIVE_LITTLE = sys.byteorder == "little"
@@ -92,7 +94,11 @@ def token_array(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN
             raise ValueError(f"{name}: expected a 1-D array of token ids, got shape {tokens.shape}")
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"{name}: expected an integer array of token ids, got dtype {tokens.dtype}")
-        if tokens.size:
+        if tokens.dtype == _U32_DTYPE:  # every id of the project's own dtype is in [0, 2**32): only the vocab bound
+            if vocab_size < TOKEN_ID_LIMIT and tokens.size and int(tokens.max()) >= vocab_size:
+                i = int(np.argmax(tokens))
+                raise ValueError(f"{name}[{i}]: expected a token id in [0, {vocab_size}), got {int(tokens[i])}")
+        elif tokens.size:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < 0 or hi >= vocab_size:
                 i = int(np.argmin(tokens)) if lo < 0 else int(np.argmax(tokens))
@@ -133,7 +139,20 @@ def token_array(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN
 
 def check_tokens(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN_ID_LIMIT) -> Sequence[int]:
     """``tokens`` after the checks of :func:`token_array`, as a sequence of Python ints (a numpy array comes back
-    as a list; a valid list or tuple comes back as given). Short sequences (a decode step) take a cheap path."""
+    as a list; a valid list or tuple comes back as given). Short sequences (a decode step) take a cheap path.
+
+    A *read-only* 1-D little-endian uint32 array (what :func:`token_array` makes and a scheduler's request
+    keeps) comes back as is, not as a list: its dtype already bounds every id below 2**32 (a smaller
+    ``vocab_size`` takes one numpy max), and read-only means the caller promised it will not change. Callers
+    that keep tokens take Python ints from it with :func:`token_ints`."""
+    if (
+        type(tokens) is np.ndarray
+        and tokens.dtype == _U32_DTYPE
+        and tokens.ndim == 1
+        and not tokens.flags.writeable
+        and (vocab_size >= TOKEN_ID_LIMIT or not tokens.size or int(tokens.max()) < vocab_size)
+    ):
+        return tokens  # type: ignore[return-value]  # a sequence of ints in every way the library reads it
     if isinstance(tokens, (list, tuple)) and len(tokens) <= 64:
         for t in tokens:
             if type(t) is not int or not 0 <= t < vocab_size:
@@ -142,6 +161,11 @@ def check_tokens(tokens: object, name: str = "tokens", *, vocab_size: int = TOKE
             return tokens
     arr = token_array(tokens, name, vocab_size=vocab_size)
     return arr.tolist() if isinstance(tokens, np.ndarray) else tokens  # type: ignore[return-value]
+
+
+def token_ints(tokens: Sequence[int] | np.ndarray) -> Sequence[int]:
+    """Validated token ids as Python ints, to keep: a numpy array's as a list, any other sequence as given."""
+    return tokens.tolist() if type(tokens) is np.ndarray else tokens  # type: ignore[return-value]
 
 
 def _bytes_view(arr: np.ndarray) -> memoryview:

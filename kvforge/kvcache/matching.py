@@ -15,6 +15,7 @@ from operator import attrgetter
 
 from kvforge.kvcache.block_pool import BlockPool
 from kvforge.kvcache.config import LifeCycleKind, PoolGroupSpec, Tier
+from kvforge.kvcache.hashing import token_ints
 from kvforge.kvcache.pools import Block, Page
 from kvforge.kvcache.records import ReuseMatch
 
@@ -108,7 +109,7 @@ class PrefixMatcher:
         self, blocks: list[Block], node: Block, tokens: Sequence[int], start: int, end: int
     ) -> tuple[Block | None, int]:
         """The child of ``node`` sharing the longest token prefix with ``tokens[start:end]`` (at most one block)."""
-        rem = tuple(tokens[start : min(end, start + self.tokens_per_block)])
+        rem = tuple(token_ints(tokens[start : min(end, start + self.tokens_per_block)]))
         first = rem[0]
         best, best_len = None, 0
         for child in node.children.values():
@@ -130,7 +131,7 @@ class PrefixMatcher:
         if not n_full:
             return []
         tpb = self.tokens_per_block
-        seq = tokens[: n_full * tpb] if not partial else (*partial, *tokens[: n_full * tpb - len(partial)])
+        seq = tokens[: n_full * tpb] if not partial else [*partial, *token_ints(tokens[: n_full * tpb - len(partial)])]
         return self.hasher.block_keys(seq, tpb, parent=parent_key)
 
     # --- page needs ---------------------------------------------------------------------------------------------
