@@ -6,6 +6,8 @@
 * A removed block the caller still holds keeps its key and parent (it is never reused while referenced); one
   nobody holds is reused, so a pool's block objects stay bounded by its pages.
 * After ``freeze_gc``, caching many blocks creates no GC-tracked objects per block.
+* Hits, the order of removed blocks and the cached set equal those of an independent model of the policy (one
+  full-attention pool: evict the unlocked leaf with the least ``(last_used, -depth, candidacy order)``).
 """
 
 from __future__ import annotations
@@ -127,3 +129,113 @@ def test_no_gc_tracked_objects_per_cached_block() -> None:
         gc.unfreeze()
     assert mgr.num_tree_blocks == 3208
     assert grown < 100, f"{grown} GC-tracked objects more after caching 3,200 blocks"
+
+
+class _ReferenceCache:
+    """The default policy on key-mode requests, written as a plain model: a cached block is a prefix of ids with
+    a lock count; the candidates are unlocked cached prefixes without a cached child, and the victim is the one
+    with the least ``(last unlocked, -depth, order it became a candidate)``. Priorities are all the default."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+        self.last_used: dict[tuple[int, ...], int] = {}
+        self.locks: dict[tuple[int, ...], int] = {}
+        self.since: dict[tuple[int, ...], int] = {}  # candidates -> when they became one
+        self.order = 0
+        self.clock = 0
+        self.removed: list[tuple[int, ...]] = []
+
+    def _leaf(self, prefix: tuple[int, ...]) -> bool:
+        return not any(b[:-1] == prefix for b in self.last_used)
+
+    def _lock(self, prefix: tuple[int, ...]) -> None:
+        self.locks[prefix] = self.locks.get(prefix, 0) + 1
+        self.since.pop(prefix, None)
+
+    def create(self, ids: list[int]) -> list:
+        self.clock += 1
+        hit = 0
+        while hit < len(ids) and tuple(ids[: hit + 1]) in self.last_used:
+            hit += 1
+        held = [tuple(ids[: i + 1]) for i in range(hit)]
+        for prefix in held:
+            self._lock(prefix)
+        return [ids, hit, held]
+
+    def grow(self, req: list) -> None:
+        """resize to the whole prompt (False without pages: nothing changes), then commit it."""
+        ids, hit, held = req
+        need = len(ids) - hit
+        if need > self.pages - sum(1 for n in self.locks.values() if n):
+            return
+        for _ in range(need - (self.pages - len(self.last_used))):
+            victim = min(self.since, key=lambda b: (self.last_used[b], -len(b), self.since[b]))
+            del self.since[victim], self.last_used[victim], self.locks[victim]
+            self.removed.append(victim)
+            parent = victim[:-1]
+            if parent in self.last_used and not self.locks[parent] and self._leaf(parent):
+                self.order += 1
+                self.since[parent] = self.order
+        for prefix in (tuple(ids[: i + 1]) for i in range(hit, len(ids))):
+            if prefix in self.last_used:  # another open request committed it meanwhile: shared, this page freed
+                self._lock(prefix)
+            else:
+                self.last_used[prefix] = 0
+                self.locks[prefix] = 1
+            held.append(prefix)
+
+    def close(self, req: list) -> None:
+        self.clock += 1
+        for prefix in reversed(req[2]):  # deepest first
+            self.locks[prefix] -= 1
+            if not self.locks[prefix]:
+                self.last_used[prefix] = self.clock
+                if self._leaf(prefix):
+                    self.order += 1
+                    self.since[prefix] = self.order
+
+
+def _open(mgr: KVCacheManager, ids: list[int]) -> list:
+    keys = keys_from_ids(ids)
+    cache = mgr.create_cache(block_keys=keys)
+    return [cache, keys, cache.num_committed_tokens]
+
+
+def _grow(req: list) -> None:
+    cache, keys, reused = req
+    n = len(keys) * TPB
+    if cache.resize(capacity=n, history=n):
+        cache.commit(num_tokens=n - reused, block_keys=keys[reused // TPB :])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**16), st.integers(4, 16))
+def test_eviction_matches_an_independent_model(seed: int, pages: int) -> None:
+    # Requests one at a time, and in pairs (both created, then both grown, then both closed: one evicts while the
+    # other holds its prefix, and commits a block the other committed first). The clock ticks at every create and
+    # every close, as the manager's does.
+    rng = random.Random(seed)
+    events: list = []
+    mgr = _manager(pages, events=events)
+    ref = _ReferenceCache(pages)
+    stems = [[rng.randrange(40) for _ in range(rng.randint(1, 5))] for _ in range(4)]
+
+    def prompt(longest: int) -> list[int]:
+        ids = list(rng.choice(stems))[: rng.randint(1, 5)]
+        return ids + [rng.randrange(400) for _ in range(rng.randint(0, longest))]
+
+    for _ in range(40):
+        batch = [prompt(pages)] if rng.random() < 0.5 else [prompt(pages // 2), prompt(pages // 2)]
+        ours = [_open(mgr, ids) for ids in batch]
+        theirs = [ref.create(ids) for ids in batch]
+        assert [r[2] // TPB for r in ours] == [r[1] for r in theirs]
+        for a, b in zip(ours, theirs):
+            _grow(a)
+            ref.grow(b)
+        for a, b in zip(ours, theirs):
+            a[0].close()
+            ref.close(b)
+        mgr.check_invariants()
+    removed = [k for e in events if isinstance(e, BlockRemoved) for k in e.block_keys]
+    assert removed == [keys_from_ids(list(prefix))[-1] for prefix in ref.removed]
+    assert {b.key for b in mgr.tree.blocks()} == {keys_from_ids(list(p))[-1] for p in ref.last_used}
