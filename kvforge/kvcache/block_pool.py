@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 
 from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, PoolGroupSpec, Tier
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
+from kvforge.kvcache.eviction import PrioritizedLRU
 from kvforge.kvcache.hashing import BlockKeyHasher, default_hasher
 from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
 from kvforge.kvcache.radix import RadixTree
@@ -605,9 +606,12 @@ class BlockPool:
         """:meth:`_drop_leaves` for a layout of one pool group whose policy has ``add_unless_next``: a block
         holds one page, so a victim's block frees the victim alone (appended to ``out`` directly, not through
         the free list, which is empty here) and the pool's unlocked count drops by ``k`` at the end (nothing in
-        this loop reads it)."""
+        this loop reads it). With the default policy itself (not a subclass, no ``on_victim``), its
+        ``add_unless_next`` is inlined: the test against the heads of its sorted run and heap, nothing else."""
         policy = pool.policy
         pop_victim, take_next = policy.pop_victim, policy.add_unless_next  # type: ignore[attr-defined]
+        inline = type(policy) is PrioritizedLRU and policy.on_victim is None
+        run, heap = (policy._run, policy._heap) if inline else ((), ())  # type: ignore[attr-defined]
         spare_append, removed_append, out_append = self._spare.append, self._removed.append, out.append
         tpb = self.tokens_per_block
         n = 0
@@ -641,11 +645,18 @@ class BlockPool:
                     # Now a leaf: its page, if unlocked, becomes a candidate, and is taken at once when it is the
                     # next victim (add_unless_next added it otherwise).
                     if p.ref_count == 0 and p.policy_data is None:
-                        if left > 1 and p.pool is pool:
-                            if take_next(p):
-                                victim = p
-                        else:
+                        if left == 1 or p.pool is not pool:
                             p.pool.policy.add(p)
+                        elif inline:
+                            # PrioritizedLRU.add_unless_next: taken when it sorts before both heads.
+                            entry = (p.priority, p.last_used, -parent.depth, policy._seq + 1, p.index)  # type: ignore[attr-defined]
+                            if (run and not entry < run[0]) or (heap and not entry < heap[0]):
+                                policy.add(p)
+                            else:
+                                policy._seq += 1  # type: ignore[attr-defined]
+                                victim = p
+                        elif take_next(p):
+                            victim = p
                     break
                 block = parent
         pool.n_unlocked -= k

@@ -170,7 +170,9 @@ class PrioritizedLRU:
     is found again through its pool). Entries live in a sorted run (a deque) when they sort after its last or
     before its first entry, which is the common case (pages unlocked with a rising clock; a parent freed by
     its leaf's eviction, never more recent than that leaf), and in a heap otherwise; the victim is the smaller
-    head of the two, so the order is the same as one heap's at O(1) for most adds and pops.
+    head of the two, so the order is the same as one heap's at O(1) for most adds and pops. The block pool's
+    one-group eviction loop inlines :meth:`add_unless_next` for this class exactly (it reads ``_run``, ``_heap``
+    and ``_seq``): a change to the entry layout or to that method changes ``BlockPool._drop_leaves_one_group``.
     """
 
     __slots__ = ("_heap", "_live", "_pages", "_run", "_seq", "on_victim")
