@@ -5,7 +5,8 @@ bytes and its parent's key. A chain starts at a **root key** from the hasher's s
 optional per-request ``cache_salt``. Processes that exchange keys must share salt and algorithm.
 
 Token ids are ints in ``[0, vocab_size)`` (``vocab_size <= TOKEN_ID_LIMIT = 2**32``), given as a sequence of
-ints or a 1-D numpy integer array. ``TypeError``: bool, float, str, None, objects without ``__index__``;
+ints or a 1-D numpy integer array (a read-only uint32 one is taken as validated by its dtype and flags, see
+:func:`check_tokens`). ``TypeError``: bool, float, str, None, objects without ``__index__``;
 ``ValueError``: negative ids, ids at or past the bound. Keys given by callers are checked by
 :func:`check_block_keys`. Algorithms: ``"xxh3_128"`` (default, not cryptographic) and ``"sha256"``; the salt is
 random per process unless given (``salt=`` or ``$KVFORGE_BLOCK_KEY_SALT``).
