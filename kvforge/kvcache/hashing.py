@@ -178,15 +178,18 @@ def check_block_keys(keys: object, name: str = "block_keys") -> tuple[int, ...]:
     if isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence):
         raise TypeError(f"{name}: expected a sequence of int block keys, got {type(keys).__name__}")
     out = tuple(keys)
-    if not out:
+    limit = KEY_LIMIT
+    for k in out:  # one pass (a prompt's keys on every admission); the failure is named below
+        if type(k) is not int or not 0 <= k < limit:
+            break
+    else:
         return out
-    if set(map(type, out)) != {int}:
-        i, k = next((i, k) for i, k in enumerate(out) if type(k) is not int)
-        raise TypeError(f"{name}[{i}]: expected an int block key, got {type(k).__name__}")
-    if min(out) < 0 or max(out) >= KEY_LIMIT:
-        i, k = next((i, k) for i, k in enumerate(out) if not 0 <= k < KEY_LIMIT)
-        raise ValueError(f"{name}[{i}]: expected a block key in [0, 2**128), got {k}")
-    return out
+    for i, k in enumerate(out):
+        if type(k) is not int:
+            raise TypeError(f"{name}[{i}]: expected an int block key, got {type(k).__name__}")
+        if not 0 <= k < KEY_LIMIT:
+            raise ValueError(f"{name}[{i}]: expected a block key in [0, 2**128), got {k}")
+    raise AssertionError("check_block_keys: a key failed the check but not the search")  # pragma: no cover
 
 
 def _check_tpb(tokens_per_block: object) -> int:
