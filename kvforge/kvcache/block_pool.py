@@ -261,7 +261,8 @@ class BlockPool:
             if block is None:
                 self.free_page(p)
                 continue
-            if priority > p.priority or (b >= own_from and b not in shared):
+            # Only a different priority can change anything (the common case is equal: skip both tests).
+            if priority != p.priority and (priority > p.priority or (b >= own_from and b not in shared)):
                 p.priority = priority
             p.ref_count -= 1
             if p.ref_count == 0:
@@ -614,7 +615,7 @@ class BlockPool:
         run, heap = (policy._run, policy._heap) if inline else ((), ())  # type: ignore[attr-defined]
         spare_append, removed_append, out_append = self._spare.append, self._removed.append, out.append
         tpb = self.tokens_per_block
-        n = 0
+        n = k  # blocks removed: each victim's, plus ancestors left with no page (counted below)
         victim: Page | None = None
         for left in range(k, 0, -1):
             if victim is None:
@@ -635,7 +636,6 @@ class BlockPool:
                 key = block.key
                 del parent.children[key]
                 spare_append(block)
-                n += 1
                 if block.num_tokens == tpb:
                     removed_append(key)
                 if parent.parent is None or parent.children:
@@ -659,6 +659,7 @@ class BlockPool:
                             victim = p
                     break
                 block = parent
+                n += 1
         pool.n_unlocked -= k
         self.stats.dropped_pages += k
         self.tree.num_blocks -= n

@@ -438,9 +438,27 @@ class KVCache:
         n = len(blocks)
         total = match.num_tokens
         partial = match.partial
-        plan, sources, need, taken, onboard = mgr.matcher.reuse_needs(match, nblocks)
+        matcher = mgr.matcher
+        plan, sources, need, taken, onboard = matcher.reuse_needs(match, nblocks)
         if not bp.fits(need, taken):
             return False
+        if matcher.one_full_group and partial is None:
+            # One full-attention group in one tier, no partial tail: lock the matched pages, nothing to copy, no
+            # live state, no window (what the general path below does for this layout).
+            row = plan[0][2]
+            bp.lock_pages(row)
+            bp.tick()
+            self._pages = [row]
+            self._blocks = list(blocks)
+            self._nblocks = n
+            self._committed = self._history = self._capacity = total
+            self._partial = []
+            self._next_stale_at = NEVER
+            if mgr._listeners:
+                mgr._notify_changed(self, None, 0)
+            if nblocks > n and not self._set_num_blocks(nblocks):
+                raise AssertionError("the availability check promised the capacity's pages")
+            return True
 
         width = n + (partial is not None)
         pages: list[list[Page | None]] = [[] for _ in range(mgr.num_groups)]

@@ -42,6 +42,8 @@ class PrefixMatcher:
         self.attention_groups = tuple(i for i, k in enumerate(kinds) if k is not LifeCycleKind.RECURRENT)
         self._gpu = block_pool.gpu
         self._gpu_only = len(block_pool.tiers) == 1
+        # One full-attention group in one tier (the plain layout): reuse_needs has nothing but a count to do.
+        self.one_full_group = self._gpu_only and self.full_groups == (0,) and self.num_groups == 1
         self.hasher = block_pool.tree.hasher
 
     # --- matching ------------------------------------------------------------------------------------------------
@@ -154,12 +156,17 @@ class PrefixMatcher:
         needed per group, the unlocked GPU pages per group the adoption would lock (no longer available), and
         the host pages per group to onboard.
         """
-        tpb = self.tokens_per_block
-        gpu = self._gpu
         blocks = match.blocks
         n = len(blocks)
-        total = match.num_tokens
         partial = match.partial
+        if self.one_full_group and partial is None:
+            # What the general path below computes for this layout, without its per-group loops.
+            lst = [b.pages[0] for b in blocks]
+            taken = [list(map(_ref_count, lst)).count(0)]
+            return [(0, range(n), lst)], [], [nblocks - n if nblocks > n else 0], taken, [0]  # type: ignore[list-item]
+        tpb = self.tokens_per_block
+        gpu = self._gpu
+        total = match.num_tokens
         plan: list[tuple[int, Sequence[int], list[Page]]] = []
         for g in self.full_groups:
             plan.append((g, range(n), [b.pages[g] for b in blocks]))  # type: ignore[misc]
