@@ -3,7 +3,8 @@
 * Random key-mode requests over a small full-attention pool give the same state snapshot, events and copies with
   the default policy as with a policy that lacks ``add_unless_next`` (the block pool then evicts one
   ``pop_victim`` at a time) and with a subclass of it (the pool then calls its ``add_unless_next`` rather than
-  inlining it), after every request, and the invariant check holds.
+  inlining it) and through the general admission path (not the one-group short path), after every request,
+  and the invariant check holds.
 * A removed block the caller still holds keeps its key and parent (it is never reused while referenced); one
   nobody holds is reused, so a pool's block objects stay bounded by its pages.
 * After ``freeze_gc``, caching many blocks creates no GC-tracked objects per block.
@@ -91,13 +92,15 @@ def test_eviction_shortcut_matches_one_pop_at_a_time(seed: int, pages: int) -> N
     fast = _manager(pages, events=ev_fast)
     plain = _manager(pages, policy=_PlainLRU, events=ev_plain)
     sub = _manager(pages, policy=_SubLRU, events=ev_sub)
+    general = _manager(pages)
+    general.matcher.one_full_group = False  # admission through the general per-group path
     stems = [[rng.randrange(50) for _ in range(rng.randint(1, 6))] for _ in range(4)]
     for _ in range(40):
         ids = list(rng.choice(stems)) + [rng.randrange(1000) for _ in range(rng.randint(0, pages))]
         ids = ids[:pages]
-        assert _serve(fast, ids) == _serve(plain, ids) == _serve(sub, ids)
+        assert _serve(fast, ids) == _serve(plain, ids) == _serve(sub, ids) == _serve(general, ids)
         fast.check_invariants()
-        assert fast.state_snapshot() == plain.state_snapshot() == sub.state_snapshot()
+        assert fast.state_snapshot() == plain.state_snapshot() == sub.state_snapshot() == general.state_snapshot()
         assert fast.take_pending_copies() == plain.take_pending_copies() == sub.take_pending_copies()
     assert ev_fast == ev_plain == ev_sub and any(isinstance(e, BlockRemoved) for e in ev_fast)
     assert fast.stats == plain.stats == sub.stats
