@@ -445,10 +445,10 @@ class KVCache:
         if matcher.one_full_group and partial is None:
             # One full-attention group in one tier, no partial tail: lock the matched pages, nothing to copy, no
             # live state, no window (what the general path below does for this layout).
-            row = plan[0][2]
-            bp.lock_pages(row)
+            matched: list[Page | None] = plan[0][2]  # type: ignore[assignment]
+            bp.lock_pages(plan[0][2])
             bp.tick()
-            self._pages = [row]
+            self._pages = [matched]
             self._blocks = list(blocks)
             self._nblocks = n
             self._committed = self._history = self._capacity = total

@@ -161,9 +161,9 @@ class PrefixMatcher:
         partial = match.partial
         if self.one_full_group and partial is None:
             # What the general path below computes for this layout, without its per-group loops.
-            lst = [b.pages[0] for b in blocks]
-            taken = [list(map(_ref_count, lst)).count(0)]
-            return [(0, range(n), lst)], [], [nblocks - n if nblocks > n else 0], taken, [0]  # type: ignore[list-item]
+            matched: list[Page] = [b.pages[0] for b in blocks]  # type: ignore[misc]  # full attention: never None
+            taken = [list(map(_ref_count, matched)).count(0)]
+            return [(0, range(n), matched)], [], [nblocks - n if nblocks > n else 0], taken, [0]
         tpb = self.tokens_per_block
         gpu = self._gpu
         total = match.num_tokens
