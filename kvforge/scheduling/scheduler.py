@@ -687,7 +687,9 @@ class Scheduler:
         assert toks is not None
         if req.output_tokens and req.context_len > req.prompt_len:
             return (*toks, *req.output_tokens[: req.context_len - req.prompt_len])
-        return toks
+        # The read-only uint32 copy of the prompt: the manager takes it as validated and keeps it an array.
+        # (typed as a Sequence for the manager's signature; it indexes and slices like one).
+        return cast("Sequence[int]", req.token_ids) if req.token_ids is not None else toks
 
     def _prefix_wait(self, req: Request, new_waiters: list[Request]) -> bool:
         planner = self.prefix_waits
