@@ -125,8 +125,18 @@ class LoadLedger:
         self._loads[server] += weight
         self._counts[server] += 1
         if self.ttl_s is not None:
-            heapq.heappush(self._deadlines, (deadline, self._seq, request_id))
-            if len(self._deadlines) > 2 * len(self._live) + 1024:
+            heap = self._deadlines
+            heapq.heappush(heap, (deadline, self._seq, request_id))
+            # Drop up to two entries of released requests from the top per placement: while requests finish
+            # roughly in order, the heap stays near the live set, with no rebuild freeing ~1,000 entries at once.
+            live = self._live
+            for _ in range(2):
+                top = heap[0]
+                r = live.get(top[2])
+                if r is not None and r.seq == top[1]:
+                    break
+                heapq.heappop(heap)
+            if len(heap) > 2 * len(live) + 1024:
                 self._compact()
         return res
 

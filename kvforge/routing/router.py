@@ -56,6 +56,12 @@ logger = logging.getLogger("kvforge.routing")
 
 FOLLOW_MODES = ("specific", "always")
 
+# An evicted session's trie references are queued (BlockTrie.remove_deferred) and taken off by ``finish``, up to
+# this many blocks per call, so a new conversation does not pay its predecessor's cold dict lookups. A decision
+# takes off only what exceeds the cap (requests placed faster than they finish, or never finished).
+_DRAIN_PER_FINISH: Final = 256
+_PENDING_CAP_BLOCKS: Final = 8192
+
 # How a request was matched (decides its weight on the affinity server).
 _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
 
@@ -333,6 +339,8 @@ class ConversationRouter(ServerMembership):
         # handle -> the session's latest placement, only while it is in flight (or failed and rolled onto).
         self._last: dict[int, _Placement] = {}
         self._trie = BlockTrie()
+        self._drain_per_finish = _DRAIN_PER_FINISH
+        self._pending_cap = _PENDING_CAP_BLOCKS
         self._cache_index = ServerPrefixIndex(len(self.servers))
         self._handles = count()
         self._rotor = 0
@@ -409,6 +417,8 @@ class ConversationRouter(ServerMembership):
             for h in s[_KEYS]:
                 refs[h] = refs.get(h, 0) + 1
         assert set(self._last) <= set(self._key_of), "a placement is kept for a session that is gone"
+        self._trie.sanity_check()
+        assert self._trie.pending_removals <= self._pending_cap, "queued trie removals above the cap"
         assert len(refs) == len(self._trie), f"trie holds {len(self._trie)} blocks, sessions {len(refs)}"
         for h, n in refs.items():
             node = self._trie.node(h)
@@ -470,6 +480,8 @@ class ConversationRouter(ServerMembership):
     def _finish(self, request_id: Hashable, success: bool) -> bool:
         now = self._now()
         self._reclaim(now)
+        if self._trie.pending_removals:
+            self._trie.drain(self._drain_per_finish)
         res = self._ledger.release(request_id)
         if res is None:
             return False
@@ -501,6 +513,8 @@ class ConversationRouter(ServerMembership):
     def reclaim_expired(self) -> int:
         """Release requests older than the time-to-live now; returns how many."""
         with self._lock:
+            if self._trie.pending_removals:
+                self._trie.drain(self._drain_per_finish)
             return self._reclaim(self._now())
 
     def _reclaim(self, now: float) -> int:
@@ -760,7 +774,10 @@ class ConversationRouter(ServerMembership):
             tpb = self.config.tokens_per_block
             cached = self._held(d)
             assert cached is not None
-            backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+            if any(cached):
+                backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+            else:
+                backlog = [load + num_tokens for load in loads]
         else:
             backlog = [load + num_tokens for load in loads]
         if d.target is not None:
@@ -783,11 +800,14 @@ class ConversationRouter(ServerMembership):
             return self._pick_min(loads)  # every server would compute the whole prompt
         # What _uncached gives every server but the affine one, computed in one pass.
         cached = self._held(d)
-        if cached is not None:
+        if cached is not None and any(cached):
             tpb = self.config.tokens_per_block
             scores = [load + weight * max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
         else:
-            scores = [load + weight * num_tokens for load in loads]
+            # Nothing cached anywhere (or no events): every server would compute the whole prompt; the
+            # same floats as the line above with every count 0, without a max() per server.
+            extra = weight * num_tokens
+            scores = [load + extra for load in loads]
         if d.target is not None:
             scores[d.target] = loads[d.target] + weight * self._uncached(d, d.target, num_tokens)
         if d.target is None:
@@ -846,12 +866,15 @@ class ConversationRouter(ServerMembership):
         self._sessions[key] = (handle, server, keys, baseline)
         self._key_of[handle] = key
         self._trie.add(keys, handle, server)
+        trie = self._trie
         while len(self._sessions) > self.config.max_sessions:
             _, old = self._sessions.popitem(last=False)
-            self._trie.remove(old[_KEYS])
+            trie.remove_deferred(old[_KEYS])  # answers change now; the dict work waits for a finish
             del self._key_of[old[_H]]
             self._last.pop(old[_H], None)
             self.stats.evicted_sessions += 1
+        if trie.pending_removals > self._pending_cap:
+            trie.drain(trie.pending_removals - self._pending_cap)
         return handle
 
     def _count_new_conversation(self, followed: bool) -> None:
