@@ -631,7 +631,7 @@ class ConversationRouter(ServerMembership):
         if self._queues is not None:
             q = self._queues[chosen]
             q.append((res, now))
-            if len(q) > 2 * self._ledger.in_flight(chosen) + 64:
+            if len(q) > 64 and len(q) > 2 * self._ledger.in_flight(chosen) + 64:
                 # A request stuck at the front (no time-to-live) would keep every later, finished one queued.
                 self._queues[chosen] = deque(e for e in q if self._ledger.get(e[0].request_id) is e[0])
         self.stats.routed += 1
@@ -822,14 +822,13 @@ class ConversationRouter(ServerMembership):
         return best
 
     def _pick_min(self, values: list[float]) -> int:
-        # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation.
-        n = len(values)
-        best = self._rotor % n
-        best_v = values[best]
-        for j in range(1, n):
-            s = (self._rotor + j) % n
-            if values[s] < best_v:
-                best, best_v = s, values[s]
+        # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation: the
+        # first server at the minimum from the rotor on, wrapping around (scanned at C speed; never NaN).
+        r = self._rotor % len(values)
+        m = min(values)
+        best = values.index(m)
+        if best < r and m in (rest := values[r:]):
+            best = r + rest.index(m)
         self._rotor = best + 1
         return best
 
