@@ -263,3 +263,26 @@ def test_ledger_heap_stays_near_the_live_set_when_requests_finish_in_order() -> 
     assert len(ledger) == 2
     assert [r.request_id for r in ledger.expire(5000.0 + 10.0)] == [4998, 4999]
     assert ledger.loads == [0, 0]
+
+
+def _pick_min_loop(values: list[float], rotor: int) -> int:
+    """The reference: scan from the rotor, wrapping around, keeping the first strictly smaller value."""
+    n = len(values)
+    best = rotor % n
+    for j in range(1, n):
+        s = (rotor + j) % n
+        if values[s] < values[best]:
+            best = s
+    return best
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([0, 0.0, -0.0, 1, 1.0, 2.5, float("inf"), 1e16, 1e16 + 2]), min_size=1, max_size=9),
+    rotor=st.integers(0, 40),
+)
+def test_pick_min_takes_the_first_minimum_from_the_rotor(values: list[float], rotor: int) -> None:
+    r = ConversationRouter(["a"])
+    r._rotor = rotor
+    assert r._pick_min(list(values)) == _pick_min_loop(values, rotor)
+    assert r._rotor == _pick_min_loop(values, rotor) + 1
