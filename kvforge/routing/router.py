@@ -638,7 +638,7 @@ class ConversationRouter(ServerMembership):
         return chosen
 
     def _backlogs(self, now: float) -> list[float]:
-        loads: list[float] = list(self._ledger.loads)
+        loads: list[float] = self._ledger.loads  # type: ignore[assignment]  # (the property returns a copy)
         rate = self.config.prefill_tokens_per_s
         if self._queues is None or rate is None:
             return loads
@@ -800,26 +800,26 @@ class ConversationRouter(ServerMembership):
             return self._pick_min(loads)  # every server would compute the whole prompt
         # What _uncached gives every server but the affine one, computed in one pass.
         cached = self._held(d)
+        # A server caching nothing would compute the whole prompt: ``extra`` is the same float as the general
+        # term with a count of 0, without a max() per server.
+        extra = weight * num_tokens
         if cached is not None and any(cached):
             tpb = self.config.tokens_per_block
-            scores = [load + weight * max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+            scores = [
+                load + (extra if c == 0 else weight * max(num_tokens - c * tpb, 0)) for load, c in zip(loads, cached)
+            ]
         else:
-            # Nothing cached anywhere (or no events): every server would compute the whole prompt; the
-            # same floats as the line above with every count 0, without a max() per server.
-            extra = weight * num_tokens
             scores = [load + extra for load in loads]
-        if d.target is not None:
-            scores[d.target] = loads[d.target] + weight * self._uncached(d, d.target, num_tokens)
-        if d.target is None:
+        target = d.target
+        if target is None:
             return self._pick_min(scores)
-        best = d.target
-        best_v = scores[best]
-        for s, v in enumerate(scores):
-            if v < best_v:
-                best, best_v = s, v
-        if best != d.target:
-            self.stats.guard_moves += 1
-        return best
+        scores[target] = loads[target] + weight * self._uncached(d, target, num_tokens)
+        # The first server strictly below the affine one's score, at the minimum (ties keep the affine server).
+        m = min(scores)
+        if not m < scores[target]:
+            return target
+        self.stats.guard_moves += 1
+        return scores.index(m)
 
     def _pick_min(self, values: list[float]) -> int:
         # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation: the
