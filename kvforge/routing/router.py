@@ -56,9 +56,10 @@ logger = logging.getLogger("kvforge.routing")
 
 FOLLOW_MODES = ("specific", "always")
 
-# An evicted session's trie references are queued (BlockTrie.remove_deferred) and taken off by ``finish``, up to
-# this many blocks per call, so a new conversation does not pay its predecessor's cold dict lookups. A decision
-# takes off only what exceeds the cap (requests placed faster than they finish, or never finished).
+# The trie's cold dict work is left to ``finish`` (BlockTrie.drain): a decision's new blocks wait in a small dict
+# of recent additions, and an evicted session's blocks are queued for removal, taken off up to this many per
+# finish; a decision takes off only what exceeds the cap (requests placed faster than they finish, or never
+# finished), and the trie folds its additions in itself beyond 4,096 keys.
 _DRAIN_PER_FINISH: Final = 256
 _PENDING_CAP_BLOCKS: Final = 8192
 
@@ -480,7 +481,7 @@ class ConversationRouter(ServerMembership):
     def _finish(self, request_id: Hashable, success: bool) -> bool:
         now = self._now()
         self._reclaim(now)
-        if self._trie.pending_removals:
+        if self._trie.deferred:
             self._trie.drain(self._drain_per_finish)
         res = self._ledger.release(request_id)
         if res is None:
@@ -513,9 +514,10 @@ class ConversationRouter(ServerMembership):
     def reclaim_expired(self) -> int:
         """Release requests older than the time-to-live now; returns how many."""
         with self._lock:
-            if self._trie.pending_removals:
+            now = self._now()  # (checked before anything changes)
+            if self._trie.deferred:
                 self._trie.drain(self._drain_per_finish)
-            return self._reclaim(self._now())
+            return self._reclaim(now)
 
     def _reclaim(self, now: float) -> int:
         if self.config.request_ttl_s is None:

@@ -25,6 +25,7 @@ __all__ = ["BlockTrie", "ServerPrefixIndex", "TrieNode"]
 
 _FIELD = 32  # bits of refs and of server in a packed node
 _MASK = (1 << _FIELD) - 1
+_RECENT_CAP = 4096  # recent additions folded in by add itself beyond this many keys
 
 
 class TrieNode(NamedTuple):
@@ -42,15 +43,18 @@ class BlockTrie:
     garbage collector, whatever its size, so a million blocks cost no collection time. ``owner`` is an integer
     session handle (the router maps handles to sessions); ``server`` an index below 2**32.
 
-    :meth:`remove_deferred` takes references off at once as far as every answer goes, but leaves the dict
-    work (a few cold lookups in a large dict per block) to :meth:`drain`, which the caller runs off its hot
-    path. Queued keys are counted only when something reads the trie before they are drained; from then on a
-    node's queued references are subtracted whenever it is read, so every method answers exactly as if the
-    removal had been done eagerly.
+    The node dict is large and its slots are cold, so updates go through two cheap layers that :meth:`drain`
+    folds in off the caller's hot path: :meth:`add` counts into a small dict of recent additions (the latest
+    tag and the references added per key), and :meth:`remove_deferred` queues a prompt for removal (its keys are
+    counted only if something reads the trie before they are drained). Every read combines the node, its recent
+    additions and its queued removals, so every method answers exactly as if each update had been applied at
+    once; :meth:`remove` folds the additions in first.
     """
 
     def __init__(self) -> None:
         self._nodes: dict[Hashable, int] = {}
+        # Additions not yet in ``_nodes``: per key, the latest tag | the references added (a node's layout).
+        self._recent: dict[Hashable, int] = {}
         # Queued removals: the keys in queue order (``_queue[0][_done:]`` first) and their total; per key, how
         # many references are still to come off (None until a read needs it).
         self._queue: deque[tuple[Hashable, ...]] = deque()
@@ -59,11 +63,29 @@ class BlockTrie:
         self._pending: Counter[Hashable] | None = None
 
     def __len__(self) -> int:
+        self._fold()
         pending = self._pending_counts()
         if pending is None:
             return len(self._nodes)
         nodes = self._nodes
         return len(nodes) - sum(1 for k, n in pending.items() if nodes[k] & _MASK == n)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether :meth:`drain` has work: additions to fold in or removals to take off."""
+        return bool(self._queued or self._recent)
+
+    def _fold(self) -> None:
+        """Fold the recent additions into the node dict (the cold lookups :meth:`add` deferred)."""
+        recent = self._recent
+        if not recent:
+            return
+        nodes = self._nodes
+        get = nodes.get
+        for k, a in recent.items():
+            v = get(k)
+            nodes[k] = a if v is None else (a & ~_MASK) | ((v & _MASK) + (a & _MASK))
+        recent.clear()
 
     @property
     def pending_removals(self) -> int:
@@ -83,11 +105,16 @@ class BlockTrie:
         return pending
 
     def _live(self, key: Hashable) -> int | None:
-        """``key``'s node less its queued references, None when none is left (the counts must be built)."""
+        """``key``'s node with its recent additions, less its queued references; None when none is left.
+
+        The queued keys must have been counted (:meth:`_pending_counts`) if any are queued.
+        """
         v = self._nodes.get(key)
-        if v is None:
-            return None
-        assert self._pending is not None
+        a = self._recent.get(key)
+        if a is not None:
+            v = a if v is None else (a & ~_MASK) | ((v & _MASK) + (a & _MASK))
+        if v is None or self._pending is None:
+            return v
         n = self._pending.get(key)
         if n is None:
             return v
@@ -101,7 +128,7 @@ class BlockTrie:
         For keys that are not chained it returns some ``m`` with ``keys[m - 1]`` held and ``keys[m]`` not.
         """
         n = len(keys)
-        if self._queued:
+        if self._queued or self._recent:
             self._pending_counts()
             live = self._live
             if n == 0 or live(keys[0]) is None:
@@ -135,7 +162,7 @@ class BlockTrie:
         return lo
 
     def node(self, key: Hashable) -> TrieNode | None:
-        if self._queued:
+        if self._queued or self._recent:
             self._pending_counts()
             v = self._live(key)
         else:
@@ -144,7 +171,7 @@ class BlockTrie:
 
     def fields(self, key: Hashable) -> tuple[int, int, int] | None:
         """``(refs, owner, server)`` of ``key``'s node as a plain tuple (the hot path's :meth:`node`)."""
-        if self._queued:
+        if self._queued or self._recent:
             self._pending_counts()
             v = self._live(key)
         else:
@@ -153,8 +180,9 @@ class BlockTrie:
 
     def refs(self, key: Hashable) -> int:
         """How many session positions hold ``key`` (0 when absent)."""
-        pending = self._pending_counts()
-        return (self._nodes.get(key, 0) & _MASK) - (pending.get(key, 0) if pending is not None else 0)
+        self._pending_counts()
+        v = self._live(key)
+        return 0 if v is None else v & _MASK
 
     def add(self, keys: Iterable[Hashable], owner: int, server: int) -> None:
         """Take one reference per position on each block (creating it), making ``owner`` its latest session."""
@@ -162,21 +190,24 @@ class BlockTrie:
             raise ValueError(f"owner: expected a non-negative int session handle, got {owner!r}")
         if type(server) is not int or not 0 <= server <= _MASK:
             raise ValueError(f"server: expected a server index in [0, 2**32), got {server!r}")
-        nodes = self._nodes
+        recent = self._recent
         tag = (owner << (2 * _FIELD)) | (server << _FIELD)
         first = tag | 1
-        get = nodes.get
-        # (A node whose references are all queued for removal is logically absent; adding to it gives the
-        # same fields as a fresh node once the queued references are subtracted.)
+        get = recent.get
+        # (Combined with its node on every read and folded in by drain; a node whose references are all queued
+        # for removal is logically absent, and adding to it gives the fields of a fresh node.)
         for k in keys:
             v = get(k)
-            nodes[k] = first if v is None else tag | ((v & _MASK) + 1)
+            recent[k] = first if v is None else tag | ((v & _MASK) + 1)
+        if len(recent) > _RECENT_CAP:
+            self._fold()
 
     def remove(self, keys: Sequence[Hashable]) -> None:
         """Drop one reference per position on each block; a block nobody holds any more leaves the trie.
 
         Raises KeyError, with the trie unchanged, if some key is held fewer times than ``keys`` lists it.
         """
+        self._fold()
         nodes = self._nodes
         pending = self._pending_counts()
         if len(keys) == 1 and pending is None:
@@ -224,9 +255,11 @@ class BlockTrie:
             self._pending.update(t)
 
     def drain(self, budget: int | None = None) -> int:
-        """Take off up to ``budget`` queued references (all with None), oldest first; returns how many."""
+        """Fold the recent additions in, then take off up to ``budget`` queued references (all with None),
+        oldest first; returns how many references were taken off."""
         if budget is not None and (type(budget) is not int or budget < 0):
             raise ValueError(f"budget: expected an int >= 0 or None, got {budget!r}")
+        self._fold()
         left = self._queued if budget is None else min(budget, self._queued)
         taken = left
         nodes = self._nodes
@@ -270,7 +303,9 @@ class BlockTrie:
         assert (self._done == 0) if not self._queue else (0 <= self._done < len(self._queue[0]))
         assert self._queued or self._pending is None, "counts kept for an empty queue"
         for k, n in left.items():
-            assert self._nodes.get(k, 0) & _MASK >= n, f"block {k!r}: {n} removals queued, fewer references"
+            held = (self._nodes.get(k, 0) & _MASK) + (self._recent.get(k, 0) & _MASK)
+            assert held >= n, f"block {k!r}: {n} removals queued, fewer references"
+        assert all(a & _MASK > 0 for a in self._recent.values()), "a recent addition of no reference"
 
 
 class ServerPrefixIndex:
