@@ -15,10 +15,11 @@ With cache events, a fourth row, ``on_event``, times the event path itself: per 
 of a new block continuing a random conversation on its server, and one ``BlockRemoved`` of the block stored
 1,000 steps before (the index keeps its size); each call is one sample.
 
-Reported per path: median, mean, p99 and max in µs, mean / median, and how many full (generation 2)
-collections ran during the timed decisions. Targets (issue 18): mean <= 1.5 x median and p99 <= 50 µs on
-every path. ``--freeze`` calls ``gc.freeze()`` after filling the table, as a server would after warm-up; the
-default measures without it. Rows go to ``bench/results/router_latency.csv``.
+Reported per path: median, mean, p99 and max in µs, mean / median, how many full (generation 2) and young
+collections ran during the timed decisions, and the median / p99 CPU µs of the ``finish`` after each decision
+(where the router takes an evicted session's blocks out of its trie). Targets (issue 18): mean <= 1.5 x
+median and p99 <= 50 µs on every path. ``--freeze`` calls ``gc.freeze()`` after filling the table, as a server
+would after warm-up; the default measures without it. Rows go to ``bench/results/router_latency.csv``.
 """
 
 from __future__ import annotations
@@ -99,13 +100,14 @@ def fill(name: str, sessions: int, seed: int) -> tuple[ConversationRouter, list[
 
 def time_path(
     router: ConversationRouter, make: Callable[[int], RouteRequest], decisions: int
-) -> tuple[list[float], list[float], list[float], _GcCounter]:
-    """Per decision: wall µs of ``route``, this thread's CPU µs of ``route``, wall µs of ``finish``."""
+) -> tuple[list[float], list[float], list[float], list[float], _GcCounter]:
+    """Per decision: wall µs of ``route``, this thread's CPU µs of ``route``, wall and CPU µs of ``finish``."""
     counter = _GcCounter()
     gc.callbacks.append(counter)
     wall: list[float] = []
     cpu: list[float] = []
     finish: list[float] = []
+    finish_cpu: list[float] = []
     clock = time.perf_counter_ns
     cpu_clock = time.thread_time_ns
     try:
@@ -118,18 +120,20 @@ def time_path(
             c1 = cpu_clock()
             router.finish(req.request_id)
             t2 = clock()
+            c2 = cpu_clock()
             wall.append((t1 - t0) / 1000.0)
             cpu.append((c1 - c0) / 1000.0)
             finish.append((t2 - t1) / 1000.0)
+            finish_cpu.append((c2 - c1) / 1000.0)
     finally:
         gc.callbacks.remove(counter)
-    return wall, cpu, finish, counter
+    return wall, cpu, finish, finish_cpu, counter
 
 
 def time_events(
     router: ConversationRouter, keys: list[tuple[int, ...]], steps: int, rng: random.Random
-) -> tuple[list[float], list[float], list[float], _GcCounter]:
-    """Per ``on_event`` call: wall µs, this thread's CPU µs (and no finish: an empty list)."""
+) -> tuple[list[float], list[float], list[float], list[float], _GcCounter]:
+    """Per ``on_event`` call: wall µs, this thread's CPU µs (and no finish: empty lists)."""
     counter = _GcCounter()
     gc.callbacks.append(counter)
     wall: list[float] = []
@@ -158,7 +162,7 @@ def time_events(
                 cpu.append((c1 - c0) / 1000.0)
     finally:
         gc.callbacks.remove(counter)
-    return wall, cpu, [], counter
+    return wall, cpu, [], [], counter
 
 
 def summarise(us: Sequence[float]) -> dict[str, float]:
@@ -194,7 +198,7 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
         ("known-no-id", lambda k: known(k, False)),
         ("new", new),
     ]
-    timed: list[tuple[str, Callable[[], tuple[list[float], list[float], list[float], _GcCounter]]]] = [
+    timed: list[tuple[str, Callable[[], tuple[list[float], list[float], list[float], list[float], _GcCounter]]]] = [
         (path, lambda make=make: time_path(router, make, decisions)) for path, make in paths
     ]
     if CONFIGS[name].get("use_cache_events"):
@@ -202,14 +206,17 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
     rows = []
     load = os.getloadavg()[0]  # other work inflates wall time (and, through the caches, CPU time too)
     for path, run in timed:
-        route_us, cpu_us, finish_us, gcs = run()
+        route_us, cpu_us, finish_us, finish_cpu_us, gcs = run()
         st = summarise(route_us)
         cp = summarise(cpu_us)
-        fin = summarise(finish_us) if finish_us else {"median_us": math.nan, "mean_us": math.nan, "p99_us": math.nan}
+        none = {"median_us": math.nan, "mean_us": math.nan, "p99_us": math.nan}
+        fin = summarise(finish_us) if finish_us else none
+        fin_cpu = summarise(finish_cpu_us) if finish_cpu_us else none
         print(
             f"{name:<26}{path:<13}{st['median_us']:>8.1f}{st['mean_us']:>8.1f}{st['p99_us']:>8.1f}"
             f"{st['max_us']:>9.0f}{st['mean_over_median']:>9.2f}   |{cp['median_us']:>8.1f}{cp['mean_us']:>8.1f}"
             f"{cp['p99_us']:>8.1f}{cp['max_us']:>9.0f}{cp['mean_over_median']:>9.2f}{gcs.full:>6}{gcs.young:>7}"
+            f"   |{fin_cpu['median_us']:>7.1f}{fin_cpu['p99_us']:>7.1f}"
         )
         rows.append(
             {
@@ -225,6 +232,9 @@ def run_config(name: str, sessions: int, decisions: int, freeze: bool) -> list[d
                 "finish_median_us": round(fin["median_us"], 3),
                 "finish_mean_us": round(fin["mean_us"], 3),
                 "finish_p99_us": round(fin["p99_us"], 3),
+                "cpu_finish_median_us": round(fin_cpu["median_us"], 3),
+                "cpu_finish_mean_us": round(fin_cpu["mean_us"], 3),
+                "cpu_finish_p99_us": round(fin_cpu["p99_us"], 3),
                 "gen2_collections": gcs.full,
                 "young_collections": gcs.young,
                 "python": sys.version.split()[0],
@@ -251,8 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"python {sys.version.split()[0]}, gc thresholds {gc.get_threshold()}, freeze={args.freeze}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall time includes preemption)")
     stats = f"{'median':>8}{'mean':>8}{'p99':>8}{'max':>9}{'mean/med':>9}"
-    print(f"{'':<39}{'wall µs of route':<49}|{'thread CPU µs of route':<49}{'collections':>13}")
-    print(f"{'config':<26}{'path':<13}{stats}   |{stats}{'gen2':>6}{'young':>7}")
+    print(
+        f"{'':<39}{'wall µs of route':<49}|{'thread CPU µs of route':<49}{'collections':>13}   |{'CPU µs finish':>14}"
+    )
+    print(f"{'config':<26}{'path':<13}{stats}   |{stats}{'gen2':>6}{'young':>7}   |{'median':>7}{'p99':>7}")
     rows = []
     for name in args.configs:
         rows += run_config(name, args.sessions, args.decisions, args.freeze)

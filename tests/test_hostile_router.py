@@ -63,6 +63,8 @@ def state(r: ConversationRouter) -> tuple:
         dict(r.stats.__dict__),
         sorted(map(repr, r._sessions.items())),
         sorted(map(repr, r._trie._nodes.items())),
+        sorted(map(repr, r._trie._recent.items())),
+        r._trie.pending_removals,
         {s: r.cached_blocks(s) for s in r.servers},
         r.servers,
         r.available_servers(),

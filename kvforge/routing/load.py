@@ -136,6 +136,18 @@ class LoadLedger:
         if res is not None:
             self._loads[res.server] -= res.weight
             self._counts[res.server] -= 1
+            heap = self._deadlines
+            # Drop up to two released entries from the top: while requests finish roughly in order, the heap
+            # stays near the live set, and no placement has to rebuild it (freeing ~1,000 entries at once).
+            live = self._live
+            for _ in range(2):
+                if not heap:
+                    break
+                _, seq, rid = heap[0]
+                r = live.get(rid)
+                if r is not None and r.seq == seq:
+                    break
+                heapq.heappop(heap)
         return res
 
     def expire(self, now: float) -> list[Reservation]:
@@ -153,7 +165,9 @@ class LoadLedger:
             _, seq, request_id = heapq.heappop(heap)
             res = self._live.get(request_id)
             if res is not None and res.seq == seq:
-                self.release(request_id)
+                del self._live[request_id]
+                self._loads[res.server] -= res.weight
+                self._counts[res.server] -= 1
                 out.append(res)
         return out
 

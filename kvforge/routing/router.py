@@ -56,6 +56,13 @@ logger = logging.getLogger("kvforge.routing")
 
 FOLLOW_MODES = ("specific", "always")
 
+# The trie's cold dict work is left to ``finish`` (BlockTrie.drain): a decision's new blocks wait in a small dict
+# of recent additions, and an evicted session's blocks are queued for removal, taken off up to this many per
+# finish; a decision takes off only what exceeds the cap (requests placed faster than they finish, or never
+# finished), and the trie folds its additions in itself beyond 4,096 keys.
+_DRAIN_PER_FINISH: Final = 256
+_PENDING_CAP_BLOCKS: Final = 8192
+
 # How a request was matched (decides its weight on the affinity server).
 _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
 
@@ -333,6 +340,8 @@ class ConversationRouter(ServerMembership):
         # handle -> the session's latest placement, only while it is in flight (or failed and rolled onto).
         self._last: dict[int, _Placement] = {}
         self._trie = BlockTrie()
+        self._drain_per_finish = _DRAIN_PER_FINISH
+        self._pending_cap = _PENDING_CAP_BLOCKS
         self._cache_index = ServerPrefixIndex(len(self.servers))
         self._handles = count()
         self._rotor = 0
@@ -409,6 +418,8 @@ class ConversationRouter(ServerMembership):
             for h in s[_KEYS]:
                 refs[h] = refs.get(h, 0) + 1
         assert set(self._last) <= set(self._key_of), "a placement is kept for a session that is gone"
+        self._trie.sanity_check()
+        assert self._trie.pending_removals <= self._pending_cap, "queued trie removals above the cap"
         assert len(refs) == len(self._trie), f"trie holds {len(self._trie)} blocks, sessions {len(refs)}"
         for h, n in refs.items():
             node = self._trie.node(h)
@@ -470,6 +481,8 @@ class ConversationRouter(ServerMembership):
     def _finish(self, request_id: Hashable, success: bool) -> bool:
         now = self._now()
         self._reclaim(now)
+        if self._trie.deferred:
+            self._trie.drain(self._drain_per_finish)
         res = self._ledger.release(request_id)
         if res is None:
             return False
@@ -501,7 +514,10 @@ class ConversationRouter(ServerMembership):
     def reclaim_expired(self) -> int:
         """Release requests older than the time-to-live now; returns how many."""
         with self._lock:
-            return self._reclaim(self._now())
+            now = self._now()  # (checked before anything changes)
+            if self._trie.deferred:
+                self._trie.drain(self._drain_per_finish)
+            return self._reclaim(now)
 
     def _reclaim(self, now: float) -> int:
         if self.config.request_ttl_s is None:
@@ -617,14 +633,14 @@ class ConversationRouter(ServerMembership):
         if self._queues is not None:
             q = self._queues[chosen]
             q.append((res, now))
-            if len(q) > 2 * self._ledger.in_flight(chosen) + 64:
+            if len(q) > 64 and len(q) > 2 * self._ledger.in_flight(chosen) + 64:
                 # A request stuck at the front (no time-to-live) would keep every later, finished one queued.
                 self._queues[chosen] = deque(e for e in q if self._ledger.get(e[0].request_id) is e[0])
         self.stats.routed += 1
         return chosen
 
     def _backlogs(self, now: float) -> list[float]:
-        loads: list[float] = list(self._ledger.loads)
+        loads: list[float] = self._ledger.loads  # type: ignore[assignment]  # (the property returns a copy)
         rate = self.config.prefill_tokens_per_s
         if self._queues is None or rate is None:
             return loads
@@ -760,7 +776,10 @@ class ConversationRouter(ServerMembership):
             tpb = self.config.tokens_per_block
             cached = self._held(d)
             assert cached is not None
-            backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+            if any(cached):
+                backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+            else:
+                backlog = [load + num_tokens for load in loads]
         else:
             backlog = [load + num_tokens for load in loads]
         if d.target is not None:
@@ -783,33 +802,35 @@ class ConversationRouter(ServerMembership):
             return self._pick_min(loads)  # every server would compute the whole prompt
         # What _uncached gives every server but the affine one, computed in one pass.
         cached = self._held(d)
-        if cached is not None:
+        # A server caching nothing would compute the whole prompt: ``extra`` is the same float as the general
+        # term with a count of 0, without a max() per server.
+        extra = weight * num_tokens
+        if cached is not None and any(cached):
             tpb = self.config.tokens_per_block
-            scores = [load + weight * max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
+            scores = [
+                load + (extra if c == 0 else weight * max(num_tokens - c * tpb, 0)) for load, c in zip(loads, cached)
+            ]
         else:
-            scores = [load + weight * num_tokens for load in loads]
-        if d.target is not None:
-            scores[d.target] = loads[d.target] + weight * self._uncached(d, d.target, num_tokens)
-        if d.target is None:
+            scores = [load + extra for load in loads]
+        target = d.target
+        if target is None:
             return self._pick_min(scores)
-        best = d.target
-        best_v = scores[best]
-        for s, v in enumerate(scores):
-            if v < best_v:
-                best, best_v = s, v
-        if best != d.target:
-            self.stats.guard_moves += 1
-        return best
+        scores[target] = loads[target] + weight * self._uncached(d, target, num_tokens)
+        # The first server strictly below the affine one's score, at the minimum (ties keep the affine server).
+        m = min(scores)
+        if not m < scores[target]:
+            return target
+        self.stats.guard_moves += 1
+        return scores.index(m)
 
     def _pick_min(self, values: list[float]) -> int:
-        # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation.
-        n = len(values)
-        best = self._rotor % n
-        best_v = values[best]
-        for j in range(1, n):
-            s = (self._rotor + j) % n
-            if values[s] < best_v:
-                best, best_v = s, values[s]
+        # Ties rotate so that idle servers take turns instead of server 0 taking every new conversation: the
+        # first server at the minimum from the rotor on, wrapping around (scanned at C speed; never NaN).
+        r = self._rotor % len(values)
+        m = min(values)
+        best = values.index(m)
+        if best < r and m in (rest := values[r:]):
+            best = r + rest.index(m)
         self._rotor = best + 1
         return best
 
@@ -846,12 +867,15 @@ class ConversationRouter(ServerMembership):
         self._sessions[key] = (handle, server, keys, baseline)
         self._key_of[handle] = key
         self._trie.add(keys, handle, server)
+        trie = self._trie
         while len(self._sessions) > self.config.max_sessions:
             _, old = self._sessions.popitem(last=False)
-            self._trie.remove(old[_KEYS])
+            trie.remove_deferred(old[_KEYS])  # answers change now; the dict work waits for a finish
             del self._key_of[old[_H]]
             self._last.pop(old[_H], None)
             self.stats.evicted_sessions += 1
+        if trie.pending_removals > self._pending_cap:
+            trie.drain(trie.pending_removals - self._pending_cap)
         return handle
 
     def _count_new_conversation(self, followed: bool) -> None:

@@ -17,7 +17,7 @@ collector nothing to traverse. Neither is thread-safe; :class:`~kvforge.routing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -25,6 +25,7 @@ __all__ = ["BlockTrie", "ServerPrefixIndex", "TrieNode"]
 
 _FIELD = 32  # bits of refs and of server in a packed node
 _MASK = (1 << _FIELD) - 1
+_RECENT_CAP = 4096  # recent additions folded in by add itself beyond this many keys
 
 
 class TrieNode(NamedTuple):
@@ -41,13 +42,83 @@ class BlockTrie:
     A node is one int, ``refs | server << 32 | owner << 64``: a dict of ints is never tracked by the cyclic
     garbage collector, whatever its size, so a million blocks cost no collection time. ``owner`` is an integer
     session handle (the router maps handles to sessions); ``server`` an index below 2**32.
+
+    The node dict is large and its slots are cold, so updates go through two cheap layers that :meth:`drain`
+    folds in off the caller's hot path: :meth:`add` counts into a small dict of recent additions (the latest
+    tag and the references added per key), and :meth:`remove_deferred` queues a prompt for removal (its keys are
+    counted only if something reads the trie before they are drained). Every read combines the node, its recent
+    additions and its queued removals, so every method answers exactly as if each update had been applied at
+    once; :meth:`remove` folds the additions in first.
     """
 
     def __init__(self) -> None:
         self._nodes: dict[Hashable, int] = {}
+        # Additions not yet in ``_nodes``: per key, the latest tag | the references added (a node's layout).
+        self._recent: dict[Hashable, int] = {}
+        # Queued removals: the keys in queue order (``_queue[0][_done:]`` first) and their total; per key, how
+        # many references are still to come off (None until a read needs it).
+        self._queue: deque[tuple[Hashable, ...]] = deque()
+        self._done = 0
+        self._queued = 0
+        self._pending: Counter[Hashable] | None = None
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        self._fold()
+        pending = self._pending_counts()
+        if pending is None:
+            return len(self._nodes)
+        nodes = self._nodes
+        return len(nodes) - sum(1 for k, n in pending.items() if nodes[k] & _MASK == n)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether :meth:`drain` has work: additions to fold in or removals to take off."""
+        return bool(self._queued or self._recent)
+
+    def _fold(self) -> None:
+        """Fold the recent additions into the node dict (the cold lookups :meth:`add` deferred)."""
+        recent = self._recent
+        if not recent:
+            return
+        nodes = self._nodes
+        get = nodes.get
+        for k, a in recent.items():
+            v = get(k)
+            nodes[k] = a if v is None else (a & ~_MASK) | ((v & _MASK) + (a & _MASK))
+        recent.clear()
+
+    @property
+    def pending_removals(self) -> int:
+        """References queued by :meth:`remove_deferred` that :meth:`drain` has not taken off yet."""
+        return self._queued
+
+    def _pending_counts(self) -> Counter[Hashable] | None:
+        """Per key, its queued references (None when nothing is queued); counted on the first read."""
+        if not self._queued:
+            return None
+        pending = self._pending
+        if pending is None:
+            pending = Counter(self._queue[0][self._done :])
+            for i in range(1, len(self._queue)):
+                pending.update(self._queue[i])
+            self._pending = pending
+        return pending
+
+    def _live(self, key: Hashable) -> int | None:
+        """``key``'s node with its recent additions, less its queued references; None when none is left.
+
+        The queued keys must have been counted (:meth:`_pending_counts`) if any are queued.
+        """
+        v = self._nodes.get(key)
+        a = self._recent.get(key)
+        if a is not None:
+            v = a if v is None else (a & ~_MASK) | ((v & _MASK) + (a & _MASK))
+        if v is None or self._pending is None:
+            return v
+        n = self._pending.get(key)
+        if n is None:
+            return v
+        return v - n if v & _MASK > n else None
 
     def match(self, keys: Sequence[Hashable]) -> int:
         """Number of leading blocks of ``keys`` the trie holds.
@@ -56,8 +127,25 @@ class BlockTrie:
         tries the whole prompt and all but its last block first (a conversation's next turn), then bisects.
         For keys that are not chained it returns some ``m`` with ``keys[m - 1]`` held and ``keys[m]`` not.
         """
-        nodes = self._nodes
         n = len(keys)
+        if self._queued or self._recent:
+            self._pending_counts()
+            live = self._live
+            if n == 0 or live(keys[0]) is None:
+                return 0
+            if live(keys[n - 1]) is not None:
+                return n
+            if n == 2 or live(keys[n - 2]) is not None:
+                return n - 1
+            lo, hi = 1, n - 2
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if live(keys[mid]) is not None:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            return lo
+        nodes = self._nodes
         if n == 0 or keys[0] not in nodes:
             return 0
         if keys[n - 1] in nodes:
@@ -74,17 +162,27 @@ class BlockTrie:
         return lo
 
     def node(self, key: Hashable) -> TrieNode | None:
-        v = self._nodes.get(key)
+        if self._queued or self._recent:
+            self._pending_counts()
+            v = self._live(key)
+        else:
+            v = self._nodes.get(key)
         return None if v is None else TrieNode(v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK)
 
     def fields(self, key: Hashable) -> tuple[int, int, int] | None:
         """``(refs, owner, server)`` of ``key``'s node as a plain tuple (the hot path's :meth:`node`)."""
-        v = self._nodes.get(key)
+        if self._queued or self._recent:
+            self._pending_counts()
+            v = self._live(key)
+        else:
+            v = self._nodes.get(key)
         return None if v is None else (v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK)
 
     def refs(self, key: Hashable) -> int:
         """How many session positions hold ``key`` (0 when absent)."""
-        return self._nodes.get(key, 0) & _MASK
+        self._pending_counts()
+        v = self._live(key)
+        return 0 if v is None else v & _MASK
 
     def add(self, keys: Iterable[Hashable], owner: int, server: int) -> None:
         """Take one reference per position on each block (creating it), making ``owner`` its latest session."""
@@ -92,21 +190,27 @@ class BlockTrie:
             raise ValueError(f"owner: expected a non-negative int session handle, got {owner!r}")
         if type(server) is not int or not 0 <= server <= _MASK:
             raise ValueError(f"server: expected a server index in [0, 2**32), got {server!r}")
-        nodes = self._nodes
+        recent = self._recent
         tag = (owner << (2 * _FIELD)) | (server << _FIELD)
         first = tag | 1
-        get = nodes.get
+        get = recent.get
+        # (Combined with its node on every read and folded in by drain; a node whose references are all queued
+        # for removal is logically absent, and adding to it gives the fields of a fresh node.)
         for k in keys:
             v = get(k)
-            nodes[k] = first if v is None else tag | ((v & _MASK) + 1)
+            recent[k] = first if v is None else tag | ((v & _MASK) + 1)
+        if len(recent) > _RECENT_CAP:
+            self._fold()
 
     def remove(self, keys: Sequence[Hashable]) -> None:
         """Drop one reference per position on each block; a block nobody holds any more leaves the trie.
 
         Raises KeyError, with the trie unchanged, if some key is held fewer times than ``keys`` lists it.
         """
+        self._fold()
         nodes = self._nodes
-        if len(keys) == 1:
+        pending = self._pending_counts()
+        if len(keys) == 1 and pending is None:
             v = nodes.get(keys[0])
             if v is None:
                 raise KeyError(f"block {keys[0]!r} is not in the trie (removed more often than added)")
@@ -116,7 +220,7 @@ class BlockTrie:
                 nodes[keys[0]] = v - 1
             return
         distinct = set(keys)
-        if len(distinct) == len(keys):
+        if len(distinct) == len(keys) and pending is None:
             if not nodes.keys() >= distinct:  # every key present once is enough (checked at C speed)
                 bad = next(k for k in keys if k not in nodes)
                 raise KeyError(f"block {bad!r} is not in the trie (removed more often than added)")
@@ -125,14 +229,83 @@ class BlockTrie:
             for k in keys:
                 need[k] = need.get(k, 0) + 1
             for k, n in need.items():
-                if nodes.get(k, 0) & _MASK < n:
+                if self.refs(k) < n:
                     raise KeyError(f"block {k!r} is not in the trie {n} times (removed more often than added)")
         for k in keys:
+            # A queued reference keeps its node until drained (stored refs never drop below the queued ones).
             v = nodes[k]
             if v & _MASK == 1:
                 del nodes[k]
             else:
                 nodes[k] = v - 1
+
+    def remove_deferred(self, keys: Sequence[Hashable]) -> None:
+        """:meth:`remove`, with the dict work queued for :meth:`drain`; every answer changes at once.
+
+        ``keys`` must be held as often as listed (a session's own prompt, which the caller added and has not
+        removed since): that is not checked here, since checking costs the lookups this defers. O(1) until
+        the trie is read with removals still queued (then one hash per queued key, once).
+        """
+        t = keys if type(keys) is tuple else tuple(keys)  # the queue keeps it: a caller's list may change
+        if not t:
+            return
+        self._queue.append(t)
+        self._queued += len(t)
+        if self._pending is not None:
+            self._pending.update(t)
+
+    def drain(self, budget: int | None = None) -> int:
+        """Fold the recent additions in, then take off up to ``budget`` queued references (all with None),
+        oldest first; returns how many references were taken off."""
+        if budget is not None and (type(budget) is not int or budget < 0):
+            raise ValueError(f"budget: expected an int >= 0 or None, got {budget!r}")
+        self._fold()
+        left = self._queued if budget is None else min(budget, self._queued)
+        taken = left
+        nodes = self._nodes
+        pending = self._pending
+        queue = self._queue
+        while left > 0:
+            keys = queue[0]
+            start = self._done
+            stop = min(len(keys), start + left)
+            for i in range(start, stop):
+                k = keys[i]
+                if pending is not None:
+                    n = pending[k]
+                    if n == 1:
+                        del pending[k]
+                    else:
+                        pending[k] = n - 1
+                v = nodes[k]
+                if v & _MASK == 1:
+                    del nodes[k]
+                else:
+                    nodes[k] = v - 1
+            left -= stop - start
+            if stop == len(keys):
+                queue.popleft()
+                self._done = 0
+            else:
+                self._done = stop
+        self._queued -= taken
+        if not self._queued:
+            self._pending = None
+        return taken
+
+    def sanity_check(self) -> None:
+        """Raise AssertionError if the removal queue disagrees with the nodes (for tests; O(queue))."""
+        left: Counter[Hashable] = Counter()
+        for i, keys in enumerate(self._queue):
+            left.update(keys[self._done :] if i == 0 else keys)
+        assert self._pending is None or left == self._pending, "queued keys and pending counts differ"
+        assert self._queued == sum(left.values()), f"{self._queued} queued, {sum(left.values())} in the queue"
+        assert (self._done == 0) if not self._queue else (0 <= self._done < len(self._queue[0]))
+        assert self._queued or self._pending is None, "counts kept for an empty queue"
+        for k, n in left.items():
+            held = (self._nodes.get(k, 0) & _MASK) + (self._recent.get(k, 0) & _MASK)
+            assert held >= n, f"block {k!r}: {n} removals queued, fewer references"
+        assert all(a & _MASK > 0 for a in self._recent.values()), "a recent addition of no reference"
 
 
 class ServerPrefixIndex:
