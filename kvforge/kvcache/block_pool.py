@@ -496,11 +496,16 @@ class BlockPool:
         if not block.children and block.pages.count(None) == len(block.pages):
             self.remove_block(block)
 
-    def remove_block(self, block: Block) -> None:
-        """Take a block (and then every ancestor left without pages or children) out of the tree."""
+    def remove_block(self, block: Block, take_from: PagePool | None = None) -> Page | None:
+        """Take a block (and then every ancestor left without pages or children) out of the tree. An ancestor that
+        keeps pages but loses its last child has its unlocked pages become eviction candidates; with ``take_from``
+        (a pool whose policy has ``add_unless_next``, for a caller about to pop that pool's next victim), such a
+        page of ``take_from`` is offered through ``add_unless_next`` and returned when it is that victim (not
+        queued). Returns None otherwise."""
         # free_committed and eligible inlined: this runs for every block dropped from the tree.
         spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
         no_pages = self._no_pages
+        taken: Page | None = None
         n = 0
         while True:
             pages = block.pages
@@ -529,11 +534,16 @@ class BlockPool:
                 # unlocked committed page of a childless block is a candidate).
                 for p in parent.pages:
                     if p is not None and p.ref_count == 0 and p.policy_data is None:
-                        p.pool.policy.add(p)
+                        if taken is None and p.pool is take_from:
+                            if take_from.policy.add_unless_next(p):  # type: ignore[attr-defined]
+                                taken = p
+                        else:
+                            p.pool.policy.add(p)
                 break
             block = parent
         self.tree.num_blocks -= n
         self.stats.removed_blocks += n
+        return taken
 
     def _drop_leaves(self, pool: PagePool, k: int, out: list[Page]) -> None:
         """Evict ``k`` victims from ``pool`` (last tier, full attention, empty free list), each dropping its block
@@ -543,14 +553,12 @@ class BlockPool:
         (``add_unless_next``, when it has it) instead of queueing it for the next pop."""
         policy = pool.policy
         pop_victim = policy.pop_victim
-        take_next = getattr(policy, "add_unless_next", None)
-        if self.num_groups == 1 and take_next is not None:
+        take_next = getattr(policy, "add_unless_next", None) is not None
+        if self.num_groups == 1 and take_next:
             self._drop_leaves_one_group(pool, k, out)
             return
         free = pool.free
-        spare, removed, tpb = self._spare, self._removed, self.tokens_per_block
-        no_pages = self._no_pages
-        n = 0
+        remove_block = self.remove_block
         victim: Page | None = None
         for left in range(k, 0, -1):
             if victim is None:
@@ -559,43 +567,10 @@ class BlockPool:
                     raise AssertionError(f"group {pool.group}: the availability check promised a page")
             block = victim.block
             assert block is not None
-            victim = None
-            while True:  # remove_block(block), but a parent page that is the next victim is taken, not queued
-                pages = block.pages
-                for p in pages:
-                    if p is not None:
-                        if p.ref_count:
-                            raise AssertionError(f"_drop_leaves: {p!r} is locked")
-                        ppool = p.pool
-                        ppool.n_unlocked -= 1
-                        if p.policy_data is not None:
-                            ppool.policy.discard(p)
-                        p.block = None
-                        ppool.free.append(p)
-                pages[:] = no_pages
-                parent = block.parent
-                assert parent is not None
-                del parent.children[block.key]
-                spare.append(block)
-                n += 1
-                if block.num_tokens == tpb:
-                    removed.append(block.key)
-                if parent.parent is None or parent.children:
-                    break
-                if parent.pages != no_pages:
-                    for p in parent.pages:
-                        if p is not None and p.ref_count == 0 and p.policy_data is None:
-                            if victim is None and left > 1 and p.pool is pool and take_next is not None:
-                                if take_next(p):
-                                    victim = p
-                            else:
-                                p.pool.policy.add(p)
-                    break
-                block = parent
+            # The last victim takes no successor: nothing pops after it.
+            victim = remove_block(block, pool if take_next and left > 1 else None)
             out.append(free.pop())
         self.stats.dropped_pages += k
-        self.tree.num_blocks -= n
-        self.stats.removed_blocks += n
 
     def gain_child(self, parent: Block) -> None:
         """``parent`` (not a root) gets its first child: its last-tier full-attention pages stop being droppable."""
