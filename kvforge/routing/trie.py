@@ -18,7 +18,7 @@ collector nothing to traverse. Neither is thread-safe; :class:`~kvforge.routing.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 __all__ = ["BlockTrie", "ServerPrefixIndex", "TrieNode"]
@@ -120,6 +120,10 @@ class BlockTrie:
             return v
         return v - n if v & _MASK > n else None
 
+    def _held(self, key: Hashable) -> bool:
+        """Whether ``key`` is held once deferred updates count (:meth:`_live`'s precondition applies)."""
+        return self._live(key) is not None
+
     def match(self, keys: Sequence[Hashable]) -> int:
         """Number of leading blocks of ``keys`` the trie holds.
 
@@ -128,34 +132,22 @@ class BlockTrie:
         For keys that are not chained it returns some ``m`` with ``keys[m - 1]`` held and ``keys[m]`` not.
         """
         n = len(keys)
+        held: Callable[[Hashable], bool]
         if self._queued or self._recent:
             self._pending_counts()
-            live = self._live
-            if n == 0 or live(keys[0]) is None:
-                return 0
-            if live(keys[n - 1]) is not None:
-                return n
-            if n == 2 or live(keys[n - 2]) is not None:
-                return n - 1
-            lo, hi = 1, n - 2
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if live(keys[mid]) is not None:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            return lo
-        nodes = self._nodes
-        if n == 0 or keys[0] not in nodes:
+            held = self._held
+        else:
+            held = self._nodes.__contains__
+        if n == 0 or not held(keys[0]):
             return 0
-        if keys[n - 1] in nodes:
+        if held(keys[n - 1]):
             return n
-        if n == 2 or keys[n - 2] in nodes:
+        if n == 2 or held(keys[n - 2]):
             return n - 1
         lo, hi = 1, n - 2  # keys[lo - 1] held, keys[hi] not
         while lo < hi:
             mid = (lo + hi) // 2
-            if keys[mid] in nodes:
+            if held(keys[mid]):
                 lo = mid + 1
             else:
                 hi = mid
