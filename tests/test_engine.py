@@ -201,6 +201,30 @@ def test_compare_logits_excuses_only_near_ties() -> None:
     assert not compare_logits(eng, ref, [1, 0, 2], bound=0.015).ok  # the error is over the bound
     with pytest.raises(ValueError, match="engine_rows"):
         compare_logits(eng[:2], ref, [1, 0, 2], bound=0.05)
+    bad = eng.clone()
+    bad[1, 2] = float("nan")
+    assert not compare_logits(bad, ref, [1, 0, 2], bound=0.05).ok  # a NaN from the engine fails the check
+
+
+@pytest.mark.parametrize(
+    ("args", "err", "match"),
+    [
+        ((torch.zeros(3, 3, dtype=torch.int64), torch.zeros(3, 3), [0, 0, 0], 0.1), TypeError, "engine_rows"),
+        ((torch.zeros(3, 3), [[0.0] * 3] * 3, [0, 0, 0], 0.1), TypeError, "ref_rows"),
+        ((torch.zeros(3, 3, device="meta"), torch.zeros(3, 3), [0, 0, 0], 0.1), ValueError, "meta"),
+        ((torch.zeros(3, 1), torch.zeros(3, 1), [0, 0, 0], 0.1), ValueError, "ref_rows"),
+        ((torch.zeros(3), torch.zeros(3), [0, 0, 0], 0.1), ValueError, "ref_rows"),
+        ((torch.zeros(3, 3), torch.zeros(3, 3), [0, 0, 0], float("nan")), ValueError, "bound"),
+        ((torch.zeros(3, 3), torch.zeros(3, 3), [0, 0, 0], -1.0), ValueError, "bound"),
+        ((torch.zeros(3, 3), torch.zeros(3, 3), [0, 0, 0], True), ValueError, "bound"),
+        ((torch.zeros(3, 3), torch.zeros(3, 3), [0, 3, 0], 0.1), ValueError, "tokens"),
+        ((torch.zeros(3, 3), torch.zeros(3, 3), [0, 1.0, 0], 0.1), ValueError, "tokens"),
+        ((torch.zeros(3, 3), torch.full((3, 3), float("inf")), [0, 0, 0], 0.1), ValueError, "finite"),
+    ],
+)
+def test_compare_logits_refuses_bad_input(args, err, match) -> None:
+    with pytest.raises(err, match=match):
+        compare_logits(*args)
 
 
 @pytest.mark.parametrize("fp8", [True, False])

@@ -61,13 +61,27 @@ class LogitCheck:
 def compare_logits(
     engine_rows: torch.Tensor, ref_rows: torch.Tensor, tokens: Sequence[int], bound: float
 ) -> LogitCheck:
-    """``engine_rows`` / ``ref_rows`` ``[N, V]`` (row i chose ``tokens[i]``); see the module docstring."""
+    """``engine_rows`` / ``ref_rows`` ``[N, V]`` (row i chose ``tokens[i]``); see the module docstring. A NaN or
+    inf in ``engine_rows`` is a failed check, not an error; the reference must be finite."""
+    for name, t in (("engine_rows", engine_rows), ("ref_rows", ref_rows)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating-point tensor, got {type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
+    if ref_rows.dim() != 2 or ref_rows.shape[1] < 2:
+        raise ValueError(f"ref_rows: expected [N, V] with V >= 2, got {list(ref_rows.shape)}")
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 <= bound < float("inf"):
+        raise ValueError(f"bound: expected a finite number >= 0, got {bound!r}")
+    if any(type(t) is not int or not 0 <= t < ref_rows.shape[1] for t in tokens):
+        raise ValueError(f"tokens: expected ints in [0, {ref_rows.shape[1]}), got {list(tokens)!r:.200}")
     if engine_rows.shape != ref_rows.shape or engine_rows.shape[0] != len(tokens):
         raise ValueError(
             f"engine_rows: expected the shape of ref_rows {list(ref_rows.shape)} with {len(tokens)} rows, got "
             f"{list(engine_rows.shape)}"
         )
     e, r = engine_rows.double().cpu(), ref_rows.double().cpu()
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("ref_rows: expected finite logits, got NaN or inf")
     err = (e - r).abs().max(-1).values
     top2 = r.topk(2, -1).values
     margin = top2[:, 0] - top2[:, 1]
