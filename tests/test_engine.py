@@ -276,3 +276,21 @@ def test_committed_fla_configs_are_found_for_their_gpu(monkeypatch: pytest.Monke
             assert fla_cache.load_cached_config(f.stem, key) == entry["config"]
             other = fla_cache.AutotuneKey((*entry["autotune_key"][:-1], "torch.float16"))
             assert fla_cache.load_cached_config(f.stem, other) is None
+
+
+@pytest.mark.parametrize("n", [1, 2.5, True, "3"])
+def test_component_errors_refuses_bad_max_new_tokens(model: HybridModel, n) -> None:
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        component_errors(model, EngineConfig(), [1, 2, 3], n)
+
+
+def test_export_fla_configs_refuses_bad_dest(tmp_path) -> None:
+    pytest.importorskip("fla")
+    from kvforge.engine.fla_configs import export_fla_configs
+
+    with pytest.raises(TypeError, match="dest"):
+        export_fla_configs(3)  # type: ignore[arg-type]
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="dest"):
+        export_fla_configs(f)

@@ -59,12 +59,17 @@ def _autotuners() -> list:
     return found
 
 
-def export_fla_configs(dest: Path) -> int:
+def export_fla_configs(dest: str | os.PathLike[str]) -> int:
     """Write the configs fla-core's autotuners hold in this process into ``dest`` (one JSON per kernel, fla's
     format); returns the number of kernels written."""
     import triton  # type: ignore[import-untyped]
     from fla.ops.utils.cache import AutotuneKey  # type: ignore[import-untyped]
 
+    if not isinstance(dest, (str, os.PathLike)):
+        raise TypeError(f"dest: expected a path, got {type(dest).__name__}")
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise ValueError(f"dest: expected a directory, got the file {dest}")
     dest.mkdir(parents=True, exist_ok=True)
     n = 0
     for tuner in _autotuners():

@@ -127,8 +127,8 @@ def component_errors(
     draft_len: int = 1,
 ) -> list[ComponentError]:
     """One request through a fresh engine (no reuse, so every position is computed); see the module docstring."""
-    if max_new_tokens < 2:
-        raise ValueError(f"max_new_tokens: expected >= 2 (at least one decode position), got {max_new_tokens}")
+    if type(max_new_tokens) is not int or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens: expected an int >= 2 (at least one decode position), got {max_new_tokens!r}")
     eng = Engine(model, config, draft_len=draft_len)
     # Per layer: position -> (h, mixer, x) of the latest computation of that position (a rejected draft token's
     # position is computed again with the accepted token in the next step).
