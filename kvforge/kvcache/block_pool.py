@@ -582,59 +582,76 @@ class BlockPool:
         """:meth:`_drop_leaves` for a layout of one pool group whose policy has ``add_unless_next``: a block
         holds one page, so a victim's block frees the victim alone (appended to ``out`` directly, not through
         the free list, which is empty here) and the pool's unlocked count drops by ``k`` at the end (nothing in
-        this loop reads it). With the default policy itself (not a subclass, no ``on_victim``), its
-        ``add_unless_next`` is inlined: the test against the heads of its sorted run and heap, nothing else."""
+        this loop reads it). A victim is popped, then its parent follows it at once while the parent is the next
+        victim (a request's path leaves leaf first), without a pop. With the default policy itself (not a
+        subclass, no ``on_victim``), its ``add_unless_next`` is inlined: the test against the heads of its sorted
+        run and heap, with its sequence number kept in a local and written back before any ``add``."""
         policy = pool.policy
         pop_victim, take_next = policy.pop_victim, policy.add_unless_next  # type: ignore[attr-defined]
         inline = type(policy) is PrioritizedLRU and policy.on_victim is None
         run, heap = (policy._run, policy._heap) if inline else ((), ())  # type: ignore[attr-defined]
+        seq: int = policy._seq if inline else 0  # type: ignore[attr-defined]
         spare_append, removed_append, out_append = self._spare.append, self._removed.append, out.append
         tpb = self.tokens_per_block
         n = k  # blocks removed: each victim's, plus ancestors left with no page (counted below)
-        victim: Page | None = None
-        for left in range(k, 0, -1):
+        left = k
+        while left:
+            victim: Page | None = pop_victim()
             if victim is None:
-                victim = pop_victim()
-                if victim is None:
-                    raise AssertionError(f"group {pool.group}: the availability check promised a page")
-            if victim.ref_count:
-                raise AssertionError(f"_drop_leaves: {victim!r} is locked")
-            block = victim.block
-            assert block is not None
-            block.pages[0] = None
-            victim.block = None
-            out_append(victim)
-            victim = None
-            while True:  # the block, then each ancestor left with no page and no child, leaves the tree
-                parent = block.parent
-                assert parent is not None
+                raise AssertionError(f"group {pool.group}: the availability check promised a page")
+            while True:  # the victim, then each parent that becomes the next victim
+                if victim.ref_count:  # type: ignore[union-attr]
+                    raise AssertionError(f"_drop_leaves: {victim!r} is locked")
+                block: Block = victim.block  # type: ignore[union-attr,assignment]
+                block.pages[0] = None
+                victim.block = None  # type: ignore[union-attr]
+                out_append(victim)  # type: ignore[arg-type]
+                left -= 1
+                # The block, then each ancestor left with no page and no child, leaves the tree.
+                parent: Block = block.parent  # type: ignore[assignment]
                 key = block.key
                 del parent.children[key]
                 spare_append(block)
                 if block.num_tokens == tpb:
                     removed_append(key)
+                while parent.parent is not None and not parent.children and parent.pages[0] is None:
+                    block = parent
+                    parent = block.parent  # type: ignore[assignment]
+                    key = block.key
+                    del parent.children[key]
+                    spare_append(block)
+                    if block.num_tokens == tpb:
+                        removed_append(key)
+                    n += 1
                 if parent.parent is None or parent.children:
                     break
-                p = parent.pages[0]
-                if p is not None:
-                    # Now a leaf: its page, if unlocked, becomes a candidate, and is taken at once when it is the
-                    # next victim (add_unless_next added it otherwise).
-                    if p.ref_count == 0 and p.policy_data is None:
-                        if left == 1 or p.pool is not pool:
-                            p.pool.policy.add(p)
-                        elif inline:
-                            # PrioritizedLRU.add_unless_next: taken when it sorts before both heads.
-                            entry = (p.priority, p.last_used, -parent.depth, policy._seq + 1, p.index)  # type: ignore[attr-defined]
-                            if (run and not entry < run[0]) or (heap and not entry < heap[0]):
-                                policy.add(p)
-                            else:
-                                policy._seq += 1  # type: ignore[attr-defined]
-                                victim = p
-                        elif take_next(p):
-                            victim = p
+                # The parent is now a leaf: its page, if unlocked, becomes a candidate, and is taken at once when
+                # it is the next victim (add_unless_next added it otherwise).
+                p: Page = parent.pages[0]  # type: ignore[assignment]
+                if p.ref_count or p.policy_data is not None:
                     break
-                block = parent
-                n += 1
+                if not left or p.pool is not pool:
+                    if inline:
+                        policy._seq = seq  # type: ignore[attr-defined]
+                        p.pool.policy.add(p)
+                        seq = policy._seq  # type: ignore[attr-defined]
+                    else:
+                        p.pool.policy.add(p)
+                    break
+                if inline:
+                    # PrioritizedLRU.add_unless_next: taken when it sorts before both heads.
+                    entry = (p.priority, p.last_used, -parent.depth, seq + 1, p.index)
+                    if (run and not entry < run[0]) or (heap and not entry < heap[0]):
+                        policy._seq = seq  # type: ignore[attr-defined]
+                        policy.add(p)
+                        seq = policy._seq  # type: ignore[attr-defined]
+                        break
+                    seq += 1
+                elif not take_next(p):
+                    break
+                victim = p
+        if inline:
+            policy._seq = seq  # type: ignore[attr-defined]
         pool.n_unlocked -= k
         self.stats.dropped_pages += k
         self.tree.num_blocks -= n
