@@ -22,6 +22,8 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import count
 
 from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, PoolGroupSpec, Tier
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
@@ -241,7 +243,7 @@ class BlockPool:
                     pool.policy.add(page)
 
     def release_row(
-        self, group: int, row: Sequence[Page | None], priority: int, own_from: int, shared: set[int]
+        self, group: int, row: Sequence[Page | None], priority: int, own_from: int, shared: AbstractSet[int]
     ) -> None:
         """Give back a cache's pages of ``group`` (GPU pages, as every page a cache holds), deepest first (so that,
         at equal recency, policies see leaves before their ancestors): uncommitted ones to the free list,
@@ -252,14 +254,23 @@ class BlockPool:
         clock = self.clock
         add = pool.policy.add
         any_leaf = not pool.last or not pool.full_attention  # else only childless blocks' pages are candidates
-        unlocked = 0
-        for b in range(len(row) - 1, -1, -1):
-            p = row[b]
-            if p is None:
-                continue
-            block = p.block
-            if block is None:
+        # Uncommitted pages are the row's last ones (past its committed blocks).
+        end = len(row)
+        while end:
+            p = row[end - 1]
+            if p is not None:
+                if p.block is not None:
+                    break
                 self.free_page(p)
+            end -= 1
+        # The committed pages' blocks form a path (each the parent of the next), so only the deepest can be
+        # childless: the others' blocks (and their children dicts) are not read, which keeps a long row's
+        # release from walking its blocks' memory.
+        deepest = end - 1
+        unlocked = 0
+        for b in range(deepest, -1, -1):
+            p = row[b]
+            if p is None:  # a stale sliding-window block
                 continue
             # Only a different priority can change anything (the common case is equal: skip both tests).
             if priority != p.priority and (priority > p.priority or (b >= own_from and b not in shared)):
@@ -268,7 +279,7 @@ class BlockPool:
             if p.ref_count == 0:
                 unlocked += 1
                 p.last_used = clock
-                if any_leaf or not block.children:
+                if any_leaf or (b == deepest and not p.block.children):  # type: ignore[union-attr]
                     # n_unlocked counts this page before the policy sees it, as unlock() does.
                     pool.n_unlocked += unlocked
                     unlocked = 0
@@ -387,11 +398,34 @@ class BlockPool:
         spare = self._spare
         tpb, num_groups = self.tokens_per_block, self.num_groups
         getrefcount, unheld = _getrefcount, _UNHELD
-        only_g, only = rows[0] if len(rows) == 1 else (0, None)
         out: list[Block] = []
         append = out.append
-        ordinal = first
-        for h in keys:
+        if len(rows) == 1:
+            # One attention group (the common layout): the row's pages walked beside the keys, no inner loop.
+            g, row = rows[0]
+            if first + len(keys) > len(row):
+                raise IndexError(f"new_chain: the row holds {len(row)} page slots, not {first + len(keys)}")
+            for ordinal, h, p in zip(count(first), keys, row[first : first + len(keys)]):
+                while spare:
+                    child = spare.popleft()
+                    if getrefcount(child) == unheld and not child.children:  # see new_block
+                        child.key = h
+                        child.parent = parent
+                        child.depth = ordinal
+                        child.num_tokens = tpb
+                        child.tokens = None
+                        break
+                else:
+                    child = Block(h, parent, ordinal, tpb, None, num_groups)
+                parent.children[h] = child
+                if p is not None:
+                    child.pages[g] = p
+                    p.block = child
+                    p.priority = priority
+                append(child)
+                parent = child
+            return out
+        for ordinal, h in zip(count(first), keys):
             while spare:
                 child = spare.popleft()
                 if getrefcount(child) == unheld and not child.children:  # see new_block
@@ -404,23 +438,15 @@ class BlockPool:
             else:
                 child = Block(h, parent, ordinal, tpb, None, num_groups)
             parent.children[h] = child
-            if only is not None:  # one attention group (the common layout): no inner loop
-                p = only[ordinal]
+            cpages = child.pages
+            for g, row in rows:
+                p = row[ordinal]
                 if p is not None:
-                    child.pages[only_g] = p
+                    cpages[g] = p
                     p.block = child
                     p.priority = priority
-            else:
-                cpages = child.pages
-                for g, row in rows:
-                    p = row[ordinal]
-                    if p is not None:
-                        cpages[g] = p
-                        p.block = child
-                        p.priority = priority
             append(child)
             parent = child
-            ordinal += 1
         return out
 
     # --- eviction ------------------------------------------------------------------------------------------------
