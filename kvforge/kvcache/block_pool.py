@@ -209,6 +209,22 @@ class BlockPool:
                 pool.policy.discard(page)
         page.ref_count += 1
 
+    def lock_block_pages(self, blocks: Sequence[Block], group: int) -> list[Page]:
+        """:meth:`lock` the page of ``group`` of each of ``blocks`` (which all have one: a reused prefix of a
+        full-attention group) and return those pages, in one pass."""
+        out: list[Page] = []
+        append = out.append
+        for b in blocks:
+            page: Page = b.pages[group]  # type: ignore[assignment]
+            if page.ref_count == 0:
+                pool = page.pool
+                pool.n_unlocked -= 1
+                if page.policy_data is not None:
+                    pool.policy.discard(page)
+            page.ref_count += 1
+            append(page)
+        return out
+
     def lock_pages(self, pages: Sequence[Page]) -> None:
         """:meth:`lock` each of ``pages`` (a reused prefix: one call per request instead of one per block)."""
         for page in pages:
@@ -330,15 +346,17 @@ class BlockPool:
         out = free[len(free) - take :]
         out.reverse()
         del free[len(free) - take :]
+        for page in out:
+            page.ref_count = 1
         if n > take and pool.last and pool.full_attention:
-            self._drop_leaves(pool, n - take, out)
+            self._drop_leaves(pool, n - take, out)  # its pages come locked (ref_count 1)
         else:
             for _ in range(n - take):
                 if not free and not self.evict_one(pool):
                     raise AssertionError(f"group {group}: the availability check promised a page")
-                out.append(free.pop())
-        for page in out:
-            page.ref_count = 1
+                page = free.pop()
+                page.ref_count = 1
+                out.append(page)
         return out
 
     def must_alloc(self, group: int) -> Page:
@@ -573,10 +591,11 @@ class BlockPool:
 
     def _drop_leaves(self, pool: PagePool, k: int, out: list[Page]) -> None:
         """Evict ``k`` victims from ``pool`` (last tier, full attention, empty free list), each dropping its block
-        (:meth:`remove_block`), their pages appended to ``out`` in eviction order: what ``k`` calls of
-        :meth:`evict_one` then ``free.pop()`` do, in one loop, since it is the cost of every block a full cache
-        admits. A victim's parent that becomes a leaf is often the next victim: the policy hands it back at once
-        (``add_unless_next``, when it has it) instead of queueing it for the next pop."""
+        (:meth:`remove_block`), their pages appended to ``out`` in eviction order and locked (ref_count 1, as
+        :meth:`alloc_pages` hands them out): what ``k`` calls of :meth:`evict_one` then ``free.pop()`` do, in one
+        loop, since it is the cost of every block a full cache admits. A victim's parent that becomes a leaf is
+        often the next victim: the policy hands it back at once (``add_unless_next``, when it has it) instead of
+        queueing it for the next pop."""
         policy = pool.policy
         pop_victim = policy.pop_victim
         take_next = getattr(policy, "add_unless_next", None) is not None
@@ -595,7 +614,9 @@ class BlockPool:
             assert block is not None
             # The last victim takes no successor: nothing pops after it.
             victim = remove_block(block, pool if take_next and left > 1 else None)
-            out.append(free.pop())
+            page = free.pop()
+            page.ref_count = 1
+            out.append(page)
         self.stats.dropped_pages += k
 
     def gain_child(self, parent: Block) -> None:
@@ -631,30 +652,27 @@ class BlockPool:
                 block: Block = victim.block  # type: ignore[union-attr,assignment]
                 block.pages[0] = None
                 victim.block = None  # type: ignore[union-attr]
+                victim.ref_count = 1  # type: ignore[union-attr]  # handed out locked
                 out_append(victim)  # type: ignore[arg-type]
                 left -= 1
-                # The block, then each ancestor left with no page and no child, leaves the tree.
-                parent: Block = block.parent  # type: ignore[assignment]
-                key = block.key
-                del parent.children[key]
-                spare_append(block)
-                if block.num_tokens == tpb:
-                    removed_append(key)
-                while parent.parent is not None and not parent.children and parent.pages[0] is None:
-                    block = parent
-                    parent = block.parent  # type: ignore[assignment]
+                while True:  # the block, then each ancestor left with no page and no child, leaves the tree
+                    parent: Block = block.parent  # type: ignore[assignment]
                     key = block.key
                     del parent.children[key]
                     spare_append(block)
                     if block.num_tokens == tpb:
                         removed_append(key)
+                    if parent.parent is None or parent.children:
+                        p = None
+                        break
+                    p = parent.pages[0]
+                    if p is not None:
+                        break
+                    block = parent
                     n += 1
-                if parent.parent is None or parent.children:
-                    break
-                # The parent is now a leaf: its page, if unlocked, becomes a candidate, and is taken at once when
+                # The parent, now a leaf, holds ``p``: if unlocked it becomes a candidate, and is taken at once when
                 # it is the next victim (add_unless_next added it otherwise).
-                p: Page = parent.pages[0]  # type: ignore[assignment]
-                if p.ref_count or p.policy_data is not None:
+                if p is None or p.ref_count or p.policy_data is not None:
                     break
                 if not left or p.pool is not pool:
                     if inline:

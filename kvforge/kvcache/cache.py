@@ -449,15 +449,15 @@ class KVCache:
             # One full-attention group in one tier, no partial tail: what reuse_needs, fits and the general path
             # below do for this layout (every admission of a plain model passes here). Lock the matched pages
             # (their unlocked ones stop being available), nothing to copy, no live state, no window.
-            matched: list[Page] = [b.pages[0] for b in blocks]  # type: ignore[misc]  # full attention: never None
             grow = nblocks - n
             if grow > 0:
                 pool = bp.gpu[0]
-                if grow > len(pool.free) + pool.n_unlocked - [p.ref_count for p in matched].count(0):
+                room = len(pool.free) + pool.n_unlocked
+                # Locking the match takes its unlocked pages out of the room: counted only when it could matter.
+                if grow > room - n and grow > room - [b.pages[0].ref_count for b in blocks].count(0):  # type: ignore[union-attr]
                     return False
-            bp.lock_pages(matched)
+            self._pages = [bp.lock_block_pages(blocks, 0)]  # type: ignore[list-item]
             bp.tick()
-            self._pages = [matched]  # type: ignore[list-item]
             self._blocks = list(blocks)
             self._nblocks = n
             self._committed = self._history = self._capacity = n * tpb
