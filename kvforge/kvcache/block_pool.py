@@ -210,19 +210,22 @@ class BlockPool:
         page.ref_count += 1
 
     def lock_block_pages(self, blocks: Sequence[Block], group: int) -> list[Page]:
-        """:meth:`lock` the page of ``group`` of each of ``blocks`` (which all have one: a reused prefix of a
-        full-attention group) and return those pages, in one pass."""
+        """:meth:`lock` the page of ``group`` of each of ``blocks`` (which all have one, a GPU page: a reused prefix
+        of a full-attention group in a manager with one tier) and return those pages, in one pass."""
+        pool = self.gpu[group]
+        discard = pool.policy.discard
         out: list[Page] = []
         append = out.append
+        taken = 0
         for b in blocks:
             page: Page = b.pages[group]  # type: ignore[assignment]
-            if page.ref_count == 0:
-                pool = page.pool
-                pool.n_unlocked -= 1
+            if not page.ref_count:
+                taken += 1
                 if page.policy_data is not None:
-                    pool.policy.discard(page)
+                    discard(page)
             page.ref_count += 1
             append(page)
+        pool.n_unlocked -= taken
         return out
 
     def lock_pages(self, pages: Sequence[Page]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Hashable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import islice
 from typing import Any, Protocol
 
 from kvforge.errors import CacheStateError
@@ -665,9 +666,11 @@ class KVCache:
         n_full = (start + n) // tpb - first
         if keys is not None:
             # The very key objects the manager validated with the prompt are valid already.
-            pk = self._prompt_keys[first : first + n_full]
+            pk = self._prompt_keys
             if not (
-                type(keys) in (list, tuple) and len(keys) == n_full == len(pk) and all(map(operator.is_, keys, pk))
+                type(keys) in (list, tuple)
+                and len(keys) == n_full <= len(pk) - first
+                and all(map(operator.is_, keys, islice(pk, first, None)))
             ):
                 keys = check_block_keys(keys)
             if len(keys) != n_full:
@@ -728,7 +731,7 @@ class KVCache:
             blocks.extend(bp.new_chain(parent, new_keys, first + i, attn_pages, default))
             i = n_full
         new_block = bp.new_block
-        for h in new_keys[i - first_new :]:
+        for h in new_keys[i - first_new :] if i < n_full else ():
             ordinal = first + i
             child = new_block(h, parent, ordinal, tpb, None)
             parent.children[h] = child
