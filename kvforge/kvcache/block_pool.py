@@ -650,13 +650,13 @@ class BlockPool:
             if victim is None:
                 raise AssertionError(f"group {pool.group}: the availability check promised a page")
             while True:  # the victim, then each parent that becomes the next victim
-                if victim.ref_count:  # type: ignore[union-attr]
+                if victim.ref_count:
                     raise AssertionError(f"_drop_leaves: {victim!r} is locked")
-                block: Block = victim.block  # type: ignore[union-attr,assignment]
+                block: Block = victim.block  # type: ignore[assignment]
                 block.pages[0] = None
-                victim.block = None  # type: ignore[union-attr]
-                victim.ref_count = 1  # type: ignore[union-attr]  # handed out locked
-                out_append(victim)  # type: ignore[arg-type]
+                victim.block = None
+                victim.ref_count = 1  # handed out locked
+                out_append(victim)
                 left -= 1
                 while True:  # the block, then each ancestor left with no page and no child, leaves the tree
                     parent: Block = block.parent  # type: ignore[assignment]

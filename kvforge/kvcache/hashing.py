@@ -23,7 +23,7 @@ import os
 import struct
 import sys
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
@@ -57,7 +57,9 @@ _U32_DTYPE = np.dtype(_U32)
 # A parent key's 16 bytes then an external id as the 8-byte little-endian word: what an id's key hashes.
 _PACK_ID_INPUT = struct.Struct(f"<{KEY_BYTES}sQ").pack
 _NATIVE_LITTLE = sys.byteorder == "little"
-_LITTLE = itertools.repeat("little")  # the byteorder argument of int.from_bytes mapped over many digests
+# The byteorder argument of int.from_bytes mapped over many digests. (In the checks below, an exact list or tuple
+# skips the ABC Sequence isinstance test, which costs as much as checking a few keys, on every admission.)
+_LITTLE: itertools.repeat[Literal["little"]] = itertools.repeat("little")
 if array.array("I").itemsize != 4:  # 4 on every platform CPython supports today
     raise ImportError("kvforge.kvcache.hashing needs array('I') to hold 32-bit words")
 
@@ -107,8 +109,10 @@ def token_array(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN
                 i = int(np.argmin(tokens)) if lo < 0 else int(np.argmax(tokens))
                 raise ValueError(f"{name}[{i}]: expected a token id in [0, {vocab_size}), got {int(tokens[i])}")
         return np.ascontiguousarray(tokens, dtype=_U32)
-    if not _list_or_tuple(tokens) and (
-        isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence)
+    if (
+        type(tokens) is not list
+        and type(tokens) is not tuple
+        and (isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence))
     ):
         raise TypeError(f"{name}: expected a sequence of int token ids, got {type(tokens).__name__}")
     try:
@@ -173,21 +177,16 @@ def token_ints(tokens: Sequence[int] | np.ndarray) -> Sequence[int]:
     return tokens.tolist() if type(tokens) is np.ndarray else tokens  # type: ignore[return-value]
 
 
-def _list_or_tuple(obj: object) -> bool:
-    """An exact list or tuple: known to be a sequence without the ABC ``isinstance`` test, which costs as much as
-    checking a few keys and runs on every admission."""
-    t = type(obj)
-    return t is list or t is tuple
-
-
 def _bytes_view(arr: np.ndarray) -> memoryview:
     return memoryview(arr).cast("B")  # type: ignore[arg-type]  # a contiguous numpy array is a buffer
 
 
 def check_block_keys(keys: object, name: str = "block_keys") -> tuple[int, ...]:
     """``keys`` as a tuple after checking each is a Python int in ``[0, KEY_LIMIT)`` (bool and numpy ints refused)."""
-    if not _list_or_tuple(keys) and (
-        isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence)
+    if (
+        type(keys) is not list
+        and type(keys) is not tuple
+        and (isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence))
     ):
         raise TypeError(f"{name}: expected a sequence of int block keys, got {type(keys).__name__}")
     out = tuple(keys)
@@ -413,8 +412,10 @@ class BlockKeyHasher:
         """Block keys for external per-block ids already chained by prefix (a trace's ``hash_ids``: equal ids
         at a position with equal ids before it mean an equal block). Ids are ints in ``[0, 2**64)``; their
         keys live in their own domain, so they never equal keys of token blocks."""
-        if not _list_or_tuple(ids) and (
-            isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, Sequence)
+        if (
+            type(ids) is not list
+            and type(ids) is not tuple
+            and (isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, Sequence))
         ):
             raise TypeError(f"ids: expected a sequence of ints, got {type(ids).__name__}")
         parent = self._default_id_root if scope is None and cache_salt is None else self._root(b"X", scope, cache_salt)
