@@ -152,7 +152,7 @@ class KVCache:
         self._prompt_keys: tuple[int, ...] = ()
         self._priority_cb = priority_callback
         # Ordinals of blocks this cache completed but found already in the tree (shared like reused ones): an
-        # empty frozenset until the first one (_share).
+        # empty frozenset until _commit_blocks meets the first one.
         self._shared: AbstractSet[int] = _NO_SHARED
         self._next_stale_at = NEVER
 
