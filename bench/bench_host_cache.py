@@ -19,10 +19,16 @@ only the modules named in ``_VLLM_REAL``/``_SGLANG_REAL`` execute, infrastructur
 (``bench/_peer_import.py``). Each (system, capacity, repetition) runs in a fresh process that imports all three
 systems first, so every run starts from the same heap. Hit counts must agree exactly with an unlimited cache
 (the same longest-prefix semantics); with LRU eviction they differ by design (vLLM may evict a block whose
-children stay cached; kvforge and SGLang evict leaves) and are reported side by side. Rows go to
-``bench/results/host_cache.csv``, the plot to ``bench/results/host_cache.png``. After building its pools, every
-system's run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and
-SGLang's servers do after start-up (``--no-freeze``: not). Run::
+children stay cached; kvforge and SGLang evict leaves) and are reported side by side. After building its pools,
+every system's run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and
+SGLang's servers do after start-up (``--no-freeze``: not).
+
+On a shared machine one run of a system can take up to 1.7x another of the same code, so each repetition runs
+every system once, kvforge next to vLLM (reversed every other repetition: kvforge, vLLM, ..., then ..., vLLM,
+kvforge), and besides each system's median-total run the bench reports the **paired ratio** of each repetition
+(a system's total over vLLM's total in the same repetition: both saw about the same load), as its median and
+range over repetitions, with ``os.getloadavg()`` at start and end. Rows go to ``bench/results/host_cache.csv``,
+the plot to ``bench/results/host_cache.png``. Run::
 
     python bench/bench_host_cache.py [--reps 3] [--systems kvforge,vllm,sglang,...] [--limit N] [--no-save]
 """
@@ -48,7 +54,7 @@ from bench._peer_import import find_wheel, install, stub_module
 
 TPB = 512
 CAPACITIES: dict[str, int | None] = {"unlimited": None, "lru20k": 20_000}
-SYSTEMS = ("kvforge", "kvforge-sha256", "vllm", "vllm-xxhash", "sglang")
+SYSTEMS = ("kvforge", "vllm", "kvforge-sha256", "vllm-xxhash", "sglang")  # run in this order (kvforge next to vLLM)
 BASELINE = "vllm"  # ratios are against vLLM with its default hash
 WHEELS_ENV = "KVFORGE_PEER_WHEELS"
 
@@ -293,6 +299,30 @@ def _stats(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return "/".join(f"{x:.2f}" for x in avg)
+
+
+def _paired_ratios(
+    runs: dict[tuple[str, str], list[dict[str, Any]]], systems: list[str], cap: str
+) -> dict[str, list[float]]:
+    """Per system, its total CPU time over vLLM's in each repetition both ran (empty without vLLM)."""
+    if BASELINE not in systems:
+        return {}
+    base = {r["rep"]: sum(r["samples_ns"]) for r in runs[(BASELINE, cap)]}
+    out = {}
+    for system in systems:
+        mine = {r["rep"]: sum(r["samples_ns"]) for r in runs[(system, cap)]}
+        out[system] = [mine[k] / base[k] for k in sorted(mine) if k in base]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=None, help="the Mooncake conversation trace (JSONL)")
@@ -328,8 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in caps:
         if c not in CAPACITIES:
             raise SystemExit(f"--capacities: unknown {c!r} (expected some of {tuple(CAPACITIES)})")
+    if args.reps < 1:
+        raise SystemExit(f"--reps: expected an int >= 1, got {args.reps}")
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    load_start = os.getloadavg()
+    print(f"load average at start (1/5/15 min): {_load(load_start)}", flush=True)
     for rep in range(args.reps):
         for cap in caps:
             order = systems if rep % 2 == 0 else systems[::-1]  # alternate, so no system always runs first
@@ -341,10 +375,18 @@ def main(argv: list[str] | None = None) -> int:
                 if out.returncode != 0:
                     raise SystemExit(f"{system} {cap} failed:\n{out.stderr[-3000:]}")
                 res = json.loads(out.stdout.strip().splitlines()[-1])
+                res["rep"] = rep
                 runs.setdefault((system, cap), []).append(res)
-                print(f"  rep {rep} {cap:>9} {system:>15}: {_stats(res['samples_ns'])['total_ms']:9.1f} ms", flush=True)
+                print(
+                    f"  rep {rep} {cap:>9} {system:>15}: {_stats(res['samples_ns'])['total_ms']:9.1f} ms"
+                    f"  (load {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    load_end = os.getloadavg()
+    print(f"load average at end (1/5/15 min): {_load(load_end)}", flush=True)
     rows = []
     for cap in caps:
+        paired = _paired_ratios(runs, systems, cap)
         chosen: dict[str, dict[str, Any]] = {}
         for system in systems:
             reps = sorted(runs[(system, cap)], key=lambda r: sum(r["samples_ns"]))
@@ -353,20 +395,26 @@ def main(argv: list[str] | None = None) -> int:
         if CAPACITIES[cap] is None and len(set(hits.values())) != 1:
             raise SystemExit(f"hit blocks disagree with an unlimited cache: {hits}")
         base = _stats(chosen[BASELINE]["samples_ns"])["total_ms"] if BASELINE in chosen else None
+        if paired:
+            print(f"\ncapacity {cap}: paired ratio to vLLM per repetition (same repetition's vLLM total)")
+            for system, pr in paired.items():
+                print(f"{system:>15} " + " ".join(f"{x:5.2f}" for x in pr))
         frozen = "gc.freeze() after start-up" if not args.no_freeze else "no gc.freeze()"
         print(f"\ncapacity {cap} ({chosen[systems[0]]['capacity_blocks']:,} blocks), GC on, {frozen}, CPU per request:")
         print(
             f"{'system':>15} {'median us':>10} {'mean us':>9} {'p99 us':>9} {'total ms':>9} {'gc ms':>7} "
-            f"{'gen2':>5} {'hit blocks':>10} {'hit rate':>8} {'x vllm':>7}"
+            f"{'gen2':>5} {'hit blocks':>10} {'hit rate':>8} {'x vllm':>7} {'paired x vllm: median [min, max]':>33}"
         )
         for system, r in chosen.items():
             st = _stats(r["samples_ns"])
             totals = sorted(sum(x["samples_ns"]) / 1e6 for x in runs[(system, cap)])
             ratio = st["total_ms"] / base if base else float("nan")
+            pr = paired.get(system, [])
+            pr_text = f"{_median(pr):.2f} [{min(pr):.2f}, {max(pr):.2f}]" if pr else "-"
             print(
                 f"{system:>15} {st['median_us']:10.1f} {st['mean_us']:9.1f} {st['p99_us']:9.1f} {st['total_ms']:9.1f} "
                 f"{r['gc_ns'] / 1e6:7.1f} {r['gc_collections'][2]:5d} {r['hit_blocks']:10d} "
-                f"{r['hit_tokens'] / r['prompt_tokens']:8.2%} {ratio:7.2f}"
+                f"{r['hit_tokens'] / r['prompt_tokens']:8.2%} {ratio:7.2f} {pr_text:>33}"
             )
             rows.append(
                 {
@@ -383,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
                     "hit_tokens": r["hit_tokens"],
                     "hit_rate": round(r["hit_tokens"] / r["prompt_tokens"], 5),
                     "ratio_to_vllm": round(ratio, 3),
+                    "paired_ratio_median": round(_median(pr), 3) if pr else "",
+                    "paired_ratio_min": round(min(pr), 3) if pr else "",
+                    "paired_ratio_max": round(max(pr), 3) if pr else "",
+                    "paired_ratios_all_reps": ";".join(f"{x:.3f}" for x in pr),
+                    "reps": len(runs[(system, cap)]),
+                    "loadavg_start": _load(load_start),
+                    "loadavg_end": _load(load_end),
                     "gc": "on",
                     "gc_freeze_at_start": r["freeze"],
                     "cpu": platform.processor() or platform.machine(),

@@ -10,6 +10,8 @@
 * After ``freeze_gc``, caching many blocks creates no GC-tracked objects per block.
 * Hits, the order of removed blocks and the cached set equal those of an independent model of the policy (one
   full-attention pool: evict the unlocked leaf with the least ``(last_used, -depth, candidacy order)``).
+* A close's one-pass row release (``BlockPool.release_row``) leaves the same state as the per-page unlock path,
+  with partial tails, uncommitted pages and a host tier.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforge.kvcache import KVCacheConfig, KVCacheManager, LayerSpec, PrioritizedLRU, TierConfig
+from kvforge.kvcache import KVCacheConfig, KVCacheManager, LayerSpec, PrioritizedLRU, Tier, TierConfig
 from kvforge.kvcache.events import BlockRemoved
 from kvforge.kvcache.hashing import keys_from_ids
 from kvforge.kvcache.host import freeze_gc
@@ -249,3 +251,40 @@ def test_eviction_matches_an_independent_model(seed: int, pages: int) -> None:
     removed = [k for e in events if isinstance(e, BlockRemoved) for k in e.block_keys]
     assert removed == [keys_from_ids(list(prefix))[-1] for prefix in ref.removed]
     assert {b.key for b in mgr.tree.blocks()} == {keys_from_ids(list(p))[-1] for p in ref.last_used}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**16), st.integers(6, 24), st.booleans())
+def test_row_release_matches_the_per_page_unlock_path(seed: int, pages: int, host_tier: bool) -> None:
+    # A cache's close with constant priorities releases each row in one BlockPool.release_row pass (uncommitted
+    # tail first, only the deepest committed block tested for children); a priority callback (here returning the
+    # default, so every decision is the same) takes the per-page path through unlock_pages. Token-mode requests
+    # leave partial tails (inserted as partial blocks at close) and uncommitted pages past the committed length.
+    rng = random.Random(seed)
+    gpu = TierConfig(pages=pages)
+    tiers = (gpu, TierConfig(tier=Tier.HOST, pages=pages)) if host_tier else (gpu,)
+    config = KVCacheConfig(TPB, (LayerSpec(0, bytes_per_token=1),), tiers)
+    row, per_page = KVCacheManager(config), KVCacheManager(config)
+    stems = [[rng.randrange(30) for _ in range(rng.randint(1, 3 * TPB))] for _ in range(3)]
+    for _ in range(30):
+        tokens = list(rng.choice(stems)) + [rng.randrange(30) for _ in range(rng.randint(0, 2 * TPB))]
+        extra = rng.randint(0, 2 * TPB)
+        commit_upto = rng.randint(0, len(tokens))
+        outcomes = []
+        for mgr, cb in ((row, None), (per_page, lambda ordinal, group: 35)):
+            if not mgr.plan_admission(tokens, capacity=len(tokens) + extra, max_reuse_tokens=commit_upto).fits:
+                outcomes.append(None)
+                continue
+            cache = mgr.create_cache(
+                tokens, capacity=len(tokens) + extra, max_reuse_tokens=commit_upto, priority_callback=cb
+            )
+            done = cache.num_committed_tokens
+            cache.resize(history=len(tokens))
+            if commit_upto > done:
+                cache.commit(tokens[done:commit_upto])
+            cache.close()
+            outcomes.append(done)
+        assert outcomes[0] == outcomes[1]
+        row.check_invariants()
+        assert row.state_snapshot() == per_page.state_snapshot()
+        assert row.take_pending_copies() == per_page.take_pending_copies()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import count
 
 from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, PoolGroupSpec, Tier
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
@@ -207,6 +209,25 @@ class BlockPool:
                 pool.policy.discard(page)
         page.ref_count += 1
 
+    def lock_block_pages(self, blocks: Sequence[Block], group: int) -> list[Page]:
+        """:meth:`lock` the page of ``group`` of each of ``blocks`` (which all have one, a GPU page: a reused prefix
+        of a full-attention group in a manager with one tier) and return those pages, in one pass."""
+        pool = self.gpu[group]
+        discard = pool.policy.discard
+        out: list[Page] = []
+        append = out.append
+        taken = 0
+        for b in blocks:
+            page: Page = b.pages[group]  # type: ignore[assignment]
+            if not page.ref_count:
+                taken += 1
+                if page.policy_data is not None:
+                    discard(page)
+            page.ref_count += 1
+            append(page)
+        pool.n_unlocked -= taken
+        return out
+
     def lock_pages(self, pages: Sequence[Page]) -> None:
         """:meth:`lock` each of ``pages`` (a reused prefix: one call per request instead of one per block)."""
         for page in pages:
@@ -241,7 +262,7 @@ class BlockPool:
                     pool.policy.add(page)
 
     def release_row(
-        self, group: int, row: Sequence[Page | None], priority: int, own_from: int, shared: set[int]
+        self, group: int, row: Sequence[Page | None], priority: int, own_from: int, shared: AbstractSet[int]
     ) -> None:
         """Give back a cache's pages of ``group`` (GPU pages, as every page a cache holds), deepest first (so that,
         at equal recency, policies see leaves before their ancestors): uncommitted ones to the free list,
@@ -252,14 +273,23 @@ class BlockPool:
         clock = self.clock
         add = pool.policy.add
         any_leaf = not pool.last or not pool.full_attention  # else only childless blocks' pages are candidates
-        unlocked = 0
-        for b in range(len(row) - 1, -1, -1):
-            p = row[b]
-            if p is None:
-                continue
-            block = p.block
-            if block is None:
+        # Uncommitted pages are the row's last ones (past its committed blocks).
+        end = len(row)
+        while end:
+            p = row[end - 1]
+            if p is not None:
+                if p.block is not None:
+                    break
                 self.free_page(p)
+            end -= 1
+        # The committed pages' blocks form a path (each the parent of the next), so only the deepest can be
+        # childless: the others' blocks (and their children dicts) are not read, which keeps a long row's
+        # release from walking its blocks' memory.
+        deepest = end - 1
+        unlocked = 0
+        for b in range(deepest, -1, -1):
+            p = row[b]
+            if p is None:  # a stale sliding-window block
                 continue
             # Only a different priority can change anything (the common case is equal: skip both tests).
             if priority != p.priority and (priority > p.priority or (b >= own_from and b not in shared)):
@@ -268,7 +298,7 @@ class BlockPool:
             if p.ref_count == 0:
                 unlocked += 1
                 p.last_used = clock
-                if any_leaf or not block.children:
+                if any_leaf or (b == deepest and not p.block.children):  # type: ignore[union-attr]
                     # n_unlocked counts this page before the policy sees it, as unlock() does.
                     pool.n_unlocked += unlocked
                     unlocked = 0
@@ -319,15 +349,17 @@ class BlockPool:
         out = free[len(free) - take :]
         out.reverse()
         del free[len(free) - take :]
+        for page in out:
+            page.ref_count = 1
         if n > take and pool.last and pool.full_attention:
-            self._drop_leaves(pool, n - take, out)
+            self._drop_leaves(pool, n - take, out)  # its pages come locked (ref_count 1)
         else:
             for _ in range(n - take):
                 if not free and not self.evict_one(pool):
                     raise AssertionError(f"group {group}: the availability check promised a page")
-                out.append(free.pop())
-        for page in out:
-            page.ref_count = 1
+                page = free.pop()
+                page.ref_count = 1
+                out.append(page)
         return out
 
     def must_alloc(self, group: int) -> Page:
@@ -387,11 +419,34 @@ class BlockPool:
         spare = self._spare
         tpb, num_groups = self.tokens_per_block, self.num_groups
         getrefcount, unheld = _getrefcount, _UNHELD
-        only_g, only = rows[0] if len(rows) == 1 else (0, None)
         out: list[Block] = []
         append = out.append
-        ordinal = first
-        for h in keys:
+        if len(rows) == 1:
+            # One attention group (the common layout): the row's pages walked beside the keys, no inner loop.
+            g, row = rows[0]
+            if first + len(keys) > len(row):
+                raise IndexError(f"new_chain: the row holds {len(row)} page slots, not {first + len(keys)}")
+            for ordinal, h, p in zip(count(first), keys, row[first : first + len(keys)]):
+                while spare:
+                    child = spare.popleft()
+                    if getrefcount(child) == unheld and not child.children:  # see new_block
+                        child.key = h
+                        child.parent = parent
+                        child.depth = ordinal
+                        child.num_tokens = tpb
+                        child.tokens = None
+                        break
+                else:
+                    child = Block(h, parent, ordinal, tpb, None, num_groups)
+                parent.children[h] = child
+                if p is not None:
+                    child.pages[g] = p
+                    p.block = child
+                    p.priority = priority
+                append(child)
+                parent = child
+            return out
+        for ordinal, h in zip(count(first), keys):
             while spare:
                 child = spare.popleft()
                 if getrefcount(child) == unheld and not child.children:  # see new_block
@@ -404,23 +459,15 @@ class BlockPool:
             else:
                 child = Block(h, parent, ordinal, tpb, None, num_groups)
             parent.children[h] = child
-            if only is not None:  # one attention group (the common layout): no inner loop
-                p = only[ordinal]
+            cpages = child.pages
+            for g, row in rows:
+                p = row[ordinal]
                 if p is not None:
-                    child.pages[only_g] = p
+                    cpages[g] = p
                     p.block = child
                     p.priority = priority
-            else:
-                cpages = child.pages
-                for g, row in rows:
-                    p = row[ordinal]
-                    if p is not None:
-                        cpages[g] = p
-                        p.block = child
-                        p.priority = priority
             append(child)
             parent = child
-            ordinal += 1
         return out
 
     # --- eviction ------------------------------------------------------------------------------------------------
@@ -547,10 +594,11 @@ class BlockPool:
 
     def _drop_leaves(self, pool: PagePool, k: int, out: list[Page]) -> None:
         """Evict ``k`` victims from ``pool`` (last tier, full attention, empty free list), each dropping its block
-        (:meth:`remove_block`), their pages appended to ``out`` in eviction order: what ``k`` calls of
-        :meth:`evict_one` then ``free.pop()`` do, in one loop, since it is the cost of every block a full cache
-        admits. A victim's parent that becomes a leaf is often the next victim: the policy hands it back at once
-        (``add_unless_next``, when it has it) instead of queueing it for the next pop."""
+        (:meth:`remove_block`), their pages appended to ``out`` in eviction order and locked (ref_count 1, as
+        :meth:`alloc_pages` hands them out): what ``k`` calls of :meth:`evict_one` then ``free.pop()`` do, in one
+        loop, since it is the cost of every block a full cache admits. A victim's parent that becomes a leaf is
+        often the next victim: the policy hands it back at once (``add_unless_next``, when it has it) instead of
+        queueing it for the next pop."""
         policy = pool.policy
         pop_victim = policy.pop_victim
         take_next = getattr(policy, "add_unless_next", None) is not None
@@ -569,7 +617,9 @@ class BlockPool:
             assert block is not None
             # The last victim takes no successor: nothing pops after it.
             victim = remove_block(block, pool if take_next and left > 1 else None)
-            out.append(free.pop())
+            page = free.pop()
+            page.ref_count = 1
+            out.append(page)
         self.stats.dropped_pages += k
 
     def gain_child(self, parent: Block) -> None:
@@ -582,59 +632,73 @@ class BlockPool:
         """:meth:`_drop_leaves` for a layout of one pool group whose policy has ``add_unless_next``: a block
         holds one page, so a victim's block frees the victim alone (appended to ``out`` directly, not through
         the free list, which is empty here) and the pool's unlocked count drops by ``k`` at the end (nothing in
-        this loop reads it). With the default policy itself (not a subclass, no ``on_victim``), its
-        ``add_unless_next`` is inlined: the test against the heads of its sorted run and heap, nothing else."""
+        this loop reads it). A victim is popped, then its parent follows it at once while the parent is the next
+        victim (a request's path leaves leaf first), without a pop. With the default policy itself (not a
+        subclass, no ``on_victim``), its ``add_unless_next`` is inlined: the test against the heads of its sorted
+        run and heap, with its sequence number kept in a local and written back before any ``add``."""
         policy = pool.policy
         pop_victim, take_next = policy.pop_victim, policy.add_unless_next  # type: ignore[attr-defined]
         inline = type(policy) is PrioritizedLRU and policy.on_victim is None
         run, heap = (policy._run, policy._heap) if inline else ((), ())  # type: ignore[attr-defined]
+        seq: int = policy._seq if inline else 0  # type: ignore[attr-defined]
         spare_append, removed_append, out_append = self._spare.append, self._removed.append, out.append
         tpb = self.tokens_per_block
         n = k  # blocks removed: each victim's, plus ancestors left with no page (counted below)
-        victim: Page | None = None
-        for left in range(k, 0, -1):
+        left = k
+        while left:
+            victim: Page | None = pop_victim()
             if victim is None:
-                victim = pop_victim()
-                if victim is None:
-                    raise AssertionError(f"group {pool.group}: the availability check promised a page")
-            if victim.ref_count:
-                raise AssertionError(f"_drop_leaves: {victim!r} is locked")
-            block = victim.block
-            assert block is not None
-            block.pages[0] = None
-            victim.block = None
-            out_append(victim)
-            victim = None
-            while True:  # the block, then each ancestor left with no page and no child, leaves the tree
-                parent = block.parent
-                assert parent is not None
-                key = block.key
-                del parent.children[key]
-                spare_append(block)
-                if block.num_tokens == tpb:
-                    removed_append(key)
-                if parent.parent is None or parent.children:
+                raise AssertionError(f"group {pool.group}: the availability check promised a page")
+            while True:  # the victim, then each parent that becomes the next victim
+                if victim.ref_count:
+                    raise AssertionError(f"_drop_leaves: {victim!r} is locked")
+                block: Block = victim.block  # type: ignore[assignment]
+                block.pages[0] = None
+                victim.block = None
+                victim.ref_count = 1  # handed out locked
+                out_append(victim)
+                left -= 1
+                while True:  # the block, then each ancestor left with no page and no child, leaves the tree
+                    parent: Block = block.parent  # type: ignore[assignment]
+                    key = block.key
+                    del parent.children[key]
+                    spare_append(block)
+                    if block.num_tokens == tpb:
+                        removed_append(key)
+                    if parent.parent is None or parent.children:
+                        p = None
+                        break
+                    p = parent.pages[0]
+                    if p is not None:
+                        break
+                    block = parent
+                    n += 1
+                # The parent, now a leaf, holds ``p``: if unlocked it becomes a candidate, and is taken at once when
+                # it is the next victim (add_unless_next added it otherwise).
+                if p is None or p.ref_count or p.policy_data is not None:
                     break
-                p = parent.pages[0]
-                if p is not None:
-                    # Now a leaf: its page, if unlocked, becomes a candidate, and is taken at once when it is the
-                    # next victim (add_unless_next added it otherwise).
-                    if p.ref_count == 0 and p.policy_data is None:
-                        if left == 1 or p.pool is not pool:
-                            p.pool.policy.add(p)
-                        elif inline:
-                            # PrioritizedLRU.add_unless_next: taken when it sorts before both heads.
-                            entry = (p.priority, p.last_used, -parent.depth, policy._seq + 1, p.index)  # type: ignore[attr-defined]
-                            if (run and not entry < run[0]) or (heap and not entry < heap[0]):
-                                policy.add(p)
-                            else:
-                                policy._seq += 1  # type: ignore[attr-defined]
-                                victim = p
-                        elif take_next(p):
-                            victim = p
+                if not left or p.pool is not pool:
+                    if inline:
+                        policy._seq = seq  # type: ignore[attr-defined]
+                        p.pool.policy.add(p)
+                        seq = policy._seq  # type: ignore[attr-defined]
+                    else:
+                        p.pool.policy.add(p)
                     break
-                block = parent
-                n += 1
+                if inline:
+                    # PrioritizedLRU.add_unless_next: taken when it sorts before both heads.
+                    entry = (p.priority, p.last_used, -parent.depth, seq + 1, p.index)
+                    if (run and not entry < run[0]) or (heap and not entry < heap[0]):
+                        policy._seq = seq  # type: ignore[attr-defined]
+                        policy.add(p)
+                        seq = policy._seq  # type: ignore[attr-defined]
+                        break
+                    seq += 1
+                elif not take_next(p):
+                    break
+                victim = p
+        if inline:
+            policy._seq = seq  # type: ignore[attr-defined]
         pool.n_unlocked -= k
         self.stats.dropped_pages += k
         self.tree.num_blocks -= n

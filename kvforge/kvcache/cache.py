@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import islice
 from typing import Any, Protocol
 
 from kvforge.errors import CacheStateError
@@ -38,6 +40,9 @@ from kvforge.kvcache.records import (
 )
 
 __all__ = ["CacheHost", "KVCache"]
+
+_NO_ROWS: tuple = ()
+_NO_SHARED: frozenset[int] = frozenset()
 
 _ACTIVE = CacheStatus.ACTIVE
 _SUSPENDED = CacheStatus.SUSPENDED
@@ -134,18 +139,21 @@ class KVCache:
         self._committed = 0
         self._nblocks = 0
         g = manager.num_groups
-        self._pages: list[list[Page | None]] = [[] for _ in range(g)]
-        self._live: list[Page | None] = [None] * g
-        self._blocks: list[Block] = []
-        self._keys: list[int] = []
-        self._partial: list[int] = []
+        # Set by _adopt, which every cache goes through before any other use (no list built here to be dropped).
+        self._pages: list[list[Page | None]] = _NO_ROWS  # type: ignore[assignment]
+        self._blocks: list[Block] = _NO_ROWS  # type: ignore[assignment]
+        self._partial: list[int] = _NO_ROWS  # type: ignore[assignment]
+        # Rows a layout without that life cycle never writes: shared read-only tuples instead of fresh lists.
+        self._live: list[Page | None] = [None] * g if manager.recurrent_groups else (None,) * g  # type: ignore[assignment]
+        self._stale_lo: list[int] = [0] * g if manager.sliding_groups else (0,) * g  # type: ignore[assignment]
+        self._keys: list[int] = _NO_ROWS  # type: ignore[assignment]  # replaced (never changed in place) on suspend
         # The prompt's block keys as the manager validated them (key mode): a commit passing the same keys is not
         # validated again.
         self._prompt_keys: tuple[int, ...] = ()
         self._priority_cb = priority_callback
-        # Ordinals of blocks this cache completed but found already in the tree (shared like reused ones).
-        self._shared: set[int] = set()
-        self._stale_lo = [0] * g
+        # Ordinals of blocks this cache completed but found already in the tree (shared like reused ones): an
+        # empty frozenset until _commit_blocks meets the first one.
+        self._shared: AbstractSet[int] = _NO_SHARED
         self._next_stale_at = NEVER
 
     # --- read-only views -----------------------------------------------------------------------------------
@@ -436,29 +444,35 @@ class KVCache:
         tpb = mgr.tokens_per_block
         blocks = match.blocks
         n = len(blocks)
-        total = match.num_tokens
         partial = match.partial
         matcher = mgr.matcher
-        plan, sources, need, taken, onboard = matcher.reuse_needs(match, nblocks)
-        if not bp.fits(need, taken):
-            return False
         if matcher.one_full_group and partial is None:
-            # One full-attention group in one tier, no partial tail: lock the matched pages, nothing to copy, no
-            # live state, no window (what the general path below does for this layout).
-            matched: list[Page | None] = plan[0][2]  # type: ignore[assignment]
-            bp.lock_pages(plan[0][2])
+            # One full-attention group in one tier, no partial tail: what reuse_needs, fits and the general path
+            # below do for this layout (every admission of a plain model passes here). Lock the matched pages
+            # (their unlocked ones stop being available), nothing to copy, no live state, no window.
+            grow = nblocks - n
+            if grow > 0:
+                pool = bp.gpu[0]
+                room = len(pool.free) + pool.n_unlocked
+                # Locking the match takes its unlocked pages out of the room: counted only when it could matter.
+                if grow > room - n and grow > room - [b.pages[0].ref_count for b in blocks].count(0):  # type: ignore[union-attr]
+                    return False
+            self._pages = [bp.lock_block_pages(blocks, 0)]  # type: ignore[list-item]
             bp.tick()
-            self._pages = [matched]
             self._blocks = list(blocks)
             self._nblocks = n
-            self._committed = self._history = self._capacity = total
+            self._committed = self._history = self._capacity = n * tpb
             self._partial = []
             self._next_stale_at = NEVER
             if mgr._listeners:
                 mgr._notify_changed(self, None, 0)
-            if nblocks > n and not self._set_num_blocks(nblocks):
+            if grow > 0 and not self._set_num_blocks(nblocks):
                 raise AssertionError("the availability check promised the capacity's pages")
             return True
+        total = match.num_tokens
+        plan, sources, need, taken, onboard = matcher.reuse_needs(match, nblocks)
+        if not bp.fits(need, taken):
+            return False
 
         width = n + (partial is not None)
         pages: list[list[Page | None]] = [[] for _ in range(mgr.num_groups)]
@@ -600,7 +614,16 @@ class KVCache:
         mgr = self.manager
         bp = mgr.block_pool
         old = self._nblocks
-        if nblocks > old:
+        if nblocks > old and mgr.matcher.one_full_group:
+            # One full-attention group in one tier: what the general path below does, without its per-group lists.
+            pool = bp.gpu[0]
+            if nblocks - old > len(pool.free) + pool.n_unlocked:
+                return False
+            self._pages[0].extend(bp.alloc_pages(0, nblocks - old))
+            if mgr._listeners:
+                mgr._notify_changed(self, 0, old)
+            bp.flush_events()
+        elif nblocks > old:
             need = mgr.matcher.block_needs(old, nblocks, self._stale_lo)
             if not bp.has_pages(need):
                 return False
@@ -643,9 +666,11 @@ class KVCache:
         n_full = (start + n) // tpb - first
         if keys is not None:
             # The very key objects the manager validated with the prompt are valid already.
-            pk = self._prompt_keys[first : first + n_full]
+            pk = self._prompt_keys
             if not (
-                type(keys) in (list, tuple) and len(keys) == n_full == len(pk) and all(map(operator.is_, keys, pk))
+                type(keys) in (list, tuple)
+                and len(keys) == n_full <= len(pk) - first
+                and all(map(operator.is_, keys, islice(pk, first, None)))
             ):
                 keys = check_block_keys(keys)
             if len(keys) != n_full:
@@ -685,7 +710,9 @@ class KVCache:
                 bp.remove_block(child)
                 break
             ordinal = first + i
-            self._shared.add(ordinal)
+            if type(self._shared) is frozenset:
+                self._shared = set()
+            self._shared.add(ordinal)  # type: ignore[attr-defined]
             self._merge_into(child, ordinal, default if prios is None else prios[i])
             if rec:
                 self._attach_snapshots(child, ordinal, default if prios is None else prios[i])
@@ -695,14 +722,16 @@ class KVCache:
         # The rest are new. Each is the first child of a block created just before it, so no lookup can find
         # anything: this loop, the cost of inserting a long prompt, only creates blocks and hands them pages.
         first_new = i
-        new_keys = list(keys[first_new:])
+        new_keys = list(keys[first_new:]) if first_new else keys
         new_parent_key = None if parent is root else parent.key
-        attn_pages = [(g, self._pages[g]) for g in mgr.attention_groups]
+        attn = mgr.attention_groups
+        # Not a comprehension for the common single group (a comprehension is a function call in CPython 3.11).
+        attn_pages = [(attn[0], self._pages[attn[0]])] if len(attn) == 1 else [(g, self._pages[g]) for g in attn]
         if prios is None and not rec:
             blocks.extend(bp.new_chain(parent, new_keys, first + i, attn_pages, default))
             i = n_full
         new_block = bp.new_block
-        for h in new_keys[i - first_new :]:
+        for h in new_keys[i - first_new :] if i < n_full else ():
             ordinal = first + i
             child = new_block(h, parent, ordinal, tpb, None)
             parent.children[h] = child
@@ -926,12 +955,17 @@ class KVCache:
 
     def _close(self) -> None:
         if self._status is _ACTIVE:
-            prios = self._release_priorities()
+            mgr = self.manager
+            # _release_priorities answers None for constant priorities (_constant_priority, inlined).
+            if self._priority_cb is None and (mgr.swa_priorities is None or not mgr.sliding_groups):
+                prios = None
+            else:
+                prios = self._release_priorities()
             self._on_close()
             if self._partial:
                 self._insert_partial(prios)
             self._release_all(prios)
-            self._blocks = []
+            self._blocks = _NO_ROWS  # type: ignore[assignment]
         self._status = _CLOSED
         self.manager._forget(self)
         self.manager.block_pool.flush_events()

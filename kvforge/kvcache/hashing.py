@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 import os
 import struct
 import sys
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
@@ -56,6 +57,9 @@ _U32_DTYPE = np.dtype(_U32)
 # A parent key's 16 bytes then an external id as the 8-byte little-endian word: what an id's key hashes.
 _PACK_ID_INPUT = struct.Struct(f"<{KEY_BYTES}sQ").pack
 _NATIVE_LITTLE = sys.byteorder == "little"
+# The byteorder argument of int.from_bytes mapped over many digests. (In the checks below, an exact list or tuple
+# skips the ABC Sequence isinstance test, which costs as much as checking a few keys, on every admission.)
+_LITTLE: itertools.repeat[Literal["little"]] = itertools.repeat("little")
 if array.array("I").itemsize != 4:  # 4 on every platform CPython supports today
     raise ImportError("kvforge.kvcache.hashing needs array('I') to hold 32-bit words")
 
@@ -105,7 +109,11 @@ def token_array(tokens: object, name: str = "tokens", *, vocab_size: int = TOKEN
                 i = int(np.argmin(tokens)) if lo < 0 else int(np.argmax(tokens))
                 raise ValueError(f"{name}[{i}]: expected a token id in [0, {vocab_size}), got {int(tokens[i])}")
         return np.ascontiguousarray(tokens, dtype=_U32)
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
+    if (
+        type(tokens) is not list
+        and type(tokens) is not tuple
+        and (isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence))
+    ):
         raise TypeError(f"{name}: expected a sequence of int token ids, got {type(tokens).__name__}")
     try:
         # One C loop converts and range-checks every element: it refuses floats, str, None and any object
@@ -175,7 +183,11 @@ def _bytes_view(arr: np.ndarray) -> memoryview:
 
 def check_block_keys(keys: object, name: str = "block_keys") -> tuple[int, ...]:
     """``keys`` as a tuple after checking each is a Python int in ``[0, KEY_LIMIT)`` (bool and numpy ints refused)."""
-    if isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence):
+    if (
+        type(keys) is not list
+        and type(keys) is not tuple
+        and (isinstance(keys, (str, bytes, bytearray, memoryview)) or not isinstance(keys, Sequence))
+    ):
         raise TypeError(f"{name}: expected a sequence of int block keys, got {type(keys).__name__}")
     out = tuple(keys)
     limit = KEY_LIMIT
@@ -400,15 +412,20 @@ class BlockKeyHasher:
         """Block keys for external per-block ids already chained by prefix (a trace's ``hash_ids``: equal ids
         at a position with equal ids before it mean an equal block). Ids are ints in ``[0, 2**64)``; their
         keys live in their own domain, so they never equal keys of token blocks."""
-        if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, Sequence):
+        if (
+            type(ids) is not list
+            and type(ids) is not tuple
+            and (isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, Sequence))
+        ):
             raise TypeError(f"ids: expected a sequence of ints, got {type(ids).__name__}")
         parent = self._default_id_root if scope is None and cache_salt is None else self._root(b"X", scope, cache_salt)
         # The chain inlined, each id packed as it is hashed: the pack refuses a negative, too large or non-integer
         # id, and the exact type test refuses bool and numpy ints (both would pack); the first failure re-checks
         # the whole sequence for a precise error, before anything is returned.
+        # The digests are collected, then turned into ints in one C loop (map), not one call per id here.
         h = parent.to_bytes(KEY_BYTES, "little")
-        keys: list[int] = []
-        append, frm, pack = keys.append, int.from_bytes, _PACK_ID_INPUT
+        digests: list[bytes] = []
+        append, pack = digests.append, _PACK_ID_INPUT
         try:
             if self.algorithm == "sha256":
                 sha = hashlib.sha256
@@ -416,20 +433,20 @@ class BlockKeyHasher:
                     if type(v) is not int:
                         break
                     h = sha(pack(h, v)).digest()[:KEY_BYTES]
-                    append(frm(h, "little"))
+                    append(h)
             else:
                 f, seed = xxhash.xxh3_128_digest, self._seed
                 for v in ids:
                     if type(v) is not int:
                         break
                     h = f(pack(h, v), seed)
-                    append(frm(h, "little"))
+                    append(h)
         except struct.error:
             pass
-        if len(keys) != len(ids):
+        if len(digests) != len(ids):
             _check_ids(ids)
             raise AssertionError("keys_from_ids: an id failed to pack but passed the checks")  # pragma: no cover
-        return keys
+        return list(map(int.from_bytes, digests, _LITTLE))
 
     def __repr__(self) -> str:
         return f"BlockKeyHasher(algorithm={self.algorithm!r}, vocab_size={self.vocab_size})"

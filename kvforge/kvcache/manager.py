@@ -319,13 +319,13 @@ class KVCacheManager:
         tree = bp.tree
         # A new scope's root is registered only once the cache exists, so a failed call leaves no trace.
         root = tree.find_root(scope, cache_salt) or tree.make_root(scope, cache_salt)
-        if reuse:
-            keys = self._keys_for(root, keys, tokens)
+        if reuse and keys is None and tokens is not None:  # _keys_for inlined
+            keys = self.hasher.block_keys(tokens, self.tokens_per_block, parent=root.key)
         if reuse and keys is not None:  # _match_for inlined (the common call)
             match = self.matcher.match(root, keys, tokens, max_reuse_tokens)
         else:
             match = self._match_for(root, keys, tokens, reuse, max_reuse_tokens)
-        reused = match.num_tokens
+        reused = len(match.blocks) * self.tokens_per_block + match.partial_tokens  # match.num_tokens
         cap = reused if capacity is None or capacity < reused else capacity
         cache = self.cache_class(self, cache_id, scope, root, key_mode, priority_callback)
         if not cache._admit(match, tokens, -(-cap // self.tokens_per_block), cap, keys):  # type: ignore[arg-type]

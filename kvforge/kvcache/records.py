@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from kvforge.kvcache.config import Tier
 from kvforge.kvcache.eviction import DEFAULT_PRIORITY, PRIORITY_MIN, check_priority
@@ -75,9 +76,11 @@ class SwaPriorities:
         check_priority(self.interior, "interior")
 
 
-@dataclass(frozen=True)
-class ReuseMatch:
-    """What a prompt can reuse: ``blocks`` (full, in order) then ``partial_tokens`` tokens of ``partial``."""
+class ReuseMatch(NamedTuple):
+    """What a prompt can reuse: ``blocks`` (full, in order) then ``partial_tokens`` tokens of ``partial``.
+
+    A named tuple (immutable, typed fields), not a frozen dataclass: one is built per admission, and a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
 
     root: Block
     blocks: tuple[Block, ...]
