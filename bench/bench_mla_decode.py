@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, append_csv, bar_plot, git_revision, time_gpu, time_graph, time_interleaved
 from kvforge.kernels import mla_decode as md
+from kvforge.kernels import mla_decode_gluon as mdg
 from kvforge.kernels._runtime import arch_name, device_capability
 
 WORKLOADS = [(16, 64, 8192), (128, 32, 32768)]
@@ -82,7 +83,8 @@ def kvforge_runner(q, kv, bt, sl, scale, out, splits=None):
 
 def cfg_label(cfg) -> str:
     kw = cfg.kwargs
-    flags = "".join(f" {name}" for name, on in (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"])) if on)
+    named = (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]), ("gluon", kw.get("GLUON")))
+    flags = "".join(f" {name}" for name, on in named if on)
     return f"kvforge BH{kw['BLOCK_H']} BN{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 
@@ -93,6 +95,20 @@ def default_splits(cfg, B: int, H: int, L: int) -> int:
     max_tiles = -(-L // kw["BLOCK_N"])
     splits = md.default_num_splits(B, per_request, max_tiles, md.num_sms(), int(kw.get("PER_SM", 2)))
     return min(splits, max_tiles)
+
+
+GLUON_LAUNCHES = [0]
+
+
+def count_gluon_launches() -> None:
+    """Count launches of the Gluon kernel, so each timed row can say which kernel ran."""
+    real = mdg.mla_decode_gluon_split
+
+    def counted(*args, **kwargs):
+        GLUON_LAUNCHES[0] += 1
+        return real(*args, **kwargs)
+
+    mdg.mla_decode_gluon_split = counted
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -144,6 +160,8 @@ def main() -> None:
         warm(args.warm)
         return
     torch.manual_seed(0)
+    count_gluon_launches()
+    print("Gluon decode path:", mdg._mcg.gluon_unavailable_reason() or "available")
     cap = device_capability()
     arch = arch_name(cap)
     rows = []
@@ -177,7 +195,10 @@ def main() -> None:
             splits = default_splits(cfg, B, H, L)
             try:
                 out.fill_(float("nan"))
+                before = GLUON_LAUNCHES[0]
                 fn()
+                kernel = "gluon" if GLUON_LAUNCHES[0] > before else "portable"
+                print(f"{wl:>18} {cfg_label(cfg):>48} runs the {kernel} kernel")
                 err = check("kvforge", out, q, kv, bt, sl, scale)
                 t = time_gpu(fn)
             except Exception as exc:  # a config that does not compile, fit or match is reported and skipped
