@@ -22,6 +22,7 @@ takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Tr
 from __future__ import annotations
 
 import torch
+import triton
 
 from kvforge.kernels import mla_context_gluon as _mcg
 
@@ -32,6 +33,9 @@ BLOCK_N = 64  # tokens per key tile: a page of the reference layout, wgmma N of 
 # Registers per thread: 9 warps are padded to 12 (three warpgroups) and 65536 / (12 * 32) = 170 -> 168 at launch;
 # setmaxnreg then gives each consumer warpgroup 240 and the loader warp 24.
 _MAXNREG, _C_REGS, _L_REGS = 168, 240, 24
+# Which consumer warpgroup runs as the default partition: the one that spills less on this Triton (ptxas -v,
+# sm_90a: warpgroup 1 there leaves 264 B of spills on Triton 3.6 against 492 B; on 3.9, 660 B against 8 B).
+_FIRST_W = 1 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7) else 0
 _SMEM_LIMIT_SM90 = 232448
 
 gluon = _mcg.gluon
@@ -187,7 +191,7 @@ if gluon is not None:
         l_run = gl.zeros([BLOCK_H], gl.float32, layout=srow)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
         mbarrier.wait(q_ready, 0)
-        if W == 0:
+        if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
                 sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, W, s_layout, BLOCK_H, BLOCK_N)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
@@ -238,11 +242,11 @@ if gluon is not None:
         q_desc_h, q_desc_r, k_desc_h, k_desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
         H, tiles_per_split, s_btb, s_pob, s_poh, s_pos, s_plb, s_plh, scale_log2,
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
-        BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr,
+        BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
     ):  # fmt: skip
         """Grid (head tiles, requests, key shares): a request's head tiles are neighbours in launch order, so
-        the second reads the key tiles from L2. Launched with 4 warps (consumer warpgroup 0); the partitions
-        add 4 + 1."""
+        the second reads the key tiles from L2. Launched with 4 warps (consumer warpgroup FIRST_W, the
+        default partition); the partitions add 4 + 1."""
         D_HALF: gl.constexpr = D_V // 2
         pid_h = gl.program_id(0)
         b = gl.program_id(1)
@@ -287,12 +291,12 @@ if gluon is not None:
             [
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 0, PAGE_SIZE, D_HALF,
-                                D_V, D_R, BLOCK_H, BLOCK_N)),
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, FIRST_W, PAGE_SIZE,
+                                D_HALF, D_V, D_R, BLOCK_H, BLOCK_N)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 1, PAGE_SIZE, D_HALF,
-                                D_V, D_R, BLOCK_H, BLOCK_N)),
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 1 - FIRST_W,
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 0, PAGE_SIZE, D_HALF,
@@ -350,5 +354,5 @@ def mla_decode_gluon_split(
         H, tiles_per_split, block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), scale_log2,
         PAGE_SIZE=S, D_V=v_head_dim, D_R=d_r, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, C_REGS=_C_REGS, L_REGS=_L_REGS,
-        num_warps=4, maxnreg=_MAXNREG,
+        FIRST_W=_FIRST_W, num_warps=4, maxnreg=_MAXNREG,
     )  # fmt: skip
