@@ -185,7 +185,7 @@ def _compile() -> dict[str, object]:
              "plse_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": g.BLOCK_N,
-              "C_REGS": g._C_REGS, "L_REGS": g._L_REGS}  # fmt: skip
+              "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     try:
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 128),

@@ -11,8 +11,8 @@ shared memory), page size a multiple of 64. One program per (head tile, request,
   64 x 64 x 576), its online softmax against the running max the other published for tile t - 1, then
   publishes P (bf16) and the new max in shared memory. Both compute P·V on every tile with V = the tile's
   latent columns, each for its own 256 output columns, so K is read once per head tile and the score product
-  runs once per tile. A warpgroup folds the other's tile into its accumulator together with its own
-  (``acc·α₁α₂ + (P₁α₂)V₁ + P₂V₂``), and the row sums of the two warpgroups are added at the end.
+  runs once per tile. A warpgroup issues the other's tile's P·V ahead of its own scores, so that ring slot is
+  refilled while its softmax runs; the row sums of the two warpgroups are added at the end.
 
 Rows of a share's last tile past the request's length are zeroed in shared memory before P·V (a never-written
 cache row may hold NaN, and 0·NaN = NaN). Used only where ``gluon_decode_reason`` returns None; everything else
@@ -22,6 +22,7 @@ takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Tr
 from __future__ import annotations
 
 import torch
+import triton
 
 from kvforge.kernels import mla_context_gluon as _mcg
 
@@ -32,6 +33,9 @@ BLOCK_N = 64  # tokens per key tile: a page of the reference layout, wgmma N of 
 # Registers per thread: 9 warps are padded to 12 (three warpgroups) and 65536 / (12 * 32) = 170 -> 168 at launch;
 # setmaxnreg then gives each consumer warpgroup 240 and the loader warp 24.
 _MAXNREG, _C_REGS, _L_REGS = 168, 240, 24
+# Which consumer warpgroup runs as the default partition: the one that spills less on this Triton (ptxas -v,
+# sm_90a: warpgroup 1 there leaves 264 B of spills on Triton 3.6 against 492 B; on 3.9, 660 B against 8 B).
+_FIRST_W = 1 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7) else 0
 _SMEM_LIMIT_SM90 = 232448
 
 gluon = _mcg.gluon
@@ -112,14 +116,66 @@ if gluon is not None:
             chunk.store(gl.where(bad, gl.zeros_like(x), x))
 
     @gluon.jit
+    def _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_buf, j, s_layout: gl.constexpr,
+                       p_layout: gl.constexpr):  # fmt: skip
+        """The other warpgroup's tile j: wait for its P and max, rescale, and issue acc·α + P·V (no wait)."""
+        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow: gl.constexpr = gl.SliceLayout(1, p_layout.parent)
+        mbarrier.wait(p_full, j & 1)
+        p_o = p_smem.load(s_layout)
+        m_o = m_smem.load(srow)
+        alpha = gl.exp2(m_run - m_o)
+        acc = acc * gl.convert_layout(alpha, orow)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p_o, p_layout), v_buf, acc, is_async=True)
+        return acc, m_o, l_run * alpha
+
+    @gluon.jit
+    def _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, W: gl.constexpr, s_layout: gl.constexpr,
+                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+        """Issue tile i's scores from ring slot W once it is loaded (no wait)."""
+        mbarrier.wait(k_ready.index(W), (i // 2) & 1)
+        sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        sc = warpgroup_mma(q_a, k_a.index(W).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_b, k_b.index(W).permute((1, 0)), sc, is_async=True)
+        return warpgroup_mma(q_r, k_r.index(W).permute((1, 0)), sc, is_async=True)
+
+    @gluon.jit
+    def _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i, start, end, scale_log2,
+                            W: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                            D_HALF: gl.constexpr):  # fmt: skip
+        """Tile i's online softmax against the running max; P (bf16) and the new max go to shared memory for
+        the other warpgroup (and a partial tile's rows past the end are zeroed first). Returns (P, α, m, l)."""
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        sc = sc * scale_log2
+        tok0 = start + i * BLOCK_N
+        partial = tok0 + BLOCK_N > end
+        if partial:
+            sc = gl.where((tok0 + offs_n < end)[None, :], sc, float("-inf"))
+        m_new = gl.maximum(m_run, gl.max(sc, 1))
+        p = gl.exp2(sc - m_new[:, None])
+        alpha = gl.exp2(m_run - m_new)
+        l_run = l_run * alpha + gl.sum(p, 1)
+        if partial:  # both latent halves: the other warpgroup reads its half after p_full
+            _gd_zero_tail(k_a.index(W), tok0, end, BLOCK_N, D_HALF)
+            _gd_zero_tail(k_b.index(W), tok0, end, BLOCK_N, D_HALF)
+        p16 = p.to(gl.bfloat16)
+        p_smem.store(p16)
+        m_smem.store(m_new)
+        fence_async_shared()
+        mbarrier.arrive(p_full, count=1)
+        return p16, alpha, m_new, l_run
+
+    @gluon.jit
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
                      D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
                      BLOCK_N: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
-        columns [W * D_HALF, (W + 1) * D_HALF). Each iteration ends with its products done and their ring slots
-        freed, so the loader and the other warpgroup never wait on work this one has not issued."""
+        columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
+        P·V issued ahead of tile i's scores, and its ring slot freed as soon as that product is done, so the
+        loader refills it while tile i's softmax runs), then tile i's scores, softmax and P·V. Every iteration
+        ends with its products done, so nobody waits on work this warpgroup has not issued."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])  # fmt: skip
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -134,65 +190,35 @@ if gluon is not None:
         m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
         l_run = gl.zeros([BLOCK_H], gl.float32, layout=srow)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         mbarrier.wait(q_ready, 0)
-        for i in range(W, n_tiles, 2):
-            mbarrier.wait(k_ready.index(W), (i // 2) & 1)
-            sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-            sc = warpgroup_mma(q_a, k_a.index(W).permute((1, 0)), sc, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q_b, k_b.index(W).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma(q_r, k_r.index(W).permute((1, 0)), sc, is_async=True)
-            # The other warpgroup's tile i - 1 (while the scores run): its P and the running max after it.
-            alpha_prev = gl.full([BLOCK_H], 1.0, gl.float32, layout=srow)
-            p_prev = gl.zeros([BLOCK_H, BLOCK_N], gl.bfloat16, layout=s_layout)
-            if i >= 1:
-                mbarrier.wait(p_full, (i - 1) & 1)
-                p_prev = p_smem.load(s_layout)
-                m_prev = m_smem.load(srow)
-                alpha_prev = gl.exp2(m_run - m_prev)
-                m_run = m_prev
-                l_run = l_run * alpha_prev
+        if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
+            if n_tiles > 0:  # tile 0 has no predecessor
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, W, s_layout, BLOCK_H, BLOCK_N)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
+                                                               0, start, end, scale_log2, W, s_layout, BLOCK_N,
+                                                               D_HALF)  # fmt: skip
+                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(W), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(k_empty.index(W), count=1)
+        for i in range(2 - W, n_tiles, 2):
+            acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(1 - W), i - 1,
+                                               s_layout, p_layout)  # fmt: skip
+            sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, W, s_layout, BLOCK_H, BLOCK_N)
+            acc = warpgroup_mma_wait(1, deps=(acc,))  # tile i - 1's product is done; the scores may still run
+            mbarrier.arrive(k_empty.index(1 - W), count=1)
             sc = warpgroup_mma_wait(0, deps=(sc,))
-            sc = sc * scale_log2
-            tok0 = start + i * BLOCK_N
-            partial = tok0 + BLOCK_N > end
-            if partial:
-                sc = gl.where((tok0 + offs_n < end)[None, :], sc, float("-inf"))
-            m_new = gl.maximum(m_run, gl.max(sc, 1))
-            p = gl.exp2(sc - m_new[:, None])
-            alpha = gl.exp2(m_run - m_new)
-            l_run = l_run * alpha + gl.sum(p, 1)
-            m_run = m_new
-            if partial:  # both latent halves: the other warpgroup reads its half after p_full
-                _gd_zero_tail(k_a.index(W), tok0, end, BLOCK_N, D_HALF)
-                _gd_zero_tail(k_b.index(W), tok0, end, BLOCK_N, D_HALF)
-            p16 = p.to(gl.bfloat16)
-            p_smem.store(p16)
-            m_smem.store(m_new)
-            fence_async_shared()
-            mbarrier.arrive(p_full, count=1)
-            # acc·α₁α₂ + (P₁α₂)·V₁ + P₂·V₂ as two chained products. Tile 0 has no predecessor: its zero P goes
-            # against tile 0's own (loaded, finite) slot rather than the other slot, which holds no data yet.
-            acc = acc * gl.convert_layout(alpha_prev * alpha, orow)[:, None]
-            pp = gl.convert_layout((p_prev.to(gl.float32) * alpha[:, None]).to(gl.bfloat16), p_layout)
-            other = (1 - W) * (i >= 1).to(gl.int32)
-            acc = warpgroup_mma(pp, v_bufs.index(other), acc, is_async=True)
+            p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i,
+                                                           start, end, scale_log2, W, s_layout, BLOCK_N,
+                                                           D_HALF)  # fmt: skip
+            acc = acc * gl.convert_layout(alpha, orow)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(W), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            # Both products done: free tile i's slot and tile i - 1's.
             mbarrier.arrive(k_empty.index(W), count=1)
-            if i >= 1:
-                mbarrier.arrive(k_empty.index(1 - W), count=1)
         last = n_tiles - 1
         if last >= 0 and last % 2 != W:  # the other warpgroup's last tile
-            mbarrier.wait(p_full, last & 1)
-            p_prev = p_smem.load(s_layout)
-            m_prev = m_smem.load(srow)
-            alpha_prev = gl.exp2(m_run - m_prev)
-            m_run = m_prev
-            l_run = l_run * alpha_prev
-            acc = acc * gl.convert_layout(alpha_prev, orow)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p_prev, p_layout), v_bufs.index(1 - W), acc, is_async=True)
+            acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(1 - W), last,
+                                               s_layout, p_layout)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
         # Row sums: each warpgroup summed its own tiles' P, both rescaled to the same final max.
         l_bufs.slice(W * BLOCK_H, BLOCK_H).store(l_run)
@@ -216,11 +242,11 @@ if gluon is not None:
         q_desc_h, q_desc_r, k_desc_h, k_desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
         H, tiles_per_split, s_btb, s_pob, s_poh, s_pos, s_plb, s_plh, scale_log2,
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
-        BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr,
+        BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
     ):  # fmt: skip
         """Grid (head tiles, requests, key shares): a request's head tiles are neighbours in launch order, so
-        the second reads the key tiles from L2. Launched with 4 warps (consumer warpgroup 0); the partitions
-        add 4 + 1."""
+        the second reads the key tiles from L2. Launched with 4 warps (consumer warpgroup FIRST_W, the
+        default partition); the partitions add 4 + 1."""
         D_HALF: gl.constexpr = D_V // 2
         pid_h = gl.program_id(0)
         b = gl.program_id(1)
@@ -265,12 +291,12 @@ if gluon is not None:
             [
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 0, PAGE_SIZE, D_HALF,
-                                D_V, D_R, BLOCK_H, BLOCK_N)),
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, FIRST_W, PAGE_SIZE,
+                                D_HALF, D_V, D_R, BLOCK_H, BLOCK_N)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 1, PAGE_SIZE, D_HALF,
-                                D_V, D_R, BLOCK_H, BLOCK_N)),
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 1 - FIRST_W,
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 0, PAGE_SIZE, D_HALF,
@@ -328,5 +354,5 @@ def mla_decode_gluon_split(
         H, tiles_per_split, block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), scale_log2,
         PAGE_SIZE=S, D_V=v_head_dim, D_R=d_r, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, C_REGS=_C_REGS, L_REGS=_L_REGS,
-        num_warps=4, maxnreg=_MAXNREG,
+        FIRST_W=_FIRST_W, num_warps=4, maxnreg=_MAXNREG,
     )  # fmt: skip
