@@ -20,6 +20,7 @@ variants: ``docs/kernels.md``.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -195,13 +196,23 @@ def _cfg(
     split_dv: bool = False,
     tma: bool = False,
     per_sm: int = 2,
-    gluon: bool = False,
+    gluon: int = 0,
 ) -> triton.Config:
     """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares.
-    ``gluon``: launch ``mla_decode_gluon``'s warp-specialised kernel where ``gluon_decode_reason`` allows (64-head,
-    64-token tiles, its own warps); elsewhere this config's portable kernel runs."""
+    ``gluon``: launch ``mla_decode_gluon``'s warp-specialised kernel where ``gluon_decode_reason`` allows (64-head
+    tiles, its own warps; ``bn``-token key tiles in a ring of ``stages``; 1: the score product issued after taking
+    the other warpgroup's tile, 2: before it); elsewhere this config's portable kernel runs."""
     kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm, "GLUON": gluon}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": the sm_90 table's unmeasured Gluon variants are candidates too
+_GLUON_MEASURED = (64, 2, False)  # the Gluon variant measured on the H200 (block_n, stages, early)
+
+
+def _gluon_variant(cfg: triton.Config) -> tuple[int, int, bool]:
+    """A Gluon config's (key tile, ring stages, scores issued early)."""
+    return (int(cfg.kwargs["BLOCK_N"]), int(cfg.num_stages), int(cfg.kwargs.get("GLUON") or 0) == 2)
 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
@@ -215,6 +226,10 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     # meets its target there), whole 64-token tiles inside a page, TMA-able cache.
     if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 64 and key[5] and key[4] % 64 == 0):
         return False
+    # Gluon variants not yet measured on a GPU are candidates only where asked for (the bench asks): a key
+    # without a committed config autotunes by speed alone, with no reference check.
+    if kw.get("GLUON") and _gluon_variant(cfg) != _GLUON_MEASURED and os.environ.get(TRIAL_ENV) != "1":
+        return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
 
@@ -226,17 +241,33 @@ _CONFIGS = ConfigTable(
         # Few heads (memory-bound): head tiles of 16, two programs per SM. Many heads (matrix-bound): head tiles
         # of 64 on 8 warps, or 128 with the value columns split over two programs; one program per SM.
         9: [
-            _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=True),
+            _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(16, 64, 4, 2),
             _cfg(16, 32, 4, 3),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1),
             _cfg(64, 64, 8, 2, per_sm=1),
             _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
+            # Trial Gluon variants (TRIAL_ENV): deeper rings of 32-token key tiles, scores issued early.
+            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 32, 8, 3, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=2),
+            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
         ]
     },
     keep=_keep,
 )
 _SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS)
+
+
+def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
+    """``(block_n, stages, early)`` of the sm_90 table's Gluon configs (with ``trial``, also those kept only
+    under ``TRIAL_ENV``), in table order: what the tests compile and run and the bench sweeps."""
+    seen: list[tuple[int, int, bool]] = []
+    for cfg in _CONFIGS.by_arch[9]:
+        v = _gluon_variant(cfg)
+        if cfg.kwargs.get("GLUON") and v not in seen and (trial or v == _GLUON_MEASURED):
+            seen.append(v)
+    return seen
 
 
 def _tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
@@ -442,11 +473,12 @@ def _launch(
         from kvforge.kernels import mla_decode_gluon
 
         B, H, splits, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
+        bn, stages, early = _gluon_variant(plan.cfg)
         partial = torch.empty((B, H, splits, dv), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, tiles_per_split=plan.tiles_per_split,
-            scale_log2=plan.scale_log2, v_head_dim=dv,
+            scale_log2=plan.scale_log2, v_head_dim=dv, block_n=bn, stages=stages, early=early,
         )  # fmt: skip
         _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse, plan.merge)
         return
@@ -554,11 +586,12 @@ def mla_decode_attention(
         kw = cfg.kwargs
         gluon = False
         if kw.get("GLUON"):
-            from kvforge.kernels.mla_decode_gluon import BLOCK_H, BLOCK_N, gluon_decode_reason
+            from kvforge.kernels.mla_decode_gluon import BLOCK_H, gluon_decode_reason
 
-            gluon = gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r) is None
-            if gluon:  # its own tiles, one program per SM
-                kw = {**kw, "BLOCK_H": BLOCK_H, "BLOCK_N": BLOCK_N, "SPLIT_DV": False, "PER_SM": 1}
+            bn, stages, _ = _gluon_variant(cfg)
+            gluon = gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages) is None
+            if gluon:  # its own head tile and key tile, one program per SM
+                kw = {**kw, "BLOCK_H": BLOCK_H, "BLOCK_N": bn, "SPLIT_DV": False, "PER_SM": 1}
         programs_per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
         max_tiles = max(1, -(-(max_pages * page_size) // kw["BLOCK_N"]))
         if num_splits is None:
