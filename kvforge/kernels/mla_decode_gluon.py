@@ -30,7 +30,7 @@ import triton
 
 from kvforge.kernels import mla_context_gluon as _mcg
 
-__all__ = ["BLOCK_H", "BLOCK_N", "gluon_decode_reason", "mla_decode_gluon_split", "smem_bytes"]
+__all__ = ["BLOCK_H", "BLOCK_N", "BLOCK_NS", "STAGES", "gluon_decode_reason", "mla_decode_gluon_split", "smem_bytes"]
 
 BLOCK_H = 64  # heads per program: one warpgroup's wgmma M
 BLOCK_N = 64  # tokens per key tile by default: a page of the reference layout, wgmma N of the score product
@@ -146,10 +146,9 @@ if gluon is not None:
         return acc, m_o, l_run * alpha
 
     @gluon.jit
-    def _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
+    def _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, slot, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Issue tile i's scores from its ring slot once it is loaded (no wait)."""
-        slot = i % STAGES
+        """Issue tile i's scores from its ring slot (i % STAGES) once it is loaded (no wait)."""
         mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
         sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         sc = warpgroup_mma(q_a, k_a.index(slot).permute((1, 0)), sc, use_acc=False, is_async=True)
@@ -157,9 +156,8 @@ if gluon is not None:
         return warpgroup_mma(q_r, k_r.index(slot).permute((1, 0)), sc, is_async=True)
 
     @gluon.jit
-    def _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i, start, end, scale_log2,
-                            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr,
-                            STAGES: gl.constexpr):  # fmt: skip
+    def _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i, slot, start, end, scale_log2,
+                            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):  # fmt: skip
         """Tile i's online softmax against the running max; P (bf16) and the new max go to shared memory for
         the other warpgroup (and a partial tile's rows past the end are zeroed first). Returns (P, α, m, l)."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -173,8 +171,8 @@ if gluon is not None:
         alpha = gl.exp2(m_run - m_new)
         l_run = l_run * alpha + gl.sum(p, 1)
         if partial:  # both latent halves: the other warpgroup reads its half after p_full
-            _gd_zero_tail(k_a.index(i % STAGES), tok0, end, BLOCK_N, D_HALF)
-            _gd_zero_tail(k_b.index(i % STAGES), tok0, end, BLOCK_N, D_HALF)
+            _gd_zero_tail(k_a.index(slot), tok0, end, BLOCK_N, D_HALF)
+            _gd_zero_tail(k_b.index(slot), tok0, end, BLOCK_N, D_HALF)
         p16 = p.to(gl.bfloat16)
         p_smem.store(p16)
         m_smem.store(m_new)
@@ -211,43 +209,52 @@ if gluon is not None:
         mbarrier.wait(q_ready, 0)
         if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
-                                                               0, start, end, scale_log2, s_layout, BLOCK_N, D_HALF,
-                                                               STAGES)  # fmt: skip
+                                                               0, 0, start, end, scale_log2, s_layout, BLOCK_N,
+                                                               D_HALF)  # fmt: skip
                 acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(0), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(k_empty.index(0), count=1)
         for i in range(2 - W, n_tiles, 2):
-            prev = (i - 1) % STAGES
+            if STAGES == 2:  # a warpgroup's own tiles sit in slot W: constant slots (the measured kernel's code)
+                own = W
+                prev = 1 - W
+            else:
+                own = i % STAGES
+                prev = (i - 1) % STAGES
             if EARLY:
                 # wgmma groups in issue order: scores(i), then P·V(i - 1); wait(1) leaves the second running.
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
                 acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
                                                    i - 1, s_layout, p_layout)  # fmt: skip
                 sc = warpgroup_mma_wait(1, deps=(sc,))
             else:
                 acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
                                                    i - 1, s_layout, p_layout)  # fmt: skip
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
                 acc = warpgroup_mma_wait(1, deps=(acc,))  # tile i - 1's product is done; the scores may still run
                 mbarrier.arrive(k_empty.index(prev), count=1)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
             p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i,
-                                                           start, end, scale_log2, s_layout, BLOCK_N, D_HALF,
-                                                           STAGES)  # fmt: skip
+                                                           own, start, end, scale_log2, s_layout, BLOCK_N,
+                                                           D_HALF)  # fmt: skip
             if EARLY:  # tile i - 1's product, still running under the softmax
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(k_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, orow)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(i % STAGES), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(own), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(k_empty.index(i % STAGES), count=1)
+            mbarrier.arrive(k_empty.index(own), count=1)
         last = n_tiles - 1
         if last >= 0 and last % 2 != W:  # the other warpgroup's last tile (its slot is not refilled: no arrival)
-            acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full,
-                                               v_bufs.index(last % STAGES), last, s_layout, p_layout)  # fmt: skip
+            if STAGES == 2:
+                last_slot = 1 - W
+            else:
+                last_slot = last % STAGES
+            acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(last_slot),
+                                               last, s_layout, p_layout)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
         # Row sums: each warpgroup summed its own tiles' P, both rescaled to the same final max.
         l_bufs.slice(W * BLOCK_H, BLOCK_H).store(l_run)
