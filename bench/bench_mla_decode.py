@@ -4,8 +4,10 @@
 Workloads (issue 20): 16 heads x 64 requests x 8k tokens and 128 heads x 32 requests x 32k tokens, bf16,
 576-wide rows (512 latent + 64 rope), page size 64, pages shuffled. Throughput is the latent cache read once,
 ``B * L * 576 * 2`` bytes, per second. Both providers are checked against ``mla_decode_attention_ref`` (fp32)
-on a few requests before any time is reported; a provider that fails the check is not timed. kvforge's launch
-configurations are swept (each is timed) and the best is reported next to FlashInfer.
+on a few requests (and every output element for being written and finite) before any time is reported; a
+provider or launch configuration that fails the check is not timed and cannot be chosen. kvforge's launch
+configurations, including the Gluon variants not yet measured (``md.TRIAL_ENV`` is set here), are swept (each
+is timed) and the fastest correct one is reported next to FlashInfer and written by ``--tuned-out``.
 
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode.py [--quick]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,8 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, append_csv, bar_plot, git_revision, time_gpu, time_graph, time_interleaved
 from kvforge.kernels import mla_decode as md
+from kvforge.kernels import mla_decode_gluon as mdg
 from kvforge.kernels._runtime import arch_name, device_capability
 
+os.environ.setdefault(md.TRIAL_ENV, "1")  # sweep the unmeasured Gluon variants too (they must pass check())
 WORKLOADS = [(16, 64, 8192), (128, 32, 32768)]
 PAGE = 64
 DV, DR = 512, 64
@@ -48,6 +53,10 @@ def build(H: int, B: int, L: int, seed: int = 0):
 
 
 def check(name: str, got: torch.Tensor, q, kv, bt, sl, scale: float, rows: int = 3) -> float:
+    """Relative RMSE of the first ``rows`` requests against the fp32 reference; raises when it is not below
+    1e-2 or when any element of ``got`` (NaN-filled by the caller before the call) is not finite."""
+    if not bool(torch.isfinite(got).all()):
+        raise RuntimeError(f"{name}: {int((~torch.isfinite(got)).sum())} output elements not written or not finite")
     ref, _ = md.mla_decode_attention_ref(q[:rows], kv, bt[:rows], sl[:rows], softmax_scale=scale)
     err = (got[:rows].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
     err = float(err)
@@ -82,7 +91,9 @@ def kvforge_runner(q, kv, bt, sl, scale, out, splits=None):
 
 def cfg_label(cfg) -> str:
     kw = cfg.kwargs
-    flags = "".join(f" {name}" for name, on in (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"])) if on)
+    gl = kw.get("GLUON")
+    named = (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]), ("gluon", gl), ("early", gl == 2))
+    flags = "".join(f" {name}" for name, on in named if on)
     return f"kvforge BH{kw['BLOCK_H']} BN{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
 
@@ -93,6 +104,20 @@ def default_splits(cfg, B: int, H: int, L: int) -> int:
     max_tiles = -(-L // kw["BLOCK_N"])
     splits = md.default_num_splits(B, per_request, max_tiles, md.num_sms(), int(kw.get("PER_SM", 2)))
     return min(splits, max_tiles)
+
+
+GLUON_LAUNCHES = [0]
+
+
+def count_gluon_launches() -> None:
+    """Count launches of the Gluon kernel, so each timed row can say which kernel ran."""
+    real = mdg.mla_decode_gluon_split
+
+    def counted(*args, **kwargs):
+        GLUON_LAUNCHES[0] += 1
+        return real(*args, **kwargs)
+
+    mdg.mla_decode_gluon_split = counted
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -144,6 +169,8 @@ def main() -> None:
         warm(args.warm)
         return
     torch.manual_seed(0)
+    count_gluon_launches()
+    print("Gluon decode path:", mdg._mcg.gluon_unavailable_reason() or "available")
     cap = device_capability()
     arch = arch_name(cap)
     rows = []
@@ -177,7 +204,10 @@ def main() -> None:
             splits = default_splits(cfg, B, H, L)
             try:
                 out.fill_(float("nan"))
+                before = GLUON_LAUNCHES[0]
                 fn()
+                kernel = "gluon" if GLUON_LAUNCHES[0] > before else "portable"
+                print(f"{wl:>18} {cfg_label(cfg):>48} runs the {kernel} kernel")
                 err = check("kvforge", out, q, kv, bt, sl, scale)
                 t = time_gpu(fn)
             except Exception as exc:  # a config that does not compile, fit or match is reported and skipped
@@ -191,13 +221,19 @@ def main() -> None:
             md._SPLIT._chosen[(arch, key)] = best[3]
             for splits in (1, 2, 3, 4, 6, 8, 16):
                 fn = kvforge_runner(q, kv, bt, sl, scale, out, splits)
-                fn()
-                err = check("kvforge", out, q, kv, bt, sl, scale)
-                t = time_gpu(fn)
+                try:
+                    out.fill_(float("nan"))
+                    fn()
+                    err = check("kvforge", out, q, kv, bt, sl, scale)
+                    t = time_gpu(fn)
+                except Exception as exc:  # reported; this split count is not a candidate
+                    print(f"{wl:>18} {best[0]:>48} {splits:>6} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                    continue
                 line(best[0], splits, t, err)
                 if t["ms"] < best[1]["ms"]:
                     best = (best[0], t, err, best[3], splits)
-        if best is None:
+        if best is None:  # no config passed its check: none may be written as this key's tuned config
+            md._SPLIT._chosen.pop((arch, key), None)
             continue
         md._SPLIT._chosen[(arch, key)] = best[3]
         label, _, err, cfg, splits = best

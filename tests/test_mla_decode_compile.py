@@ -2,8 +2,9 @@
 
 tests/test_compile_targets.py compiles the kernel once per architecture with its default variant; this file adds
 the SPLIT_DV variant (two programs per head tile, each with half the value columns) at narrow widths (64 + 16,
-bf16) on every architecture and at DeepSeek's real widths (512 + 64) on sm_90, where it is launched, so a variant
-that stops compiling on one architecture fails here rather than at a user's first launch. The compiles
+bf16) on every architecture and at DeepSeek's real widths (512 + 64) on sm_90, where it is launched, and the
+portable TMA kernel a 32-token, 4-stage Gluon config falls back to on sm_90 (within the SM's shared memory),
+so a variant that stops compiling on one architecture fails here rather than at a user's first launch. The compiles
 run in a subprocess with the interpreter off (this file is also the script: ``python
 tests/test_mla_decode_compile.py``).
 """
@@ -21,6 +22,9 @@ ARCHS = [80, 89, 90, 100, 120]
 # (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_DV)
 VARIANTS = [(64, 16, 16, 32, 4, 2, True)]
 REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
+# What a Gluon config runs where the Gluon kernel cannot (the portable kernel with its tiles, TMA): the sm_90
+# table's deepest 32-token ring, (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages).
+GLUON_FALLBACK_SM90 = [(512, 64, 64, 32, 8, 4)]
 
 
 def _compile_all() -> list[dict[str, object]]:
@@ -34,17 +38,23 @@ def _compile_all() -> list[dict[str, object]]:
              "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32"}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     records = []
-    jobs = [(arch, v) for arch in ARCHS for v in VARIANTS] + [(90, v) for v in REAL_WIDTH_SM90]
-    for arch, (dv, dr, bh, bn, warps, stages, split_dv) in jobs:
+    jobs = [(arch, v, False) for arch in ARCHS for v in VARIANTS] + [(90, v, False) for v in REAL_WIDTH_SM90]
+    jobs += [(90, (*v, False), True) for v in GLUON_FALLBACK_SM90]
+    for arch, (dv, dr, bh, bn, warps, stages, split_dv), tma in jobs:
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
-                  "SPLIT_DV": split_dv, "USE_TMA": False, "PRECISION": "tf32"}  # fmt: skip
-        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} split_dv={split_dv}"
+                  "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32"}  # fmt: skip
+        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma}"
+        tsig = sig
+        if tma:  # host descriptors of one key tile's latent half and rope part
+            tsig = {**sig, "desc_h": f"tensordesc<bf16[{bn}, {dv // 2}]>", "desc_r": f"tensordesc<bf16[{bn}, {dr}]>"}
         try:
-            triton.compile(
-                ASTSource(fn, sig, constexprs=consts),
-                target=GPUTarget("cuda", arch, 32),
+            k = triton.compile(
+                ASTSource(fn, tsig, constexprs=consts),
+                target=GPUTarget("cuda", arch, 128 if tma else 32),
                 options={"num_warps": warps, "num_stages": stages},
             )
+            if tma and not 0 < k.metadata.shared <= 232448:  # sm_90's opt-in shared memory per block
+                raise ValueError(f"{k.metadata.shared} B of shared memory")
             records.append({"name": name, "ok": True})
         except Exception as e:  # reported with the variant's name; the test fails on any
             records.append({"name": name, "ok": False, "error": f"{e}"[:400]})
@@ -58,7 +68,7 @@ def test_decode_variants_compile_offline():
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, "\n".join(failed)
-    assert len(records) == len(ARCHS) * len(VARIANTS) + len(REAL_WIDTH_SM90)
+    assert len(records) == len(ARCHS) * len(VARIANTS) + len(REAL_WIDTH_SM90) + len(GLUON_FALLBACK_SM90)
 
 
 if __name__ == "__main__":

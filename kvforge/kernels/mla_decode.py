@@ -12,12 +12,15 @@ graph-capturable. Checks, before any launch: types, dtypes, shapes, devices (met
 refused), ``out``/``lse`` not overlapping any input or each other, and, unless ``check_values=False``,
 seq_lens and page ids in range (one device→host read). A call whose tensors (address, shape, strides, dtype,
 device) and arguments equal an earlier valid call's reuses its checked launch plan; the value check still runs.
-Layout, splits and launch variants: ``docs/kernels.md``.
+On sm_90 with bf16 and many heads a config may choose the warp-specialised Gluon kernel of ``mla_decode_gluon``
+(same partials, same merge); elsewhere it falls back to the portable kernel. Layout, splits and launch
+variants: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -107,14 +110,15 @@ def _mla_decode_split_kernel(
     sm_scale_log2,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, PER_SM: tl.constexpr = 2,
+    PRECISION: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, key shares): the programs that read the same keys
     are neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
     columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
     half of the output (half the accumulator registers, the scores computed by both programs of the pair).
-    PER_SM is not read: it is the launcher's (programs resident per SM, for the split count) and a parameter so
-    that a config's kwargs launch as they are."""
+    PER_SM and GLUON are not read: they are the launcher's (programs resident per SM, for the split count; the
+    sm_90 Gluon kernel instead of this one where it can run) and parameters so that a config's kwargs launch as
+    they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -185,11 +189,30 @@ def _mla_decode_split_kernel(
 
 
 def _cfg(
-    bh: int, bn: int, warps: int, stages: int, split_dv: bool = False, tma: bool = False, per_sm: int = 2
+    bh: int,
+    bn: int,
+    warps: int,
+    stages: int,
+    split_dv: bool = False,
+    tma: bool = False,
+    per_sm: int = 2,
+    gluon: int = 0,
 ) -> triton.Config:
-    """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares."""
-    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm}
+    """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares.
+    ``gluon``: launch ``mla_decode_gluon``'s warp-specialised kernel where ``gluon_decode_reason`` allows (64-head
+    tiles, its own warps; ``bn``-token key tiles in a ring of ``stages``; 1: the score product issued after taking
+    the other warpgroup's tile, 2: before it); elsewhere this config's portable kernel runs."""
+    kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm, "GLUON": gluon}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": the sm_90 table's unmeasured Gluon variants are candidates too
+_GLUON_MEASURED = (64, 2, False)  # the Gluon variant measured on the H200 (block_n, stages, early)
+
+
+def _gluon_variant(cfg: triton.Config) -> tuple[int, int, bool]:
+    """A Gluon config's (key tile, ring stages, scores issued early)."""
+    return (int(cfg.kwargs["BLOCK_N"]), int(cfg.num_stages), int(cfg.kwargs.get("GLUON") or 0) == 2)
 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
@@ -198,6 +221,14 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     if kw["BLOCK_H"] > max(16, key[3]):  # no head tile wider than the heads
         return False
     if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
+        return False
+    # The Gluon kernel: bf16, many heads (matrix-bound; few heads are memory-bound and the portable kernel
+    # meets its target there), whole 64-token tiles inside a page, TMA-able cache.
+    if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 64 and key[5] and key[4] % 64 == 0):
+        return False
+    # Gluon variants not yet measured on a GPU are candidates only where asked for (the bench asks): a key
+    # without a committed config autotunes by speed alone, with no reference check.
+    if kw.get("GLUON") and _gluon_variant(cfg) != _GLUON_MEASURED and os.environ.get(TRIAL_ENV) != "1":
         return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
@@ -210,16 +241,33 @@ _CONFIGS = ConfigTable(
         # Few heads (memory-bound): head tiles of 16, two programs per SM. Many heads (matrix-bound): head tiles
         # of 64 on 8 warps, or 128 with the value columns split over two programs; one program per SM.
         9: [
+            _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(16, 64, 4, 2),
             _cfg(16, 32, 4, 3),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1),
             _cfg(64, 64, 8, 2, per_sm=1),
             _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
+            # Trial Gluon variants (TRIAL_ENV): deeper rings of 32-token key tiles, scores issued early.
+            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 32, 8, 3, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=2),
+            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
         ]
     },
     keep=_keep,
 )
 _SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS)
+
+
+def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
+    """``(block_n, stages, early)`` of the sm_90 table's Gluon configs (with ``trial``, also those kept only
+    under ``TRIAL_ENV``), in table order: what the tests compile and run and the bench sweeps."""
+    seen: list[tuple[int, int, bool]] = []
+    for cfg in _CONFIGS.by_arch[9]:
+        v = _gluon_variant(cfg)
+        if cfg.kwargs.get("GLUON") and v not in seen and (trial or v == _GLUON_MEASURED):
+            seen.append(v)
+    return seen
 
 
 def _tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
@@ -403,6 +451,7 @@ class _Plan(NamedTuple):
     page_size: int
     direct: bool
     merge: tuple  # _merge_args: fixed by the shapes and out/lse's metadata
+    gluon: bool  # mla_decode_gluon's kernel instead of the portable split kernel
 
 
 _PLANS = PlanCache(maxsize=64)
@@ -420,6 +469,19 @@ def _launch(
 ) -> None:
     """The split kernel into fresh partials, then the merge into ``out``/``lse`` (inputs already checked)."""
     kw = plan.cfg.kwargs
+    if plan.gluon:
+        from kvforge.kernels import mla_decode_gluon
+
+        B, H, splits, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
+        bn, stages, early = _gluon_variant(plan.cfg)
+        partial = torch.empty((B, H, splits, dv), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+        mla_decode_gluon.mla_decode_gluon_split(
+            q, kv_cache, block_table, seq_lens, partial, partial_lse, tiles_per_split=plan.tiles_per_split,
+            scale_log2=plan.scale_log2, v_head_dim=dv, block_n=bn, stages=stages, early=early,
+        )  # fmt: skip
+        _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse, plan.merge)
+        return
     if kw["USE_TMA"]:
         descs = _descriptors(kv_cache, kw["BLOCK_N"], plan.v_head_dim, plan.d_r)
         if descs is None:
@@ -522,6 +584,14 @@ def mla_decode_attention(
 
     def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
+        gluon = False
+        if kw.get("GLUON"):
+            from kvforge.kernels.mla_decode_gluon import BLOCK_H, gluon_decode_reason
+
+            bn, stages, _ = _gluon_variant(cfg)
+            gluon = gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages) is None
+            if gluon:  # its own head tile and key tile, one program per SM
+                kw = {**kw, "BLOCK_H": BLOCK_H, "BLOCK_N": bn, "SPLIT_DV": False, "PER_SM": 1}
         programs_per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
         max_tiles = max(1, -(-(max_pages * page_size) // kw["BLOCK_N"]))
         if num_splits is None:
@@ -539,7 +609,7 @@ def mla_decode_attention(
             (programs_per_request, B, splits), -(-max_tiles // splits), float(softmax_scale) * 1.4426950408889634,
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
-            "PER_SM" in kw, _merge_args(splits, B, H, v_head_dim, out, lse),
+            "PER_SM" in kw and "GLUON" in kw, _merge_args(splits, B, H, v_head_dim, out, lse), gluon,
         )  # fmt: skip
 
     # Tuned once per key on a GPU without a committed config (idempotent: it writes only the partials).

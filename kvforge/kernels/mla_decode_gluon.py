@@ -1,0 +1,400 @@
+"""Warp-specialised sm_90 split kernel of MLA decode attention (Gluon), same contract as ``mla_decode``'s.
+
+``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the fp32 partial output and lse
+that ``kvforge.kernels.mla_decode`` merges; the caller has checked every input and ``gluon_decode_reason`` said
+the layout fits. bf16 only, keys 576 = 512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit
+shared memory), page size a multiple of 64. A variant is (``block_n``, ``stages``, ``early``): key tiles of
+``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the SM: 64 x 2, 32 x 3 and
+32 x 4 do), and the score product issued before (``early``) or after taking the other warpgroup's tile.
+One program per (head tile, request, share), three partitions:
+
+* a loader warp: TMA copies of the Q tile (once) and of each key tile (one page slice of the 2-D
+  ``[pages * page_size, D]`` cache view, two latent halves and the rope part) into the ring;
+* two consumer warpgroups that take turns: warpgroup ``t % 2`` computes tile t's scores (Q from shared memory,
+  64 x block_n x 576), its online softmax against the running max the other published for tile t - 1, then
+  publishes P (bf16) and the new max in shared memory. Both compute P·V on every tile with V = the tile's
+  latent columns, each for its own 256 output columns, so K is read once per head tile and the score product
+  runs once per tile. A warpgroup issues the other's tile's P·V ahead of its own softmax and frees that ring
+  slot as soon as the product is done; with ``early`` its own tile's scores are issued even before that (they
+  need only Q and the key tile), so they run while it waits for the other's P. Row sums are added at the end.
+
+Rows of a share's last tile past the request's length are zeroed in shared memory before P·V (a never-written
+cache row may hold NaN, and 0·NaN = NaN). Used only where ``gluon_decode_reason`` returns None; everything else
+takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9 bridges.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kvforge.kernels import mla_context_gluon as _mcg
+
+__all__ = ["BLOCK_H", "BLOCK_N", "BLOCK_NS", "STAGES", "gluon_decode_reason", "mla_decode_gluon_split", "smem_bytes"]
+
+BLOCK_H = 64  # heads per program: one warpgroup's wgmma M
+BLOCK_N = 64  # tokens per key tile by default: a page of the reference layout, wgmma N of the score product
+STAGES = 2  # key-tile ring slots by default
+BLOCK_NS = (32, 64)  # key tiles the kernel supports (wgmma N of the score product, K of P·V)
+# Registers per thread: 9 warps are padded to 12 (three warpgroups) and 65536 / (12 * 32) = 170 -> 168 at launch;
+# setmaxnreg then gives each consumer warpgroup 240 and the loader warp 24.
+_MAXNREG, _C_REGS, _L_REGS = 168, 240, 24
+# Which consumer warpgroup runs as the default partition: the one that spills less on this Triton (ptxas -v,
+# sm_90a: warpgroup 1 there leaves 264 B of spills on Triton 3.6 against 492 B; on 3.9, 660 B against 8 B).
+_FIRST_W = 1 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7) else 0
+_SMEM_LIMIT_SM90 = 232448
+
+gluon = _mcg.gluon
+if gluon is not None:
+    gl = _mcg.gl
+    mbarrier = _mcg.mbarrier
+    warpgroup_mma = _mcg.warpgroup_mma
+    warpgroup_mma_wait = _mcg.warpgroup_mma_wait
+    fence_async_shared = _mcg.fence_async_shared
+    _tma_load = _mcg._tma_load
+
+
+def smem_bytes(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES) -> int:
+    """Shared memory of one program: the Q tile, the key-tile ring, P, the max and the two row sums, barriers."""
+    d = d_v + d_r
+    return 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 2 * stages)
+
+
+def gluon_decode_reason(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_size: int,
+    v_head_dim: int,
+    d_r: int,
+    block_n: int = BLOCK_N,
+    stages: int = STAGES,
+) -> str | None:
+    """None when the Gluon kernel variant (``block_n``-token key tiles, ``stages`` ring slots) can run this call,
+    else why not (device, dtype, widths, shared memory, layouts)."""
+    from kvforge.kernels.mla_decode import _tma_layout_ok
+
+    why = _mcg.gluon_unavailable_reason(q.device)
+    if why is not None:
+        return why
+    if q.dtype != torch.bfloat16:
+        return f"the Gluon decode kernel is bf16 only, got {q.dtype}"
+    half = v_head_dim // 2
+    if half % 64 or half > 256 or d_r % 16 or d_r > 256:
+        return f"widths {v_head_dim} + {d_r} do not split into TMA boxes of at most 256 columns"
+    if block_n not in BLOCK_NS or not 2 <= stages <= 8:
+        return f"key tiles of {block_n} tokens in {stages} ring slots: expected {BLOCK_NS} and 2..8"
+    need = smem_bytes(v_head_dim, d_r, block_n, stages)
+    if need > _SMEM_LIMIT_SM90:
+        return f"widths {v_head_dim} + {d_r} with {stages} x {block_n}-token key tiles need {need} B of shared memory"
+    if page_size % block_n:
+        return f"page size {page_size} is not a multiple of the {block_n}-token key tile"
+    B, H, D = q.shape
+    if q.stride(2) != 1 or q.stride(1) != D or (B > 1 and q.stride(0) != H * D) or q.data_ptr() % 16:
+        return "q is not a contiguous, 16-byte aligned [B, H, D] tensor (its Q tiles are TMA copies)"
+    if not _tma_layout_ok(kv_cache, v_head_dim):
+        return "kv_cache's layout does not allow TMA copies of whole rows"
+    return None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
+                   q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
+                   po_base, plse_base, s_poh, s_plh, scale_log2, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                   D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+        """One warp: the Q tile once, then key tile t into ring slot t % STAGES once both warpgroups freed it."""
+        mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
+        _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
+        _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
+        _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
+        for t in range(n_tiles):
+            s = t % STAGES
+            tok = start + t * BLOCK_N
+            page = gl.load(bt_row + tok // PAGE_SIZE)
+            row = page * PAGE_SIZE + tok % PAGE_SIZE
+            mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
+            _tma_load(k_desc_h, [row, 0], k_ready.index(s), k_a.index(s))
+            _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k_b.index(s))
+            _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k_r.index(s))
+
+    @gluon.jit
+    def _gd_zero_tail(buf, tok0, end, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):
+        """Zero the rows of one latent half of a key tile whose tokens lie at or past ``end``."""
+        zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = tok0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl))
+        bad = (rows >= end)[:, None]
+        for c in gl.static_range(D_HALF // 64):
+            chunk = buf.slice(c * 64, 64, dim=1)
+            x = chunk.load(zl)
+            chunk.store(gl.where(bad, gl.zeros_like(x), x))
+
+    @gluon.jit
+    def _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_buf, j, s_layout: gl.constexpr,
+                       p_layout: gl.constexpr):  # fmt: skip
+        """The other warpgroup's tile j: wait for its P and max, rescale, and issue acc·α + P·V (no wait)."""
+        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow: gl.constexpr = gl.SliceLayout(1, p_layout.parent)
+        mbarrier.wait(p_full, j & 1)
+        p_o = p_smem.load(s_layout)
+        m_o = m_smem.load(srow)
+        alpha = gl.exp2(m_run - m_o)
+        acc = acc * gl.convert_layout(alpha, orow)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p_o, p_layout), v_buf, acc, is_async=True)
+        return acc, m_o, l_run * alpha
+
+    @gluon.jit
+    def _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, slot, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """Issue tile i's scores from its ring slot (i % STAGES) once it is loaded (no wait)."""
+        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+        sc = warpgroup_mma(q_a, k_a.index(slot).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_b, k_b.index(slot).permute((1, 0)), sc, is_async=True)
+        return warpgroup_mma(q_r, k_r.index(slot).permute((1, 0)), sc, is_async=True)
+
+    @gluon.jit
+    def _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i, slot, start, end, scale_log2,
+                            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):  # fmt: skip
+        """Tile i's online softmax against the running max; P (bf16) and the new max go to shared memory for
+        the other warpgroup (and a partial tile's rows past the end are zeroed first). Returns (P, α, m, l)."""
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        sc = sc * scale_log2
+        tok0 = start + i * BLOCK_N
+        partial = tok0 + BLOCK_N > end
+        if partial:
+            sc = gl.where((tok0 + offs_n < end)[None, :], sc, float("-inf"))
+        m_new = gl.maximum(m_run, gl.max(sc, 1))
+        p = gl.exp2(sc - m_new[:, None])
+        alpha = gl.exp2(m_run - m_new)
+        l_run = l_run * alpha + gl.sum(p, 1)
+        if partial:  # both latent halves: the other warpgroup reads its half after p_full
+            _gd_zero_tail(k_a.index(slot), tok0, end, BLOCK_N, D_HALF)
+            _gd_zero_tail(k_b.index(slot), tok0, end, BLOCK_N, D_HALF)
+        p16 = p.to(gl.bfloat16)
+        p_smem.store(p16)
+        m_smem.store(m_new)
+        fence_async_shared()
+        mbarrier.arrive(p_full, count=1)
+        return p16, alpha, m_new, l_run
+
+    @gluon.jit
+    def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
+                     q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
+                     po_base, plse_base, s_poh, s_plh, scale_log2, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
+        columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
+        P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
+        loader refills it while tile i's softmax runs), then tile i's softmax and P·V. Tile i's scores are
+        issued after taking tile i - 1, or before it with EARLY (they need only Q and tile i's keys). Every
+        iteration ends with its products done, so nobody waits on work this warpgroup has not issued."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D_HALF, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if W == 0:
+            v_bufs = k_a
+        else:
+            v_bufs = k_b
+        m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
+        l_run = gl.zeros([BLOCK_H], gl.float32, layout=srow)
+        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
+        mbarrier.wait(q_ready, 0)
+        if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
+            if n_tiles > 0:  # tile 0 has no predecessor
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
+                                                               0, 0, start, end, scale_log2, s_layout, BLOCK_N,
+                                                               D_HALF)  # fmt: skip
+                acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(0), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(k_empty.index(0), count=1)
+        for i in range(2 - W, n_tiles, 2):
+            if STAGES == 2:  # a warpgroup's own tiles sit in slot W: constant slots (the measured kernel's code)
+                own = W
+                prev = 1 - W
+            else:
+                own = i % STAGES
+                prev = (i - 1) % STAGES
+            if EARLY:
+                # wgmma groups in issue order: scores(i), then P·V(i - 1); wait(1) leaves the second running.
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
+                                                   i - 1, s_layout, p_layout)  # fmt: skip
+                sc = warpgroup_mma_wait(1, deps=(sc,))
+            else:
+                acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
+                                                   i - 1, s_layout, p_layout)  # fmt: skip
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                acc = warpgroup_mma_wait(1, deps=(acc,))  # tile i - 1's product is done; the scores may still run
+                mbarrier.arrive(k_empty.index(prev), count=1)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+            p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i,
+                                                           own, start, end, scale_log2, s_layout, BLOCK_N,
+                                                           D_HALF)  # fmt: skip
+            if EARLY:  # tile i - 1's product, still running under the softmax
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(k_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, orow)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(own), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(k_empty.index(own), count=1)
+        last = n_tiles - 1
+        if last >= 0 and last % 2 != W:  # the other warpgroup's last tile (its slot is not refilled: no arrival)
+            if STAGES == 2:
+                last_slot = 1 - W
+            else:
+                last_slot = last % STAGES
+            acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(last_slot),
+                                               last, s_layout, p_layout)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        # Row sums: each warpgroup summed its own tiles' P, both rescaled to the same final max.
+        l_bufs.slice(W * BLOCK_H, BLOCK_H).store(l_run)
+        mbarrier.arrive(l_ready, count=1)
+        mbarrier.wait(l_ready, 0)
+        l_tot = l_run + l_bufs.slice((1 - W) * BLOCK_H, BLOCK_H).load(srow)
+        has = l_tot > 0.0
+        inv = 1.0 / gl.where(has, l_tot, 1.0)
+        o = acc * gl.convert_layout(inv, orow)[:, None]
+        heads = h0 + gl.arange(0, BLOCK_H, layout=orow)
+        cols = W * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_layout))
+        ptrs = po_base + heads.to(gl.int64)[:, None] * s_poh + cols[None, :]
+        gl.store(ptrs, o, mask=(heads < H)[:, None])
+        if W == 0:
+            hr = h0 + gl.arange(0, BLOCK_H, layout=srow)
+            lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+            gl.store(plse_base + hr.to(gl.int64) * s_plh, lse, mask=hr < H)
+
+    @gluon.jit(do_not_specialize=["tiles_per_split", "s_plb", "s_plh"])
+    def _mla_decode_gluon_kernel(
+        q_desc_h, q_desc_r, k_desc_h, k_desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
+        H, tiles_per_split, s_btb, s_pob, s_poh, s_pos, s_plb, s_plh, scale_log2,
+        PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
+        BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
+        STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False,
+    ):  # fmt: skip
+        """Grid (head tiles, requests, key shares): a request's head tiles are neighbours in launch order, so
+        the second reads the key tiles from L2. Launched with 4 warps (consumer warpgroup FIRST_W, the
+        default partition); the partitions add 4 + 1."""
+        D_HALF: gl.constexpr = D_V // 2
+        pid_h = gl.program_id(0)
+        b = gl.program_id(1)
+        split = gl.program_id(2)
+        h0 = pid_h * BLOCK_H
+        seq_len = gl.load(seq_ptr + b)
+        start = split * tiles_per_split * BLOCK_N
+        end = gl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+        n_tiles = gl.maximum(end - start, 0)
+        n_tiles = (n_tiles + BLOCK_N - 1) // BLOCK_N
+        bt_row = bt_ptr + b.to(gl.int64) * s_btb
+        q_row = b * H + h0
+        po_base = po_ptr + b.to(gl.int64) * s_pob + split.to(gl.int64) * s_pos
+        plse_base = plse_ptr + b.to(gl.int64) * s_plb + split
+
+        q_a = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
+        q_b = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
+        q_r = gl.allocate_shared_memory(q_desc_r.dtype, [BLOCK_H, D_R], q_desc_r.layout)
+        k_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+        k_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+        k_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
+        p_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout_s)
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
+        l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(p_full, count=1)
+        mbarrier.init(l_ready, count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
+
+        # The argument tuples are written out in the call (see mla_context_gluon: a tuple held in a variable
+        # turns its constexprs into tensors).
+        gl.warp_specialize(
+            [
+                (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
+                                l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, FIRST_W, PAGE_SIZE,
+                                D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY)),
+                (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
+                                l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 1 - FIRST_W,
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY)),
+                (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
+                              l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
+                              n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 0, PAGE_SIZE, D_HALF,
+                              D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY)),
+            ],
+            [4, 1],
+            [C_REGS, L_REGS],
+        )  # fmt: skip
+        mbarrier.invalidate(q_ready)
+        mbarrier.invalidate(p_full)
+        mbarrier.invalidate(l_ready)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(k_empty.index(i))
+
+
+def descriptor_layouts(d_v: int, d_r: int, rows: int = BLOCK_N) -> tuple:
+    """The NVMMA shared layouts of ``rows``-row latent-half and rope boxes (a key tile's rows, or BLOCK_H for
+    the Q tile; also what the offline compile test uses)."""
+    return (
+        gl.NVMMASharedLayout.get_default_for([rows, d_v // 2], gl.bfloat16),
+        gl.NVMMASharedLayout.get_default_for([rows, d_r], gl.bfloat16),
+    )
+
+
+def mla_decode_gluon_split(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    partial: torch.Tensor,
+    partial_lse: torch.Tensor,
+    *,
+    tiles_per_split: int,
+    scale_log2: float,
+    v_head_dim: int,
+    block_n: int = BLOCK_N,
+    stages: int = STAGES,
+    early: bool = False,
+) -> object:
+    """One launch over ``(head tiles, B, splits)`` writing ``partial [B, H, splits, D_V]`` and ``partial_lse
+    [B, H, splits]`` (fresh contiguous buffers); ``tiles_per_split`` counts ``block_n``-token tiles. Inputs
+    checked by the caller and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``."""
+    B, H, D = q.shape
+    P, S, _ = kv_cache.shape
+    d_r = D - v_head_dim
+    splits = partial.shape[2]
+    q_lay_h, q_lay_r = descriptor_layouts(v_head_dim, d_r, BLOCK_H)
+    k_lay_h, k_lay_r = descriptor_layouts(v_head_dim, d_r, block_n)
+    TD = _mcg.GluonTensorDescriptor
+    q2 = [B * H, D]
+    k2, ks = [P * S, D], [kv_cache.stride(1), 1]
+    q_desc_h = TD(q, q2, [D, 1], [BLOCK_H, v_head_dim // 2], q_lay_h)
+    q_desc_r = TD(q, q2, [D, 1], [BLOCK_H, d_r], q_lay_r)
+    k_desc_h = TD(kv_cache, k2, ks, [block_n, v_head_dim // 2], k_lay_h)
+    k_desc_r = TD(kv_cache, k2, ks, [block_n, d_r], k_lay_r)
+    grid = (-(-H // BLOCK_H), B, splits)
+    return _mla_decode_gluon_kernel[grid](
+        q_desc_h, q_desc_r, k_desc_h, k_desc_r, block_table, seq_lens, partial, partial_lse,
+        H, tiles_per_split, block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), scale_log2,
+        PAGE_SIZE=S, D_V=v_head_dim, D_R=d_r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, C_REGS=_C_REGS, L_REGS=_L_REGS,
+        FIRST_W=_FIRST_W, STAGES=stages, EARLY=bool(early), num_warps=4, maxnreg=_MAXNREG,
+    )  # fmt: skip

@@ -1,0 +1,284 @@
+"""The warp-specialised sm_90 Gluon path of MLA decode attention (kvforge.kernels.mla_decode_gluon).
+
+Gluon does not run in the interpreter: on the CPU these tests check that a ``GLUON`` config computes the right
+result with the portable kernel, that only sm_90 bf16 many-head keys keep such candidates, that the path says
+why it cannot run, and that the kernel compiles offline for sm_90 within the SM's shared memory (this file is
+also the compile script: ``python tests/test_mla_decode_gluon.py``). The ``gpu`` cases run the Gluon kernel on
+the H200 against the independent reference (awkward lengths, partial last tiles over NaN page tails, an empty
+request, head counts that are not a multiple of 64, page sizes 64 and 128, several split counts) and fail if it
+did not run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__":  # the compile script: no driver here, so turn the interpreter off before kvforge decides
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, str(ROOT))
+
+import kvforge.kernels.mla_decode as md  # noqa: E402
+import kvforge.kernels.mla_decode_gluon as mdg  # noqa: E402
+from kvforge.kernels import _runtime  # noqa: E402
+from kvforge.kernels._runtime import ConfigTable, TunedKernel  # noqa: E402
+from tests.test_mla_decode import check, make_case  # noqa: E402
+
+VARIANTS = md.gluon_variants()  # (block_n, stages, early) of every Gluon candidate, the unmeasured ones too
+VARIANT_IDS = [f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in VARIANTS]
+
+
+def _gluon_cfg(block_n: int, stages: int, early: bool):
+    """The sm_90 table's config of this Gluon variant."""
+    cfg = md._cfg(64, block_n, 8, stages, tma=True, per_sm=1, gluon=2 if early else 1)
+    assert md._gluon_variant(cfg) == (block_n, stages, early)
+    return cfg
+
+
+def _only(monkeypatch, cfg) -> None:
+    """Make ``cfg`` the decode kernel's only candidate on every architecture and in the interpreter."""
+    table = ConfigTable(fallback=[cfg], interpreter=cfg, by_arch={9: [cfg]})
+    monkeypatch.setattr(md, "_SPLIT", TunedKernel(f"mla_decode_gluon_test_{id(cfg)}", md._mla_decode_split_kernel,
+                                                  table))  # fmt: skip
+
+
+def _count_gluon_launches(monkeypatch) -> list:
+    """[launch count, the variant (block_n, stages, early) of the last launch]."""
+    calls: list = [0, None]
+    real = mdg.mla_decode_gluon_split
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        calls[1] = (kwargs.get("block_n", mdg.BLOCK_N), kwargs.get("stages", mdg.STAGES), kwargs.get("early", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mdg, "mla_decode_gluon_split", counted)
+    return calls
+
+
+@pytest.mark.parametrize("gluon", [1, 2])
+def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, monkeypatch, gluon):
+    """Where the Gluon kernel cannot run (here: the interpreter), a GLUON config (either schedule) is the
+    portable kernel with its own tiles: partial last tiles, an empty request, several key shares."""
+    if mdg._mcg.gluon_available(device):
+        pytest.skip("the Gluon path runs on this device (see the gpu cases)")
+    _only(monkeypatch, md._cfg(16, 16, 1, 1, gluon=gluon))
+    calls = _count_gluon_launches(monkeypatch)
+    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, 16, [0, 37, 70], torch.bfloat16, device)
+    check(q, kv, bt, sl, 32, 0.25, torch.bfloat16, num_splits=2)
+    assert calls[0] == 0
+
+
+def test_gluon_candidates_only_for_sm90_bf16_many_heads():
+    def gluon_kept(arch, key):
+        return [c for c in md._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
+
+    key = (512, 64, "bfloat16", 128, 64, True)
+    assert gluon_kept((9, 0), key)
+    assert gluon_kept((9, 0), (512, 64, "bfloat16", 64, 128, True))
+    for arch in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        assert not gluon_kept(arch, key), arch
+    for other in (
+        (512, 64, "float16", 128, 64, True),  # bf16 only
+        (512, 64, "bfloat16", 16, 64, True),  # few heads: memory-bound, the portable kernel
+        (512, 64, "bfloat16", 128, 32, True),  # a 64-token tile would cross pages
+        (512, 64, "bfloat16", 128, 64, False),  # no TMA-able layout
+    ):
+        assert not gluon_kept((9, 0), other), other
+
+
+def test_reason_names_the_obstacle(device, monkeypatch):
+    q = torch.zeros(2, 128, 576, dtype=torch.bfloat16, device=device)
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=device)
+    monkeypatch.setenv("KVFORGE_DISABLE_GLUON", "1")
+    assert mdg.gluon_decode_reason(q, kv, 64, 512, 64) == "disabled by KVFORGE_DISABLE_GLUON"
+    monkeypatch.delenv("KVFORGE_DISABLE_GLUON")
+    if not mdg._mcg.gluon_available(device):
+        assert mdg.gluon_decode_reason(q, kv, 64, 512, 64) is not None
+        return
+    assert mdg.gluon_decode_reason(q, kv, 64, 512, 64) is None
+    assert "bf16" in mdg.gluon_decode_reason(q.half(), kv.half(), 64, 512, 64)
+    assert "page size" in mdg.gluon_decode_reason(q, kv.view(8, 32, 576), 32, 512, 64)
+    assert "contiguous" in mdg.gluon_decode_reason(q.transpose(0, 1).contiguous().transpose(0, 1), kv, 64, 512, 64)
+
+
+def test_shared_memory_fits_sm90():
+    assert mdg.smem_bytes(512, 64) <= 232448  # sm_90's opt-in limit per block
+    assert mdg.smem_bytes(512, 128) > 232448  # wider rows take the portable kernel
+
+
+# Interpreters that compile the variants: this one, and another Triton's (e.g. 3.6, what the H200 runs) when
+# KVFORGE_ALT_TRITON_PYTHON names its python.
+_COMPILERS = [sys.executable] + [p for p in [os.environ.get("KVFORGE_ALT_TRITON_PYTHON")] if p]
+
+
+@pytest.mark.skipif(mdg._mcg._GLUON_IMPORT_ERROR is not None, reason="Gluon is not importable here")
+@pytest.mark.parametrize("python", _COMPILERS)
+def test_compiles_offline_for_sm90(python):
+    """Every Gluon variant of the sm_90 table compiles for sm_90 (no GPU needed) and its shared memory fits."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([python, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["name"] for r in recs] == [f"BN{bn} s{st}{' early' if ea else ''}" for bn, st, ea in
+                                         md.gluon_variants()]  # fmt: skip
+    for rec in recs:
+        assert rec["ok"], rec
+        assert 0 < rec["shared"] <= 232448, rec
+        assert rec["shared"] >= rec["estimate"] - 1024, rec  # the estimate the dispatcher uses is not low
+
+
+def test_trial_variants_are_candidates_only_when_asked(monkeypatch):
+    """Unmeasured Gluon variants never win an untuned key's speed-only autotune unless TRIAL_ENV asks."""
+    key = (512, 64, "bfloat16", 128, 64, True)
+    monkeypatch.delenv(md.TRIAL_ENV, raising=False)
+    plain = [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+    assert plain == [md._GLUON_MEASURED] == md.gluon_variants(trial=False)
+    monkeypatch.setenv(md.TRIAL_ENV, "1")
+    trial = [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+    assert trial == md.gluon_variants() and len(trial) > 1
+    for bn, stages, _ in trial:
+        assert mdg.smem_bytes(512, 64, bn, stages) <= 232448
+    # A committed Gluon config is one of the variants these tests compile and run on the GPU.
+    for entry in _runtime._committed("sm90").get(md._SPLIT.name, {}).values():
+        cfg = _runtime.config_from_json(entry)
+        if cfg.kwargs.get("GLUON"):
+            assert md._gluon_variant(cfg) in md.gluon_variants(), entry
+
+
+GPU_CASES = [
+    # H, B, page_size, lens, num_splits
+    (128, 4, 64, [8192, 5, 300, 0], None),
+    (64, 3, 64, [1, 64, 65], 1),
+    (96, 2, 128, [4097, 127], 3),
+    (128, 2, 64, [2000, 33], 7),
+    (128, 16, 64, [32768] + [513] * 15, None),
+    # lengths around 32- and 64-token tile edges, every share count from 1 to 7
+    (128, 4, 64, [31, 96, 97, 6000], 2),
+    (64, 3, 128, [33, 4095, 255], 4),
+    (96, 3, 64, [8191, 0, 159], 5),
+    (128, 2, 128, [7777, 32], 6),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("H,B,page_size,lens,splits", GPU_CASES)
+def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*variant))
+    calls = _count_gluon_launches(monkeypatch)
+    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    # Rows past each request's length in its last page, and pages no request reads, hold NaN.
+    used = set()
+    for b, n in enumerate(lens):
+        pages = bt[b, : math.ceil(n / page_size)].tolist()
+        used |= set(pages)
+        if n % page_size:
+            kv[pages[-1], n % page_size :] = float("nan")
+    for p in range(kv.shape[0]):
+        if p not in used:
+            kv[p] = float("nan")
+    check(q, kv, bt, sl, 512, 576**-0.5, torch.bfloat16, num_splits=splits)
+    assert calls == [1, variant], "the Gluon kernel (this variant) did not run"
+    # Request by request too (a short request's error would hide in the whole batch's RMSE).
+    got = md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, num_splits=splits).float()
+    ref, _ = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=576**-0.5)
+    for b, n in enumerate(lens):
+        if n:
+            err = (got[b] - ref[b]).pow(2).mean().sqrt() / ref[b].pow(2).mean().sqrt()
+            assert float(err) < 8e-3, (b, n, float(err))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_gpu_gluon_cuda_graph_replay(gen, device, monkeypatch, variant):
+    """Captured in a CUDA graph, the Gluon path replays on the buffers' current contents."""
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*variant))
+    q, kv, bt, sl = make_case(gen, 3, 128, 512, 64, 64, [3000, 64, 1], torch.bfloat16, device)
+    out = torch.empty(3, 128, 512, dtype=torch.bfloat16, device=device)
+    md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, out=out, check_values=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, out=out, check_values=False)
+    q.copy_(torch.randn(q.shape, generator=gen).to(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.05)
+    err = (out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
+    assert float(err) < 8e-3
+
+
+def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) -> dict[str, object]:
+    """Compile one Gluon variant for sm_90 offline; with ``ptxas_v``, also ptxas -v's registers and spills."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kvforge.kernels import mla_decode_gluon as g
+
+    dv, dr = 512, 64
+    name = f"BN{block_n} s{stages}{' early' if early else ''}"
+    q_lay_h, q_lay_r = g.descriptor_layouts(dv, dr, g.BLOCK_H)
+    k_lay_h, k_lay_r = g.descriptor_layouts(dv, dr, block_n)
+
+    def desc(rows: int, cols: int, lay: object) -> str:
+        return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
+
+    types = {"q_desc_h": desc(g.BLOCK_H, dv // 2, q_lay_h), "q_desc_r": desc(g.BLOCK_H, dr, q_lay_r),
+             "k_desc_h": desc(block_n, dv // 2, k_lay_h), "k_desc_r": desc(block_n, dr, k_lay_r), "bt_ptr": "*i32",
+             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
+    fn = g._mla_decode_gluon_kernel
+    consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
+              "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
+              "EARLY": early}  # fmt: skip
+    sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+    rec: dict[str, object] = {"name": name, "triton": triton.__version__,
+                              "estimate": g.smem_bytes(dv, dr, block_n, stages)}  # fmt: skip
+    try:
+        k = triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 128),
+                           options={"num_warps": 4, "maxnreg": g._MAXNREG})  # fmt: skip
+    except Exception as e:  # reported; the test fails on it
+        return {**rec, "ok": False, "error": f"{e}"[:2000]}
+    rec.update(ok=True, shared=k.metadata.shared)
+    if ptxas_v:
+        import tempfile
+
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:  # the ptxas Triton itself would run for sm_90 (the argument is new in 3.7)
+            ptxas = get_ptxas(90).path
+        except TypeError:
+            ptxas = get_ptxas().path
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "k.ptx"
+            src.write_text(k.asm["ptx"])
+            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(d) / "k.o")],
+                                 capture_output=True, text=True)  # fmt: skip
+        log = out.stdout + out.stderr
+        regs = re.search(r"Used (\d+) registers", log)
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        rec.update(regs=int(regs.group(1)) if regs else None, spills=spills,
+                   warnings=[ln.strip() for ln in log.splitlines() if "arning" in ln or "rror" in ln][:6])  # fmt: skip
+    return rec
+
+
+def _compile(ptxas_v: bool = False) -> list[dict[str, object]]:
+    return [_compile_one(bn, st, ea, ptxas_v) for bn, st, ea in md.gluon_variants()]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile(ptxas_v="-v" in sys.argv)))
