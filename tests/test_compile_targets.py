@@ -122,11 +122,12 @@ MLA_BY_ARCH = {
 }
 
 
-# name -> (V dim-major, ring stages, consumers take turns)
-GLUON_VARIANTS: dict[str, tuple[bool, int, bool]] = {
-    "token-major V, 2 stages": (False, 2, False),
-    "token-major V, 3 stages, ping-pong": (False, 3, True),
-    "dim-major V, 2 stages": (True, 2, False),
+# name -> (V dim-major, ring stages, consumers take turns, keys reordered)
+GLUON_VARIANTS: dict[str, tuple[bool, int, bool, bool]] = {
+    "token-major V, 2 stages": (False, 2, False, False),
+    "token-major V, 3 stages, ping-pong, keys reordered": (False, 3, True, True),
+    "dim-major V, 2 stages": (True, 2, False, False),
+    "dim-major V, 2 stages, ping-pong, keys reordered": (True, 2, True, True),
 }
 
 
@@ -143,14 +144,14 @@ def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], 
         return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
     jobs = []
-    for label, (dim_major, stages, pingpong) in GLUON_VARIANTS.items():
+    for label, (dim_major, stages, pingpong, key_perm) in GLUON_VARIANTS.items():
         types = {"Q": "*fp8e4nv", "O": "*bf16", "LSE": "*fp32", "k_desc_a": desc([128, 128]),
                  "k_desc_b": desc([128, 64]), "v_desc": desc([128, 128]), "Work": "*i32", "n_items": "i32",
                  "scale_ptr": "*fp32", "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
         consts = {"H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "V_DIM_MAJOR": dim_major,
                   "SCALE_FROM_PTR": False, "WRITE_LSE": True, "P_OFFSET": 8.0, "BLOCK_N": 128, "NUM_STAGES": stages,
                   "KV_ALIGN": 16 if dim_major else 1, "HEADS_OUTER": True, "C_REGS": mg._C_REGS,
-                  "V_REGS": mg._V_REGS, "PINGPONG": pingpong}  # fmt: skip
+                  "V_REGS": mg._V_REGS, "PINGPONG": pingpong, "KEY_PERM": key_perm}  # fmt: skip
         jobs.append((f"_mla_context_gluon_kernel [{label}]", mg._mla_context_gluon_kernel, types, consts,
                      4, {"maxnreg": mg._MAXNREG}))  # fmt: skip
     return jobs

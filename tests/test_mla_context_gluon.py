@@ -60,8 +60,16 @@ def test_disable_switch(monkeypatch):
     assert mg.gluon_unavailable_reason() == "disabled by KVFORGE_DISABLE_GLUON"
 
 
-@pytest.mark.parametrize("mode,v_layout", [("fp8", "token_major"), ("fp8kv", "token_major"), ("fp8", "dim_major")])
-def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layout):
+@pytest.mark.parametrize(
+    "mode,v_layout,key_perm",
+    [
+        ("fp8", "token_major", False),
+        ("fp8kv", "token_major", False),
+        ("fp8", "dim_major", False),
+        ("fp8", "token_major", True),
+    ],
+)
+def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layout, key_perm):
     """Where the Gluon path cannot run (here: the interpreter), a GLUON config computes the same result with
     the portable kernel (128x128 tiles, FP8 Q quantised on chip for a bf16 Q, token-major V widened)."""
     if mg.gluon_available(device):
@@ -69,7 +77,8 @@ def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layo
     q, k, v, cu_q, cu_kv = _make(gen, device, [5, 0, 130], [17, 40, 3], heads=2, kv_start=3)
     q, k, v = _cast(mode, q, k, v, 1.5)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    plan = _plan(cu_q, cu_kv, 2, 2, q, k, v_layout, GLUON_CFG)
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True, key_perm=key_perm)
+    plan = _plan(cu_q, cu_kv, 2, 2, q, k, v_layout, cfg)
     out, lse = _run(plan, q, k, vk, 1.5, 2, 128, device)
     assert_all_written(out)
     assert_all_written(lse, "lse")
@@ -87,15 +96,27 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages,pingpong", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize(
+    "stages,pingpong,key_perm",
+    [(2, False, False), (3, False, False), (2, True, False), (2, False, True), (3, True, True)],
+)
 @pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
-def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, v_layout, s, heads, kv_heads, kv_start, q_lens,
-                                     cached):  # fmt: skip
+def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, key_perm, v_layout, s, heads, kv_heads, kv_start,
+                                     q_lens, cached):  # fmt: skip
     assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
     q, k, v = _cast("fp8", q, k, v, s)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, pingpong=pingpong, heads_outer=True)
+    cfg = mc._cfg(
+        block_m=128,
+        block_n=128,
+        warps=8,
+        stages=stages,
+        gluon=True,
+        pingpong=pingpong,
+        key_perm=key_perm,
+        heads_outer=True,
+    )
     plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
     out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], heads), torch.float32, device)

@@ -576,17 +576,20 @@ def _cfg(
     fp8_bytes: bool = False,
     gluon: bool = False,
     pingpong: bool = False,
+    key_perm: bool = False,
 ) -> triton.Config:
     """A launch configuration. ``pipe_qk``: 0 (plain loops) or 2 (carried score part; 1 named a variant that
     lost and was removed). ``q_quant``: quantise a 16-bit Q on chip when K/V are FP8. ``v_widen``: FP8 token-major
-    V widened to fp16 for P·V. ``fp8_bytes``: FP8 inputs decoded on chip (forced on GPUs without FP8 MMA)."""
+    V widened to fp16 for P·V. ``fp8_bytes``: FP8 inputs decoded on chip (forced on GPUs without FP8 MMA).
+    ``gluon``: the warp-specialised sm_90 kernel, with ``pingpong`` (consumers take turns) and ``key_perm`` (keys
+    reordered within each 32 so P needs no shuffles on its way to the FP8 A operand; see mla_context_gluon)."""
     if pipe_qk not in (0, 2):
         raise ValueError(f"pipe_qk: expected 0 or 2, got {pipe_qk}")
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "EXP_POLY": int(exp_poly), "USE_TMA": int(tma)}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
     for name, val in (("PIPE_QK", pipe_qk), ("HEADS_OUTER", heads_outer), ("Q_QUANT", q_quant),
                       ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes), ("GLUON", gluon),
-                      ("GLUON_PP", pingpong)):  # fmt: skip
+                      ("GLUON_PP", pingpong), ("GLUON_KP", key_perm)):  # fmt: skip
         if val:
             kwargs[name] = int(val)
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
@@ -664,6 +667,8 @@ _SM90 = [
     _cfg(**_GLUON, stages=2),  # FP8 Q/K/V, warp-specialised (mla_context_gluon)
     _cfg(**_GLUON, stages=3),
     _cfg(**_GLUON, stages=2, pingpong=True),
+    _cfg(**_GLUON, stages=2, key_perm=True),
+    _cfg(**_GLUON, stages=2, pingpong=True, key_perm=True),
     _cfg(**dict(_LONG, block_n=64)),
     _cfg(**_T128, block_n=128, stages=4, heads_outer=True),
     _cfg(**_T64, stages=3, q_quant=True, v_widen=True),
@@ -996,6 +1001,7 @@ class MLAContextPlan:
             # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
             # portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V widened.
             kw.pop("GLUON_PP", None)
+            kw.pop("GLUON_KP", None)
             kw.setdefault("Q_QUANT", 1)
             kw.setdefault("V_WIDEN", 1)
         q_quant = bool(kw.pop("Q_QUANT", 0)) and kv_fp8 and not q_fp8 and not fp8_bytes
@@ -1061,6 +1067,7 @@ class MLAContextPlan:
             dim_major=sh.v_layout == "dim_major", softmax_scale=softmax_scale, scale_val=scale_val,
             scale_ptr=scale_ptr, block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
             heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
+            key_perm=bool(kw.get("GLUON_KP", 0)),
         )  # fmt: skip
 
 

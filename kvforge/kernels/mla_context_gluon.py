@@ -6,12 +6,16 @@ table; the caller (``MLAContextPlan.run``) has checked every input. One program 
 partitions that talk through mbarriers:
 
 * a loader warp: TMA copies of each key block's K (both head-dim parts) and V into an ``NUM_STAGES`` ring;
-* a V warpgroup: turns a token-major V tile into a tokens-contiguous one (Hopper's FP8 ``wgmma`` reads its B
-  operand K-major only, and P·V reduces over tokens) and zeroes the V rows of blocks that reach outside the
-  request (a 0-weighted NaN row would still poison the sum); with dim-major V it only zeroes;
+* a V warpgroup: turns a token-major V tile into a tokens-contiguous one in its own ring (Hopper's FP8 ``wgmma``
+  reads its B operand K-major only, and P·V reduces over tokens), freeing the raw slot as soon as it is in
+  registers, and zeroes the V rows of blocks that reach outside the request (a 0-weighted NaN row would still
+  poison the sum); with dim-major V it only zeroes (and reorders, below);
 * two consumer warpgroups, each its own partition with 64 query rows: q·kᵀ (e4m3 x e4m3), the online softmax in
   log2 units with P in [0, 256] (offset 8, as the portable kernel), P·V (e4m3 P); block i's scores are issued
   with block i - 1's P·V. Optionally (``pingpong``) they take turns issuing their products.
+* ``key_perm``: keys are reordered within every 32 (``_key_perm``; softmax and P·V do not depend on the key
+  order as long as P's columns and V's rows agree) so that P's accumulator registers are already the FP8 A
+  operand: the conversion moves no data (no warp shuffles), and the V warpgroup writes V in the same order.
 
 Used only where ``gluon_available()`` (Gluon importable with the Hopper API, an sm_90 device, no interpreter,
 ``KVFORGE_DISABLE_GLUON`` unset) and the per-GPU table chose it (config knob ``GLUON``); everything else takes
@@ -89,10 +93,39 @@ if gluon is not None:
             return gl.BlockedLayout([1, 16], [32 // (block_n // 16), block_n // 16], [num_warps, 1], [1, 0])
         return gl.BlockedLayout([8, 16], [32 // (dv // 16), dv // 16], [num_warps, 1], [1, 0])
 
+    @gluon.constexpr_function
+    def _v_perm_layout(dim_major, dv, block_n, num_warps):
+        """Register layout of the V partition's tiles when keys are reordered (``KEY_PERM``). Dim-major
+        [DV, BLOCK_N]: 32 consecutive tokens per thread (the reorder stays inside a thread). Token-major
+        [BLOCK_N, DV]: 16 consecutive dims (one 16-byte load) x tokens {0, 1, 2, 3, 8, 9, 10, 11} + base per
+        thread, which the reorder maps to 8 consecutive positions (one 8-byte store per dim)."""
+        if dim_major:
+            return gl.BlockedLayout([1, 32], [32 // (block_n // 32), block_n // 32], [num_warps, 1], [1, 0])
+        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [8, 0]]
+        lane = [[0, 16], [0, 32], [0, 64], [4, 0], [16, 0]]
+        warp = [[32, 0], [64, 0]]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, dv])
+
+    @gluon.jit
+    def _key_perm(x, AXIS: gl.constexpr):
+        """Reorder the keys (axis AXIS of a 2-D tile) within every 32: position j = 16h + 4q + 2a + b takes key
+        16h + 8a + 2q + b. P in that order is already the FP8 ``wgmma`` A-operand register layout (the
+        conversion from the accumulator layout moves no data); V's rows take the same order, so P·V is unchanged."""
+        if AXIS == 1:
+            m: gl.constexpr = x.shape[0]
+            n: gl.constexpr = x.shape[1]
+            x = x.reshape([m, n // 32, 2, 2, 4, 2]).permute(0, 1, 2, 4, 3, 5).reshape([m, n])
+        else:
+            n: gl.constexpr = x.shape[0]
+            d: gl.constexpr = x.shape[1]
+            x = x.reshape([n // 32, 2, 2, 4, 2, d]).permute(0, 1, 3, 2, 4, 5).reshape([n, d])
+        return x
+
     @gluon.jit
     def _gl_loader(k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, kv_tok0,
-                   k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B: gl.constexpr, DV: gl.constexpr,
-                   V_DIM_MAJOR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+                   k_col, v_col, n_blocks, vt_bufs, vt_ready, vt_empty, shift, n_end, D_B: gl.constexpr,
+                   DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   KEY_PERM: gl.constexpr):  # fmt: skip
         """One warp: TMA copies of K (then V) of key block i into ring slot i % NUM_STAGES, once it is free."""
         for i in range(n_blocks):
             s = i % NUM_STAGES
@@ -116,13 +149,18 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_v_fixer(k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                    kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B: gl.constexpr,
+                    kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, vt_empty, shift, n_end, D_B: gl.constexpr,
                     DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_STAGES: gl.constexpr):  # fmt: skip
+                    NUM_STAGES: gl.constexpr, KEY_PERM: gl.constexpr):  # fmt: skip
         """One warpgroup: the P·V operand of block i in ``vt_bufs`` slot i % NUM_STAGES as [DV, BLOCK_N]
-        (tokens contiguous), rows outside the request zeroed. Dim-major V arrives in that shape and is
-        rewritten in place only for blocks that reach outside the request."""
-        lay: gl.constexpr = _v_tile_layout(V_DIM_MAJOR, DV, BLOCK_N, 4)  # the partition's 4 warps
+        (tokens contiguous, in ``_key_perm`` order with ``KEY_PERM``), rows outside the request zeroed.
+        Dim-major V arrives in that shape and is rewritten in place only for blocks that reach outside the
+        request (every block with ``KEY_PERM``). Token-major: the raw slot is freed (``v_empty``) as soon as it
+        is in registers, so the loader refills it while the consumers still read the previous transposed tile."""
+        if KEY_PERM:
+            lay: gl.constexpr = _v_perm_layout(V_DIM_MAJOR, DV, BLOCK_N, 4)
+        else:
+            lay: gl.constexpr = _v_tile_layout(V_DIM_MAJOR, DV, BLOCK_N, 4)  # the partition's 4 warps
         for i in range(n_blocks):
             s = i % NUM_STAGES
             ph = (i // NUM_STAGES) & 1
@@ -130,7 +168,14 @@ if gluon is not None:
             bounds = (lo < 0) | (lo + BLOCK_N > n_end)
             mbarrier.wait(v_ready.index(s), ph)
             if V_DIM_MAJOR:
-                if bounds:
+                if KEY_PERM:
+                    vt = v_bufs.index(s).load(lay)
+                    if bounds:
+                        toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+                        ok = (toks >= 0) & (toks < n_end)
+                        vt = gl.where(ok[None, :], vt, gl.zeros_like(vt))
+                    v_bufs.index(s).store(_key_perm(vt, 1))  # each thread rewrites only the bytes it read
+                elif bounds:
                     vt = v_bufs.index(s).load(lay)
                     toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
                     ok = (toks >= 0) & (toks < n_end)
@@ -140,12 +185,14 @@ if gluon is not None:
                 mbarrier.arrive(vt_ready.index(s), count=1)
             else:
                 v = v_bufs.index(s).load(lay)
+                mbarrier.arrive(v_empty.index(s), count=1)  # in registers: the loader may refill the raw slot
                 if bounds:
                     toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
                     ok = (toks >= 0) & (toks < n_end)
                     v = gl.where(ok[:, None], v, gl.zeros_like(v))
-                # the consumer has finished P·V on this slot's previous tile before it freed the slot (v_empty),
-                # and the loader refilled it only after that, so vt slot s is free once v_ready fired
+                if KEY_PERM:
+                    v = _key_perm(v, 0)
+                mbarrier.wait(vt_empty.index(s), ph ^ 1)  # both consumers finished P·V on the slot's last tile
                 vt_bufs.index(s).store(gl.permute(v, [1, 0]))
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
@@ -181,9 +228,13 @@ if gluon is not None:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, s, ph, p_layout: gl.constexpr, V_DIM_MAJOR: gl.constexpr):
+    def _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, s, ph, p_layout: gl.constexpr, V_DIM_MAJOR: gl.constexpr,
+               KEY_PERM: gl.constexpr):  # fmt: skip
         """Issue acc + P·V of ring slot s once its tokens-contiguous V tile is ready (no wait)."""
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        p8 = p.to(gl.float8e4nv)
+        if KEY_PERM:
+            p8 = _key_perm(p8, 1)
+        p8 = gl.convert_layout(p8, p_layout)
         mbarrier.wait(vt_ready.index(s), ph)
         if V_DIM_MAJOR:
             vb = v_bufs.index(s).permute((1, 0))
@@ -195,7 +246,7 @@ if gluon is not None:
     def _gl_consumer(qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks,
                      shift, diag0, n_end, scale, turn_mine, turn_other, mma_layout: gl.constexpr, D_B: gl.constexpr,
                      DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):  # fmt: skip
+                     NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr, KEY_PERM: gl.constexpr):  # fmt: skip
         """The key loop of one consumer warpgroup; returns (acc, m, l). Block i's scores are issued together
         with block i - 1's P·V, and block i's softmax runs while that P·V is still on the matrix unit (acc is
         rescaled once it has landed). ``PINGPONG``: the two warpgroups take turns issuing their products
@@ -226,7 +277,7 @@ if gluon is not None:
             if PINGPONG:
                 mbarrier.wait(turn_mine, (i - 1) & 1)
             sc = _gl_scores(qa8, qb8, ka_bufs, kb_bufs, s, mma_layout, D_B, BLOCK_N)
-            acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, sp, php, p_layout, V_DIM_MAJOR)
+            acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, sp, php, p_layout, V_DIM_MAJOR, KEY_PERM)
             if PINGPONG:
                 mbarrier.arrive(turn_other, count=1)
             sc = warpgroup_mma_wait(1, deps=(sc,))  # the scores landed; P·V may still run
@@ -239,7 +290,7 @@ if gluon is not None:
         if n_blocks > 0:
             last = n_blocks - 1
             acc = _gl_pv(acc, p, v_bufs, vt_bufs, vt_ready, last % NUM_STAGES, (last // NUM_STAGES) & 1, p_layout,
-                         V_DIM_MAJOR)  # fmt: skip
+                         V_DIM_MAJOR, KEY_PERM)  # fmt: skip
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
         return acc, m_i, l_i
@@ -248,7 +299,8 @@ if gluon is not None:
     def _gl_rows(Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                  stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
                  diag0, n_end, qk_scale, kv_scale, turn_mine, turn_other, PINGPONG: gl.constexpr,
-                 ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
+                 KEY_PERM: gl.constexpr, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr,
+                 D_B: gl.constexpr, DV: gl.constexpr,
                  V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr):  # fmt: skip
         """One consumer warpgroup as its own partition: query rows [ROW_OFF, ROW_OFF + ROWS) of the tile, from
@@ -274,7 +326,7 @@ if gluon is not None:
         acc, m_i, l_i = _gl_consumer(
             qa8, qb8, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready, v_empty, n_blocks, shift,
             diag0 + ROW_OFF, n_end, qk_scale, turn_mine, turn_other, mma_layout, D_B, DV, V_DIM_MAJOR, P_OFFSET,
-            BLOCK_N, NUM_STAGES, PINGPONG,
+            BLOCK_N, NUM_STAGES, PINGPONG, KEY_PERM,
         )  # fmt: skip
         o = acc * (kv_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
         o_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
@@ -293,7 +345,7 @@ if gluon is not None:
         H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
         V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
-        C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+        C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr, KEY_PERM: gl.constexpr,
     ):  # fmt: skip
         """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``. Launched
         with 4 warps (the first consumer warpgroup); the partitions add 4 + 1 + 4 warps."""
@@ -339,18 +391,25 @@ if gluon is not None:
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         vt_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        vt_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(vt_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
-            mbarrier.init(v_empty.index(i), count=2)
+            # token-major: the V warpgroup frees a raw V slot, both consumers free a transposed one (vt_empty)
+            mbarrier.init(v_empty.index(i), count=2 if V_DIM_MAJOR else 1)
+            mbarrier.init(vt_empty.index(i), count=2)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
         if PINGPONG:
             mbarrier.arrive(turn.index(0), count=1)  # the first consumer warpgroup goes first
 
+        if V_DIM_MAJOR:
+            pv_free = v_empty  # what a consumer arrives on once its P·V of a slot has landed
+        else:
+            pv_free = vt_empty
         k_col = kvh * (D_A + D_B)
         v_col = kvh * DV
         # The argument tuples are written out in the call: a tuple held in a variable turns its constexprs
@@ -359,20 +418,20 @@ if gluon is not None:
             [
                 (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(0), turn.index(1),
-                            PINGPONG, 0, BM // 2, D_A, D_B, DV,
+                            pv_free, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(0), turn.index(1),
+                            PINGPONG, KEY_PERM, 0, BM // 2, D_A, D_B, DV,
                             V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
                 (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, k_ready, k_empty, vt_ready,
-                            v_empty, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(1), turn.index(0),
-                            PINGPONG, BM // 2, BM // 2, D_A,
+                            pv_free, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(1), turn.index(0),
+                            PINGPONG, KEY_PERM, BM // 2, BM // 2, D_A,
                             D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES)),
                 (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                              v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B, DV,
-                              V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                              v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, vt_empty, shift, n_end,
+                              D_B, DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES, KEY_PERM)),
                 (_gl_v_fixer, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
-                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, shift, n_end, D_B,
-                               DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES)),
+                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, vt_empty, shift, n_end,
+                               D_B, DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES, KEY_PERM)),
             ],
             [4, 1, 4],
             [C_REGS, 24, V_REGS],
@@ -383,6 +442,7 @@ if gluon is not None:
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(v_empty.index(i))
             mbarrier.invalidate(vt_ready.index(i))
+            mbarrier.invalidate(vt_empty.index(i))
         mbarrier.invalidate(turn.index(0))
         mbarrier.invalidate(turn.index(1))
 
@@ -411,7 +471,7 @@ def gluon_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: 
 
 def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
                           softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2, heads_outer=True,
-                          pingpong=False):  # fmt: skip
+                          pingpong=False, key_perm=False):  # fmt: skip
     """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller)."""
     kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
     lse_t = lse if lse is not None else out
@@ -423,5 +483,5 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group,
         H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv,
         V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, WRITE_LSE=lse is not None, P_OFFSET=8.0,
         BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1, HEADS_OUTER=heads_outer,
-        C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, num_warps=4, maxnreg=_MAXNREG,
+        C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, KEY_PERM=key_perm, num_warps=4, maxnreg=_MAXNREG,
     )  # fmt: skip
