@@ -20,6 +20,7 @@ from tests.helpers import assert_all_written, poison, poisoned
 from tests.test_mla_context import _cast, _dim_major, _make
 from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
 
+_TORCH = {"e4m3": FP8, "bf16": torch.bfloat16}
 GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True)
 
 
@@ -43,16 +44,35 @@ def test_unavailable_reason_on_this_machine(device):
         assert reason is not None and not mg.gluon_available()
 
 
-def test_gluon_candidates_only_on_sm90_for_fp8_q():
-    for layout in ("token_major", "dim_major"):
-        key = (192, 128, "e4m3", "e4m3", layout)
+def test_gluon_candidates_only_on_sm90_for_its_modes():
+    keys = [(192, 128, q, kv, layout) for q, kv in (("e4m3", "e4m3"), ("bf16", "e4m3"), ("bf16", "bf16"))
+            for layout in ("token_major", "dim_major")]  # fmt: skip
+    for key in keys:
+        has_mode = (key[3] == "e4m3" and key[2] == "e4m3") or key[4] == "token_major"
         for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
             kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
-            assert bool(kept) == expect, arch
+            assert bool(kept) == (expect and has_mode), (arch, key)
             assert all(mc._smem_estimate(c, key) <= mc.capability_for(arch).smem_per_block for c in kept)
-    # a 16-bit Q (quantised on chip, e4m3 P: past the accuracy bound) and 16-bit K/V never take it
-    for key in ((192, 128, "bf16", "e4m3", "token_major"), (192, 128, "bf16", "bf16", "token_major")):
-        assert not [c for c in mc._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+            for c in kept:
+                assert mg.gluon_supports(*(_TORCH[x] for x in key[2:4]), key[4] == "dim_major",
+                                         bool(c.kwargs.get("V_WIDEN")) and key[3] == "e4m3"), (c, key)  # fmt: skip
+    # a 16-bit Q with FP8 K/V only with V widened (an e4m3 P on top of the quantised Q: past the accuracy bound)
+    kept = [
+        c for c in mc._CONFIGS.candidates((9, 0), (192, 128, "bf16", "e4m3", "token_major")) if c.kwargs.get("GLUON")
+    ]
+    assert kept and all(c.kwargs.get("V_WIDEN") for c in kept)
+
+
+def test_gluon_supports_table():
+    f8, b16, f16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
+    assert mg.gluon_supports(f8, f8, True, False) and mg.gluon_supports(f8, f8, False, True)
+    assert not mg.gluon_supports(f8, f8, True, True)  # dim-major V is never widened
+    assert mg.gluon_supports(b16, f8, False, True) and not mg.gluon_supports(b16, f8, False, False)
+    assert mg.gluon_supports(b16, b16, False, False) and mg.gluon_supports(f16, f16, False, False)
+    assert not mg.gluon_supports(b16, f16, False, False) and not mg.gluon_supports(b16, b16, True, False)
+    assert not mg.gluon_supports(f8, b16, False, False) and not mg.gluon_supports(
+        torch.float32, torch.float32, False, False
+    )
 
 
 def test_disable_switch(monkeypatch):
@@ -98,7 +118,7 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "stages,pingpong,key_perm",
-    [(2, False, False), (3, False, False), (2, True, False), (2, False, True), (3, True, True)],
+    [(2, False, False), (2, True, False), (2, False, True), (3, True, True)],
 )
 @pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
 def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, key_perm, v_layout, s, heads, kv_heads, kv_start,
@@ -133,7 +153,43 @@ def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, key_perm, v_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,pingpong", [("bf16", False), ("bf16", True), ("fp16", False), ("fp8kv", False),
+                                           ("fp8kv", True), ("fp8", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "v_layout,s,heads,kv_heads,kv_start,q_lens,cached", [c for c in GPU_CASES if c[0] == "token_major"]
+)
+def test_gpu_gluon_16bit_pv_modes(gen, device, mode, pingpong, v_layout, s, heads, kv_heads, kv_start, q_lens, cached):
+    """The Gluon modes whose P·V runs in 16 bits: bf16/fp16 Q/K/V (``KV16``), bf16 Q quantised on chip with FP8
+    K/V (``Q_QUANT``) and FP8 Q/K/V, both with V widened to fp16 on chip (``V_WIDEN``)."""
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
+    q, k, v = _cast(mode, q, k, v, s)
+    widen = k.dtype == FP8
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, pingpong=pingpong, v_widen=widen,
+                  heads_outer=True)  # fmt: skip
+    plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
+    out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], heads), torch.float32, device)
+    handle = plan._launch(q, k, v, out, lse, 1.0 / 192**0.5, s, None)
+    assert "gluon" in str(getattr(handle, "name", "")), f"the Gluon kernel did not run: {handle!r}"
+    torch.cuda.synchronize()
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s, head_chunk=4)
+    if mode in ("bf16", "fp16"):
+        atol, rtol = tol(q.dtype)
+        torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-2, rtol=1e-3)
+        assert rel_rmse(out, ref) < 0.01
+    else:  # FP8 K (and a Q quantised on chip for fp8kv): the FP8 bounds
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=0.05 if mode == "fp8kv" else LSE_FP8_MMA[0],
+                                   rtol=LSE_FP8_MMA[1])  # fmt: skip
+        assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_q_with_gluon_config_takes_the_portable_kernel(gen, device):
+    """A 16-bit Q with FP8 K/V and a Gluon config without V widened (no such Gluon mode) runs portable."""
     q, k, v, cu_q, cu_kv = _make(gen, device, [300, 7], [100, 0], heads=4)
     q, k, v = _cast("fp8kv", q, k, v, 1.5)
     plan = _plan(cu_q, cu_kv, 4, 4, q, k, "token_major", GLUON_CFG)
