@@ -129,7 +129,6 @@ GLUON_VARIANTS: dict[str, tuple[str, bool, int, bool, bool]] = {
     "token-major V, 3 stages, ping-pong, keys reordered": ("fp8", False, 3, True, True),
     "dim-major V, 2 stages": ("fp8", True, 2, False, False),
     "dim-major V, 2 stages, ping-pong, keys reordered": ("fp8", True, 2, True, True),
-    "token-major V widened, 2 stages": ("fp8 widen", False, 2, False, False),
     "bf16 q + fp8 k/v, V widened, ping-pong": ("mixed", False, 2, True, False),
     "bf16 q/k/v, 2 stages": ("bf16", False, 2, False, False),
 }

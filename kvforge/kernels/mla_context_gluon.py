@@ -1,27 +1,26 @@
-"""Warp-specialised sm_90 path of MLA context attention for FP8 Q/K/V (Gluon), same contract as ``mla_context``.
+"""Warp-specialised sm_90 path of MLA context attention (Gluon), same contract as ``mla_context``.
 
-``mla_context_gluon_fwd`` computes what ``kvforge.kernels.mla_context`` computes for FP8 (e4m3) Q, K and V,
-token-major or dim-major V, d_qk = D_A + D_B (192 = 128 + 64), over the same (request, 128-row query tile) work
-table; the caller (``MLAContextPlan.run``) has checked every input. One program per (tile, head), four
-partitions that talk through mbarriers:
+``mla_context_gluon_fwd`` computes what ``kvforge.kernels.mla_context`` computes, d_qk = D_A + D_B (192 = 128 +
+64), over the same (request, 128-row query tile) work table, for the input modes ``gluon_supports`` lists: FP8
+Q/K/V (token-major or dim-major V); a bf16/fp16 Q with FP8 K/V (Q quantised here to e4m3, one scale per row =
+amax / 448, folded into the row's score multiplier; V widened to fp16, fp16 P); 16-bit Q/K/V of one type with
+token-major V (bf16/fp16 P). The caller (``MLAContextPlan.run``) has checked every input. One program per (tile,
+head), four partitions that talk through mbarriers:
 
 * a loader warp: TMA copies of each key block's K (both head-dim parts) and V into an ``NUM_STAGES`` ring;
-* a V warpgroup: turns a token-major V tile into a tokens-contiguous one in its own ring (Hopper's FP8 ``wgmma``
-  reads its B operand K-major only, and P·V reduces over tokens), freeing the raw slot as soon as it is in
-  registers, and zeroes the V rows of blocks that reach outside the request (a 0-weighted NaN row would still
-  poison the sum); with dim-major V it only zeroes (and reorders, below);
-* two consumer warpgroups, each its own partition with 64 query rows: q·kᵀ (e4m3 x e4m3), the online softmax in
-  log2 units with P in [0, 256] (offset 8, as the portable kernel), P·V (e4m3 P); block i's scores are issued
-  with block i - 1's P·V. Optionally (``pingpong``) they take turns issuing their products.
-* ``key_perm``: keys are reordered within every 32 (``_key_perm``; softmax and P·V do not depend on the key
-  order as long as P's columns and V's rows agree) so that P's accumulator registers are already the FP8 A
-  operand: the conversion moves no data (no warp shuffles), and the V warpgroup writes V in the same order.
+* a V warpgroup: turns a token-major FP8 V tile into a tokens-contiguous one in its own ring (Hopper's FP8
+  ``wgmma`` reads its B operand K-major only), or widens it to fp16 (``v_widen``), and zeroes the V rows of
+  blocks that reach outside the request (a 0-weighted NaN row would still poison the sum); with dim-major or
+  16-bit V it only zeroes (and reorders with ``key_perm``);
+* two consumer warpgroups, each its own partition with 64 query rows: q·kᵀ, the online softmax in log2 units
+  (an e4m3 P in [0, 256], offset 8, as the portable kernel), P·V; block i's scores are issued with block i - 1's
+  P·V. ``pingpong``: they take turns issuing their products. ``key_perm``: keys reordered within every 32
+  (``_key_perm``) so an e4m3 P's accumulator registers are already the A operand (no shuffles).
 
 Used only where ``gluon_available()`` (Gluon importable with the Hopper API, an sm_90 device, no interpreter,
-``KVFORGE_DISABLE_GLUON`` unset) and the per-GPU table chose it (config knob ``GLUON``); everything else takes
-the portable ``@triton.jit`` kernel. Written against Triton 3.6 and 3.9 (``_tma_load`` bridges the one renamed
-call). Design notes and measurements: bench/results/mla_context.md.
-"""
+``KVFORGE_DISABLE_GLUON`` unset) and the config chose it (knob ``GLUON``; ``GLUON_PP``, ``GLUON_KP``, ``V_WIDEN``);
+everything else takes the portable ``@triton.jit`` kernel. Written against Triton 3.6 and 3.9 (``_tma_load`` and
+``_barrier`` bridge the renamed calls). Design notes and measurements: bench/results/mla_context.md."""
 
 from __future__ import annotations
 
@@ -98,15 +97,15 @@ if gluon is not None:
     @gluon.constexpr_function
     def _v_perm_layout(dim_major, dv, block_n, num_warps):
         """Register layout of the V partition's tiles when keys are reordered (``KEY_PERM``). Dim-major
-        [DV, BLOCK_N]: 32 consecutive tokens per thread (the reorder stays inside a thread). Token-major
-        [BLOCK_N, DV]: 16 consecutive dims (one 16-byte load) x tokens {0, 1, 2, 3, 8, 9, 10, 11} + base per
-        thread, which the reorder maps to 8 consecutive positions (one 8-byte store per dim)."""
+        [DV, BLOCK_N]: 32 consecutive tokens per thread (the reorder stays inside a thread). Token-major, [64, DV]
+        at a time: 8 consecutive dims (one 8-byte load) x tokens {0, 1, 2, 3, 8, 9, 10, 11} + base per thread,
+        which the reorder maps to 8 consecutive positions (one 8-byte store per dim)."""
         if dim_major:
             return gl.BlockedLayout([1, 32], [32 // (block_n // 32), block_n // 32], [num_warps, 1], [1, 0])
-        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [8, 0]]
-        lane = [[0, 16], [0, 32], [0, 64], [4, 0], [16, 0]]
-        warp = [[32, 0], [64, 0]]
-        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, dv])
+        reg = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [8, 0]]
+        lane = [[0, 8], [0, 16], [0, 32], [0, 64], [4, 0]]
+        warp = [[16, 0], [32, 0]]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [64, dv])
 
     @gluon.jit
     def _key_perm(x, AXIS: gl.constexpr):
@@ -196,13 +195,14 @@ if gluon is not None:
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
             elif V_DIM_MAJOR:
-                if KEY_PERM:
+                if KEY_PERM:  # each thread rewrites only the bytes it read; a bounds block takes its own branch
                     vt = v_bufs.index(s).load(lay)
                     if bounds:
                         toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
                         ok = (toks >= 0) & (toks < n_end)
-                        vt = gl.where(ok[None, :], vt, gl.zeros_like(vt))
-                    v_bufs.index(s).store(_key_perm(vt, 1))  # each thread rewrites only the bytes it read
+                        v_bufs.index(s).store(_key_perm(gl.where(ok[None, :], vt, gl.zeros_like(vt)), 1))
+                    else:
+                        v_bufs.index(s).store(_key_perm(vt, 1))
                 elif bounds:
                     vt = v_bufs.index(s).load(lay)
                     toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
@@ -211,16 +211,30 @@ if gluon is not None:
                     v_bufs.index(s).store(vt)
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
+            elif KEY_PERM:
+                mbarrier.wait(vt_empty.index(s), ph ^ 1)  # both consumers finished P·V on the slot's last tile
+                # 64 token rows at a time (this partition has 64 registers per thread); a bounds block takes its
+                # own branch, as `if bounds: v = where(...)` became selects on every byte of every block
+                for h in gl.static_range(BLOCK_N // 64):
+                    v = v_bufs.index(s).slice(h * 64, 64, dim=0).load(lay)
+                    dst = vt_bufs.index(s).slice(h * 64, 64, dim=1)
+                    if bounds:
+                        toks = lo + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
+                        ok = (toks >= 0) & (toks < n_end)
+                        dst.store(gl.permute(_key_perm(gl.where(ok[:, None], v, gl.zeros_like(v)), 0), [1, 0]))
+                    else:
+                        dst.store(gl.permute(_key_perm(v, 0), [1, 0]))
+                mbarrier.arrive(v_empty.index(s), count=1)  # read: the loader may refill the raw slot
+                fence_async_shared()
+                mbarrier.arrive(vt_ready.index(s), count=1)
             else:
                 v = v_bufs.index(s).load(lay)
-                mbarrier.arrive(v_empty.index(s), count=1)  # in registers: the loader may refill the raw slot
                 if bounds:
                     toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
                     ok = (toks >= 0) & (toks < n_end)
                     v = gl.where(ok[:, None], v, gl.zeros_like(v))
-                if KEY_PERM:
-                    v = _key_perm(v, 0)
-                mbarrier.wait(vt_empty.index(s), ph ^ 1)  # both consumers finished P·V on the slot's last tile
+                # the consumers finished P·V on this slot's previous tile before they freed the slot (v_empty),
+                # and the loader refilled it only after that, so vt slot s is free once v_ready fired
                 vt_bufs.index(s).store(gl.permute(v, [1, 0]))
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
@@ -267,15 +281,16 @@ if gluon is not None:
         """Issue acc + P·V of ring slot s once its V operand is ready (no wait). FP8: P in e4m3 against the
         tokens-contiguous V tile. 16-bit: P in V's type (bf16/fp16, fp16 for widened V) against the token-major
         tile, which 16-bit ``wgmma`` reads as it is; P's accumulator registers are that A operand already."""
+        # assert_trivial: the compile fails if the conversion would move data between threads
         if KV16:
-            pk = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+            pk = gl.convert_layout(p.to(v_bufs.dtype), p_layout, assert_trivial=True)
         elif V_WIDEN:
-            pk = gl.convert_layout(p.to(gl.float16), p_layout)
+            pk = gl.convert_layout(p.to(gl.float16), p_layout, assert_trivial=True)
         else:
             pk = p.to(gl.float8e4nv)
             if KEY_PERM:
                 pk = _key_perm(pk, 1)
-            pk = gl.convert_layout(pk, p_layout)
+            pk = gl.convert_layout(pk, p_layout, assert_trivial=KEY_PERM)
         mbarrier.wait(vt_ready.index(s), ph)
         if KV16:
             vb = v_bufs.index(s)
@@ -472,8 +487,11 @@ if gluon is not None:
         v_bufs = gl.allocate_shared_memory(
             v_desc.dtype, [NUM_STAGES, v_desc.block_type.shape[0], v_desc.block_type.shape[1]], v_desc.layout
         )
-        # A separate ring for the operand the V warpgroup builds (FP8 token-major V: transposed or widened)
+        # A separate ring for the operand the V warpgroup builds (FP8 token-major V: transposed or widened).
+        # EARLY_FREE: the V warpgroup frees a raw V slot once it is in registers and both consumers free an
+        # operand slot; otherwise both consumers free the raw slot after P·V (which also frees the operand slot).
         V_RING: gl.constexpr = (not V_DIM_MAJOR) and (not KV16)
+        EARLY_FREE: gl.constexpr = V_RING and (KEY_PERM or V_WIDEN)
         if V_WIDEN:
             vw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], gl.float16)
             vt_bufs = gl.allocate_shared_memory(gl.float16, [NUM_STAGES, BLOCK_N, DV], vw_layout)
@@ -509,8 +527,7 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(vt_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
-            # with a separate operand ring the V warpgroup frees a raw V slot, both consumers an operand slot
-            mbarrier.init(v_empty.index(i), count=1 if V_RING else 2)
+            mbarrier.init(v_empty.index(i), count=1 if EARLY_FREE else 2)
             mbarrier.init(vt_empty.index(i), count=2)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(turn.index(0), count=1)
@@ -518,7 +535,7 @@ if gluon is not None:
         if PINGPONG:
             mbarrier.arrive(turn.index(0), count=1)  # the first consumer warpgroup goes first
 
-        if V_RING:
+        if EARLY_FREE:
             pv_free = vt_empty  # what a consumer arrives on once its P·V of a slot has landed
         else:
             pv_free = v_empty
