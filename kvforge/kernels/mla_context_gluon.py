@@ -97,15 +97,16 @@ if gluon is not None:
     @gluon.constexpr_function
     def _v_perm_layout(dim_major, dv, block_n, num_warps):
         """Register layout of the V partition's tiles when keys are reordered (``KEY_PERM``). Dim-major
-        [DV, BLOCK_N]: 32 consecutive tokens per thread (the reorder stays inside a thread). Token-major, [64, DV]
-        at a time: 8 consecutive dims (one 8-byte load) x tokens {0, 1, 2, 3, 8, 9, 10, 11} + base per thread,
-        which the reorder maps to 8 consecutive positions (one 8-byte store per dim)."""
+        [DV, BLOCK_N]: 32 consecutive tokens per thread (the reorder stays inside a thread). Token-major
+        [BLOCK_N, DV]: 16 consecutive dims (one 16-byte load) x tokens {0, 1, 2, 3, 8, 9, 10, 11} + base per
+        thread, which the reorder maps to 8 consecutive positions (one 8-byte store per dim), as many loads and
+        stores as the default layout."""
         if dim_major:
             return gl.BlockedLayout([1, 32], [32 // (block_n // 32), block_n // 32], [num_warps, 1], [1, 0])
-        reg = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [8, 0]]
-        lane = [[0, 8], [0, 16], [0, 32], [0, 64], [4, 0]]
-        warp = [[16, 0], [32, 0]]
-        return gl.DistributedLinearLayout(reg, lane, warp, [], [64, dv])
+        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [8, 0]]
+        lane = [[0, 16], [0, 32], [0, 64], [4, 0], [16, 0]]
+        warp = [[32, 0], [64, 0]]
+        return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, dv])
 
     @gluon.jit
     def _key_perm(x, AXIS: gl.constexpr):
@@ -195,14 +196,13 @@ if gluon is not None:
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
             elif V_DIM_MAJOR:
-                if KEY_PERM:  # each thread rewrites only the bytes it read; a bounds block takes its own branch
+                if KEY_PERM:
                     vt = v_bufs.index(s).load(lay)
                     if bounds:
                         toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
                         ok = (toks >= 0) & (toks < n_end)
-                        v_bufs.index(s).store(_key_perm(gl.where(ok[None, :], vt, gl.zeros_like(vt)), 1))
-                    else:
-                        v_bufs.index(s).store(_key_perm(vt, 1))
+                        vt = gl.where(ok[None, :], vt, gl.zeros_like(vt))
+                    v_bufs.index(s).store(_key_perm(vt, 1))  # each thread rewrites only the bytes it read
                 elif bounds:
                     vt = v_bufs.index(s).load(lay)
                     toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
@@ -212,19 +212,15 @@ if gluon is not None:
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
             elif KEY_PERM:
+                v = v_bufs.index(s).load(lay)
+                mbarrier.arrive(v_empty.index(s), count=1)  # in registers: the loader may refill the raw slot
+                if bounds:
+                    toks = lo + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+                    ok = (toks >= 0) & (toks < n_end)
+                    v = gl.where(ok[:, None], v, gl.zeros_like(v))
+                v = _key_perm(v, 0)
                 mbarrier.wait(vt_empty.index(s), ph ^ 1)  # both consumers finished P·V on the slot's last tile
-                # 64 token rows at a time (this partition has 64 registers per thread); a bounds block takes its
-                # own branch, as `if bounds: v = where(...)` became selects on every byte of every block
-                for h in gl.static_range(BLOCK_N // 64):
-                    v = v_bufs.index(s).slice(h * 64, 64, dim=0).load(lay)
-                    dst = vt_bufs.index(s).slice(h * 64, 64, dim=1)
-                    if bounds:
-                        toks = lo + h * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, lay))
-                        ok = (toks >= 0) & (toks < n_end)
-                        dst.store(gl.permute(_key_perm(gl.where(ok[:, None], v, gl.zeros_like(v)), 0), [1, 0]))
-                    else:
-                        dst.store(gl.permute(_key_perm(v, 0), [1, 0]))
-                mbarrier.arrive(v_empty.index(s), count=1)  # read: the loader may refill the raw slot
+                vt_bufs.index(s).store(gl.permute(v, [1, 0]))
                 fence_async_shared()
                 mbarrier.arrive(vt_ready.index(s), count=1)
             else:
