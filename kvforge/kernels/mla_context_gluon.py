@@ -98,14 +98,17 @@ if gluon is not None:
     def _v_perm_layout(dim_major, dv, block_n, num_warps):
         """Register layout of the V partition's tiles when keys are reordered (``KEY_PERM``). Dim-major
         [DV, BLOCK_N]: 32 consecutive tokens per thread (the reorder stays inside a thread). Token-major
-        [BLOCK_N, DV]: 16 consecutive dims (one 16-byte load) x tokens {0, 1, 2, 3, 8, 9, 10, 11} + base per
-        thread, which the reorder maps to 8 consecutive positions (one 8-byte store per dim), as many loads and
-        stores as the default layout."""
+        [BLOCK_N, DV], chosen for the shared-memory banks on both sides of the transpose (128-byte swizzles):
+        per thread 16 consecutive dims (16-byte loads) x 2 dim blocks x tokens {0, 1, 8, 9} + base, which the
+        reorder maps to 4 consecutive positions; lanes take tokens 2, 4, 16, 32 and dims 16. The loads keep the
+        lanes of a quarter warp on 8 different 16-byte chunks; the transposed store compiles to 8 ``stmatrix``
+        x4 per thread and key block (Triton 3.6 and 3.9), where the default layout's takes 16 8-byte stores
+        whose lanes 0-7 share their banks (8-way)."""
         if dim_major:
             return gl.BlockedLayout([1, 32], [32 // (block_n // 32), block_n // 32], [num_warps, 1], [1, 0])
-        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [2, 0], [8, 0]]
-        lane = [[0, 16], [0, 32], [0, 64], [4, 0], [16, 0]]
-        warp = [[32, 0], [64, 0]]
+        reg = [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [0, 32]]
+        lane = [[2, 0], [4, 0], [0, 16], [16, 0], [32, 0]]
+        warp = [[0, 64], [64, 0]]
         return gl.DistributedLinearLayout(reg, lane, warp, [], [block_n, dv])
 
     @gluon.jit
