@@ -44,29 +44,23 @@ def test_unavailable_reason_on_this_machine(device):
         assert reason is not None and not mg.gluon_available()
 
 
-def test_gluon_candidates_only_on_sm90_for_fp8_q():
-    """The per-GPU candidates hold only the Gluon modes already run on the H200 (FP8 Q/K/V); every other mode
-    is a meaningful knob (``_applies``) that an explicit config reaches."""
+def test_gluon_candidates_only_on_sm90_for_its_modes():
+    """sm_90 keeps Gluon candidates for every key the kernel has a mode for (gluon_supports), no other GPU does;
+    a 16-bit Q with FP8 K/V only with V widened (an e4m3 P on top of the quantised Q: past the accuracy bound)."""
     keys = [(192, 128, q, kv, layout) for q, kv in (("e4m3", "e4m3"), ("bf16", "e4m3"), ("bf16", "bf16"))
             for layout in ("token_major", "dim_major")]  # fmt: skip
     for key in keys:
+        has_mode = (key[2] == "e4m3" and key[3] == "e4m3") or key[4] == "token_major"
         for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
             kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
-            assert bool(kept) == (expect and key[2] == "e4m3"), (arch, key)
+            assert bool(kept) == (expect and has_mode), (arch, key)
             assert all(mc._smem_estimate(c, key) <= mc.capability_for(arch).smem_per_block for c in kept)
-            assert not [c for c in kept if c.kwargs.get("GLUON_KP") or c.kwargs.get("V_WIDEN")]
-    for key in keys:  # which modes an explicit Gluon config may ask for: exactly those gluon_supports lists
-        for c in mc._SM90:
-            if c.kwargs.get("GLUON"):
+            for c in kept:
                 widen = bool(c.kwargs.get("V_WIDEN"))
-                ok = mg.gluon_supports(_TORCH[key[2]], _TORCH[key[3]], key[4] == "dim_major", widen)
-                if mc._applies(c, key):
-                    assert ok, (c.kwargs, key)
-                elif not (widen or c.kwargs.get("GLUON_KP")):  # a plain Gluon config is refused only without a mode
-                    assert not ok, (c.kwargs, key)
-    # a 16-bit Q with FP8 K/V only with V widened (an e4m3 P on top of the quantised Q: past the accuracy bound)
+                assert mg.gluon_supports(_TORCH[key[2]], _TORCH[key[3]], key[4] == "dim_major", widen), (c, key)
     mixed = (192, 128, "bf16", "e4m3", "token_major")
-    assert not [c for c in mc._SM90 if c.kwargs.get("GLUON") and not c.kwargs.get("V_WIDEN") and mc._applies(c, mixed)]
+    kept = [c for c in mc._CONFIGS.candidates((9, 0), mixed) if c.kwargs.get("GLUON")]
+    assert kept and all(c.kwargs.get("V_WIDEN") for c in kept)
 
 
 def test_gluon_supports_table():

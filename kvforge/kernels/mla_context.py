@@ -645,15 +645,6 @@ def _applies(cfg: triton.Config, key: tuple) -> bool:
     return not (k.get("FP8_BYTES") and kv_kind != "e4m3")
 
 
-def _gluon_run_on_gpu(cfg: triton.Config, key: tuple) -> bool:
-    """Gluon modes that have passed the GPU tests on the H200 (FP8 Q/K/V, plain or ping-pong). The others
-    (``GLUON_KP``, ``V_WIDEN``, 16-bit Q or K/V) compile for sm_90 (tests/test_compile_targets.py) and run
-    through an explicit config (the bench sweep, ``config=``) but stay out of the per-GPU candidates (and so out
-    of tuning at first use) until their GPU tests have run."""
-    k = cfg.kwargs
-    return key[2] == "e4m3" and key[3] == "e4m3" and not k.get("GLUON_KP") and not k.get("V_WIDEN")
-
-
 def _keep(cfg: triton.Config, key: tuple, arch: tuple[int, int] | None) -> bool:
     if not _applies(cfg, key):
         return False
@@ -665,7 +656,7 @@ def _keep(cfg: triton.Config, key: tuple, arch: tuple[int, int] | None) -> bool:
         return False  # no e4m3 matrix instructions: FP8 is decoded on chip
     if cfg.kwargs["USE_TMA"] and not cap.tma:
         return False
-    if cfg.kwargs.get("GLUON") and not (cap.warp_specialized and _gluon_run_on_gpu(cfg, key)):
+    if cfg.kwargs.get("GLUON") and not cap.warp_specialized:
         return False
     smem = cap.smem_per_block
     if _SHORT_Q in key[5:]:
