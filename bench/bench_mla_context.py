@@ -97,10 +97,11 @@ _S = dict(block_m=64, block_n=64, warps=4, tma=True)
 # has none, so only long keys are swept). The first candidate of each key is the current choice.
 _G = mc._GLUON  # the warp-specialised sm_90 kernel (kvforge/kernels/mla_context_gluon.py)
 SWEEP: dict[str, list] = {
-    "fp8_tok": [_C(**_L, v_widen=True), *(_C(**_G, stages=s) for s in (2, 3))],
-    "mixed_tok": [_C(**_L, q_quant=True, v_widen=True)],
-    "fp8_dim": [_C(**_L), _C(**_G, stages=2, pingpong=True), _C(**_G, stages=2)],
-    "bf16": [_C(**dict(_L, block_n=64, stages=4))],
+    "fp8_tok": [_C(**_G, stages=2), _C(**_G, stages=2, key_perm=True),
+                _C(**_G, stages=2, pingpong=True, key_perm=True)],
+    "fp8_dim": [_C(**_L), _C(**_G, stages=2, pingpong=True), _C(**_G, stages=2, pingpong=True, key_perm=True)],
+    "mixed_tok": [_C(**_L, q_quant=True, v_widen=True), _C(**_G, stages=2, v_widen=True)],
+    "bf16": [_C(**dict(_L, block_n=64, stages=4)), _C(**_G, stages=2), _C(**_G, stages=2, pingpong=True)],
 }  # fmt: skip
 _KEYS = {
     "bf16": (DQK, DV, "bf16", "bf16", "token_major"),
@@ -122,7 +123,7 @@ def sweep_key(path: str) -> str:
 
 def cfg_str(cfg) -> str:
     k = cfg.kwargs
-    names = ("GLUON", "GLUON_PP", "USE_TMA", "Q_QUANT", "V_WIDEN", "HEADS_OUTER", "EXP_POLY")
+    names = ("GLUON", "GLUON_PP", "GLUON_KP", "USE_TMA", "Q_QUANT", "V_WIDEN", "HEADS_OUTER", "EXP_POLY")
     flags = [n.lower() for n in names if k.get(n)]
     if k.get("PIPE_QK"):
         flags.append(f"pipe{k['PIPE_QK']}")

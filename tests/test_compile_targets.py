@@ -6,8 +6,8 @@ file is also the script: ``python tests/test_compile_targets.py 90``); one test 
 spreads them. ``SPECS`` holds one signature per kernel and, for the MLA kernel, one small-tile variant per
 product mode that architecture runs (e4m3 MMA from sm_89, FP8 decoded from bytes on sm_80). A new ``*_kernel``
 without a spec fails ``test_every_kernel_has_a_spec``: add its signature below. The warp-specialised Gluon
-kernel of ``mla_context_gluon`` compiles for sm_90 only (``GLUON_VARIANTS``: both V layouts and ring depths),
-whenever the installed Triton has Gluon.
+kernel of ``mla_context_gluon`` compiles for sm_90 only (``GLUON_VARIANTS``: its input modes, both V layouts,
+ring depths), whenever the installed Triton has Gluon.
 """
 
 from __future__ import annotations
@@ -122,11 +122,15 @@ MLA_BY_ARCH = {
 }
 
 
-# name -> (V dim-major, ring stages, consumers take turns)
-GLUON_VARIANTS: dict[str, tuple[bool, int, bool]] = {
-    "token-major V, 2 stages": (False, 2, False),
-    "token-major V, 3 stages, ping-pong": (False, 3, True),
-    "dim-major V, 2 stages": (True, 2, False),
+# name -> (mode, V dim-major, ring stages, consumers take turns, keys reordered); mode: "fp8" (FP8 Q/K/V),
+# "fp8 widen" (FP8 Q/K/V, V widened to fp16), "mixed" (bf16 Q quantised on chip, FP8 K/V, V widened), "bf16"
+GLUON_VARIANTS: dict[str, tuple[str, bool, int, bool, bool]] = {
+    "token-major V, 2 stages": ("fp8", False, 2, False, False),
+    "token-major V, 3 stages, ping-pong, keys reordered": ("fp8", False, 3, True, True),
+    "dim-major V, 2 stages": ("fp8", True, 2, False, False),
+    "dim-major V, 2 stages, ping-pong, keys reordered": ("fp8", True, 2, True, True),
+    "bf16 q + fp8 k/v, V widened, ping-pong": ("mixed", False, 2, True, False),
+    "bf16 q/k/v, 2 stages": ("bf16", False, 2, False, False),
 }
 
 
@@ -138,19 +142,24 @@ def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], 
         return []
     gl = mg.gl
 
-    def desc(block: list[int]) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-        return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+    def desc(block: list[int], kv16: bool) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if kv16 else gl.float8e4nv)
+        return f"tensordesc<{'bf16' if kv16 else 'fp8e4nv'}[{block[0]}, {block[1]}],{layout!r}>"
 
     jobs = []
-    for label, (dim_major, stages, pingpong) in GLUON_VARIANTS.items():
-        types = {"Q": "*fp8e4nv", "O": "*bf16", "LSE": "*fp32", "k_desc_a": desc([128, 128]),
-                 "k_desc_b": desc([128, 64]), "v_desc": desc([128, 128]), "Work": "*i32", "n_items": "i32",
+    for label, (mode, dim_major, stages, pingpong, key_perm) in GLUON_VARIANTS.items():
+        kv16, widen = mode == "bf16", mode in ("fp8 widen", "mixed")
+        types = {"Q": "*fp8e4nv" if mode.startswith("fp8") else "*bf16", "O": "*bf16", "LSE": "*fp32",
+                 "k_desc_a": desc([128, 128], kv16), "k_desc_b": desc([128, 64], kv16),
+                 "v_desc": desc([128, 128], kv16), "Work": "*i32", "n_items": "i32",
                  "scale_ptr": "*fp32", "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
         consts = {"H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "V_DIM_MAJOR": dim_major,
                   "SCALE_FROM_PTR": False, "WRITE_LSE": True, "P_OFFSET": 8.0, "BLOCK_N": 128, "NUM_STAGES": stages,
                   "KV_ALIGN": 16 if dim_major else 1, "HEADS_OUTER": True, "C_REGS": mg._C_REGS,
-                  "V_REGS": mg._V_REGS, "PINGPONG": pingpong}  # fmt: skip
+                  "V_REGS": mg._V_REGS, "PINGPONG": pingpong, "KEY_PERM": key_perm, "KV16": kv16,
+                  "Q_QUANT": mode == "mixed", "V_WIDEN": widen}  # fmt: skip
+        if kv16 or widen:
+            consts["P_OFFSET"] = 0.0
         jobs.append((f"_mla_context_gluon_kernel [{label}]", mg._mla_context_gluon_kernel, types, consts,
                      4, {"maxnreg": mg._MAXNREG}))  # fmt: skip
     return jobs

@@ -20,6 +20,7 @@ from tests.helpers import assert_all_written, poison, poisoned
 from tests.test_mla_context import _cast, _dim_major, _make
 from tests.tolerances import LSE_FP8_MMA, rel_rmse, tol
 
+_TORCH = {"e4m3": FP8, "bf16": torch.bfloat16}
 GLUON_CFG = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True)
 
 
@@ -43,16 +44,35 @@ def test_unavailable_reason_on_this_machine(device):
         assert reason is not None and not mg.gluon_available()
 
 
-def test_gluon_candidates_only_on_sm90_for_fp8_q():
-    for layout in ("token_major", "dim_major"):
-        key = (192, 128, "e4m3", "e4m3", layout)
+def test_gluon_candidates_only_on_sm90_for_its_modes():
+    """sm_90 keeps Gluon candidates for every key the kernel has a mode for (gluon_supports), no other GPU does;
+    a 16-bit Q with FP8 K/V only with V widened (an e4m3 P on top of the quantised Q: past the accuracy bound)."""
+    keys = [(192, 128, q, kv, layout) for q, kv in (("e4m3", "e4m3"), ("bf16", "e4m3"), ("bf16", "bf16"))
+            for layout in ("token_major", "dim_major")]  # fmt: skip
+    for key in keys:
+        has_mode = (key[2] == "e4m3" and key[3] == "e4m3") or key[4] == "token_major"
         for arch, expect in (((9, 0), True), ((8, 9), False), ((10, 0), False), ((12, 0), False), ((8, 0), False)):
             kept = [c for c in mc._CONFIGS.candidates(arch, key) if c.kwargs.get("GLUON")]
-            assert bool(kept) == expect, arch
+            assert bool(kept) == (expect and has_mode), (arch, key)
             assert all(mc._smem_estimate(c, key) <= mc.capability_for(arch).smem_per_block for c in kept)
-    # a 16-bit Q (quantised on chip, e4m3 P: past the accuracy bound) and 16-bit K/V never take it
-    for key in ((192, 128, "bf16", "e4m3", "token_major"), (192, 128, "bf16", "bf16", "token_major")):
-        assert not [c for c in mc._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+            for c in kept:
+                widen = bool(c.kwargs.get("V_WIDEN"))
+                assert mg.gluon_supports(_TORCH[key[2]], _TORCH[key[3]], key[4] == "dim_major", widen), (c, key)
+    mixed = (192, 128, "bf16", "e4m3", "token_major")
+    kept = [c for c in mc._CONFIGS.candidates((9, 0), mixed) if c.kwargs.get("GLUON")]
+    assert kept and all(c.kwargs.get("V_WIDEN") for c in kept)
+
+
+def test_gluon_supports_table():
+    f8, b16, f16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
+    assert mg.gluon_supports(f8, f8, True, False) and mg.gluon_supports(f8, f8, False, True)
+    assert not mg.gluon_supports(f8, f8, True, True)  # dim-major V is never widened
+    assert mg.gluon_supports(b16, f8, False, True) and not mg.gluon_supports(b16, f8, False, False)
+    assert mg.gluon_supports(b16, b16, False, False) and mg.gluon_supports(f16, f16, False, False)
+    assert not mg.gluon_supports(b16, f16, False, False) and not mg.gluon_supports(b16, b16, True, False)
+    assert not mg.gluon_supports(f8, b16, False, False) and not mg.gluon_supports(
+        torch.float32, torch.float32, False, False
+    )
 
 
 def test_disable_switch(monkeypatch):
@@ -60,8 +80,17 @@ def test_disable_switch(monkeypatch):
     assert mg.gluon_unavailable_reason() == "disabled by KVFORGE_DISABLE_GLUON"
 
 
-@pytest.mark.parametrize("mode,v_layout", [("fp8", "token_major"), ("fp8kv", "token_major"), ("fp8", "dim_major")])
-def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layout):
+@pytest.mark.parametrize(
+    "mode,v_layout,key_perm",
+    [
+        ("fp8", "token_major", False),
+        ("fp8kv", "token_major", False),
+        ("fp8", "dim_major", False),
+        ("fp8", "token_major", True),
+        ("bf16", "token_major", False),
+    ],
+)
+def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layout, key_perm):
     """Where the Gluon path cannot run (here: the interpreter), a GLUON config computes the same result with
     the portable kernel (128x128 tiles, FP8 Q quantised on chip for a bf16 Q, token-major V widened)."""
     if mg.gluon_available(device):
@@ -69,12 +98,14 @@ def test_gluon_config_elsewhere_is_the_portable_kernel(gen, device, mode, v_layo
     q, k, v, cu_q, cu_kv = _make(gen, device, [5, 0, 130], [17, 40, 3], heads=2, kv_start=3)
     q, k, v = _cast(mode, q, k, v, 1.5)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    plan = _plan(cu_q, cu_kv, 2, 2, q, k, v_layout, GLUON_CFG)
-    out, lse = _run(plan, q, k, vk, 1.5, 2, 128, device)
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, heads_outer=True, key_perm=key_perm)
+    plan = _plan(cu_q, cu_kv, 2, 2, q, k, v_layout, cfg)
+    s = 1.0 if mode == "bf16" else 1.5  # the scale dequantises FP8 K/V only
+    out, lse = _run(plan, q, k, vk, s, 2, 128, device)
     assert_all_written(out)
     assert_all_written(lse, "lse")
-    ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=1.5)
-    assert rel_rmse(out, ref) < 0.03
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q, cu_kv, kv_scale_quant_orig=s)
+    assert rel_rmse(out, ref) < (0.01 if mode == "bf16" else 0.03)
 
 
 GPU_CASES = [
@@ -87,15 +118,27 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages,pingpong", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize(
+    "stages,pingpong,key_perm",
+    [(2, False, False), (2, True, False), (2, False, True), (3, True, True)],
+)
 @pytest.mark.parametrize("v_layout,s,heads,kv_heads,kv_start,q_lens,cached", GPU_CASES)
-def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, v_layout, s, heads, kv_heads, kv_start, q_lens,
-                                     cached):  # fmt: skip
+def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, key_perm, v_layout, s, heads, kv_heads, kv_start,
+                                     q_lens, cached):  # fmt: skip
     assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
     q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
     q, k, v = _cast("fp8", q, k, v, s)
     vk = _dim_major(v) if v_layout == "dim_major" else v
-    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=stages, gluon=True, pingpong=pingpong, heads_outer=True)
+    cfg = mc._cfg(
+        block_m=128,
+        block_n=128,
+        warps=8,
+        stages=stages,
+        gluon=True,
+        pingpong=pingpong,
+        key_perm=key_perm,
+        heads_outer=True,
+    )
     plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
     out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], heads), torch.float32, device)
@@ -112,7 +155,49 @@ def test_gpu_gluon_matches_reference(gen, device, stages, pingpong, v_layout, s,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,pingpong", [("bf16", False), ("bf16", True), ("fp16", False), ("fp8kv", False),
+                                           ("fp8kv", True), ("fp8", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "v_layout,s,heads,kv_heads,kv_start,q_lens,cached", [c for c in GPU_CASES if c[0] == "token_major"]
+)
+def test_gpu_gluon_16bit_pv_modes(gen, device, mode, pingpong, v_layout, s, heads, kv_heads, kv_start, q_lens, cached):
+    """The Gluon modes whose P·V runs in 16 bits: bf16/fp16 Q/K/V (``KV16``), bf16 Q quantised on chip with FP8
+    K/V (``Q_QUANT``) and FP8 Q/K/V, both with V widened to fp16 on chip (``V_WIDEN``)."""
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens, cached, heads=heads, kv_heads=kv_heads, kv_start=kv_start)
+    q, k, v = _cast(mode, q, k, v, s)
+    widen = k.dtype == FP8
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True, pingpong=pingpong, v_widen=widen,
+                  heads_outer=True)  # fmt: skip
+    plan = _plan(cu_q, cu_kv, heads, kv_heads, q, k, v_layout, cfg)
+    out = poisoned((q.shape[0], heads, 128), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], heads), torch.float32, device)
+    handle = plan._launch(q, k, v, out, lse, 1.0 / 192**0.5, s, None)
+    assert "gluon" in str(getattr(handle, "name", "")), f"the Gluon kernel did not run: {handle!r}"
+    torch.cuda.synchronize()
+    assert_all_written(out)
+    assert_all_written(lse, "lse")
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s, head_chunk=4)
+    if mode in ("bf16", "fp16"):
+        atol, rtol = tol(torch.bfloat16)  # the output is bf16
+        torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-2, rtol=1e-3)
+        assert rel_rmse(out, ref) < 0.01
+    else:  # FP8 K: the FP8 bounds; the output against the unquantised Q, the LSE against Q quantised as stated
+        if mode == "fp8kv":  # the kernel's rule: per (row, head) s_q = amax / 448, q8 = RNE(q * (1 / s_q))
+            qf = q.float()
+            amax = qf.abs().amax(dim=2, keepdim=True)
+            s_q = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+            q_deq = (qf * (1.0 / s_q)).clamp(-448, 448).to(FP8).float() * s_q
+            _, ref_lse = mla_context_attention_ref(q_deq, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s,
+                                                   head_chunk=4)  # fmt: skip
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
+        assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_q_with_gluon_config_takes_the_portable_kernel(gen, device):
+    """A 16-bit Q with FP8 K/V and a Gluon config without V widened (no such Gluon mode) runs portable."""
     q, k, v, cu_q, cu_kv = _make(gen, device, [300, 7], [100, 0], heads=4)
     q, k, v = _cast("fp8kv", q, k, v, 1.5)
     plan = _plan(cu_q, cu_kv, 4, 4, q, k, "token_major", GLUON_CFG)

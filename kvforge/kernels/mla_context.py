@@ -14,9 +14,10 @@ partial results merge exactly with ``merge_attention_states``.
 Entry points: ``MLAContextPlan.plan`` (host work table, once per step) + ``run`` (per layer, graph-capturable),
 or one call ``mla_context_attention``, which with ``max_seqlen_q``/``max_seqlen_kv`` and device ``cu_seqlens``
 builds the work table on the device (no host sync). ``mla_context_paths`` says which paths a GPU has; inputs a
-device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route FP8 Q/K/V to the
-warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``); elsewhere, or without Gluon, the same
-config runs this module's portable kernel. Design notes and measurements: bench/results/mla_context.md.
+device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route a key to the
+warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``: FP8 Q/K/V, 16-bit Q + FP8 K/V with V
+widened, 16-bit Q/K/V token-major); elsewhere, or without Gluon, the same config runs this module's portable
+kernel. Design notes and measurements: bench/results/mla_context.md.
 """
 
 from __future__ import annotations
@@ -576,17 +577,20 @@ def _cfg(
     fp8_bytes: bool = False,
     gluon: bool = False,
     pingpong: bool = False,
+    key_perm: bool = False,
 ) -> triton.Config:
     """A launch configuration. ``pipe_qk``: 0 (plain loops) or 2 (carried score part; 1 named a variant that
     lost and was removed). ``q_quant``: quantise a 16-bit Q on chip when K/V are FP8. ``v_widen``: FP8 token-major
-    V widened to fp16 for P·V. ``fp8_bytes``: FP8 inputs decoded on chip (forced on GPUs without FP8 MMA)."""
+    V widened to fp16 for P·V. ``fp8_bytes``: FP8 inputs decoded on chip (forced on GPUs without FP8 MMA).
+    ``gluon``: the warp-specialised sm_90 kernel, with ``pingpong`` (consumers take turns) and ``key_perm`` (keys
+    reordered within each 32 so P needs no shuffles on its way to the FP8 A operand; see mla_context_gluon)."""
     if pipe_qk not in (0, 2):
         raise ValueError(f"pipe_qk: expected 0 or 2, got {pipe_qk}")
     kwargs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "EXP_POLY": int(exp_poly), "USE_TMA": int(tma)}
     # Absent means 0, so committed tuning entries from before a knob stay valid.
     for name, val in (("PIPE_QK", pipe_qk), ("HEADS_OUTER", heads_outer), ("Q_QUANT", q_quant),
                       ("V_WIDEN", v_widen), ("FP8_BYTES", fp8_bytes), ("GLUON", gluon),
-                      ("GLUON_PP", pingpong)):  # fmt: skip
+                      ("GLUON_PP", pingpong), ("GLUON_KP", key_perm)):  # fmt: skip
         if val:
             kwargs[name] = int(val)
     return triton.Config(kwargs, num_warps=warps, num_stages=stages)
@@ -600,10 +604,14 @@ def _smem_estimate(cfg: triton.Config, key: tuple) -> int:
     qb, kvb = (1 if q_kind == "e4m3" else 2), (1 if kv_kind == "e4m3" else 2)
     bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
     d_a, d_b = _split_head_dim(d_qk) or (d_qk, 0)
-    if cfg.kwargs.get("GLUON"):  # Q in registers; K and V ring slots, plus a transposed V slot each (token-major)
-        v_slots = 1 if key[4] == "dim_major" else 2
+    if cfg.kwargs.get("GLUON"):  # K and V ring slots, plus the V warpgroup's operand slot (FP8 token-major V)
+        widen = bool(cfg.kwargs.get("V_WIDEN")) and kvb == 1
+        op_slot = 0 if (key[4] == "dim_major" or kvb == 2) else (2 * bn * d_v if widen else bn * d_v)
+        ring = max(1, cfg.num_stages) * (bn * (d_qk + d_v) * kvb + op_slot)
+        if kvb == 2 or widen:  # Q waits in shared memory (K's type) for the score products
+            return ring + 128 * d_qk * kvb
         # + layout-conversion scratch: 16 KB for Q and P (measured 98,396 B at 2 stages, dim-major, Triton 3.6)
-        return max(1, cfg.num_stages) * bn * (d_qk + v_slots * d_v) * kvb + 16 * 1024
+        return ring + 16 * 1024
     extra = bn * d_a * kvb if cfg.kwargs.get("PIPE_QK") == 2 and d_b else 0
     return bm * d_qk * qb + max(1, cfg.num_stages) * bn * (d_qk + d_v) * kvb + extra
 
@@ -623,10 +631,17 @@ def _applies(cfg: triton.Config, key: tuple) -> bool:
         return False
     if k.get("V_WIDEN") and not (kv_kind == "e4m3" and layout == "token_major"):
         return False
-    # The Gluon kernel takes FP8 Q only: a 16-bit Q quantised on chip with its e4m3 P measured rel-RMSE 0.036
-    # on the H200 grid, past the bench's 0.035 bound (the portable kernel widens V to keep P in fp16 there).
-    if k.get("GLUON") and (q_kind != "e4m3" or kv_kind != "e4m3" or k.get("FP8_BYTES") or k["BLOCK_M"] != 128):
-        return False
+    if k.get("GLUON_KP") and not (kv_kind == "e4m3" and not k.get("V_WIDEN")):
+        return False  # the key reorder only concerns an e4m3 P
+    # The Gluon kernel's modes (mla_context_gluon.gluon_supports): a 16-bit Q with FP8 K/V only with V widened
+    # (its e4m3 P on top of the quantised Q measured rel-RMSE 0.036 on the H200 grid, past the bench's 0.035).
+    if k.get("GLUON"):
+        if k.get("FP8_BYTES") or k["BLOCK_M"] != 128:
+            return False
+        if kv_kind == "e4m3" and q_kind != "e4m3" and not k.get("V_WIDEN"):
+            return False
+        if kv_kind != "e4m3" and (q_kind != kv_kind or layout != "token_major"):
+            return False
     return not (k.get("FP8_BYTES") and kv_kind != "e4m3")
 
 
@@ -661,10 +676,14 @@ _SM90 = [
     _cfg(**_LONG, q_quant=True),
     _cfg(**_LONG, v_widen=True),  # FP8 Q/K/V, token-major V
     _cfg(**_LONG),
-    _cfg(**_GLUON, stages=2),  # FP8 Q/K/V, warp-specialised (mla_context_gluon)
+    _cfg(**dict(_LONG, block_n=64)),  # bf16 (before the Gluon candidates, which also apply to 16-bit keys)
+    _cfg(**_GLUON, stages=2),  # warp-specialised (mla_context_gluon)
     _cfg(**_GLUON, stages=3),
     _cfg(**_GLUON, stages=2, pingpong=True),
-    _cfg(**dict(_LONG, block_n=64)),
+    _cfg(**_GLUON, stages=2, key_perm=True),
+    _cfg(**_GLUON, stages=2, pingpong=True, key_perm=True),
+    _cfg(**_GLUON, stages=2, v_widen=True),  # also the 16-bit Q + FP8 K/V mode of the Gluon kernel
+    _cfg(**_GLUON, stages=2, v_widen=True, pingpong=True),
     _cfg(**_T128, block_n=128, stages=4, heads_outer=True),
     _cfg(**_T64, stages=3, q_quant=True, v_widen=True),
     _cfg(**_T64, stages=3, v_widen=True),
@@ -774,22 +793,24 @@ def mla_context_paths(device: torch.device | str | None = None) -> dict[str, str
     if cap.arch is not None and not cap.bf16:
         no = f"unsupported: {cap.name} has no bf16 arithmetic and no FP8 path (sm_80 or newer needed)"
         return {"fp16": f"fp16 MMA, {where}", "bf16": no, "fp8 q/k/v": no, "bf16 q + fp8 k/v": no}
-    if cap.fp8_mma:
-        fp8 = f"e4m3 MMA, {where}"
-        if cap.warp_specialized:
-            from kvforge.kernels.mla_context_gluon import gluon_unavailable_reason
+    ws = ""
+    if cap.warp_specialized:
+        from kvforge.kernels.mla_context_gluon import gluon_unavailable_reason
 
-            why = gluon_unavailable_reason(torch.device(device) if device is not None else None)
-            fp8 += (
-                "; the warp-specialised Gluon kernel where the per-GPU table chose it"
-                if why is None
-                else f"; no warp-specialised Gluon kernel ({why})"
-            )
-        mixed = f"Q quantised on chip to e4m3 or K widened to bf16 (per-GPU table), {where}"
+        why = gluon_unavailable_reason(torch.device(device) if device is not None else None)
+        ws = (
+            "; the warp-specialised Gluon kernel where the per-GPU table chose it"
+            if why is None
+            else f"; no warp-specialised Gluon kernel ({why})"
+        )
+    if cap.fp8_mma:
+        fp8 = f"e4m3 MMA, {where}" + ws
+        mixed = f"Q quantised on chip to e4m3 or K widened to bf16 (per-GPU table), {where}" + ws
     else:
         fp8 = f"FP8 decoded on chip to fp16 MMA ({cap.name} has no e4m3 MMA), {where}"
         mixed = f"K/V decoded on chip to bf16/fp16 MMA, {where}"
-    return {"fp16": f"fp16 MMA, {where}", "bf16": f"bf16 MMA, {where}", "fp8 q/k/v": fp8, "bf16 q + fp8 k/v": mixed}
+    return {"fp16": f"fp16 MMA, {where}" + ws, "bf16": f"bf16 MMA, {where}" + ws, "fp8 q/k/v": fp8,
+            "bf16 q + fp8 k/v": mixed}  # fmt: skip
 
 
 def _check_capability(sh: _Shapes, device: torch.device) -> None:
@@ -996,6 +1017,7 @@ class MLAContextPlan:
             # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
             # portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V widened.
             kw.pop("GLUON_PP", None)
+            kw.pop("GLUON_KP", None)
             kw.setdefault("Q_QUANT", 1)
             kw.setdefault("V_WIDEN", 1)
         q_quant = bool(kw.pop("Q_QUANT", 0)) and kv_fp8 and not q_fp8 and not fp8_bytes
@@ -1050,7 +1072,11 @@ class MLAContextPlan:
         from kvforge.kernels import mla_context_gluon as mg
 
         sh = self.shapes
-        if sh.q_dtype != FP8 or fp8_bytes or kw["BLOCK_M"] != mg.BLOCK_M or not mg.gluon_available(self.device):
+        dim_major = sh.v_layout == "dim_major"
+        v_widen = bool(kw.get("V_WIDEN", 0)) and sh.kv_dtype == FP8
+        if fp8_bytes or kw["BLOCK_M"] != mg.BLOCK_M or not mg.gluon_available(self.device):
+            return None
+        if not mg.gluon_supports(sh.q_dtype, sh.kv_dtype, dim_major, v_widen):
             return None
         d_a, d_b = _split_head_dim(sh.head_dim_qk)
         if _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) is None:
@@ -1058,9 +1084,10 @@ class MLAContextPlan:
         return mg.mla_context_gluon_fwd(
             q, k, v, out, lse, self.work, self.n_items, num_heads=sh.num_heads,
             group=sh.num_heads // sh.num_kv_heads, d_a=d_a, d_b=d_b, dv=sh.head_dim_v,
-            dim_major=sh.v_layout == "dim_major", softmax_scale=softmax_scale, scale_val=scale_val,
+            dim_major=dim_major, softmax_scale=softmax_scale, scale_val=scale_val,
             scale_ptr=scale_ptr, block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
             heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
+            key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen,
         )  # fmt: skip
 
 
