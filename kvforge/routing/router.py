@@ -668,7 +668,11 @@ class ConversationRouter(ServerMembership):
             d.target = None
             if d.kind == _FOLLOWED:
                 d.kind = _NEW
-        chosen = self._choose(d, num_tokens, loads)
+        cost_weight = self._cost_weight
+        if cost_weight is not None:
+            chosen = self._choose_by_cost(d, num_tokens, loads, cost_weight)
+        else:
+            chosen = self._choose(d, num_tokens, loads)
         weight = self._uncached(d, chosen, num_tokens) if self._always else num_tokens
         if d.kind == _KNOWN:
             s = d.session
@@ -678,9 +682,17 @@ class ConversationRouter(ServerMembership):
             else:
                 held = self._held(d)
                 baseline_before = held[chosen] * self._tpb if held is not None else 0
-            handle = s[_H]
+            handle, _, old, _ = s
             undo = _Placement(handle, baseline_before, self._last.get(handle))
-            self._update_session(d.key, s, chosen, keys, d.common_blocks, num_tokens)
+            # The session now holds this prompt: the trie trades its blocks past the common run for the new ones.
+            common = d.common_blocks
+            if common < len(old):
+                self._trie.remove(old[common:])
+            if common < len(keys):
+                self._trie._add(keys[common:], handle, chosen)
+            sessions = self._sessions
+            sessions[d.key] = (handle, chosen, keys, num_tokens)
+            sessions.move_to_end(d.key)
         else:
             followed = d.kind == _FOLLOWED and chosen == d.target
             if followed:
@@ -690,7 +702,11 @@ class ConversationRouter(ServerMembership):
                 baseline_before = held[chosen] * self._tpb if held is not None else 0
             handle = self._new_session(conv, chosen, keys, num_tokens)
             undo = _Placement(handle, min(baseline_before, num_tokens), None)
-            self._count_new_conversation(followed)
+            st = self.stats
+            st.new_conversations += 1
+            st.followed += followed
+            if self._matching and st.new_conversations % self._config.log_every_new_conversations == 0:
+                self._log_new_conversations()
         self._last[handle] = undo
         res = ledger._reserve(request_id, chosen, weight, now, undo)
         queues = self._queues
@@ -793,10 +809,10 @@ class ConversationRouter(ServerMembership):
                 d.target_cached_blocks = matched
         cached = self._held(d) if self._events and (d.kind == _FOLLOWED or self._always) else None
         # (A prefix cached nowhere for the minimum length cannot be followed: skip the search.)
-        if cached is not None and max(cached) >= min_blocks:
+        if cached is not None and any(cached) and max(cached) >= min_blocks:
             # The servers' own events beat the router's memory: follow where the prefix is actually cached,
             # and among servers caching equally much (a preamble held everywhere), the least loaded.
-            best = max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
+            best = _most_cached(cached, loads)
             have = cached[best]
             if have >= min_blocks and (d.target is None or (have, -loads[best]) > (cached[d.target], -loads[d.target])):
                 d.kind = _FOLLOWED
@@ -815,8 +831,9 @@ class ConversationRouter(ServerMembership):
         if held is None and self._events:
             own = 1 << d.target if d.kind == _KNOWN and d.target is not None else 0
             held = d.cached = self._cache_index.match_lengths(d.keys, own)
-            for i in self._down:  # a server out of rotation caches nothing a new placement could use
-                held[i] = 0
+            if self._down:
+                for i in self._down:  # a server out of rotation caches nothing a new placement could use
+                    held[i] = 0
         return held
 
     def _weight(self, d: _Decision, server: int, num_tokens: int) -> int:
@@ -836,9 +853,7 @@ class ConversationRouter(ServerMembership):
         return num_tokens
 
     def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
-        cost_weight = self._cost_weight
-        if cost_weight is not None:
-            return self._choose_by_cost(d, num_tokens, loads, cost_weight)
+        """The server for this request without a :class:`CostGuard` (with one: :meth:`_choose_by_cost`)."""
         guard = self._config.imbalance_guard
         if d.target is not None and guard is None:
             return d.target
@@ -874,7 +889,7 @@ class ConversationRouter(ServerMembership):
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
         held = self._held(d)
         if held is not None:
-            return min(near, key=lambda s: (-held[s], backlog[s]))
+            return _most_cached_near(near, held, backlog)
         return min(near, key=backlog.__getitem__)
 
     def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
@@ -935,17 +950,6 @@ class ConversationRouter(ServerMembership):
             k += 1
         return k
 
-    def _update_session(
-        self, key: Hashable, s: _Sess, server: int, keys: tuple[Any, ...], common: int, baseline: int
-    ) -> None:
-        handle, _, old, _ = s
-        if common < len(old):
-            self._trie.remove(old[common:])
-        if common < len(keys):
-            self._trie._add(keys[common:], handle, server)
-        self._sessions[key] = (handle, server, keys, baseline)
-        self._sessions.move_to_end(key)
-
     def _new_session(self, conv: str | None, server: int, keys: tuple[Any, ...], baseline: int) -> int:
         handle = next(self._handles)
         key: Hashable = conv if conv is not None else handle
@@ -956,31 +960,39 @@ class ConversationRouter(ServerMembership):
         trie._add(keys, handle, server)
         limit = self._config.max_sessions
         while len(sessions) > limit:
-            _, old = sessions.popitem(last=False)
+            _, old = sessions.popitem(False)  # (the least recent; positional: no keyword parsing)
             trie.remove_deferred(old[_KEYS])  # answers change now; the dict work waits for a finish
             del self._key_of[old[_H]]
             self._last.pop(old[_H], None)
             self.stats.evicted_sessions += 1
-        if trie.pending_removals > self._pending_cap:
-            trie.drain(trie.pending_removals - self._pending_cap)
+        if trie._queued > self._pending_cap:
+            trie.drain(trie._queued - self._pending_cap)
         return handle
 
-    def _count_new_conversation(self, followed: bool) -> None:
+    def _log_new_conversations(self) -> None:
         st = self.stats
-        st.new_conversations += 1
-        st.followed += followed
         every = self._config.log_every_new_conversations
-        if self._matching and st.new_conversations % every == 0:
-            recent = st.followed - self._followed_at_last_log
-            self._followed_at_last_log = st.followed
-            logger.info(
-                "router: %d new conversations, %d of the last %d followed a prefix match (%d in total, %.1f%%)",
-                st.new_conversations,
-                recent,
-                every,
-                st.followed,
-                100.0 * st.followed / st.new_conversations,
-            )
+        recent = st.followed - self._followed_at_last_log
+        self._followed_at_last_log = st.followed
+        logger.info(
+            "router: %d new conversations, %d of the last %d followed a prefix match (%d in total, %.1f%%)",
+            st.new_conversations,
+            recent,
+            every,
+            st.followed,
+            100.0 * st.followed / st.new_conversations,
+        )
+
+
+# Module functions rather than lambdas: a closure would make every call of the method around it allocate cells.
+def _most_cached(cached: list[int], loads: list[float]) -> int:
+    """The server caching most of the prompt, the least loaded among equals (the first of those)."""
+    return max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
+
+
+def _most_cached_near(near: list[int], held: list[int], backlog: list[float]) -> int:
+    """Among ``near``, the server caching most, then the one with the least backlog (the first of those)."""
+    return min(near, key=lambda s: (-held[s], backlog[s]))
 
 
 def _check_request_id(request_id: object) -> None:

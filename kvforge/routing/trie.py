@@ -136,10 +136,13 @@ class BlockTrie:
         if self._queued or self._recent:
             self._pending_counts()
             held = self._held
+            if n == 0 or not held(keys[0]):
+                return 0
         else:
-            held = self._nodes.__contains__
-        if n == 0 or not held(keys[0]):
-            return 0
+            nodes = self._nodes
+            if n == 0 or keys[0] not in nodes:  # (a new conversation: one lookup, nothing else)
+                return 0
+            held = nodes.__contains__
         if held(keys[n - 1]):
             return n
         if n == 2 or held(keys[n - 2]):
