@@ -12,6 +12,7 @@ import heapq
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from heapq import heappush
 from typing import Any
 
 from kvforge.errors import KvforgeError
@@ -118,16 +119,19 @@ class LoadLedger:
         return self._reserve(request_id, server, weight, now, payload)
 
     def _reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any) -> Reservation:
-        self._seq += 1
-        deadline = now + self.ttl_s if self.ttl_s is not None else float("inf")
-        res = Reservation(request_id, server, weight, deadline, self._seq, payload)
-        self._live[request_id] = res
+        seq = self._seq = self._seq + 1
+        ttl = self.ttl_s
+        if ttl is None:
+            res = self._live[request_id] = Reservation(request_id, server, weight, math.inf, seq, payload)
+        else:
+            deadline = now + ttl
+            res = self._live[request_id] = Reservation(request_id, server, weight, deadline, seq, payload)
+            heap = self._deadlines
+            heappush(heap, (deadline, seq, request_id))
+            if len(heap) > 2 * len(self._live) + 1024:
+                self._compact()
         self._loads[server] += weight
         self._counts[server] += 1
-        if self.ttl_s is not None:
-            heapq.heappush(self._deadlines, (deadline, self._seq, request_id))
-            if len(self._deadlines) > 2 * len(self._live) + 1024:
-                self._compact()
         return res
 
     def release(self, request_id: Hashable) -> Reservation | None:

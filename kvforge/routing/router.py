@@ -25,8 +25,9 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from itertools import count
+from dataclasses import dataclass
+from itertools import count, repeat
+from operator import add
 from typing import Any, Final
 
 from kvforge.errors import KvforgeError
@@ -228,18 +229,32 @@ _BASE: Final = 3
 _Sess = tuple[int, int, tuple[Any, ...], int]
 
 
-@dataclass(slots=True)
 class _Decision:
-    kind: int = _NEW
-    key: Hashable = None  # the known session's key
-    session: _Sess | None = None
-    target: int | None = None
-    target_cached_blocks: int = 0
-    known_base: int = 0
-    common_blocks: int = 0
-    keys: tuple[Any, ...] = ()
-    # Per server, the leading blocks its cache events say it holds: computed on first use (see _held).
-    cached: list[int] | None = field(default=None)
+    """What matching found for one request (its kind, affine server, cached lengths), read by the choice."""
+
+    __slots__ = (
+        "cached",
+        "common_blocks",
+        "key",
+        "keys",
+        "kind",
+        "known_base",
+        "session",
+        "target",
+        "target_cached_blocks",
+    )
+
+    def __init__(self, keys: tuple[Any, ...]) -> None:
+        self.keys = keys
+        self.kind = _NEW
+        self.key: Hashable = None  # the known session's key
+        self.session: _Sess | None = None
+        self.target: int | None = None
+        self.target_cached_blocks = 0
+        self.known_base = 0
+        self.common_blocks = 0
+        # Per server, the leading blocks its cache events say it holds: computed on first use (see _held).
+        self.cached: list[int] | None = None
 
 
 def _finite_time(t: object) -> float:
@@ -329,13 +344,25 @@ class ConversationRouter(ServerMembership):
         if not callable(clock):
             raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
         self._init_membership(servers)
-        self.config = config
+        self._config = config
+        # Settings every decision reads, as plain attributes (the config is frozen; ``config`` is read-only).
+        self._tpb = config.tokens_per_block
+        self._always = config.always
+        self._matching = config.matching
+        self._events = config.use_cache_events
+        guard = config.imbalance_guard
+        self._cost_weight = guard.recompute_weight if isinstance(guard, CostGuard) else None
+        self._rate = config.prefill_tokens_per_s
         self.stats = RouterStats()
         self._lock = threading.Lock()
         self._clock = clock
         self._ledger = LoadLedger(len(self.servers), config.request_ttl_s)
         # key -> (handle, server, keys, baseline), least recent first; handle -> key for trie owners.
         self._sessions: OrderedDict[Hashable, _Sess] = OrderedDict()
+        # Keyed by str ids and int handles alike: made general now, since a table of str keys alone is rebuilt
+        # the first time an anonymous conversation arrives (about 20 ms at 100,000 sessions, inside a decision).
+        self._sessions[-1] = (-1, -1, (), 0)
+        del self._sessions[-1]
         self._key_of: dict[int, Hashable] = {}
         # handle -> the session's latest placement, only while it is in flight (or failed and rolled onto).
         self._last: dict[int, _Placement] = {}
@@ -353,6 +380,17 @@ class ConversationRouter(ServerMembership):
             [deque() for _ in range(n)] if config.prefill_tokens_per_s is not None else None
         )
         self._last_release = [float("-inf")] * n
+        # Per server, the weight of its oldest live reservation and when that one is taken to have started
+        # (its placement or the server's latest release, whichever is later); 0 and +inf for a server with
+        # nothing in flight. Kept by every placement and release (_advance_head), so that a decision reads
+        # each server's backlog without walking its queue.
+        self._head_weight = [0] * n
+        self._head_start = [math.inf] * n
+
+    @property
+    def config(self) -> RouterConfig:
+        """The router's settings (fixed at construction)."""
+        return self._config
 
     def _now(self) -> float:
         t = self._clock()
@@ -399,6 +437,16 @@ class ConversationRouter(ServerMembership):
         assert self.servers, "no member"
         assert self._ledger.num_servers == n == self._cache_index.num_servers == len(self._last_release)
         assert self._queues is None or len(self._queues) == n
+        assert len(self._head_weight) == len(self._head_start) == n
+        if self._queues is not None:
+            for i, q in enumerate(self._queues):
+                # The front of each queue is live, and its weight and start are those recorded for the server.
+                head = (0, math.inf)
+                if q:
+                    res, placed = q[0]
+                    assert self._ledger.get(res.request_id) is res, f"server {i}: a finished request at the front"
+                    head = (res.weight, max(placed, self._last_release[i]))
+                assert (self._head_weight[i], self._head_start[i]) == head, f"server {i}: head {head} not recorded"
         assert self._retired <= self._down and all(0 <= i < n for i in self._down)
         members = tuple(s for i, s in enumerate(self._slot_server) if i not in self._retired)
         assert members == self.servers, f"members {members} != servers {self.servers}"
@@ -410,7 +458,7 @@ class ConversationRouter(ServerMembership):
             loads[res.server] += res.weight
         assert loads == self._ledger.loads, f"loads {self._ledger.loads} != reservations {loads}"
         assert min(loads) >= 0, f"negative load {loads}"
-        assert len(self._sessions) <= self.config.max_sessions
+        assert len(self._sessions) <= self._config.max_sessions
         assert len(self._key_of) == len(self._sessions), "session handles and sessions differ"
         refs: dict[Hashable, int] = {}
         for key, s in self._sessions.items():
@@ -433,6 +481,8 @@ class ConversationRouter(ServerMembership):
     def _grow(self) -> None:
         self._cache_index.add_server()
         self._last_release.append(float("-inf"))
+        self._head_weight.append(0)
+        self._head_start.append(math.inf)
         if self._queues is not None:
             self._queues.append(deque())
 
@@ -443,9 +493,15 @@ class ConversationRouter(ServerMembership):
 
     def route(self, request: RouteRequest) -> Hashable:
         """Place ``request`` and reserve its load on the chosen server."""
-        if not isinstance(request, RouteRequest):
-            raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
-        keys, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
+        keys: tuple[Any, ...]
+        num_tokens: int
+        if request.__class__ is RouteRequest and request.token_ids is None and request.text is None:
+            # Bare keys: the request checked them when it was built (a tuple, and an int count with them).
+            keys, num_tokens = request.block_keys, request.num_tokens  # type: ignore[assignment]
+        else:
+            if not isinstance(request, RouteRequest):
+                raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
+            keys, num_tokens = request_content(request, self._tpb, self._config.chars_per_token)
         with self._lock:
             return self._slot_server[self._place(request.request_id, request.conversation_id, keys, num_tokens)]
 
@@ -453,7 +509,7 @@ class ConversationRouter(ServerMembership):
         """What a coordinator forwards: ``{conversation_id, num_tokens}`` (tokens, text estimated) + block keys."""
         if not isinstance(request, RouteRequest):
             raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
-        keys, num_tokens = request_content(request, self.config.tokens_per_block, self.config.chars_per_token)
+        keys, num_tokens = request_content(request, self._config.tokens_per_block, self._config.chars_per_token)
         return RoutingKey(request.conversation_id, num_tokens, keys)
 
     def route_by_key(self, request_id: Hashable, key: RoutingKey | Mapping[str, Any]) -> Hashable:
@@ -487,6 +543,8 @@ class ConversationRouter(ServerMembership):
         if res is None:
             return False
         self._last_release[res.server] = now
+        if self._queues is not None:
+            self._advance_head(res.server)
         undo: _Placement = res.payload
         last = self._last
         if success:
@@ -520,7 +578,7 @@ class ConversationRouter(ServerMembership):
             return self._reclaim(now)
 
     def _reclaim(self, now: float) -> int:
-        if self.config.request_ttl_s is None:
+        if self._config.request_ttl_s is None:
             return 0
         expired = self._ledger._expire(now)
         if not expired:
@@ -532,6 +590,9 @@ class ConversationRouter(ServerMembership):
             if last.get(undo.handle) is undo:
                 del last[undo.handle]
             self._last_release[res.server] = now
+        if self._queues is not None:
+            for server in {res.server for res in expired}:
+                self._advance_head(server)
         self.stats.expired += len(expired)
         return len(expired)
 
@@ -563,9 +624,9 @@ class ConversationRouter(ServerMembership):
     def _check_event(self, server: Hashable, event: KVEvent) -> tuple[int, tuple[Any, ...], KVEvent]:
         idx = self._server_index(server)
         if isinstance(event, BlockStored):
-            if event.tokens_per_block != self.config.tokens_per_block:
+            if event.tokens_per_block != self._config.tokens_per_block:
                 raise ValueError(
-                    f"event.tokens_per_block: expected {self.config.tokens_per_block} (the router's block size), "
+                    f"event.tokens_per_block: expected {self._config.tokens_per_block} (the router's block size), "
                     f"got {event.tokens_per_block!r}"
                 )
             return idx, _event_keys(event), event
@@ -576,7 +637,7 @@ class ConversationRouter(ServerMembership):
         raise TypeError(f"event: expected a BlockStored, BlockRemoved or AllBlocksCleared, got {type(event).__name__}")
 
     def _apply_event(self, idx: int, keys: tuple[Any, ...], event: KVEvent) -> None:
-        if not self.config.use_cache_events:
+        if not self._config.use_cache_events:
             return
         if isinstance(event, BlockStored):
             self._cache_index.store(idx, keys)
@@ -591,11 +652,17 @@ class ConversationRouter(ServerMembership):
         down = self._down
         if down and len(down) == len(self._slot_server):
             raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
-        now = self._now()
-        self._reclaim(now)
-        if request_id in self._ledger:
+        now = self._clock()
+        if now.__class__ is not float or now - now != 0.0:  # (the common case costs no call)
+            now = _finite_time(now)
+        ledger = self._ledger
+        # (The ledger's own fields, read in place: a decision is a few microseconds, a call a tenth of one.)
+        deadlines = ledger._deadlines
+        if deadlines and deadlines[0][0] <= now:
+            self._reclaim(now)
+        if request_id in ledger._live:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
-        loads: list[float] = self._ledger.loads if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
+        loads: list[float] = ledger._loads.copy() if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
         if down:
             for i in down:  # out of rotation: loses every comparison
                 loads[i] = math.inf
@@ -605,9 +672,12 @@ class ConversationRouter(ServerMembership):
             d.target = None
             if d.kind == _FOLLOWED:
                 d.kind = _NEW
-        chosen = self._choose(d, num_tokens, loads)
-        weight = self._weight(d, chosen, num_tokens)
-        cfg = self.config
+        cost_weight = self._cost_weight
+        if cost_weight is not None:
+            chosen = self._choose_by_cost(d, num_tokens, loads, cost_weight)
+        else:
+            chosen = self._choose(d, num_tokens, loads)
+        weight = self._uncached(d, chosen, num_tokens) if self._always else num_tokens
         if d.kind == _KNOWN:
             s = d.session
             assert s is not None
@@ -615,44 +685,75 @@ class ConversationRouter(ServerMembership):
                 baseline_before = s[_BASE]
             else:
                 held = self._held(d)
-                baseline_before = held[chosen] * cfg.tokens_per_block if held is not None else 0
-            handle = s[_H]
+                baseline_before = held[chosen] * self._tpb if held is not None else 0
+            handle, _, old, _ = s
             undo = _Placement(handle, baseline_before, self._last.get(handle))
-            self._update_session(d.key, s, chosen, keys, d.common_blocks, num_tokens)
+            # The session now holds this prompt: the trie trades its blocks past the common run for the new ones.
+            common = d.common_blocks
+            if common < len(old):
+                self._trie.remove(old[common:])
+            if common < len(keys):
+                self._trie._add(keys[common:], handle, chosen)
+            sessions = self._sessions
+            sessions[d.key] = (handle, chosen, keys, num_tokens)
+            sessions.move_to_end(d.key)
         else:
-            if d.kind == _FOLLOWED and chosen == d.target:
-                baseline_before = d.target_cached_blocks * cfg.tokens_per_block
+            followed = d.kind == _FOLLOWED and chosen == d.target
+            if followed:
+                baseline_before = d.target_cached_blocks * self._tpb
             else:
                 held = self._held(d)
-                baseline_before = held[chosen] * cfg.tokens_per_block if held is not None else 0
+                baseline_before = held[chosen] * self._tpb if held is not None else 0
             handle = self._new_session(conv, chosen, keys, num_tokens)
             undo = _Placement(handle, min(baseline_before, num_tokens), None)
-            self._count_new_conversation(followed=d.kind == _FOLLOWED and chosen == d.target)
+            st = self.stats
+            st.new_conversations += 1
+            st.followed += followed
+            if self._matching and st.new_conversations % self._config.log_every_new_conversations == 0:
+                self._log_new_conversations()
         self._last[handle] = undo
-        res = self._ledger._reserve(request_id, chosen, weight, now, undo)
-        if self._queues is not None:
-            q = self._queues[chosen]
+        res = ledger._reserve(request_id, chosen, weight, now, undo)
+        queues = self._queues
+        if queues is not None:
+            q = queues[chosen]
+            if not q:  # the server's oldest in-flight request now
+                self._head_weight[chosen] = weight
+                self._head_start[chosen] = max(now, self._last_release[chosen])
             q.append((res, now))
-            if len(q) > 64 and len(q) > 2 * self._ledger.in_flight(chosen) + 64:
+            if len(q) > 64 and len(q) > 2 * ledger.in_flight(chosen) + 64:
                 # A request stuck at the front (no time-to-live) would keep every later, finished one queued.
-                self._queues[chosen] = deque(e for e in q if self._ledger.get(e[0].request_id) is e[0])
+                queues[chosen] = deque(e for e in q if ledger.get(e[0].request_id) is e[0])
         self.stats.routed += 1
         return chosen
 
     def _backlogs(self, now: float) -> list[float]:
-        loads: list[float] = self._ledger.loads  # type: ignore[assignment]  # (the property returns a copy)
-        rate = self.config.prefill_tokens_per_s
-        if self._queues is None or rate is None:
+        ledger = self._ledger
+        loads: list[float] = ledger._loads.copy()  # type: ignore[assignment]
+        rate = self._rate
+        if self._queues is None or rate is None or not ledger._live:
             return loads
-        get = self._ledger.get
-        for s, q in enumerate(self._queues):
-            while q and get(q[0][0].request_id) is not q[0][0]:
-                q.popleft()
-            if q:
-                head, placed = q[0]
-                started = max(placed, self._last_release[s])
-                loads[s] -= min(head.weight, rate * max(0.0, now - started))
-        return loads
+        # Each server's oldest in-flight request counts as computed at ``rate`` since it started, up to its
+        # weight; a server with none (weight 0, start +inf) keeps its load (0) as it is.
+        return [
+            load - min(w, rate * max(0.0, now - started))
+            for load, w, started in zip(loads, self._head_weight, self._head_start)
+        ]
+
+    def _advance_head(self, server: int) -> None:
+        """After a release on ``server``: drop its finished reservations from the front of its queue and
+        record its oldest live one's weight and start (the per-server state :meth:`_backlogs` reads)."""
+        assert self._queues is not None
+        q = self._queues[server]
+        live = self._ledger._live
+        while q and live.get(q[0][0].request_id) is not q[0][0]:
+            q.popleft()
+        if q:
+            head, placed = q[0]
+            self._head_weight[server] = head.weight
+            self._head_start[server] = max(placed, self._last_release[server])
+        else:
+            self._head_weight[server] = 0
+            self._head_start[server] = math.inf
 
     def _distinctive(self, refs: int) -> bool:
         """Whether a prefix held by ``refs`` session positions says where a request belongs.
@@ -662,19 +763,17 @@ class ConversationRouter(ServerMembership):
         prompt in front of everything) does not: following it would pile everyone onto one server, and every
         server soon caches it anyway.
         """
-        return refs <= self.config.specific_max_conversations or refs * len(self.servers) <= len(self._sessions)
+        return refs <= self._config.specific_max_conversations or refs * len(self.servers) <= len(self._sessions)
 
     def _match(self, conv: str | None, keys: tuple[Any, ...], loads: list[float]) -> _Decision:
-        cfg = self.config
-        d = _Decision()
-        d.keys = keys
+        d = _Decision(keys)
         key: Hashable = conv
         session = self._sessions.get(conv) if conv is not None else None
         if session is not None:
             self.stats.sticky += 1
         else:
             matched = self._trie.match(keys)
-            if conv is None and matched and matched >= cfg.match_threshold * len(keys):
+            if conv is None and matched and matched >= self._config.match_threshold * len(keys):
                 node = self._trie.fields(keys[matched - 1])
                 assert node is not None
                 if self._distinctive(node[0]):
@@ -690,36 +789,36 @@ class ConversationRouter(ServerMembership):
         d.session = session
         d.target = session[_SRV]
         old = session[_KEYS]
-        k = self._common_blocks(old, keys)
+        n = len(old)
+        k = n if len(keys) >= n and keys[:n] == old else self._common_blocks(old, keys)
         d.common_blocks = k
         # An edited history (the prompt no longer extends the previous one) is only cached up to the fork.
-        d.known_base = session[_BASE] if k == len(old) else min(session[_BASE], k * cfg.tokens_per_block)
+        d.known_base = session[_BASE] if k == n else min(session[_BASE], k * self._tpb)
         return d
 
     def _match_new(self, d: _Decision, keys: tuple[Any, ...], matched: int, loads: list[float]) -> None:
-        cfg = self.config
-        if not cfg.matching:
+        if not self._matching:
             return
-        if matched >= cfg.new_conversation_min_match_blocks:
+        cfg = self._config
+        min_blocks = cfg.new_conversation_min_match_blocks
+        if matched >= min_blocks:
             node = self._trie.fields(keys[matched - 1])
             assert node is not None
             refs, owner_handle, node_server = node
-            if refs <= cfg.specific_max_conversations or (cfg.always and self._distinctive(refs)):
+            if refs <= cfg.specific_max_conversations or (self._always and self._distinctive(refs)):
                 owner_key = self._key_of.get(owner_handle)
                 owner = None if owner_key is None else self._sessions.get(owner_key)
                 d.kind = _FOLLOWED
                 d.target = owner[_SRV] if owner is not None else node_server
                 d.target_cached_blocks = matched
-        cached = self._held(d) if cfg.use_cache_events and (d.kind == _FOLLOWED or cfg.always) else None
+        cached = self._held(d) if self._events and (d.kind == _FOLLOWED or self._always) else None
         # (A prefix cached nowhere for the minimum length cannot be followed: skip the search.)
-        if cached is not None and max(cached) >= cfg.new_conversation_min_match_blocks:
+        if cached is not None and any(cached) and max(cached) >= min_blocks:
             # The servers' own events beat the router's memory: follow where the prefix is actually cached,
             # and among servers caching equally much (a preamble held everywhere), the least loaded.
-            best = max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
+            best = _most_cached(cached, loads)
             have = cached[best]
-            if have >= cfg.new_conversation_min_match_blocks and (
-                d.target is None or (have, -loads[best]) > (cached[d.target], -loads[d.target])
-            ):
+            if have >= min_blocks and (d.target is None or (have, -loads[best]) > (cached[d.target], -loads[d.target])):
                 d.kind = _FOLLOWED
                 d.target = best
                 d.target_cached_blocks = have
@@ -730,40 +829,40 @@ class ConversationRouter(ServerMembership):
         Looked up on first use only: a decision that keeps its affine server within the guard's bound never
         needs it (the index does not change during a decision, so when it is read does not matter). A known
         conversation's own server is weighed by the conversation's growth, never by this list, so its entry is
-        only a lower bound (the lookups stop once no other server still matches).
+        left at 0 (the lookups stop once no other server still matches).
         """
         held = d.cached
-        if held is None and self.config.use_cache_events:
+        if held is None and self._events:
             own = 1 << d.target if d.kind == _KNOWN and d.target is not None else 0
             held = d.cached = self._cache_index.match_lengths(d.keys, own)
-            for i in self._down:  # a server out of rotation caches nothing a new placement could use
-                held[i] = 0
+            if self._down:
+                for i in self._down:  # a server out of rotation caches nothing a new placement could use
+                    held[i] = 0
         return held
 
     def _weight(self, d: _Decision, server: int, num_tokens: int) -> int:
-        if not self.config.always:
+        if not self._always:
             return num_tokens
         return self._uncached(d, server, num_tokens)
 
     def _uncached(self, d: _Decision, server: int, num_tokens: int) -> int:
         """The prompt tokens ``server`` would compute for this request, as far as the router knows."""
-        cfg = self.config
         if server == d.target:
             if d.kind == _KNOWN:
-                return max(num_tokens - d.known_base, cfg.tokens_per_block)
-            return max(num_tokens - d.target_cached_blocks * cfg.tokens_per_block, 0)
+                return max(num_tokens - d.known_base, self._tpb)
+            return max(num_tokens - d.target_cached_blocks * self._tpb, 0)
         held = self._held(d)
         if held is not None:
-            return max(num_tokens - held[server] * cfg.tokens_per_block, 0)
+            return max(num_tokens - held[server] * self._tpb, 0)
         return num_tokens
 
     def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
-        guard = self.config.imbalance_guard
+        """The server for this request without a :class:`CostGuard` (with one: :meth:`_choose_by_cost`)."""
+        guard = self._config.imbalance_guard
         if d.target is not None and guard is None:
             return d.target
-        if isinstance(guard, CostGuard):
-            return self._choose_by_cost(d, num_tokens, loads, guard.recompute_weight)
-        varying = self.config.always and self.config.use_cache_events
+        assert not isinstance(guard, CostGuard)
+        varying = self._always and self._events
         if d.target is None and not varying:
             return self._pick_min(loads)
         if d.target is not None:
@@ -773,15 +872,15 @@ class ConversationRouter(ServerMembership):
             if loads[d.target] + self._weight(d, d.target, num_tokens) <= guard.limit(min(loads)):
                 return d.target
         if varying:
-            tpb = self.config.tokens_per_block
+            tpb = self._tpb
             cached = self._held(d)
             assert cached is not None
             if any(cached):
                 backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
             else:
-                backlog = [load + num_tokens for load in loads]
+                backlog = list(map(add, loads, repeat(num_tokens)))
         else:
-            backlog = [load + num_tokens for load in loads]
+            backlog = list(map(add, loads, repeat(num_tokens)))
         if d.target is not None:
             backlog[d.target] = loads[d.target] + self._weight(d, d.target, num_tokens)
         if d.target is None:
@@ -794,31 +893,36 @@ class ConversationRouter(ServerMembership):
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
         held = self._held(d)
         if held is not None:
-            return min(near, key=lambda s: (-held[s], backlog[s]))
+            return _most_cached_near(near, held, backlog)
         return min(near, key=backlog.__getitem__)
 
     def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
-        if d.target is None and not self.config.use_cache_events:
+        target = d.target
+        if target is None and not self._events:
             return self._pick_min(loads)  # every server would compute the whole prompt
         # What _uncached gives every server but the affine one, computed in one pass.
         cached = self._held(d)
+        own = 0.0 if target is None else loads[target] + weight * self._uncached(d, target, num_tokens)
         # A server caching nothing would compute the whole prompt: ``extra`` is the same float as the general
         # term with a count of 0, without a max() per server.
         extra = weight * num_tokens
         if cached is not None and any(cached):
-            tpb = self.config.tokens_per_block
+            tpb = self._tpb
             scores = [
                 load + (extra if c == 0 else weight * max(num_tokens - c * tpb, 0)) for load, c in zip(loads, cached)
             ]
         else:
-            scores = [load + extra for load in loads]
-        target = d.target
+            # Every other server scores load + extra, none below min(loads) + extra (rounding keeps the order
+            # of sums with one constant term): an affine server at or below that keeps the request without the list.
+            if target is not None and not min(loads) + extra < own:
+                return target
+            scores = list(map(add, loads, repeat(extra)))  # (load + extra per server, at C speed)
         if target is None:
             return self._pick_min(scores)
-        scores[target] = loads[target] + weight * self._uncached(d, target, num_tokens)
+        scores[target] = own
         # The first server strictly below the affine one's score, at the minimum (ties keep the affine server).
         m = min(scores)
-        if not m < scores[target]:
+        if not m < own:
             return target
         self.stats.guard_moves += 1
         return scores.index(m)
@@ -850,50 +954,49 @@ class ConversationRouter(ServerMembership):
             k += 1
         return k
 
-    def _update_session(
-        self, key: Hashable, s: _Sess, server: int, keys: tuple[Any, ...], common: int, baseline: int
-    ) -> None:
-        handle, _, old, _ = s
-        if common < len(old):
-            self._trie.remove(old[common:])
-        if common < len(keys):
-            self._trie.add(keys[common:], handle, server)
-        self._sessions[key] = (handle, server, keys, baseline)
-        self._sessions.move_to_end(key)
-
     def _new_session(self, conv: str | None, server: int, keys: tuple[Any, ...], baseline: int) -> int:
         handle = next(self._handles)
         key: Hashable = conv if conv is not None else handle
-        self._sessions[key] = (handle, server, keys, baseline)
+        sessions = self._sessions
+        sessions[key] = (handle, server, keys, baseline)
         self._key_of[handle] = key
-        self._trie.add(keys, handle, server)
         trie = self._trie
-        while len(self._sessions) > self.config.max_sessions:
-            _, old = self._sessions.popitem(last=False)
+        trie._add(keys, handle, server)
+        limit = self._config.max_sessions
+        while len(sessions) > limit:
+            _, old = sessions.popitem(False)  # (the least recent; positional: no keyword parsing)
             trie.remove_deferred(old[_KEYS])  # answers change now; the dict work waits for a finish
             del self._key_of[old[_H]]
             self._last.pop(old[_H], None)
             self.stats.evicted_sessions += 1
-        if trie.pending_removals > self._pending_cap:
-            trie.drain(trie.pending_removals - self._pending_cap)
+        if trie._queued > self._pending_cap:
+            trie.drain(trie._queued - self._pending_cap)
         return handle
 
-    def _count_new_conversation(self, followed: bool) -> None:
+    def _log_new_conversations(self) -> None:
         st = self.stats
-        st.new_conversations += 1
-        st.followed += followed
-        every = self.config.log_every_new_conversations
-        if self.config.matching and st.new_conversations % every == 0:
-            recent = st.followed - self._followed_at_last_log
-            self._followed_at_last_log = st.followed
-            logger.info(
-                "router: %d new conversations, %d of the last %d followed a prefix match (%d in total, %.1f%%)",
-                st.new_conversations,
-                recent,
-                every,
-                st.followed,
-                100.0 * st.followed / st.new_conversations,
-            )
+        every = self._config.log_every_new_conversations
+        recent = st.followed - self._followed_at_last_log
+        self._followed_at_last_log = st.followed
+        logger.info(
+            "router: %d new conversations, %d of the last %d followed a prefix match (%d in total, %.1f%%)",
+            st.new_conversations,
+            recent,
+            every,
+            st.followed,
+            100.0 * st.followed / st.new_conversations,
+        )
+
+
+# Module functions rather than lambdas: a closure would make every call of the method around it allocate cells.
+def _most_cached(cached: list[int], loads: list[float]) -> int:
+    """The server caching most of the prompt, the least loaded among equals (the first of those)."""
+    return max(range(len(cached)), key=lambda s: (cached[s], -loads[s]))
+
+
+def _most_cached_near(near: list[int], held: list[int], backlog: list[float]) -> int:
+    """Among ``near``, the server caching most, then the one with the least backlog (the first of those)."""
+    return min(near, key=lambda s: (-held[s], backlog[s]))
 
 
 def _check_request_id(request_id: object) -> None:

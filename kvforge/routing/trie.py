@@ -136,10 +136,13 @@ class BlockTrie:
         if self._queued or self._recent:
             self._pending_counts()
             held = self._held
+            if n == 0 or not held(keys[0]):
+                return 0
         else:
-            held = self._nodes.__contains__
-        if n == 0 or not held(keys[0]):
-            return 0
+            nodes = self._nodes
+            if n == 0 or keys[0] not in nodes:  # (a new conversation: one lookup, nothing else)
+                return 0
+            held = nodes.__contains__
         if held(keys[n - 1]):
             return n
         if n == 2 or held(keys[n - 2]):
@@ -182,15 +185,29 @@ class BlockTrie:
             raise ValueError(f"owner: expected a non-negative int session handle, got {owner!r}")
         if type(server) is not int or not 0 <= server <= _MASK:
             raise ValueError(f"server: expected a server index in [0, 2**32), got {server!r}")
+        self._add(keys if type(keys) is tuple else tuple(keys), owner, server)
+
+    def _add(self, keys: tuple[Hashable, ...], owner: int, server: int) -> None:
+        """:meth:`add` with ``owner`` and ``server`` already checked (the router's path)."""
         recent = self._recent
         tag = (owner << (2 * _FIELD)) | (server << _FIELD)
         first = tag | 1
-        get = recent.get
         # (Combined with its node on every read and folded in by drain; a node whose references are all queued
         # for removal is logically absent, and adding to it gives the fields of a fresh node.)
-        for k in keys:
-            v = get(k)
-            recent[k] = first if v is None else tag | ((v & _MASK) + 1)
+        if len(keys) > 2 and recent.keys().isdisjoint(keys):
+            # None of them recently added (a new conversation): one reference each, stored at C speed; a key
+            # listed more than once takes one reference per position.
+            before = len(recent)
+            recent.update(dict.fromkeys(keys, first))
+            if len(recent) - before != len(keys):
+                for k, n in Counter(keys).items():
+                    if n > 1:
+                        recent[k] = tag | n
+        else:
+            get = recent.get
+            for k in keys:
+                v = get(k)
+                recent[k] = first if v is None else tag | ((v & _MASK) + 1)
         if len(recent) > _RECENT_CAP:
             self._fold()
 
@@ -391,25 +408,25 @@ class ServerPrefixIndex:
     def match_lengths(self, keys: Sequence[Hashable], ignore: int = 0) -> list[int]:
         """Per server, the number of leading blocks of ``keys`` it holds (one pass for all servers).
 
-        ``ignore``: a bitmask of server indexes whose lengths the caller does not need; the pass stops as soon
-        as only they still match, so their entries are then lower bounds (the others are exact).
+        ``ignore``: a bitmask of server indexes whose lengths the caller does not need; they read 0 (a lower
+        bound), and the pass stops as soon as no other server still matches (exact for the others).
         """
         lengths = [0] * self.num_servers
         get = self._mask.get
-        alive = self._all
-        wanted = ~ignore
+        alive = self._all & ~ignore
         i = 0
         for h in keys:
             still = get(h, 0) & alive
-            dropped = alive & ~still
-            while dropped:
-                low = dropped & -dropped
-                lengths[low.bit_length() - 1] = i
-                dropped ^= low
-            alive = still
-            if not alive & wanted:
-                i += 1
-                break
+            if still != alive:
+                if i:  # (servers dropped at the first block keep their 0)
+                    dropped = alive & ~still
+                    while dropped:
+                        low = dropped & -dropped
+                        lengths[low.bit_length() - 1] = i
+                        dropped ^= low
+                if not still:
+                    return lengths
+                alive = still
             i += 1
         while alive:
             low = alive & -alive
