@@ -80,6 +80,20 @@ async def fleet(
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    if events:
+        # ZMQ's slow joiner: a batch published before a subscription has reached the publisher is dropped, and
+        # a test that sends one request would wait for events that never come (seen on a loaded CI machine).
+        # Publish empty batches until every subscriber has applied one (a first batch after 0 asks for a
+        # replay from 0, which the fake backend serves).
+        for _ in range(1000):
+            subs = [service.fleet.backends[b.url].subscriber for b in backends]
+            if all(sub is not None and sub.counts["batches"] for sub in subs):
+                break
+            for pub in pubs:
+                pub.publish([])
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("kv events: a subscriber saw no batch in 10 s")
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
     try:
         yield service, f"http://127.0.0.1:{port}", backends, session
