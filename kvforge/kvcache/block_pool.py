@@ -415,7 +415,7 @@ class BlockPool:
         """New full blocks, each the child of the one before (the first of ``parent``), one per key in ``keys``;
         block ``i`` is ordinal ``first + i`` and takes page ``row[first + i]`` (where not None) of each
         ``(group, row)`` in ``rows`` at ``priority``. The caller counts them into the tree and announces them."""
-        # :meth:`new_block` inlined: this loop is the cost of every block a cache inserts.
+        # :meth:`new_block` inlined for one group: that loop is the cost of every block a plain cache inserts.
         spare = self._spare
         tpb, num_groups = self.tokens_per_block, self.num_groups
         getrefcount, unheld = _getrefcount, _UNHELD
@@ -446,18 +446,9 @@ class BlockPool:
                 append(child)
                 parent = child
             return out
+        new_block = self.new_block  # (several groups: not the inlined path)
         for ordinal, h in zip(count(first), keys):
-            while spare:
-                child = spare.popleft()
-                if getrefcount(child) == unheld and not child.children:  # see new_block
-                    child.key = h
-                    child.parent = parent
-                    child.depth = ordinal
-                    child.num_tokens = tpb
-                    child.tokens = None
-                    break
-            else:
-                child = Block(h, parent, ordinal, tpb, None, num_groups)
+            child = new_block(h, parent, ordinal, tpb, None)
             parent.children[h] = child
             cpages = child.pages
             for g, row in rows:

@@ -286,7 +286,7 @@ class PrioritizedLRU:
             page = pages[entry[4]]  # type: ignore[index]
             if page.policy_data != entry[3]:
                 continue  # discarded (or re-added since) entry
-            if accept is not None and not accept(page):
+            if not accept(page):  # (None returned above)
                 rejected.append(entry)
                 continue
             page.policy_data = None
