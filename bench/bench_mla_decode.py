@@ -6,7 +6,7 @@ Workloads (issue 20): 16 heads x 64 requests x 8k tokens and 128 heads x 32 requ
 ``B * L * 576 * 2`` bytes, per second. Both providers are checked against ``mla_decode_attention_ref`` (fp32)
 on a few requests (and every output element for being written and finite) before any time is reported; a
 provider or launch configuration that fails the check is not timed and cannot be chosen. kvforge's launch
-configurations, including the Gluon variants not yet measured (``md.TRIAL_ENV`` is set here), are swept (each
+configurations, including every Gluon variant (``md.TRIAL_ENV`` is set here), are swept (each
 is timed) and the fastest correct one is reported next to FlashInfer and written by ``--tuned-out``.
 
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode.py [--quick]
@@ -34,7 +34,7 @@ from kvforge.kernels import mla_decode as md
 from kvforge.kernels import mla_decode_gluon as mdg
 from kvforge.kernels._runtime import arch_name, device_capability
 
-os.environ.setdefault(md.TRIAL_ENV, "1")  # sweep the unmeasured Gluon variants too (they must pass check())
+os.environ.setdefault(md.TRIAL_ENV, "1")  # sweep every Gluon variant (each must pass check())
 WORKLOADS = [(16, 64, 8192), (128, 32, 32768)]
 PAGE = 64
 DV, DR = 512, 64

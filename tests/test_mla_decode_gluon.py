@@ -32,7 +32,7 @@ from kvforge.kernels import _runtime  # noqa: E402
 from kvforge.kernels._runtime import ConfigTable, TunedKernel  # noqa: E402
 from tests.test_mla_decode import check, make_case  # noqa: E402
 
-VARIANTS = md.gluon_variants()  # (block_n, stages, early) of every Gluon candidate, the unmeasured ones too
+VARIANTS = md.gluon_variants()  # (block_n, stages, early) of every Gluon candidate, the TRIAL_ENV ones too
 VARIANT_IDS = [f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in VARIANTS]
 
 
@@ -137,11 +137,11 @@ def test_compiles_offline_for_sm90(python):
 
 
 def test_trial_variants_are_candidates_only_when_asked(monkeypatch):
-    """Unmeasured Gluon variants never win an untuned key's speed-only autotune unless TRIAL_ENV asks."""
+    """Gluon variants past the first never win an untuned key's speed-only autotune unless TRIAL_ENV asks."""
     key = (512, 64, "bfloat16", 128, 64, True)
     monkeypatch.delenv(md.TRIAL_ENV, raising=False)
     plain = [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
-    assert plain == [md._GLUON_MEASURED] == md.gluon_variants(trial=False)
+    assert plain == [md._GLUON_FIRST] == md.gluon_variants(trial=False)
     monkeypatch.setenv(md.TRIAL_ENV, "1")
     trial = [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
     assert trial == md.gluon_variants() and len(trial) > 1

@@ -206,8 +206,8 @@ def _cfg(
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
-TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": the sm_90 table's unmeasured Gluon variants are candidates too
-_GLUON_MEASURED = (64, 2, False)  # the Gluon variant measured on the H200 (block_n, stages, early)
+TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": every Gluon variant of the sm_90 table is a candidate, not only the first
+_GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes among (block_n, stages, early)
 
 
 def _gluon_variant(cfg: triton.Config) -> tuple[int, int, bool]:
@@ -226,9 +226,10 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     # meets its target there), whole 64-token tiles inside a page, TMA-able cache.
     if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 64 and key[5] and key[4] % 64 == 0):
         return False
-    # Gluon variants not yet measured on a GPU are candidates only where asked for (the bench asks): a key
-    # without a committed config autotunes by speed alone, with no reference check.
-    if kw.get("GLUON") and _gluon_variant(cfg) != _GLUON_MEASURED and os.environ.get(TRIAL_ENV) != "1":
+    # Beyond the first, Gluon variants are candidates only where asked for (the bench asks, and checks each
+    # against the reference): a key without a committed config autotunes by speed alone. The gate predates the
+    # H200 run in which every variant passed the GPU tests; widening it is an open choice (docs/kernels.md).
+    if kw.get("GLUON") and _gluon_variant(cfg) != _GLUON_FIRST and os.environ.get(TRIAL_ENV) != "1":
         return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
@@ -265,7 +266,7 @@ def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
     seen: list[tuple[int, int, bool]] = []
     for cfg in _CONFIGS.by_arch[9]:
         v = _gluon_variant(cfg)
-        if cfg.kwargs.get("GLUON") and v not in seen and (trial or v == _GLUON_MEASURED):
+        if cfg.kwargs.get("GLUON") and v not in seen and (trial or v == _GLUON_FIRST):
             seen.append(v)
     return seen
 
