@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.engine.config import ModelConfig
+from kvforge.engine.planted import plant_copy_head
 from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks
 from kvforge.kvcache.hybrid import HybridCacheManager
 
@@ -122,6 +123,8 @@ class HybridModel:
         half = c.qk_rope_dim // 2
         self._inv_freq = (1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))).to(self.device)
         self.softmax_scale = 1.0 / math.sqrt(c.qk_head_dim)
+        if c.copy_offset:
+            plant_copy_head(self)
 
     # --- shared pieces ----------------------------------------------------------------------------------------
 
