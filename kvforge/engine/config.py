@@ -6,6 +6,8 @@
 DeepSeek/Kimi sizes: 512 + 64). MLA attention in context form uses ``qk_nope_dim + qk_rope_dim`` wide keys
 (192 = 128 + 64) and ``v_head_dim`` wide values (128). ``draft_layers`` is 0 or 1 (one MLA drafter layer, MTP
 style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is about 2.9 B parameters.
+``copy_offset`` (0: all weights random) plants a copy head in the first MLA layer (:mod:`kvforge.engine.planted`);
+a config whose sizes cannot hold one (code width, rotary contrast, FP8 range) raises ``ValueError``.
 
 :class:`EngineConfig` holds the cache and scheduler budgets: ``tokens_per_block``, pages per pool group (attention,
 recurrent state, draft), the token and request budgets of a step, snapshot placement, and the device.

@@ -64,7 +64,9 @@ class Block:
 
 
 class HybridModel:
-    """Random weights (seeded by ``config.seed``) on ``device`` in ``dtype`` (fp32 on CPU, bf16 on a GPU)."""
+    """Random weights (seeded by ``config.seed``) on ``device`` in ``dtype`` (fp32 on CPU, bf16 on a GPU); with
+    ``config.copy_offset >= 1`` the first MLA layer is then overwritten by a copy head
+    (:mod:`kvforge.engine.planted`)."""
 
     runtime_hooks = RuntimeHooks(
         kv_cache_manager_cls=HybridCacheManager,

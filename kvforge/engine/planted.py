@@ -47,8 +47,8 @@ MIN_COPY_DIM = 16
 # rounding stays below the saturation point).
 FP8_MAX = 448.0
 FP8_HEADROOM = 0.85
-# Residual-stream size of the copied code per C coordinate (a value entry is ~1): large against what the random
-# layers write into C (about 1 per coordinate per layer before the noise adds up), see docs/engine_greedy.md.
+# Residual-stream size of the copied code per C coordinate: large against what the random layers write into C
+# (3.3 per coordinate after the 28 layers that follow the copy layer at the real size; docs/engine_greedy.md).
 COPY_GAIN = 16.0
 # Energy of the exact reserved coordinates as multiples of hidden_size: U (the code) 8, DC 1, against ~1/2 of
 # random embedding coordinates and 0.3-1.5 written by the layers before the copy layer, so rms(x) there varies
