@@ -146,6 +146,9 @@ def plant_copy_head(model: HybridModel) -> None:
 
     blk = model.blocks[c.mla_layers[0]]
     mx = blk.mixer
+    from kvforge.engine.model import MLAWeights  # here: the model module imports this one
+
+    assert isinstance(mx, MLAWeights)
     blk.norm1 = torch.ones(d, device=dev, dtype=dt)
     w = copy_rope_weights(c)
     amp = copy_key_amplitude(c)
