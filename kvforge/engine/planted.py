@@ -29,7 +29,16 @@ if TYPE_CHECKING:
     from kvforge.engine.config import ModelConfig
     from kvforge.engine.model import HybridModel
 
-__all__ = ["COPY_MAX_POSITIONS", "copy_contrast", "copy_key_amplitude", "copy_rope_weights", "plant_copy_head"]
+__all__ = [
+    "COPY_MAX_POSITIONS",
+    "COPY_SCORE_GAP",
+    "MIN_COPY_CONTRAST",
+    "MIN_COPY_DIM",
+    "copy_contrast",
+    "copy_key_amplitude",
+    "copy_rope_weights",
+    "plant_copy_head",
+]
 
 # Sequences the positional design is chosen for (the contrast is guaranteed up to here; the tests stay below).
 COPY_MAX_POSITIONS = 4096
