@@ -1,12 +1,20 @@
 """The engine against the plain forward pass (CPU interpreter, tiny model, fp32 weights).
 
 Every emitted token's logits row is compared with the reference's logits at that position (teacher forced on
-the engine's own tokens): ``|engine - reference| <= LOGIT_ATOL``. The engine's prefill attention reads FP8 K/V
-(e4m3 at scale 16) and bf16/fp16 queries, so the bound is the FP8 one: measured maxima are 0.05-0.1 at logit
-std ~4 (``logit_scale=4``); the bound is 0.3. Greedy: each token equals the reference's argmax, except where the
-reference's top-2 margin is under twice that row's actual error (a near tie; counted, and none occurred here).
-Scenarios: multi-turn conversations with prefix reuse on and off, reuse cut back to a snapshot, preemption and
-resume, chunked prefill at snapshot-aware chunk ends (end-at-point and mid-step passes), draft acceptance.
+the engine's own tokens). Each scenario runs on two models:
+
+* ``random``: all weights random. ``|engine - reference| <= LOGIT_ATOL``: the engine's prefill attention reads
+  FP8 K/V (e4m3 at scale 16) and bf16/fp16 queries, so the bound is the FP8 one: measured maxima are 0.05-0.1 at
+  logit std ~4 (``logit_scale=4``); the bound is 0.3. Greedy: each token equals the reference's argmax, except
+  where the reference's top-2 margin is under twice that row's actual error (a near tie; counted).
+* ``planted``: the same random weights with a copy head (``copy_offset=7``, :mod:`kvforge.engine.planted`): the
+  logits peak at the token 7 positions back, so greedy identity is exact: no emitted token differs from the
+  reference's argmax and every row is decisive (margin >= 2 x its error). The bound is ``PLANTED_BOUND`` x the
+  reference's logit std (FP8 maxima measured 0.05-0.09 x std: the copy layer's FP8 values feed the logits).
+
+Scenarios: multi-turn conversations with prefix reuse on and off (FP8 and 16-bit context attention), reuse cut
+back to a snapshot, preemption and resume, chunked prefill at snapshot-aware chunk ends (end-at-point and
+mid-step passes), draft acceptance; the drafter (one draft token) runs in the multi-turn and preemption ones.
 """
 
 from __future__ import annotations
@@ -21,11 +29,26 @@ from kvforge.engine.numerics import compare_logits, component_errors
 from tests.helpers import multi_turn, random_prompt
 
 LOGIT_ATOL = 0.3
+PLANTED_BOUND = 0.15
+# Width 128 gives the copy head 32-wide token codes (hidden_size // 4), so 256 tokens' codes stay apart.
+PLANTED = tiny(copy_offset=7, hidden_size=128)
+_MODELS: dict[str, HybridModel] = {}
+
+
+def _model(kind: str) -> HybridModel:
+    if kind not in _MODELS:
+        _MODELS[kind] = HybridModel(PLANTED if kind == "planted" else tiny())
+    return _MODELS[kind]
+
+
+@pytest.fixture(scope="module", params=["random", "planted"])
+def model(request: pytest.FixtureRequest) -> HybridModel:
+    return _model(request.param)
 
 
 @pytest.fixture(scope="module")
-def model() -> HybridModel:
-    return HybridModel(tiny())
+def random_model() -> HybridModel:
+    return _model("random")
 
 
 VOCAB = 256
@@ -39,20 +62,24 @@ def _conversations(eng: Engine, seed: int, **kw) -> dict:
     return multi_turn(eng, seed, vocab=VOCAB, first=(20, 45), follow=(3, 12), **kw)
 
 
-def check_against_reference(
-    model: HybridModel, eng: Engine, prompts: dict, *, check_drafts: bool = False, bound: float = LOGIT_ATOL
-) -> int:
-    """Every recorded logits row of every finished request vs the reference (:func:`compare_logits`: within
-    ``bound``, greedy equal outside near ties); returns the near ties seen."""
+def check_against_reference(model: HybridModel, eng: Engine, prompts: dict, *, check_drafts: bool = False) -> int:
+    """Every recorded logits row of every finished request vs the reference (:func:`compare_logits`: within the
+    bound, greedy equal outside near ties; for the planted model greedy equal on every row, every row decisive);
+    returns the near ties seen."""
     ties = 0
+    planted = model.config.copy_offset > 0
     for rid, prompt in prompts.items():
         out = eng.outputs[rid]
         rows = torch.cat(eng.logits[rid])
         assert rows.shape[0] == len(out), (rid, rows.shape, len(out))
         ref, ref_draft = reference_logits(model, [*prompt, *out])
         p = len(prompt)
-        chk = compare_logits(rows, ref[p - 1 : p - 1 + len(out)], out, bound)
+        ref_rows = ref[p - 1 : p - 1 + len(out)]
+        bound = PLANTED_BOUND * float(ref_rows.std()) if planted else LOGIT_ATOL
+        chk = compare_logits(rows, ref_rows, out, bound)
         assert chk.ok, f"{rid}: {chk.summary()}; differing tokens not at a near tie: {chk.unexcused}"
+        if planted:
+            assert chk.exact, f"{rid}: greedy identity is not exact: {chk.summary()}"
         ties += chk.excused
         if check_drafts and eng.draft_logits[rid]:
             # The draft proposed after the last emitted token of the prefill: drafter logits at position p - 1.
@@ -63,9 +90,9 @@ def check_against_reference(
     return ties
 
 
-@pytest.mark.parametrize("reuse", [True, False])
-def test_multiturn_reuse_on_and_off(model: HybridModel, reuse: bool) -> None:
-    eng = Engine(model, EngineConfig(reuse=reuse), draft_len=1, record_logits=True)
+@pytest.mark.parametrize(("reuse", "fp8"), [(True, True), (False, True), (True, False)])
+def test_multiturn_reuse_on_and_off(model: HybridModel, reuse: bool, fp8: bool) -> None:
+    eng = Engine(model, EngineConfig(reuse=reuse, context_fp8=fp8), draft_len=1, record_logits=True)
     prompts = _conversations(eng, 1, turns=2, n_conv=2, new_tokens=4)
     assert check_against_reference(model, eng, prompts, check_drafts=True) == 0
     reused = eng.manager.stats.reused_tokens
@@ -228,13 +255,13 @@ def test_compare_logits_refuses_bad_input(args, err, match) -> None:
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-def test_component_errors_isolate_the_context_attention(model: HybridModel, fp8: bool) -> None:
+def test_component_errors_isolate_the_context_attention(random_model: HybridModel, fp8: bool) -> None:
     """Per layer and phase, each mixer against the reference mixer on the engine's own inputs (fp32 model):
     KDA (fla-core's naive recurrence here), MLA decode (the Triton decode kernel over the fp32 latent cache) and
     the drafter's decode agree to fp32 rounding; the MLA context attention carries FP8's 3 mantissa bits
     (relative RMS error of a few percent) or fp16's (16-bit mode, under 2e-3)."""
     rng = random.Random(4)
-    rep = component_errors(model, EngineConfig(context_fp8=fp8), _prompt(rng, 40), 4)
+    rep = component_errors(random_model, EngineConfig(context_fp8=fp8), _prompt(rng, 40), 4)
     kinds = {(c.kind, c.phase) for c in rep}
     assert kinds == {("KDA", "prefill"), ("KDA", "decode"), ("MLA", "prefill"), ("MLA", "decode"),
                      ("draft", "prefill"), ("draft", "decode")}  # fmt: skip

@@ -3,6 +3,7 @@ the kernels and disaggregation (a reference for people wiring kvforge into a ser
 
 * :mod:`~kvforge.engine.config`: model sizes (``tiny`` for the CPU interpreter, ``real`` ~2.9 B) and budgets;
 * :mod:`~kvforge.engine.model`: the Kimi-Linear-like hybrid model (KDA + MLA layers, one MTP-style drafter);
+* :mod:`~kvforge.engine.planted`: the optional copy head (``ModelConfig.copy_offset``) that makes logits peaked;
 * :mod:`~kvforge.engine.cache`: the tensors the manager's page ids index (latent, draft latent, states);
 * :mod:`~kvforge.engine.runner`: one forward step over the paged cache;
 * :mod:`~kvforge.engine.engine`: the loop (:class:`Engine`);

@@ -6,6 +6,8 @@
 DeepSeek/Kimi sizes: 512 + 64). MLA attention in context form uses ``qk_nope_dim + qk_rope_dim`` wide keys
 (192 = 128 + 64) and ``v_head_dim`` wide values (128). ``draft_layers`` is 0 or 1 (one MLA drafter layer, MTP
 style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is about 2.9 B parameters.
+``copy_offset`` (0: all weights random) plants a copy head in the first MLA layer (:mod:`kvforge.engine.planted`);
+a config whose sizes cannot hold one (code width, rotary contrast, FP8 range) raises ``ValueError``.
 
 :class:`EngineConfig` holds the cache and scheduler budgets: ``tokens_per_block``, pages per pool group (attention,
 recurrent state, draft), the token and request budgets of a step, snapshot placement, and the device.
@@ -45,6 +47,9 @@ class ModelConfig:
     kv_scale_orig_quant: float = 16.0
     logit_scale: float = 4.0
     seed: int = 0
+    # 0: all weights random. k >= 1: the first MLA layer is a planted copy head (kvforge.engine.planted): the
+    # logits at position p peak at the token at p - k, so greedy outputs are decisive.
+    copy_offset: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -72,6 +77,41 @@ class ModelConfig:
             raise ValueError(f"qk_rope_dim: expected an even size (rotary pairs), got {self.qk_rope_dim}")
         if not self.kv_scale_orig_quant > 0:
             raise ValueError(f"kv_scale_orig_quant: expected a positive float, got {self.kv_scale_orig_quant}")
+        _pos("copy_offset", self.copy_offset, 0)
+        if self.copy_offset:
+            self._check_copy_head()
+
+    def _check_copy_head(self) -> None:
+        from kvforge.engine import planted
+
+        if self.copy_offset >= planted.COPY_MAX_POSITIONS:
+            raise ValueError(
+                f"copy_offset: expected an int < {planted.COPY_MAX_POSITIONS} (the positions the copy head is "
+                f"designed for), got {self.copy_offset}"
+            )
+        if self.copy_dim < planted.MIN_COPY_DIM:
+            raise ValueError(
+                f"copy_offset: the copy head needs v_head_dim, kv_lora_rank and hidden_size // 4 >= "
+                f"{planted.MIN_COPY_DIM} (its code width), got {self.v_head_dim}, {self.kv_lora_rank}, "
+                f"{self.hidden_size // 4}"
+            )
+        contrast = planted.copy_contrast(self)
+        if contrast < planted.MIN_COPY_CONTRAST:
+            raise ValueError(
+                f"copy_offset: the rotary pairs (qk_rope_dim {self.qk_rope_dim}, rope_theta {self.rope_theta}) give "
+                f"the copy head a contrast of {contrast:.3f} < {planted.MIN_COPY_CONTRAST}; use more rotary dims"
+            )
+        amp, fp8_max = planted.copy_key_amplitude(self), planted.FP8_HEADROOM * planted.FP8_MAX
+        if amp * self.kv_scale_orig_quant > fp8_max:
+            raise ValueError(
+                f"copy_offset: the copy head's rotary Q/K amplitude {amp:.1f} x kv_scale_orig_quant "
+                f"{self.kv_scale_orig_quant} exceeds {fp8_max:.0f} (FP8 e4m3 range with headroom); lower the scale"
+            )
+
+    @property
+    def copy_dim(self) -> int:
+        """Width of the copy head's token codes (reserved residual coordinates U and C, values, latent)."""
+        return min(self.v_head_dim, self.kv_lora_rank, self.hidden_size // 4)
 
     @property
     def num_layers(self) -> int:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.engine.config import ModelConfig
+from kvforge.engine.planted import plant_copy_head
 from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks
 from kvforge.kvcache.hybrid import HybridCacheManager
 
@@ -63,7 +64,9 @@ class Block:
 
 
 class HybridModel:
-    """Random weights (seeded by ``config.seed``) on ``device`` in ``dtype`` (fp32 on CPU, bf16 on a GPU)."""
+    """Random weights (seeded by ``config.seed``) on ``device`` in ``dtype`` (fp32 on CPU, bf16 on a GPU); with
+    ``config.copy_offset >= 1`` the first MLA layer is then overwritten by a copy head
+    (:mod:`kvforge.engine.planted`)."""
 
     runtime_hooks = RuntimeHooks(
         kv_cache_manager_cls=HybridCacheManager,
@@ -122,6 +125,8 @@ class HybridModel:
         half = c.qk_rope_dim // 2
         self._inv_freq = (1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))).to(self.device)
         self.softmax_scale = 1.0 / math.sqrt(c.qk_head_dim)
+        if c.copy_offset:
+            plant_copy_head(self)
 
     # --- shared pieces ----------------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@
   weights the logits are flat (std ~1 over 32k tokens at the real size), so the top-2 margin is often a few
   hundredths and any rounding change (FP8 or bf16, op order) flips some argmaxes: exact greedy identity with a
   differently computed reference is not a sound requirement there. Scaling the LM head does not help: it
-  scales the margins and the errors alike.
+  scales the margins and the errors alike. A model with a planted copy head (``ModelConfig.copy_offset``) has
+  peaked logits; for it the check is :attr:`LogitCheck.exact`: no token differs and every row is decisive.
 * :func:`component_errors`: one request (prefill, then decode with a one-token drafter) through an
   :class:`~kvforge.engine.Engine` with a probe on every layer. For each layer and phase (prompt positions:
   ``prefill``, generated positions: ``decode``) it reports the mixer's error against the reference mixer fed the
@@ -35,7 +36,8 @@ __all__ = ["ComponentError", "LogitCheck", "compare_logits", "component_errors"]
 class LogitCheck:
     """``max_abs_err`` / ``logit_std``: over all rows; ``mismatches``: emitted tokens that differ from the
     reference's argmax; ``excused``: those at a near tie (margin < 2 x the row's error); ``unexcused``: the
-    indices of the others; ``decisive``: rows whose margin is at least twice their error (must all match)."""
+    indices of the others; ``decisive``: rows whose margin is at least twice their error (must all match);
+    ``min_margin_ratio``: the smallest top-2 margin / row error (inf where a row's error is 0)."""
 
     rows: int
     max_abs_err: float
@@ -45,16 +47,23 @@ class LogitCheck:
     excused: int = 0
     decisive: int = 0
     unexcused: list[int] = field(default_factory=list)
+    min_margin_ratio: float = float("inf")
 
     @property
     def ok(self) -> bool:
         return self.max_abs_err <= self.bound and not self.unexcused
 
+    @property
+    def exact(self) -> bool:
+        """Greedy identity without excuses: within the bound, no token differs, every row decisive."""
+        return self.ok and self.mismatches == 0 and self.decisive == self.rows
+
     def summary(self) -> str:
         return (
             f"{self.rows} rows: max |logit err| {self.max_abs_err:.4f} (bound {self.bound}, logit std "
             f"{self.logit_std:.3f}); greedy differs at {self.mismatches} ({self.excused} near ties excused, "
-            f"{len(self.unexcused)} not); {self.decisive} decisive rows"
+            f"{len(self.unexcused)} not); {self.decisive} decisive rows; smallest margin / error "
+            f"{self.min_margin_ratio:.1f}"
         )
 
 
@@ -87,6 +96,8 @@ def compare_logits(
     margin = top2[:, 0] - top2[:, 1]
     best = r.argmax(-1).tolist()
     chk = LogitCheck(len(tokens), float(err.max()), float(r.std()), bound)
+    ratio = torch.where(err > 0, margin / err, torch.full_like(err, float("inf")))
+    chk.min_margin_ratio = float(ratio.min())
     for i, tok in enumerate(tokens):
         near = bool(margin[i] < 2 * err[i])
         chk.decisive += not near

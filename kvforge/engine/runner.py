@@ -12,7 +12,8 @@ Its tokens are laid out flat in that order. Per layer:
 * **KDA**: each row starts from its live state page (indices uploaded by ``StateIndexUpload``). A context row
   that passes a snapshot point mid-step is split there: the state at the point is written into the cache's
   pending snapshot page, then the rest runs from it. A verifying generation row keeps the state after every
-  token until the accepted count is known (:meth:`Runner.accept`).
+  token until the accepted count is known (:meth:`Runner.step`); the rows of one step may verify different
+  token counts.
 
 The drafter (one MLA layer) runs after acceptance over the accepted positions of every row, writing its own
 latent pages, and proposes the next draft token from the last one.
@@ -179,17 +180,20 @@ class Runner:
         off = 0
         gen = [i for i, r in enumerate(rows) if r.gen]
         if gen:
-            n = rows[gen[0]].n
-            if any(rows[i].n != n for i in gen):
-                raise ValueError("rows: generation rows of one step must have the same token count")
-            ng = len(gen) * n
+            counts = [rows[i].n for i in gen]
+            n, ng = max(counts), sum(counts)
             idx = state_idx[: len(gen)].long()
-
-            def shaped(x: torch.Tensor) -> torch.Tensor:
-                return x[:ng].reshape(len(gen), n, *x.shape[1:])
-
-            o, after = kda_tokens(shaped(q), shaped(k), shaped(v), shaped(g), shaped(beta), pool[idx])
-            out[:ng] = o.reshape(ng, *o.shape[2:]).to(out.dtype)
+            # Rows of one step may verify different token counts (a request one token from its limit gets no
+            # draft): shorter rows repeat their last token up to the longest; the states after the repeats are
+            # never selected (acceptance picks the state after an accepted token) and their outputs are dropped.
+            first = [0]
+            for cnt in counts[:-1]:
+                first.append(first[-1] + cnt)
+            pad = torch.tensor([[f + min(t, cnt - 1) for t in range(n)] for f, cnt in zip(first, counts)])
+            real = torch.tensor([[t < cnt for t in range(n)] for cnt in counts])
+            pad, real = pad.to(h.device), real.to(h.device)
+            o, after = kda_tokens(q[pad], k[pad], v[pad], g[pad], beta[pad], pool[idx])
+            out[:ng] = o[real].to(out.dtype)  # row-major: the rows' real tokens in their flat order
             if n == 1:
                 pool[idx] = after[0]
             else:
