@@ -85,7 +85,7 @@ def run(name: str, seed: int, steps: int) -> str:
     for step in range(steps):
         op = rng.random()
         rid = f"r{step}"
-        if op < 0.45:
+        if op < 0.4:
             if convs and rng.random() < 0.6:
                 i = rng.randrange(len(convs))
                 cid, keys = convs[i]
@@ -111,11 +111,11 @@ def run(name: str, seed: int, steps: int) -> str:
             else:
                 live.append(rid)
             out.append(got)
-        elif op < 0.75:
+        elif op < 0.8:
             if live:
                 rid = live.pop(rng.randrange(len(live)))
                 out.append(r.finish(rid, rng.random() < 0.9))
-        elif op < 0.87:
+        elif op < 0.89:
             s = rng.choice(SERVERS)
             _, keys = rng.choice(convs) if convs else ("", ())
             what = rng.random()
