@@ -118,14 +118,24 @@ class LoadLedger:
             raise ValueError(f"now: expected a finite time in seconds, got {now!r}")
         return self._reserve(request_id, server, weight, now, payload)
 
-    def _reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any) -> Reservation:
+    def _reserve(
+        self,
+        request_id: Hashable,
+        server: int,
+        weight: int,
+        now: float,
+        payload: Any,
+        cls: type[Reservation] = Reservation,
+    ) -> Reservation:
+        """:meth:`reserve` unchecked; ``cls`` (a subclass of :class:`Reservation` with more slots, which the
+        caller fills) lets a router keep its own record of the placement in the reservation itself."""
         seq = self._seq = self._seq + 1
         ttl = self.ttl_s
         if ttl is None:
-            res = self._live[request_id] = Reservation(request_id, server, weight, math.inf, seq, payload)
+            res = self._live[request_id] = cls(request_id, server, weight, math.inf, seq, payload)
         else:
             deadline = now + ttl
-            res = self._live[request_id] = Reservation(request_id, server, weight, deadline, seq, payload)
+            res = self._live[request_id] = cls(request_id, server, weight, deadline, seq, payload)
             heap = self._deadlines
             heappush(heap, (deadline, seq, request_id))
             if len(heap) > 2 * len(self._live) + 1024:
