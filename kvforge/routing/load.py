@@ -65,6 +65,7 @@ class LoadLedger:
         self.ttl_s = ttl_s
         self._loads = [0] * num_servers
         self._counts = [0] * num_servers
+        self._total = 0  # sum(_loads), kept by every reservation and release (a bound on every load)
         self._live: dict[Hashable, Reservation] = {}
         # (deadline, seq, request_id); entries of released requests stay until they surface (lazy deletion).
         self._deadlines: list[tuple[float, int, Hashable]] = []
@@ -83,6 +84,11 @@ class LoadLedger:
 
     def load(self, server: int) -> int:
         return self._loads[server]
+
+    @property
+    def total(self) -> int:
+        """The load of every server together."""
+        return self._total
 
     @property
     def num_servers(self) -> int:
@@ -142,6 +148,7 @@ class LoadLedger:
                 self._compact()
         self._loads[server] += weight
         self._counts[server] += 1
+        self._total += weight
         return res
 
     def release(self, request_id: Hashable) -> Reservation | None:
@@ -150,6 +157,7 @@ class LoadLedger:
         if res is not None:
             self._loads[res.server] -= res.weight
             self._counts[res.server] -= 1
+            self._total -= res.weight
             heap = self._deadlines
             # Drop up to two released entries from the top: while requests finish roughly in order, the heap
             # stays near the live set, and no placement has to rebuild it (freeing ~1,000 entries at once).
@@ -182,6 +190,7 @@ class LoadLedger:
                 del self._live[request_id]
                 self._loads[res.server] -= res.weight
                 self._counts[res.server] -= 1
+                self._total -= res.weight
                 out.append(res)
         return out
 

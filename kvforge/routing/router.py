@@ -67,6 +67,9 @@ _PENDING_CAP_BLOCKS: Final = 8192
 # How a request was matched (decides its weight on the affinity server).
 _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
 
+# Integers up to this size are floats exactly: sums of integral floats below it are exact.
+_EXACT: Final = 2.0**53
+
 
 class NoServerAvailableError(KvforgeError):
     """Every server is out of rotation (:meth:`ConversationRouter.set_server_available`); nothing was placed."""
@@ -327,6 +330,7 @@ class ConversationRouter(ServerMembership):
         self._events = config.use_cache_events
         guard = config.imbalance_guard
         self._cost_weight = guard.recompute_weight if isinstance(guard, CostGuard) else None
+        self._cost_integral = isinstance(guard, CostGuard) and float(guard.recompute_weight).is_integer()
         self._guard = guard if isinstance(guard, ImbalanceGuard) else None
         self._threshold = config.match_threshold
         self._specific_max = config.specific_max_conversations
@@ -439,6 +443,7 @@ class ConversationRouter(ServerMembership):
         for res in self._ledger.reservations():
             loads[res.server] += res.weight
         assert loads == self._ledger.loads, f"loads {self._ledger.loads} != reservations {loads}"
+        assert self._ledger.total == sum(loads), f"total {self._ledger.total} != loads {sum(loads)}"
         assert min(loads) >= 0, f"negative load {loads}"
         assert len(self._sessions) <= self._config.max_sessions
         named = 0
@@ -662,8 +667,10 @@ class ConversationRouter(ServerMembership):
         loads: list[float]
         if live and self._queues is not None:
             loads = self._backlogs(now)
+            int_loads = False
         else:
             loads = ledger._loads.copy()  # type: ignore[assignment]
+            int_loads = True  # (the ledger's integer loads; +inf out of rotation)
         if down:
             for i in down:  # out of rotation: loses every comparison
                 loads[i] = math.inf
@@ -768,7 +775,7 @@ class ConversationRouter(ServerMembership):
                 if events and not have_held:
                     held = self._cache_index.held_lengths(keys, ignore)
                     have_held = True
-                chosen = self._choose_by_cost(target, own_uncached, held, num_tokens, loads, cost_weight)
+                chosen = self._choose_by_cost(target, own_uncached, held, num_tokens, loads, cost_weight, int_loads)
         else:
             chosen = self._choose(target, own_uncached, held, have_held, ignore, keys, num_tokens, loads)
 
@@ -929,11 +936,13 @@ class ConversationRouter(ServerMembership):
         num_tokens: int,
         loads: list[float],
         weight: float,
+        int_loads: bool,
     ) -> int:
         """The server with the least ``backlog + weight * uncached`` (ties keep the affine server ``target``).
 
         ``own_uncached`` is what ``target`` would compute; every other server computes the prompt past its
-        ``held`` blocks (:meth:`_held_lengths`; None: the whole prompt).
+        ``held`` blocks (:meth:`_held_lengths`; None: the whole prompt). ``int_loads``: ``loads`` are the
+        ledger's integer loads (and +inf out of rotation), not backlogs.
         """
         own = 0.0 if target is None else loads[target] + weight * own_uncached
         # A server caching nothing would compute the whole prompt: ``extra`` is the same float as the general
@@ -946,9 +955,16 @@ class ConversationRouter(ServerMembership):
             ]
         else:
             # Every other server scores load + extra, none below min(loads) + extra (rounding keeps the order
-            # of sums with one constant term): an affine server at or below that keeps the request without the list.
-            if target is not None and not min(loads) + extra < own:
-                return target
+            # of sums with one constant term): an affine server at or below that keeps the request without the
+            # list. Backlogs are never negative, so min(loads) + extra >= extra: an affine server at or below
+            # ``extra`` keeps it without the minimum either.
+            if target is not None:
+                if not extra < own or not min(loads) + extra < own:
+                    return target
+            elif int_loads and self._cost_integral and self._ledger._total < _EXACT - extra:
+                # Every score load + extra is an exact integer (no load exceeds the total, and the sums stay
+                # below 2**53): the same order and the same ties as the loads themselves, so the same server.
+                return self._pick_min(loads)
             scores = [load + extra for load in loads]
         if target is None:
             return self._pick_min(scores)
@@ -966,8 +982,11 @@ class ConversationRouter(ServerMembership):
         r = self._rotor % len(values)
         m = min(values)
         best = values.index(m)
-        if best < r and m in (rest := values[r:]):
-            best = r + rest.index(m)
+        if best < r:
+            try:  # noqa: SIM105 (contextlib.suppress would cost a call and a context manager per decision)
+                best = values.index(m, r)
+            except ValueError:  # (none at or after the rotor: the first one stands)
+                pass
         self._rotor = best + 1
         return best
 
