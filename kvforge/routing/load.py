@@ -124,32 +124,34 @@ class LoadLedger:
             raise ValueError(f"now: expected a finite time in seconds, got {now!r}")
         return self._reserve(request_id, server, weight, now, payload)
 
-    def _reserve(
-        self,
-        request_id: Hashable,
-        server: int,
-        weight: int,
-        now: float,
-        payload: Any,
-        cls: type[Reservation] = Reservation,
-    ) -> Reservation:
-        """:meth:`reserve` unchecked; ``cls`` (a subclass of :class:`Reservation` with more slots, which the
-        caller fills) lets a router keep its own record of the placement in the reservation itself."""
+    def _reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any) -> Reservation:
+        """:meth:`reserve` with values the caller has checked."""
+        res = Reservation(request_id, server, weight, math.inf, 0, payload)
+        self._insert(res, now)
+        return res
+
+    def _insert(self, res: Reservation, now: float) -> None:
+        """Add a reservation the caller built (``request_id``, ``server``, ``weight`` and ``payload`` set, checked,
+        the id not in flight): its ``seq`` and ``deadline`` are set here. A router builds its own subclass of
+        :class:`Reservation`, so that one object is both the ledger's record and the router's."""
         seq = self._seq = self._seq + 1
+        res.seq = seq
+        request_id = res.request_id
+        self._live[request_id] = res
         ttl = self.ttl_s
         if ttl is None:
-            res = self._live[request_id] = cls(request_id, server, weight, math.inf, seq, payload)
+            res.deadline = math.inf
         else:
-            deadline = now + ttl
-            res = self._live[request_id] = cls(request_id, server, weight, deadline, seq, payload)
+            deadline = res.deadline = now + ttl
             heap = self._deadlines
             heappush(heap, (deadline, seq, request_id))
             if len(heap) > 2 * len(self._live) + 1024:
                 self._compact()
+        server = res.server
+        weight = res.weight
         self._loads[server] += weight
         self._counts[server] += 1
         self._total += weight
-        return res
 
     def release(self, request_id: Hashable) -> Reservation | None:
         """Remove a reservation and its load; None when it is unknown (never placed, finished or expired)."""

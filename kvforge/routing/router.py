@@ -67,6 +67,8 @@ _PENDING_CAP_BLOCKS: Final = 8192
 # How a request was matched (decides its weight on the affinity server).
 _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
 
+_new_object: Final = object.__new__
+
 # Integers up to this size are floats exactly: sums of integral floats below it are exact.
 _EXACT: Final = 2.0**53
 
@@ -213,7 +215,7 @@ class _Placement(Reservation):
     One object per placement (the ledger's record and the undo record at once). ``prev`` is the placement whose
     baseline this one replaced, kept only while it may still be needed: a finished or reclaimed placement drops
     it, so a chain only spans requests still in flight or failed. ``placed`` is when it was placed (the prefill
-    estimate's start). The ledger builds it with :class:`Reservation`'s fields; the router sets the rest at once.
+    estimate's start). The router builds it; the ledger sets its ``seq`` and ``deadline`` (``LoadLedger._insert``).
     """
 
     __slots__ = ("baseline_before", "failed", "handle", "placed", "prev")
@@ -817,12 +819,18 @@ class ConversationRouter(ServerMembership):
             stats.followed += followed
             if self._matching and stats.new_conversations % self._log_every == 0:
                 self._log_new_conversations()
-        res: _Placement = ledger._reserve(request_id, chosen, weight, now, None, _Placement)  # type: ignore[assignment]
+        # (Built field by field: calling the class runs the dataclass __init__, a frame and an argument tuple.)
+        res: _Placement = _new_object(_Placement)
+        res.request_id = request_id
+        res.server = chosen
+        res.weight = weight
+        res.payload = None
         res.handle = handle
         res.baseline_before = baseline_before
         res.prev = prev
         res.failed = False
         res.placed = now
+        ledger._insert(res, now)
         last[handle] = res
         queues = self._queues
         if queues is not None:
