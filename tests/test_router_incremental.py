@@ -9,9 +9,9 @@
 - The ledger's total load (kept by every reservation, release and expiry) against the sum of the live weights;
   ``BlockTrie.match_fields`` (one call for match + fields) and ``ServerPrefixIndex.held_lengths`` (None for all
   zeros) against the calls they stand for, after random updates, deferred ones included.
-- :class:`CostGuard`'s shortcuts (a new conversation picked among the integer loads when every score is an exact
-  integer; a known conversation kept without min(loads) when its score is at most the others' constant term)
-  against the scores computed in full, at loads up to and past 2**53.
+- The guards' shortcuts, against the scores computed in full at loads up to and past 2**53: a new conversation
+  picked among the integer loads when every score is an exact integer (CostGuard, ImbalanceGuard), and a
+  known conversation kept without min(loads) when its score is at most the others' constant term (CostGuard).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvforge.routing import (  # noqa: E402
     BlockTrie,
     ConversationRouter,
     CostGuard,
+    ImbalanceGuard,
     LoadLedger,
     RouteRequest,
     ServerPrefixIndex,
@@ -326,3 +327,31 @@ def test_cost_shortcuts_choose_what_the_full_scores_choose(
     r._rotor = rotor
     got = r._choose_by_cost(target, own_uncached, None, num_tokens, values, weight, True)
     assert got == want, (values, extra, target)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(load_values, min_size=1, max_size=9),
+    down=st.sets(st.integers(0, 8), max_size=3),
+    num_tokens=st.one_of(st.integers(0, 5000), st.sampled_from([2**53 - 7, 2**53 + 1, 2**70])),
+    rotor=st.integers(0, 30),
+    always=st.booleans(),
+)
+def test_guard_new_conversation_shortcut_chooses_what_the_backlogs_choose(
+    loads: list[int], down: set[int], num_tokens: int, rotor: int, always: bool
+) -> None:
+    n = len(loads)
+    down = {i for i in down if i < n}
+    if len(down) == n:
+        down.discard(0)
+    r = ConversationRouter(
+        [f"s{i}" for i in range(n)],
+        new_conversation_follow="always" if always else "specific",
+        use_cache_events=True,
+        imbalance_guard=ImbalanceGuard(),
+    )
+    values: list[float] = [math.inf if i in down else v for i, v in enumerate(loads)]  # type: ignore[misc]
+    want = _pick_min_reference([v + num_tokens for v in values], rotor)
+    r._rotor = rotor
+    # No affine server, nothing cached anywhere (the lengths looked up: None).
+    assert r._choose(None, 0, None, True, 0, (1, 2), num_tokens, values, True) == want

@@ -779,7 +779,7 @@ class ConversationRouter(ServerMembership):
                     have_held = True
                 chosen = self._choose_by_cost(target, own_uncached, held, num_tokens, loads, cost_weight, int_loads)
         else:
-            chosen = self._choose(target, own_uncached, held, have_held, ignore, keys, num_tokens, loads)
+            chosen = self._choose(target, own_uncached, held, have_held, ignore, keys, num_tokens, loads, int_loads)
 
         # ---- Its weight, the baseline a failure restores, the session and the reservation.
         always = self._always
@@ -895,10 +895,12 @@ class ConversationRouter(ServerMembership):
         keys: tuple[Any, ...],
         num_tokens: int,
         loads: list[float],
+        int_loads: bool,
     ) -> int:
         """The server for this request without a :class:`CostGuard` (with one: :meth:`_choose_by_cost`).
 
         ``held`` is :meth:`_held_lengths`'s answer when ``have_held``, else looked up here if needed.
+        ``int_loads``: ``loads`` are the ledger's integer loads (and +inf out of rotation), not backlogs.
         """
         guard = self._guard
         if target is not None and guard is None:
@@ -919,6 +921,9 @@ class ConversationRouter(ServerMembership):
         if varying and held is not None:
             tpb = self._tpb
             backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, held)]
+        elif target is None and int_loads:
+            # Integer loads plus one integer: exact sums, so the same order and ties as the loads themselves.
+            return self._pick_min(loads)
         else:
             backlog = list(map(add, loads, repeat(num_tokens)))
         if target is None:
