@@ -32,7 +32,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import append_csv
 from bench.bench_router_latency import _KEY_SPACE, BLOCKS, CONFIGS, SERVERS, TPB
 from kvforge.kvcache.events import BlockStored
 from kvforge.routing import ConversationRouter, RouteRequest
@@ -139,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
             )
     if not args.no_csv:
+        from bench._common import append_csv  # (imports torch, which valgrind's child need not load)
+
         print(f"rows appended to {append_csv('router_instructions', rows)}")
     return 0
 

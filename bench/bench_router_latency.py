@@ -40,7 +40,6 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import append_csv
 from kvforge.kvcache.events import BlockRemoved, BlockStored
 from kvforge.routing import ConversationRouter, CostGuard, ImbalanceGuard, RouteRequest
 
@@ -270,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += run_config(name, args.sessions, args.decisions, args.freeze)
         gc.collect()
     if not args.no_csv:
+        from bench._common import append_csv  # (imports torch: kept out of bench_router_instructions' child)
+
         print(f"rows appended to {append_csv('router_latency', rows)}")
     return 0
 

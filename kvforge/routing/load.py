@@ -65,6 +65,7 @@ class LoadLedger:
         self.ttl_s = ttl_s
         self._loads = [0] * num_servers
         self._counts = [0] * num_servers
+        self._total = 0  # sum(_loads), kept by every reservation and release (a bound on every load)
         self._live: dict[Hashable, Reservation] = {}
         # (deadline, seq, request_id); entries of released requests stay until they surface (lazy deletion).
         self._deadlines: list[tuple[float, int, Hashable]] = []
@@ -83,6 +84,11 @@ class LoadLedger:
 
     def load(self, server: int) -> int:
         return self._loads[server]
+
+    @property
+    def total(self) -> int:
+        """The load of every server together."""
+        return self._total
 
     @property
     def num_servers(self) -> int:
@@ -119,20 +125,33 @@ class LoadLedger:
         return self._reserve(request_id, server, weight, now, payload)
 
     def _reserve(self, request_id: Hashable, server: int, weight: int, now: float, payload: Any) -> Reservation:
+        """:meth:`reserve` with values the caller has checked."""
+        res = Reservation(request_id, server, weight, math.inf, 0, payload)
+        self._insert(res, now)
+        return res
+
+    def _insert(self, res: Reservation, now: float) -> None:
+        """Add a reservation the caller built (``request_id``, ``server``, ``weight`` and ``payload`` set, checked,
+        the id not in flight): its ``seq`` and ``deadline`` are set here. A router builds its own subclass of
+        :class:`Reservation`, so that one object is both the ledger's record and the router's."""
         seq = self._seq = self._seq + 1
+        res.seq = seq
+        request_id = res.request_id
+        self._live[request_id] = res
         ttl = self.ttl_s
         if ttl is None:
-            res = self._live[request_id] = Reservation(request_id, server, weight, math.inf, seq, payload)
+            res.deadline = math.inf
         else:
-            deadline = now + ttl
-            res = self._live[request_id] = Reservation(request_id, server, weight, deadline, seq, payload)
+            deadline = res.deadline = now + ttl
             heap = self._deadlines
             heappush(heap, (deadline, seq, request_id))
             if len(heap) > 2 * len(self._live) + 1024:
                 self._compact()
+        server = res.server
+        weight = res.weight
         self._loads[server] += weight
         self._counts[server] += 1
-        return res
+        self._total += weight
 
     def release(self, request_id: Hashable) -> Reservation | None:
         """Remove a reservation and its load; None when it is unknown (never placed, finished or expired)."""
@@ -140,6 +159,7 @@ class LoadLedger:
         if res is not None:
             self._loads[res.server] -= res.weight
             self._counts[res.server] -= 1
+            self._total -= res.weight
             heap = self._deadlines
             # Drop up to two released entries from the top: while requests finish roughly in order, the heap
             # stays near the live set, and no placement has to rebuild it (freeing ~1,000 entries at once).
@@ -172,6 +192,7 @@ class LoadLedger:
                 del self._live[request_id]
                 self._loads[res.server] -= res.weight
                 self._counts[res.server] -= 1
+                self._total -= res.weight
                 out.append(res)
         return out
 

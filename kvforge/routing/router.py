@@ -67,6 +67,11 @@ _PENDING_CAP_BLOCKS: Final = 8192
 # How a request was matched (decides its weight on the affinity server).
 _NEW, _FOLLOWED, _KNOWN = 0, 1, 2
 
+_new_object: Final = object.__new__
+
+# Integers up to this size are floats exactly: sums of integral floats below it are exact.
+_EXACT: Final = 2.0**53
+
 
 class NoServerAvailableError(KvforgeError):
     """Every server is out of rotation (:meth:`ConversationRouter.set_server_available`); nothing was placed."""
@@ -204,57 +209,32 @@ class RouterStats:
     evicted_sessions: int = 0
 
 
-class _Placement:
-    """Undo information a reservation carries so a failure can restore its conversation's baseline.
+class _Placement(Reservation):
+    """A reservation with the undo information a failure needs to restore its conversation's baseline.
 
-    ``prev`` is the placement whose baseline this one replaced, kept only while it may still be needed: a
-    finished or reclaimed placement drops it, so a chain only spans requests still in flight or failed.
+    One object per placement (the ledger's record and the undo record at once). ``prev`` is the placement whose
+    baseline this one replaced, kept only while it may still be needed: a finished or reclaimed placement drops
+    it, so a chain only spans requests still in flight or failed. ``placed`` is when it was placed (the prefill
+    estimate's start). The router builds it; the ledger sets its ``seq`` and ``deadline`` (``LoadLedger._insert``).
     """
 
-    __slots__ = ("baseline_before", "failed", "handle", "prev")
+    __slots__ = ("baseline_before", "failed", "handle", "placed", "prev")
 
-    def __init__(self, handle: int, baseline_before: int, prev: _Placement | None) -> None:
-        self.handle = handle  # the session's integer handle: a reference back would make a garbage cycle
-        self.baseline_before = baseline_before
-        self.prev = prev
-        self.failed = False
+    handle: int  # the session's integer handle: a reference back would make a garbage cycle
+    baseline_before: int
+    prev: _Placement | None
+    failed: bool
+    placed: float
 
 
 # A session is a tuple of atoms, (handle, server, keys, baseline), so that the cyclic garbage collector stops
-# tracking it after one young collection: 100,000 session objects made full collections pause decisions.
+# tracking it after one young collection: 100,000 session objects made full collections pause decisions. An
+# anonymous conversation is keyed by its handle; a named one by its id, with handle -> id in ``_key_of``.
 _H: Final = 0
 _SRV: Final = 1
 _KEYS: Final = 2
 _BASE: Final = 3
 _Sess = tuple[int, int, tuple[Any, ...], int]
-
-
-class _Decision:
-    """What matching found for one request (its kind, affine server, cached lengths), read by the choice."""
-
-    __slots__ = (
-        "cached",
-        "common_blocks",
-        "key",
-        "keys",
-        "kind",
-        "known_base",
-        "session",
-        "target",
-        "target_cached_blocks",
-    )
-
-    def __init__(self, keys: tuple[Any, ...]) -> None:
-        self.keys = keys
-        self.kind = _NEW
-        self.key: Hashable = None  # the known session's key
-        self.session: _Sess | None = None
-        self.target: int | None = None
-        self.target_cached_blocks = 0
-        self.known_base = 0
-        self.common_blocks = 0
-        # Per server, the leading blocks its cache events say it holds: computed on first use (see _held).
-        self.cached: list[int] | None = None
 
 
 def _finite_time(t: object) -> float:
@@ -352,18 +332,26 @@ class ConversationRouter(ServerMembership):
         self._events = config.use_cache_events
         guard = config.imbalance_guard
         self._cost_weight = guard.recompute_weight if isinstance(guard, CostGuard) else None
+        self._cost_integral = isinstance(guard, CostGuard) and float(guard.recompute_weight).is_integer()
+        self._guard = guard if isinstance(guard, ImbalanceGuard) else None
+        self._threshold = config.match_threshold
+        self._specific_max = config.specific_max_conversations
+        self._min_blocks = config.new_conversation_min_match_blocks
+        self._max_sessions = config.max_sessions
+        self._log_every = config.log_every_new_conversations
         self._rate = config.prefill_tokens_per_s
         self.stats = RouterStats()
         self._lock = threading.Lock()
         self._clock = clock
         self._ledger = LoadLedger(len(self.servers), config.request_ttl_s)
-        # key -> (handle, server, keys, baseline), least recent first; handle -> key for trie owners.
+        # key -> (handle, server, keys, baseline), least recent first (an anonymous conversation's key is its
+        # handle); handle -> id for the named ones (a trie owner's session is sessions[_key_of.get(h, h)]).
         self._sessions: OrderedDict[Hashable, _Sess] = OrderedDict()
         # Keyed by str ids and int handles alike: made general now, since a table of str keys alone is rebuilt
         # the first time an anonymous conversation arrives (about 20 ms at 100,000 sessions, inside a decision).
         self._sessions[-1] = (-1, -1, (), 0)
         del self._sessions[-1]
-        self._key_of: dict[int, Hashable] = {}
+        self._key_of: dict[int, str] = {}
         # handle -> the session's latest placement, only while it is in flight (or failed and rolled onto).
         self._last: dict[int, _Placement] = {}
         self._trie = BlockTrie()
@@ -376,7 +364,7 @@ class ConversationRouter(ServerMembership):
         # Per server, its reservations in placement order (finished ones are skipped when they reach the
         # front) and when its latest request left: what the prefill-progress estimate needs.
         n = len(self.servers)
-        self._queues: list[deque[tuple[Reservation, float]]] | None = (
+        self._queues: list[deque[_Placement]] | None = (
             [deque() for _ in range(n)] if config.prefill_tokens_per_s is not None else None
         )
         self._last_release = [float("-inf")] * n
@@ -443,9 +431,9 @@ class ConversationRouter(ServerMembership):
                 # The front of each queue is live, and its weight and start are those recorded for the server.
                 head = (0, math.inf)
                 if q:
-                    res, placed = q[0]
-                    assert self._ledger.get(res.request_id) is res, f"server {i}: a finished request at the front"
-                    head = (res.weight, max(placed, self._last_release[i]))
+                    front = q[0]
+                    assert self._ledger.get(front.request_id) is front, f"server {i}: a finished request at the front"
+                    head = (front.weight, max(front.placed, self._last_release[i]))
                 assert (self._head_weight[i], self._head_start[i]) == head, f"server {i}: head {head} not recorded"
         assert self._retired <= self._down and all(0 <= i < n for i in self._down)
         members = tuple(s for i, s in enumerate(self._slot_server) if i not in self._retired)
@@ -457,15 +445,24 @@ class ConversationRouter(ServerMembership):
         for res in self._ledger.reservations():
             loads[res.server] += res.weight
         assert loads == self._ledger.loads, f"loads {self._ledger.loads} != reservations {loads}"
+        assert self._ledger.total == sum(loads), f"total {self._ledger.total} != loads {sum(loads)}"
         assert min(loads) >= 0, f"negative load {loads}"
         assert len(self._sessions) <= self._config.max_sessions
-        assert len(self._key_of) == len(self._sessions), "session handles and sessions differ"
+        named = 0
         refs: dict[Hashable, int] = {}
         for key, s in self._sessions.items():
-            assert self._key_of.get(s[_H]) == key, f"session {key!r}: handle {s[_H]} maps elsewhere"
+            if key.__class__ is int:
+                assert key == s[_H], f"anonymous session {key!r} holds handle {s[_H]}"
+            else:
+                assert isinstance(key, str), f"session key {key!r}: expected an id or a handle"
+                named += 1
+            assert self._key_of.get(s[_H], s[_H]) == key, f"session {key!r}: handle {s[_H]} maps elsewhere"
             for h in s[_KEYS]:
                 refs[h] = refs.get(h, 0) + 1
-        assert set(self._last) <= set(self._key_of), "a placement is kept for a session that is gone"
+        assert len(self._key_of) == named, "named sessions and their handles differ"
+        for h in self._last:
+            kept = self._sessions.get(self._key_of.get(h, h))
+            assert kept is not None and kept[_H] == h, f"a placement is kept for session handle {h}, which is gone"
         self._trie.sanity_check()
         assert self._trie.pending_removals <= self._pending_cap, "queued trie removals above the cap"
         assert len(refs) == len(self._trie), f"trie holds {len(self._trie)} blocks, sessions {len(refs)}"
@@ -502,8 +499,12 @@ class ConversationRouter(ServerMembership):
             if not isinstance(request, RouteRequest):
                 raise TypeError(f"request: expected a RouteRequest, got {type(request).__name__}")
             keys, num_tokens = request_content(request, self._tpb, self._config.chars_per_token)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (what ``with`` does, at half its cost)
+        try:
             return self._slot_server[self._place(request.request_id, request.conversation_id, keys, num_tokens)]
+        finally:
+            lock.release()
 
     def routing_key(self, request: RouteRequest) -> RoutingKey:
         """What a coordinator forwards: ``{conversation_id, num_tokens}`` (tokens, text estimated) + block keys."""
@@ -545,7 +546,7 @@ class ConversationRouter(ServerMembership):
         self._last_release[res.server] = now
         if self._queues is not None:
             self._advance_head(res.server)
-        undo: _Placement = res.payload
+        undo: _Placement = res  # type: ignore[assignment]
         last = self._last
         if success:
             undo.prev = None
@@ -555,7 +556,7 @@ class ConversationRouter(ServerMembership):
         self.stats.failed += 1
         undo.failed = True
         if last.get(undo.handle) is undo:
-            key = self._key_of[undo.handle]
+            key = self._key_of.get(undo.handle, undo.handle)
             # Roll back past every failed placement at the head of the chain: their prompts were never
             # cached. A failure of an older placement, superseded by a newer one, leaves the baseline alone.
             q = undo
@@ -585,7 +586,7 @@ class ConversationRouter(ServerMembership):
             return 0
         last = self._last
         for res in expired:
-            undo: _Placement = res.payload
+            undo: _Placement = res  # type: ignore[assignment]
             undo.prev = None
             if last.get(undo.handle) is undo:
                 del last[undo.handle]
@@ -649,6 +650,8 @@ class ConversationRouter(ServerMembership):
     # ---------------------------------------------------------------- core
 
     def _place(self, request_id: Hashable, conv: str | None, keys: tuple[Any, ...], num_tokens: int) -> int:
+        # One function, its state in locals: a decision is a few microseconds, and each call or record it made
+        # (a match record, lookups of the cached lengths through a helper) cost a tenth of one.
         down = self._down
         if down and len(down) == len(self._slot_server):
             raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
@@ -656,74 +659,191 @@ class ConversationRouter(ServerMembership):
         if now.__class__ is not float or now - now != 0.0:  # (the common case costs no call)
             now = _finite_time(now)
         ledger = self._ledger
-        # (The ledger's own fields, read in place: a decision is a few microseconds, a call a tenth of one.)
+        # (The ledger's own fields, read in place.)
         deadlines = ledger._deadlines
         if deadlines and deadlines[0][0] <= now:
             self._reclaim(now)
-        if request_id in ledger._live:
+        live = ledger._live
+        if request_id in live:
             raise RequestInFlightError(f"request {request_id!r} is already in flight; finish it before reusing its id")
-        loads: list[float] = ledger._loads.copy() if self._queues is None else self._backlogs(now)  # type: ignore[assignment]
+        loads: list[float]
+        if live and self._queues is not None:
+            loads = self._backlogs(now)
+            int_loads = False
+        else:
+            loads = ledger._loads.copy()  # type: ignore[assignment]
+            int_loads = True  # (the ledger's integer loads; +inf out of rotation)
         if down:
             for i in down:  # out of rotation: loses every comparison
                 loads[i] = math.inf
-        d = self._match(conv, keys, loads)
-        if down and d.target in down:
+
+        # ---- What the request continues: a known session (by id, or by its leading blocks), a prefix, nothing.
+        sessions = self._sessions
+        stats = self.stats
+        tpb = self._tpb
+        events = self._events
+        # Servers out of rotation cache nothing a new placement could use: their held lengths read 0.
+        down_mask = 0
+        if down and events:
+            for i in down:
+                down_mask |= 1 << i
+        key: Hashable = conv
+        session = None if conv is None else sessions.get(conv)
+        kind = _NEW
+        target: int | None = None  # the affine server
+        own_base = 0  # the prompt tokens the affine server caches, as far as the router knows
+        common = 0  # a known session's leading blocks this prompt still shares
+        # Per server, the leading blocks its cache events say it holds; None when no server (outside ``ignore``)
+        # holds the first one, i.e. every length 0. Looked up once, on first use (``have_held``): a decision that
+        # keeps its affine server within an ImbalanceGuard's bound never needs it.
+        held: list[int] | None = None
+        have_held = False
+        if session is not None:
+            stats.sticky += 1
+        else:
+            # The longest run of the prompt's leading blocks the router remembers, and its last block's node.
+            matched, refs, owner, node_server = self._trie.match_fields(keys)
+            # A prefix held by a few conversations says where a request belongs; so does one held by less than
+            # one server's share of the session table (a document some conversations share). One in more than
+            # that share (a system prompt in front of everything) does not: following it would pile everyone
+            # onto one server, and every server soon caches it anyway.
+            if (
+                conv is None
+                and matched
+                and matched >= self._threshold * len(keys)
+                and (refs <= self._specific_max or refs * len(self.servers) <= len(sessions))
+            ):
+                key = self._key_of.get(owner, owner)
+                session = sessions.get(key)
+                if session is not None:
+                    stats.implicit += 1
+            if session is None and self._matching:
+                min_blocks = self._min_blocks
+                if matched >= min_blocks and (
+                    refs <= self._specific_max or (self._always and refs * len(self.servers) <= len(sessions))
+                ):
+                    owner_session = sessions.get(self._key_of.get(owner, owner))
+                    kind = _FOLLOWED
+                    target = owner_session[_SRV] if owner_session is not None else node_server
+                    own_base = matched * tpb
+                if events and (kind == _FOLLOWED or self._always):
+                    held = self._cache_index.held_lengths(keys, down_mask)
+                    have_held = True
+                    # (A prefix cached nowhere for the minimum length cannot be followed: skip the search.)
+                    if held is not None and max(held) >= min_blocks:
+                        # The servers' own events beat the router's memory: follow where the prefix is actually
+                        # cached, and among servers caching equally much (a preamble held everywhere), the least
+                        # loaded.
+                        best = _most_cached(held, loads)
+                        have = held[best]
+                        if have >= min_blocks and (
+                            target is None or (have, -loads[best]) > (held[target], -loads[target])
+                        ):
+                            kind = _FOLLOWED
+                            target = best
+                            own_base = have * tpb
+        if session is not None:
+            kind = _KNOWN
+            target = session[_SRV]
+            old = session[_KEYS]
+            n = len(old)
+            common = n if len(keys) >= n and keys[:n] == old else self._common_blocks(old, keys)
+            # An edited history (the prompt no longer extends the previous one) is only cached up to the fork.
+            own_base = session[_BASE] if common == n else min(session[_BASE], common * tpb)
+        if down and target in down:
             # Its server left rotation: the conversation is placed afresh (and sticks to where it lands).
-            d.target = None
-            if d.kind == _FOLLOWED:
-                d.kind = _NEW
+            target = None
+            if kind == _FOLLOWED:
+                kind = _NEW
+        # The prompt tokens the affine server would compute: a known conversation's growth (at least a block),
+        # else the prompt past the followed prefix.
+        # (Conditional expressions where min() and max() of two ints would cost a call each; same values.)
+        own_uncached = 0
+        if target is not None:
+            own_uncached = num_tokens - own_base
+            floor = tpb if kind == _KNOWN else 0
+            if own_uncached < floor:
+                own_uncached = floor
+        # A known conversation's own server is weighed by its growth, never by ``held``: its entry is left at 0
+        # (and the lookup stops once no other server still matches).
+        ignore = down_mask | (1 << target) if kind == _KNOWN and target is not None else down_mask
+
+        # ---- The server.
         cost_weight = self._cost_weight
         if cost_weight is not None:
-            chosen = self._choose_by_cost(d, num_tokens, loads, cost_weight)
-        else:
-            chosen = self._choose(d, num_tokens, loads)
-        weight = self._uncached(d, chosen, num_tokens) if self._always else num_tokens
-        if d.kind == _KNOWN:
-            s = d.session
-            assert s is not None
-            if chosen == s[_SRV]:
-                baseline_before = s[_BASE]
+            if target is None and not events:
+                chosen = self._pick_min(loads)  # every server would compute the whole prompt
             else:
-                held = self._held(d)
-                baseline_before = held[chosen] * self._tpb if held is not None else 0
-            handle, _, old, _ = s
-            undo = _Placement(handle, baseline_before, self._last.get(handle))
+                if events and not have_held:
+                    held = self._cache_index.held_lengths(keys, ignore)
+                    have_held = True
+                chosen = self._choose_by_cost(target, own_uncached, held, num_tokens, loads, cost_weight, int_loads)
+        else:
+            chosen = self._choose(target, own_uncached, held, have_held, ignore, keys, num_tokens, loads, int_loads)
+
+        # ---- Its weight, the baseline a failure restores, the session and the reservation.
+        always = self._always
+        if chosen == target:
+            weight = own_uncached if always else num_tokens
+            chosen_held = 0  # (unused: the affine server's baseline is its own)
+        else:
+            if events and not have_held:
+                held = self._cache_index.held_lengths(keys, ignore)
+            chosen_held = 0 if held is None else held[chosen]
+            weight = num_tokens
+            if always:
+                weight = num_tokens - chosen_held * tpb
+                if weight < 0:
+                    weight = 0
+        last = self._last
+        if kind == _KNOWN:
+            assert session is not None
+            handle, _, old, old_base = session
+            baseline_before = old_base if chosen == target else chosen_held * tpb
+            prev = last.get(handle)
             # The session now holds this prompt: the trie trades its blocks past the common run for the new ones.
-            common = d.common_blocks
             if common < len(old):
                 self._trie.remove(old[common:])
             if common < len(keys):
                 self._trie._add(keys[common:], handle, chosen)
-            sessions = self._sessions
-            sessions[d.key] = (handle, chosen, keys, num_tokens)
-            sessions.move_to_end(d.key)
+            sessions[key] = (handle, chosen, keys, num_tokens)
+            sessions.move_to_end(key)
         else:
-            followed = d.kind == _FOLLOWED and chosen == d.target
-            if followed:
-                baseline_before = d.target_cached_blocks * self._tpb
-            else:
-                held = self._held(d)
-                baseline_before = held[chosen] * self._tpb if held is not None else 0
+            followed = kind == _FOLLOWED and chosen == target
+            baseline_before = own_base if followed else chosen_held * tpb
+            if baseline_before > num_tokens:
+                baseline_before = num_tokens
+            prev = None
             handle = self._new_session(conv, chosen, keys, num_tokens)
-            undo = _Placement(handle, min(baseline_before, num_tokens), None)
-            st = self.stats
-            st.new_conversations += 1
-            st.followed += followed
-            if self._matching and st.new_conversations % self._config.log_every_new_conversations == 0:
+            stats.new_conversations += 1
+            stats.followed += followed
+            if self._matching and stats.new_conversations % self._log_every == 0:
                 self._log_new_conversations()
-        self._last[handle] = undo
-        res = ledger._reserve(request_id, chosen, weight, now, undo)
+        # (Built field by field: calling the class runs the dataclass __init__, a frame and an argument tuple.)
+        res: _Placement = _new_object(_Placement)
+        res.request_id = request_id
+        res.server = chosen
+        res.weight = weight
+        res.payload = None
+        res.handle = handle
+        res.baseline_before = baseline_before
+        res.prev = prev
+        res.failed = False
+        res.placed = now
+        ledger._insert(res, now)
+        last[handle] = res
         queues = self._queues
         if queues is not None:
             q = queues[chosen]
             if not q:  # the server's oldest in-flight request now
                 self._head_weight[chosen] = weight
-                self._head_start[chosen] = max(now, self._last_release[chosen])
-            q.append((res, now))
-            if len(q) > 64 and len(q) > 2 * ledger.in_flight(chosen) + 64:
+                released = self._last_release[chosen]
+                self._head_start[chosen] = released if released > now else now
+            q.append(res)
+            if len(q) > 64 and len(q) > 2 * ledger._counts[chosen] + 64:
                 # A request stuck at the front (no time-to-live) would keep every later, finished one queued.
-                queues[chosen] = deque(e for e in q if ledger.get(e[0].request_id) is e[0])
-        self.stats.routed += 1
+                queues[chosen] = deque(e for e in q if live.get(e.request_id) is e)
+        stats.routed += 1
         return chosen
 
     def _backlogs(self, now: float) -> list[float]:
@@ -745,178 +865,120 @@ class ConversationRouter(ServerMembership):
         assert self._queues is not None
         q = self._queues[server]
         live = self._ledger._live
-        while q and live.get(q[0][0].request_id) is not q[0][0]:
+        while q and live.get(q[0].request_id) is not q[0]:
             q.popleft()
         if q:
-            head, placed = q[0]
+            head = q[0]
             self._head_weight[server] = head.weight
-            self._head_start[server] = max(placed, self._last_release[server])
+            self._head_start[server] = max(head.placed, self._last_release[server])
         else:
             self._head_weight[server] = 0
             self._head_start[server] = math.inf
 
-    def _distinctive(self, refs: int) -> bool:
-        """Whether a prefix held by ``refs`` session positions says where a request belongs.
+    def _held_lengths(self, keys: tuple[Any, ...], ignore: int) -> list[int] | None:
+        """Per server, the leading blocks of ``keys`` its cache events say it holds, or None when every one is
+        0. Servers in ``ignore`` (a bitmask) and out of rotation (they cache nothing a new placement could use)
+        read 0. The index does not change during a decision, so when this is called does not matter."""
+        down = self._down
+        if down:
+            for i in down:
+                ignore |= 1 << i
+        return self._cache_index.held_lengths(keys, ignore)
 
-        A prefix held by a few conversations does; so does one held by less than one server's share of the
-        session table (a document some conversations share). A prefix in more than that share (a system
-        prompt in front of everything) does not: following it would pile everyone onto one server, and every
-        server soon caches it anyway.
+    def _choose(
+        self,
+        target: int | None,
+        own_uncached: int,
+        held: list[int] | None,
+        have_held: bool,
+        ignore: int,
+        keys: tuple[Any, ...],
+        num_tokens: int,
+        loads: list[float],
+        int_loads: bool,
+    ) -> int:
+        """The server for this request without a :class:`CostGuard` (with one: :meth:`_choose_by_cost`).
+
+        ``held`` is :meth:`_held_lengths`'s answer when ``have_held``, else looked up here if needed.
+        ``int_loads``: ``loads`` are the ledger's integer loads (and +inf out of rotation), not backlogs.
         """
-        return refs <= self._config.specific_max_conversations or refs * len(self.servers) <= len(self._sessions)
-
-    def _match(self, conv: str | None, keys: tuple[Any, ...], loads: list[float]) -> _Decision:
-        d = _Decision(keys)
-        key: Hashable = conv
-        session = self._sessions.get(conv) if conv is not None else None
-        if session is not None:
-            self.stats.sticky += 1
-        else:
-            matched = self._trie.match(keys)
-            if conv is None and matched and matched >= self._config.match_threshold * len(keys):
-                node = self._trie.fields(keys[matched - 1])
-                assert node is not None
-                if self._distinctive(node[0]):
-                    key = self._key_of.get(node[1])
-                    session = None if key is None else self._sessions.get(key)
-                    if session is not None:
-                        self.stats.implicit += 1
-            if session is None:
-                self._match_new(d, keys, matched, loads)
-                return d
-        d.kind = _KNOWN
-        d.key = key
-        d.session = session
-        d.target = session[_SRV]
-        old = session[_KEYS]
-        n = len(old)
-        k = n if len(keys) >= n and keys[:n] == old else self._common_blocks(old, keys)
-        d.common_blocks = k
-        # An edited history (the prompt no longer extends the previous one) is only cached up to the fork.
-        d.known_base = session[_BASE] if k == n else min(session[_BASE], k * self._tpb)
-        return d
-
-    def _match_new(self, d: _Decision, keys: tuple[Any, ...], matched: int, loads: list[float]) -> None:
-        if not self._matching:
-            return
-        cfg = self._config
-        min_blocks = cfg.new_conversation_min_match_blocks
-        if matched >= min_blocks:
-            node = self._trie.fields(keys[matched - 1])
-            assert node is not None
-            refs, owner_handle, node_server = node
-            if refs <= cfg.specific_max_conversations or (self._always and self._distinctive(refs)):
-                owner_key = self._key_of.get(owner_handle)
-                owner = None if owner_key is None else self._sessions.get(owner_key)
-                d.kind = _FOLLOWED
-                d.target = owner[_SRV] if owner is not None else node_server
-                d.target_cached_blocks = matched
-        cached = self._held(d) if self._events and (d.kind == _FOLLOWED or self._always) else None
-        # (A prefix cached nowhere for the minimum length cannot be followed: skip the search.)
-        if cached is not None and any(cached) and max(cached) >= min_blocks:
-            # The servers' own events beat the router's memory: follow where the prefix is actually cached,
-            # and among servers caching equally much (a preamble held everywhere), the least loaded.
-            best = _most_cached(cached, loads)
-            have = cached[best]
-            if have >= min_blocks and (d.target is None or (have, -loads[best]) > (cached[d.target], -loads[d.target])):
-                d.kind = _FOLLOWED
-                d.target = best
-                d.target_cached_blocks = have
-
-    def _held(self, d: _Decision) -> list[int] | None:
-        """Per server, the leading blocks of the request its cache events say it holds (None without events).
-
-        Looked up on first use only: a decision that keeps its affine server within the guard's bound never
-        needs it (the index does not change during a decision, so when it is read does not matter). A known
-        conversation's own server is weighed by the conversation's growth, never by this list, so its entry is
-        left at 0 (the lookups stop once no other server still matches).
-        """
-        held = d.cached
-        if held is None and self._events:
-            own = 1 << d.target if d.kind == _KNOWN and d.target is not None else 0
-            held = d.cached = self._cache_index.match_lengths(d.keys, own)
-            if self._down:
-                for i in self._down:  # a server out of rotation caches nothing a new placement could use
-                    held[i] = 0
-        return held
-
-    def _weight(self, d: _Decision, server: int, num_tokens: int) -> int:
-        if not self._always:
-            return num_tokens
-        return self._uncached(d, server, num_tokens)
-
-    def _uncached(self, d: _Decision, server: int, num_tokens: int) -> int:
-        """The prompt tokens ``server`` would compute for this request, as far as the router knows."""
-        if server == d.target:
-            if d.kind == _KNOWN:
-                return max(num_tokens - d.known_base, self._tpb)
-            return max(num_tokens - d.target_cached_blocks * self._tpb, 0)
-        held = self._held(d)
-        if held is not None:
-            return max(num_tokens - held[server] * self._tpb, 0)
-        return num_tokens
-
-    def _choose(self, d: _Decision, num_tokens: int, loads: list[float]) -> int:
-        """The server for this request without a :class:`CostGuard` (with one: :meth:`_choose_by_cost`)."""
-        guard = self._config.imbalance_guard
-        if d.target is not None and guard is None:
-            return d.target
-        assert not isinstance(guard, CostGuard)
+        guard = self._guard
+        if target is not None and guard is None:
+            return target
         varying = self._always and self._events
-        if d.target is None and not varying:
+        if target is None and not varying:
             return self._pick_min(loads)
-        if d.target is not None:
+        own_weight = own_uncached if self._always else num_tokens
+        if target is not None:
             assert guard is not None
             # Every backlog below is at least its server's load, so the guard's bound is at least this one: an
             # affine server within it keeps the request without the per-server backlogs (the same answer).
-            if loads[d.target] + self._weight(d, d.target, num_tokens) <= guard.limit(min(loads)):
-                return d.target
-        if varying:
+            if loads[target] + own_weight <= guard.limit(min(loads)):
+                return target
+        if varying and not have_held:
+            held = self._held_lengths(keys, ignore)
+            have_held = True
+        if varying and held is not None:
             tpb = self._tpb
-            cached = self._held(d)
-            assert cached is not None
-            if any(cached):
-                backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, cached)]
-            else:
-                backlog = list(map(add, loads, repeat(num_tokens)))
+            backlog = [load + max(num_tokens - c * tpb, 0) for load, c in zip(loads, held)]
+        elif target is None and int_loads:
+            # Integer loads plus one integer: exact sums, so the same order and ties as the loads themselves.
+            return self._pick_min(loads)
         else:
             backlog = list(map(add, loads, repeat(num_tokens)))
-        if d.target is not None:
-            backlog[d.target] = loads[d.target] + self._weight(d, d.target, num_tokens)
-        if d.target is None:
+        if target is None:
             return self._pick_min(backlog)
         assert guard is not None
+        backlog[target] = loads[target] + own_weight
         limit = guard.limit(min(backlog))
-        if backlog[d.target] <= limit:
-            return d.target
+        if backlog[target] <= limit:
+            return target
         self.stats.guard_moves += 1
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
-        held = self._held(d)
+        if self._events and not have_held:
+            held = self._held_lengths(keys, ignore)
         if held is not None:
             return _most_cached_near(near, held, backlog)
-        return min(near, key=backlog.__getitem__)
+        return min(near, key=backlog.__getitem__)  # (what _most_cached_near gives when nothing is held)
 
-    def _choose_by_cost(self, d: _Decision, num_tokens: int, loads: list[float], weight: float) -> int:
-        target = d.target
-        if target is None and not self._events:
-            return self._pick_min(loads)  # every server would compute the whole prompt
-        # What _uncached gives every server but the affine one, computed in one pass.
-        cached = self._held(d)
-        own = 0.0 if target is None else loads[target] + weight * self._uncached(d, target, num_tokens)
+    def _choose_by_cost(
+        self,
+        target: int | None,
+        own_uncached: int,
+        held: list[int] | None,
+        num_tokens: int,
+        loads: list[float],
+        weight: float,
+        int_loads: bool,
+    ) -> int:
+        """The server with the least ``backlog + weight * uncached`` (ties keep the affine server ``target``).
+
+        ``own_uncached`` is what ``target`` would compute; every other server computes the prompt past its
+        ``held`` blocks (:meth:`_held_lengths`; None: the whole prompt). ``int_loads``: ``loads`` are the
+        ledger's integer loads (and +inf out of rotation), not backlogs.
+        """
+        own = 0.0 if target is None else loads[target] + weight * own_uncached
         # A server caching nothing would compute the whole prompt: ``extra`` is the same float as the general
         # term with a count of 0, without a max() per server.
         extra = weight * num_tokens
-        if cached is not None and any(cached):
+        if held is not None:
             tpb = self._tpb
             scores = [
-                load + (extra if c == 0 else weight * max(num_tokens - c * tpb, 0)) for load, c in zip(loads, cached)
+                load + (extra if c == 0 else weight * max(num_tokens - c * tpb, 0)) for load, c in zip(loads, held)
             ]
         else:
             # Every other server scores load + extra, none below min(loads) + extra (rounding keeps the order
-            # of sums with one constant term): an affine server at or below that keeps the request without the list.
-            if target is not None and not min(loads) + extra < own:
-                return target
-            scores = list(map(add, loads, repeat(extra)))  # (load + extra per server, at C speed)
+            # of sums with one constant term): an affine server at or below that keeps the request without the
+            # list. Backlogs are never negative, so min(loads) + extra >= extra: an affine server at or below
+            # ``extra`` keeps it without the minimum either.
+            if target is not None:
+                if not extra < own or not min(loads) + extra < own:
+                    return target
+            elif int_loads and self._cost_integral and self._ledger._total < _EXACT - extra:
+                # Every score load + extra is an exact integer (no load exceeds the total, and the sums stay
+                # below 2**53): the same order and the same ties as the loads themselves, so the same server.
+                return self._pick_min(loads)
+            scores = [load + extra for load in loads]
         if target is None:
             return self._pick_min(scores)
         scores[target] = own
@@ -933,8 +995,11 @@ class ConversationRouter(ServerMembership):
         r = self._rotor % len(values)
         m = min(values)
         best = values.index(m)
-        if best < r and m in (rest := values[r:]):
-            best = r + rest.index(m)
+        if best < r:
+            try:  # noqa: SIM105 (contextlib.suppress would cost a call and a context manager per decision)
+                best = values.index(m, r)
+            except ValueError:  # (none at or after the rotor: the first one stands)
+                pass
         self._rotor = best + 1
         return best
 
@@ -956,19 +1021,23 @@ class ConversationRouter(ServerMembership):
 
     def _new_session(self, conv: str | None, server: int, keys: tuple[Any, ...], baseline: int) -> int:
         handle = next(self._handles)
-        key: Hashable = conv if conv is not None else handle
         sessions = self._sessions
-        sessions[key] = (handle, server, keys, baseline)
-        self._key_of[handle] = key
+        if conv is None:
+            sessions[handle] = (handle, server, keys, baseline)
+        else:
+            sessions[conv] = (handle, server, keys, baseline)
+            self._key_of[handle] = conv
         trie = self._trie
         trie._add(keys, handle, server)
-        limit = self._config.max_sessions
-        while len(sessions) > limit:
-            _, old = sessions.popitem(False)  # (the least recent; positional: no keyword parsing)
-            trie.remove_deferred(old[_KEYS])  # answers change now; the dict work waits for a finish
-            del self._key_of[old[_H]]
-            self._last.pop(old[_H], None)
-            self.stats.evicted_sessions += 1
+        if len(sessions) > self._max_sessions:
+            limit = self._max_sessions
+            while len(sessions) > limit:
+                old_key, old = sessions.popitem(False)  # (the least recent; positional: no keyword parsing)
+                trie.remove_deferred(old[_KEYS])  # answers change now; the dict work waits for a finish
+                if old_key.__class__ is not int:  # (a named conversation: ids are str, handles int)
+                    del self._key_of[old[_H]]
+                self._last.pop(old[_H], None)
+                self.stats.evicted_sessions += 1
         if trie._queued > self._pending_cap:
             trie.drain(trie._queued - self._pending_cap)
         return handle

@@ -26,6 +26,7 @@ __all__ = ["BlockTrie", "ServerPrefixIndex", "TrieNode"]
 _FIELD = 32  # bits of refs and of server in a packed node
 _MASK = (1 << _FIELD) - 1
 _RECENT_CAP = 4096  # recent additions folded in by add itself beyond this many keys
+_NO_MATCH = (0, 0, 0, 0)
 
 
 class TrieNode(NamedTuple):
@@ -156,6 +157,43 @@ class BlockTrie:
                 hi = mid
         return lo
 
+    def match_fields(self, keys: Sequence[Hashable]) -> tuple[int, int, int, int]:
+        """``(matched, refs, owner, server)``: :meth:`match`, and :meth:`fields` of the last matched block
+        (zeros when nothing matches), in one call (the router's hot path)."""
+        if self._queued or self._recent:
+            m = self.match(keys)
+            if not m:
+                return _NO_MATCH
+            f = self.fields(keys[m - 1])
+            assert f is not None
+            return (m, *f)
+        # Nothing deferred: the node dict alone answers (the same search as match's).
+        nodes = self._nodes
+        n = len(keys)
+        if n == 0 or keys[0] not in nodes:  # (a new conversation: one lookup, nothing else)
+            return _NO_MATCH
+        v = nodes.get(keys[n - 1])
+        if v is not None:
+            m = n
+        elif n == 2:
+            m = 1
+            v = nodes[keys[0]]
+        else:
+            v = nodes.get(keys[n - 2])
+            if v is not None:
+                m = n - 1
+            else:
+                lo, hi = 1, n - 2  # keys[lo - 1] held, keys[hi] not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if keys[mid] in nodes:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                m = lo
+                v = nodes[keys[m - 1]]
+        return m, v & _MASK, v >> (2 * _FIELD), (v >> _FIELD) & _MASK
+
     def node(self, key: Hashable) -> TrieNode | None:
         if self._queued or self._recent:
             self._pending_counts()
@@ -194,7 +232,15 @@ class BlockTrie:
         first = tag | 1
         # (Combined with its node on every read and folded in by drain; a node whose references are all queued
         # for removal is logically absent, and adding to it gives the fields of a fresh node.)
-        if len(keys) > 2 and recent.keys().isdisjoint(keys):
+        if not recent:
+            # Nothing pending (finishes fold the additions in): the keys become the dict of recent additions
+            # themselves, built at C speed; a key listed more than once takes one reference per position.
+            recent = self._recent = dict.fromkeys(keys, first)
+            if len(recent) != len(keys):
+                for k, n in Counter(keys).items():
+                    if n > 1:
+                        recent[k] = tag | n
+        elif len(keys) > 2 and recent.keys().isdisjoint(keys):
             # None of them recently added (a new conversation): one reference each, stored at C speed; a key
             # listed more than once takes one reference per position.
             before = len(recent)
@@ -404,6 +450,13 @@ class ServerPrefixIndex:
             self._mask[h] = m
         else:
             del self._mask[h]
+
+    def held_lengths(self, keys: Sequence[Hashable], ignore: int = 0) -> list[int] | None:
+        """:meth:`match_lengths`, or None when no server outside ``ignore`` holds the first block (every length
+        0): one lookup for a prompt no other server caches, without building the list."""
+        if not keys or not self._mask.get(keys[0], 0) & ~ignore & self._all:
+            return None
+        return self.match_lengths(keys, ignore)
 
     def match_lengths(self, keys: Sequence[Hashable], ignore: int = 0) -> list[int]:
         """Per server, the number of leading blocks of ``keys`` it holds (one pass for all servers).
