@@ -99,3 +99,15 @@ def multi_turn(
             extra = random_prompt(rng, rng.randrange(*follow), vocab)
             history[c] = [*history[c], *eng.outputs[f"c{c}t{t}"], *extra]
     return prompts
+
+
+def pick_min_reference(values: list[float], rotor: int) -> int:
+    """The router's rotating argmin, written as a plain loop: scan from ``rotor`` (wrapping around) and keep the
+    first strictly smaller value."""
+    n = len(values)
+    best = rotor % n
+    for j in range(1, n):
+        s = (rotor + j) % n
+        if values[s] < values[best]:
+            best = s
+    return best

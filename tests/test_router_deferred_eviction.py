@@ -21,6 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kvforge.kvcache.events import BlockStored  # noqa: E402
 from kvforge.routing import BlockTrie, ConversationRouter, CostGuard, ImbalanceGuard, RouteRequest  # noqa: E402
 from kvforge.routing.load import LoadLedger  # noqa: E402
+from tests.helpers import pick_min_reference  # noqa: E402
 
 ALPHABET = range(12)
 
@@ -271,17 +272,6 @@ def test_ledger_heap_stays_near_the_live_set_when_requests_finish_in_order() -> 
     assert ledger.loads == [0, 0]
 
 
-def _pick_min_loop(values: list[float], rotor: int) -> int:
-    """The reference: scan from the rotor, wrapping around, keeping the first strictly smaller value."""
-    n = len(values)
-    best = rotor % n
-    for j in range(1, n):
-        s = (rotor + j) % n
-        if values[s] < values[best]:
-            best = s
-    return best
-
-
 @settings(max_examples=500, deadline=None)
 @given(
     values=st.lists(st.sampled_from([0, 0.0, -0.0, 1, 1.0, 2.5, float("inf"), 1e16, 1e16 + 2]), min_size=1, max_size=9),
@@ -290,5 +280,5 @@ def _pick_min_loop(values: list[float], rotor: int) -> int:
 def test_pick_min_takes_the_first_minimum_from_the_rotor(values: list[float], rotor: int) -> None:
     r = ConversationRouter(["a"])
     r._rotor = rotor
-    assert r._pick_min(list(values)) == _pick_min_loop(values, rotor)
-    assert r._rotor == _pick_min_loop(values, rotor) + 1
+    assert r._pick_min(list(values)) == pick_min_reference(values, rotor)
+    assert r._rotor == pick_min_reference(values, rotor) + 1

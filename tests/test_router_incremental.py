@@ -34,6 +34,7 @@ from kvforge.routing import (  # noqa: E402
     RouteRequest,
     ServerPrefixIndex,
 )
+from tests.helpers import pick_min_reference  # noqa: E402
 
 TPB = 4
 
@@ -265,16 +266,6 @@ def test_held_lengths_is_match_lengths_or_none_when_all_zero(ops: list[tuple], p
                     assert full[s] == n
 
 
-def _pick_min_reference(values: list[float], rotor: int) -> int:
-    n = len(values)
-    best = rotor % n
-    for j in range(1, n):
-        s = (rotor + j) % n
-        if values[s] < values[best]:
-            best = s
-    return best
-
-
 big = 2**53
 load_values = st.one_of(
     st.integers(0, 40),
@@ -318,7 +309,7 @@ def test_cost_shortcuts_choose_what_the_full_scores_choose(
     extra = weight * num_tokens
     scores = [v + extra for v in values]
     if target is None:
-        want = _pick_min_reference(scores, rotor)
+        want = pick_min_reference(scores, rotor)
     else:
         own = values[target] + weight * own_uncached
         scores[target] = own
@@ -351,7 +342,7 @@ def test_guard_new_conversation_shortcut_chooses_what_the_backlogs_choose(
         imbalance_guard=ImbalanceGuard(),
     )
     values: list[float] = [math.inf if i in down else v for i, v in enumerate(loads)]  # type: ignore[misc]
-    want = _pick_min_reference([v + num_tokens for v in values], rotor)
+    want = pick_min_reference([v + num_tokens for v in values], rotor)
     r._rotor = rotor
     # No affine server, nothing cached anywhere (the lengths looked up: None).
     assert r._choose(None, 0, None, True, 0, (1, 2), num_tokens, values, True) == want
