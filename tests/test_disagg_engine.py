@@ -5,7 +5,9 @@ the MLA latent pages, the drafter's latent pages and the KDA states (live state 
 snapshot points) with ``KVSender``. Rank 1 receives them with ``KVReceiver`` into a fresh cache, commits the
 prompt (snapshots from the staging rows) and continues decoding with the drafter; its greedy outputs must equal
 those of a single engine that serves the same prompts alone. Rank 1 then checks that a later prompt sharing
-the first one's prefix reuses the transferred snapshots (its logits against the plain forward pass).
+the first one's prefix reuses the transferred snapshots (its logits against the plain forward pass). With the
+planted copy head (``copy_offset``), whose greedy tokens are decisive, the handed-off decode must also equal the
+plain forward pass's greedy continuation.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ def _config():
     return EngineConfig(snapshot_interval=16)
 
 
-def disagg_world(rank: int, world: int) -> dict:
+def disagg_world(rank: int, world: int, copy_offset: int = 0) -> dict:
     import torch.distributed as dist
 
     from kvforge.disagg.transceiver import KVReceiver, KVSender
     from kvforge.disagg.transport import TorchDistTransport
-    from kvforge.engine import Engine, HybridModel, reference_logits, tiny
+    from kvforge.engine import Engine, HybridModel, reference_greedy, reference_logits, tiny
     from kvforge.engine.disagg import (
         engine_layers,
         engine_rank_info,
@@ -46,7 +48,9 @@ def disagg_world(rank: int, world: int) -> dict:
     )
 
     transport = TorchDistTransport()
-    model = HybridModel(tiny())
+    # copy_offset > 0: the planted copy head (peaked logits), whose greedy tokens are decisive, so the handed-off
+    # decode must also equal the plain forward pass's greedy continuation exactly.
+    model = HybridModel(tiny(copy_offset=copy_offset, hidden_size=128) if copy_offset else tiny())
     prompts = _prompts()
     out: dict = {}
     if rank == 0:
@@ -97,17 +101,22 @@ def disagg_world(rank: int, world: int) -> dict:
         import torch
 
         rows = torch.cat(gen.logits[9])
-        out["later_err"] = float((rows - ref[len(later) - 1 : len(later) - 1 + rows.shape[0]]).abs().max())
+        ref_rows = ref[len(later) - 1 : len(later) - 1 + rows.shape[0]]
+        out["later_err"] = float((rows - ref_rows).abs().max())
+        out["later_std"] = float(ref_rows.std())
         out["reused_tokens"] = gen.manager.stats.reused_tokens
         single = Engine(model, _config(), draft_len=1)
         out["single"] = single.generate(dict(prompts), NEW_TOKENS)
+        if copy_offset:
+            out["reference"] = {rid: reference_greedy(model, p, NEW_TOKENS) for rid, p in prompts.items()}
     dist.barrier()
     return out
 
 
 @pytest.mark.timeout(280)
-def test_context_to_generation_engine_over_gloo() -> None:
-    results = run_world(disagg_world, 2, timeout_s=260, env_overrides=CPU_ONLY)
+@pytest.mark.parametrize("copy_offset", [0, 7], ids=["random", "planted"])
+def test_context_to_generation_engine_over_gloo(copy_offset: int) -> None:
+    results = run_world(disagg_world, 2, args=(copy_offset,), timeout_s=260, env_overrides=CPU_ONLY)
     for r in results:
         assert r.reported, f"rank {r.rank}: exit {r.exitcode}\n{r.error}"
     ctx, gen = results[0].value, results[1].value
@@ -115,7 +124,11 @@ def test_context_to_generation_engine_over_gloo() -> None:
     assert gen["received"] == [1, 2]
     assert all(n >= 2 for n in ctx["state_pages"]), ctx["state_pages"]  # live state + at least one snapshot
     assert gen["disagg"] == gen["single"], (gen["disagg"], gen["single"])
+    if copy_offset:  # decisive greedy tokens: the plain forward pass's continuation, exactly
+        assert gen["disagg"] == gen["reference"], (gen["disagg"], gen["reference"])
     assert all(len(v) == NEW_TOKENS for v in gen["disagg"].values())
     assert gen["snapshots"] >= 2
     assert gen["reused_tokens"] >= 32
-    assert gen["later_err"] <= 0.3
+    # FP8 context attention: the random model's measured error is about 0.05-0.1 at logit std 4; the planted model's
+    # logits are peaked (std ~8) and its error is held to the share tests/test_engine.py uses for it.
+    assert gen["later_err"] <= (0.15 * gen["later_std"] if copy_offset else 0.3), (gen["later_err"], gen["later_std"])
