@@ -183,17 +183,24 @@ class Runner:
             counts = [rows[i].n for i in gen]
             n, ng = max(counts), sum(counts)
             idx = state_idx[: len(gen)].long()
-            # Rows of one step may verify different token counts (a request one token from its limit gets no
-            # draft): shorter rows repeat their last token up to the longest; the states after the repeats are
-            # never selected (acceptance picks the state after an accepted token) and their outputs are dropped.
-            first = [0]
-            for cnt in counts[:-1]:
-                first.append(first[-1] + cnt)
-            pad = torch.tensor([[f + min(t, cnt - 1) for t in range(n)] for f, cnt in zip(first, counts)])
-            real = torch.tensor([[t < cnt for t in range(n)] for cnt in counts])
-            pad, real = pad.to(h.device), real.to(h.device)
-            o, after = kda_tokens(q[pad], k[pad], v[pad], g[pad], beta[pad], pool[idx])
-            out[:ng] = o[real].to(out.dtype)  # row-major: the rows' real tokens in their flat order
+            if min(counts) == n:  # every row verifies the same count (the usual step): views, no gathers
+                qs, ks, vs, gs, bs = (x[:ng].reshape(len(gen), n, *x.shape[1:]) for x in (q, k, v, g, beta))
+                o, after = kda_tokens(qs, ks, vs, gs, bs, pool[idx])
+                out[:ng] = o.reshape(ng, *o.shape[2:]).to(out.dtype)
+            else:
+                # A request one token from its limit gets no draft, so rows may verify different counts: shorter
+                # rows repeat their last token up to the longest; the states after the repeats are never
+                # selected (acceptance picks the state after an accepted token) and their outputs are dropped.
+                # Integer indices throughout: a boolean mask would make the host wait for the device.
+                first = [0]
+                for cnt in counts[:-1]:
+                    first.append(first[-1] + cnt)
+                pad = [[f + min(t, cnt - 1) for t in range(n)] for f, cnt in zip(first, counts)]
+                keep = [r * n + t for r, cnt in enumerate(counts) for t in range(cnt)]
+                pad_t = torch.tensor(pad, device=h.device)
+                keep_t = torch.tensor(keep, device=h.device)
+                o, after = kda_tokens(q[pad_t], k[pad_t], v[pad_t], g[pad_t], beta[pad_t], pool[idx])
+                out[:ng] = o.reshape(-1, *o.shape[2:])[keep_t].to(out.dtype)  # the real tokens, in flat order
             if n == 1:
                 pool[idx] = after[0]
             else:
