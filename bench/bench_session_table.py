@@ -36,6 +36,7 @@ if __package__ in (None, ""):
 
 GET, TOUCH, INSERT, UPDATE = 0, 1, 2, 3  # read only; read + rewrite + most recent; new key (+ evict); rewrite
 Op = tuple[int, Hashable]
+_ONLY_DRAWN = 40_000  # operations drawn in --only mode (about half of each kind)
 
 
 def _zero() -> int:
@@ -184,6 +185,77 @@ def drive_sharded(
     return log, times
 
 
+def drive_sharded_heads(
+    capacity: int,
+    fill: Sequence[Hashable],
+    ops: Sequence[Op],
+    shards: int,
+    clock: Callable[[], int] = _zero,
+    keep: list | None = None,
+) -> tuple[list[object], list[int]]:
+    """The candidate with a list of exact head stamps instead of the heap: a touch of a shard's head refreshes
+    its entry; an eviction takes the shard at the least head stamp (``min`` and ``list.index``, at C speed)."""
+    if shards < 1 or shards & (shards - 1):
+        raise ValueError(f"shards: expected a power of two, got {shards!r}")
+    mask = shards - 1
+    table: list[OrderedDict[Hashable, tuple]] = [OrderedDict() for _ in range(shards)]
+    for t in table:
+        t[-1] = ()
+        del t[-1]
+    inf = float("inf")
+    head = [inf] * shards  # per shard, its least recent entry's stamp (inf: empty)
+    tick = 0
+    size = 0
+    log: list[object] = []
+    times: list[int] = []
+    first = len(fill)
+    for j, (code, k) in enumerate([(INSERT, k) for k in fill] + list(ops)):
+        t0 = clock()
+        if code == INSERT:
+            si = hash(k) & mask
+            t = table[si]
+            if not t:
+                head[si] = tick
+            t[k] = (0, 0, tick) if j >= first else (j, 0, tick)
+            tick += 1
+            size += 1
+            while size > capacity:
+                si = head.index(min(head))
+                t = table[si]
+                log.append(t.popitem(False)[0])
+                if t:
+                    for hk in t:  # noqa: B007
+                        break
+                    head[si] = t[hk][-1]
+                else:
+                    head[si] = inf
+                size -= 1
+        else:
+            si = hash(k) & mask
+            t = table[si]
+            s = t.get(k)
+            if code == GET:
+                log.append(None if s is None else s[:-1])
+            elif s is not None:
+                if code == TOUCH:
+                    t[k] = (s[0], s[1] + 1, tick)
+                    tick += 1
+                    t.move_to_end(k)
+                    if s[2] == head[si]:  # it was the shard's head: the next one is
+                        for hk in t:  # noqa: B007
+                            break
+                        head[si] = t[hk][-1]
+                else:
+                    t[k] = (s[0], s[1] + 1, s[2])
+        if j >= first:
+            times.append(clock() - t0)
+    if keep is not None:
+        keep += (table, head)
+        return log, times
+    log.append([k for _, k in sorted((v[-1], k) for t in table for k, v in t.items())])
+    return log, times
+
+
 def drive_dict(
     capacity: int,
     fill: Sequence[Hashable],
@@ -261,7 +333,7 @@ def report(name: str, times: list[int], per_entry: float, full_ms: float) -> Non
     ts = sorted(times)
     n = len(ts)
     print(
-        f"{name:<16}{ts[-1] / 1e6:>9.2f}{ts[int(0.999 * n)] / 1e3:>10.1f}{ts[int(0.99 * n)] / 1e3:>8.1f}"
+        f"{name:<18}{ts[-1] / 1e6:>9.2f}{ts[int(0.999 * n)] / 1e3:>10.1f}{ts[int(0.99 * n)] / 1e3:>8.1f}"
         f"{ts[n // 2] / 1e3:>8.2f}{sum(ts) / n / 1e3:>8.2f}{sum(t > 1_000_000 for t in ts):>7}{per_entry:>9.0f}"
         f"{full_ms:>11.1f}"
     )
@@ -275,7 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--gc", action="store_true", help="leave the garbage collector on while timing")
     ap.add_argument("--only", choices=["touch", "insert"], help="no timing: run --ops/2 such operations once")
-    ap.add_argument("--table", choices=["od", "sharded"], default="od", help="with --only (sharded: --shards[0])")
+    ap.add_argument(
+        "--table", choices=["od", "sharded", "heads"], default="od", help="with --only (shards: --shards[0])"
+    )
     args = ap.parse_args(argv)
     if (
         args.sessions < 1
@@ -285,54 +359,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         ap.error("--sessions, --ops: positive counts; --shards: powers of two")
 
-    fill, ops = make_ops(args.sessions, args.ops, args.seed)
     if args.only is not None:
-        # Instruction counting (run under valgrind, once with --ops 0): one table, one kind of operation.
+        # Instruction counting (run under valgrind twice, with --ops N and --ops 0, the same operations drawn
+        # either way): one table, the first N/2 operations of one kind.
         code = TOUCH if args.only == "touch" else INSERT
+        fill, ops = make_ops(args.sessions, 2 * _ONLY_DRAWN, args.seed)
         picked = [op for op in ops if op[0] == code][: args.ops // 2]
         if args.table == "od":
             drive_od(args.sessions, fill, picked)
-        else:
+        elif args.table == "sharded":
             drive_sharded(args.sessions, fill, picked, args.shards[0])
+        else:
+            drive_sharded_heads(args.sessions, fill, picked, args.shards[0])
         print(f"{args.table} {args.only}: {len(picked)} operations")
         return 0
+    size = args.sessions
+    fill = make_ops(size, 0, args.seed)[0]
+    # The tables filled, nothing else alive but the fill keys: bytes per entry and a full collection's time.
+    builders: dict[str, Callable[[list], object]] = {"OrderedDict": lambda h: drive_od(size, fill, [], _zero, h)}
+    for s in args.shards:
+        builders[f"{s} shards, heap"] = lambda h, s=s: drive_sharded(size, fill, [], s, _zero, h)
+        builders[f"{s} shards, heads"] = lambda h, s=s: drive_sharded_heads(size, fill, [], s, _zero, h)
+    builders["dict (no order)"] = lambda h: drive_dict(size, fill, [], _zero, h)
+    memory = {name: (_bytes_per_entry(b, size), _full_collection_ms(b)) for name, b in builders.items()}
+    fill, ops = make_ops(size, args.ops, args.seed)
     print(
-        f"python {sys.version.split()[0]}, {args.sessions} sessions, {args.ops} operations (half new), "
+        f"python {sys.version.split()[0]}, {size} sessions, {args.ops} operations (half new), "
         f"gc {'on' if args.gc else 'off'}, load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
     )
     print(
-        f"{'table':<16}{'max ms':>9}{'p99.9 µs':>10}{'p99 µs':>8}{'med µs':>8}{'mean µs':>8}{'>1ms':>7}{'B/entry':>9}"
+        f"{'table':<18}{'max ms':>9}{'p99.9 µs':>10}{'p99 µs':>8}{'med µs':>8}{'mean µs':>8}{'>1ms':>7}{'B/entry':>9}"
         f"{'full gc ms':>11}"
     )
     clock = time.perf_counter_ns
     if not args.gc:
         gc.disable()
-    ref_log, times = drive_od(args.sessions, fill, ops, clock)
-    size = args.sessions
-
-    def build_od(h: list) -> object:
-        return drive_od(size, fill, [], _zero, h)
-
-    report("OrderedDict", times, _bytes_per_entry(build_od, size), _full_collection_ms(build_od))
+    ref_log, times = drive_od(size, fill, ops, clock)
+    report("OrderedDict", times, *memory["OrderedDict"])
     for s in args.shards:
-        log, times = drive_sharded(size, fill, ops, s, clock)
-        if log != ref_log:
-            print(f"shards={s}: the reads or the eviction order differ from the OrderedDict's: not reported")
-            continue
-
-        def build(h: list, s: int = s) -> object:
-            return drive_sharded(size, fill, [], s, _zero, h)
-
-        report(f"{s} shards", times, _bytes_per_entry(build, size), _full_collection_ms(build))
+        for name, drive in ((f"{s} shards, heap", drive_sharded), (f"{s} shards, heads", drive_sharded_heads)):
+            log, times = drive(size, fill, ops, s, clock)
+            if log != ref_log:
+                print(f"{name}: the reads or the eviction order differ from the OrderedDict's: not reported")
+                continue
+            report(name, times, *memory[name])
+        del log
     # The plain dict is given the keys the OrderedDict evicted, in its order.
     evicted = iter(ref_log)
     dict_ops = [(code, k, next(evicted)) if code == INSERT else (code, k) for code, k in ops]
     _, times = drive_dict(size, fill, dict_ops, clock)  # type: ignore[arg-type]
-
-    def build_dict(h: list) -> object:
-        return drive_dict(size, fill, [], _zero, h)
-
-    report("dict (no order)", times, _bytes_per_entry(build_dict, size), _full_collection_ms(build_dict))
+    report("dict (no order)", times, *memory["dict (no order)"])
     gc.enable()
     return 0
 

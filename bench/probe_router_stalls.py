@@ -1,6 +1,6 @@
-"""Where a routing decision's rare multi-millisecond stalls come from, at 100,000 sessions (gc on, no freeze).
+"""Where a routing decision's rare multi-millisecond stalls come from, at 100,000 sessions (gc on).
 
-    python bench/probe_router_stalls.py [--config specific] [--sessions 100000] [--new 200000] [--slow-ms 2]
+    python bench/probe_router_stalls.py [--config specific] [--sessions 100000] [--new 200000] [--slow-ms 2] [--freeze]
 
 Fills a router as ``bench_router_latency.py`` does (``--sessions`` conversations with ids, 8 blocks each), runs
 its ``known`` and ``known-no-id`` paths (20,000 decisions each), then ``--new`` new anonymous conversations (so
@@ -8,7 +8,8 @@ several rebuild points of the big dicts are crossed), each ``route`` followed by
 path: max, p99.9, p99 and median wall µs of ``route`` and of ``finish``; then every call slower than
 ``--slow-ms`` with its likely cause: the garbage-collector generations that ran inside it (a ``gc.callbacks``
 hook) and the router's dicts whose allocation changed during it (``sys.getsizeof``: a rebuild of the hash
-table). A call slow with neither is the machine (another process on the cores) or an unlisted cause.
+table). ``--freeze`` calls ``gc.freeze()`` after the fill, as a server would after warm-up. A call slow with
+neither is the machine (another process on the cores) or an unlisted cause.
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--known", type=int, default=20_000)
     ap.add_argument("--new", type=int, default=200_000)
     ap.add_argument("--slow-ms", type=float, default=2.0)
+    ap.add_argument("--freeze", action="store_true", help="gc.freeze() after filling the table")
     args = ap.parse_args(argv)
     if min(args.sessions, args.new) < 1 or args.known < 0 or not args.slow_ms > 0:
         ap.error("positive counts and threshold expected")
     gc.enable()
-    print(f"python {sys.version.split()[0]}, gc thresholds {gc.get_threshold()}, config {args.config}, ")
-    print(f"{args.sessions} sessions, load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"python {sys.version.split()[0]}, gc thresholds {gc.get_threshold()}, freeze={args.freeze}, "
+        f"config {args.config}, {args.sessions} sessions, "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     router, keys = fill(args.config, args.sessions, seed=1)
+    if args.freeze:
+        gc.freeze()
     rng = random.Random(2)
     n = args.sessions
 
@@ -128,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(line)
     finally:
         gc.callbacks.remove(on_gc)
+    if args.freeze:
+        gc.unfreeze()
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

@@ -9,7 +9,16 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.bench_session_table import GET, INSERT, TOUCH, UPDATE, drive_od, drive_sharded, make_ops
+from bench.bench_session_table import (
+    GET,
+    INSERT,
+    TOUCH,
+    UPDATE,
+    drive_od,
+    drive_sharded,
+    drive_sharded_heads,
+    make_ops,
+)
 
 
 def _sequence(fill_n: int, steps: list[tuple[int, int]]) -> tuple[list[object], list[tuple[int, object]]]:
@@ -40,7 +49,9 @@ def test_sharded_table_is_the_ordered_dict_lru(
     capacity: int, fill_n: int, shards: int, steps: list[tuple[int, int]]
 ) -> None:
     fill, ops = _sequence(fill_n, steps)
-    assert drive_sharded(capacity, fill, ops, shards)[0] == drive_od(capacity, fill, ops)[0]
+    ref = drive_od(capacity, fill, ops)[0]
+    assert drive_sharded(capacity, fill, ops, shards)[0] == ref
+    assert drive_sharded_heads(capacity, fill, ops, shards)[0] == ref
 
 
 def test_sharded_table_at_size() -> None:
@@ -50,10 +61,12 @@ def test_sharded_table_at_size() -> None:
     assert len(ref) > 1000  # (reads None for evicted keys, evicted keys, final order): the log is not trivial
     for shards in (1, 4, 16, 64):
         assert drive_sharded(500, fill, ops, shards)[0] == ref
+        assert drive_sharded_heads(500, fill, ops, shards)[0] == ref
 
 
 def test_sharded_table_rejects_a_shard_count_that_is_not_a_power_of_two() -> None:
     import pytest
 
-    with pytest.raises(ValueError, match="shards"):
-        drive_sharded(4, [], [], 3)
+    for drive in (drive_sharded, drive_sharded_heads):
+        with pytest.raises(ValueError, match="shards"):
+            drive(4, [], [], 3)
