@@ -875,16 +875,6 @@ class ConversationRouter(ServerMembership):
             self._head_weight[server] = 0
             self._head_start[server] = math.inf
 
-    def _held_lengths(self, keys: tuple[Any, ...], ignore: int) -> list[int] | None:
-        """Per server, the leading blocks of ``keys`` its cache events say it holds, or None when every one is
-        0. Servers in ``ignore`` (a bitmask) and out of rotation (they cache nothing a new placement could use)
-        read 0. The index does not change during a decision, so when this is called does not matter."""
-        down = self._down
-        if down:
-            for i in down:
-                ignore |= 1 << i
-        return self._cache_index.held_lengths(keys, ignore)
-
     def _choose(
         self,
         target: int | None,
@@ -899,7 +889,8 @@ class ConversationRouter(ServerMembership):
     ) -> int:
         """The server for this request without a :class:`CostGuard` (with one: :meth:`_choose_by_cost`).
 
-        ``held`` is :meth:`_held_lengths`'s answer when ``have_held``, else looked up here if needed.
+        ``held`` is the cache index's ``held_lengths(keys, ignore)`` when ``have_held``, else looked up here if
+        needed; ``ignore`` already holds the servers out of rotation when events are on (``_place``'s mask).
         ``int_loads``: ``loads`` are the ledger's integer loads (and +inf out of rotation), not backlogs.
         """
         guard = self._guard
@@ -916,7 +907,7 @@ class ConversationRouter(ServerMembership):
             if loads[target] + own_weight <= guard.limit(min(loads)):
                 return target
         if varying and not have_held:
-            held = self._held_lengths(keys, ignore)
+            held = self._cache_index.held_lengths(keys, ignore)
             have_held = True
         if varying and held is not None:
             tpb = self._tpb
@@ -936,7 +927,7 @@ class ConversationRouter(ServerMembership):
         self.stats.guard_moves += 1
         near = [s for s in range(len(backlog)) if backlog[s] <= limit]
         if self._events and not have_held:
-            held = self._held_lengths(keys, ignore)
+            held = self._cache_index.held_lengths(keys, ignore)
         if held is not None:
             return _most_cached_near(near, held, backlog)
         return min(near, key=backlog.__getitem__)  # (what _most_cached_near gives when nothing is held)
@@ -954,7 +945,7 @@ class ConversationRouter(ServerMembership):
         """The server with the least ``backlog + weight * uncached`` (ties keep the affine server ``target``).
 
         ``own_uncached`` is what ``target`` would compute; every other server computes the prompt past its
-        ``held`` blocks (:meth:`_held_lengths`; None: the whole prompt). ``int_loads``: ``loads`` are the
+        ``held`` blocks (the cache index's ``held_lengths``; None: the whole prompt). ``int_loads``: ``loads`` are the
         ledger's integer loads (and +inf out of rotation), not backlogs.
         """
         own = 0.0 if target is None else loads[target] + weight * own_uncached
