@@ -111,3 +111,17 @@ def pick_min_reference(values: list[float], rotor: int) -> int:
         if values[s] < values[best]:
             best = s
     return best
+
+
+def engine_rows_and_reference(model: Any, eng: Any, rid: Any, prompt: list[int]) -> tuple:
+    """A finished request's recorded logits rows next to the plain forward pass's at the same positions (teacher
+    forced on the engine's tokens): ``(emitted tokens, engine rows, reference rows, the reference's drafter
+    logits [T - 1, V] or None)``; row i predicted ``tokens[i]``."""
+    from kvforge.engine import reference_logits
+
+    out = eng.outputs[rid]
+    rows = torch.cat(eng.logits[rid])
+    assert rows.shape[0] == len(out), (rid, rows.shape, len(out))
+    ref, ref_draft = reference_logits(model, [*prompt, *out])
+    p = len(prompt)
+    return out, rows, ref[p - 1 : p - 1 + len(out)], ref_draft

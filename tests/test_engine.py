@@ -26,7 +26,7 @@ import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, reference_logits, tiny
 from kvforge.engine.numerics import compare_logits, component_errors
-from tests.helpers import multi_turn, random_prompt
+from tests.helpers import engine_rows_and_reference, multi_turn, random_prompt
 
 LOGIT_ATOL = 0.3
 PLANTED_BOUND = 0.15
@@ -69,12 +69,8 @@ def check_against_reference(model: HybridModel, eng: Engine, prompts: dict, *, c
     ties = 0
     planted = model.config.copy_offset > 0
     for rid, prompt in prompts.items():
-        out = eng.outputs[rid]
-        rows = torch.cat(eng.logits[rid])
-        assert rows.shape[0] == len(out), (rid, rows.shape, len(out))
-        ref, ref_draft = reference_logits(model, [*prompt, *out])
+        out, rows, ref_rows, ref_draft = engine_rows_and_reference(model, eng, rid, prompt)
         p = len(prompt)
-        ref_rows = ref[p - 1 : p - 1 + len(out)]
         bound = PLANTED_BOUND * float(ref_rows.std()) if planted else LOGIT_ATOL
         chk = compare_logits(rows, ref_rows, out, bound)
         assert chk.ok, f"{rid}: {chk.summary()}; differing tokens not at a near tie: {chk.unexcused}"
@@ -83,7 +79,7 @@ def check_against_reference(model: HybridModel, eng: Engine, prompts: dict, *, c
         ties += chk.excused
         if check_drafts and eng.draft_logits[rid]:
             # The draft proposed after the last emitted token of the prefill: drafter logits at position p - 1.
-            first = eng.draft_logits[rid][0].to(ref.device)
+            first = eng.draft_logits[rid][0].to(ref_rows.device)
             assert ref_draft is not None
             derr = (first - ref_draft[p - 1]).abs().max().item()
             assert derr <= bound, f"{rid}: drafter logits differ by {derr:.4f} (bound {bound})"

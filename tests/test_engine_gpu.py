@@ -23,11 +23,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits
+from kvforge.engine import Engine, EngineConfig, HybridModel, real
 from kvforge.engine.numerics import LogitCheck, compare_logits, component_errors
-from tests.helpers import multi_turn, random_prompt
+from tests.helpers import engine_rows_and_reference, multi_turn, random_prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -80,12 +79,7 @@ def _conversations(eng: Engine, seed: int, **kw) -> dict:
 def check(model: HybridModel, eng: Engine, prompts: dict, name: str) -> list[LogitCheck]:
     checks = []
     for rid, prompt in prompts.items():
-        out = eng.outputs[rid]
-        rows = torch.cat(eng.logits[rid])
-        assert rows.shape[0] == len(out)
-        ref, _ = reference_logits(model, [*prompt, *out])
-        p = len(prompt)
-        ref_rows = ref[p - 1 : p - 1 + len(out)]
+        out, rows, ref_rows, _ = engine_rows_and_reference(model, eng, rid, prompt)
         chk = compare_logits(rows, ref_rows, out, BOUND * float(ref_rows.std()))
         planted = model.config.copy_offset > 0
         print(f"[{name}{' planted' if planted else ''}] {rid}: {chk.summary()}")
