@@ -214,13 +214,14 @@ Inst = syn.InstanceSpec
 SCENARIOS = [
     ("mla dp2 -> dp1", MLA, Inst("c", (0, 1), tp=2, dp=2), Inst("g", (2,))),
     ("mla dp1 -> dp2", MLA, Inst("c", (0,)), Inst("g", (1, 2), tp=2, dp=2)),
-    ("mla dp2 tp4 -> tp2 (asymmetric)", MLA, Inst("c", (0, 1, 2, 3), tp=4, dp=2), Inst("g", (4, 5), tp=2)),
+    # Asymmetric MLA TP: 2 attention-TP ranks per context DP group against 3 generation TP ranks.
+    ("mla dp2 tp4 -> tp3 (asymmetric)", MLA, Inst("c", (0, 1, 2, 3), tp=4, dp=2), Inst("g", (4, 5, 6), tp=3)),
     ("gqa dp2 -> tp2", GQA_M, Inst("c", (0, 1), tp=2, dp=2), Inst("g", (2, 3), tp=2)),
     ("gqa tp2 -> dp2", GQA_M, Inst("c", (0, 1), tp=2), Inst("g", (2, 3), tp=2, dp=2)),
     ("gqa dp2 tp4 -> dp2 tp2", GQA_M, Inst("c", (0, 1, 2, 3), tp=4, dp=2), Inst("g", (4, 5), tp=2, dp=2)),
     ("mla dp2 -> helix cp2", MLA, Inst("c", (0, 1), tp=2, dp=2), Inst("g", (2, 3), cp=2)),
 ]
-WORLD = 6
+WORLD = 7
 
 
 def dp_transfer_world(rank: int, world: int, seed: int) -> dict:

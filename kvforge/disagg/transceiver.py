@@ -3,9 +3,11 @@
 ``KVSender`` / ``KVReceiver``: ``connect(peer, ranks)`` once per peer instance on both sides (exchanges
 ``RankInfo`` and runs the peer checks); then per transfer (``transfer_id`` an int in ``[0, MAX_TRANSFER_ID)``,
 unique per attempt, known to both sides) the generation side calls ``KVReceiver.request(transfer_id, request,
-peer)`` and the context side ``KVSender.send(transfer_id, request, peer)`` on every rank of their instance.
-``check_status`` polls completion (non-blocking, blocking, or until N transfers completed); a transfer is
-complete only when every rank of the receiving instance has all its messages.
+peer)`` and the context side ``KVSender.send(transfer_id, request, peer)`` on every rank of their instance;
+under attention DP, on every rank of the DP group holding the request, with ``peer_dp_rank`` naming the other
+side's group. ``check_status`` polls completion (non-blocking, blocking, or until N transfers completed) on every
+rank of the receiving instance; a transfer is complete only when every rank of its DP group (the whole instance
+without attention DP) has all its messages.
 
 Failures are bounded: every session has a deadline; a dead or silent peer, a malformed message or a cancellation
 ends it with a reason, and the pages go back through ``release`` exactly once. A failed request may be retried
