@@ -164,6 +164,15 @@ def test_layouts_the_reference_refuses_stay_refused(a, b, needle):
         check_peer(x, y)
 
 
+def test_dp_size_without_attention_dp_does_not_split_the_tp_ranks():
+    # As in the reference system (tp_size_per_dp_group is tp_size without attention DP): one group of every TP rank.
+    plain = rank_info(tp_size=2, tp_rank=1, instance_rank=1, dp_size=2, dp_rank=0, attention_dp=False)
+    check_peer(plain, rank_info(instance_name="b"))
+    ctx, gen = layouts_for(plain, rank_info(instance_name="b"))
+    assert (ctx.dp_size, ctx.attention_tp_size) == (1, 2)
+    assert [p.ctx_rank for p in plan_pieces(ctx, gen)] == [0]
+
+
 def test_a_rank_in_another_dp_group_than_it_announces_is_refused():
     bad = rank_info(tp_size=4, tp_rank=2, instance_rank=2, dp_size=4, dp_rank=1, attention_dp=True)
     with pytest.raises(PeerMismatchError, match="TP rank 2 of 4 with dp_size 4 belongs to DP group 2"):
