@@ -81,3 +81,60 @@ def test_launcher_reports_dead_failing_and_hung_workers():
     assert got[0].exitcode == 3 and got[0].value is None and not got[0].reported
     assert got[1].exitcode == 1 and "RuntimeError: boom" in got[1].error
     assert got[2].error == "rank 2 still running after 3 s; killed" and got[2].exitcode != 0
+
+
+# --- launcher defaults per role and without a speculative config (the reference system's serve.py rules) -----------
+
+SPEC = {"max_draft_len": 3}  # any speculative config: the launcher only asks whether there is one
+
+
+@pytest.mark.parametrize("role", ["context", "generation", None])
+@pytest.mark.parametrize("spec", [SPEC, None], ids=["spec", "no-spec"])
+@pytest.mark.parametrize("setting", [None, "auto"])
+def test_launch_defaults_for_both_roles_and_a_missing_speculative_config(role, spec, setting):
+    from kvforge.disagg.launch import SHARED_DRAFT_KV_ENV, launch_defaults
+
+    got = launch_defaults(role, spec, shared_draft_kv=setting, environ={})
+    # Reference: an unset or "auto" shared-draft-KV setting resolves to "auto" with a drafter and "0" without
+    # one; the memory margin defaults to 1 GiB for every run; neither depends on the role.
+    shared = "auto" if spec is not None else "0"
+    assert got.shared_draft_kv == shared
+    assert got.torch_mem_safety_margin == 1 << 30
+    assert got.role == parse_role(role)
+    want_env = {SHARED_DRAFT_KV_ENV: shared}
+    if role is not None:
+        want_env[ROLE_ENV] = role
+    assert got.env_overrides == want_env
+
+
+@pytest.mark.parametrize("spec", [SPEC, None], ids=["spec", "no-spec"])
+def test_workers_resolve_the_launchers_decision(spec):
+    from kvforge.disagg.launch import launch_defaults, resolve_shared_draft_kv
+
+    # A worker whose layout is eligible shares exactly when the launch had a drafter; the role arrives too.
+    env = {ROLE_ENV: "context"}
+    apply_env_overrides(launch_defaults("generation", spec, environ={}).env_overrides, env)
+    assert current_role(env) is ServerRole.GENERATION
+    shared = resolve_shared_draft_kv(None, manages_context_pages=True, tokens_per_block=32, environ=env)
+    assert shared is (spec is not None)
+
+
+def test_explicit_launch_settings_win_and_bad_ones_are_refused():
+    from kvforge.disagg.launch import SHARED_DRAFT_KV_ENV, launch_defaults
+
+    assert launch_defaults("context", SPEC, shared_draft_kv="0", environ={}).shared_draft_kv == "0"
+    assert launch_defaults("context", SPEC, shared_draft_kv="1", environ={}).shared_draft_kv == "1"
+    assert launch_defaults("context", SPEC, environ={SHARED_DRAFT_KV_ENV: "0"}).shared_draft_kv == "0"
+    assert launch_defaults("generation", None, declared_mem_margin=4 << 30, environ={}).torch_mem_safety_margin == (
+        4 << 30
+    )
+    kept = launch_defaults("context", None, env_overrides={"A": "1", ROLE_ENV: "generation"}, environ={})
+    assert kept.env_overrides[ROLE_ENV] == "context" and kept.env_overrides["A"] == "1"
+    with pytest.raises(ValueError, match="no speculative config"):
+        launch_defaults("context", None, shared_draft_kv="1", environ={})
+    with pytest.raises(ValueError, match=f"env {SHARED_DRAFT_KV_ENV}"):
+        launch_defaults("context", SPEC, environ={SHARED_DRAFT_KV_ENV: "yes"})
+    with pytest.raises(ValueError, match="role: expected one of"):
+        launch_defaults("prefill", SPEC, environ={})
+    with pytest.raises(ValueError, match="declared_mem_margin"):
+        launch_defaults("context", SPEC, declared_mem_margin=-1, environ={})

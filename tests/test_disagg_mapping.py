@@ -98,6 +98,7 @@ def test_unsupported_layouts_are_rejected():
         plan_pieces(layout(cp=2), layout())
     with pytest.raises(ValueError, match="layers_per_pp"):
         plan_pieces(layout(layers=8), layout(layers=9))
-    info = rank_info(tp_size=2, dp_size=2, attention_dp=True)
-    with pytest.raises(ValueError, match="dp_size"):
-        layouts_for(info, info)
+    # A rank announcing a DP group its TP rank is not in (TP rank 1 of 2 with dp 2 is DP group 1).
+    info = rank_info(tp_size=2, tp_rank=1, instance_rank=1, dp_size=2, dp_rank=0, attention_dp=True)
+    with pytest.raises(ValueError, match="dp_rank: under attention DP"):
+        layouts_for(info, rank_info(instance_name="b"))

@@ -9,6 +9,7 @@ from tests.helpers import rank_info as info
 
 DRAFT = dict(num_draft_layers=1, draft_kv_dtype="float8_e4m3fn", draft_kv_heads=1)
 GQA = dict(is_mla=False, kv_heads=8, head_dim=128)
+GQA_DRAFT = {**DRAFT, "draft_kv_heads": 4}
 
 
 @pytest.mark.parametrize(
@@ -78,18 +79,28 @@ def test_compatible_pairs_pass(local, peer):
 @pytest.mark.parametrize(
     "local,peer",
     [
-        (dict(tp_size=3), dict(tp_size=2, attention_dp=True, dp_size=2)),
-        (dict(**GQA, tp_size=8, attention_dp=True, dp_size=4), dict(**GQA, tp_size=1)),
+        (dict(tp_size=3), dict(tp_size=2, attention_dp=True, dp_size=2)),  # MLA: asymmetric TP, DP on one side
+        (dict(**GQA, tp_size=8, attention_dp=True, dp_size=4), dict(**GQA, tp_size=1)),  # per-DP TP 2 vs 1
+        (dict(**GQA, **GQA_DRAFT, tp_size=4, attention_dp=True, dp_size=4), dict(**GQA, **GQA_DRAFT, tp_size=2)),
     ],
 )
-def test_attention_dp_is_refused_by_the_same_rule_as_the_mapping(local, peer):
+def test_attention_dp_peers_are_accepted_by_the_check_and_the_mapping(local, peer):
     from kvforge.disagg.mapping import layouts_for
 
     a, b = info(**local), info(instance_name="b", **peer)
     for x, y in ((a, b), (b, a)):
-        with pytest.raises(PeerMismatchError, match="attention DP transfers are not mapped"):
+        check_peer(x, y)
+        layouts_for(x, y)
+
+
+def test_a_contradictory_dp_rank_is_refused_by_the_same_rule_as_the_mapping():
+    from kvforge.disagg.mapping import layouts_for
+
+    bad = info(tp_size=4, tp_rank=3, instance_rank=3, attention_dp=True, dp_size=2, dp_rank=0)
+    for x, y in ((bad, info(instance_name="b")), (info(instance_name="b"), bad)):
+        with pytest.raises(PeerMismatchError, match="belongs to DP group 1, got dp_rank 0"):
             check_peer(x, y)
-        with pytest.raises(ValueError, match="attention DP transfers are not mapped"):
+        with pytest.raises(ValueError, match="belongs to DP group 1, got dp_rank 0"):
             layouts_for(x, y)
 
 

@@ -13,6 +13,8 @@ from collections import defaultdict, deque
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvforge.disagg import synthetic as syn
 from kvforge.disagg.layers import RequestKV
@@ -511,3 +513,100 @@ def test_post_async_is_checked_and_close_stops_the_thread():
     ep.close()
     assert not thread.is_alive() and ep._poster is None
     ep.close()  # idempotent
+
+
+# --- attention DP over the in-process transport ---------------------------------------------------------------------
+
+DP_CTX = syn.InstanceSpec("ctx", (0, 1), tp=2, dp=2)  # two DP groups of one rank
+DP_GEN = syn.InstanceSpec("gen", (2, 3), tp=2, dp=2)
+
+
+def test_dp_ranks_are_checked_before_anything_is_posted():
+    def body(rank, world):
+        _, ep, _, alloc, _ = endpoints(world, rank, DP_CTX, DP_GEN)
+        req = alloc.alloc(0, 9, [3, 3, 3])
+        if rank in DP_CTX.ranks:
+            for bad in (-1, 2, True, "0"):
+                with pytest.raises(ValueError, match=r"peer_dp_rank: expected an int in \[0, 2\)"):
+                    ep.send(1, req, "gen", peer_dp_rank=bad)
+        else:
+            with pytest.raises(ValueError, match=r"peer_dp_rank: expected an int in \[0, 2\)"):
+                ep.request(1, req, "ctx", peer_dp_rank=2)
+        assert not ep.sessions
+        return True
+
+    assert all(run_ranks(4, body))
+
+
+def test_a_transfer_registered_in_two_dp_groups_fails_once_on_each():
+    # Both generation ranks register transfer 5 although it can live in one DP group only: a caller error that
+    # must end in a clear failure and one release, not a hang or a transfer reported done by the wrong group.
+    def body(rank, world):
+        _, ep, _, alloc, _ = endpoints(world, rank, DP_CTX, DP_GEN)
+        if rank in DP_CTX.ranks:
+            return None
+        released = []
+        ep.release_fn = lambda r: (released.append(r.request_id), alloc.release(r))
+        ep.request(5, alloc.alloc(5, 9, [3, 3, 3]), "ctx", peer_dp_rank=0)
+        st = ep.check_status()
+        assert st.completed == [] and "registered by ranks of DP groups [0, 1]" in st.failed[5], st.failed
+        assert released == [5] and alloc.leaked == 0 and not ep.sessions
+        return True
+
+    assert run_ranks(4, body)[2:] == [True, True]
+
+
+FATES = ["ok", "cancel", "silent"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1), st.sampled_from(FATES)), min_size=1, max_size=6))
+def test_random_dp_transfers_end_once_each_without_leaks(plan):
+    # Transfer i is held by context DP group plan[i][0] and generation DP group plan[i][1]; it either arrives,
+    # is cancelled by the generation side before the data comes, or is never sent (the receiver times out).
+    def body(rank, world):
+        _, ep, layers, alloc, ir = endpoints(world, rank, DP_CTX, DP_GEN, timeout_s=1.0)
+        ledger: dict[int, int] = defaultdict(int)
+
+        def release(r):
+            ledger[r.request_id] += 1
+            alloc.release(r)
+
+        ep.release_fn = release
+        inst = DP_CTX if rank in DP_CTX.ranks else DP_GEN
+        mine = [(i, c, g, fate) for i, (c, g, fate) in enumerate(plan) if (c if inst is DP_CTX else g) == ir]
+        reqs = {}
+        if inst is DP_GEN:
+            for i, c, _, fate in mine:
+                reqs[i] = alloc.alloc(i, 5 + i, [-(-(5 + i) // 4)] * 3)
+                ep.request(i, reqs[i], "ctx", peer_dp_rank=c)
+                if fate == "cancel":
+                    ep.cancel(i)
+        barrier(world, rank, range(4))
+        if inst is DP_CTX:
+            for i, _, g, fate in mine:
+                if fate == "silent":
+                    continue
+                req = alloc.alloc(i, 5 + i, [-(-(5 + i) // 4)] * 3)
+                syn.fill_context(MODEL, layers, req, 7, 0)
+                ep.send(i, req, "gen", peer_dp_rank=g)
+            st = ep.wait()
+            sent = [i for i, *_, fate in mine if fate != "silent"]
+            assert sorted(st.completed) == sent and st.failed == {}
+            assert all(ledger[i] == 1 for i in sent) and alloc.leaked == 0
+            return True
+        st = ep.check_status(blocking=True)
+        assert sorted(st.completed) == [i for i, *_, fate in mine if fate == "ok"]
+        assert sorted(st.failed) == [i for i, *_, fate in mine if fate != "ok"]
+        for i, *_, fate in mine:
+            if fate == "ok":
+                report = syn.CheckReport()
+                syn.check_generation(MODEL, DP_GEN, ir, layers, reqs[i], 7, expect_draft=True, report=report)
+                assert report.problems == [] and ledger[i] == 0
+                alloc.release(reqs[i])
+            else:
+                assert ledger[i] == 1, f"transfer {i} ({fate}) released {ledger[i]} times"
+        assert alloc.leaked == 0
+        return True
+
+    assert all(run_ranks(4, body))

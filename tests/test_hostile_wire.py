@@ -293,3 +293,29 @@ def test_valid_infos_round_trip_and_peer_checks_only_raise_mismatch(a, b):
         assert problems
     else:
         assert not problems
+
+
+# ---- attention-DP plans and launcher settings: any input, only ValueError -------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(any_rank_info(), any_rank_info(), st.integers(-2, 5), st.integers(-2, 5))
+def test_dp_plans_of_any_valid_pair_only_raise_value_error(a, b, ctx_dp, gen_dp):
+    from kvforge.disagg.mapping import layouts_for, plan_pieces
+
+    try:
+        ctx, gen = layouts_for(a, b)
+        pieces = plan_pieces(ctx, gen, ctx_dp_rank=ctx_dp, gen_dp_rank=gen_dp)
+    except ValueError:
+        return
+    assert all(ctx.dp_rank_of(p.ctx_rank) == ctx_dp and gen.dp_rank_of(p.gen_rank) == gen_dp for p in pieces)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.one_of(st.none(), st.text(max_size=6), st.integers(), st.binary(max_size=4)), st.text(max_size=8))
+def test_launch_defaults_refuse_any_bad_setting_with_value_error(setting, role):
+    from kvforge.disagg.launch import launch_defaults
+
+    with contextlib.suppress(ValueError):
+        got = launch_defaults(role, None, shared_draft_kv=setting, environ={})  # type: ignore[arg-type]
+        assert got.shared_draft_kv in ("0", "1", "auto")

@@ -318,3 +318,35 @@ def test_staged_path_rechecks_changed_buffers(staged_on_cpu, gen):
     # An empty pair needs no launch but still reports the kernel path.
     e = torch.empty(0, dtype=torch.int32)
     assert copy_small_pinned_pair(e, e[:0], e.clone(), e.clone()) is True
+
+
+def _wide_int64(n: int, sign: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 values whose magnitude lies in [2**32, 2**62): a copy through 32-bit values would lose them."""
+    return sign * torch.randint(2**32, 2**62, (n,), generator=gen, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["above+2^32", "below-2^32"])
+@pytest.mark.parametrize("n_a", [1, 3, 512])  # odd counts: the int64 table is still whole int32 words
+def test_int64_values_beyond_32_bits_are_copied_exactly(sign, n_a, device, gen):
+    # The kernel copies words; an int64 table's high word must land beside its low word, for large positive
+    # and large negative values alike (the other tests keep values within +-2**15).
+    ha = _wide_int64(n_a, sign, gen)
+    hb = _wide_int64(5, -sign, gen)
+    da = poison(torch.empty(n_a, dtype=torch.int64, device=device))
+    db = poison(torch.empty(5, dtype=torch.int64, device=device))
+    pmod._launch_pair(ha.to(device), da, hb.to(device), db)
+    ra, rb = copy_small_pinned_pair_ref(ha, hb, da, db)
+    assert torch.equal(da.cpu(), ha) and torch.equal(db.cpu(), hb)
+    assert torch.equal(da, ra) and torch.equal(db, rb)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["above+2^32", "below-2^32"])
+def test_staged_upload_of_int64_values_beyond_32_bits(sign, staged_on_cpu, gen):
+    # The whole staged path (snapshot into the ring slot, word views, the kernel) with int64 tables.
+    ha, hb = _wide_int64(257, sign, gen), _wide_int64(3, -sign, gen)
+    da, db = torch.empty(257, dtype=torch.int64), torch.empty(3, dtype=torch.int64)
+    assert copy_small_pinned_pair(ha, hb, da, db) is True
+    assert torch.equal(da, ha) and torch.equal(db, hb)
+    ha.copy_(_wide_int64(257, -sign, gen))  # the next step's table, the other sign
+    assert copy_small_pinned_pair(ha, hb, da, db) is True
+    assert torch.equal(da, ha) and torch.equal(db, hb)

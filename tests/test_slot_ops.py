@@ -435,3 +435,41 @@ def test_gather_reuses_its_plan_and_allocates_fresh_outputs(device, gen):
         step_gather(st, ids, 4, out=out._replace(input_ids=out.input_ids[:-1]))
     assert step_gather(st, ids, 4, out=out) is out
     _assert_inputs_equal(out, step_gather_ref(st, ids, 4))
+
+
+def _wide_values(shape, sign: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 values whose magnitude lies in [2**32, 2**62): none survives a narrowing to 32 bits."""
+    mag = torch.randint(2**32, 2**62, shape, generator=gen, dtype=torch.int64)
+    return sign * mag
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["above+2^32", "below-2^32"])
+def test_int64_values_beyond_32_bits_survive_scatter_and_gather(sign, device, gen):
+    # Token ids, counts and the offsets derived from them as int64 values beyond 32 bits in both directions
+    # (the other tests keep values within a vocabulary): any narrowing to int32 in a kernel shows up here.
+    rows, t, slots = 7, 4, 13
+    st = _stores(slots, 5, 4, 3, device, dtype=torch.int64)
+    slot_ids = torch.randperm(slots, generator=gen)[:rows].to(device)
+    m = rows + 2
+    new, nxt, drafts = (_wide_values(s, sign, gen).to(device) for s in [(m, 6), (m, 4), (m, 2)])
+    # Counts beyond 32 bits too: positive ones keep every new-token column, negative ones none.
+    counts = _wide_values((m,), sign, gen).to(device)
+    want = slot_scatter_ref(st, slot_ids, new, nxt, counts, drafts, row_begin=1)
+    slot_scatter(st, slot_ids, new, nxt, counts, drafts, row_begin=1)
+    _assert_stores_equal(st, want)
+    written = st.new_token_counts[slot_ids.long()]
+    assert bool(((written.abs() >= 2**32) & (written.sign() == sign)).all()), "counts were narrowed"
+    if sign > 0:
+        assert bool((st.new_tokens[:, slot_ids.long()].abs() >= 2**32).all()), "token ids were narrowed"
+
+    out = StepInputs(
+        poison(torch.empty(rows * t, dtype=torch.int64, device=device)),
+        poison(torch.empty(rows * t, dtype=torch.int64, device=device)),
+        poison(torch.empty(rows, t - 1, dtype=torch.int64, device=device)),
+        poison(torch.empty(rows, dtype=torch.int64, device=device)),
+    )
+    got = step_gather(st, slot_ids, t, out=out)
+    for x in got:
+        assert_all_written(x)
+    _assert_inputs_equal(got, step_gather_ref(st, slot_ids, t))
+    assert bool((got.kv_offsets.abs() >= 2**32 - t).all()), "offsets were narrowed"

@@ -9,6 +9,11 @@ to its own environment first thing (``worker_entry`` / ``apply_env_overrides``):
   override replaces any value already there (in the mapping or, once applied, in the worker's environment);
 * with ``role=None`` the mapping comes back unchanged, so a launch without a role changes nothing.
 
+``launch_defaults(role, speculative_config)`` is what a server launcher resolves once and hands every worker: the
+role, the shared-draft-KV setting (``"auto"`` with a speculative config, ``"0"`` without one, as the reference
+system's launcher resolves an unset or ``"auto"`` value) and the PyTorch memory margin (1 GiB unless the model
+declares one), the same for both server roles.
+
 ``launch_workers`` starts N processes (multiprocessing "spawn"), applies the overrides on every rank, runs a
 target and collects each rank's return value; ``run_world`` does the same inside a torch.distributed process
 group (gloo on CPU, NCCL on GPU) whose rendezvous store the parent hosts on a port the OS picks, so parallel
@@ -274,6 +279,62 @@ def resolve_shared_draft_kv(
         f"; not eligible: {'; '.join(reasons)}" if reasons else "",
     )
     return shared
+
+
+@dataclass(frozen=True)
+class LaunchDefaults:
+    """What a server launch resolves once and hands its workers (see :func:`launch_defaults`)."""
+
+    role: ServerRole | None
+    shared_draft_kv: str  # "auto", "0" or "1": the workers resolve it against their layout (resolve_shared_draft_kv)
+    torch_mem_safety_margin: int  # bytes kept outside PyTorch's cap, before the clamp to the free memory
+    env_overrides: dict[str, str]  # what every worker applies first: the role and the shared-draft-KV setting
+
+
+def launch_defaults(
+    role: ServerRole | str | None,
+    speculative_config: object | None,
+    *,
+    shared_draft_kv: str | None = None,
+    declared_mem_margin: int | None = None,
+    env_overrides: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchDefaults:
+    """The launcher's defaults for a server of ``role`` (context, generation or None for a plain server).
+
+    * Shared draft KV: the setting is ``shared_draft_kv`` (``"auto"``, ``"0"``, ``"1"`` or None), overridden by
+      ``KVFORGE_SHARED_DRAFT_KV`` in ``environ``. Unset or ``"auto"`` resolves to ``"auto"`` when there is a
+      ``speculative_config`` (the workers then share when their layout is eligible) and to ``"0"`` without one (no
+      drafter: the launch is the one it was before shared draft KV existed). ``"1"`` without a speculative config
+      raises ValueError: there is no drafter whose KV could be shared.
+    * The memory margin is ``declared_mem_margin`` (a model's ``RuntimeHooks.torch_mem_safety_margin``) or 1 GiB.
+    * Neither depends on the role; the role only travels in the overrides (``role_env_overrides``), with the
+      shared-draft-KV setting beside it so workers started before the launcher see the launcher's decision.
+    """
+    from kvforge.kvcache.sizing import DEFAULT_TORCH_MEM_SAFETY_MARGIN
+
+    r = parse_role(role)
+    env = os.environ if environ is None else environ
+    raw, source = shared_draft_kv, "argument"
+    if env.get(SHARED_DRAFT_KV_ENV) not in (None, ""):
+        raw, source = env[SHARED_DRAFT_KV_ENV], f"env {SHARED_DRAFT_KV_ENV}"
+    value = "auto" if raw is None else str(raw).strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"shared draft KV ({source}): expected 'auto', '0' or '1', got {raw!r}")
+    if value == "1" and speculative_config is None:
+        raise ValueError(
+            f"shared draft KV ({source}) = 1, but there is no speculative config (no drafter whose KV to share)"
+        )
+    if value == "auto":
+        value = "auto" if speculative_config is not None else "0"
+    margin = declared_mem_margin
+    if margin is None:
+        margin = DEFAULT_TORCH_MEM_SAFETY_MARGIN
+    elif isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"declared_mem_margin: expected bytes >= 0 or None, got {declared_mem_margin!r}")
+    overrides = role_env_overrides(r, env_overrides)
+    overrides[SHARED_DRAFT_KV_ENV] = value
+    return LaunchDefaults(r, value, margin, overrides)
 
 
 def log_manager_class(resolved: type, declared: type | None) -> type:

@@ -9,9 +9,13 @@ Every rule names the property and both values. What must agree and why:
 * draft layers (a drafter sharing the cache): equal count, dtype and head count when both sides have them; when
   only one side has a drafter the draft layers are simply not transferred;
 * recurrent state layers (hybrid models): equal count and state size, or none on either side;
-* attention DP (dp_size > 1) on either side is refused with the rule the mapping uses (:func:`attention_dp_problem`);
+* attention DP on either side or both is accepted (the request's DP rank picks the group on each side, see
+  ``kvforge.disagg.mapping``); a rank whose DP metadata contradicts itself is refused with the rule the mapping
+  uses (:func:`attention_dp_problem`);
 * for non-MLA caches, KV head count and an attention TP (per DP group) that splits the heads evenly on both
-  sides. MLA caches are replicated across TP, so their head split is not checked.
+  sides (target and shared draft layers). MLA caches are replicated across TP, so their head split is not
+  checked: asymmetric MLA TP (per DP group or not) is accepted, as in the reference system, which dropped its
+  total-TP and attention-DP checks for a per-DP attention TP check that skips MLA peers.
 """
 
 from __future__ import annotations
@@ -90,14 +94,27 @@ def peer_mismatches(local: RankInfo, peer: RankInfo) -> list[str]:
 
 
 def attention_dp_problem(info: RankInfo) -> str | None:
-    """Why an instance's layout cannot be mapped for KV transfer (None when it can): attention DP (dp_size > 1)
-    is not mapped. The mapping (``InstanceLayout.of``) and the peer check share this rule."""
-    if info.dp_size > 1:
-        return (
-            f"dp_size: attention DP transfers are not mapped (the DP group holding a request is per request), "
-            f"got dp_size {info.dp_size} on {info.instance_name!r}"
-        )
+    """Why a rank's DP layout cannot be mapped for KV transfer (None when it can). The mapping
+    (``InstanceLayout.of``) and the peer check share this rule.
+
+    Under attention DP, DP group d holds TP ranks ``[d * attention_tp, (d + 1) * attention_tp)``, so a rank's
+    ``dp_rank`` must be ``tp_rank // attention_tp``; a rank announcing another group would receive (or send) the
+    KV of requests it does not hold. Without attention DP ``dp_size`` / ``dp_rank`` do not split the TP ranks and
+    are not checked (the reference system ignores them there too).
+    """
+    if info.attention_dp:
+        expected = info.tp_rank // info.attention_tp_size
+        if info.dp_rank != expected:
+            return (
+                f"dp_rank: under attention DP, TP rank {info.tp_rank} of {info.tp_size} with dp_size {info.dp_size} "
+                f"belongs to DP group {expected}, got dp_rank {info.dp_rank} on {info.instance_name!r}"
+            )
     return None
+
+
+def dp_group(info: RankInfo) -> int:
+    """The attention-DP group this rank holds requests of (0 without attention DP)."""
+    return info.tp_rank // info.attention_tp_size if info.attention_dp else 0
 
 
 def check_peer(local: RankInfo, peer: RankInfo) -> None:

@@ -99,6 +99,9 @@ class RankInfo:
     ``page_groups`` describes the page table: the layer group of each of this rank's layers, targets then drafts.
     ``transport_rank`` is this rank's address in the transport (torch.distributed global rank) and
     ``instance_rank`` its rank inside the instance, ``(pp_rank * cp_size + cp_rank) * tp_size + tp_rank``.
+    Under ``attention_dp`` the TP ranks form ``dp_size`` groups of ``tp_size // dp_size`` consecutive ranks and
+    ``dp_rank`` is ``tp_rank // (tp_size // dp_size)`` (checked by the peer check, not here); without it
+    ``dp_size`` / ``dp_rank`` do not split the TP ranks.
     ``state_layers`` / ``state_bytes``: a hybrid model's recurrent layers (whole model) and the bytes of one of
     their states (set both or neither; their states travel beside the KV).
     """

@@ -67,10 +67,25 @@ class InstanceSpec:
     layers_per_pp: tuple[int, ...] | None = None
     draft: bool = True
     num_pages: int = 48
+    dp: int = 1  # attention-DP groups over the TP ranks (1: no attention DP)
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.tp * self.pp * self.cp:
             raise ValueError(f"ranks: expected tp*pp*cp = {self.tp * self.pp * self.cp} ranks, got {self.ranks}")
+        if self.dp < 1 or self.tp % self.dp:
+            raise ValueError(f"dp: expected a divisor of tp = {self.tp}, got {self.dp}")
+
+    @property
+    def attention_tp(self) -> int:
+        return self.tp // self.dp
+
+    def dp_rank(self, instance_rank: int) -> int:
+        """The attention-DP group of an instance rank."""
+        return self.coords(instance_rank)[0] // self.attention_tp
+
+    def attention_tp_rank(self, instance_rank: int) -> int:
+        """The rank's place among its DP group's TP ranks (its head slice)."""
+        return self.coords(instance_rank)[0] % self.attention_tp
 
     def coords(self, instance_rank: int) -> tuple[int, int, int]:
         tp = instance_rank % self.tp
@@ -97,11 +112,11 @@ def make_rank_info(model: ModelSpec, inst: InstanceSpec, instance_rank: int) -> 
         tp_rank=tp,
         pp_size=inst.pp,
         pp_rank=pp,
-        dp_size=1,
-        dp_rank=0,
+        dp_size=inst.dp,
+        dp_rank=inst.dp_rank(instance_rank),
         cp_size=inst.cp,
         cp_rank=cp,
-        attention_dp=False,
+        attention_dp=inst.dp > 1,
         layers_per_pp=inst.split(model.num_layers),
         is_mla=model.is_mla,
         kv_heads=1 if model.is_mla else model.kv_heads,
@@ -130,7 +145,7 @@ def make_layers(model: ModelSpec, inst: InstanceSpec, instance_rank: int, device
     _, pp, _ = inst.coords(instance_rank)
     out = []
     for owner, layer_id in _local_keys(model, inst, pp):
-        heads = 1 if model.is_mla else model.heads(owner) // inst.tp
+        heads = 1 if model.is_mla else model.heads(owner) // inst.attention_tp
         elems = heads * model.head_dim
         dtype = model.dtype(owner)
         esize = torch.empty(0, dtype=dtype).element_size()
@@ -180,13 +195,15 @@ def logical_block(model: ModelSpec, seed: int, owner: str, layer_id: int, block:
 
 
 def _rank_heads(model: ModelSpec, layer: KVLayer, tp_rank: int) -> slice:
+    """The heads a rank holds; ``tp_rank`` is its attention-TP rank (inside its DP group)."""
     if model.is_mla:
         return slice(0, 1)
     return slice(tp_rank * layer.heads, (tp_rank + 1) * layer.heads)
 
 
 def fill_context(model: ModelSpec, layers: Sequence[KVLayer], request: RequestKV, seed: int, tp_rank: int) -> None:
-    """Write the logical cache of every block of ``request`` into this context rank's pages."""
+    """Write the logical cache of every block of ``request`` into this context rank's pages (``tp_rank``: the
+    rank's attention-TP rank, ``InstanceSpec.attention_tp_rank``; its TP rank without attention DP)."""
     nb = request.num_blocks(model.tokens_per_block)
     for ly in layers:
         raw = ly.pool.view(torch.uint8)
@@ -222,7 +239,8 @@ def check_generation(
     layer of this rank's stage, the draft layers on the last stage when both sides have a drafter, and one page
     per block of this rank's helix share in every group.
     """
-    tp, pp, cp = inst.coords(instance_rank)
+    _, pp, cp = inst.coords(instance_rank)
+    tp = inst.attention_tp_rank(instance_rank)
     nb = request.num_blocks(model.tokens_per_block)
     blocks = list(helix_blocks(nb, cp, inst.cp))
     keys = {ly.key for ly in layers}
@@ -280,6 +298,12 @@ class PairResult:
     seconds: float = 0.0
 
 
+def dp_pair(i: int, ctx: InstanceSpec, gen: InstanceSpec) -> tuple[int, int]:
+    """The (context, generation) DP groups of a pair run's request ``i``: every pair of groups comes up within
+    ``ctx.dp * gen.dp`` requests."""
+    return i % ctx.dp, (i // ctx.dp) % gen.dp
+
+
 def run_pair(
     transport: Transport,
     model: ModelSpec,
@@ -298,6 +322,9 @@ def run_pair(
     Every rank of the world must call it (the generation group is created collectively); ranks outside both
     instances return None. ``corrupt="draft"`` (or ``"target"``) flips one bit per block of that owner's layers
     on the context side after filling: a negative control that the verification catches a broken layer.
+
+    Attention DP: request i is held by context DP group ``dp_pair(i, ctx, gen)[0]`` and generation DP group
+    ``dp_pair(i, ctx, gen)[1]``; a rank only sends, requests and verifies the requests of its own DP group.
     """
     from kvforge.disagg.transceiver import KVReceiver, KVSender
 
@@ -305,7 +332,7 @@ def run_pair(
     me = transport.rank
     if me in ctx.ranks:
         ir = ctx.ranks.index(me)
-        tp, _, _ = ctx.coords(ir)
+        tp = ctx.attention_tp_rank(ir)
         layers = make_layers(model, ctx, ir, device)
         alloc = PageAllocator(model.total_groups, ctx.num_pages, seed + me)
         sender = KVSender(transport, make_rank_info(model, ctx, ir), layers, release=alloc.release, timeout_s=timeout_s)
@@ -313,6 +340,9 @@ def run_pair(
         res = PairResult("context")
         t0 = time.perf_counter()
         for i, n in enumerate(prompts):
+            c_dp, g_dp = dp_pair(i, ctx, gen)
+            if c_dp != ctx.dp_rank(ir):
+                continue
             nb = -(-n // model.tokens_per_block)
             req = alloc.alloc(i, n, [nb] * model.total_groups)
             fill_context(model, layers, req, seed, tp)
@@ -322,7 +352,7 @@ def run_pair(
                         raw = ly.pool.view(torch.uint8)
                         for page in req.page_indices[ly.group]:
                             raw[page, 0, 0] ^= 1
-            sender.send(first_transfer_id + i, req, gen.name)
+            sender.send(first_transfer_id + i, req, gen.name, peer_dp_rank=g_dp)
         st = sender.wait()
         res.seconds = time.perf_counter() - t0
         res.completed, res.failed = st.completed, st.failed
@@ -346,9 +376,12 @@ def run_pair(
         reqs = {}
         t0 = time.perf_counter()
         for i, n in enumerate(prompts):
+            c_dp, g_dp = dp_pair(i, ctx, gen)
+            if g_dp != gen.dp_rank(ir):
+                continue
             req = alloc.alloc(i, n, shard_counts(model, gen, ir, n))
             reqs[first_transfer_id + i] = req
-            receiver.request(first_transfer_id + i, req, ctx.name)
+            receiver.request(first_transfer_id + i, req, ctx.name, peer_dp_rank=c_dp)
         st = receiver.check_status(blocking=True)
         res.seconds = time.perf_counter() - t0
         res.completed, res.failed = st.completed, st.failed

@@ -3,9 +3,11 @@
 ``KVSender`` / ``KVReceiver``: ``connect(peer, ranks)`` once per peer instance on both sides (exchanges
 ``RankInfo`` and runs the peer checks); then per transfer (``transfer_id`` an int in ``[0, MAX_TRANSFER_ID)``,
 unique per attempt, known to both sides) the generation side calls ``KVReceiver.request(transfer_id, request,
-peer)`` and the context side ``KVSender.send(transfer_id, request, peer)`` on every rank of their instance.
-``check_status`` polls completion (non-blocking, blocking, or until N transfers completed); a transfer is
-complete only when every rank of the receiving instance has all its messages.
+peer)`` and the context side ``KVSender.send(transfer_id, request, peer)`` on every rank of their instance;
+under attention DP, on every rank of the DP group holding the request, with ``peer_dp_rank`` naming the other
+side's group. ``check_status`` polls completion (non-blocking, blocking, or until N transfers completed) on every
+rank of the receiving instance; a transfer is complete only when every rank of its DP group (the whole instance
+without attention DP) has all its messages.
 
 Failures are bounded: every session has a deadline; a dead or silent peer, a malformed message or a cancellation
 ends it with a reason, and the pages go back through ``release`` exactly once. A failed request may be retried
@@ -29,7 +31,7 @@ import torch
 
 from kvforge.disagg.layers import KVLayer, RequestKV, check_layers
 from kvforge.disagg.mapping import InstanceLayout, Piece, helix_block_count, layouts_for, plan_pieces
-from kvforge.disagg.peer import check_peer
+from kvforge.disagg.peer import check_peer, dp_group
 from kvforge.disagg.rank_info import RankInfo
 from kvforge.disagg.transport import Group, Handle, Transport
 from kvforge.errors import TransferError
@@ -43,6 +45,16 @@ _TAG_INFO = 2**30 + 1
 _INFO_BYTES = 4096
 _POLL_SLEEP_S = 0.002  # longest sleep between polls of a blocking wait
 _POLL_MIN_S = 2e-5  # first sleep after progress: a message of a batch lands every few hundred microseconds
+# The header's piece word: the piece's index in its plan, and the request's DP ranks (context, generation) above
+# it, so a sender and a receiver that disagree on a request's DP groups see a malformed message, not wrong KV.
+# Without attention DP both DP ranks are 0 and the word is the index, as in message format 1 before DP.
+_DP_SHIFT_CTX = 24
+_DP_SHIFT_GEN = 44
+_MAX_PIECES = 1 << _DP_SHIFT_CTX
+
+
+def _piece_word(index: int, ctx_dp_rank: int, gen_dp_rank: int) -> int:
+    return index | (ctx_dp_rank << _DP_SHIFT_CTX) | (gen_dp_rank << _DP_SHIFT_GEN)
 
 
 class _Backoff:
@@ -126,9 +138,21 @@ class _Session:
 class _Peer:
     name: str
     infos: list[RankInfo]  # by instance rank
-    pieces: list[Piece]
+    pieces: list[Piece]  # the plan of DP ranks (0, 0): the whole plan without attention DP
     ctx: InstanceLayout
     gen: InstanceLayout
+    plans: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
+
+    def plan(self, ctx_dp_rank: int, gen_dp_rank: int) -> list[Piece]:
+        """The pieces of a request held by context DP group ``ctx_dp_rank`` and generation DP group
+        ``gen_dp_rank`` (planned once per pair)."""
+        key = (ctx_dp_rank, gen_dp_rank)
+        got = self.plans.get(key)
+        if got is None:
+            got = self.plans[key] = plan_pieces(self.ctx, self.gen, ctx_dp_rank=ctx_dp_rank, gen_dp_rank=gen_dp_rank)
+            if len(got) >= _MAX_PIECES:
+                raise ValueError(f"peer {self.name!r}: {len(got)} pieces per transfer, at most {_MAX_PIECES - 1}")
+        return got
 
 
 class _DeferredHandle(Handle):
@@ -317,7 +341,8 @@ class _Endpoint:
             )
         ctx_info, gen_info = (self.info, first) if self.side == "context" else (first, self.info)
         ctx, gen = layouts_for(ctx_info, gen_info)
-        self.peers[peer] = _Peer(peer, infos, plan_pieces(ctx, gen), ctx, gen)
+        pieces = plan_pieces(ctx, gen)
+        self.peers[peer] = _Peer(peer, infos, pieces, ctx, gen, {(0, 0): pieces})
         for key in [k for k in self._layouts if k[0] == peer]:  # a re-registered peer may cut pieces differently
             del self._layouts[key]
 
@@ -357,7 +382,7 @@ class _Endpoint:
             return 0, layer.elems_per_token
         total = layer.heads * info.attention_tp_size
         lo, hi = piece.head_range(total)
-        start = tp_rank * layer.heads
+        start = (tp_rank % info.attention_tp_size) * layer.heads  # heads are split inside this rank's DP group
         if lo < start or hi > start + layer.heads:
             raise ValueError(
                 f"layers: {layer.owner} layer {layer.layer_id} holds heads [{start}, {start + layer.heads}), "
@@ -366,7 +391,8 @@ class _Endpoint:
         return (lo - start) * layer.head_elems, (hi - start) * layer.head_elems
 
     def _piece_layout(self, peer: str, index: int, piece: Piece) -> tuple[KVPackLayout, list[tuple[str, int]]]:
-        """The pack layout of a piece's layers (built once per peer and piece) and the layer group of each table."""
+        """The pack layout of a piece's layers (built once per peer and piece; ``index`` is the piece word, which
+        names the DP pair too) and the layer group of each table."""
         key = (peer, index)
         got = self._layouts.get(key)
         if got is not None:
@@ -559,20 +585,36 @@ class KVSender(_Endpoint):
             self._poster.drain()  # registration uses the transport from this thread: nothing else may be posting
         super().connect(peer, ranks, timeout_s=timeout_s)
 
-    def send(self, transfer_id: int, request: RequestKV, peer: str, *, timeout_s: float | None = None) -> None:
-        """Start sending ``request``'s KV to instance ``peer``; every check runs before anything is sent."""
+    def send(
+        self,
+        transfer_id: int,
+        request: RequestKV,
+        peer: str,
+        *,
+        timeout_s: float | None = None,
+        peer_dp_rank: int = 0,
+    ) -> None:
+        """Start sending ``request``'s KV to instance ``peer``; every check runs before anything is sent.
+
+        ``peer_dp_rank``: the generation instance's DP group that will hold the request (0 without attention DP
+        there). Under attention DP on this side, only the ranks of the DP group holding the request call
+        ``send`` (this rank's own group, ``dp_rank``); the others do not know the request.
+        """
         t = self._check_new(transfer_id, request, timeout_s)
         p = self._peer(peer)
+        gen_dp = p.gen.check_dp_rank("peer_dp_rank", peer_dp_rank)
+        ctx_dp = dp_group(self.info)
         nb = request.num_blocks(self.tokens_per_block)
         self._check_pages(request, nb, unique=False)
         me = self.info.instance_rank
         planned = []
-        for index, piece in enumerate(p.pieces):
+        for k, piece in enumerate(p.plan(ctx_dp, gen_dp)):
             if piece.ctx_rank != me:
                 continue
             blocks = list(piece.blocks(nb))
             if not blocks:
                 continue
+            index = _piece_word(k, ctx_dp, gen_dp)
             planned.append((index, piece, self._piece_plan(peer, index, piece, request, blocks, unpack=False)))
         for _, piece, _ in planned:
             self.transport.check_peer(p.infos[piece.gen_rank].transport_rank)
@@ -679,25 +721,39 @@ class KVReceiver(_Endpoint):
             and group.size == info.tp_size * info.cp_size
         )
 
-    def request(self, transfer_id: int, request: RequestKV, peer: str, *, timeout_s: float | None = None) -> None:
+    def request(
+        self,
+        transfer_id: int,
+        request: RequestKV,
+        peer: str,
+        *,
+        timeout_s: float | None = None,
+        peer_dp_rank: int = 0,
+    ) -> None:
         """Register the pages of ``request`` on this rank and post the receives; checks run before any is posted.
 
         ``request.page_indices[g]`` lists this rank's pages of group g, one per block it holds: all blocks, or
-        under helix its round-robin share.
+        under helix its round-robin share. ``peer_dp_rank``: the context instance's DP group holding the request
+        (0 without attention DP there). Under attention DP on this side, only the ranks of the DP group that will
+        hold the request call ``request`` (this rank's own group); the transfer completes when all of them have
+        their share.
         """
         t = self._check_new(transfer_id, request, timeout_s)
         p = self._peer(peer)
+        ctx_dp = p.ctx.check_dp_rank("peer_dp_rank", peer_dp_rank)
+        gen_dp = dp_group(self.info)
         nb = request.num_blocks(self.tokens_per_block)
         info = self.info
         self._check_pages(request, helix_block_count(nb, info.cp_rank, info.cp_size), unique=True)
         me = info.instance_rank
         planned = []
-        for index, piece in enumerate(p.pieces):
+        for k, piece in enumerate(p.plan(ctx_dp, gen_dp)):
             if piece.gen_rank != me:
                 continue
             n = len(piece.blocks(nb))
             if n == 0:
                 continue
+            index = _piece_word(k, ctx_dp, gen_dp)
             planned.append((index, piece, self._piece_plan(peer, index, piece, request, range(n), unpack=True)))
         for _, piece, _ in planned:
             self.transport.check_peer(p.infos[piece.ctx_rank].transport_rank)
@@ -792,13 +848,19 @@ class KVReceiver(_Endpoint):
         return pending, done, failed
 
     def _consensus(self) -> tuple[TransferStatus, int]:
-        """Agree on ended transfers over the group; returns the status and the transfers still open anywhere."""
+        """Agree on ended transfers over the group; returns the status and the transfers still open anywhere.
+
+        A transfer is done when every rank of the DP group that holds it has its share (without attention DP the
+        group is the whole instance); each rank announces its DP group with its lists. A transfer announced by
+        ranks of two DP groups fails (the caller registered it on the wrong ranks).
+        """
         pending, done, failed = self._local_lists()
+        me = dp_group(self.info)
         if self.group is None or self.group.size == 1:
-            per_rank = [(set(pending), set(done), set(failed))]
+            per_rank = [(me, set(pending), set(done), set(failed))]
         else:
             self.stats.consensus_rounds += 1
-            vec = [len(pending), len(done), len(failed), *pending, *done, *failed]
+            vec = [me, len(pending), len(done), len(failed), *pending, *done, *failed]
             sizes = self.transport.all_gather_int64(torch.tensor([len(vec)], dtype=torch.int64), self.group)
             width = int(sizes.max())
             padded = torch.full((width,), -1, dtype=torch.int64)
@@ -806,27 +868,44 @@ class KVReceiver(_Endpoint):
             rows = self.transport.all_gather_int64(padded, self.group).tolist()
             per_rank = []
             for row in rows:
-                a, b, c = row[0], row[1], row[2]
-                ids = row[3 : 3 + a + b + c]
-                per_rank.append((set(ids[:a]), set(ids[a : a + b]), set(ids[a + b :])))
-        every = set().union(*(p | d | f for p, d, f in per_rank))
-        failed_any = set().union(*(f for _, _, f in per_rank))
-        done_all = set.intersection(*(d for _, d, _ in per_rank)) - failed_any
+                g, a, b, c = row[0], row[1], row[2], row[3]
+                ids = row[4 : 4 + a + b + c]
+                per_rank.append((g, set(ids[:a]), set(ids[a : a + b]), set(ids[a + b :])))
+        every = set().union(*(p | d | f for _, p, d, f in per_rank))
+        failed_any = set().union(*(f for _, _, _, f in per_rank))
+        groups_of: dict[int, set[int]] = {}
+        for g, p, d, f in per_rank:
+            for tid in p | d | f:
+                groups_of.setdefault(tid, set()).add(g)
+        mixed = {tid for tid, gs in groups_of.items() if len(gs) > 1} - failed_any
+        done_all = set()
+        for tid in every - failed_any - mixed:
+            (g,) = groups_of[tid]
+            if all(tid in d for gg, _, d, _ in per_rank if gg == g):
+                done_all.add(tid)
         st = TransferStatus()
-        for tid in sorted(done_all):
+        # Each rank reports the transfers of its own DP group (another group's are not its caller's business).
+        ours = {tid for tid, gs in groups_of.items() if me in gs}
+        for tid in sorted(done_all & ours):
             s = self.sessions.pop(tid)
             s.state = State.DONE
             st.completed.append(tid)
-        for tid in sorted(failed_any):
+        for tid in sorted((failed_any | mixed) & ours):
             s = self.sessions.pop(tid, None)
-            ranks = [self.group.ranks[i] if self.group else 0 for i, (_, _, f) in enumerate(per_rank) if tid in f]
+            if tid in mixed:
+                why = f"registered by ranks of DP groups {sorted(groups_of[tid])}; a request lives in one DP group"
+            else:
+                ranks = [
+                    self.group.ranks[i] if self.group else 0 for i, (_, _, _, f) in enumerate(per_rank) if tid in f
+                ]
+                why = f"failed on generation rank(s) {ranks} of this instance"
             if s is not None and s.state in (State.FAILED, State.CANCELLED):
                 st.failed[tid] = s.reason
             else:
-                st.failed[tid] = f"failed on generation rank(s) {ranks} of this instance"
+                st.failed[tid] = why
                 if s is not None:
-                    self._end(s, State.FAILED, st.failed[tid], release=True)
-        return st, len(every - done_all - failed_any)
+                    self._end(s, State.FAILED, why, release=True)
+        return st, len(every - done_all - failed_any - mixed)
 
     def check_status(self, *, blocking: bool = False, at_least: int | None = None) -> TransferStatus:
         """Report the transfers that ended on every rank of the instance since the last call.
