@@ -347,6 +347,15 @@ def _paired_ratios(
     return out
 
 
+def _plot_title(load_start: tuple[float, float, float], load_end: tuple[float, float, float]) -> str:
+    """What the figure shows, the path and the machine it ran on (two lines: the figure is narrow)."""
+    return (
+        "Host CPU of prefix caching (median-total run),\nMooncake trace as 512-token blocks, GC on:\n"
+        "kvforge token path vs vLLM KVCacheManager / BlockPool\n"
+        f"{platform.machine()}, {os.cpu_count()} cores, load {load_start[0]:.1f} -> {load_end[0]:.1f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=None, help="the Mooncake conversation trace (JSONL)")
@@ -483,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             "plot:",
             bar_plot(
                 RESULTS / "host_cache.png",
-                "Mooncake conversation trace, real 512-token blocks: host CPU per system (GC on, gc.freeze)",
+                _plot_title(load_start, load_end),
                 caps,
                 series,
                 "total CPU ms (12,031 requests)" if args.limit is None else "total CPU ms",
