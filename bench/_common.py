@@ -187,6 +187,6 @@ def bar_plot(
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: never over a bar
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend beside the axes and a long title fit
     plt.close(fig)
     return path

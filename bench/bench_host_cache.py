@@ -1,36 +1,42 @@
-"""Host CPU cost of prefix caching on the Mooncake trace: kvforge vs vLLM's BlockPool vs SGLang's RadixCache.
+"""Host CPU cost of prefix caching on the Mooncake trace, like for like: kvforge's manager vs vLLM's KVCacheManager.
 
 Every request of the trace (``--trace``, default ``$KVFORGE_TRACE`` or ``shared/data/``; skipped when absent) is
 served in order, one at a time, by each system at each capacity (unlimited; LRU 20,000 blocks), with the garbage
-collector ON. Per request, timed as process CPU time, each system does what its server does for a prompt:
+collector ON. The trace gives one id per 512-token block; each id becomes 512 real token ids (``id * 512 + 0..511``,
+distinct per id), so a prompt is ``input_length`` token ids and both sides hash real 512-token blocks. Building the
+token list is outside the timed region (a server receives it); everything a server then does is inside:
 
-* ``kvforge``: block keys from the trace's ids (:func:`~kvforge.kvcache.hashing.keys_from_ids`), then
-  ``create_cache`` (match + take pages), ``resize``, ``commit`` of the blocks not reused, ``close``.
-  ``kvforge-sha256``: the same with the sha256 hasher.
-* ``vllm`` (its default ``sha256`` prefix-caching hash) and ``vllm-xxhash``: the chained ``hash_block_tokens``
-  per block, the longest run of cached blocks by ``BlockPool.get_cached_block``, ``touch``, ``get_new_blocks``,
-  ``cache_full_blocks``, then ``free_blocks`` in reverse order (as its scheduler frees a finished request).
-* ``sglang``: ``RadixCache.match_prefix`` on the ids (one tree token per block, ``page_size=1``), ``inc_lock_ref``,
-  ``evict`` when its allocator runs short, ``insert`` of the whole key, ``dec_lock_ref``.
+* ``kvforge`` (xxh3-128, its default) and ``kvforge-sha256``: the general token path as kvforge's scheduler
+  takes it: the list validated once into a read-only uint32 array (``token_array``), ``prompt_keys`` (keys
+  computed once), ``create_cache(tokens, block_keys=, max_reuse_tokens=len - 1)``, ``resize``, ``commit`` of the
+  tokens not reused, ``close``.
+* ``vllm`` (its default ``sha256``) and ``vllm-xxhash``: vLLM's full ``KVCacheManager`` as its scheduler drives it:
+  a ``Request`` built with the block hasher (its constructor hashes the full blocks), ``get_computed_blocks``
+  (capped at ``len - 1``), ``allocate_slots`` for the rest (caches the full blocks), ``free``.
+* ``vllm-pool``: the bare ``BlockPool`` primitives under the same hashes (``hash_block_tokens`` per full block,
+  ``get_cached_block``, ``touch``, ``get_new_blocks``, ``cache_full_blocks``, ``free_blocks`` in reverse): the
+  second line, the pool without the manager around it.
 
-The peers run unmodified from their published wheels (``--wheels``, default ``$KVFORGE_PEER_WHEELS`` or
-``/tmp/peer_wheels``; get them with ``pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d /tmp/peer_wheels``):
-only the modules named in ``_VLLM_REAL``/``_SGLANG_REAL`` execute, infrastructure imports are stubbed
-(``bench/_peer_import.py``). Each (system, capacity, repetition) runs in a fresh process that imports all three
-systems first, so every run starts from the same heap. Hit counts must agree exactly with an unlimited cache
-(the same longest-prefix semantics); with LRU eviction they differ by design (vLLM may evict a block whose
-children stay cached; kvforge and SGLang evict leaves) and are reported side by side. After building its pools,
-every system's run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and
-SGLang's servers do after start-up (``--no-freeze``: not).
+The peers run unmodified from vLLM's published wheel (``--wheels``, default ``$KVFORGE_PEER_WHEELS`` or
+``/tmp/peer_wheels``; get it with ``pip download --no-deps vllm==0.33.0 -d /tmp/peer_wheels``): only the modules
+named in ``_VLLM_REAL`` execute (the v1 core, the request, the hashing), infrastructure imports are stubbed
+(``bench/_peer_import.py``). Each (system, capacity, repetition) runs in a fresh process that imports both systems
+first, so every run starts from the same heap. Full-block hits must agree exactly between all systems with an
+unlimited cache (the same longest-prefix semantics); with LRU eviction they differ by design (vLLM may evict a
+block whose children stay cached; kvforge evicts leaves) and are reported side by side. After building its pools,
+every run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and SGLang's
+servers do after start-up (``--no-freeze``: not). The earlier form of this bench (trace ids hashed by
+``keys_from_ids`` against vLLM's bare pool, and SGLang's ``RadixCache``) is in ``bench/results/host_cache.csv``
+(workload ``mooncake_conversation``) and ``docs/benchmarks.md``.
 
 On a shared machine one run of a system can take up to 1.7x another of the same code, so each repetition runs
-every system once, kvforge next to vLLM (reversed every other repetition: kvforge, vLLM, ..., then ..., vLLM,
-kvforge), and besides each system's median-total run the bench reports the **paired ratio** of each repetition
-(a system's total over vLLM's total in the same repetition: both saw about the same load), as its median and
-range over repetitions, with ``os.getloadavg()`` at start and end. Rows go to ``bench/results/host_cache.csv``,
-the plot to ``bench/results/host_cache.png``. Run::
+every system once, kvforge next to vLLM (reversed every other repetition), and besides each system's median-total
+run the bench reports the **paired ratio** of each repetition (a system's total over vLLM's total in the same
+repetition), as its median and range over repetitions, with ``os.getloadavg()`` at start and end. Rows go to
+``bench/results/host_cache.csv`` (workload ``mooncake_conversation_tokens``), the plot to
+``bench/results/host_cache.png``. Run::
 
-    python bench/bench_host_cache.py [--reps 3] [--systems kvforge,vllm,sglang,...] [--limit N] [--no-save]
+    python bench/bench_host_cache.py [--reps 3] [--systems kvforge,vllm,vllm-pool,...] [--limit N] [--no-save]
 """
 
 from __future__ import annotations
@@ -54,17 +60,23 @@ from bench._peer_import import find_wheel, install, stub_module
 
 TPB = 512
 CAPACITIES: dict[str, int | None] = {"unlimited": None, "lru20k": 20_000}
-SYSTEMS = ("kvforge", "vllm", "kvforge-sha256", "vllm-xxhash", "sglang")  # run in this order (kvforge next to vLLM)
-BASELINE = "vllm"  # ratios are against vLLM with its default hash
+SYSTEMS = ("kvforge", "vllm", "vllm-pool", "kvforge-sha256", "vllm-xxhash")  # run order (kvforge next to vLLM)
+BASELINE = "vllm"  # ratios are against vLLM's full manager with its default hash
 WHEELS_ENV = "KVFORGE_PEER_WHEELS"
+WORKLOAD = "mooncake_conversation_tokens"
 
-_VLLM_REAL = ("vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_utils", "vllm.utils.hashing")
-_SGLANG_REAL = (
-    "sglang.srt.mem_cache.radix_cache",
-    "sglang.srt.mem_cache.base_prefix_cache",
-    "sglang.srt.mem_cache.evict_policy",
-    "sglang.srt.mem_cache.utils",
-    "sglang.srt.mem_cache.cache_init_params",
+_VLLM_REAL = (
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.kv_cache_coordinator",
+    "vllm.v1.core.single_type_kv_cache_manager",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.kv_cache_spec_registry",
+    "vllm.v1.request",
+    "vllm.v1.utils",
+    "vllm.utils.hashing",
+    "vllm.utils.math_utils",
 )
 
 
@@ -80,16 +92,15 @@ def _wheels_dir(arg: str | None) -> Path:
     return Path(arg or os.environ.get(WHEELS_ENV) or "/tmp/peer_wheels")
 
 
-def _import_peers(wheels: Path) -> tuple[Any, Any]:
-    vllm_whl, sglang_whl = find_wheel(wheels, "vllm"), find_wheel(wheels, "sglang")
-    if vllm_whl is None or sglang_whl is None:
-        raise FileNotFoundError(
-            f"peer wheels not found in {wheels}: pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d {wheels}"
-        )
-    try:
-        import cbor2  # noqa: F401  (vLLM imports it; only its *_cbor hashes use it)
-    except ImportError:
-        stub_module("cbor2")
+def _import_vllm(wheels: Path) -> Any:
+    vllm_whl = find_wheel(wheels, "vllm")
+    if vllm_whl is None:
+        raise FileNotFoundError(f"vLLM wheel not found in {wheels}: pip download --no-deps vllm==0.33.0 -d {wheels}")
+    for name in ("cbor2", "uvloop"):  # imported by vLLM modules; the bench never calls them
+        try:
+            __import__(name)
+        except ImportError:
+            stub_module(name)
     install(
         vllm_whl,
         "vllm",
@@ -97,75 +108,128 @@ def _import_peers(wheels: Path) -> tuple[Any, Any]:
         {
             "vllm.logger": {"init_logger": logging.getLogger},
             "vllm.envs": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": False},
-            "vllm.utils.math_utils": {"cdiv": lambda a, b: -(a // -b)},
+            # vllm.utils is an empty namespace here; this one helper of it is what Request's constructor calls.
+            "vllm.utils": {"length_from_prompt_token_ids_or_embeds": lambda ids, embeds: len(ids)},
         },
     )
-    sgl_overrides = {"sglang.srt.utils.common": {"ceil_align": lambda x, a: -(-x // a) * a}}
-    install(sglang_whl, "sglang", _SGLANG_REAL, sgl_overrides)
-    import sglang.srt.mem_cache.radix_cache as sgl_radix
-    import vllm.v1.core.block_pool as vllm_pool
+    import vllm.v1.core.single_type_kv_cache_manager as single_type
 
-    return vllm_pool, sgl_radix
+    single_type.register_all_kvcache_specs(None)  # what vLLM's engine does at start-up
+    return single_type
 
 
-# --- the systems: each returns a per-request function giving the hit blocks ---------------------------------------
+def _prompt_tokens(ids: tuple[int, ...], input_length: int) -> list[int]:
+    """The prompt as token ids: block i holds ``ids[i] * 512 + 0..511`` (distinct per id), cut to the length."""
+    import numpy as np
+
+    arr = (np.asarray(ids, dtype=np.uint32)[:, None] * TPB + np.arange(TPB, dtype=np.uint32)).ravel()
+    return arr[:input_length].tolist()
+
+
+# --- the systems: each returns a per-request function of the prompt's tokens giving the full blocks it reused ------
 
 
 def _kvforge(capacity: int, algorithm: str) -> Any:
     from kvforge.kvcache.config import KVCacheConfig, LayerSpec, TierConfig
-    from kvforge.kvcache.hashing import BlockKeyHasher
+    from kvforge.kvcache.hashing import BlockKeyHasher, token_array
     from kvforge.kvcache.manager import KVCacheManager
 
-    hasher = BlockKeyHasher(algorithm=algorithm)
-    keys_from_ids = hasher.keys_from_ids
     mgr = KVCacheManager(
         KVCacheConfig(
             tokens_per_block=TPB, layers=(LayerSpec(0, bytes_per_token=1),), tiers=(TierConfig(pages=capacity),)
-        )
+        ),
+        hasher=BlockKeyHasher(algorithm=algorithm),
     )
 
-    def serve(ids: tuple[int, ...]) -> int:
-        keys = keys_from_ids(ids)
-        cache = mgr.create_cache(block_keys=keys)
+    def serve(tokens: list[int]) -> int:
+        # As kvforge's scheduler keeps a request's prompt: validated once into a read-only uint32 array, which
+        # every later call takes without checking or copying it again.
+        arr = token_array(tokens)
+        arr.flags.writeable = False
+        n = len(arr)
+        keys = mgr.prompt_keys(arr)
+        cache = mgr.create_cache(arr, block_keys=keys, max_reuse_tokens=n - 1)
         reused = cache.num_committed_tokens
-        n = len(keys) * TPB
         if cache.resize(capacity=n, history=n):
-            cache.commit(num_tokens=n - reused, block_keys=keys[reused // TPB :])
+            cache.commit(arr[reused:], block_keys=keys[reused // TPB :])
         cache.close()
         return reused // TPB
 
     return serve
 
 
-def _vllm(capacity: int, hash_name: str, vllm_pool: Any) -> Any:
+def _vllm_hash(hash_name: str) -> tuple[Any, Any]:
     from vllm.utils import hashing as vh
     from vllm.v1.core import kv_cache_utils
 
     hash_fn = getattr(vh, hash_name)
     kv_cache_utils.init_none_hash(hash_fn)
+    return hash_fn, kv_cache_utils
+
+
+def _vllm(capacity: int, hash_name: str) -> Any:
+    """vLLM's KVCacheManager with one full-attention group, driven as its scheduler drives a new request."""
+    import types
+
+    import torch
+    from vllm.v1 import kv_cache_interface as kvi
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import Request
+
+    hash_fn, kv_cache_utils = _vllm_hash(hash_name)
+    block_hasher = kv_cache_utils.get_request_block_hasher(TPB, hash_fn)
+    spec = kvi.FullAttentionSpec(block_size=TPB, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    config = kvi.KVCacheConfig(
+        num_blocks=capacity + 1,  # block 0 is vLLM's null block
+        kv_cache_tensors=[],
+        kv_cache_groups=[kvi.KVCacheGroupSpec(["mla.0"], spec)],
+    )
+    mgr = KVCacheManager(
+        config, max_model_len=1 << 22, scheduler_block_size=TPB, hash_block_size=TPB, enable_caching=True
+    )
+    # The sampling parameters' fields the request reads (a real SamplingParams needs vLLM's full install).
+    params = types.SimpleNamespace(max_tokens=1, extra_args=None, skip_reading_prefix_cache=None)
+    ids = iter(range(1 << 62))
+
+    def serve(tokens: list[int]) -> int:
+        req = Request(str(next(ids)), tokens, params, None, block_hasher=block_hasher)
+        blocks, hit, _ = mgr.get_computed_blocks(req)
+        if mgr.allocate_slots(req, req.num_tokens - hit, hit, blocks) is None:
+            return hit // TPB  # longer than the whole pool: counted its hits, caches nothing
+        mgr.free(req)
+        return hit // TPB
+
+    return serve
+
+
+def _vllm_pool(capacity: int, hash_name: str) -> Any:
+    """vLLM's bare BlockPool: the primitives its manager calls, with the same per-block token hashing."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    hash_fn, kv_cache_utils = _vllm_hash(hash_name)
     hash_block_tokens = kv_cache_utils.hash_block_tokens
-    pool = vllm_pool.BlockPool(capacity + 1, True, TPB)  # block 0 is vLLM's null block
+    pool = BlockPool(capacity + 1, True, TPB)  # block 0 is vLLM's null block
     get_cached = pool.get_cached_block
     group = [0]
 
     class _Req:
         __slots__ = ("block_hashes",)
 
-    def serve(ids: tuple[int, ...]) -> int:
+    def serve(tokens: list[int]) -> int:
         parent = None
         hashes = []
-        for i in ids:
-            parent = hash_block_tokens(hash_fn, parent, (i,), None)
+        for start in range(0, len(tokens) - TPB + 1, TPB):
+            parent = hash_block_tokens(hash_fn, parent, tokens[start : start + TPB], None)
             hashes.append(parent)
         hit = []
-        for h in hashes:
+        for h in hashes[: (len(tokens) - 1) // TPB]:  # the last token is computed, as the manager caps it
             found = get_cached(h, group)
             if found is None:
                 break
             hit.append(found[0])
         pool.touch(hit)
         try:
-            new = pool.get_new_blocks(len(hashes) - len(hit))
+            new = pool.get_new_blocks(-(-len(tokens) // TPB) - len(hit))
         except ValueError:  # longer than the whole pool: counted its hits, caches nothing
             pool.free_blocks(reversed(hit))
             return len(hit)
@@ -179,50 +243,6 @@ def _vllm(capacity: int, hash_name: str, vllm_pool: Any) -> Any:
     return serve
 
 
-def _sglang(capacity: int, sgl_radix: Any) -> Any:
-    from array import array
-
-    import torch
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
-
-    class _Allocator:
-        """The token-slot free list SGLang's allocator keeps (here a plain list of slot ids)."""
-
-        device = "cpu"
-
-        def __init__(self, n: int) -> None:
-            self.free = list(range(n))
-
-        def alloc(self, n: int) -> Any:
-            out = self.free[-n:] if n else []
-            del self.free[len(self.free) - n :]
-            return torch.tensor(out, dtype=torch.int64)
-
-        def free_segment(self, indices: Any, start_pos: int = 0) -> None:
-            self.free.extend(indices.tolist())
-
-    alloc = _Allocator(capacity)
-    tree = sgl_radix.RadixCache.create_simulated(mock_allocator=alloc)
-    RadixKey = sgl_radix.RadixKey
-
-    def serve(ids: tuple[int, ...]) -> int:
-        key = RadixKey(array("q", ids))
-        m = tree.match_prefix(MatchPrefixParams(key=key))
-        hit = m.device_prefix_len
-        node = m.last_device_node
-        tree.inc_lock_ref(node)
-        need = len(ids) - hit
-        if need > len(alloc.free):
-            tree.evict(EvictParams(num_tokens=need - len(alloc.free)))
-        if need <= len(alloc.free):
-            value = torch.cat([tree.path_device_indices(node), alloc.alloc(need)])
-            tree.insert(InsertParams(key=key, value=value))
-        tree.dec_lock_ref(node)
-        return hit
-
-    return serve
-
-
 # --- one run (child process) ---------------------------------------------------------------------------------------
 
 
@@ -231,16 +251,19 @@ def _run_child(
 ) -> dict[str, Any]:
     from kvforge.kvcache.replay import load_trace
 
-    vllm_pool, sgl_radix = _import_peers(wheels)  # every run imports every system: the same heap for all
+    _import_vllm(wheels)  # every run imports both systems: the same heap for all
     requests = load_trace(trace, limit=limit)
+    for r in requests:
+        if max(r.hash_ids) >= (1 << 32) // TPB:
+            raise SystemExit(f"trace: hash id {max(r.hash_ids)} too large for distinct 32-bit token ids")
     cap = CAPACITIES[capacity_name]
     capacity = sum(len(r.hash_ids) for r in requests) if cap is None else cap
     if system.startswith("kvforge"):
         serve = _kvforge(capacity, "sha256" if system.endswith("sha256") else "xxh3_128")
+    elif system == "vllm-pool":
+        serve = _vllm_pool(capacity, "sha256")
     elif system.startswith("vllm"):
-        serve = _vllm(capacity, "xxhash" if system.endswith("xxhash") else "sha256", vllm_pool)
-    elif system == "sglang":
-        serve = _sglang(capacity, sgl_radix)
+        serve = _vllm(capacity, "xxhash" if system.endswith("xxhash") else "sha256")
     else:
         raise ValueError(f"system: unknown {system!r}")
     if not gc.isenabled():
@@ -266,8 +289,9 @@ def _run_child(
     gc.callbacks.append(on_gc)
     try:
         for r in requests:
+            tokens = _prompt_tokens(r.hash_ids, r.input_length)  # what a server receives: not timed
             t0 = clock()
-            hit = serve(r.hash_ids)
+            hit = serve(tokens)
             samples.append(clock() - t0)
             hit_blocks += hit
             hit_tokens += min(hit * TPB, r.input_length)
@@ -323,10 +347,19 @@ def _paired_ratios(
     return out
 
 
+def _plot_title(load_start: tuple[float, float, float], load_end: tuple[float, float, float]) -> str:
+    """What the figure shows, the path and the machine it ran on (two lines: the figure is narrow)."""
+    return (
+        "Host CPU of prefix caching (median-total run),\nMooncake trace as 512-token blocks, GC on:\n"
+        "kvforge token path vs vLLM KVCacheManager / BlockPool\n"
+        f"{platform.machine()}, {os.cpu_count()} cores, load {load_start[0]:.1f} -> {load_end[0]:.1f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=None, help="the Mooncake conversation trace (JSONL)")
-    ap.add_argument("--wheels", default=None, help=f"folder with the vllm and sglang wheels (${WHEELS_ENV})")
+    ap.add_argument("--wheels", default=None, help=f"folder with the vllm wheel (${WHEELS_ENV})")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--capacities", default=",".join(CAPACITIES))
     ap.add_argument("--reps", type=int, default=3, help="runs per (system, capacity); the median-total run reports")
@@ -343,10 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if trace is None or not trace.is_file():
         print(f"bench_host_cache: trace not found ({trace}); set --trace or $KVFORGE_TRACE. Skipped.", file=sys.stderr)
         return 0
-    if find_wheel(wheels, "vllm") is None or find_wheel(wheels, "sglang") is None:
+    if find_wheel(wheels, "vllm") is None:
         print(
-            f"bench_host_cache: peer wheels not in {wheels}. Get them with\n"
-            f"  pip download --no-deps vllm==0.33.0 sglang==0.5.23 -d {wheels}\nSkipped.",
+            f"bench_host_cache: the vLLM wheel is not in {wheels}. Get it with\n"
+            f"  pip download --no-deps vllm==0.33.0 -d {wheels}\nSkipped.",
             file=sys.stderr,
         )
         return 0
@@ -418,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             rows.append(
                 {
-                    "workload": "mooncake_conversation",
+                    "workload": WORKLOAD,
                     "capacity": cap,
                     "capacity_blocks": r["capacity_blocks"],
                     "system": system,
@@ -443,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu": platform.processor() or platform.machine(),
                     "python": platform.python_version(),
                     "vllm_wheel": find_wheel(wheels, "vllm").name,  # type: ignore[union-attr]
-                    "sglang_wheel": find_wheel(wheels, "sglang").name,  # type: ignore[union-attr]
+                    "hash_path": "token ids, 512-token blocks",
+                    "vllm_api": {"vllm-pool": "BlockPool"}.get(
+                        system, "KVCacheManager" if system.startswith("vllm") else ""
+                    ),
                 }
             )
     if not args.no_save:
@@ -456,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             "plot:",
             bar_plot(
                 RESULTS / "host_cache.png",
-                "Mooncake conversation trace: host CPU time of match + insert per system (GC on)",
+                _plot_title(load_start, load_end),
                 caps,
                 series,
                 "total CPU ms (12,031 requests)" if args.limit is None else "total CPU ms",

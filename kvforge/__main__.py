@@ -73,7 +73,12 @@ def _version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A usage error is one line on stderr and exit status 2 (no usage dump, no traceback)."""
+    """A usage error is one line on stderr and exit status 2 (no usage dump, no traceback). No prefix matching:
+    ``--server 8`` is an error, not ``--servers 8`` (subcommand parsers are built by this class too)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"{self.prog}: error: {message}", file=sys.stderr)

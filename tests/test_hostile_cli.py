@@ -448,3 +448,173 @@ def test_selfcheck_rows_name_their_unit():
     table = format_table(rows).splitlines()
     assert "err unit" in table[0]
     assert "x tol" in table[2] and "mismatched entries" in table[3] and " abs " in table[4]
+
+
+# --- issue 32, item 5: a hostile trace line, --out probed by doing, no prefix matching, integer bounds -------------
+
+
+def _sparse(path: Path, size: int) -> Path:
+    """A file of ``size`` NUL bytes and no newline (one line), sparse so it costs no disk."""
+    with path.open("wb") as f:
+        f.truncate(size)
+    return path
+
+
+def test_a_trace_line_over_the_limit_is_refused_after_a_bounded_read(tmp_path: Path):
+    import tracemalloc
+
+    from kvforge.kvcache.replay import MAX_TRACE_LINE_BYTES
+
+    p = _sparse(tmp_path / "one_line.jsonl", 64 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceFormatError) as info:
+            load_trace(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(info.value).startswith(f"{p}:1: line longer than"), info.value
+    assert peak < 4 * MAX_TRACE_LINE_BYTES, peak  # the old reader held the whole 64 MiB line
+
+
+def test_a_line_at_the_limit_is_read_and_the_next_line_is_numbered(tmp_path: Path):
+    from kvforge.kvcache.replay import MAX_TRACE_LINE_BYTES
+
+    first = _line()
+    first = first[:-1] + " " * (MAX_TRACE_LINE_BYTES - len(first)) + "}"
+    assert len(first.encode()) == MAX_TRACE_LINE_BYTES
+    p = _trace(tmp_path, [first, _line(), _line() + " " * MAX_TRACE_LINE_BYTES])
+    with pytest.raises(TraceFormatError, match=r":3: line longer than"):
+        load_trace(p)
+    assert len(load_trace(p, limit=2)) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_2_gib_trace_line_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, capsys):
+    p = _sparse(tmp_path / "huge.jsonl", 2 << 30)
+    rc, out, err = _run(["--trace", str(p), "--no-progress"], capsys)
+    _assert_one_line_error(rc, out, err, "argument --trace:", f"{p}:1: line longer than")
+
+
+def test_out_is_probed_by_creating_a_file_even_when_permission_bits_say_yes(tmp_path: Path, capsys, monkeypatch):
+    """Root passes every ``os.access`` check; ``/proc/foo`` (as root) or a read-only folder must still fail up
+    front, before anything is simulated."""
+    import os
+
+    import kvforge.sim.cli as cli
+
+    ran = []
+    monkeypatch.setattr(cli, "simulate", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(os, "access", lambda *a, **k: True)  # what root sees
+    if os.geteuid() == 0 and Path("/proc/self").exists():
+        target = Path("/proc/kvforge-out-probe")
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        target = ro / "out"
+    rc, out, err = _run([*SHORT, "--out", str(target)], capsys)
+    _assert_one_line_error(rc, out, err, "argument --out:", "cannot create a file there")
+    assert not ran
+
+
+def test_out_probe_leaves_nothing_behind(tmp_path: Path):
+    from kvforge.sim.cli import check_out_dir
+
+    nested = tmp_path / "a" / "b" / "c"
+    check_out_dir(nested)
+    assert list(tmp_path.iterdir()) == []  # the folders it made to probe are gone again
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "summary.csv").write_text("old")
+    check_out_dir(tmp_path / "kept")
+    assert [q.name for q in (tmp_path / "kept").iterdir()] == ["summary.csv"]
+    assert (tmp_path / "kept" / "summary.csv").read_text() == "old"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--server", "8"],
+        ["simulate", "--server", "8"],
+        ["--conv", "3"],
+        ["simulate", "--no-prog"],
+        ["router", "--back", "http://h:1"],
+    ],
+)
+def test_no_prefix_matching_of_options(argv: list[str], capsys):
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2, (out, err)
+    assert len(err.strip().splitlines()) == 1 and "unrecognized arguments" in err, err
+    assert "Traceback" not in err
+
+
+def _parser_tree() -> list[argparse.ArgumentParser]:
+    """Every parser ``kvforge`` builds: the top one, caught as it parses, and each subcommand's."""
+    import kvforge.__main__ as entry
+
+    class Caught(Exception):
+        pass
+
+    seen: list[argparse.ArgumentParser] = []
+
+    def catch(self, *a, **k):
+        seen.append(self)
+        raise Caught
+
+    orig = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = catch  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Caught):
+            entry.main(["--help"])
+    finally:
+        argparse.ArgumentParser.parse_args = orig  # type: ignore[method-assign]
+    todo, out = list(seen), []
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo.extend(a.choices.values())
+    return out
+
+
+def test_every_parser_refuses_abbreviations():
+    parsers = _parser_tree()
+    names = {p.prog for p in parsers}
+    assert {"kvforge", "kvforge simulate", "kvforge selfcheck", "kvforge router"} <= names, names
+    assert all(p.allow_abbrev is False for p in parsers), [p.prog for p in parsers if p.allow_abbrev]
+    from kvforge.sim import cli
+
+    assert cli._Parser(prog="x").allow_abbrev is False  # ``python -m kvforge.sim.cli``
+
+
+def test_no_other_argument_parser_in_kvforge():
+    """A parser built anywhere else in kvforge/ must pass allow_abbrev=False itself."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "kvforge"
+    bad = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+                if name == "ArgumentParser" and not any(
+                    k.arg == "allow_abbrev" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in node.keywords
+                ):
+                    bad.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("flag", sorted(INTS))
+def test_integer_bounds_print_as_integers(flag: str, capsys):
+    lo, hi = LIMITS[flag]
+    rc, out, err = _run([*SHORT, f"{flag}={int(lo) - 1}"], capsys)
+    _assert_one_line_error(rc, out, err, f"argument {flag}:", f"[{int(lo)}, {int(hi)}]")
+    assert "e+" not in err
+
+
+def test_seed_minus_one_names_the_bound_exactly(capsys):
+    rc, out, err = _run([*SHORT, "--seed", "-1"], capsys)
+    _assert_one_line_error(rc, out, err, "argument --seed:", "[0, 9223372036854775807]", "'-1'")

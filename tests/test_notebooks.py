@@ -65,3 +65,26 @@ def test_notebook_runs_and_draws(path: Path, tmp_path: Path) -> None:
     errors = [o for o in _outputs(nb) if o.get("output_type") == "error"]
     assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
     assert _images(nb) == IMAGES[path.name], f"{path.name}: expected {IMAGES[path.name]} figures, got {_images(nb)}"
+
+
+def _png_width(data: str) -> int:
+    """Width in pixels from a base64 PNG's IHDR chunk (bytes 16-19, big-endian)."""
+    import base64
+
+    raw = base64.b64decode(data)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[12:16] == b"IHDR", "not a PNG"
+    return int.from_bytes(raw[16:20], "big")
+
+
+def test_kernels_tour_figures_are_wide_and_keep_legends_off_the_data():
+    """Issue 32: notebook 01's figures were stored 760 px wide (the multi-panel replay figure illegible) and a
+    legend covered the last group of bars. Every figure is now at least 1,000 px wide, and every legend the
+    notebook draws is anchored beside the axes."""
+    path = next(p for p in NOTEBOOKS if p.name == "01_kernels_tour.ipynb")
+    nb = _read(path)
+    widths = [_png_width(o["data"]["image/png"]) for o in _outputs(nb) if "image/png" in o.get("data", {})]
+    assert len(widths) == IMAGES[path.name]
+    assert min(widths) >= 1000, widths
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    legends = code.count(".legend(")
+    assert legends >= 1 and code.count("bbox_to_anchor=(1.0") == legends, "a legend inside the axes"

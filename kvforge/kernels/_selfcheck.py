@@ -3,7 +3,8 @@
 Each kernel module may define ``selfcheck(device) -> list[CheckRow]``; modules are discovered, not listed, so
 adding an op adds its rows. Each row's error is in its own unit, which the table prints beside it
 (``timed_check(..., unit=...)``): ``abs`` (the largest absolute difference from the reference), ``x tol``
-(the largest error in multiples of the tolerance; 1 is the pass line), or a count (``mismatched entries``,
+(the largest error in multiples of the tolerance; 1 is the pass line), ``rel RMSE`` (the output's RMS error
+over the reference's RMS), or a count (``mismatched entries``,
 ``mismatched bytes``, ``failed comparisons``) where the op must be exact.
 """
 

@@ -674,7 +674,7 @@ def selfcheck(device: torch.device) -> list:
             return err, lse_ok and err <= {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
 
         shapes = f"B={B} H={H} {dv}+{dr} page={page_size} lens={lens if len(lens) <= 4 else '...'} {dtype}"
-        return timed_check("mla_decode_attention", device, shapes, run, note="err: relative RMSE")
+        return timed_check("mla_decode_attention", device, shapes, run, unit="rel RMSE")
 
     if device.type != "cuda":
         return [case(3, 5, 32, 16, 4, [0, 23, 9], torch.float32), case(2, 16, 32, 16, 16, [40, 7], torch.bfloat16)]

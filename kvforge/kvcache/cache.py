@@ -333,8 +333,8 @@ class KVCache:
                 f"commit: cache {self.id!r} would commit {committed + n} tokens past its history {self._history}"
             )
         tpb = self.manager.tokens_per_block
-        if block_keys is None and (committed % tpb) + n < tpb:
-            # Fast path (a decode step): no block completes.
+        if (block_keys is None or not len(block_keys)) and (committed % tpb) + n < tpb:
+            # Fast path (a decode step): no block completes, so the keys of the completed blocks are none.
             if committed + n >= self._next_stale_at:
                 self._commit_in_block(tokens, committed + n)
                 return

@@ -27,6 +27,7 @@ from kvforge.kvcache.config import KVCacheConfig, LayerSpec, TierConfig
 from kvforge.kvcache.manager import KVCacheManager
 
 __all__ = [
+    "MAX_TRACE_LINE_BYTES",
     "TRACE_ENV",
     "TRACE_TOKENS_PER_BLOCK",
     "ReplayResult",
@@ -41,6 +42,9 @@ __all__ = [
 TRACE_ENV = "KVFORGE_TRACE"
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
 TRACE_TOKENS_PER_BLOCK = 512  # tokens per hash_id
+# One request per line: 1 MiB holds ~47k hash ids (a 24M-token prompt). A longer line is refused after reading
+# at most this much, so a hostile file (one 2 GiB line) costs 1 MiB of memory, not a MemoryError.
+MAX_TRACE_LINE_BYTES = 1 << 20
 
 
 class TraceFormatError(ValueError):
@@ -91,7 +95,8 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
     skipping blank lines and stopping after ``limit`` requests, in file order.
 
     Strict: integers are JSON integers (not ``true``, not ``2.0``), ``hash_ids`` are non-negative, below 2**64
-    and at least one per full block of ``input_length``, and every line is UTF-8 JSON. Raises
+    and at least one per full block of ``input_length``, and every line is UTF-8 JSON of at most
+    :data:`MAX_TRACE_LINE_BYTES` bytes (read line by line with a bounded read). Raises
     ``FileNotFoundError`` or ``IsADirectoryError`` naming the path, or ``TraceFormatError`` naming the file and
     line (``path:line: ...``); never another exception for bad bytes.
     """
@@ -108,9 +113,16 @@ def load_trace(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
         return isinstance(x, int) and not isinstance(x, bool)
 
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
+        lineno = 0
+        while limit is None or len(out) < limit:
+            raw = f.readline(MAX_TRACE_LINE_BYTES + 1)  # bounded: never the whole of a hostile line
+            if not raw:
                 break
+            lineno += 1
+            if len(raw) > MAX_TRACE_LINE_BYTES and not raw.endswith(b"\n"):
+                raise TraceFormatError(
+                    f"{path}:{lineno}: line longer than {MAX_TRACE_LINE_BYTES:,} bytes (one request per line)"
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:

@@ -2,7 +2,7 @@
 
 With no arguments it runs the embedded default: a seeded synthetic multi-turn workload on a small fleet,
 comparing four router policies. Every option is checked before anything is simulated (ranges in
-:data:`LIMITS`; ``--out`` must be a folder that can be written); bad input ends with one
+:data:`LIMITS`; ``--out`` must be a folder where a file can be created, tried by creating one); bad input ends with one
 ``kvforge simulate: error: argument --x: ...`` line on stderr and exit status 2, never a traceback. Progress
 bars show only when stderr is a terminal (``--no-progress`` turns them off there too). A trace out of time
 order is sorted (stable) with a one-line warning.
@@ -11,9 +11,11 @@ order is sorted (stable) with a one-line warning.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -78,7 +80,12 @@ LEGEND = """
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage dump) with exit status 2."""
+    """argparse, but a usage error is one line (no usage dump) with exit status 2, and no prefix matching
+    (``--server 8`` is an error, not ``--servers 8``)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"kvforge simulate: error: {message}", file=sys.stderr)
@@ -89,14 +96,16 @@ def _bounded(flag: str, integer: bool) -> Callable[[str], float]:
     """An argparse type: a number (an integer when ``integer``) within ``LIMITS[flag]``; argparse names the flag."""
     lo, hi = LIMITS[flag]
     what = "an integer" if integer else "a number"
+    # Integer bounds print as integers (2**63 - 1, not 9.22337e+18).
+    bounds = f"[{int(lo)}, {int(hi)}]" if integer else f"[{lo:g}, {hi:g}]"
 
     def parse(text: str) -> float:
         try:
             v: float = int(text) if integer else float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what} in [{lo:g}, {hi:g}], got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what} in {bounds}, got {text!r}") from None
         if not (math.isfinite(v) and lo <= v <= hi):
-            raise argparse.ArgumentTypeError(f"expected {what} in [{lo:g}, {hi:g}], got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {what} in {bounds}, got {text!r}")
         return v
 
     parse.__name__ = "integer" if integer else "number"
@@ -235,23 +244,45 @@ def _arg(flag: str, message: str) -> SimulationError:
 
 def check_out_dir(out: Path) -> None:
     """Raise :class:`SimulationError` unless ``out`` is (or can become) a writable folder whose output files
-    can be written: not a file, not under a file, no output name taken by a folder."""
+    can be written: not a file, not under a file, no output name taken by a folder.
+
+    Checked by doing, not by permission bits (root passes every ``os.access`` test, and ``/proc`` lies): the
+    missing folders are made, a file is created and removed in ``out``, each existing output file is opened
+    for appending, and the folders made here are removed again."""
     p = Path(out)
     if p.exists() and not p.is_dir():
         raise _arg("--out", f"{p} exists and is not a folder")
-    probe = p
+    probe, missing = p, []
     while not probe.exists():
+        missing.append(probe)
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
         raise _arg("--out", f"{p}: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise _arg("--out", f"{p}: {probe} is not writable")
     for name in OUT_FILES:
         q = p / name
-        if q.exists() and (q.is_dir() or not os.access(q, os.W_OK)):
-            raise _arg("--out", f"{q} exists and cannot be overwritten ({'a folder' if q.is_dir() else 'read-only'})")
+        if q.is_dir():
+            raise _arg("--out", f"{q} exists and cannot be overwritten (a folder)")
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        fd, name = tempfile.mkstemp(prefix=".kvforge-probe-", dir=p)
+        os.close(fd)
+        os.unlink(name)
+        for out_name in OUT_FILES:
+            if (p / out_name).exists():
+                with (p / out_name).open("ab"):  # opening to append changes nothing in the file
+                    pass
+    except OSError as exc:
+        where = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else str(exc)
+        raise _arg("--out", f"{p}: cannot create a file there ({where})") from None
+    finally:
+        for d in reversed(made):
+            with contextlib.suppress(OSError):  # not empty: someone else wrote there meanwhile
+                d.rmdir()
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[SimRequest], str, int]:
