@@ -72,11 +72,11 @@ _TEXT_SCOPE = ("text", None)
 
 
 def block_keys_from_text(text: str, chars_per_block: int) -> list[BlockKey]:
-    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree. Decoded
-    # in C (UTF-32 viewed as uint32, lone surrogates kept as their code points): the same ints as ord().
-    full = len(text) - len(text) % chars_per_block
-    points = tuple(memoryview(text[:full].encode("utf-32-le", "surrogatepass")).cast("I"))
-    return chain_keys(root_key(_TEXT_SCOPE), points, chars_per_block)
+    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree. The
+    # library's own text keying (one implementation, vectorised), so RouteRequest(text=...) agrees.
+    from kvforge.routing.request import text_block_keys
+
+    return text_block_keys(text, chars_per_block)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- request bodies
