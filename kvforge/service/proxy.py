@@ -61,6 +61,14 @@ _HOP = frozenset(
 )  # fmt: skip
 # Content-Encoding passes through: responses are relayed undecoded (auto_decompress=False).
 _MAX_CONV_ID = 512
+# Bodies at least this big are decoded and keyed on a worker thread, so the event loop keeps serving others.
+_OFFLOAD_BYTES = 64 * 1024
+_EVENTS_NEED_TOKENIZER = (
+    "kv_events: needs --tokenizer (engines announce blocks by token ids; without a tokenizer requests are keyed "
+    "by text and no event could ever match one)"
+)
+# Request headers that describe the body as the client sent it: aiohttp has already decoded a compressed body.
+_BODY_HOP = frozenset(("content-encoding",))
 
 
 @dataclass
@@ -78,7 +86,8 @@ class ServiceConfig:
     read_timeout_s: float = 300.0
     request_timeout_s: float = 1800.0
     max_retries: int = 2
-    max_body_bytes: int = 16 * 2**20
+    max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0
     health_path: str = "/health"
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
@@ -101,6 +110,7 @@ class ServiceConfig:
             "request_timeout_s",
             "health_interval_s",
             "health_timeout_s",
+            "body_timeout_s",
         ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
@@ -121,6 +131,8 @@ class ServiceConfig:
             setattr(self, name, [_check_zmq_endpoint(name, e) for e in eps])
         if self.kv_replay and not self.kv_events:
             raise ValueError("kv_replay: given without kv_events")
+        if any(e is not None for e in self.kv_events) and self.tokenizer is None:
+            raise ValueError(_EVENTS_NEED_TOKENIZER)
         if not self.health_path.startswith("/"):
             raise ValueError(f"health_path: expected a path starting with '/', got {self.health_path!r}")
 
@@ -192,6 +204,8 @@ class Fleet:
         )
         if b.kv_replay is not None and b.kv_events is None:
             raise ValueError("kv_replay: given without kv_events")
+        if b.kv_events is not None and self.cfg.tokenizer is None:
+            raise ValueError(_EVENTS_NEED_TOKENIZER)
         self.backends[url] = b
         if b.kv_events is not None:
             b.mapper = BlockMapper(self.cfg.tokens_per_block, self.cfg.kv_group)
@@ -401,9 +415,10 @@ class RouterService:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_error_middleware])
-        app.router.add_post("/v1/chat/completions", self._completion)
-        app.router.add_post("/v1/completions", self._completion)
+        for path in K.KEYED_PATHS:
+            app.router.add_post(path, self._completion)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/admin/backends", self._admin_list)
@@ -499,7 +514,8 @@ class RouterService:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _models(self, request: web.Request) -> web.StreamResponse:
+    async def _fetch_models(self) -> tuple[int, bytes, dict[str, str]] | web.Response:
+        """``/v1/models`` from a healthy backend (status, body, headers), or the error response to send."""
         assert self._session is not None
         healthy = [b for b in self.fleet.backends.values() if b.healthy]
         if not healthy:
@@ -509,39 +525,108 @@ class RouterService:
             b = healthy[(start + i) % len(healthy)]
             try:
                 async with self._session.get(b.url + "/v1/models", timeout=self._timeout()) as up:
-                    body = await up.read()
-                    return web.Response(body=body, status=up.status, headers=_forward_headers(up.headers))
+                    return up.status, await up.read(), _forward_headers(up.headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self.fleet.eject(b, f"/v1/models failed: {type(exc).__name__}")
+                if _dead(exc):  # a slow answer is not a dead backend: health checks decide that
+                    self.fleet.eject(b, f"/v1/models failed: {type(exc).__name__}")
         return _error(502, "every backend failed to answer /v1/models")
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        got = await self._fetch_models()
+        if isinstance(got, web.Response):
+            return got
+        status, body, headers = got
+        return web.Response(body=body, status=status, headers=headers)
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/models/{id}`` (``client.models.retrieve``), answered from the backends' model list."""
+        model = request.match_info["model"]
+        got = await self._fetch_models()
+        if isinstance(got, web.Response):
+            return got
+        status, body, _ = got
+        if status >= 400:
+            return _error(502, f"/v1/models answered {status}")
+        try:
+            listing = msgspec.json.decode(body)
+            entries = listing["data"] if isinstance(listing, dict) else None
+        except (msgspec.DecodeError, KeyError, RecursionError):
+            entries = None
+        if not isinstance(entries, list):
+            return _error(502, "/v1/models: the backend's answer is not a model list")
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("id") == model:
+                return web.json_response(entry)
+        return _error(404, f"The model '{model[:200]}' does not exist")
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         return self._client_timeout
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        raw = await request.read()
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request body within ``body_timeout_s`` (decompressed by aiohttp as its Content-Encoding says),
+        or the 4xx to answer: 408 past the deadline (the connection is closed), 400 for a body that does not
+        decode (a body labelled gzip that is not), 413 over ``max_body_bytes``."""
+        try:
+            return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.requests.labels("", "body_timeout").inc()
+            resp = _error(408, f"body: not received within {self.cfg.body_timeout_s:g} s")
+            resp.force_close()
+            return resp
+        except web.HTTPException:
+            raise  # 413 (over max_body_bytes): the middleware answers in OpenAI's shape
+        except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError, ValueError, OSError) as exc:
+            self.metrics.requests.labels("", "bad_request").inc()
+            resp = _error(400, f"body: cannot be read as sent ({type(exc).__name__}: {str(exc)[:200]})")
+            resp.force_close()
+            return resp
+
+    def _prepare(self, path: str, raw: bytes, conv_header: str | None) -> tuple[bytes, str | None, list[Hashable], int]:
+        """Decode, validate and key one body: (body to forward, conversation id, keys, prompt tokens). Raises
+        BadRequest. Pure CPU work on immutable inputs: big bodies run it on a worker thread."""
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError:
-            self.metrics.requests.labels("", "bad_request").inc()
-            return _error(400, "body: expected a JSON object")
+            raise K.BadRequest("body: expected a JSON object") from None
+        except RecursionError:
+            raise K.BadRequest("body: JSON nested too deeply") from None
         if not isinstance(body, dict):
-            self.metrics.requests.labels("", "bad_request").inc()
-            return _error(400, f"body: expected a JSON object, got {type(body).__name__}")
+            raise K.BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+        conv = self._conversation_id(conv_header, body)
+        if "conversation_id" in body:
+            del body["conversation_id"]
+            raw = msgspec.json.encode(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
         try:
-            conv = self._conversation_id(request, body)
-            if "conversation_id" in body:
-                del body["conversation_id"]
-                raw = msgspec.json.encode(body)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
-            keys, num_tokens = self.keyer.keys_for_body(request.path, body)
+            keys, num_tokens = self.keyer.keys_for_body(path, body)
+        except K.BadRequest:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # (A value the checks above let through and the tokenizer or the hashing refuses.)
+            raise K.BadRequest(f"prompt: cannot be keyed ({type(exc).__name__}: {str(exc)[:200]})") from None
+        return raw, conv, keys, num_tokens
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        raw_or_error = await self._read_body(request)
+        if isinstance(raw_or_error, web.Response):
+            return raw_or_error
+        raw = raw_or_error
+        # Routing time starts once the body is in: a slow client is not the router's time.
+        t0 = time.perf_counter()
+        conv_header = request.headers.get(self._conv_header)
+        try:
+            if len(raw) < _OFFLOAD_BYTES:
+                raw, conv, keys, num_tokens = self._prepare(request.path, raw, conv_header)
+            else:
+                raw, conv, keys, num_tokens = await asyncio.get_running_loop().run_in_executor(
+                    None, self._prepare, request.path, raw, conv_header
+                )
         except K.BadRequest as exc:
             self.metrics.requests.labels("", "bad_request").inc()
             return _error(400, str(exc))
-        headers = _forward_headers(request.headers)
+        headers = _forward_headers(request.headers, _BODY_HOP)
         rid = f"{self._prefix}{next(self._ids)}"
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
@@ -568,8 +653,7 @@ class RouterService:
         m.requests.labels("", "no_backend").inc()
         return _error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response")
 
-    def _conversation_id(self, request: web.Request, body: dict[str, Any]) -> str | None:
-        conv = request.headers.get(self._conv_header)
+    def _conversation_id(self, conv: str | None, body: dict[str, Any]) -> str | None:
         if conv is None:
             conv = body.get("conversation_id")
             if conv is None:
@@ -601,6 +685,13 @@ class RouterService:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 b.attempts.discard(a)  # the ejection below cancels waiting attempts: not this one
+                if not _dead(exc):
+                    # Silence past read_timeout_s (a long prefill, a queue): the backend is alive and may be
+                    # computing this very request, so it stays in rotation and the request is not sent again
+                    # elsewhere. Health checks, not one slow request, take a backend out.
+                    outcome = "upstream_timeout"
+                    resp = _error(504, f"backend {b.url} sent no response within {self.cfg.read_timeout_s:g} s")
+                    return resp
                 self.fleet.eject(b, f"request failed: {type(exc).__name__}")
                 return None
             try:
@@ -617,7 +708,8 @@ class RouterService:
                     try:
                         chunk = await up.content.readany()
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        self.fleet.eject(b, f"response cut: {type(exc).__name__}")
+                        if _dead(exc):
+                            self.fleet.eject(b, f"response cut: {type(exc).__name__}")
                         outcome = "upstream_failed"
                         # The client must see an error, not a clean end: drop its connection.
                         if request.transport is not None:
@@ -700,8 +792,16 @@ class RouterService:
         return web.json_response({"removed": url})
 
 
-def _forward_headers(headers: Any) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+def _forward_headers(headers: Any, also: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in also}
+
+
+def _dead(exc: BaseException) -> bool:
+    """Whether a failed exchange says the backend is down (refused, reset, unreachable, connect timeout), as
+    opposed to slow (no byte within the read or total timeout)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return True
+    return not isinstance(exc, asyncio.TimeoutError)
 
 
 def _error(status: int, message: str) -> web.Response:

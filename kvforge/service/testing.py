@@ -6,7 +6,7 @@
 same :class:`~kvforge.service.keys.Keyer`) to count hits, and, given a :class:`KVEventPublisher`, publishes
 ``BlockStored`` for the prompt's token ids in engine blocks of ``engine_block_size`` under its own hash
 function (so the router can only map them through token ids). ``kill()`` drops the listener and every open
-connection at once; ``hang`` makes requests wait forever.
+connection at once; ``hang`` makes requests wait forever; ``health_ok = False`` fails its health checks.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class FakeBackend:
         self.engine_block_size = engine_block_size
         self.name = name
         self.hang = False
+        self.health_ok = True
         self.cache: set[Any] = set()
         self.prompt_tokens = 0
         self.hit_tokens = 0
@@ -131,7 +132,7 @@ class FakeBackend:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+        return web.json_response({"ok": self.health_ok}, status=200 if self.health_ok else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": self.name}]})
