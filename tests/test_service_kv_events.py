@@ -535,3 +535,15 @@ def test_live_subscriber_survives_hostile_messages_and_a_forged_number() -> None
             pub.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_skipped_blocks_are_counted_for_metrics() -> None:
+    async def main() -> None:
+        stats: list = []
+        sub = KVEventSubscriber("tcp://127.0.0.1:1", lambda evs: None, BlockMapper(8),
+                                on_stats=lambda kind, n: stats.append((kind, n)))  # fmt: skip
+        orphan = BlockStored([b"a", b"b"], b"unknown parent", list(range(8)), 4, None, "GPU", None)
+        await sub.on_message(_frames(0, encode_batch([orphan])))
+        assert sub.counts["skipped_blocks"] == 2 and ("skipped_blocks", 2) in stats
+
+    asyncio.run(main())

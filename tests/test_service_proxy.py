@@ -473,3 +473,30 @@ def test_fleet_changes_its_router_in_place() -> None:
             f.place("r2", [1], 64, None)
 
     run(main())
+
+
+def test_readme_configuration_sends_a_new_conversation_to_the_backend_announcing_its_prefix(tmp_path) -> None:
+    # Issue 31: under the README's --policy conversation, KV events never placed a new conversation.
+    tok = build_tokenizer(tmp_path / "tokenizer.json")
+    template = _template(tmp_path)
+
+    async def main() -> None:
+        keyer = Keyer(64, tokenizer=tok, chat_template=template)
+        async with fleet(
+            2, keyer=keyer, events=True, policy="conversation", tokens_per_block=64, tokenizer=str(tok),
+            chat_template=template, backend_kw={"engine_block_size": 16},
+        ) as (svc, base, backends, s):  # fmt: skip
+            router = svc.fleet._epoch.router
+            for n, announcer in enumerate((backends[1], backends[0], backends[1])):
+                doc = " ".join(f"w{(7 * i + 31 * n) % 400}" for i in range(300))
+                body = {"messages": [{"role": "user", "content": doc}], "stream": False}
+                # The engine holds this prompt (another router, a warm-up): it says so on its event stream.
+                announcer._publish(keyer.prompt_token_ids("/v1/chat/completions", body))
+                keys, _ = keyer.keys_for_body("/v1/chat/completions", body)
+                url, want = announcer.url, len(keys)
+                assert await wait_for(lambda u=url, w=want: router.cached_blocks(u) >= w, timeout=5)
+                follow = {"messages": [{"role": "user", "content": doc + " w1 w2 w3"}], "stream": False}
+                r = await post_chat(s, base, follow, f"new-{n}")
+                assert r["backend"] == announcer.name, (n, r)
+
+    run(main())

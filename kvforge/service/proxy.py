@@ -570,16 +570,15 @@ class RouterService:
             return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
         except asyncio.TimeoutError:
             self.metrics.requests.labels("", "body_timeout").inc()
-            resp = _error(408, f"body: not received within {self.cfg.body_timeout_s:g} s")
-            resp.force_close()
-            return resp
+            return await _answer_and_close(
+                request, _error(408, f"body: not received within {self.cfg.body_timeout_s:g} s")
+            )
         except web.HTTPException:
             raise  # 413 (over max_body_bytes): the middleware answers in OpenAI's shape
-        except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError, ValueError, OSError) as exc:
+        except Exception as exc:  # (aiohttp's RequestPayloadError for a body that does not decode, and kin)
             self.metrics.requests.labels("", "bad_request").inc()
             resp = _error(400, f"body: cannot be read as sent ({type(exc).__name__}: {str(exc)[:200]})")
-            resp.force_close()
-            return resp
+            return await _answer_and_close(request, resp)
 
     def _prepare(self, path: str, raw: bytes, conv_header: str | None) -> tuple[bytes, str | None, list[Hashable], int]:
         """Decode, validate and key one body: (body to forward, conversation id, keys, prompt tokens). Raises
@@ -794,6 +793,18 @@ class RouterService:
 
 def _forward_headers(headers: Any, also: frozenset[str] = frozenset()) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in also}
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` and close the connection at once: the rest of an unread body is not waited for (aiohttp
+    would otherwise drain it for up to its lingering time)."""
+    resp.force_close()
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await resp.prepare(request)
+        await resp.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return resp
 
 
 def _dead(exc: BaseException) -> bool:

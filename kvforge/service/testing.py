@@ -1,6 +1,7 @@
 """In-process fakes for tests and benchmarks: an OpenAI-compatible backend, a tiny tokenizer, trace prompts.
 
-:class:`FakeBackend` serves ``/health``, ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` on
+:class:`FakeBackend` serves ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions`` (and
+minimal ``/v1/embeddings`` and ``/v1/responses``) on
 127.0.0.1 (a free port), streaming ``max_tokens`` tokens (capped by ``max_output_tokens``) at
 ``tokens_per_s`` as SSE chunks. It keeps an unbounded prefix cache of the router's own keys (computed with the
 same :class:`~kvforge.service.keys.Keyer`) to count hits, and, given a :class:`KVEventPublisher`, publishes
@@ -102,6 +103,8 @@ class FakeBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/embeddings", self._embed)
+        app.router.add_post("/v1/responses", self._respond)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.05, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -169,6 +172,20 @@ class FakeBackend:
         if new_hashes:
             self._engine_blocks.update(new_hashes)
             self.publisher.publish([BlockStored(new_hashes, first_parent, new_tokens, bs, None, "GPU", None)])
+
+    async def _embed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"conversation": request.headers.get("X-Conversation-Id"), "body": body,
+                              "path": request.path})  # fmt: skip
+        return web.json_response({"object": "list", "data": [{"object": "embedding", "index": 0,
+                                  "embedding": [0.0, 1.0]}], "model": "fake", "backend": self.name})  # fmt: skip
+
+    async def _respond(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"conversation": request.headers.get("X-Conversation-Id"), "body": body,
+                              "path": request.path})  # fmt: skip
+        return web.json_response({"id": "resp_x", "object": "response", "status": "completed", "output": [],
+                                  "backend": self.name})  # fmt: skip
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
