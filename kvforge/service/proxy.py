@@ -1,16 +1,20 @@
 """The OpenAI-compatible routing proxy (aiohttp server and client).
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` are keyed (:class:`~kvforge.service.keys.Keyer`),
-placed by the configured policy and forwarded; the backend's response is passed through chunk by chunk as it
-arrives (SSE included, never buffered whole). ``GET /v1/models`` goes to a healthy backend. The conversation
-id is the ``X-Conversation-Id`` header (name configurable) or a ``conversation_id`` body field (stripped before
-forwarding); without one the policy matches by prefix.
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings`` are keyed
+(:class:`~kvforge.service.keys.Keyer`), placed by the configured policy and forwarded; the backend's response
+is passed through chunk by chunk as it arrives (SSE included, never buffered whole). ``GET /v1/models`` goes
+to a healthy backend; ``GET /v1/models/{id}`` is answered from that list. The conversation id is the
+``X-Conversation-Id`` header (name configurable) or a ``conversation_id`` body field (stripped before
+forwarding); without one the policy matches by prefix. A body must arrive within ``body_timeout_s`` (408,
+connection closed); it is forwarded decoded (without its Content-Encoding); every malformed body is a 400 in
+OpenAI's shape; big ones are decoded and keyed on a worker thread.
 
 Every placement is finished exactly once, when the response ends: success for a status < 400 streamed to the
 end, failure otherwise (client disconnect, upstream error, timeout), which restores the conversation's
 baseline as ``finish_request_by_id(success=False)`` does. An attempt that fails before the response has
-started (connection refused, reset, timeout, or its backend ejected while it waited) ejects the backend and is
-retried on another, up to ``max_retries`` times.
+started (connection refused, reset, connect timeout, or its backend ejected while it waited) ejects the backend
+and is retried on another, up to ``max_retries`` times; silence past ``read_timeout_s`` is a 504 that ejects
+nothing (a slow backend is not a dead one).
 
 Membership: backends are health-checked (``GET health_path``) and ejected on a failed check or a failed
 connection; they rejoin after ``healthy_after`` passing checks. Admin: ``GET/POST/DELETE /admin/backends``
