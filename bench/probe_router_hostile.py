@@ -2,14 +2,15 @@
 
     python bench/probe_router_hostile.py [--quiet-s 2] [--after-s 3] [--tag NAME]
 
-Three processes: two fake OpenAI backends (``FakeBackend``, one-token answers), the router
+Four processes: two fake OpenAI backends (``FakeBackend``, one-token answers), the router
 (``python -m kvforge router`` with ``--tokenizer``, ``--kv-events`` / ``--kv-replay`` from this process's two
 publishers, ``--tokens-per-block 64``, ``--body-timeout-s 1``, defaults otherwise, GC on) and this process:
-a probe client sends one small chat request at a time (5 ms apart) through the router, and the hostile
-inputs are sent one after another. Per input: the probe's median over ``--quiet-s`` of quiet just before it,
-and its maximum from when the input is sent until ``--after-s`` after it was answered (or taken). Extra =
+a probe client in a fourth process sends one small chat request at a time (5 ms apart) through the router,
+and this process sends the hostile inputs one after another. Per input: the probe's median over
+``--quiet-s`` of quiet just before it, and its maximum from when the input is sent until ``--after-s`` after it was answered (or taken). Extra =
 that maximum minus the quiet median: the longest delay another client saw because of this input (it also
-holds whatever else the 2 shared cores were doing: other processes on the machine).
+holds whatever else the 2 shared cores were doing: other processes on the machine; the quiet window's own
+maximum is reported beside it as that noise floor).
 
 Inputs: an ~8 MiB chat prompt (tokenised), a 20 MiB body (413), 100,000-deep JSON, token ids >= 2**32, a body
 labelled gzip that is not, 200 bodies that never finish, one KV batch of 1,000,000 hashes, one of 48,000
@@ -57,21 +58,25 @@ async def _serve_backends(port_file: str) -> None:
     await asyncio.Event().wait()
 
 
-async def _probe(session, base: str, out: list[float], stop: asyncio.Event) -> None:
+async def _probe_main(base: str, out_path: str) -> None:
+    """The probe process: one small chat request at a time, 5 ms apart; one line per answered request
+    (start time in seconds since the epoch, latency in ms), until terminated."""
     import aiohttp
 
     body = {"messages": [{"role": "user", "content": "w1 w2 w3"}], "max_tokens": 1}
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            async with session.post(base + CHAT, json=body) as r:
-                await r.read()
-                ok = r.status == 200
-        except aiohttp.ClientError:
-            ok = False
-        if ok:
-            out.append((time.perf_counter() - t0) * 1e3)
-        await asyncio.sleep(0.005)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        with open(out_path, "a", buffering=1) as out:
+            while True:
+                start, t0 = time.time(), time.perf_counter()
+                try:
+                    async with session.post(base + CHAT, json=body) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    out.write(f"{start:.6f} {(time.perf_counter() - t0) * 1e3:.3f}\n")
+                await asyncio.sleep(0.005)
 
 
 async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dict]:
@@ -149,11 +154,11 @@ async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dic
 
     def forged() -> None:
         p = pubs[1]
-        raw(p, 2**62, encode_batch([]))
         next_raw(p, bad_token)
         next_raw(p, deep_mp)
         for g in garbage:
             next_raw(p, g)
+        raw(p, 2**62, encode_batch([]))
         p.publish([AllBlocksCleared()])
 
     cases: list[tuple[str, Callable[[], Awaitable[str]]]] = [
@@ -167,28 +172,29 @@ async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dic
         ("kv_batch_48k_blocks", lambda: kv(lambda: next_raw(pubs[0], kv_50k), 3.0)),
         ("kv_forged_and_malformed", lambda: kv(forged)),
     ]
-    rows = []
+    probe_file = Path(args.probe_file)
+    probe = subprocess.Popen([sys.executable, __file__, "--probe", base, str(probe_file)])
+    await asyncio.sleep(2.0)  # the probe's first requests (connection set-up) stay out of every window
+    windows = []
     for name, fire in cases:
-        quiet: list[float] = []
-        stop = asyncio.Event()
-        t = asyncio.get_running_loop().create_task(_probe(session, base, quiet, stop))
+        q0 = time.time()
         await asyncio.sleep(args.quiet_s)
-        stop.set()
-        await t
-        during: list[float] = []
-        stop = asyncio.Event()
-        t = asyncio.get_running_loop().create_task(_probe(session, base, during, stop))
-        t0 = time.perf_counter()
+        d0 = time.time()
         result = await fire()
-        took = time.perf_counter() - t0
+        took = time.time() - d0
         await asyncio.sleep(args.after_s)
-        stop.set()
-        await t
-        med = statistics.median(quiet)
-        worst = max(during)
+        windows.append((name, result, took, q0, d0, time.time()))
+    probe.terminate()
+    probe.wait(10)
+    samples = [tuple(map(float, ln.split())) for ln in probe_file.read_text().splitlines() if ln.strip()]
+    rows = []
+    for name, result, took, q0, d0, d1 in windows:
+        quiet = [ms for t, ms in samples if q0 <= t < d0]
+        during = [ms for t, ms in samples if d0 <= t < d1]
+        med, worst = statistics.median(quiet), max(during)
         row = {"input": name, "result": result, "input_s": round(took, 3), "probe_quiet_p50_ms": round(med, 3),
-               "probe_during_max_ms": round(worst, 3), "extra_ms": round(worst - med, 3),
-               "probe_requests_during": len(during), "target_ms": TARGET_MS,
+               "probe_quiet_max_ms": round(max(quiet), 3), "probe_during_max_ms": round(worst, 3),
+               "extra_ms": round(worst - med, 3), "probe_requests_during": len(during), "target_ms": TARGET_MS,
                "within_target": worst - med <= TARGET_MS}  # fmt: skip
         log(json.dumps(row))
         rows.append(row)
@@ -207,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--log", default=None, help="also write the run's lines here")
     ap.add_argument("--serve-backends", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probe", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.probe:
+        asyncio.run(_probe_main(*args.probe))
+        return 0
     if args.serve_backends:
         asyncio.run(_serve_backends(args.serve_backends))
         return 0
@@ -223,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
 
     tmp = Path(tempfile.mkdtemp(prefix="kvf-hostile-"))
+    args.probe_file = str(tmp / "probe.txt")
     tok = build_tokenizer(tmp / "tokenizer.json")
     port_file = tmp / "backends.json"
     procs = [subprocess.Popen([sys.executable, __file__, "--serve-backends", str(port_file)])]

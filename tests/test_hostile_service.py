@@ -303,3 +303,21 @@ def test_kv_events_without_a_tokenizer_are_refused_at_start_up() -> None:
     ServiceConfig(backends=["http://h:1"], kv_events=["tcp://h:5557"], tokenizer="tokenizer.json")
     with pytest.raises(ValueError, match="body_timeout_s"):
         ServiceConfig(backends=["http://h:1"], body_timeout_s=0)
+
+
+def test_long_prompts_tokenised_in_a_child_process_key_the_same(tmp_path) -> None:
+    from kvforge.service.keys import _POOL_TEXT
+    from kvforge.service.testing import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "tokenizer.json")
+    text = " ".join(f"w{(i * 13) % 500}" for i in range(_POOL_TEXT // 4 + 100))
+    body = {"messages": [{"role": "user", "content": text}]}
+    plain = Keyer(16, tokenizer=tok)
+    pooled = Keyer(16, tokenizer=tok)
+    pooled.start_pool(1)
+    try:
+        ids = pooled.encode(text, add_special_tokens=False)
+        assert not isinstance(ids, list) and list(ids) == plain.encode(text, add_special_tokens=False)
+        assert pooled.keys_for_body(CHAT, body) == plain.keys_for_body(CHAT, body)
+    finally:
+        pooled.close()

@@ -268,6 +268,8 @@ class Keyer:
         self.chars_per_token = float(chars_per_token)
         self.chars_per_block = max(1, round(tokens_per_block * chars_per_token))
         self.tokenizer = None
+        self._tokenizer_path = None if tokenizer is None else str(tokenizer)
+        self._pool: Any = None
         self.chat_template = ChatTemplate(chat_template) if chat_template is not None else None
         if tokenizer is not None:
             from tokenizers import Tokenizer
@@ -281,8 +283,32 @@ class Keyer:
     def uses_tokens(self) -> bool:
         return self.tokenizer is not None
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def start_pool(self, processes: int = 1) -> None:
+        """Tokenise texts of ``_POOL_TEXT`` characters or more in ``processes`` child processes (spawned now).
+
+        In this process a long prompt would hold the GIL for tens of milliseconds even on a worker thread
+        (turning its ids into a Python list is one C call); a child returns them as uint32 bytes instead."""
+        import concurrent.futures
+        import multiprocessing
+
+        if self.tokenizer is None or self._pool is not None:
+            return
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_pool_init,
+            initargs=(self._tokenizer_path,),
+        )  # fmt: skip
+        self._pool.submit(_pool_encode, "", False).result()  # loaded and ready before the first request
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
+        """Token ids of ``text``: a list, or a uint32 array for a long text (the same ids)."""
         assert self.tokenizer is not None
+        if len(text) >= _POOL_TEXT and self._pool is not None:
+            return np.frombuffer(self._pool.submit(_pool_encode, text, add_special_tokens).result(), np.uint32)
         if len(text) >= _LONG_TEXT:
             # Same ids; encode_batch releases the GIL while it works, so a long prompt tokenised on a worker
             # thread does not hold the event loop (encode holds the GIL throughout).
@@ -325,7 +351,7 @@ class Keyer:
             return text
         return _prompt(body)
 
-    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
+    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> Sequence[int]:
         """Token ids of the prompt (needs a tokenizer): chat text without special tokens (the template holds
         them), a completion string with them, token ids as given."""
         p = self.prompt(path, body)
@@ -342,6 +368,22 @@ class Keyer:
             # Token ids without a tokenizer: key the ids themselves (they only meet other id prompts).
             return block_keys_from_tokens(p, self.tokens_per_block), len(p)
         return self.keys_for_text(p)
+
+
+_POOL_TEXT = 256 * 1024
+_POOL_TOKENIZER: Any = None
+
+
+def _pool_init(path: str) -> None:
+    global _POOL_TOKENIZER
+    from tokenizers import Tokenizer
+
+    _POOL_TOKENIZER = Tokenizer.from_file(path)
+
+
+def _pool_encode(text: str, add_special_tokens: bool) -> bytes:
+    ids = _POOL_TOKENIZER.encode(text, add_special_tokens=add_special_tokens).ids
+    return np.asarray(ids, dtype=np.uint32).tobytes()
 
 
 # ---------------------------------------------------------------- the router's public API, in one place

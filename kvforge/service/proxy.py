@@ -67,6 +67,9 @@ _HOP = frozenset(
 _MAX_CONV_ID = 512
 # Bodies at least this big are decoded and keyed on a worker thread, so the event loop keeps serving others.
 _OFFLOAD_BYTES = 64 * 1024
+# Requests with at least this many block keys are placed from a worker thread (the router is thread-safe):
+# adding tens of thousands of keys to its trie takes tens of milliseconds.
+_OFFLOAD_KEYS = 4096
 _EVENTS_NEED_TOKENIZER = (
     "kv_events: needs --tokenizer (engines announce blocks by token ids; without a tokenizer requests are keyed "
     "by text and no event could ever match one)"
@@ -92,6 +95,7 @@ class ServiceConfig:
     max_retries: int = 2
     max_body_bytes: int = 8 * 2**20
     body_timeout_s: float = 30.0
+    tokenizer_processes: int = 1
     health_path: str = "/health"
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
@@ -119,7 +123,13 @@ class ServiceConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 raise ValueError(f"{name}: expected a positive number of seconds, got {v!r}")
-        for name, lo in (("max_retries", 0), ("max_body_bytes", 1), ("unhealthy_after", 1), ("healthy_after", 1)):
+        for name, lo in (
+            ("max_retries", 0),
+            ("max_body_bytes", 1),
+            ("unhealthy_after", 1),
+            ("healthy_after", 1),
+            ("tokenizer_processes", 0),
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
@@ -321,6 +331,26 @@ class Fleet:
         ep.in_flight += 1
         return ep, self.backends[url]  # type: ignore[index]
 
+    async def place_off_loop(
+        self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
+    ) -> tuple[_Epoch, Backend]:
+        """:meth:`place`, the router's decision taken on a worker thread (for requests with many keys)."""
+        ep = self._epoch
+        if ep is None:
+            raise NoBackend("no backend is in rotation")
+        try:
+            url = await asyncio.get_running_loop().run_in_executor(
+                None, K.route, ep.router, request_id, keys, num_tokens, conv
+            )
+        except NoServerAvailableError:
+            raise NoBackend("no backend is in rotation") from None
+        ep.in_flight += 1
+        b = self.backends.get(url)  # type: ignore[arg-type]
+        if b is None:  # removed while the decision was being taken: undo it and decide again here
+            self.finish(ep, request_id, False)
+            return self.place(request_id, keys, num_tokens, conv)
+        return ep, b
+
     def finish(self, ep: _Epoch, request_id: Hashable, success: bool) -> None:
         K.finish(ep.router, request_id, success)
         ep.in_flight -= 1
@@ -439,6 +469,8 @@ class RouterService:
             connector=conn, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
         )
         await self.fleet.start()
+        if cfg.tokenizer_processes and self.keyer.uses_tokens:
+            await asyncio.get_running_loop().run_in_executor(None, self.keyer.start_pool, cfg.tokenizer_processes)
         if cfg.backends_file is not None:
             self._sync_file()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop(), name="health"))
@@ -450,6 +482,7 @@ class RouterService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self.fleet.stop()
+        self.keyer.close()
         if self._session is not None:
             await self._session.close()
 
@@ -634,7 +667,10 @@ class RouterService:
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
             try:
-                ep, b = self.fleet.place(rid, keys, num_tokens, conv)
+                if len(keys) >= _OFFLOAD_KEYS:
+                    ep, b = await self.fleet.place_off_loop(rid, keys, num_tokens, conv)
+                else:
+                    ep, b = self.fleet.place(rid, keys, num_tokens, conv)
             except NoBackend as exc:
                 m.requests.labels("", "no_backend").inc()
                 return _error(503, str(exc))
