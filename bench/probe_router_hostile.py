@@ -4,13 +4,13 @@
 
 Four processes: two fake OpenAI backends (``FakeBackend``, one-token answers), the router
 (``python -m kvforge router`` with ``--tokenizer``, ``--kv-events`` / ``--kv-replay`` from this process's two
-publishers, ``--tokens-per-block 64``, ``--body-timeout-s 1``, defaults otherwise, GC on) and this process:
-a probe client in a fourth process sends one small chat request at a time (5 ms apart) through the router,
-and this process sends the hostile inputs one after another. Per input: the probe's median over
-``--quiet-s`` of quiet just before it, and its maximum from when the input is sent until ``--after-s`` after it was answered (or taken). Extra =
-that maximum minus the quiet median: the longest delay another client saw because of this input (it also
-holds whatever else the 2 shared cores were doing: other processes on the machine; the quiet window's own
-maximum is reported beside it as that noise floor).
+publishers, ``--tokens-per-block 64``, ``--body-timeout-s 1``, defaults otherwise, GC on), a probe client
+that sends one small chat request at a time (5 ms apart) through the router, and this process, which sends
+the hostile inputs one after another. Per input: the probe's median over ``--quiet-s`` of quiet just before
+it, and its maximum from when the input is sent until ``--after-s`` after it was answered (or taken).
+Extra = that maximum minus the quiet median: the longest delay another client saw because of this input. It
+also holds whatever else the 2 shared cores were doing (other processes on the machine): the quiet window's
+own maximum is reported beside it as that noise floor.
 
 Inputs: an ~8 MiB chat prompt (tokenised), a 20 MiB body (413), 100,000-deep JSON, token ids >= 2**32, a body
 labelled gzip that is not, 200 bodies that never finish, one KV batch of 1,000,000 hashes, one of 48,000
