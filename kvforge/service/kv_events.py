@@ -267,7 +267,10 @@ class BlockMapper:
         self.group_idx = group_idx
         self.max_blocks = max_blocks
         # engine hash -> (router key after it, partial tokens after that key, keys it completed, media)
-        self._blocks: dict[EngineHash, tuple[Hashable, tuple[int, ...], tuple[Hashable, ...], set[str | None]]] = {}
+        # (Entries hold only atoms and tuples of atoms, media as a tuple too, so the garbage collector stops
+        # tracking them: a full collection over millions of tracked sets took tens of milliseconds.)
+        self._blocks: dict[EngineHash, tuple[Hashable, tuple[int, ...], tuple[Hashable, ...], tuple[str | None, ...]]]
+        self._blocks = {}
         self.present: dict[Hashable, int] = {}  # router keys held, with how many engine blocks complete them
         self.skipped = 0
 
@@ -290,8 +293,11 @@ class BlockMapper:
                 entry = self._blocks.get(h)
                 if entry is None:
                     continue
-                entry[3].discard(event.medium)
-                if not entry[3]:
+                media = entry[3]
+                if event.medium in media:
+                    media = tuple(m for m in media if m != event.medium)
+                    self._blocks[h] = (*entry[:3], media)
+                if not media:
                     del self._blocks[h]
                     for k in entry[2]:
                         c = self.present.get(k, 0)
@@ -327,12 +333,13 @@ class BlockMapper:
             partial = run
             old = self._blocks.get(h)
             if old is not None:
-                old[3].add(event.medium)  # the same block in another medium (or stored again)
+                if event.medium not in old[3]:  # the same block in another medium (or stored again)
+                    self._blocks[h] = (*old[:3], (*old[3], event.medium))
                 continue
             if len(self._blocks) >= self.max_blocks:
                 self.skipped += 1
                 continue
-            self._blocks[h] = (key, partial, tuple(done), {event.medium})
+            self._blocks[h] = (key, partial, tuple(done), (event.medium,))
             for k in done:
                 self.present[k] = self.present.get(k, 0) + 1
             stored.extend(done)
@@ -394,20 +401,21 @@ def _pieces(event: KVWireEvent, blocks: int) -> Iterable[KVWireEvent]:
 class KVEventSubscriber:
     """Subscribes to one engine's PUB socket (and its replay ROUTER), feeding router events to ``sink``.
 
-    Any bytes: a message that cannot be parsed, decoded, mapped or applied (wrong frames, bad msgpack, wrong
-    types, token ids outside [0, 2**32), nesting past the decoder's depth, a sink that raises) is counted
-    (``bad``), logged at most once per ``log_interval_s`` and skipped; the task only ends when stopped.
-    A message over ``max_message_bytes`` is not decoded (``oversized``). Big batches are applied in pieces of
-    ``slice_blocks`` engine blocks, yielding to the event loop every ``slice_s`` seconds of work.
+        Any bytes: a message that cannot be parsed, decoded, mapped or applied (wrong frames, bad msgpack, wrong
+        types, token ids outside [0, 2**32), nesting past the decoder's depth, a sink that raises) is counted
+        (``bad``), logged at most once per ``log_interval_s`` and skipped; the task only ends when stopped.
+        A message over ``max_message_bytes`` (512 KiB) is not decoded (``oversized``). Big batches are applied in pieces of
+        ``slice_blocks`` engine blocks, and a burst of messages one by one, yielding to the event loop every
+    ``slice_s`` seconds of work.
 
-    Sequence numbers: a jump forward asks the replay socket for the missing batches (at most
-    ``replay_timeout_s`` waiting for them); a number at or below the last one applied is a duplicate and is
-    dropped, except a restart at 0, which clears the engine's blocks. The first batch seen, if not 0, asks for
-    a replay from 0 so the router learns what the engine already holds. A jump of more than ``max_seq_jump``
-    past what the engine's replay socket confirms is implausible (a forged number): that batch is dropped
-    (``implausible_seq``) and nothing is counted lost. ``resync_after`` consecutive numbers in a run far from
-    the last one applied (forward past ``max_seq_jump`` without a replay socket to confirm it, or backward past
-    it, as after a poisoned start) are the engine's stream: the subscriber follows them (``resyncs``).
+        Sequence numbers: a jump forward asks the replay socket for the missing batches (at most
+        ``replay_timeout_s`` waiting for them); a number at or below the last one applied is a duplicate and is
+        dropped, except a restart at 0, which clears the engine's blocks. The first batch seen, if not 0, asks for
+        a replay from 0 so the router learns what the engine already holds. A jump of more than ``max_seq_jump``
+        past what the engine's replay socket confirms is implausible (a forged number): that batch is dropped
+        (``implausible_seq``) and nothing is counted lost. ``resync_after`` consecutive numbers in a run far from
+        the last one applied (forward past ``max_seq_jump`` without a replay socket to confirm it, or backward past
+        it, as after a poisoned start) are the engine's stream: the subscriber follows them (``resyncs``).
     """
 
     def __init__(
@@ -422,7 +430,7 @@ class KVEventSubscriber:
         on_stats: Callable[[str, int], None] | None = None,
         max_seq_jump: int = 100_000,
         resync_after: int = 3,
-        max_message_bytes: int = 1 << 20,
+        max_message_bytes: int = 512 * 1024,
         slice_blocks: int = 256,
         slice_s: float = 0.004,
         log_interval_s: float = 10.0,
@@ -567,7 +575,6 @@ class KVEventSubscriber:
             self._bad(seq, f"{type(exc).__name__}: {exc}")
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
-        self._yielded = time.perf_counter()
         if seq < 0:  # an engine numbers its batches from 0 (-1 ends a replay, never a live message)
             self._bad(seq, "negative batch number")
             return
@@ -688,6 +695,9 @@ class KVEventSubscriber:
                     await asyncio.sleep(0.01)
                     continue
                 await self.on_message(frames)
+                # Queued messages are received without a suspension: a burst (1,000 junk messages) would
+                # otherwise be worked through in one go.
+                await self._maybe_yield()
         finally:
             self._dealer = None
             sub.close(0)
