@@ -13,7 +13,7 @@ also holds whatever else the 2 shared cores were doing (other processes on the m
 own maximum is reported beside it as that noise floor.
 
 Inputs: an ~8 MiB chat prompt (tokenised), a 20 MiB body (413), 100,000-deep JSON, token ids >= 2**32, a body
-labelled gzip that is not, 200 bodies that never finish, one KV batch of 1,000,000 hashes, one of 48,000
+labelled gzip that is not, 200 bodies that never finish, one KV batch of 1,000,000 hashes, one of 24,000
 blocks (applied, in slices), and a burst of forged / malformed KV messages (a 2**62 number, token id -1, deep
 msgpack, 1,000 random byte strings). Rows go to ``bench/results/router_hostile.csv``; ``--log`` keeps the run.
 """
@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -125,7 +126,7 @@ async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dic
     not_gzip = b'{"messages": [{"role": "user", "content": "x"}]}'
     n1m = 1_000_000
     kv_1m = encode_batch([BlockStored(list(range(1, n1m + 1)), None, [7] * n1m, 1, None, "GPU", None)])
-    n50k = 48_000  # (just under the 1 MiB message cap)
+    n50k = 24_000  # (just under the 512 KiB message cap)
     toks = [i % 100 for i in range(n50k * 16)]
     kv_50k = encode_batch([BlockStored(list(range(10**6, 10**6 + n50k)), None, toks, 16, None, "GPU", None)])
     bad_token = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
@@ -169,7 +170,7 @@ async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dic
         ("gzip_label_not_gzip", lambda: post(not_gzip, {"Content-Encoding": "gzip"})),
         ("slowloris_200_bodies", slowloris),
         ("kv_batch_1M_hashes", lambda: kv(lambda: next_raw(pubs[0], kv_1m))),
-        ("kv_batch_48k_blocks", lambda: kv(lambda: next_raw(pubs[0], kv_50k), 3.0)),
+        ("kv_batch_24k_blocks", lambda: kv(lambda: next_raw(pubs[0], kv_50k), 3.0)),
         ("kv_forged_and_malformed", lambda: kv(forged)),
     ]
     probe_file = Path(args.probe_file)
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         lines.append(line)
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # (so the child processes are stopped below)
     tmp = Path(tempfile.mkdtemp(prefix="kvf-hostile-"))
     args.probe_file = str(tmp / "probe.txt")
     tok = build_tokenizer(tmp / "tokenizer.json")
