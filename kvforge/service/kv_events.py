@@ -401,21 +401,21 @@ def _pieces(event: KVWireEvent, blocks: int) -> Iterable[KVWireEvent]:
 class KVEventSubscriber:
     """Subscribes to one engine's PUB socket (and its replay ROUTER), feeding router events to ``sink``.
 
-        Any bytes: a message that cannot be parsed, decoded, mapped or applied (wrong frames, bad msgpack, wrong
-        types, token ids outside [0, 2**32), nesting past the decoder's depth, a sink that raises) is counted
-        (``bad``), logged at most once per ``log_interval_s`` and skipped; the task only ends when stopped.
-        A message over ``max_message_bytes`` (512 KiB) is not decoded (``oversized``). Big batches are applied in pieces of
-        ``slice_blocks`` engine blocks, and a burst of messages one by one, yielding to the event loop every
-    ``slice_s`` seconds of work.
+    Any bytes: a message that cannot be parsed, decoded, mapped or applied (wrong frames, bad msgpack, wrong
+    types, token ids outside [0, 2**32), nesting past the decoder's depth, a sink that raises) is counted
+    (``bad``), logged at most once per ``log_interval_s`` and skipped; the task only ends when stopped.
+    A message over ``max_message_bytes`` (512 KiB) is not decoded (``oversized``). Big batches are applied in
+    pieces of ``slice_blocks`` engine blocks, and a burst of messages one by one, yielding to the event loop
+    every ``slice_s`` seconds of work.
 
-        Sequence numbers: a jump forward asks the replay socket for the missing batches (at most
-        ``replay_timeout_s`` waiting for them); a number at or below the last one applied is a duplicate and is
-        dropped, except a restart at 0, which clears the engine's blocks. The first batch seen, if not 0, asks for
-        a replay from 0 so the router learns what the engine already holds. A jump of more than ``max_seq_jump``
-        past what the engine's replay socket confirms is implausible (a forged number): that batch is dropped
-        (``implausible_seq``) and nothing is counted lost. ``resync_after`` consecutive numbers in a run far from
-        the last one applied (forward past ``max_seq_jump`` without a replay socket to confirm it, or backward past
-        it, as after a poisoned start) are the engine's stream: the subscriber follows them (``resyncs``).
+    Sequence numbers: a jump forward asks the replay socket for the missing batches (at most
+    ``replay_timeout_s`` waiting for them); a number at or below the last one applied is a duplicate and is
+    dropped, except a restart at 0, which clears the engine's blocks. The first batch seen, if not 0, asks for
+    a replay from 0 so the router learns what the engine already holds. A jump of more than ``max_seq_jump``
+    past what the engine's replay socket confirms is implausible (a forged number): that batch is dropped
+    (``implausible_seq``) and nothing is counted lost. ``resync_after`` consecutive numbers in a run far from
+    the last one applied (forward past ``max_seq_jump`` without a replay socket to confirm it, or backward past
+    it, as after a poisoned start) are the engine's stream: the subscriber follows them (``resyncs``).
     """
 
     def __init__(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -474,9 +473,6 @@ class RouterService:
             await asyncio.get_running_loop().run_in_executor(None, self.keyer.start_pool, cfg.tokenizer_processes)
         if cfg.backends_file is not None:
             self._sync_file()
-        # What start-up allocated (modules, the tokenizer, the app) lives as long as the process: out of the
-        # collector's sight, a full collection no longer walks it while requests wait.
-        gc.freeze()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop(), name="health"))
 
     async def _on_cleanup(self, app: web.Application) -> None:
