@@ -294,6 +294,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     # What start-up allocated (modules, the tokenizer, the app) lives as long as the process: out of the
     # collector's sight, a full collection no longer walks it while requests wait.
     gc.freeze()
+    # Big requests are keyed and placed on worker threads; a thread that computes holds the GIL for up to the
+    # switch interval each time the event loop's thread wants it back after a socket call, and a request takes
+    # several. 1 ms instead of Python's 5 bounds what a computing thread adds to another client's request.
+    sys.setswitchinterval(0.001)
     try:
         web.run_app(
             app,

@@ -432,7 +432,7 @@ class KVEventSubscriber:
         resync_after: int = 3,
         max_message_bytes: int = 512 * 1024,
         slice_blocks: int = 256,
-        slice_s: float = 0.004,
+        slice_s: float = 0.001,
         log_interval_s: float = 10.0,
     ) -> None:
         for name, v in (("max_seq_jump", max_seq_jump), ("resync_after", resync_after),
