@@ -305,19 +305,28 @@ def test_kv_events_without_a_tokenizer_are_refused_at_start_up() -> None:
         ServiceConfig(backends=["http://h:1"], body_timeout_s=0)
 
 
-def test_long_prompts_tokenised_in_a_child_process_key_the_same(tmp_path) -> None:
-    from kvforge.service.keys import _POOL_TEXT
+def test_big_bodies_prepared_in_a_child_process_key_the_same(tmp_path) -> None:
+    import msgspec
+
+    from kvforge.service.proxy import _prepare_body, _prepare_in_child
     from kvforge.service.testing import build_tokenizer
 
     tok = build_tokenizer(tmp_path / "tokenizer.json")
-    text = " ".join(f"w{(i * 13) % 500}" for i in range(_POOL_TEXT // 4 + 100))
-    body = {"messages": [{"role": "user", "content": text}]}
+    text = " ".join(f"w{(i * 13) % 500}" for i in range(80_000))
     plain = Keyer(16, tokenizer=tok)
     pooled = Keyer(16, tokenizer=tok)
     pooled.start_pool(1)
     try:
-        ids = pooled.encode(text, add_special_tokens=False)
-        assert not isinstance(ids, list) and list(ids) == plain.encode(text, add_special_tokens=False)
-        assert pooled.keys_for_body(CHAT, body) == plain.keys_for_body(CHAT, body)
+        msgs = [{"role": "user", "content": text}]
+        for body, header in (({"messages": msgs}, "c1"), ({"messages": msgs, "conversation_id": "c2"}, None)):
+            raw = msgspec.json.encode(body)
+            want = _prepare_body(plain, CHAT, raw, header)
+            changed, conv, keys, n = pooled.submit(_prepare_in_child, CHAT, raw, header).result()
+            # The child's keys are this process's keys (same salt), the body comes back only when changed.
+            assert (conv, keys, n) == want[1:] and len(keys) == n // 16 > 1000
+            assert (changed is None) == ("conversation_id" not in body)
+            assert (raw if changed is None else changed) == want[0]
+        with pytest.raises(BadRequest, match="2\\*\\*32"):
+            pooled.submit(_prepare_in_child, "/v1/completions", b'{"prompt": [1, 4294967296]}', None).result()
     finally:
         pooled.close()

@@ -269,6 +269,7 @@ class Keyer:
         self.chars_per_block = max(1, round(tokens_per_block * chars_per_token))
         self.tokenizer = None
         self._tokenizer_path = None if tokenizer is None else str(tokenizer)
+        self._chat_template_path = None if chat_template is None else str(chat_template)
         self._pool: Any = None
         self.chat_template = ChatTemplate(chat_template) if chat_template is not None else None
         if tokenizer is not None:
@@ -284,31 +285,40 @@ class Keyer:
         return self.tokenizer is not None
 
     def start_pool(self, processes: int = 1) -> None:
-        """Tokenise texts of ``_POOL_TEXT`` characters or more in ``processes`` child processes (spawned now).
+        """Spawn ``processes`` children holding a keyer with these settings (and this process's block-key
+        salt, so their keys are this process's keys); :meth:`submit` runs work there.
 
-        In this process a long prompt would hold the GIL for tens of milliseconds even on a worker thread
-        (turning its ids into a Python list is one C call); a child returns them as uint32 bytes instead."""
+        A long prompt keyed in this process holds the GIL for tens of milliseconds at a time even on a worker
+        thread (decoding its JSON, turning its ids into a list: one C call each), and with it the event loop."""
         import concurrent.futures
         import multiprocessing
 
-        if self.tokenizer is None or self._pool is not None:
+        if self._pool is not None:
             return
+        args = (self.tokens_per_block, self.chars_per_token, self._tokenizer_path, self._chat_template_path,
+                hashing.default_hasher().salt.hex())  # fmt: skip
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_pool_init,
-            initargs=(self._tokenizer_path,),
-        )  # fmt: skip
-        self._pool.submit(_pool_encode, "", False).result()  # loaded and ready before the first request
+            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_pool_init, initargs=args
+        )
+        self._pool.submit(_pool_ready).result()  # loaded and ready before the first request
+
+    @property
+    def has_pool(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in a child of :meth:`start_pool` (a ``concurrent.futures.Future``); ``fn`` reaches the
+        child's keyer through :func:`pool_keyer`."""
+        assert self._pool is not None
+        return self._pool.submit(fn, *args)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
-        """Token ids of ``text``: a list, or a uint32 array for a long text (the same ids)."""
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         assert self.tokenizer is not None
-        if len(text) >= _POOL_TEXT and self._pool is not None:
-            return np.frombuffer(self._pool.submit(_pool_encode, text, add_special_tokens).result(), np.uint32)
         if len(text) >= _LONG_TEXT:
             # Same ids; encode_batch releases the GIL while it works, so a long prompt tokenised on a worker
             # thread does not hold the event loop (encode holds the GIL throughout).
@@ -351,7 +361,7 @@ class Keyer:
             return text
         return _prompt(body)
 
-    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> Sequence[int]:
+    def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         """Token ids of the prompt (needs a tokenizer): chat text without special tokens (the template holds
         them), a completion string with them, token ids as given."""
         p = self.prompt(path, body)
@@ -370,20 +380,27 @@ class Keyer:
         return self.keys_for_text(p)
 
 
-_POOL_TEXT = 256 * 1024
-_POOL_TOKENIZER: Any = None
+_POOL_KEYER: Keyer | None = None
 
 
-def _pool_init(path: str) -> None:
-    global _POOL_TOKENIZER
-    from tokenizers import Tokenizer
+def _pool_init(
+    tokens_per_block: int, chars_per_token: float, tokenizer: str | None, chat_template: str | None, salt: str
+) -> None:
+    global _POOL_KEYER
+    import os
 
-    _POOL_TOKENIZER = Tokenizer.from_file(path)
+    os.environ[hashing.SALT_ENV] = salt  # (read when the child's default hasher is first made)
+    _POOL_KEYER = Keyer(tokens_per_block, chars_per_token, tokenizer, chat_template)
 
 
-def _pool_encode(text: str, add_special_tokens: bool) -> bytes:
-    ids = _POOL_TOKENIZER.encode(text, add_special_tokens=add_special_tokens).ids
-    return np.asarray(ids, dtype=np.uint32).tobytes()
+def _pool_ready() -> bool:
+    return _POOL_KEYER is not None
+
+
+def pool_keyer() -> Keyer:
+    """In a child of :meth:`Keyer.start_pool`: its keyer."""
+    assert _POOL_KEYER is not None, "not in a keyer pool process"
+    return _POOL_KEYER
 
 
 # ---------------------------------------------------------------- the router's public API, in one place

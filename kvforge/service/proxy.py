@@ -67,6 +67,9 @@ _HOP = frozenset(
 _MAX_CONV_ID = 512
 # Bodies at least this big are decoded and keyed on a worker thread, so the event loop keeps serving others.
 _OFFLOAD_BYTES = 64 * 1024
+# ... and from this size on (with a tokenizer), in a keyer pool process: decoding and tokenising them here
+# would hold the GIL, and the loop with it, for tens of milliseconds at a time.
+_POOL_BYTES = 256 * 1024
 # Requests with at least this many block keys are placed from a worker thread (the router is thread-safe):
 # adding tens of thousands of keys to its trie takes tens of milliseconds.
 _OFFLOAD_KEYS = 4096
@@ -470,6 +473,7 @@ class RouterService:
         )
         await self.fleet.start()
         if cfg.tokenizer_processes and self.keyer.uses_tokens:
+            # (Spawning takes a second; the loop is not held meanwhile.)
             await asyncio.get_running_loop().run_in_executor(None, self.keyer.start_pool, cfg.tokenizer_processes)
         if cfg.backends_file is not None:
             self._sync_file()
@@ -624,33 +628,6 @@ class RouterService:
             resp = _error(400, f"body: cannot be read as sent ({type(exc).__name__}: {str(exc)[:200]})")
             return await _answer_and_close(request, resp)
 
-    def _prepare(self, path: str, raw: bytes, conv_header: str | None) -> tuple[bytes, str | None, list[Hashable], int]:
-        """Decode, validate and key one body: (body to forward, conversation id, keys, prompt tokens). Raises
-        BadRequest. Pure CPU work on immutable inputs: big bodies run it on a worker thread."""
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            raise K.BadRequest("body: expected a JSON object") from None
-        except RecursionError:
-            raise K.BadRequest("body: JSON nested too deeply") from None
-        if not isinstance(body, dict):
-            raise K.BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
-        conv = self._conversation_id(conv_header, body)
-        if "conversation_id" in body:
-            del body["conversation_id"]
-            raw = msgspec.json.encode(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
-        try:
-            keys, num_tokens = self.keyer.keys_for_body(path, body)
-        except K.BadRequest:
-            raise
-        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
-            # (A value the checks above let through and the tokenizer or the hashing refuses.)
-            raise K.BadRequest(f"prompt: cannot be keyed ({type(exc).__name__}: {str(exc)[:200]})") from None
-        return raw, conv, keys, num_tokens
-
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         raw_or_error = await self._read_body(request)
         if isinstance(raw_or_error, web.Response):
@@ -661,10 +638,14 @@ class RouterService:
         conv_header = request.headers.get(self._conv_header)
         try:
             if len(raw) < _OFFLOAD_BYTES:
-                raw, conv, keys, num_tokens = self._prepare(request.path, raw, conv_header)
+                raw, conv, keys, num_tokens = _prepare_body(self.keyer, request.path, raw, conv_header)
+            elif len(raw) >= _POOL_BYTES and self.keyer.has_pool:
+                fut = self.keyer.submit(_prepare_in_child, request.path, raw, conv_header)
+                changed, conv, keys, num_tokens = await asyncio.wrap_future(fut)
+                raw = raw if changed is None else changed
             else:
                 raw, conv, keys, num_tokens = await asyncio.get_running_loop().run_in_executor(
-                    None, self._prepare, request.path, raw, conv_header
+                    None, _prepare_body, self.keyer, request.path, raw, conv_header
                 )
         except K.BadRequest as exc:
             self.metrics.requests.labels("", "bad_request").inc()
@@ -698,17 +679,6 @@ class RouterService:
             m.retries.labels(b.url).inc()
         m.requests.labels("", "no_backend").inc()
         return _error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response")
-
-    def _conversation_id(self, conv: str | None, body: dict[str, Any]) -> str | None:
-        if conv is None:
-            conv = body.get("conversation_id")
-            if conv is None:
-                return None
-            if not isinstance(conv, str):
-                raise K.BadRequest(f"conversation_id: expected a string, got {type(conv).__name__}")
-        if not conv or len(conv) > _MAX_CONV_ID:
-            raise K.BadRequest(f"conversation id: expected 1 to {_MAX_CONV_ID} characters, got {len(conv)}")
-        return conv
 
     async def _attempt(
         self, request: web.Request, raw: bytes, headers: dict[str, str], ep: _Epoch, b: Backend, rid: str
@@ -836,6 +806,56 @@ class RouterService:
         if not removed:
             return _error(404, f"backend {url} is not in the fleet")
         return web.json_response({"removed": url})
+
+
+def _conversation_id(conv: str | None, body: dict[str, Any]) -> str | None:
+    if conv is None:
+        conv = body.get("conversation_id")
+        if conv is None:
+            return None
+        if not isinstance(conv, str):
+            raise K.BadRequest(f"conversation_id: expected a string, got {type(conv).__name__}")
+    if not conv or len(conv) > _MAX_CONV_ID:
+        raise K.BadRequest(f"conversation id: expected 1 to {_MAX_CONV_ID} characters, got {len(conv)}")
+    return conv
+
+
+def _prepare_body(
+    keyer: K.Keyer, path: str, raw: bytes, conv_header: str | None
+) -> tuple[bytes, str | None, list[Hashable], int]:
+    """Decode, validate and key one body: (body to forward, conversation id, keys, prompt tokens). Raises
+    BadRequest. CPU work on immutable inputs only: big bodies run it on a worker thread or in a child."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise K.BadRequest("body: expected a JSON object") from None
+    except RecursionError:
+        raise K.BadRequest("body: JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise K.BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+    conv = _conversation_id(conv_header, body)
+    if "conversation_id" in body:
+        del body["conversation_id"]
+        raw = msgspec.json.encode(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
+    try:
+        keys, num_tokens = keyer.keys_for_body(path, body)
+    except K.BadRequest:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # (A value the checks above let through and the tokenizer or the hashing refuses.)
+        raise K.BadRequest(f"prompt: cannot be keyed ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return raw, conv, keys, num_tokens
+
+
+def _prepare_in_child(
+    path: str, raw: bytes, conv_header: str | None
+) -> tuple[bytes | None, str | None, list[Hashable], int]:
+    """:func:`_prepare_body` in a keyer pool process (the body comes back only when it changed)."""
+    out, conv, keys, num_tokens = _prepare_body(K.pool_keyer(), path, raw, conv_header)
+    return (None if out is raw else out), conv, keys, num_tokens
 
 
 def _forward_headers(headers: Any, also: frozenset[str] = frozenset()) -> dict[str, str]:
