@@ -17,13 +17,16 @@ ways to give them:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvforge.kvcache.hashing import block_keys as _hash_token_blocks
 
-__all__ = ["BlockKeys", "RouteRequest", "RoutingKey", "check_block_keys", "request_content"]
+__all__ = ["BlockKeys", "RouteRequest", "RoutingKey", "check_block_keys", "request_content", "text_block_keys"]
 
 BlockKeys = tuple[int | bytes, ...]
 
@@ -154,6 +157,23 @@ class RoutingKey:
         )
 
 
+_UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"
+
+
+def text_code_points(text: str, chars_per_block: int) -> np.ndarray:
+    """The code points of ``text``'s full blocks of ``chars_per_block`` characters, as uint32 (a trailing
+    partial block has no key, so it is not converted). The same ints as ``ord()`` per character, lone
+    surrogates included, decoded in C (UTF-32 in native order viewed as uint32)."""
+    full = len(text) - len(text) % chars_per_block
+    return np.frombuffer(text[:full].encode(_UTF32, "surrogatepass"), dtype=np.uint32)
+
+
+def text_block_keys(text: str, chars_per_block: int, scope: Hashable | None = None) -> list[int]:
+    """Block keys of ``text`` keyed over code points (what ``RouteRequest(text=...)`` and the router service's
+    text keys use): one key per full block of ``chars_per_block`` characters, chained under ``("text", scope)``."""
+    return _hash_token_blocks(text_code_points(text, chars_per_block), chars_per_block, ("text", scope))
+
+
 def request_content(request: RouteRequest, tokens_per_block: int, chars_per_token: float) -> tuple[BlockKeys, int]:
     """The request's block keys (a tuple) and its length in tokens (text estimated in the same token unit)."""
     if request.text is not None:
@@ -163,7 +183,7 @@ def request_content(request: RouteRequest, tokens_per_block: int, chars_per_toke
         keys = request.block_keys
         if keys is None:
             chars_per_block = max(1, round(tokens_per_block * chars_per_token))
-            keys = _hash_token_blocks([ord(c) for c in request.text], chars_per_block, ("text", request.scope))
+            keys = text_block_keys(request.text, chars_per_block, request.scope)
     elif request.token_ids is not None:
         num_tokens = len(request.token_ids)
         keys = request.block_keys

@@ -652,12 +652,14 @@ class ConversationRouter(ServerMembership):
     def _place(self, request_id: Hashable, conv: str | None, keys: tuple[Any, ...], num_tokens: int) -> int:
         # One function, its state in locals: a decision is a few microseconds, and each call or record it made
         # (a match record, lookups of the cached lengths through a helper) cost a tenth of one.
-        down = self._down
-        if down and len(down) == len(self._slot_server):
-            raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
+        # The clock is checked first: a bad argument (here, a NaN time) is reported as such whatever the
+        # fleet's state, and nothing has changed yet.
         now = self._clock()
         if now.__class__ is not float or now - now != 0.0:  # (the common case costs no call)
             now = _finite_time(now)
+        down = self._down
+        if down and len(down) == len(self._slot_server):
+            raise NoServerAvailableError("no server is in rotation (every member was set unavailable)")
         ledger = self._ledger
         # (The ledger's own fields, read in place.)
         deadlines = ledger._deadlines
@@ -726,7 +728,16 @@ class ConversationRouter(ServerMembership):
                     kind = _FOLLOWED
                     target = owner_session[_SRV] if owner_session is not None else node_server
                     own_base = matched * tpb
-                if events and (kind == _FOLLOWED or self._always):
+                # Events place a new conversation in either mode. In "specific" mode only where the router's own
+                # memory does not call the prefix a shared preamble (the same test as above: held by a few
+                # conversations, or by less than one server's share of the table); that keeps a preamble that
+                # one engine announced first from pulling every new conversation onto it.
+                if events and (
+                    kind == _FOLLOWED
+                    or self._always
+                    or refs <= self._specific_max
+                    or refs * len(self.servers) <= len(sessions)
+                ):
                     held = self._cache_index.held_lengths(keys, down_mask)
                     have_held = True
                     # (A prefix cached nowhere for the minimum length cannot be followed: skip the search.)

@@ -7,6 +7,7 @@ Every value is checked by argparse (a bad one is a one-line usage error, exit st
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import sys
@@ -17,7 +18,8 @@ from kvforge.service.urls import normalize_backend_url
 __all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "run"]
 
 DESCRIPTION = (
-    "Route OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /v1/models) over a fleet of "
+    "Route OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, "
+    "/v1/models, /v1/models/{id}) over a fleet of "
     "engines with kvforge's conversation router; streams pass through chunk by chunk. Also serves /metrics "
     '(Prometheus), /health and /admin/backends (GET lists, POST {"url": ...} adds, DELETE ?url=... removes).'
 )
@@ -90,7 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="conversation",
         help="conversation: sticky by conversation, new ones follow a specific prefix (default); "
         "conversation-always: follow any matched prefix; cache-aware: SGLang-like; "
-        "least-load; round-robin",
+        "least-load; round-robin. Only conversation and conversation-always use --kv-events: a new "
+        "conversation goes where the engines announce its prefix (under conversation, unless the router has "
+        "seen that prefix shared by many conversations)",
     )
     g.add_argument(
         "--admin-token",
@@ -101,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tokenizer",
         metavar="tokenizer.json",
-        help="a local tokenizers file: keys from token ids (needed to use KV events); default: keys from text chunks",
+        help="a local tokenizers file: keys from token ids (required with --kv-events); default: keys from text chunks",
     )
     g.add_argument(
         "--chat-template",
@@ -140,7 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--read-timeout-s",
         type=_positive_float,
         default=300.0,
-        help="longest silence from a backend, before its headers or between chunks (default 300)",
+        help="longest silence from a backend, before its headers or between chunks: the request fails (504 "
+        "before the headers), the backend stays in rotation (default 300)",
     )
     g.add_argument(
         "--request-timeout-s", type=_positive_float, default=1800.0, help="longest whole request (default 1800)"
@@ -154,8 +159,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-body-bytes",
         type=_int_at_least(1),
-        default=16 * 2**20,
-        help="largest request body; larger ones get 413 (default 16 MiB)",
+        default=8 * 2**20,
+        help="largest request body, after decompression; larger ones get 413 (default 8 MiB)",
+    )
+    g.add_argument(
+        "--body-timeout-s",
+        type=_positive_float,
+        default=30.0,
+        help="longest wait for a whole request body; a slower one gets 408 and its connection closed (default 30)",
     )
     g.add_argument("--health-path", default="/health", help="GET path of the health check (default /health)")
     g.add_argument("--health-interval-s", type=_positive_float, default=2.0, help="between checks (default 2)")
@@ -164,7 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--unhealthy-after",
         type=_int_at_least(1),
         default=2,
-        help="failed checks that eject a backend (default 2; a failed request ejects at once)",
+        help="failed checks that eject a backend (default 2; a refused or reset connection ejects at once, "
+        "a slow answer never does)",
     )
     g.add_argument(
         "--healthy-after",
@@ -179,7 +191,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_endpoint,
         default=[],
         metavar="ENDPOINT",
-        help="ZMQ PUB endpoint of each --backend's KV events, in the same order, e.g. tcp://10.0.0.1:5557",
+        help="ZMQ PUB endpoint of each --backend's KV events, in the same order, e.g. tcp://10.0.0.1:5557 "
+        "(needs --tokenizer; used by --policy conversation and conversation-always)",
     )
     g.add_argument(
         "--kv-replay",
@@ -230,6 +243,7 @@ def config_from_args(args: argparse.Namespace):
         request_timeout_s=args.request_timeout_s,
         max_retries=args.max_retries,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
         health_path=args.health_path,
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
@@ -276,9 +290,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             if args.event_loop == "uvloop":
                 print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
                 return 2
+    app = service.make_app()
+    # What start-up allocated (modules, the tokenizer, the app) lives as long as the process: out of the
+    # collector's sight, a full collection no longer walks it while requests wait.
+    gc.freeze()
+    # Big requests are keyed and placed on worker threads; a thread that computes holds the GIL for up to the
+    # switch interval each time the event loop's thread wants it back after a socket call, and a request takes
+    # several. 1 ms instead of Python's 5 bounds what a computing thread adds to another client's request.
+    sys.setswitchinterval(0.001)
     try:
         web.run_app(
-            service.make_app(),
+            app,
             host=args.host,
             port=args.port,
             access_log=None,

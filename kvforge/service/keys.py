@@ -21,15 +21,22 @@ the service touches ``kvforge.routing`` / ``kvforge.kvcache.events`` field names
 
 from __future__ import annotations
 
+import array
 import math
 import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvforge.kvcache import hashing
 
+_IDS_SLICE = 1 << 17
+
 __all__ = [
+    "EVENT_POLICIES",
+    "KEYED_PATHS",
     "POLICIES",
     "BadRequest",
     "Keyer",
@@ -45,6 +52,13 @@ __all__ = [
 BlockKey = Hashable
 
 POLICIES = ("conversation", "conversation-always", "cache-aware", "least-load", "round-robin")
+# The policies whose placements use the engines' KV events (the others ignore them).
+EVENT_POLICIES = ("conversation", "conversation-always")
+# The POST routes the service keys and places (everything else it serves is answered or passed through).
+KEYED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+_TOKEN_LIMIT = 1 << 32
+# Texts at least this long are tokenised through encode_batch, which releases the GIL (encode holds it).
+_LONG_TEXT = 32 * 1024
 
 
 class BadRequest(ValueError):
@@ -72,11 +86,11 @@ _TEXT_SCOPE = ("text", None)
 
 
 def block_keys_from_text(text: str, chars_per_block: int) -> list[BlockKey]:
-    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree. Decoded
-    # in C (UTF-32 viewed as uint32, lone surrogates kept as their code points): the same ints as ord().
-    full = len(text) - len(text) % chars_per_block
-    points = tuple(memoryview(text[:full].encode("utf-32-le", "surrogatepass")).cast("I"))
-    return chain_keys(root_key(_TEXT_SCOPE), points, chars_per_block)
+    # Code points, not hash(str): str hashing is salted per process, so two routers would disagree. The
+    # library's own text keying (one implementation, vectorised), so RouteRequest(text=...) agrees.
+    from kvforge.routing.request import text_block_keys
+
+    return text_block_keys(text, chars_per_block)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- request bodies
@@ -116,8 +130,8 @@ def render_chat(messages: Any) -> str:
     return "".join(out)
 
 
-def _prompt(body: dict[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
+def _prompt(body: dict[str, Any], field: str = "prompt") -> str | list[int]:
+    prompt = body.get(field)
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
@@ -125,13 +139,54 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
         # A batch of prompts is routed by its first (one request goes to one server).
         if isinstance(first, str):
             if not all(isinstance(p, str) for p in prompt):
-                raise BadRequest("prompt: expected a string, a list of strings or a list of token ids")
+                raise BadRequest(f"{field}: expected a string, a list of strings or a list of token ids")
             return first
         if isinstance(first, list):
             prompt = first
-        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _TOKEN_LIMIT for t in prompt):
             return prompt
-    raise BadRequest("prompt: expected a string, a list of strings or a non-empty list of token ids")
+    raise BadRequest(f"{field}: expected a string, a list of strings or a non-empty list of token ids in [0, 2**32)")
+
+
+def render_responses(body: dict[str, Any]) -> str:
+    """The text a ``/v1/responses`` request is keyed by: ``instructions`` as a system message, then ``input``
+    (a string, or message items whose content is a string or parts with ``text``); other items (tool calls,
+    their outputs) add nothing."""
+    out = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadRequest(f"instructions: expected a string, got {type(instructions).__name__}")
+        out.append(f"<|system|>\n{instructions}\n")
+    items = body.get("input")
+    if isinstance(items, str):
+        out.append(f"<|user|>\n{items}\n")
+    elif isinstance(items, list) and items:
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise BadRequest(f"input[{i}]: expected an object, got {type(item).__name__}")
+            role = item.get("role")
+            if role is None:
+                continue
+            if not isinstance(role, str) or not role:
+                raise BadRequest(f"input[{i}].role: expected a non-empty string, got {role!r:.40}")
+            content = item.get("content")
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict):
+                        raise BadRequest(f"input[{i}].content[{j}]: expected an object, got {type(part).__name__}")
+                    text = part.get("text")
+                    if text is not None and not isinstance(text, str):
+                        raise BadRequest(f"input[{i}].content[{j}].text: expected a string, got {type(text).__name__}")
+                    texts.append(text or "")
+                content = "".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise BadRequest(f"input[{i}].content: expected a string or a list of parts")
+            out.append(f"<|{role}|>\n{content or ''}\n")
+    else:
+        raise BadRequest("input: expected a string or a non-empty list of items")
+    return "".join(out)
 
 
 class ChatTemplate:
@@ -213,6 +268,9 @@ class Keyer:
         self.chars_per_token = float(chars_per_token)
         self.chars_per_block = max(1, round(tokens_per_block * chars_per_token))
         self.tokenizer = None
+        self._tokenizer_path = None if tokenizer is None else str(tokenizer)
+        self._chat_template_path = None if chat_template is None else str(chat_template)
+        self._pool: Any = None
         self.chat_template = ChatTemplate(chat_template) if chat_template is not None else None
         if tokenizer is not None:
             from tokenizers import Tokenizer
@@ -226,11 +284,60 @@ class Keyer:
     def uses_tokens(self) -> bool:
         return self.tokenizer is not None
 
+    def start_pool(self, processes: int = 1) -> None:
+        """Spawn ``processes`` children holding a keyer with these settings (and this process's block-key
+        salt, so their keys are this process's keys); :meth:`submit` runs work there.
+
+        A long prompt keyed in this process holds the GIL for tens of milliseconds at a time even on a worker
+        thread (decoding its JSON, turning its ids into a list: one C call each), and with it the event loop."""
+        import concurrent.futures
+        import multiprocessing
+
+        if self._pool is not None:
+            return
+        args = (self.tokens_per_block, self.chars_per_token, self._tokenizer_path, self._chat_template_path,
+                hashing.default_hasher().salt.hex())  # fmt: skip
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            processes, mp_context=multiprocessing.get_context("spawn"), initializer=_pool_init, initargs=args
+        )
+        self._pool.submit(_pool_ready).result()  # loaded and ready before the first request
+
+    @property
+    def has_pool(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in a child of :meth:`start_pool` (a ``concurrent.futures.Future``); ``fn`` reaches the
+        child's keyer through :func:`pool_keyer`."""
+        assert self._pool is not None
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         assert self.tokenizer is not None
+        if len(text) >= _LONG_TEXT:
+            # Same ids; encode_batch releases the GIL while it works, so a long prompt tokenised on a worker
+            # thread does not hold the event loop (encode holds the GIL throughout).
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def keys_for_tokens(self, token_ids: Sequence[int]) -> tuple[list[BlockKey], int]:
+        if isinstance(token_ids, list) and len(token_ids) > _IDS_SLICE:
+            # A long list converted to uint32 in slices: one C call over millions of ints would hold the GIL
+            # (and the event loop, when this runs on a worker thread) for tens of milliseconds.
+            words = array.array("I")
+            try:
+                for a in range(0, len(token_ids), _IDS_SLICE):
+                    words.fromlist(token_ids[a : a + _IDS_SLICE])
+            except (TypeError, OverflowError):
+                pass  # the checked path below names the bad id
+            else:
+                ids = np.frombuffer(words, dtype=np.uint32)
+                return block_keys_from_tokens(ids, self.tokens_per_block), len(token_ids)  # type: ignore[arg-type]
         return block_keys_from_tokens(token_ids, self.tokens_per_block), len(token_ids)
 
     def keys_for_text(self, text: str) -> tuple[list[BlockKey], int]:
@@ -240,6 +347,10 @@ class Keyer:
 
     def prompt(self, path: str, body: dict[str, Any]) -> str | list[int]:
         """The prompt as the engine sees it: rendered chat text, a completion's string, or its token ids."""
+        if path.endswith("/responses"):
+            return render_responses(body)
+        if path.endswith("/embeddings"):
+            return _prompt(body, "input")
         if path.endswith("/chat/completions"):
             text = render_chat(body.get("messages"))  # validates the messages in every case
             if self.chat_template is not None:
@@ -256,7 +367,7 @@ class Keyer:
         p = self.prompt(path, body)
         if isinstance(p, list):
             return p
-        return self.encode(p, add_special_tokens=not path.endswith("/chat/completions"))
+        return self.encode(p, add_special_tokens=not path.endswith(("/chat/completions", "/responses")))
 
     def keys_for_body(self, path: str, body: dict[str, Any]) -> tuple[list[BlockKey], int]:
         """Keys of a ``/v1/chat/completions`` or ``/v1/completions`` body; raises :class:`BadRequest`."""
@@ -267,6 +378,29 @@ class Keyer:
             # Token ids without a tokenizer: key the ids themselves (they only meet other id prompts).
             return block_keys_from_tokens(p, self.tokens_per_block), len(p)
         return self.keys_for_text(p)
+
+
+_POOL_KEYER: Keyer | None = None
+
+
+def _pool_init(
+    tokens_per_block: int, chars_per_token: float, tokenizer: str | None, chat_template: str | None, salt: str
+) -> None:
+    global _POOL_KEYER
+    import os
+
+    os.environ[hashing.SALT_ENV] = salt  # (read when the child's default hasher is first made)
+    _POOL_KEYER = Keyer(tokens_per_block, chars_per_token, tokenizer, chat_template)
+
+
+def _pool_ready() -> bool:
+    return _POOL_KEYER is not None
+
+
+def pool_keyer() -> Keyer:
+    """In a child of :meth:`Keyer.start_pool`: its keyer."""
+    assert _POOL_KEYER is not None, "not in a keyer pool process"
+    return _POOL_KEYER
 
 
 # ---------------------------------------------------------------- the router's public API, in one place

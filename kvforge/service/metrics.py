@@ -4,14 +4,16 @@ Each :class:`ServiceMetrics` owns its own ``CollectorRegistry`` (several routers
 in the tests). Exposed, all prefixed ``kvforge_router_``:
 
 - ``requests_total{backend, outcome}``: outcome ``ok`` | ``upstream_status`` (backend answered >= 400) |
-  ``upstream_failed`` (connection lost mid-response) | ``client_gone`` | ``no_backend`` | ``bad_request``;
+  ``upstream_failed`` (connection lost mid-response) | ``upstream_timeout`` (504: silence past the read
+  timeout) | ``client_gone`` | ``no_backend`` | ``bad_request`` | ``body_timeout`` (408);
 - ``retries_total{backend}``: attempts moved off ``backend`` before the response started;
-- ``routing_seconds``: histogram of the time to compute keys and place one request;
+- ``routing_seconds``: histogram of the time to compute keys and place one request (from the end of its body);
 - ``backlog_tokens{backend}`` / ``in_flight{backend}`` / ``healthy{backend}`` (read at scrape time);
 - ``prompt_tokens_total{backend}`` / ``estimated_hit_tokens_total{backend}``: the router's estimate of the
   prompt tokens the chosen backend had cached (from its KV events when subscribed, else from the blocks the
   router itself sent there);
-- ``kv_events_total{backend, kind}``: batches, events, gaps, replayed, lost, bad, duplicates.
+- ``kv_events_total{backend, kind}``: batches, events, gaps, replayed, lost, bad, duplicates, oversized,
+  implausible_seq, resyncs, skipped_blocks, block_size_mismatch (see ``KVEventSubscriber``).
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 """The OpenAI-compatible routing proxy (aiohttp server and client).
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` are keyed (:class:`~kvforge.service.keys.Keyer`),
-placed by the configured policy and forwarded; the backend's response is passed through chunk by chunk as it
-arrives (SSE included, never buffered whole). ``GET /v1/models`` goes to a healthy backend. The conversation
-id is the ``X-Conversation-Id`` header (name configurable) or a ``conversation_id`` body field (stripped before
-forwarding); without one the policy matches by prefix.
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings`` are keyed
+(:class:`~kvforge.service.keys.Keyer`), placed by the configured policy and forwarded; the backend's response
+is passed through chunk by chunk as it arrives (SSE included, never buffered whole). ``GET /v1/models`` goes
+to a healthy backend; ``GET /v1/models/{id}`` is answered from that list. The conversation id is the
+``X-Conversation-Id`` header (name configurable) or a ``conversation_id`` body field (stripped before
+forwarding); without one the policy matches by prefix. A body must arrive within ``body_timeout_s`` (408,
+connection closed); it is forwarded decoded (without its Content-Encoding); every malformed body is a 400 in
+OpenAI's shape; big ones are decoded and keyed on a worker thread.
 
 Every placement is finished exactly once, when the response ends: success for a status < 400 streamed to the
 end, failure otherwise (client disconnect, upstream error, timeout), which restores the conversation's
 baseline as ``finish_request_by_id(success=False)`` does. An attempt that fails before the response has
-started (connection refused, reset, timeout, or its backend ejected while it waited) ejects the backend and is
-retried on another, up to ``max_retries`` times.
+started (connection refused, reset, connect timeout, or its backend ejected while it waited) ejects the backend
+and is retried on another, up to ``max_retries`` times; silence past ``read_timeout_s`` is a 504 that ejects
+nothing (a slow backend is not a dead one).
 
 Membership: backends are health-checked (``GET health_path``) and ejected on a failed check or a failed
 connection; they rejoin after ``healthy_after`` passing checks. Admin: ``GET/POST/DELETE /admin/backends``
@@ -61,6 +65,20 @@ _HOP = frozenset(
 )  # fmt: skip
 # Content-Encoding passes through: responses are relayed undecoded (auto_decompress=False).
 _MAX_CONV_ID = 512
+# Bodies at least this big are decoded and keyed on a worker thread, so the event loop keeps serving others.
+_OFFLOAD_BYTES = 64 * 1024
+# ... and from this size on (with a tokenizer), in a keyer pool process: decoding and tokenising them here
+# would hold the GIL, and the loop with it, for tens of milliseconds at a time.
+_POOL_BYTES = 256 * 1024
+# Requests with at least this many block keys are placed from a worker thread (the router is thread-safe):
+# adding tens of thousands of keys to its trie takes tens of milliseconds.
+_OFFLOAD_KEYS = 4096
+_EVENTS_NEED_TOKENIZER = (
+    "kv_events: needs --tokenizer (engines announce blocks by token ids; without a tokenizer requests are keyed "
+    "by text and no event could ever match one)"
+)
+# Request headers that describe the body as the client sent it: aiohttp has already decoded a compressed body.
+_BODY_HOP = frozenset(("content-encoding",))
 
 
 @dataclass
@@ -78,7 +96,9 @@ class ServiceConfig:
     read_timeout_s: float = 300.0
     request_timeout_s: float = 1800.0
     max_retries: int = 2
-    max_body_bytes: int = 16 * 2**20
+    max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0
+    tokenizer_processes: int = 1
     health_path: str = "/health"
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
@@ -101,11 +121,18 @@ class ServiceConfig:
             "request_timeout_s",
             "health_interval_s",
             "health_timeout_s",
+            "body_timeout_s",
         ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 raise ValueError(f"{name}: expected a positive number of seconds, got {v!r}")
-        for name, lo in (("max_retries", 0), ("max_body_bytes", 1), ("unhealthy_after", 1), ("healthy_after", 1)):
+        for name, lo in (
+            ("max_retries", 0),
+            ("max_body_bytes", 1),
+            ("unhealthy_after", 1),
+            ("healthy_after", 1),
+            ("tokenizer_processes", 0),
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
@@ -121,6 +148,8 @@ class ServiceConfig:
             setattr(self, name, [_check_zmq_endpoint(name, e) for e in eps])
         if self.kv_replay and not self.kv_events:
             raise ValueError("kv_replay: given without kv_events")
+        if any(e is not None for e in self.kv_events) and self.tokenizer is None:
+            raise ValueError(_EVENTS_NEED_TOKENIZER)
         if not self.health_path.startswith("/"):
             raise ValueError(f"health_path: expected a path starting with '/', got {self.health_path!r}")
 
@@ -192,6 +221,8 @@ class Fleet:
         )
         if b.kv_replay is not None and b.kv_events is None:
             raise ValueError("kv_replay: given without kv_events")
+        if b.kv_events is not None and self.cfg.tokenizer is None:
+            raise ValueError(_EVENTS_NEED_TOKENIZER)
         self.backends[url] = b
         if b.kv_events is not None:
             b.mapper = BlockMapper(self.cfg.tokens_per_block, self.cfg.kv_group)
@@ -303,6 +334,26 @@ class Fleet:
         ep.in_flight += 1
         return ep, self.backends[url]  # type: ignore[index]
 
+    async def place_off_loop(
+        self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
+    ) -> tuple[_Epoch, Backend]:
+        """:meth:`place`, the router's decision taken on a worker thread (for requests with many keys)."""
+        ep = self._epoch
+        if ep is None:
+            raise NoBackend("no backend is in rotation")
+        try:
+            url = await asyncio.get_running_loop().run_in_executor(
+                None, K.route, ep.router, request_id, keys, num_tokens, conv
+            )
+        except NoServerAvailableError:
+            raise NoBackend("no backend is in rotation") from None
+        ep.in_flight += 1
+        b = self.backends.get(url)  # type: ignore[arg-type]
+        if b is None:  # removed while the decision was being taken: undo it and decide again here
+            self.finish(ep, request_id, False)
+            return self.place(request_id, keys, num_tokens, conv)
+        return ep, b
+
     def finish(self, ep: _Epoch, request_id: Hashable, success: bool) -> None:
         K.finish(ep.router, request_id, success)
         ep.in_flight -= 1
@@ -401,9 +452,10 @@ class RouterService:
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_error_middleware])
-        app.router.add_post("/v1/chat/completions", self._completion)
-        app.router.add_post("/v1/completions", self._completion)
+        for path in K.KEYED_PATHS:
+            app.router.add_post(path, self._completion)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/admin/backends", self._admin_list)
@@ -420,6 +472,9 @@ class RouterService:
             connector=conn, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
         )
         await self.fleet.start()
+        if cfg.tokenizer_processes and self.keyer.uses_tokens:
+            # (Spawning takes a second; the loop is not held meanwhile.)
+            await asyncio.get_running_loop().run_in_executor(None, self.keyer.start_pool, cfg.tokenizer_processes)
         if cfg.backends_file is not None:
             self._sync_file()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop(), name="health"))
@@ -431,6 +486,7 @@ class RouterService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self.fleet.stop()
+        self.keyer.close()
         if self._session is not None:
             await self._session.close()
 
@@ -499,7 +555,8 @@ class RouterService:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _models(self, request: web.Request) -> web.StreamResponse:
+    async def _fetch_models(self) -> tuple[int, bytes, dict[str, str]] | web.Response:
+        """``/v1/models`` from a healthy backend (status, body, headers), or the error response to send."""
         assert self._session is not None
         healthy = [b for b in self.fleet.backends.values() if b.healthy]
         if not healthy:
@@ -509,44 +566,99 @@ class RouterService:
             b = healthy[(start + i) % len(healthy)]
             try:
                 async with self._session.get(b.url + "/v1/models", timeout=self._timeout()) as up:
-                    body = await up.read()
-                    return web.Response(body=body, status=up.status, headers=_forward_headers(up.headers))
+                    return up.status, await up.read(), _forward_headers(up.headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self.fleet.eject(b, f"/v1/models failed: {type(exc).__name__}")
+                if _dead(exc):  # a slow answer is not a dead backend: health checks decide that
+                    self.fleet.eject(b, f"/v1/models failed: {type(exc).__name__}")
         return _error(502, "every backend failed to answer /v1/models")
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        got = await self._fetch_models()
+        if isinstance(got, web.Response):
+            return got
+        status, body, headers = got
+        return web.Response(body=body, status=status, headers=headers)
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/models/{id}`` (``client.models.retrieve``), answered from the backends' model list."""
+        model = request.match_info["model"]
+        got = await self._fetch_models()
+        if isinstance(got, web.Response):
+            return got
+        status, body, _ = got
+        if status >= 400:
+            return _error(502, f"/v1/models answered {status}")
+        try:
+            listing = msgspec.json.decode(body)
+            entries = listing["data"] if isinstance(listing, dict) else None
+        except (msgspec.DecodeError, KeyError, RecursionError):
+            entries = None
+        if not isinstance(entries, list):
+            return _error(502, "/v1/models: the backend's answer is not a model list")
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("id") == model:
+                return web.json_response(entry)
+        return _error(404, f"The model '{model[:200]}' does not exist")
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         return self._client_timeout
 
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request body within ``body_timeout_s`` (decompressed by aiohttp as its Content-Encoding says),
+        or the 4xx to answer: 408 past the deadline (the connection is closed), 400 for a body that does not
+        decode (a body labelled gzip that is not), 413 over ``max_body_bytes``."""
+        declared = request.content_length
+        if declared is not None and declared > self.cfg.max_body_bytes:
+            # Refused before a byte of it is read (a chunked upload is stopped by the read limit instead).
+            self.metrics.requests.labels("", "bad_request").inc()
+            return await _answer_and_close(
+                request, _error(413, f"body: {declared} bytes, over the limit of {self.cfg.max_body_bytes}")
+            )
+        try:
+            return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.requests.labels("", "body_timeout").inc()
+            return await _answer_and_close(
+                request, _error(408, f"body: not received within {self.cfg.body_timeout_s:g} s")
+            )
+        except web.HTTPException:
+            raise  # 413 (over max_body_bytes): the middleware answers in OpenAI's shape
+        except Exception as exc:  # (aiohttp's RequestPayloadError for a body that does not decode, and kin)
+            self.metrics.requests.labels("", "bad_request").inc()
+            resp = _error(400, f"body: cannot be read as sent ({type(exc).__name__}: {str(exc)[:200]})")
+            return await _answer_and_close(request, resp)
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
+        raw_or_error = await self._read_body(request)
+        if isinstance(raw_or_error, web.Response):
+            return raw_or_error
+        raw = raw_or_error
+        # Routing time starts once the body is in: a slow client is not the router's time.
         t0 = time.perf_counter()
-        raw = await request.read()
+        conv_header = request.headers.get(self._conv_header)
         try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            self.metrics.requests.labels("", "bad_request").inc()
-            return _error(400, "body: expected a JSON object")
-        if not isinstance(body, dict):
-            self.metrics.requests.labels("", "bad_request").inc()
-            return _error(400, f"body: expected a JSON object, got {type(body).__name__}")
-        try:
-            conv = self._conversation_id(request, body)
-            if "conversation_id" in body:
-                del body["conversation_id"]
-                raw = msgspec.json.encode(body)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
-            keys, num_tokens = self.keyer.keys_for_body(request.path, body)
+            if len(raw) < _OFFLOAD_BYTES:
+                raw, conv, keys, num_tokens = _prepare_body(self.keyer, request.path, raw, conv_header)
+            elif len(raw) >= _POOL_BYTES and self.keyer.has_pool:
+                fut = self.keyer.submit(_prepare_in_child, request.path, raw, conv_header)
+                changed, conv, keys, num_tokens = await asyncio.wrap_future(fut)
+                raw = raw if changed is None else changed
+            else:
+                raw, conv, keys, num_tokens = await asyncio.get_running_loop().run_in_executor(
+                    None, _prepare_body, self.keyer, request.path, raw, conv_header
+                )
         except K.BadRequest as exc:
             self.metrics.requests.labels("", "bad_request").inc()
             return _error(400, str(exc))
-        headers = _forward_headers(request.headers)
+        headers = _forward_headers(request.headers, _BODY_HOP)
         rid = f"{self._prefix}{next(self._ids)}"
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
             try:
-                ep, b = self.fleet.place(rid, keys, num_tokens, conv)
+                if len(keys) >= _OFFLOAD_KEYS:
+                    ep, b = await self.fleet.place_off_loop(rid, keys, num_tokens, conv)
+                else:
+                    ep, b = self.fleet.place(rid, keys, num_tokens, conv)
             except NoBackend as exc:
                 m.requests.labels("", "no_backend").inc()
                 return _error(503, str(exc))
@@ -567,18 +679,6 @@ class RouterService:
             m.retries.labels(b.url).inc()
         m.requests.labels("", "no_backend").inc()
         return _error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response")
-
-    def _conversation_id(self, request: web.Request, body: dict[str, Any]) -> str | None:
-        conv = request.headers.get(self._conv_header)
-        if conv is None:
-            conv = body.get("conversation_id")
-            if conv is None:
-                return None
-            if not isinstance(conv, str):
-                raise K.BadRequest(f"conversation_id: expected a string, got {type(conv).__name__}")
-        if not conv or len(conv) > _MAX_CONV_ID:
-            raise K.BadRequest(f"conversation id: expected 1 to {_MAX_CONV_ID} characters, got {len(conv)}")
-        return conv
 
     async def _attempt(
         self, request: web.Request, raw: bytes, headers: dict[str, str], ep: _Epoch, b: Backend, rid: str
@@ -601,6 +701,13 @@ class RouterService:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 b.attempts.discard(a)  # the ejection below cancels waiting attempts: not this one
+                if not _dead(exc):
+                    # Silence past read_timeout_s (a long prefill, a queue): the backend is alive and may be
+                    # computing this very request, so it stays in rotation and the request is not sent again
+                    # elsewhere. Health checks, not one slow request, take a backend out.
+                    outcome = "upstream_timeout"
+                    resp = _error(504, f"backend {b.url} sent no response within {self.cfg.read_timeout_s:g} s")
+                    return resp
                 self.fleet.eject(b, f"request failed: {type(exc).__name__}")
                 return None
             try:
@@ -617,7 +724,8 @@ class RouterService:
                     try:
                         chunk = await up.content.readany()
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        self.fleet.eject(b, f"response cut: {type(exc).__name__}")
+                        if _dead(exc):
+                            self.fleet.eject(b, f"response cut: {type(exc).__name__}")
                         outcome = "upstream_failed"
                         # The client must see an error, not a clean end: drop its connection.
                         if request.transport is not None:
@@ -700,8 +808,78 @@ class RouterService:
         return web.json_response({"removed": url})
 
 
-def _forward_headers(headers: Any) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+def _conversation_id(conv: str | None, body: dict[str, Any]) -> str | None:
+    if conv is None:
+        conv = body.get("conversation_id")
+        if conv is None:
+            return None
+        if not isinstance(conv, str):
+            raise K.BadRequest(f"conversation_id: expected a string, got {type(conv).__name__}")
+    if not conv or len(conv) > _MAX_CONV_ID:
+        raise K.BadRequest(f"conversation id: expected 1 to {_MAX_CONV_ID} characters, got {len(conv)}")
+    return conv
+
+
+def _prepare_body(
+    keyer: K.Keyer, path: str, raw: bytes, conv_header: str | None
+) -> tuple[bytes, str | None, list[Hashable], int]:
+    """Decode, validate and key one body: (body to forward, conversation id, keys, prompt tokens). Raises
+    BadRequest. CPU work on immutable inputs only: big bodies run it on a worker thread or in a child."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise K.BadRequest("body: expected a JSON object") from None
+    except RecursionError:
+        raise K.BadRequest("body: JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise K.BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+    conv = _conversation_id(conv_header, body)
+    if "conversation_id" in body:
+        del body["conversation_id"]
+        raw = msgspec.json.encode(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise K.BadRequest(f"stream: expected a boolean, got {type(stream).__name__}")
+    try:
+        keys, num_tokens = keyer.keys_for_body(path, body)
+    except K.BadRequest:
+        raise
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # (A value the checks above let through and the tokenizer or the hashing refuses.)
+        raise K.BadRequest(f"prompt: cannot be keyed ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return raw, conv, keys, num_tokens
+
+
+def _prepare_in_child(
+    path: str, raw: bytes, conv_header: str | None
+) -> tuple[bytes | None, str | None, list[Hashable], int]:
+    """:func:`_prepare_body` in a keyer pool process (the body comes back only when it changed)."""
+    out, conv, keys, num_tokens = _prepare_body(K.pool_keyer(), path, raw, conv_header)
+    return (None if out is raw else out), conv, keys, num_tokens
+
+
+def _forward_headers(headers: Any, also: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in also}
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` and close the connection at once: the rest of an unread body is not waited for (aiohttp
+    would otherwise drain it for up to its lingering time)."""
+    resp.force_close()
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await resp.prepare(request)
+        await resp.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return resp
+
+
+def _dead(exc: BaseException) -> bool:
+    """Whether a failed exchange says the backend is down (refused, reset, unreachable, connect timeout), as
+    opposed to slow (no byte within the read or total timeout)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return True
+    return not isinstance(exc, asyncio.TimeoutError)
 
 
 def _error(status: int, message: str) -> web.Response:

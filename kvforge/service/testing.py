@@ -1,12 +1,13 @@
 """In-process fakes for tests and benchmarks: an OpenAI-compatible backend, a tiny tokenizer, trace prompts.
 
-:class:`FakeBackend` serves ``/health``, ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` on
+:class:`FakeBackend` serves ``/health``, ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions`` (and
+minimal ``/v1/embeddings`` and ``/v1/responses``) on
 127.0.0.1 (a free port), streaming ``max_tokens`` tokens (capped by ``max_output_tokens``) at
 ``tokens_per_s`` as SSE chunks. It keeps an unbounded prefix cache of the router's own keys (computed with the
 same :class:`~kvforge.service.keys.Keyer`) to count hits, and, given a :class:`KVEventPublisher`, publishes
 ``BlockStored`` for the prompt's token ids in engine blocks of ``engine_block_size`` under its own hash
 function (so the router can only map them through token ids). ``kill()`` drops the listener and every open
-connection at once; ``hang`` makes requests wait forever.
+connection at once; ``hang`` makes requests wait forever; ``health_ok = False`` fails its health checks.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class FakeBackend:
         self.engine_block_size = engine_block_size
         self.name = name
         self.hang = False
+        self.health_ok = True
         self.cache: set[Any] = set()
         self.prompt_tokens = 0
         self.hit_tokens = 0
@@ -101,6 +103,8 @@ class FakeBackend:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/embeddings", self._embed)
+        app.router.add_post("/v1/responses", self._respond)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.05, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -131,7 +135,7 @@ class FakeBackend:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
+        return web.json_response({"ok": self.health_ok}, status=200 if self.health_ok else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": self.name}]})
@@ -168,6 +172,20 @@ class FakeBackend:
         if new_hashes:
             self._engine_blocks.update(new_hashes)
             self.publisher.publish([BlockStored(new_hashes, first_parent, new_tokens, bs, None, "GPU", None)])
+
+    async def _embed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"conversation": request.headers.get("X-Conversation-Id"), "body": body,
+                              "path": request.path})  # fmt: skip
+        return web.json_response({"object": "list", "data": [{"object": "embedding", "index": 0,
+                                  "embedding": [0.0, 1.0]}], "model": "fake", "backend": self.name})  # fmt: skip
+
+    async def _respond(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"conversation": request.headers.get("X-Conversation-Id"), "body": body,
+                              "path": request.path})  # fmt: skip
+        return web.json_response({"id": "resp_x", "object": "response", "status": "completed", "output": [],
+                                  "backend": self.name})  # fmt: skip
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
