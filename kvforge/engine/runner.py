@@ -28,9 +28,11 @@ import torch
 
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.model import HybridModel, MLAWeights
-from kvforge.engine.ops import decode_attention, kda_segments, kda_tokens
+from kvforge.engine.ops import decode_attention, kda_recurrent_inplace, kda_segments
 from kvforge.kernels.mla_context import mla_context_attention
 from kvforge.kernels.quantize_fp8 import quantize_fp8
+from kvforge.kernels.slot_ops import SlotStores
+from kvforge.kernels.state_select import select_accepted_states
 
 __all__ = ["Row", "Runner", "StepResult"]
 
@@ -107,11 +109,33 @@ class _Layout:
         self.cu_kv = torch.tensor(cu_kv, dtype=torch.int32)
 
 
+class _DecodeLayout:
+    """The layout of a generation-only step built on the device from per-row starts (no host data): ``rows`` rows
+    of ``t`` tokens each, token ``j`` of row ``i`` at position ``starts[i] + j`` (the CUDA-graph path)."""
+
+    ctx_kv_rows = None
+
+    def __init__(self, starts: torch.Tensor, row_of: torch.Tensor, tok: torch.Tensor, table: torch.Tensor, tpb: int):
+        pos = starts[row_of] + tok
+        self.positions = pos
+        self.num_gen_tokens = int(row_of.shape[0])
+        self.write_rows = table[row_of, pos // tpb].long() * tpb + pos % tpb
+        self.gen_table = table[row_of]
+        self.gen_lens = (pos + 1).to(torch.int32)
+
+
 class Runner:
     """Runs steps of ``model`` over ``cache`` (see the module docstring)."""
 
     def __init__(
-        self, model: HybridModel, cache: EngineCache, *, record_logits: bool = False, context_fp8: bool = True
+        self,
+        model: HybridModel,
+        cache: EngineCache,
+        *,
+        record_logits: bool = False,
+        context_fp8: bool = True,
+        max_rows: int = 1,
+        verify_width: int = 1,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -123,7 +147,27 @@ class Runner:
         self.kv_scale_orig_quant = float(mc.kv_scale_orig_quant)
         # The context kernel takes bf16/fp16 queries; the interpreter's fp16 keeps more of the fp32 model's bits.
         self.q_dtype = torch.bfloat16 if model.device.type == "cuda" else torch.float16
-        self._pending_states: dict[int, torch.Tensor] = {}
+        # Verifying rows' scratch state rows: row i's state after token t >= 1 goes to scratch[i, t - 1].
+        w = max(1, verify_width - 1)
+        self.verify_width = verify_width
+        self._scratch = (cache.scratch_base + torch.arange(max_rows * w, dtype=torch.int32).view(max_rows, w)).to(
+            model.device
+        )
+        self._verify: tuple[int, int] | None = None  # (rows, tokens) of this step's verification
+        self._static_idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _verify_indices(self, state_idx: torch.Tensor, rows: int, t: int) -> torch.Tensor:
+        """``[rows, t]`` int32: the live row, then the row's scratch rows (see :meth:`_kda`)."""
+        live = state_idx[:rows].to(torch.int32)[:, None]
+        return torch.cat([live, self._scratch[:rows, : t - 1]], 1) if t > 1 else live.contiguous()
+
+    def select_states(self, state_idx: torch.Tensor, accepted: torch.Tensor, rows: int, t: int) -> None:
+        """After verification: each row's live state becomes the state after its last accepted token
+        (``accepted [rows]`` int32 on the device, 1 .. t); rows that accepted only token 0 copy nothing."""
+        live = state_idx[:rows].to(torch.int32).contiguous()
+        scratch = self._scratch[:rows, : t - 1].contiguous()
+        for pool in self.cache.state.values():
+            select_accepted_states(pool, live, scratch, accepted, check_values=False)
 
     # --- attention -----------------------------------------------------------------------------------------------
 
@@ -181,17 +225,19 @@ class Runner:
         gen = [i for i, r in enumerate(rows) if r.gen]
         if gen:
             counts = [rows[i].n for i in gen]
-            n, ng = max(counts), sum(counts)
-            idx = state_idx[: len(gen)].long()
+            n, ng, nr = max(counts), sum(counts), len(gen)
+            # In place: token 0's state goes to the live row, token t's to the row's scratch row t - 1;
+            # Runner.step moves the accepted one into the live row once the accepted counts are known.
+            sidx = self._verify_indices(state_idx, nr, n)
             if min(counts) == n:  # every row verifies the same count (the usual step): views, no gathers
-                qs, ks, vs, gs, bs = (x[:ng].reshape(len(gen), n, *x.shape[1:]) for x in (q, k, v, g, beta))
-                o, after = kda_tokens(qs, ks, vs, gs, bs, pool[idx])
+                qs, ks, vs, gs, bs = (x[:ng].reshape(nr, n, *x.shape[1:]) for x in (q, k, v, g, beta))
+                o = kda_recurrent_inplace(qs, ks, vs, gs, bs, pool, sidx)
                 out[:ng] = o.reshape(ng, *o.shape[2:]).to(out.dtype)
             else:
                 # A request one token from its limit gets no draft, so rows may verify different counts: shorter
-                # rows repeat their last token up to the longest; the states after the repeats are never
-                # selected (acceptance picks the state after an accepted token) and their outputs are dropped.
-                # Integer indices throughout: a boolean mask would make the host wait for the device.
+                # rows repeat their last token up to the longest; the states after the repeats land in scratch
+                # rows that are never selected (acceptance picks the state after an accepted token) and their
+                # outputs are dropped. Integer indices throughout: a boolean mask would make the host wait.
                 first = [0]
                 for cnt in counts[:-1]:
                     first.append(first[-1] + cnt)
@@ -199,12 +245,10 @@ class Runner:
                 keep = [r * n + t for r, cnt in enumerate(counts) for t in range(cnt)]
                 pad_t = torch.tensor(pad, device=h.device)
                 keep_t = torch.tensor(keep, device=h.device)
-                o, after = kda_tokens(q[pad_t], k[pad_t], v[pad_t], g[pad_t], beta[pad_t], pool[idx])
+                o = kda_recurrent_inplace(q[pad_t], k[pad_t], v[pad_t], g[pad_t], beta[pad_t], pool, sidx)
                 out[:ng] = o.reshape(-1, *o.shape[2:])[keep_t].to(out.dtype)  # the real tokens, in flat order
-            if n == 1:
-                pool[idx] = after[0]
-            else:
-                self._pending_states[layer_id] = after
+            if n > 1:
+                self._verify = (nr, n)
             off = ng
         ctx = [i for i, r in enumerate(rows) if not r.gen]
         if ctx:
@@ -243,7 +287,7 @@ class Runner:
         dev = model.device
         ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
         lay = _Layout(rows, [r.n for r in rows], tables[0], self.cache.tokens_per_block, dev)
-        self._pending_states = {}
+        self._verify = None
         x = model.embed[ids]
         for i, blk in enumerate(model.blocks):
             h = model.rms(x, blk.norm1)
@@ -295,13 +339,11 @@ class Runner:
                 res.emitted.append([])
                 res.logits.append(None)
             accepted.append(a)
-        if self._pending_states:
-            gen = [i for i, r in enumerate(rows) if r.gen]
-            sel = torch.tensor([accepted[i] - 1 for i in gen], device=model.device)
-            idx = state_idx[: len(gen)].long()
-            for layer_id, after in self._pending_states.items():
-                self.cache.state[layer_id][idx] = after[sel, torch.arange(len(gen), device=model.device)]
-            self._pending_states = {}
+        if self._verify is not None:
+            nr, t = self._verify
+            acc = torch.tensor([accepted[i] for i in range(nr)], dtype=torch.int32).to(model.device)
+            self.select_states(state_idx, acc, nr, t)
+            self._verify = None
         if draft and model.draft_block is not None:
             self._draft(rows, hidden, accepted, res, tables[1])
         else:
@@ -352,3 +394,85 @@ class Runner:
             emits = r.gen or r.is_last
             res.drafts.append(best[i] if emits else None)
             res.draft_logits.append(dl[i].cpu() if (self.record_logits and emits) else None)
+
+    # --- the generation-only step on device tensors (captured into CUDA graphs) --------------------------------------
+
+    def decode_static(
+        self,
+        slots: torch.Tensor,
+        state_idx: torch.Tensor,
+        starts: torch.Tensor,
+        tables: torch.Tensor,
+        stores: SlotStores,
+        out: torch.Tensor,
+        *,
+        draft: bool,
+    ) -> None:
+        """A generation-only step of ``b`` rows of ``t = verify_width`` tokens with no host data and no host
+        read, so it can be captured: ``slots [b]`` int32 (the rows' slot-store slots; padding rows name a trash
+        slot), ``state_idx [b]`` int32 live state rows, ``starts [b]`` int64 positions of each row's first
+        token, ``tables [pools, b, max_blocks]`` page ids. Writes ``out [b, t + 2]`` int32: the greedy token at
+        each position, the accepted count, the drafter's next token (0 without a drafter), and stores the same
+        into the slot stores as :class:`~kvforge.engine.engine.Engine` does after an eager step. The drafter
+        runs over every position of a row (a rejected position's draft latent row is rewritten by the next
+        step before anything reads it) and proposes from the last accepted one."""
+        model = self.model
+        b, t, tpb = slots.shape[0], self.verify_width, self.cache.tokens_per_block
+        dev = model.device
+        key = (b, t)
+        if key not in self._static_idx:
+            self._static_idx[key] = (
+                torch.arange(b, device=dev).repeat_interleave(t),
+                torch.arange(t, device=dev).repeat(b),
+            )
+        row_of, tok = self._static_idx[key]
+        sl = slots.long()
+        ids = stores.next_new_tokens[:t, sl].t().reshape(-1).long()
+        lay = _DecodeLayout(starts, row_of, tok, tables[0], tpb)
+        sidx = self._verify_indices(state_idx, b, t)
+        x = model.embed[ids]
+        for i, blk in enumerate(model.blocks):
+            h = model.rms(x, blk.norm1)
+            if isinstance(blk.mixer, MLAWeights):
+                mix = self._mla(blk.mixer, h, self.cache.latent[i], lay)
+            else:
+                qkv = model.kda_project(blk.mixer, h)
+                o = kda_recurrent_inplace(*(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx)
+                mix = model.kda_out(blk.mixer, o.view(b * t, *o.shape[2:]))
+            x = x + mix
+            x = x + model.mlp(blk, x)
+        best = model.logits(x).argmax(-1).view(b, t)
+        if t > 1:
+            match = (ids.view(b, t)[:, 1:] == best[:, :-1]).to(torch.int32).cumprod(1)
+            acc = (1 + match.sum(1)).to(torch.int32)
+            live = state_idx.to(torch.int32).contiguous()
+            scratch = self._scratch[:b, : t - 1].contiguous()
+            for pool in self.cache.state.values():
+                select_accepted_states(pool, live, scratch, acc, check_values=False)
+        else:
+            acc = torch.ones(b, dtype=torch.int32, device=dev)
+        last = best.gather(1, (acc - 1).long()[:, None])[:, 0]
+        if draft and model.draft_block is not None:
+            blk = model.draft_block
+            assert isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
+            xd = model.draft_input(x, best.reshape(-1))
+            dlay = _DecodeLayout(starts, row_of, tok, tables[1], tpb)
+            xd = xd + self._mla(blk.mixer, model.rms(xd, blk.norm1), self.cache.draft_latent, dlay)
+            xd = xd + model.mlp(blk, xd)
+            pick = torch.arange(b, device=dev) * t + (acc - 1).long()
+            drafts = model.draft_logits(xd[pick]).argmax(-1)
+        else:
+            drafts = torch.zeros(b, dtype=torch.long, device=dev)
+        best32 = best.to(torch.int32)
+        new = torch.where(tok.view(b, t) < acc[:, None], best32, 0)
+        nxt = torch.stack([last, drafts], 1)[:, :t].to(torch.int32)
+        # Plain index writes rather than slot_scatter: padding rows all name the trash slot, and duplicates are
+        # harmless there (slot_scatter refuses them on the host path).
+        st = stores
+        st.new_tokens[:t, sl] = new.t().to(st.new_tokens.dtype)
+        st.next_new_tokens[:t, sl] = nxt.t().to(st.next_new_tokens.dtype)
+        st.new_token_counts[sl] = acc.to(st.new_token_counts.dtype)
+        st.next_draft_tokens[sl, :1] = drafts[:, None].to(st.next_draft_tokens.dtype)
+        out[:, :t] = best32
+        out[:, t] = acc
+        out[:, t + 1] = drafts.to(torch.int32)
