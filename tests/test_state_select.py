@@ -83,19 +83,21 @@ def _kda_inputs(gen: torch.Generator, n: int, t: int, h: int, d: int):
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize(("n", "t", "h", "d"), [(3, 1, 2, 16), (5, 2, 3, 16), (2, 3, 1, 32)])
-def test_inplace_recurrence_equals_the_gather_path(gen, use_kernel, n, t, h, d) -> None:
+def test_inplace_recurrence_equals_the_gather_path(gen, device, use_kernel, n, t, h, d) -> None:
+    """The kernel on the kernel device (interpreter on CPU), the torch loop on CPU."""
+    dev = device if use_kernel else torch.device("cpu")
     rows = 2 * n * t + 3
-    pool = torch.randn(rows, h, d, d, generator=gen)
+    pool = torch.randn(rows, h, d, d, generator=gen).to(dev)
     perm = torch.randperm(rows, generator=gen)
-    sidx = perm[: n * t].view(n, t).to(torch.int32)
-    q, k, v, g, beta = _kda_inputs(gen, n, t, h, d)
+    sidx = perm[: n * t].view(n, t).to(torch.int32).to(dev)
+    q, k, v, g, beta = (x.to(dev) for x in _kda_inputs(gen, n, t, h, d))
     ref_o, after = kda_tokens(q, k, v, g, beta, pool[sidx[:, 0].long()])  # gathered states in, states out
     got = pool.clone()
     o = kda_recurrent_inplace(q, k, v, g, beta, got, sidx, use_kernel=use_kernel)
     torch.testing.assert_close(o.float(), ref_o.float(), rtol=1e-5, atol=1e-5)
     for i in range(t):
         torch.testing.assert_close(got[sidx[:, i].long()], after[i], rtol=1e-5, atol=1e-5)
-    untouched = perm[n * t :]
+    untouched = perm[n * t :].to(dev)
     assert torch.equal(got[untouched], pool[untouched])
 
 
