@@ -29,6 +29,7 @@ import torch
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.config import EngineConfig
 from kvforge.engine.graphs import DecodeGraphs
+from kvforge.engine.launch import plan_launch
 from kvforge.engine.model import HybridModel
 from kvforge.engine.runner import Row, Runner, StepResult
 from kvforge.kernels.slot_ops import SlotStores, slot_scatter, step_gather
@@ -42,7 +43,7 @@ from kvforge.kvcache.config import (
     TierConfig,
     dtype_name,
 )
-from kvforge.kvcache.hooks import resolve_kv_cache_manager_cls, runtime_hooks_of
+from kvforge.kvcache.hooks import runtime_hooks_of
 from kvforge.kvcache.hybrid import HybridCacheManager
 from kvforge.kvcache.page_table import DevicePageTable
 from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
@@ -50,8 +51,9 @@ from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
 __all__ = ["Engine", "kv_cache_config"]
 
 
-def kv_cache_config(model: HybridModel, config: EngineConfig) -> KVCacheConfig:
-    """The manager's layer list: MLA layers (latent bytes per token), KDA layers (state bytes), the drafter."""
+def kv_cache_config(model: HybridModel, config: EngineConfig, *, draft: bool = True) -> KVCacheConfig:
+    """The manager's layer list: MLA layers (latent bytes per token), KDA layers (state bytes), and the drafter's
+    layer when the model has one and ``draft`` (the shared draft KV pool) is on."""
     mc = model.config
     dt = dtype_name(model.dtype)
     esize = torch.empty(0, dtype=model.dtype).element_size()
@@ -62,7 +64,7 @@ def kv_cache_config(model: HybridModel, config: EngineConfig) -> KVCacheConfig:
             layers.append(LayerSpec(i, FULL_ATTENTION, bytes_per_token=mc.latent_dim * esize, dtype=dt))
         else:
             layers.append(LayerSpec(i, RECURRENT_STATE, state_bytes=state_bytes, dtype="float32"))
-    if mc.draft_layers:
+    if mc.draft_layers and draft:
         layers.append(
             LayerSpec(
                 mc.num_layers, FULL_ATTENTION, bytes_per_token=mc.latent_dim * esize, dtype=dt, owner=LayerOwner.DRAFT
@@ -113,8 +115,17 @@ class Engine:
         self.draft_fn = draft_fn
         self.sync = sync and model.device.type == "cuda"
         hooks = runtime_hooks_of(model)
-        self.kv_config = kv_cache_config(model, config)
-        manager_cls = resolve_kv_cache_manager_cls(HybridCacheManager, hooks)
+        dev = model.device
+        self.launch = plan_launch(
+            HybridCacheManager,
+            hooks,
+            device=dev,
+            draft_len=draft_len,
+            has_drafter=model.config.draft_layers > 0,
+            tokens_per_block=config.tokens_per_block,
+        )
+        self.kv_config = kv_cache_config(model, config, draft=self.launch.shared_draft_kv)
+        manager_cls = self.launch.manager_cls
         self.manager: HybridCacheManager = manager_cls(
             self.kv_config,
             policy=hooks.hybrid_cache,
@@ -134,8 +145,7 @@ class Engine:
         mc = model.config
         self.attn_group = self.kv_config.group_of_layer(mc.mla_layers[0])
         self.state_group = self.kv_config.group_of_layer(mc.linear_layers[0])
-        self.draft_group = self.kv_config.group_of_layer(mc.num_layers) if mc.draft_layers else None
-        dev = model.device
+        self.draft_group = self.kv_config.group_of_layer(mc.num_layers) if self.launch.shared_draft_kv else None
         self.cache = EngineCache(
             mc,
             config,
@@ -144,7 +154,8 @@ class Engine:
             draft_group=self.draft_group,
             device=dev,
             dtype=model.dtype,
-            scratch_rows=config.max_num_requests * draft_len,
+            # A context-only worker never verifies drafts: no scratch rows (its context-only layout).
+            scratch_rows=0 if self.launch.context_only else config.max_num_requests * draft_len,
         )
         groups = [self.attn_group] + ([self.draft_group] if self.draft_group is not None else [])
         # Suspended caches keep their rows until they close, hence more rows than running requests.
@@ -159,6 +170,7 @@ class Engine:
         # One slot past the requests' slots: the trash slot of CUDA-graph padding rows.
         self.stores = SlotStores.zeros(config.max_num_requests + 1, t, t, max(1, draft_len), dev)
         self._free_slots = list(range(config.max_num_requests - 1, -1, -1))
+        self._slots_up: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)  # last uploaded slot ids
         self._slot: dict[Hashable, int] = {}
         self.runner = Runner(
             model,
@@ -169,6 +181,7 @@ class Engine:
             verify_width=t,
         )
         graphs = config.cuda_graphs if config.cuda_graphs is not None else dev.type == "cuda"
+        graphs = graphs and not self.launch.context_only  # no generation steps to capture
         if graphs and dev.type != "cuda":
             raise ValueError(f"config.cuda_graphs: CUDA graphs need a CUDA device, the model is on {dev}")
         # Recorded logits and a host draft_fn need the eager step's host data: no graphs then.
@@ -260,8 +273,11 @@ class Engine:
             t = self._tick("page_table", t)
             gen_ids = None
             if n_gen:
-                slots = torch.tensor([self._slot_of(s.request.request_id) for s in batch.generation], dtype=torch.int32)
-                gen_ids = step_gather(self.stores, slots.to(self.stores.device), width).input_ids.tolist()
+                slots = tuple(self._slot_of(s.request.request_id) for s in batch.generation)
+                if slots != self._slots_up[0]:  # the same rows as last step: their slot ids are on the device
+                    dev_slots = torch.tensor(slots, dtype=torch.int32).to(self.stores.device)
+                    self._slots_up = (slots, dev_slots)
+                gen_ids = step_gather(self.stores, self._slots_up[1], width).input_ids.tolist()
             t = self._tick("slots", t)
             rows = []
             for i, s in enumerate(sched):
