@@ -111,6 +111,9 @@ class Engine:
         self.model = model
         self.config = config
         self.draft_len = draft_len
+        # The fused rotary kernel reads a cos/sin table it cannot bounds-check on the device: size it for the
+        # longest request this engine admits.
+        model.ensure_rope_table((config.max_blocks_per_request + 1) * config.tokens_per_block)
         # Tests replace the drafter's proposal (e.g. by the reference's next token) to exercise acceptance.
         self.draft_fn = draft_fn
         self.sync = sync and model.device.type == "cuda"

@@ -29,6 +29,7 @@ import torch
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.model import HybridModel, MLAWeights
 from kvforge.engine.ops import decode_attention, kda_recurrent_inplace, kda_segments
+from kvforge.kernels.greedy_accept import greedy_accept
 from kvforge.kernels.mla_context import mla_context_attention
 from kvforge.kernels.quantize_fp8 import quantize_fp8
 from kvforge.kernels.slot_ops import SlotStores
@@ -173,7 +174,7 @@ class Runner:
 
     def _mla(self, m: MLAWeights, h: torch.Tensor, pool: torch.Tensor, lay: _Layout) -> torch.Tensor:
         model, mc = self.model, self.model.config
-        q, latent = model.mla_project(m, h, lay.positions)
+        q, latent = model.mla_project(m, h, lay.positions, fused=True)
         EngineCache.write(pool, lay.write_rows, latent)
         out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
         g = lay.num_gen_tokens
@@ -288,17 +289,31 @@ class Runner:
         ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
         lay = _Layout(rows, [r.n for r in rows], tables[0], self.cache.tokens_per_block, dev)
         self._verify = None
-        x = model.embed[ids]
-        for i, blk in enumerate(model.blocks):
-            h = model.rms(x, blk.norm1)
+
+        def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
             if isinstance(blk.mixer, MLAWeights):
-                mix = self._mla(blk.mixer, h, self.cache.latent[i], lay)
+                return self._mla(blk.mixer, h, self.cache.latent[i], lay)
+            return self._kda(i, blk.mixer, h, rows, state_idx)
+
+        return self._blocks(model.embed[ids], model.blocks, mixer, lay)
+
+    def _blocks(self, x: torch.Tensor, blocks: list, mixer, lay) -> torch.Tensor:
+        """Pre-norm blocks ``x += mixer(rms(x)); x += mlp(rms(x))``, each residual add fused with the norm that
+        follows it (one kernel on CUDA, :meth:`HybridModel.add_norm`); returns the last residual stream."""
+        model = self.model
+        h = model.norm(x, blocks[0].norm1)
+        for j, blk in enumerate(blocks):
+            h_in = h
+            mix = mixer(j, blk, h)
+            x, h2 = model.add_norm(x, mix, blk.norm2)
+            mlp = model.mlp_normed(blk, h2)
+            if j + 1 < len(blocks):
+                x, h = model.add_norm(x, mlp, blocks[j + 1].norm1)
             else:
-                mix = self._kda(i, blk.mixer, h, rows, state_idx)
-            x = x + mix
-            x = x + model.mlp(blk, x)
+                x = x + mlp
             if self.probe is not None:
-                self.probe(i, lay, h, mix, x)
+                layer = j if blocks is model.blocks else model.config.num_layers
+                self.probe(layer, lay, h_in, mix, x)
         return x
 
     def step(
@@ -378,12 +393,8 @@ class Runner:
         dev = model.device
         x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
         lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
-        h = model.rms(x, blk.norm1)
-        mix = self._mla(blk.mixer, h, self.cache.draft_latent, lay)
-        x = x + mix
-        x = x + model.mlp(blk, x)
-        if self.probe is not None:
-            self.probe(model.config.num_layers, lay, h, mix, x)
+        draft_latent = self.cache.draft_latent
+        x = self._blocks(x, [blk], lambda j, b, h: self._mla(b.mixer, h, draft_latent, lay), lay)
         last, off = [], 0
         for c in counts:
             off += c
@@ -430,35 +441,36 @@ class Runner:
         ids = stores.next_new_tokens[:t, sl].t().reshape(-1).long()
         lay = _DecodeLayout(starts, row_of, tok, tables[0], tpb)
         sidx = self._verify_indices(state_idx, b, t)
-        x = model.embed[ids]
-        for i, blk in enumerate(model.blocks):
-            h = model.rms(x, blk.norm1)
+
+        def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
             if isinstance(blk.mixer, MLAWeights):
-                mix = self._mla(blk.mixer, h, self.cache.latent[i], lay)
-            else:
-                qkv = model.kda_project(blk.mixer, h)
-                o = kda_recurrent_inplace(*(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx)
-                mix = model.kda_out(blk.mixer, o.view(b * t, *o.shape[2:]))
-            x = x + mix
-            x = x + model.mlp(blk, x)
-        best = model.logits(x).argmax(-1).view(b, t)
-        if t > 1:
+                return self._mla(blk.mixer, h, self.cache.latent[i], lay)
+            qkv = model.kda_project(blk.mixer, h)
+            o = kda_recurrent_inplace(*(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx)
+            return model.kda_out(blk.mixer, o.view(b * t, *o.shape[2:]))
+
+        x = self._blocks(model.embed[ids], model.blocks, mixer, lay)
+        logits = model.logits(x).view(b, t, -1)
+        if logits.is_cuda:  # argmax and acceptance in one kernel
+            best32, acc = greedy_accept(logits, ids.view(b, t))
+            best = best32.long()
+        else:
+            best = logits.argmax(-1)
             match = (ids.view(b, t)[:, 1:] == best[:, :-1]).to(torch.int32).cumprod(1)
             acc = (1 + match.sum(1)).to(torch.int32)
+        if t > 1:
             live = state_idx.to(torch.int32).contiguous()
             scratch = self._scratch[:b, : t - 1].contiguous()
             for pool in self.cache.state.values():
                 select_accepted_states(pool, live, scratch, acc, check_values=False)
-        else:
-            acc = torch.ones(b, dtype=torch.int32, device=dev)
         last = best.gather(1, (acc - 1).long()[:, None])[:, 0]
         if draft and model.draft_block is not None:
             blk = model.draft_block
             assert isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
             xd = model.draft_input(x, best.reshape(-1))
             dlay = _DecodeLayout(starts, row_of, tok, tables[1], tpb)
-            xd = xd + self._mla(blk.mixer, model.rms(xd, blk.norm1), self.cache.draft_latent, dlay)
-            xd = xd + model.mlp(blk, xd)
+            dlat = self.cache.draft_latent
+            xd = self._blocks(xd, [blk], lambda j, bk, h: self._mla(bk.mixer, h, dlat, dlay), dlay)
             pick = torch.arange(b, device=dev) * t + (acc - 1).long()
             drafts = model.draft_logits(xd[pick]).argmax(-1)
         else:
