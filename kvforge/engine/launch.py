@@ -65,6 +65,8 @@ def plan_launch(
     role = current_role(environ)
     fraction = None
     if device.type == "cuda":
+        if device.index is None:  # the allocator's cap is per device: name it
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         fraction = torch_memory_fraction(
             total, free, torch.cuda.memory_reserved(device), declared_margin=hooks.torch_mem_safety_margin
