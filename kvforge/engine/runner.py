@@ -11,9 +11,14 @@ Its tokens are laid out flat in that order. Per layer:
   (:func:`kvforge.engine.ops.decode_attention`), one query row per token with ``seq_len = start + t + 1``.
 * **KDA**: each row starts from its live state page (indices uploaded by ``StateIndexUpload``). A context row
   that passes a snapshot point mid-step is split there: the state at the point is written into the cache's
-  pending snapshot page, then the rest runs from it. A verifying generation row keeps the state after every
-  token until the accepted count is known (:meth:`Runner.step`); the rows of one step may verify different
-  token counts.
+  pending snapshot page, then the rest runs from it. Generation rows update their states in place
+  (:func:`~kvforge.engine.ops.kda_recurrent_inplace`): token 0's state into the live row, token t's into the
+  batch row's scratch row; once the accepted count is known, ``select_accepted_states`` moves the accepted
+  one into the live row on the device (:meth:`Runner.step`). The rows of one step may verify different counts.
+
+:meth:`Runner.decode_static` is the generation-only step on device tensors alone (no host data, no host read)
+that :mod:`kvforge.engine.graphs` captures per batch bucket. On CUDA the blocks use the fused kernels
+(``rms_norm`` with the residual add, ``swiglu``, ``rotary``, ``greedy_accept``); elsewhere the plain forms.
 
 The drafter (one MLA layer) runs after acceptance over the accepted positions of every row, writing its own
 latent pages, and proposes the next draft token from the last one.
