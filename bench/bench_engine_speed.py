@@ -14,8 +14,9 @@ Same process, same model, in this order:
    and as the same step run eagerly. Its floor: weights (every weight but the embedding, read once) + recurrent
    state (read once, written once per verified token) + latent rows read, over the measured copy bandwidth;
 3. engine steps, batch {1, 64} x context 512 (real prefill first): wall ms per decode step of ``Engine.step``
-   (scheduler, cache manager, page table included) with ``cuda_graphs`` on and off, and at batch 64 with the
-   one-token drafter (verify steps) graphs on;
+   (scheduler, cache manager, page table included) with ``cuda_graphs`` on and off, at batch 64 with the
+   one-token drafter (verify steps) graphs on, and at batch 64 graphs on with ``Engine(sync=True)``: the
+   step's split into host phases and the forward (``Engine.timings``, ms per step);
 4. prefill: 8 prompts x 4096 tokens, one output token each (FP8 context attention, the default): prompt tok/s
    and the FLOP rate it implies (2 x non-embedding parameters per token + MLA context attention FLOPs; the KDA
    recurrence's own FLOPs are not counted) as a share of the matmul rate;
@@ -161,9 +162,13 @@ def engine_steps(model: HybridModel, args, bw: float) -> list[dict]:
     rows = []
     rng = random.Random(3)
     vocab = model.config.vocab_size
-    for batch, draft_len, modes in ((1, 0, (True, False)), (64, 0, (True, False)), (64, 1, (True,))):
-        for graphs in modes:
-            eng = Engine(model, _engine_cfg(args, batch, graphs), draft_len=draft_len)
+    # (batch, draft_len, [(graphs, sync)]): sync=True waits for the device at every phase end, so the step's
+    # wall time splits into host phases and the forward (slower in total: the host no longer runs ahead).
+    plan = ((1, 0, ((True, False), (False, False))), (64, 0, ((True, False), (False, False), (True, True))),
+            (64, 1, ((True, False),)))  # fmt: skip
+    for batch, draft_len, modes in plan:
+        for graphs, sync in modes:
+            eng = Engine(model, _engine_cfg(args, batch, graphs), draft_len=draft_len, sync=sync)
             for rid in range(batch):
                 eng.add_request(rid, [rng.randrange(vocab) for _ in range(args.step_ctx)], args.step_tokens)
             while any(r.state.value != "generation" for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -171,6 +176,7 @@ def engine_steps(model: HybridModel, args, bw: float) -> list[dict]:
             for _ in range(3):  # the first replays capture the bucket
                 eng.step()
             _sync()
+            eng.timings.clear()
             gen0, steps = eng.tokens["generation"], 0
             t0 = time.perf_counter()
             while eng.scheduler.has_unfinished:
@@ -184,11 +190,13 @@ def engine_steps(model: HybridModel, args, bw: float) -> list[dict]:
             row = {
                 "phase": "engine_step", "batch": batch, "context": args.step_ctx, "draft_len": draft_len,
                 "cuda_graphs": graphs, "ms_step": ms, "floor_ms": floor_ms, "x_floor": ms / floor_ms,
-                "gen_tok_per_s": (eng.tokens["generation"] - gen0) / dt, "steps": steps,
+                "gen_tok_per_s": (eng.tokens["generation"] - gen0) / dt, "steps": steps, "sync": sync,
+                "phases_ms": json.dumps({k: round(1e3 * v / max(steps, 1), 3) for k, v in eng.timings.items()}),
             }  # fmt: skip
             print(
-                f"engine batch {batch:3d} draft {draft_len} graphs {graphs!s:5}: {ms:7.2f} ms/step "
-                f"({row['x_floor']:.2f}x floor {floor_ms:.2f} ms), {row['gen_tok_per_s']:.0f} generated tok/s",
+                f"engine batch {batch:3d} draft {draft_len} graphs {graphs!s:5} sync {sync!s:5}: {ms:7.2f} ms/step "
+                f"({row['x_floor']:.2f}x floor {floor_ms:.2f} ms), {row['gen_tok_per_s']:.0f} generated tok/s"
+                + (f"; phases ms/step {row['phases_ms']}" if sync else ""),
                 flush=True,
             )
             rows.append(row)
