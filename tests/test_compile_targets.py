@@ -96,6 +96,28 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
         {"BLOCK_M": 128, "N_PAD": 64, "SORT": True}, 4,
     ),
     "_mla_context_fwd_kernel": ("mla_context", {}, {}, 4),  # variants below
+    # the engine's fused ops and the accepted-state select
+    "_state_select_kernel": (
+        "state_select", {"pool_ptr": "*fp32", "live_ptr": "*i32", "scratch_ptr": "*i32", "accepted_ptr": "*i32",
+                         "row_elems": "i32", "n_scratch": "i32"}, {"BLOCK": 2048}, 4,
+    ),
+    "_rms_norm_kernel": (
+        "rms_norm", {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+                     **{n: "i32" for n in ("n_rows", "D", "sx", "sr", "so", "ss")}, "eps": "fp32"},
+        {"HAS_RES": True, "BLOCK_D": 4096}, 8,
+    ),
+    "_swiglu_kernel": (
+        "swiglu", {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "n_cols": "i32", "sg": "i32",
+                   "su": "i32", "so": "i32"}, {"BLOCK": 1024}, 4,
+    ),
+    "_rotary_kernel": (
+        "rotary", {"x_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "out_ptr": "*bf16",
+                   **{n: "i32" for n in ("sx_t", "sx_h", "so_t", "so_h")}}, {"HALF": 32, "BLOCK": 32}, 1,
+    ),
+    "_greedy_accept_kernel": (
+        "greedy_accept", {"logits_ptr": "*fp32", "tok_ptr": "*i64", "best_ptr": "*i32", "acc_ptr": "*i32",
+                          "V": "i32", "sl_b": "i32", "sl_t": "i32", "st_b": "i32"}, {"T": 2, "BLOCK_V": 2048}, 4,
+    ),
 }  # fmt: skip
 
 _MLA_BASE: dict[str, object] = {

@@ -165,3 +165,46 @@ def test_real_component_errors(fp8: bool) -> None:
             assert c.mixer_rel < 1e-2, c
         if c.hidden_rel is not None:
             assert c.hidden_rel < 0.07, c
+
+
+def _inject_oracle_drafts(eng: Engine, reqs: dict, want: dict) -> list[int]:
+    """Wrap ``eng.graphs.run`` so that every row's draft token in the slot stores is the reference's next token
+    before each replay (verification then accepts it); returns the list that collects accepted counts."""
+    assert eng.graphs is not None
+    run, seen = eng.graphs.run, []
+
+    def spy(slots, state_rows, starts):
+        for rid, req in reqs.items():
+            slot, k = eng._slot.get(rid), len(req.output_tokens)
+            if slot in slots and k < len(want[rid]):
+                eng.stores.next_new_tokens[1, slot] = want[rid][k]
+        out = run(slots, state_rows, starts)
+        seen.extend(out[:, 2].tolist())
+        return out
+
+    eng.graphs.run = spy  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize(("draft_len", "inject"), [(0, False), (1, False), (1, True)])
+def test_real_greedy_identity_with_cuda_graphs(draft_len: int, inject: bool) -> None:
+    """The planted model with CUDA-graph decode (the default on CUDA): five requests (bucket 8, three padding
+    rows), outputs equal the plain forward pass's greedy continuation token for token; with ``inject`` every
+    draft is the reference's next token, so rows accept two tokens (states selected on the device)."""
+    from kvforge.engine import reference_greedy
+
+    model = _model("planted")
+    rng = random.Random(21 + draft_len + inject)
+    prompts = {f"g{i}": _prompt(rng, rng.randrange(150, 300)) for i in range(5)}
+    n_new = 12
+    want = {rid: reference_greedy(model, p, n_new) for rid, p in prompts.items()}
+    eng = Engine(model, _cfg(), draft_len=draft_len)
+    assert eng.graphs is not None and eng.graphs.capture
+    reqs = {rid: eng.add_request(rid, p, n_new) for rid, p in prompts.items()}
+    seen = _inject_oracle_drafts(eng, reqs, want) if inject else []
+    out = eng.run()
+    assert {rid: out[rid] for rid in prompts} == want
+    assert eng.graphs.replays >= n_new // 2 and 8 in eng.graphs._graphs
+    if inject:
+        assert seen.count(2) > len(seen) // 2, seen
+    eng.manager.check_invariants()

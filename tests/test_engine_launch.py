@@ -85,3 +85,75 @@ def test_memory_cap(caplog) -> None:
     assert applied is torch.cuda.is_available()
     if not applied:
         assert any("not applied: no CUDA device" in r.getMessage() for r in caplog.records)
+
+
+# ---- the engine's setup wiring (kvforge.engine.launch) -------------------------------------------------------
+
+
+def _tiny_model():
+    from kvforge.engine import HybridModel, tiny
+
+    return HybridModel(tiny())
+
+
+@pytest.mark.parametrize(
+    ("env", "draft_len", "shared", "scratch"),
+    [
+        ({}, 1, True, True),  # a speculative config: auto -> shared
+        ({}, 0, False, False),  # none: "0" -> no draft layer, no draft pages
+        ({"KVFORGE_DISAGG_ROLE": "context"}, 0, True, False),  # context-only drafter computes the draft KV
+        ({"KVFORGE_DISAGG_ROLE": "context"}, 1, True, False),  # context-only layout: no verify scratch rows
+        ({"KVFORGE_DISAGG_ROLE": "generation"}, 1, True, True),
+        ({SHARED_DRAFT_KV_ENV: "1"}, 0, True, False),  # the environment wins
+    ],
+)
+def test_engine_setup_follows_role_and_speculative_config(monkeypatch, caplog, env, draft_len, shared, scratch):
+    from kvforge.engine import Engine, EngineConfig
+    from kvforge.kvcache.config import LayerOwner
+
+    monkeypatch.delenv("KVFORGE_DISAGG_ROLE", raising=False)
+    monkeypatch.delenv(SHARED_DRAFT_KV_ENV, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with caplog.at_level(logging.INFO, logger="kvforge.disagg.launch"):
+        eng = Engine(_tiny_model(), EngineConfig(max_num_requests=4), draft_len=draft_len)
+    assert eng.launch.shared_draft_kv is shared
+    has_draft_layer = any(s.owner is LayerOwner.DRAFT for s in eng.kv_config.layers)
+    assert has_draft_layer is shared and (eng.cache.draft_latent is not None) is shared
+    assert (eng.cache.state_trash > eng.cache.scratch_base) is scratch
+    assert eng.launch.context_only is (env.get("KVFORGE_DISAGG_ROLE") == "context")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("draft KV pool share" in m for m in msgs) == 1, msgs  # once per manager
+    assert sum("KV cache manager class" in m and "HybridCacheManager" in m for m in msgs) == 1, msgs
+    assert eng.launch.memory_fraction is None  # a CPU model: nothing to cap
+
+
+def test_engine_refuses_a_drafter_without_the_shared_pool(monkeypatch) -> None:
+    from kvforge.engine import Engine, EngineConfig
+
+    monkeypatch.setenv(SHARED_DRAFT_KV_ENV, "0")
+    with pytest.raises(ValueError, match="draft_len"):
+        Engine(_tiny_model(), EngineConfig(), draft_len=1)
+
+
+def test_engine_skips_uploading_unchanged_slot_ids() -> None:
+    from kvforge.engine import Engine, EngineConfig
+
+    eng = Engine(_tiny_model(), EngineConfig(max_num_requests=4), draft_len=1)
+    eng.add_request("a", list(range(20)), 4)
+    eng.add_request("b", list(range(30, 47)), 4)
+    uploaded = []
+    while eng.scheduler.has_unfinished:
+        before = eng._slots_up[1]
+        eng.step()
+        uploaded.append(eng._slots_up[1] is not before)
+    # The first generation step uploads the two slots; the next steps (same rows) reuse them.
+    assert uploaded.count(True) >= 1 and uploaded.count(False) >= 2, uploaded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the cap applies to CUDA memory)")
+def test_engine_applies_the_memory_cap_on_cuda() -> None:
+    from kvforge.engine import Engine, EngineConfig, HybridModel, tiny
+
+    eng = Engine(HybridModel(tiny(), device="cuda"), EngineConfig())
+    assert eng.launch.memory_fraction is not None and 0.5 < eng.launch.memory_fraction <= 1.0

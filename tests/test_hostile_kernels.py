@@ -20,12 +20,17 @@ import torch
 from kvforge.kernels._checks import has_internal_overlap, tensors_overlap
 from kvforge.kernels._runtime import interpreting
 from kvforge.kernels.block_offsets import copy_block_offsets
+from kvforge.kernels.greedy_accept import greedy_accept
 from kvforge.kernels.kv_pack import KVPackLayout, KVPackPlan, pack_kv_blocks, unpack_kv_blocks
 from kvforge.kernels.merge_states import merge_attention_states, merge_attention_states_ref
 from kvforge.kernels.mla_decode import mla_decode_attention
 from kvforge.kernels.pinned_pair import copy_small_pinned_pair
 from kvforge.kernels.quantize_fp8 import quantize_fp8
+from kvforge.kernels.rms_norm import rms_norm
+from kvforge.kernels.rotary import rotary
 from kvforge.kernels.slot_ops import SlotStores, StepInputs, slot_scatter, step_gather, step_gather_ref
+from kvforge.kernels.state_select import select_accepted_states
+from kvforge.kernels.swiglu import swiglu
 
 # The cases build CPU tensors, which only the interpreter accepts: on a GPU machine every case would be refused
 # by the device check before the check it is about (the device class is covered there by the meta cases).
@@ -98,8 +103,72 @@ def _shared_stores():
 
 _QBUF = torch.zeros(64, dtype=torch.uint8)
 
+
+def _select(pool=None, live=None, scratch=None, accepted=None):
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    pool = torch.randn(6, 4) if pool is None else pool
+    live = i32([0, 1]) if live is None else live
+    scratch = i32([[2], [3]]) if scratch is None else scratch
+    accepted = i32([2, 1]) if accepted is None else accepted
+    return select_accepted_states(pool, live, scratch, accepted)
+
+
+_POS = torch.zeros(3, dtype=torch.long)
+
 # fmt: off
 CASES = [
+    # ---- the engine's accepted-state select and fused ops
+    Case("state_select", "type", "pool as a list", lambda: _select(pool=[[1.0]]), TypeError, "pool"),
+    Case("state_select", "dtype", "int64 live", lambda: _select(live=torch.tensor([0, 1])), TypeError, "live"),
+    Case("state_select", "shape", "scratch of another N", lambda: _select(scratch=torch.zeros(3, 1, dtype=torch.int32)),
+         ValueError, "scratch"),
+    Case("state_select", "value", "accepted 0", lambda: _select(accepted=torch.tensor([0, 1], dtype=torch.int32)),
+         ValueError, "accepted"),
+    Case("state_select", "value", "live past the pool", lambda: _select(live=torch.tensor([0, 6], dtype=torch.int32)),
+         ValueError, "live"),
+    Case("state_select", "device", "meta pool", lambda: _select(pool=torch.empty(6, 4, device=META)), ValueError,
+         "meta"),
+    Case("state_select", "alias", "indices inside the pool",
+         lambda: (lambda p: _select(pool=p, live=p[0, :2]))(torch.zeros(6, 4, dtype=torch.int32)), ValueError,
+         "overlap"),
+    Case("rms_norm", "type", "x as a list", lambda: rms_norm([[1.0]], torch.ones(1)), TypeError, "x"),
+    Case("rms_norm", "shape", "weight of another D", lambda: rms_norm(torch.randn(3, 4), torch.ones(5)), ValueError,
+         "weight"),
+    Case("rms_norm", "value", "NaN eps", lambda: rms_norm(torch.randn(3, 4), torch.ones(4), float("nan")),
+         ValueError, "eps"),
+    Case("rms_norm", "device", "meta x", lambda: rms_norm(torch.empty(3, 4, device=META), torch.ones(4)),
+         ValueError, "meta"),
+    Case("rms_norm", "alias", "out is x", lambda: (lambda x: rms_norm(x, torch.ones(4), out=x))(torch.randn(3, 4)),
+         ValueError, "overlap"),
+    Case("swiglu", "type", "gate as a float", lambda: swiglu(1.0, torch.randn(3, 4)), TypeError, "gate"),
+    Case("swiglu", "dtype", "up of another dtype", lambda: swiglu(torch.randn(3, 4), torch.randn(3, 4).half()),
+         TypeError, "up"),
+    Case("swiglu", "device", "meta gate", lambda: swiglu(torch.empty(3, 4, device=META), torch.randn(3, 4)),
+         ValueError, "meta"),
+    Case("swiglu", "alias", "out is up", lambda: (lambda u: swiglu(torch.randn(3, 4), u, out=u))(torch.randn(3, 4)),
+         ValueError, "overlap"),
+    Case("rotary", "type", "positions as a list", lambda: rotary(torch.randn(3, 4), [0, 1, 2], torch.zeros(9, 4)),
+         TypeError, "positions"),
+    Case("rotary", "shape", "odd width", lambda: rotary(torch.randn(3, 5), _POS, torch.zeros(9, 5)), ValueError,
+         "even"),
+    Case("rotary", "value", "position past the table",
+         lambda: rotary(torch.randn(3, 4), torch.tensor([0, 9, 1]), torch.zeros(9, 4), check_values=True),
+         ValueError, "positions"),
+    Case("rotary", "device", "meta x", lambda: rotary(torch.empty(3, 4, device=META), _POS, torch.zeros(9, 4)),
+         ValueError, "meta"),
+    Case("rotary", "alias", "out inside the table",
+         lambda: (lambda cs: rotary(torch.randn(3, 4), _POS, cs, out=cs[:3]))(torch.zeros(9, 4)), ValueError,
+         "overlap"),
+    Case("greedy_accept", "type", "tokens as a list",
+         lambda: greedy_accept(torch.randn(2, 2, 5), [[0, 0], [0, 0]]), TypeError, "tokens"),
+    Case("greedy_accept", "shape", "T over the limit",
+         lambda: greedy_accept(torch.randn(1, 17, 5), torch.zeros(1, 17, dtype=torch.long)), ValueError, "logits"),
+    Case("greedy_accept", "device", "meta logits",
+         lambda: greedy_accept(torch.empty(2, 2, 5, device=META), torch.zeros(2, 2, dtype=torch.long)), ValueError,
+         "meta"),
+    Case("greedy_accept", "alias", "best inside the tokens",
+         lambda: (lambda tk: greedy_accept(torch.randn(2, 2, 5), tk, best=tk))(torch.zeros(2, 2, dtype=torch.int32)),
+         ValueError, "overlap"),
     # ---- merge_attention_states
     Case("merge", "type", "outputs as a list of lists", lambda: _merge(o=[[1.0]]), TypeError, "outputs"),
     Case("merge", "type", "outputs as a str", lambda: _merge(o="abc"), TypeError, "outputs"),

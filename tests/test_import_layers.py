@@ -112,7 +112,9 @@ def test_cycle_finder_finds_a_loop():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("package", ["kvforge.kvcache", "kvforge.scheduling", "kvforge.routing", "kvforge.sim"])
+@pytest.mark.parametrize(
+    "package", ["kvforge.kvcache", "kvforge.scheduling", "kvforge.routing", "kvforge.sim", "kvforge.engine"]
+)
 def test_no_import_loop_inside_a_package(package: str):
     graph = _package_imports(package)
     assert len(graph) > 3

@@ -9,6 +9,10 @@ two meet (``shared/DESIGN.md``):
 * ``state[layer_id]``: ``[state_pages + staging_state_pages, HL, dk, dv]`` fp32, one per KDA layer, addressed by
   the recurrent group's page ids (live states and snapshots alike). Rows past ``state_pages`` are staging rows
   the manager never hands out (a disaggregated receiver lands snapshots there before committing them).
+  After them come ``scratch_rows`` rows where verifying rows put the states after their draft tokens
+  (:attr:`scratch_base`), and one trash row (:attr:`state_trash`);
+* every latent pool has one trash page past the manager's pages (:attr:`latent_trash`, :attr:`draft_trash`):
+  the padded rows of a CUDA-graph batch bucket read and write there, never in a page the manager owns.
 
 :meth:`EngineCache.execute` runs the manager's :class:`~kvforge.kvcache.manager.PageCopy` list (copy-on-write of a
 partial block, a snapshot copied into a live state, a live state copied into a snapshot page) in order; a copy
@@ -39,21 +43,26 @@ class EngineCache:
         draft_group: int | None,
         device: torch.device,
         dtype: torch.dtype,
+        scratch_rows: int = 0,
     ) -> None:
         mc, ec = model_config, engine_config
         tpb = ec.tokens_per_block
         self.tokens_per_block = tpb
         self.attn_group, self.state_group, self.draft_group = attn_group, state_group, draft_group
         self.state_pages = ec.state_pages
+        self.latent_trash, self.draft_trash = ec.attention_pages, ec.draft_pages
         self.latent = {
-            i: torch.zeros(ec.attention_pages, tpb, mc.latent_dim, device=device, dtype=dtype) for i in mc.mla_layers
+            i: torch.zeros(ec.attention_pages + 1, tpb, mc.latent_dim, device=device, dtype=dtype)
+            for i in mc.mla_layers
         }
         self.draft_latent = (
-            torch.zeros(ec.draft_pages, tpb, mc.latent_dim, device=device, dtype=dtype)
+            torch.zeros(ec.draft_pages + 1, tpb, mc.latent_dim, device=device, dtype=dtype)
             if draft_group is not None
             else None
         )
-        rows = ec.state_pages + ec.staging_state_pages
+        self.scratch_base = ec.state_pages + ec.staging_state_pages
+        self.state_trash = self.scratch_base + scratch_rows
+        rows = self.state_trash + 1
         self.state = {
             i: torch.zeros(rows, *mc.state_shape, device=device, dtype=torch.float32) for i in mc.linear_layers
         }

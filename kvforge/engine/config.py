@@ -193,7 +193,9 @@ class EngineConfig:
     engine receives snapshots before it commits them. ``device``: None picks CUDA when available.
     ``context_fp8``: the context (prefill/extend) attention reads Q/K/V quantised to FP8 e4m3 at the model's
     ``kv_scale_orig_quant``; False passes them in 16 bits (bf16 on a GPU, fp16 in the CPU interpreter), the
-    mode whose only rounding is the model dtype's (decode always reads the model-dtype latent cache)."""
+    mode whose only rounding is the model dtype's (decode always reads the model-dtype latent cache).
+    ``cuda_graphs``: generation-only steps replay a CUDA graph per batch bucket (:mod:`kvforge.engine.graphs`);
+    None turns them on exactly when the model is on CUDA, True on a CPU model is refused by the engine."""
 
     tokens_per_block: int = 16
     attention_pages: int = 64
@@ -210,6 +212,7 @@ class EngineConfig:
     device: str | None = None
     prefix_wait: bool = True
     context_fp8: bool = True
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -229,5 +232,7 @@ class EngineConfig:
         for name in ("reuse", "context_fp8", "prefix_wait"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected a bool or None, got {type(self.cuda_graphs).__name__}")
         if self.device is not None and not isinstance(self.device, str):
             raise TypeError(f"device: expected a device name or None, got {type(self.device).__name__}")

@@ -28,8 +28,10 @@ import torch
 
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.config import EngineConfig
+from kvforge.engine.graphs import DecodeGraphs
+from kvforge.engine.launch import plan_launch
 from kvforge.engine.model import HybridModel
-from kvforge.engine.runner import Row, Runner
+from kvforge.engine.runner import Row, Runner, StepResult
 from kvforge.kernels.slot_ops import SlotStores, slot_scatter, step_gather
 from kvforge.kvcache.config import (
     FULL_ATTENTION,
@@ -41,7 +43,7 @@ from kvforge.kvcache.config import (
     TierConfig,
     dtype_name,
 )
-from kvforge.kvcache.hooks import resolve_kv_cache_manager_cls, runtime_hooks_of
+from kvforge.kvcache.hooks import runtime_hooks_of
 from kvforge.kvcache.hybrid import HybridCacheManager
 from kvforge.kvcache.page_table import DevicePageTable
 from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
@@ -49,8 +51,9 @@ from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
 __all__ = ["Engine", "kv_cache_config"]
 
 
-def kv_cache_config(model: HybridModel, config: EngineConfig) -> KVCacheConfig:
-    """The manager's layer list: MLA layers (latent bytes per token), KDA layers (state bytes), the drafter."""
+def kv_cache_config(model: HybridModel, config: EngineConfig, *, draft: bool = True) -> KVCacheConfig:
+    """The manager's layer list: MLA layers (latent bytes per token), KDA layers (state bytes), and the drafter's
+    layer when the model has one and ``draft`` (the shared draft KV pool) is on."""
     mc = model.config
     dt = dtype_name(model.dtype)
     esize = torch.empty(0, dtype=model.dtype).element_size()
@@ -61,7 +64,7 @@ def kv_cache_config(model: HybridModel, config: EngineConfig) -> KVCacheConfig:
             layers.append(LayerSpec(i, FULL_ATTENTION, bytes_per_token=mc.latent_dim * esize, dtype=dt))
         else:
             layers.append(LayerSpec(i, RECURRENT_STATE, state_bytes=state_bytes, dtype="float32"))
-    if mc.draft_layers:
+    if mc.draft_layers and draft:
         layers.append(
             LayerSpec(
                 mc.num_layers, FULL_ATTENTION, bytes_per_token=mc.latent_dim * esize, dtype=dt, owner=LayerOwner.DRAFT
@@ -108,12 +111,24 @@ class Engine:
         self.model = model
         self.config = config
         self.draft_len = draft_len
+        # The fused rotary kernel reads a cos/sin table it cannot bounds-check on the device: size it for the
+        # longest request this engine admits.
+        model.ensure_rope_table((config.max_blocks_per_request + 1) * config.tokens_per_block)
         # Tests replace the drafter's proposal (e.g. by the reference's next token) to exercise acceptance.
         self.draft_fn = draft_fn
         self.sync = sync and model.device.type == "cuda"
         hooks = runtime_hooks_of(model)
-        self.kv_config = kv_cache_config(model, config)
-        manager_cls = resolve_kv_cache_manager_cls(HybridCacheManager, hooks)
+        dev = model.device
+        self.launch = plan_launch(
+            HybridCacheManager,
+            hooks,
+            device=dev,
+            draft_len=draft_len,
+            has_drafter=model.config.draft_layers > 0,
+            tokens_per_block=config.tokens_per_block,
+        )
+        self.kv_config = kv_cache_config(model, config, draft=self.launch.shared_draft_kv)
+        manager_cls = self.launch.manager_cls
         self.manager: HybridCacheManager = manager_cls(
             self.kv_config,
             policy=hooks.hybrid_cache,
@@ -133,8 +148,7 @@ class Engine:
         mc = model.config
         self.attn_group = self.kv_config.group_of_layer(mc.mla_layers[0])
         self.state_group = self.kv_config.group_of_layer(mc.linear_layers[0])
-        self.draft_group = self.kv_config.group_of_layer(mc.num_layers) if mc.draft_layers else None
-        dev = model.device
+        self.draft_group = self.kv_config.group_of_layer(mc.num_layers) if self.launch.shared_draft_kv else None
         self.cache = EngineCache(
             mc,
             config,
@@ -143,6 +157,8 @@ class Engine:
             draft_group=self.draft_group,
             device=dev,
             dtype=model.dtype,
+            # A context-only worker never verifies drafts: no scratch rows (its context-only layout).
+            scratch_rows=0 if self.launch.context_only else config.max_num_requests * draft_len,
         )
         groups = [self.attn_group] + ([self.draft_group] if self.draft_group is not None else [])
         # Suspended caches keep their rows until they close, hence more rows than running requests.
@@ -154,10 +170,27 @@ class Engine:
             (len(groups), config.max_num_requests, 2, config.max_blocks_per_request), dtype=torch.int32, device=dev
         )
         t = 1 + draft_len
-        self.stores = SlotStores.zeros(config.max_num_requests, t, t, max(1, draft_len), dev)
+        # One slot past the requests' slots: the trash slot of CUDA-graph padding rows.
+        self.stores = SlotStores.zeros(config.max_num_requests + 1, t, t, max(1, draft_len), dev)
         self._free_slots = list(range(config.max_num_requests - 1, -1, -1))
+        self._slots_up: tuple[tuple[int, ...], torch.Tensor | None] = ((), None)  # last uploaded slot ids
         self._slot: dict[Hashable, int] = {}
-        self.runner = Runner(model, self.cache, record_logits=record_logits, context_fp8=config.context_fp8)
+        self.runner = Runner(
+            model,
+            self.cache,
+            record_logits=record_logits,
+            context_fp8=config.context_fp8,
+            max_rows=config.max_num_requests,
+            verify_width=t,
+        )
+        graphs = config.cuda_graphs if config.cuda_graphs is not None else dev.type == "cuda"
+        graphs = graphs and not self.launch.context_only  # no generation steps to capture
+        if graphs and dev.type != "cuda":
+            raise ValueError(f"config.cuda_graphs: CUDA graphs need a CUDA device, the model is on {dev}")
+        # Recorded logits and a host draft_fn need the eager step's host data: no graphs then.
+        self.graphs: DecodeGraphs | None = None
+        if graphs and not record_logits and draft_fn is None:
+            self.graphs = self.decode_graphs(capture=True)
         self.record_logits = record_logits
         self.outputs: dict[Hashable, list[int]] = {}
         self.logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
@@ -167,6 +200,19 @@ class Engine:
         self.timings: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.tokens = {"context": 0, "generation": 0}
+
+    def decode_graphs(self, *, capture: bool) -> DecodeGraphs:
+        """The engine's :class:`DecodeGraphs` (``capture=False``: the same padded static step, run eagerly)."""
+        return DecodeGraphs(
+            self.runner,
+            self.cache,
+            self.stores,
+            self._offsets,
+            max_rows=self.config.max_num_requests,
+            trash_slot=self.config.max_num_requests,
+            draft=self.draft_len > 0,
+            capture=capture,
+        )
 
     # --- requests ------------------------------------------------------------------------------------------------
 
@@ -217,49 +263,58 @@ class Engine:
         n_rows = len(caches)
         tables = self.page_table.materialize(caches, out=self._offsets[:, :n_rows])[:, :, 0]  # plane 0: page ids
         idx, mask = self.manager.step_state_indices(caches)
-        self.upload.upload(idx, mask)
-        state_idx = self.upload.dev_indices[: len(caches)]
-        t = self._tick("page_table", t)
-        gen_ids = None
-        n_gen = len(batch.generation)
-        if n_gen:
-            slots = torch.tensor([self._slot_of(s.request.request_id) for s in batch.generation], dtype=torch.int32)
-            gen_ids = step_gather(self.stores, slots.to(self.stores.device), 1 + self.draft_len).input_ids.tolist()
-        t = self._tick("slots", t)
-        rows = []
         width = 1 + self.draft_len
-        for i, s in enumerate(sched):
-            req = s.request
-            cache = req.cache
-            if i < n_gen:
-                assert gen_ids is not None
-                toks = gen_ids[i * width : i * width + s.num_tokens]
-                nxt = None
-            else:
-                seq = (*req.tokens, *req.output_tokens)  # type: ignore[misc]
-                toks = list(seq[s.start : s.start + s.num_tokens])
-                nxt = None if s.is_last_chunk else seq[s.start + s.num_tokens]
-            pending = getattr(cache, "pending_ssm_snapshot_slot", None) if s.snapshot_point is not None else None
-            rows.append(
-                Row(
-                    tokens=toks,
-                    start=s.start,
-                    gen=i < n_gen,
-                    is_last=s.is_last_chunk,
-                    state_page=idx[i],
-                    snapshot_point=s.snapshot_point if pending is not None else None,
-                    pending_page=pending,
-                    next_token=nxt,
+        n_gen = len(batch.generation)
+        if self.graphs is not None and 0 < n_gen == n_rows and all(s.num_tokens == width for s in sched):
+            t = self._tick("page_table", t)
+            res, accepted = self._graph_step(sched, idx)
+            graph_step = True
+        else:
+            graph_step = False
+            self.upload.upload(idx, mask)
+            state_idx = self.upload.dev_indices[: len(caches)]
+            t = self._tick("page_table", t)
+            gen_ids = None
+            if n_gen:
+                slots = tuple(self._slot_of(s.request.request_id) for s in batch.generation)
+                if slots != self._slots_up[0]:  # the same rows as last step: their slot ids are on the device
+                    dev_slots = torch.tensor(slots, dtype=torch.int32).to(self.stores.device)
+                    self._slots_up = (slots, dev_slots)
+                gen_ids = step_gather(self.stores, self._slots_up[1], width).input_ids.tolist()
+            t = self._tick("slots", t)
+            rows = []
+            for i, s in enumerate(sched):
+                req = s.request
+                cache = req.cache
+                if i < n_gen:
+                    assert gen_ids is not None
+                    toks = gen_ids[i * width : i * width + s.num_tokens]
+                    nxt = None
+                else:
+                    seq = (*req.tokens, *req.output_tokens)  # type: ignore[misc]
+                    toks = list(seq[s.start : s.start + s.num_tokens])
+                    nxt = None if s.is_last_chunk else seq[s.start + s.num_tokens]
+                pending = getattr(cache, "pending_ssm_snapshot_slot", None) if s.snapshot_point is not None else None
+                rows.append(
+                    Row(
+                        tokens=toks,
+                        start=s.start,
+                        gen=i < n_gen,
+                        is_last=s.is_last_chunk,
+                        state_page=idx[i],
+                        snapshot_point=s.snapshot_point if pending is not None else None,
+                        pending_page=pending,
+                        next_token=nxt,
+                    )
                 )
-            )
-        t = self._tick("rows", t)
-        res, accepted = self.runner.step(rows, state_idx, tables, draft=self.draft_len > 0)
+            t = self._tick("rows", t)
+            res, accepted = self.runner.step(rows, state_idx, tables, draft=self.draft_len > 0)
         if self.draft_fn is not None:
             for i, s in enumerate(sched):
                 if res.emitted[i]:
                     res.drafts[i] = self.draft_fn(s.request, res.emitted[i])
         t = self._tick("forward", t)
-        self._store(sched, res, accepted)
+        self._store(sched, res, accepted, on_device=graph_step)
         t = self._tick("slots", t)
         accepted_by_id = {s.request.request_id: accepted[i] for i, s in enumerate(sched) if i < n_gen}
         new_tokens = {s.request.request_id: res.emitted[i] for i, s in enumerate(sched)}
@@ -276,11 +331,31 @@ class Engine:
         self._tick("on_step_done", t)
         return finished
 
-    def _store(self, sched, res, accepted) -> None:
-        """Emitted tokens and the next step's inputs into the slot stores; logits into the record."""
+    def _graph_step(self, sched, idx: list[int]) -> tuple[StepResult, list[int]]:
+        """A generation-only step through :attr:`graphs`: one host read, the slot stores written on the device."""
+        assert self.graphs is not None
+        slots = [self._slot_of(s.request.request_id) for s in sched]
+        out = self.graphs.run(slots, idx[: len(sched)], [s.start for s in sched]).tolist()
+        w = 1 + self.draft_len
+        res = StepResult()
+        accepted = [r[w] for r in out]
+        res.emitted = [r[:a] for r, a in zip(out, accepted)]
+        res.logits = [None] * len(out)
+        res.drafts = [r[w + 1] for r in out] if self.draft_len else [None] * len(out)
+        res.draft_logits = [None] * len(out)
+        return res, accepted
+
+    def _store(self, sched, res, accepted, *, on_device: bool = False) -> None:
+        """Emitted tokens and the next step's inputs into the slot stores (unless a graph step already stored
+        them ``on_device``); logits into the record."""
         width = 1 + self.draft_len
         emit_rows = [i for i, em in enumerate(res.emitted) if em]
         if not emit_rows:
+            return
+        if on_device:
+            for i in emit_rows:
+                if res.drafts[i] is not None:
+                    self.last_draft[sched[i].request.request_id] = res.drafts[i]
             return
         n = len(emit_rows)
         d = max(1, self.draft_len)

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 from kvforge.engine.config import ModelConfig
 from kvforge.engine.planted import plant_copy_head
+from kvforge.kernels.rms_norm import rms_norm
+from kvforge.kernels.rotary import rotary, rotary_table
+from kvforge.kernels.swiglu import swiglu
 from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks
 from kvforge.kvcache.hybrid import HybridCacheManager
 
@@ -125,6 +128,7 @@ class HybridModel:
         half = c.qk_rope_dim // 2
         self._inv_freq = (1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))).to(self.device)
         self.softmax_scale = 1.0 / math.sqrt(c.qk_head_dim)
+        self._rope_table: torch.Tensor | None = None
         if c.copy_offset:
             plant_copy_head(self)
 
@@ -148,11 +152,53 @@ class HybridModel:
         h = self.rms(x, blk.norm2)
         return (F.silu(h @ blk.gate) * (h @ blk.up)) @ blk.down
 
+    # --- the engine's fused forms (Triton kernels on CUDA, the plain forms above elsewhere) ----------------------
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """:meth:`rms` in one kernel on CUDA (``kvforge.kernels.rms_norm``)."""
+        if x.is_cuda and x.dim() == 2:
+            out = rms_norm(x, weight)
+            assert isinstance(out, torch.Tensor)
+            return out
+        return self.rms(x, weight)
+
+    def add_norm(self, x: torch.Tensor, mix: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = x + mix`` (the residual stream, in the model dtype) and ``rms(s, weight)``: one kernel on CUDA."""
+        if x.is_cuda and x.dim() == 2 and mix.dtype == x.dtype:
+            y, s = rms_norm(mix, weight, residual=x)  # type: ignore[misc]
+            return s, y
+        s = x + mix
+        return s, self.rms(s, weight)
+
+    def mlp_normed(self, blk: Block, h: torch.Tensor) -> torch.Tensor:
+        """The MLP on its already normalised input (``swiglu`` in one kernel on CUDA)."""
+        if h.is_cuda:
+            return swiglu(h @ blk.gate, h @ blk.up) @ blk.down
+        return (F.silu(h @ blk.gate) * (h @ blk.up)) @ blk.down
+
+    def ensure_rope_table(self, positions: int) -> None:
+        """A cos/sin table for positions ``[0, positions)`` (fused rotary on CUDA reads it; it cannot check a
+        position on the device, so the engine sizes it for its longest request)."""
+        if self.device.type == "cuda" and (self._rope_table is None or self._rope_table.shape[0] < positions):
+            self._rope_table = rotary_table(self._inv_freq, positions)
+
     # --- MLA ---------------------------------------------------------------------------------------------------
 
-    def mla_project(self, m: MLAWeights, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries ``[T, H, qk_head_dim]`` (rope applied) and latent cache rows ``[T, latent_dim]``."""
+    def mla_project(
+        self, m: MLAWeights, h: torch.Tensor, positions: torch.Tensor, *, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries ``[T, H, qk_head_dim]`` (rope applied) and latent cache rows ``[T, latent_dim]``. ``fused``
+        (CUDA, rope table present): the norms and the rotary embedding run as kernels writing in place."""
         c = self.config
+        if fused and h.is_cuda and self._rope_table is not None:
+            q = (self.norm(h @ m.q_a, m.q_a_norm) @ m.q_b).view(-1, c.num_heads, c.qk_head_dim)
+            q_rope = q[..., c.qk_nope_dim :]
+            rotary(q_rope, positions, self._rope_table, out=q_rope)
+            kv = h @ m.kv_a
+            latent = torch.empty(kv.shape[0], c.latent_dim, device=h.device, dtype=h.dtype)
+            rms_norm(kv[:, : c.kv_lora_rank], m.kv_a_norm, out=latent[:, : c.kv_lora_rank])
+            rotary(kv[:, c.kv_lora_rank :], positions, self._rope_table, out=latent[:, c.kv_lora_rank :])
+            return q, latent
         q = (self.rms(h @ m.q_a, m.q_a_norm) @ m.q_b).view(-1, c.num_heads, c.qk_head_dim)
         q = torch.cat([q[..., : c.qk_nope_dim], self.rope(q[..., c.qk_nope_dim :], positions)], -1)
         kv = h @ m.kv_a

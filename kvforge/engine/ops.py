@@ -10,13 +10,18 @@
   reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
   token (speculative verification keeps the state after the last accepted token). Before fla-core's first
   GPU call, its committed launch configs for the GPU are selected (:mod:`kvforge.engine.fla_configs`).
+* :func:`kda_recurrent_inplace` is the decode / verify path: ``N`` rows of ``T`` tokens read their initial
+  state from ``pool[state_indices[n, 0]]`` and write the state after token ``t`` into
+  ``pool[state_indices[n, t]]``, in place (fla-core's ``fused_recurrent_kda`` with ``ssm_state_indices`` and
+  ``inplace_final_state``): no gather of the states before, no scatter after. A plain-torch loop with the same
+  contract runs on CPU (``use_kernel=False``; the kernel also runs under the Triton interpreter).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["decode_attention", "kda_segments", "kda_tokens"]
+__all__ = ["decode_attention", "kda_recurrent_inplace", "kda_segments", "kda_tokens"]
 
 
 def decode_attention(
@@ -139,3 +144,53 @@ def kda_tokens(
         outs.append(o)
         after.append(s)
     return torch.cat(outs, 1), torch.stack(after, 0)
+
+
+def kda_recurrent_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    use_kernel: bool | None = None,
+) -> torch.Tensor:
+    """``N`` rows of ``T`` tokens (inputs ``[N, T, H, ...]``; ``g`` and ``beta`` fp32) against the state rows of
+    ``pool [rows, H, K, V]`` fp32 named by ``state_indices [N, T]`` int32 (see the module docstring); returns
+    ``o [N, T, H, V]`` in v's dtype. ``use_kernel`` None: fla-core's kernel on CUDA, the torch loop on CPU."""
+    n, t = q.shape[:2]
+    if state_indices.shape != (n, t) or state_indices.dtype != torch.int32:
+        raise ValueError(
+            f"state_indices: expected int32 [{n}, {t}], got {state_indices.dtype} {list(state_indices.shape)}"
+        )
+    if pool.dtype != torch.float32 or pool.dim() != 4 or not pool.is_contiguous():
+        raise ValueError(
+            f"pool: expected a contiguous fp32 [rows, H, K, V] tensor, got {pool.dtype} {list(pool.shape)}"
+        )
+    if use_kernel is None:
+        use_kernel = _use_fla_kernels(q)
+    if use_kernel:
+        if q.device.type == "cuda":
+            _fla_configs_once()
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore[import-untyped]
+
+        o, _ = fused_recurrent_kda_fwd(
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            initial_state=pool, inplace_final_state=True, ssm_state_indices=state_indices.contiguous(),
+        )  # fmt: skip
+        return o
+    from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]
+
+    idx = state_indices.long()
+    s = pool[idx[:, 0]]
+    outs = []
+    for i in range(t):
+        sl = slice(i, i + 1)
+        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], initial_state=s,
+                                   output_final_state=True)  # fmt: skip
+        s = s.float()
+        pool[idx[:, i]] = s
+        outs.append(o.to(v.dtype))
+    return torch.cat(outs, 1)

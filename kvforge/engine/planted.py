@@ -21,13 +21,22 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvforge.engine.config import ModelConfig
-    from kvforge.engine.model import HybridModel
+
+class CopySizes(Protocol):
+    """The sizes of a model config the copy head's design reads (``kvforge.engine.config.ModelConfig`` has them;
+    a protocol rather than an import, so the config module can call this one without an import loop)."""
+
+    copy_offset: int
+    qk_rope_dim: int
+    rope_theta: float
+
+    @property
+    def qk_head_dim(self) -> int: ...
+
 
 __all__ = [
     "COPY_MAX_POSITIONS",
@@ -104,14 +113,14 @@ def _design(rope_dim: int, theta: float, k: int) -> tuple[tuple[float, ...], flo
     return w, contrast, _separation(torch.tensor(w, dtype=torch.float64), rope_dim, theta, k, COPY_MAX_POSITIONS)[1]
 
 
-def copy_rope_weights(config: ModelConfig) -> torch.Tensor:
+def copy_rope_weights(config: CopySizes) -> torch.Tensor:
     """Per rotary pair, the weight of the copy head's score (fp64, ``qk_rope_dim // 2``): 1 on the fastest pair,
     ``w`` on the next ``n - 1``, 0 on the rest; ``(n, w)`` give the largest score gap per unit amplitude among
     those with a contrast >= ``MIN_COPY_CONTRAST`` over ``COPY_MAX_POSITIONS`` distances."""
     return torch.tensor(_design(config.qk_rope_dim, config.rope_theta, config.copy_offset)[0], dtype=torch.float64)
 
 
-def copy_contrast(config: ModelConfig, max_len: int = COPY_MAX_POSITIONS) -> float:
+def copy_contrast(config: CopySizes, max_len: int = COPY_MAX_POSITIONS) -> float:
     """``1 - max_{r != k} f(r) / f(k)`` over distances ``r < max_len`` of the copy head's score profile ``f``
     (query at p, key at p - r, keys of equal scale; fp64): how much lower than the copied key any other key
     scores, as a share of the copied key's score."""
@@ -123,15 +132,16 @@ def copy_contrast(config: ModelConfig, max_len: int = COPY_MAX_POSITIONS) -> flo
     return _separation(w, config.qk_rope_dim, config.rope_theta, config.copy_offset, max_len)[0]
 
 
-def copy_key_amplitude(config: ModelConfig) -> float:
+def copy_key_amplitude(config: CopySizes) -> float:
     """The rotary amplitude ``a`` of the copy head's (largest) key and of its query on the fastest pair: the one
     whose score gap ``softmax_scale * a^2 * gap(weights)`` is ``COPY_SCORE_GAP``."""
     gap = _design(config.qk_rope_dim, config.rope_theta, config.copy_offset)[2]
     return math.sqrt(COPY_SCORE_GAP * math.sqrt(config.qk_head_dim) / gap)
 
 
-def plant_copy_head(model: HybridModel) -> None:
-    """Overwrite ``model``'s weights in place with the copy circuit (see the module docstring)."""
+def plant_copy_head(model: Any) -> None:
+    """Overwrite ``model``'s weights in place with the copy circuit (see the module docstring); ``model`` is a
+    ``kvforge.engine.model.HybridModel`` (not imported: that module imports this one)."""
     c = model.config
     k, m, d, h = c.copy_offset, c.copy_dim, c.hidden_size, c.num_heads
     dev, dt = model.device, model.dtype
@@ -155,9 +165,8 @@ def plant_copy_head(model: HybridModel) -> None:
 
     blk = model.blocks[c.mla_layers[0]]
     mx = blk.mixer
-    from kvforge.engine.model import MLAWeights  # here: the model module imports this one
-
-    assert isinstance(mx, MLAWeights)
+    if not all(hasattr(mx, f) for f in ("q_a", "q_b", "kv_a", "kv_b", "o")):
+        raise TypeError(f"model: expected an MLA layer at layer {c.mla_layers[0]}, got {type(mx).__name__}")
     blk.norm1 = torch.ones(d, device=dev, dtype=dt)
     w = copy_rope_weights(c)
     amp = copy_key_amplitude(c)

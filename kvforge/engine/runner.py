@@ -11,9 +11,14 @@ Its tokens are laid out flat in that order. Per layer:
   (:func:`kvforge.engine.ops.decode_attention`), one query row per token with ``seq_len = start + t + 1``.
 * **KDA**: each row starts from its live state page (indices uploaded by ``StateIndexUpload``). A context row
   that passes a snapshot point mid-step is split there: the state at the point is written into the cache's
-  pending snapshot page, then the rest runs from it. A verifying generation row keeps the state after every
-  token until the accepted count is known (:meth:`Runner.step`); the rows of one step may verify different
-  token counts.
+  pending snapshot page, then the rest runs from it. Generation rows update their states in place
+  (:func:`~kvforge.engine.ops.kda_recurrent_inplace`): token 0's state into the live row, token t's into the
+  batch row's scratch row; once the accepted count is known, ``select_accepted_states`` moves the accepted
+  one into the live row on the device (:meth:`Runner.step`). The rows of one step may verify different counts.
+
+:meth:`Runner.decode_static` is the generation-only step on device tensors alone (no host data, no host read)
+that :mod:`kvforge.engine.graphs` captures per batch bucket. On CUDA the blocks use the fused kernels
+(``rms_norm`` with the residual add, ``swiglu``, ``rotary``, ``greedy_accept``); elsewhere the plain forms.
 
 The drafter (one MLA layer) runs after acceptance over the accepted positions of every row, writing its own
 latent pages, and proposes the next draft token from the last one.
@@ -28,9 +33,12 @@ import torch
 
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.model import HybridModel, MLAWeights
-from kvforge.engine.ops import decode_attention, kda_segments, kda_tokens
+from kvforge.engine.ops import decode_attention, kda_recurrent_inplace, kda_segments
+from kvforge.kernels.greedy_accept import greedy_accept
 from kvforge.kernels.mla_context import mla_context_attention
 from kvforge.kernels.quantize_fp8 import quantize_fp8
+from kvforge.kernels.slot_ops import SlotStores
+from kvforge.kernels.state_select import select_accepted_states
 
 __all__ = ["Row", "Runner", "StepResult"]
 
@@ -107,11 +115,33 @@ class _Layout:
         self.cu_kv = torch.tensor(cu_kv, dtype=torch.int32)
 
 
+class _DecodeLayout:
+    """The layout of a generation-only step built on the device from per-row starts (no host data): ``rows`` rows
+    of ``t`` tokens each, token ``j`` of row ``i`` at position ``starts[i] + j`` (the CUDA-graph path)."""
+
+    ctx_kv_rows = None
+
+    def __init__(self, starts: torch.Tensor, row_of: torch.Tensor, tok: torch.Tensor, table: torch.Tensor, tpb: int):
+        pos = starts[row_of] + tok
+        self.positions = pos
+        self.num_gen_tokens = int(row_of.shape[0])
+        self.write_rows = table[row_of, pos // tpb].long() * tpb + pos % tpb
+        self.gen_table = table[row_of]
+        self.gen_lens = (pos + 1).to(torch.int32)
+
+
 class Runner:
     """Runs steps of ``model`` over ``cache`` (see the module docstring)."""
 
     def __init__(
-        self, model: HybridModel, cache: EngineCache, *, record_logits: bool = False, context_fp8: bool = True
+        self,
+        model: HybridModel,
+        cache: EngineCache,
+        *,
+        record_logits: bool = False,
+        context_fp8: bool = True,
+        max_rows: int = 1,
+        verify_width: int = 1,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -123,13 +153,33 @@ class Runner:
         self.kv_scale_orig_quant = float(mc.kv_scale_orig_quant)
         # The context kernel takes bf16/fp16 queries; the interpreter's fp16 keeps more of the fp32 model's bits.
         self.q_dtype = torch.bfloat16 if model.device.type == "cuda" else torch.float16
-        self._pending_states: dict[int, torch.Tensor] = {}
+        # Verifying rows' scratch state rows: row i's state after token t >= 1 goes to scratch[i, t - 1].
+        w = max(1, verify_width - 1)
+        self.verify_width = verify_width
+        self._scratch = (cache.scratch_base + torch.arange(max_rows * w, dtype=torch.int32).view(max_rows, w)).to(
+            model.device
+        )
+        self._verify: tuple[int, int] | None = None  # (rows, tokens) of this step's verification
+        self._static_idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _verify_indices(self, state_idx: torch.Tensor, rows: int, t: int) -> torch.Tensor:
+        """``[rows, t]`` int32: the live row, then the row's scratch rows (see :meth:`_kda`)."""
+        live = state_idx[:rows].to(torch.int32)[:, None]
+        return torch.cat([live, self._scratch[:rows, : t - 1]], 1) if t > 1 else live.contiguous()
+
+    def select_states(self, state_idx: torch.Tensor, accepted: torch.Tensor, rows: int, t: int) -> None:
+        """After verification: each row's live state becomes the state after its last accepted token
+        (``accepted [rows]`` int32 on the device, 1 .. t); rows that accepted only token 0 copy nothing."""
+        live = state_idx[:rows].to(torch.int32).contiguous()
+        scratch = self._scratch[:rows, : t - 1].contiguous()
+        for pool in self.cache.state.values():
+            select_accepted_states(pool, live, scratch, accepted, check_values=False)
 
     # --- attention -----------------------------------------------------------------------------------------------
 
     def _mla(self, m: MLAWeights, h: torch.Tensor, pool: torch.Tensor, lay: _Layout) -> torch.Tensor:
         model, mc = self.model, self.model.config
-        q, latent = model.mla_project(m, h, lay.positions)
+        q, latent = model.mla_project(m, h, lay.positions, fused=True)
         EngineCache.write(pool, lay.write_rows, latent)
         out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
         g = lay.num_gen_tokens
@@ -181,17 +231,19 @@ class Runner:
         gen = [i for i, r in enumerate(rows) if r.gen]
         if gen:
             counts = [rows[i].n for i in gen]
-            n, ng = max(counts), sum(counts)
-            idx = state_idx[: len(gen)].long()
+            n, ng, nr = max(counts), sum(counts), len(gen)
+            # In place: token 0's state goes to the live row, token t's to the row's scratch row t - 1;
+            # Runner.step moves the accepted one into the live row once the accepted counts are known.
+            sidx = self._verify_indices(state_idx, nr, n)
             if min(counts) == n:  # every row verifies the same count (the usual step): views, no gathers
-                qs, ks, vs, gs, bs = (x[:ng].reshape(len(gen), n, *x.shape[1:]) for x in (q, k, v, g, beta))
-                o, after = kda_tokens(qs, ks, vs, gs, bs, pool[idx])
+                qs, ks, vs, gs, bs = (x[:ng].reshape(nr, n, *x.shape[1:]) for x in (q, k, v, g, beta))
+                o = kda_recurrent_inplace(qs, ks, vs, gs, bs, pool, sidx)
                 out[:ng] = o.reshape(ng, *o.shape[2:]).to(out.dtype)
             else:
                 # A request one token from its limit gets no draft, so rows may verify different counts: shorter
-                # rows repeat their last token up to the longest; the states after the repeats are never
-                # selected (acceptance picks the state after an accepted token) and their outputs are dropped.
-                # Integer indices throughout: a boolean mask would make the host wait for the device.
+                # rows repeat their last token up to the longest; the states after the repeats land in scratch
+                # rows that are never selected (acceptance picks the state after an accepted token) and their
+                # outputs are dropped. Integer indices throughout: a boolean mask would make the host wait.
                 first = [0]
                 for cnt in counts[:-1]:
                     first.append(first[-1] + cnt)
@@ -199,12 +251,10 @@ class Runner:
                 keep = [r * n + t for r, cnt in enumerate(counts) for t in range(cnt)]
                 pad_t = torch.tensor(pad, device=h.device)
                 keep_t = torch.tensor(keep, device=h.device)
-                o, after = kda_tokens(q[pad_t], k[pad_t], v[pad_t], g[pad_t], beta[pad_t], pool[idx])
+                o = kda_recurrent_inplace(q[pad_t], k[pad_t], v[pad_t], g[pad_t], beta[pad_t], pool, sidx)
                 out[:ng] = o.reshape(-1, *o.shape[2:])[keep_t].to(out.dtype)  # the real tokens, in flat order
-            if n == 1:
-                pool[idx] = after[0]
-            else:
-                self._pending_states[layer_id] = after
+            if n > 1:
+                self._verify = (nr, n)
             off = ng
         ctx = [i for i, r in enumerate(rows) if not r.gen]
         if ctx:
@@ -243,18 +293,32 @@ class Runner:
         dev = model.device
         ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
         lay = _Layout(rows, [r.n for r in rows], tables[0], self.cache.tokens_per_block, dev)
-        self._pending_states = {}
-        x = model.embed[ids]
-        for i, blk in enumerate(model.blocks):
-            h = model.rms(x, blk.norm1)
+        self._verify = None
+
+        def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
             if isinstance(blk.mixer, MLAWeights):
-                mix = self._mla(blk.mixer, h, self.cache.latent[i], lay)
+                return self._mla(blk.mixer, h, self.cache.latent[i], lay)
+            return self._kda(i, blk.mixer, h, rows, state_idx)
+
+        return self._blocks(model.embed[ids], model.blocks, mixer, lay)
+
+    def _blocks(self, x: torch.Tensor, blocks: list, mixer, lay) -> torch.Tensor:
+        """Pre-norm blocks ``x += mixer(rms(x)); x += mlp(rms(x))``, each residual add fused with the norm that
+        follows it (one kernel on CUDA, :meth:`HybridModel.add_norm`); returns the last residual stream."""
+        model = self.model
+        h = model.norm(x, blocks[0].norm1)
+        for j, blk in enumerate(blocks):
+            h_in = h
+            mix = mixer(j, blk, h)
+            x, h2 = model.add_norm(x, mix, blk.norm2)
+            mlp = model.mlp_normed(blk, h2)
+            if j + 1 < len(blocks):
+                x, h = model.add_norm(x, mlp, blocks[j + 1].norm1)
             else:
-                mix = self._kda(i, blk.mixer, h, rows, state_idx)
-            x = x + mix
-            x = x + model.mlp(blk, x)
+                x = x + mlp
             if self.probe is not None:
-                self.probe(i, lay, h, mix, x)
+                layer = j if blocks is model.blocks else model.config.num_layers
+                self.probe(layer, lay, h_in, mix, x)
         return x
 
     def step(
@@ -295,13 +359,11 @@ class Runner:
                 res.emitted.append([])
                 res.logits.append(None)
             accepted.append(a)
-        if self._pending_states:
-            gen = [i for i, r in enumerate(rows) if r.gen]
-            sel = torch.tensor([accepted[i] - 1 for i in gen], device=model.device)
-            idx = state_idx[: len(gen)].long()
-            for layer_id, after in self._pending_states.items():
-                self.cache.state[layer_id][idx] = after[sel, torch.arange(len(gen), device=model.device)]
-            self._pending_states = {}
+        if self._verify is not None:
+            nr, t = self._verify
+            acc = torch.tensor([accepted[i] for i in range(nr)], dtype=torch.int32).to(model.device)
+            self.select_states(state_idx, acc, nr, t)
+            self._verify = None
         if draft and model.draft_block is not None:
             self._draft(rows, hidden, accepted, res, tables[1])
         else:
@@ -336,12 +398,8 @@ class Runner:
         dev = model.device
         x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
         lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
-        h = model.rms(x, blk.norm1)
-        mix = self._mla(blk.mixer, h, self.cache.draft_latent, lay)
-        x = x + mix
-        x = x + model.mlp(blk, x)
-        if self.probe is not None:
-            self.probe(model.config.num_layers, lay, h, mix, x)
+        draft_latent = self.cache.draft_latent
+        x = self._blocks(x, [blk], lambda j, b, h: self._mla(b.mixer, h, draft_latent, lay), lay)
         last, off = [], 0
         for c in counts:
             off += c
@@ -352,3 +410,86 @@ class Runner:
             emits = r.gen or r.is_last
             res.drafts.append(best[i] if emits else None)
             res.draft_logits.append(dl[i].cpu() if (self.record_logits and emits) else None)
+
+    # --- the generation-only step on device tensors (captured into CUDA graphs) --------------------------------------
+
+    def decode_static(
+        self,
+        slots: torch.Tensor,
+        state_idx: torch.Tensor,
+        starts: torch.Tensor,
+        tables: torch.Tensor,
+        stores: SlotStores,
+        out: torch.Tensor,
+        *,
+        draft: bool,
+    ) -> None:
+        """A generation-only step of ``b`` rows of ``t = verify_width`` tokens with no host data and no host
+        read, so it can be captured: ``slots [b]`` int32 (the rows' slot-store slots; padding rows name a trash
+        slot), ``state_idx [b]`` int32 live state rows, ``starts [b]`` int64 positions of each row's first
+        token, ``tables [pools, b, max_blocks]`` page ids. Writes ``out [b, t + 2]`` int32: the greedy token at
+        each position, the accepted count, the drafter's next token (0 without a drafter), and stores the same
+        into the slot stores as :class:`~kvforge.engine.engine.Engine` does after an eager step. The drafter
+        runs over every position of a row (a rejected position's draft latent row is rewritten by the next
+        step before anything reads it) and proposes from the last accepted one."""
+        model = self.model
+        b, t, tpb = slots.shape[0], self.verify_width, self.cache.tokens_per_block
+        dev = model.device
+        key = (b, t)
+        if key not in self._static_idx:
+            self._static_idx[key] = (
+                torch.arange(b, device=dev).repeat_interleave(t),
+                torch.arange(t, device=dev).repeat(b),
+            )
+        row_of, tok = self._static_idx[key]
+        sl = slots.long()
+        ids = stores.next_new_tokens[:t, sl].t().reshape(-1).long()
+        lay = _DecodeLayout(starts, row_of, tok, tables[0], tpb)
+        sidx = self._verify_indices(state_idx, b, t)
+
+        def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
+            if isinstance(blk.mixer, MLAWeights):
+                return self._mla(blk.mixer, h, self.cache.latent[i], lay)
+            qkv = model.kda_project(blk.mixer, h)
+            o = kda_recurrent_inplace(*(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx)
+            return model.kda_out(blk.mixer, o.view(b * t, *o.shape[2:]))
+
+        x = self._blocks(model.embed[ids], model.blocks, mixer, lay)
+        logits = model.logits(x).view(b, t, -1)
+        if logits.is_cuda:  # argmax and acceptance in one kernel
+            best32, acc = greedy_accept(logits, ids.view(b, t))
+            best = best32.long()
+        else:
+            best = logits.argmax(-1)
+            match = (ids.view(b, t)[:, 1:] == best[:, :-1]).to(torch.int32).cumprod(1)
+            acc = (1 + match.sum(1)).to(torch.int32)
+        if t > 1:
+            live = state_idx.to(torch.int32).contiguous()
+            scratch = self._scratch[:b, : t - 1].contiguous()
+            for pool in self.cache.state.values():
+                select_accepted_states(pool, live, scratch, acc, check_values=False)
+        last = best.gather(1, (acc - 1).long()[:, None])[:, 0]
+        if draft and model.draft_block is not None:
+            blk = model.draft_block
+            assert isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
+            xd = model.draft_input(x, best.reshape(-1))
+            dlay = _DecodeLayout(starts, row_of, tok, tables[1], tpb)
+            dlat = self.cache.draft_latent
+            xd = self._blocks(xd, [blk], lambda j, bk, h: self._mla(bk.mixer, h, dlat, dlay), dlay)
+            pick = torch.arange(b, device=dev) * t + (acc - 1).long()
+            drafts = model.draft_logits(xd[pick]).argmax(-1)
+        else:
+            drafts = torch.zeros(b, dtype=torch.long, device=dev)
+        best32 = best.to(torch.int32)
+        new = torch.where(tok.view(b, t) < acc[:, None], best32, 0)
+        nxt = torch.stack([last, drafts], 1)[:, :t].to(torch.int32)
+        # Plain index writes rather than slot_scatter: padding rows all name the trash slot, and duplicates are
+        # harmless there (slot_scatter refuses them on the host path).
+        st = stores
+        st.new_tokens[:t, sl] = new.t().to(st.new_tokens.dtype)
+        st.next_new_tokens[:t, sl] = nxt.t().to(st.next_new_tokens.dtype)
+        st.new_token_counts[sl] = acc.to(st.new_token_counts.dtype)
+        st.next_draft_tokens[sl, :1] = drafts[:, None].to(st.next_draft_tokens.dtype)
+        out[:, :t] = best32
+        out[:, t] = acc
+        out[:, t + 1] = drafts.to(torch.int32)

@@ -1,0 +1,150 @@
+"""CUDA-graph decode: the generation-only step captured once per batch bucket and replayed.
+
+A step whose rows are all generation rows verifying the same token count (``1 + draft_len``; the usual decode
+step, draft verification included) runs :meth:`Runner.decode_static <kvforge.engine.runner.Runner.decode_static>`
+padded to the next bucket of :data:`BUCKETS` (capped at ``max_num_requests``, which is itself a bucket). What
+changes between steps lives in persistent device buffers filled before replay: the rows' slots and live state
+rows (uploaded only when they changed), their start positions, and the page table rows the engine's
+``DevicePageTable`` already writes in place; padding rows point at the cache's trash page, trash state row and
+trash slot. The one host read of a step is its ``[rows, t + 2]`` int32 result (greedy tokens, accepted count,
+draft token). Mixed steps (any context row, unequal verify counts), ``record_logits`` and a ``draft_fn`` run
+eagerly. A bucket's graph is captured on its first use (or all at once by :meth:`DecodeGraphs.capture_all`),
+after one eager warm-up run that compiles the kernels; capture and warm-up run on trash inputs only.
+
+With ``capture=False`` (the CPU: no CUDA graphs there) the same padded static step runs eagerly, so the CPU
+tests exercise the path a graph replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvforge.engine.cache import EngineCache
+from kvforge.engine.runner import Runner
+from kvforge.kernels.slot_ops import SlotStores
+
+__all__ = ["BUCKETS", "DecodeGraphs"]
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    """The captured decode steps of one engine (see the module docstring). ``offsets`` is the engine's device
+    page-table buffer ``[pools, max_rows, 2, max_blocks]`` (plane 0: page ids); ``trash_slot`` a slot of
+    ``stores`` that no request holds."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        cache: EngineCache,
+        stores: SlotStores,
+        offsets: torch.Tensor,
+        *,
+        max_rows: int,
+        trash_slot: int,
+        draft: bool,
+        capture: bool,
+    ) -> None:
+        if capture and runner.model.device.type != "cuda":
+            raise ValueError(f"capture: CUDA graphs need a CUDA device, the model is on {runner.model.device}")
+        self.runner, self.cache, self.stores, self.offsets = runner, cache, stores, offsets
+        self.draft, self.capture = draft, capture
+        self.buckets = tuple(sorted({b for b in BUCKETS if b < max_rows} | {max_rows}))
+        m = self.buckets[-1]
+        dev = runner.model.device
+        pin = dev.type == "cuda"
+        self.trash_slot = trash_slot
+        t = runner.verify_width
+        self.width = t
+        # [slots; live state rows] change only when the batch does; starts change every step.
+        self._host_ids = torch.zeros(2, m, dtype=torch.int32, pin_memory=pin)
+        self._host_starts = torch.zeros(m, dtype=torch.int64, pin_memory=pin)
+        self.ids = torch.zeros(2, m, dtype=torch.int32, device=dev)
+        self.starts = torch.zeros(m, dtype=torch.int64, device=dev)
+        self.out = torch.zeros(m, t + 2, dtype=torch.int32, device=dev)
+        self._last_ids: tuple[int, tuple[int, ...]] | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.replays = 0
+        self.uploads_skipped = 0
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` rows (None: more rows than the largest bucket)."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def _body(self, b: int) -> None:
+        self.runner.decode_static(
+            self.ids[0, :b], self.ids[1, :b], self.starts[:b], self.offsets[:, :b, 0], self.stores, self.out[:b],
+            draft=self.draft,
+        )  # fmt: skip
+
+    def _pad_tables(self, lo: int, hi: int) -> None:
+        if hi > lo:
+            self.offsets[0, lo:hi, 0].fill_(self.cache.latent_trash)
+            if self.offsets.shape[0] > 1:
+                self.offsets[1, lo:hi, 0].fill_(self.cache.draft_trash)
+
+    def _trash_inputs(self, b: int) -> None:
+        self.ids[0, :b].fill_(self.trash_slot)
+        self.ids[1, :b].fill_(self.cache.state_trash)
+        self.starts[:b].zero_()
+        self._last_ids = None
+
+    def _capture(self, b: int) -> None:
+        """Warm up and capture bucket ``b`` on trash inputs (the caller's page-table rows are kept)."""
+        saved = self.offsets[:, :b].clone()
+        self._trash_inputs(b)
+        self._pad_tables(0, b)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(b)  # compiles / tunes every kernel outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._body(b)
+        self._pool = graph.pool()
+        self._graphs[b] = graph
+        self.offsets[:, :b].copy_(saved)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (they share one memory pool)."""
+        if self.capture:
+            for b in reversed(self.buckets):
+                if b not in self._graphs:
+                    self._capture(b)
+
+    def run(self, slots: Sequence[int], state_rows: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
+        """One generation-only step of ``len(slots)`` rows; returns the host ``[rows, t + 2]`` int32 result."""
+        n = len(slots)
+        b = self.bucket(n)
+        if b is None or n == 0:
+            raise ValueError(f"slots: expected 1 .. {self.buckets[-1]} rows, got {n}")
+        if self.capture and b not in self._graphs:
+            self._capture(b)
+        key = (b, (*slots, *state_rows))
+        if key != self._last_ids:
+            self._host_ids[0, :n] = torch.tensor(slots, dtype=torch.int32)
+            self._host_ids[1, :n] = torch.tensor(state_rows, dtype=torch.int32)
+            self._host_ids[0, n:b] = self.trash_slot
+            self._host_ids[1, n:b] = self.cache.state_trash
+            self.ids[:, :b].copy_(self._host_ids[:, :b], non_blocking=True)
+            self._last_ids = key
+        else:
+            self.uploads_skipped += 1
+        self._host_starts[:n] = torch.tensor(starts, dtype=torch.int64)
+        self._host_starts[n:b] = 0
+        self.starts[:b].copy_(self._host_starts[:b], non_blocking=True)
+        self._pad_tables(n, b)
+        if self.capture:
+            self._graphs[b].replay()
+        else:
+            self._body(b)
+        self.replays += 1
+        # The one host read of the step (it also orders the pinned buffers' reuse after this step's copies).
+        return self.out[:n].cpu()

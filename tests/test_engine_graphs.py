@@ -1,0 +1,84 @@
+"""The CUDA-graph decode path (kvforge.engine.graphs) on the CPU: the padded static step a graph replays, run eagerly.
+
+CUDA graphs need a CUDA device; on the CPU ``EngineConfig(cuda_graphs=True)`` is refused with a clear error and
+the same static step (``Engine.decode_graphs(capture=False)``) runs without capture. On the planted model
+(exact greedy identity) its outputs equal the plain forward pass's greedy continuation: padded buckets, the
+drafter, and drafts injected into the slot stores so that verification accepts (in-place states selected on
+the device). The capture itself runs in tests/test_engine_gpu.py on the H200.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvforge.engine import Engine, EngineConfig, HybridModel, reference_greedy
+from kvforge.engine.graphs import BUCKETS
+from tests.test_engine import PLANTED
+
+VOCAB = PLANTED.vocab_size
+
+
+@pytest.fixture(scope="module")
+def model() -> HybridModel:
+    return HybridModel(PLANTED)
+
+
+def test_cuda_graphs_on_a_cpu_model_are_refused(model: HybridModel) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: graphs are allowed")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        Engine(model, EngineConfig(cuda_graphs=True))
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        EngineConfig(cuda_graphs="yes")  # type: ignore[arg-type]
+    assert Engine(model, EngineConfig()).graphs is None  # the default on a CPU model: eager
+
+
+def test_buckets_are_capped_at_the_request_budget(model: HybridModel) -> None:
+    eng = Engine(model, EngineConfig(max_num_requests=6))
+    g = eng.decode_graphs(capture=False)
+    assert g.buckets == (1, 2, 4, 6)
+    assert [g.bucket(n) for n in (1, 3, 5, 6, 7)] == [1, 4, 6, 6, None]
+    assert set(BUCKETS) >= {1, 2, 4, 8, 16, 32, 64, 128, 256}
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_static_decode_is_greedy_exact(model: HybridModel, inject: bool) -> None:
+    """Three requests (bucket 4: one padding row), one draft token; with ``inject`` every draft is the reference's
+    next token, so rows accept two tokens and the live states come from the scratch rows."""
+    rng = random.Random(5 + inject)
+    prompts = {i: [rng.randrange(VOCAB) for _ in range(rng.randrange(18, 40))] for i in range(3)}
+    n_new = 7
+    want = {i: reference_greedy(model, p, n_new) for i, p in prompts.items()}
+    eng = Engine(model, EngineConfig(max_num_requests=8), draft_len=1)
+    eng.graphs = g = eng.decode_graphs(capture=False)
+    reqs = {i: eng.add_request(i, p, n_new) for i, p in prompts.items()}
+    accepted_two = 0
+    run = g.run
+
+    def spy(slots, state_rows, starts):
+        nonlocal accepted_two
+        if inject:
+            for rid, req in reqs.items():
+                slot = eng._slot.get(rid)
+                k = len(req.output_tokens)
+                if slot in slots and k < n_new:
+                    eng.stores.next_new_tokens[1, slot] = want[rid][k]
+        out = run(slots, state_rows, starts)
+        assert out.shape == (len(slots), 4)
+        accepted_two += int((out[:, 2] == 2).sum())
+        return out
+
+    g.run = spy  # type: ignore[method-assign]
+    out = eng.run()
+    assert {i: out[i] for i in prompts} == want
+    assert g.replays > 0
+    assert (accepted_two > 0) is inject, accepted_two
+    eng.manager.check_invariants()
+    # The batch kept its slots and state rows between steps: their upload was skipped, only starts went up.
+    assert g.uploads_skipped > 0
+    # The padding row wrote the trash latent page (the manager's pages are all below it).
+    layer = model.config.mla_layers[0]
+    assert bool(eng.cache.latent[layer][eng.cache.latent_trash].abs().sum() > 0)

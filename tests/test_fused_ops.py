@@ -1,0 +1,145 @@
+"""The engine's fused elementwise kernels against their plain-torch references.
+
+rms_norm (+ residual add), swiglu, rotary (table, in place and into a strided slice), greedy_accept (argmax +
+draft acceptance). Fresh random data per test, awkward (non power-of-two) sizes, NaN-poisoned outputs (every
+element must be written); the interpreter on CPU at small sizes, the GPU at full sizes (``full_sizes``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.kernels._runtime import interpreting
+from kvforge.kernels.greedy_accept import greedy_accept, greedy_accept_ref
+from kvforge.kernels.rms_norm import rms_norm, rms_norm_ref
+from kvforge.kernels.rotary import rotary, rotary_ref, rotary_table
+from kvforge.kernels.swiglu import swiglu, swiglu_ref
+from tests.tolerances import TOL
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    atol, rtol = TOL[dtype]  # the kernels compute in fp32 and round the output once
+    return dict(atol=atol, rtol=rtol)
+
+
+def _nan(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(gen, device, full_sizes, dtype, residual) -> None:
+    n, d = (77, 2560) if full_sizes else (5, 37)
+    big = torch.randn(n, d + 3, generator=gen).to(device, dtype)
+    x = big[:, 1 : d + 1]  # a strided view: row stride d + 3
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).to(device, dtype)
+    r = torch.randn(n, d, generator=gen).to(device, dtype) if residual else None
+    out, sum_out = _nan((n, d), dtype, device), _nan((n, d), dtype, device)
+    got = rms_norm(x, w, 1e-6, residual=r, out=out, sum_out=sum_out if residual else None)
+    want = rms_norm_ref(x, w, 1e-6, residual=r)
+    if residual:
+        assert isinstance(got, tuple) and isinstance(want, tuple)
+        torch.testing.assert_close(got[1].float(), want[1].float(), **_tol(dtype))
+        got, want = got[0], want[0]
+    assert got is out and not bool(out.isnan().any())
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu(gen, device, full_sizes, dtype) -> None:
+    n, i = (33, 6912) if full_sizes else (3, 1100)
+    gu = torch.randn(n, 2 * i, generator=gen).to(device, dtype) * 3
+    g, u = gu[:, :i], gu[:, i:]
+    out = _nan((n, i), dtype, device)
+    assert swiglu(g, u, out=out) is out
+    torch.testing.assert_close(out.float(), swiglu_ref(g, u).float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_and_into_a_slice(gen, device, full_sizes, dtype) -> None:
+    t, h, r = (301, 20, 64) if full_sizes else (7, 3, 12)
+    inv = 1.0 / (10000.0 ** (torch.arange(r // 2, dtype=torch.float32) / (r // 2)))
+    table = rotary_table(inv.to(device), 5000)
+    pos = torch.randint(0, 5000, (t,), generator=gen).to(device)
+    q = torch.randn(t, h, 128 + r, generator=gen).to(device, dtype)
+    x = q[..., 128:]
+    want = rotary_ref(x, pos, inv.to(device))
+    into = _nan((t, h, r + 5), dtype, device)[..., 2 : 2 + r]
+    rotary(x, pos, table, out=into)
+    torch.testing.assert_close(into.float(), want.float(), **_tol(dtype))
+    before_nope = q[..., :128].clone()
+    assert rotary(x, pos, table, out=x) is x  # in place, through the strided view
+    torch.testing.assert_close(x.float(), want.float(), **_tol(dtype))
+    assert torch.equal(q[..., :128], before_nope)
+    flat = torch.randn(t, r, generator=gen).to(device, dtype)
+    torch.testing.assert_close(
+        rotary(flat, pos.int(), table).float(), rotary_ref(flat, pos, inv.to(device)).float(), **_tol(dtype)
+    )
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_greedy_accept(gen, device, full_sizes, t) -> None:
+    b, v = (67, 32768) if full_sizes else (5, 3001)
+    logits = torch.randn(b, t, v, generator=gen).to(device)
+    # Ties across blocks (the first index wins), a NaN, an all -inf row.
+    logits[0, 0, 5] = logits[0, 0, v - 3] = 100.0
+    logits[1, 0, 17] = float("nan")
+    logits[2, -1] = float("-inf")
+    best_ref, _ = greedy_accept_ref(logits, torch.zeros(b, t, dtype=torch.int64))
+    # Drafts: agree with the target for a random prefix of each row, then disagree.
+    tokens = torch.randint(0, v, (b, t), generator=gen)
+    keep = torch.randint(0, t, (b,), generator=gen)
+    for i in range(b):
+        for j in range(1, t):
+            tokens[i, j] = best_ref[i, j - 1] if j <= keep[i] else (best_ref[i, j - 1] + 1) % v
+    tokens = tokens.to(device)
+    best_out, acc_out = (
+        torch.full((b, t), -7, dtype=torch.int32, device=device),
+        torch.full((b,), -7, dtype=torch.int32, device=device),
+    )
+    best, acc = greedy_accept(logits, tokens, best=best_out, accepted=acc_out)
+    want_best, want_acc = greedy_accept_ref(logits, tokens)
+    assert best is best_out and acc is acc_out
+    assert torch.equal(best.cpu(), want_best) and torch.equal(acc.cpu(), want_acc)
+    assert int(best[0, 0]) == 5 and int(best[1, 0]) == 17 and int(best[2, -1]) == 0
+    assert torch.equal(acc.cpu(), (keep + 1).clamp(max=t).int())
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: rms_norm(torch.randn(3, 4), torch.randn(5)), ValueError, "weight"),
+        (lambda: rms_norm(torch.randn(3, 4).int(), torch.randn(4)), TypeError, "x"),
+        (lambda: rms_norm(torch.randn(3, 4), torch.randn(4), float("nan")), ValueError, "eps"),
+        (lambda: rms_norm(torch.randn(3, 4), torch.randn(4), residual=torch.randn(3, 5)), ValueError, "residual"),
+        (lambda: rms_norm(torch.randn(3, 4), torch.randn(4), sum_out=torch.randn(3, 4)), ValueError, "sum_out"),
+        (lambda: (lambda x: rms_norm(x, torch.randn(4), out=x))(torch.randn(3, 4)), ValueError, "overlap"),
+        (lambda: swiglu(torch.randn(3, 4), torch.randn(3, 5)), ValueError, "up"),
+        (lambda: swiglu(torch.randn(3, 4), torch.randn(3, 4).half()), TypeError, "up"),
+        (lambda: swiglu(torch.randn(3, 4), torch.randn(3, 4), out=torch.randn(3, 4).t()), ValueError, "out"),
+        (lambda: rotary(torch.randn(3, 5), torch.zeros(3, dtype=torch.long), torch.zeros(9, 5)), ValueError, "even"),
+        (
+            lambda: rotary(torch.randn(3, 4), torch.zeros(2, dtype=torch.long), torch.zeros(9, 4)),
+            ValueError,
+            "positions",
+        ),
+        (lambda: rotary(torch.randn(3, 4), torch.zeros(3), torch.zeros(9, 4)), TypeError, "positions"),
+        (
+            lambda: rotary(torch.randn(3, 4), torch.tensor([0, 9, 1]), torch.zeros(9, 4), check_values=True),
+            ValueError,
+            "positions",
+        ),
+        (lambda: greedy_accept(torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.long)), ValueError, "logits"),
+        (lambda: greedy_accept(torch.randn(2, 3, 9), torch.zeros(2, 2, dtype=torch.long)), ValueError, "tokens"),
+        (lambda: greedy_accept(torch.randn(2, 1, 9), torch.zeros(2, 1)), TypeError, "tokens"),
+        (lambda: rms_norm(torch.empty(3, 4, device="meta"), torch.randn(4)), ValueError, "meta"),
+        (lambda: swiglu(torch.empty(3, 4, device="meta"), torch.empty(3, 4, device="meta")), ValueError, "meta"),
+    ],
+)
+@pytest.mark.skipif(not interpreting(), reason="the cases build CPU tensors (interpreter only)")
+def test_bad_input_is_refused(call, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        call()
