@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import FP8, check_launch_device, check_tensor, same_device
+from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, native_fp8_cast
 from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
 from kvforge.kernels._selfcheck import CheckRow, timed_check
@@ -1054,7 +1054,11 @@ class MLAContextPlan:
             error_flag.zero_()
         if n_slots > 0:
             sort = n_slots <= _DEVICE_TABLE_SLOTS
-            n_pad = max(16, triton.next_power_of_2(n_slots)) if sort else 1024
+            n_pad = 1024
+            if sort:  # powers of 4: at most six compiled variants of the sorting program
+                n_pad = 16
+                while n_pad < n_slots:
+                    n_pad *= 4
             grid = (1,) if sort else (triton.cdiv(n_slots, n_pad),)
             _mla_work_items_kernel[grid](
                 cu_q, cu_kv, starts, work, n_req, n_slots, n_req.bit_length(), total_q, kv_rows, max_q, max_kv,
@@ -1096,6 +1100,7 @@ class MLAContextPlan:
         if not (math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale: expected a positive finite float, got {softmax_scale}")
         out_dtype = torch.float16 if sh.q_dtype == torch.float16 else torch.bfloat16
+        out_given = out is not None
         if out is None:
             out = torch.empty((self.total_q, sh.num_heads, sh.head_dim_v), dtype=out_dtype, device=self.device)
         else:
@@ -1109,7 +1114,10 @@ class MLAContextPlan:
             check_tensor("lse_out", lse_out, dtype=torch.float32, device=self.device, ndim=2)
             check_launch_device("lse_out", lse_out)
             _check_shape_exact("lse_out", lse_out, (self.total_q, sh.num_heads))
-        elif want_lse:
+        if out_given or lse_out is not None:
+            # Host metadata only (byte ranges): an output over an input or another output would race.
+            check_no_overlap({"out": out if out_given else None, "lse_out": lse_out}, {"q": q, "k": k, "v": v})
+        if lse_out is None and want_lse:
             lse_out = torch.empty((self.total_q, sh.num_heads), dtype=torch.float32, device=self.device)
         if self.n_items > 0:
             v = self._v_for_launch(v)
@@ -1546,6 +1554,9 @@ def mla_context_attention(
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_kv = _check_max_seqlen("max_seqlen_kv", max_seqlen_kv)
     flag = _check_error_flag(error_flag, dev)
+    if flag is not None:  # the flag is written before run's checks: refuse an aliased one first
+        check_no_overlap({"error_flag": flag, "out": out if isinstance(out, torch.Tensor) else None},
+                         {"q": q, "k": k, "v": v})  # fmt: skip
     if kv_scale_orig_quant is not None:
         if not (isinstance(kv_scale_quant_orig, (int, float)) and kv_scale_quant_orig == 1.0) or q_scale is not None:
             raise ValueError(
