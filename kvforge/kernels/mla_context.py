@@ -548,7 +548,8 @@ def _mla_tile_starts_kernel(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, ma
         kl = k1 - k0
         rows_ok = (q0 >= 0) & (ql >= 0) & (q1 <= total_q)
         ok = rows_ok & (k0 >= 0) & (kl >= 0) & (k1 <= kv_rows) & (ql <= kl) & (ql <= max_q) & (kl <= max_kv)
-        tiles = tl.where(live & rows_ok, (ql + BLOCK_M - 1) // BLOCK_M, 0)
+        # A request past max_seqlen_q keeps the tiles of max_seqlen_q rows (NaN): the host's slot bound holds.
+        tiles = tl.where(live & rows_ok, (tl.minimum(ql, max_q) + BLOCK_M - 1) // BLOCK_M, 0)
         incl = tl.cumsum(tiles, 0) + carry
         tl.store(Starts + r, incl - tiles, mask=live)
         carry = carry + tl.sum(tiles, 0)
