@@ -573,6 +573,10 @@ CASES = [
         ValueError,
         "overlaps",
     ),
+    # ---- kv_pack: page indices on a device would be read back (a sync) by the host plan (issue 28 item 2)
+    Case("kv_pack", "device", "page indices on a device",
+         lambda: pack_kv_blocks([torch.zeros(4, 2, 8)], [torch.zeros(2, dtype=torch.int32, device=META)]),
+         TypeError, "host data"),
     # ---- mla_context_attention: q_scale, op-quantised inputs, error flag, strict (issues 28 and 32)
     Case("mla_context", "type", "q_scale a str", lambda: _ctx(q_scale="2"), TypeError, "q_scale"),
     Case("mla_context", "type", "strict an int", lambda: _ctx(strict=1), TypeError, "strict"),

@@ -6,15 +6,18 @@ to the end of the KV). d_qk a power of two or a sum of two (192 = 128 + 64), d_v
 
 FP8 (NOTES §1): an FP8 tensor holds ``e4m3(x * kv_scale_orig_quant)``; the kernel dequantises with
 ``s = kv_scale_quant_orig``: ``O = softmax(q·kᵀ · s_q · s_k · softmax_scale) · v · s_v`` (``s_k = s_v = s`` for FP8
-K/V, ``s_q = s`` for FP8 Q). A 16-bit Q with FP8 K/V is quantised on chip (``Q_QUANT``, see ``_quantise_q``) or
-its K is widened to Q's type, whichever the per-GPU table chose. V is token-major ``[T, H_kv, d_v]`` or
-dim-major ``[H_kv, d_v, T]`` (``v_layout``). ``return_lse``: fp32 natural-log LSE of the scaled scores, so
-partial results merge exactly with ``merge_attention_states``.
+K/V; ``s_q = q_scale``, by default ``s``, for FP8 Q). Op-quantised inputs: 16-bit q/k/v with
+``kv_scale_orig_quant`` are quantised on the device to exactly that form, then run as FP8. A 16-bit Q with FP8
+K/V is quantised on chip (``Q_QUANT``, see ``_quantise_q``) or its K is widened to Q's type, whichever the per-GPU
+table chose. V is token-major ``[T, H_kv, d_v]`` or dim-major ``[H_kv, d_v, T]`` (``v_layout``; any token stride:
+one tensor descriptors cannot read is copied aligned first, see ``_v_path``). ``return_lse``: fp32 natural-log
+LSE of the scaled scores, so partial results merge exactly with ``merge_attention_states``.
 
-Entry points: ``MLAContextPlan.plan`` (host work table, once per step) + ``run`` (per layer, graph-capturable),
-or one call ``mla_context_attention``, which with ``max_seqlen_q``/``max_seqlen_kv`` and device ``cu_seqlens``
-builds the work table on the device (no host sync). ``mla_context_paths`` says which paths a GPU has; inputs a
-device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route a key to the
+Entry points: ``MLAContextPlan.plan`` (host work table, once per step: one read of the lengths) + ``run`` (per
+layer, graph-capturable), or one call ``mla_context_attention``, which with device ``cu_seqlens`` never reads the
+lengths back: it builds the work table on the device, bounded by the row counts (or ``max_seqlen_*``), checks the
+lengths there (NaN rows and ``error_flag``; ``strict=True`` checks on the host and raises). ``mla_context_paths``
+says which paths a GPU has; inputs a device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route a key to the
 warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``: FP8 Q/K/V, 16-bit Q + FP8 K/V with V
 widened, 16-bit Q/K/V token-major); elsewhere, or without Gluon, the same config runs this module's portable
 kernel. Design notes and measurements: bench/results/mla_context.md.
