@@ -462,9 +462,18 @@ def one_call_overhead(log, dev) -> None:
 
 def _warm_one(job: tuple[str, list[int], list[int]]) -> str:
     """Compile one path's kernels on a tiny batch of one tile class (Triton's disk cache then serves the timing
-    process); ``job`` = (path, q_lens, cached)."""
+    process); ``job`` = (path, q_lens, cached), or ("table", [block_m], [n_slots]) for one variant of the
+    device work-table kernels."""
     path, q, c = job
     t0 = time.time()
+    if path == "table":  # a batch of n_slots one-row requests: the sorting program of that size
+        n = c[0]
+        cu = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+        sh = mc._check_shapes(16, 16, DQK, DV, FP8, FP8, "token_major")
+        cfg = mc._cfg(block_m=q[0], block_n=64, warps=4, stages=2)
+        mc.MLAContextPlan._plan_on_device(sh, cu, cu, None, None, n, n, config=cfg)
+        torch.cuda.synchronize()
+        return f"compiled table kernels BLOCK_M={q[0]} slots={n} in {time.time() - t0:.1f}s"
     pin_untuned_keys()
     GRID["_warm"] = (2, q, c)
     try:
@@ -492,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=None, help="skip what is left after this many seconds")
     ap.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per measurement (do_bench rep)")
     ap.add_argument("--warm-procs", type=int, default=10, help="processes compiling the paths' kernels first")
+    ap.add_argument("--skip-extras", action="store_true", help="no FP8 matmul ceiling and no one-call overhead")
     args = ap.parse_args(argv)
     t_start = time.time()
     if args.random is not None and not 1 <= args.random <= 1000:
@@ -544,12 +554,13 @@ def main(argv: list[str] | None = None) -> int:
         # and a short-query batch (the two tile classes); the table kernels compile inline (a second or two each).
         reps = sorted({p if PATHS[p][3] == "nomax" else p.rsplit(" ", 1)[0] + " nomax" for p in paths} & set(PATHS))
         jobs = [(p, q, c) for p in reps for q, c in (([151, 17], [209, 3]), ([37, 17], [209, 3]))]
+        jobs += [("table", [bm], [n]) for bm in (64, 128) for n in (16, 64, 256, 1024, 4096, 16384)]
         t1 = time.time()
         with cf.ProcessPoolExecutor(max_workers=args.warm_procs, mp_context=mp.get_context("spawn")) as ex:
             for msg in ex.map(_warm_one, jobs):
                 log("  " + msg)
         log(f"compile warm-up: {time.time() - t1:.0f}s")
-    mm = fp8_matmul_tflops(dev)
+    mm = float("nan") if args.skip_extras else fp8_matmul_tflops(dev)
     log(f"fp8 e4m3 matmul 8192^3 (torch._scaled_mm): {mm:.0f} TFLOP/s")
     chosen: dict[str, object] = {}
     if args.tune:
@@ -561,43 +572,69 @@ def main(argv: list[str] | None = None) -> int:
         if out_dir is not None and chosen:
             log(f"tuned configs: {write_tuned(out_dir, chosen)}")
         torch.cuda.empty_cache()
-    try:
-        one_call_overhead(log, dev)
-    except Exception as e:
-        log(f"one-call overhead: FAILED {type(e).__name__}: {str(e)[:300]}")
+    if not args.skip_extras:
+        try:
+            one_call_overhead(log, dev)
+        except Exception as e:
+            log(f"one-call overhead: FAILED {type(e).__name__}: {str(e)[:300]}")
 
-    if warm is not None:
-        warm.join(timeout=240)
-        log(f"peer warm-up: {'done' if not warm.is_alive() else 'still running (compiles inline)'}")
     results: dict[tuple[str, str], dict] = {}
-    providers = paths + ([] if args.no_peer else [PEER])
     done = []
+    deferred = []  # workloads whose peer runs after the peer's JIT build (kvforge paths do not wait for it)
     for i, n in enumerate(names):
         if args.deadline_s is not None and time.time() - t_start > args.deadline_s:
             log(f"{n}: SKIP (deadline {args.deadline_s:.0f}s)")
             continue
         done.append(n)
-        inp = Inputs(n, dev, seed=100 + i)
-        for prov in providers:
-            try:
-                if prov == PEER:
-                    fn = flashinfer_provider(inp)
-                    heads = [0, inp.heads - 1]
-                    rel = check(f"{prov} {n}", fn()[:, heads], inp.reference("bf16", "bf16", heads), False)
-                    t = time_gpu(fn, warmup=max(5, int(args.rep_ms) // 10), rep=args.rep_ms)
-                    r = {**t, "tflops": inp.flops / t["ms"] / 1e9, "rel_rmse": rel, "note": ""}
-                else:
-                    tuned = chosen.get(sweep_key(prov)) if PATHS[prov][3] == "planned" else None
-                    r = measure(inp, prov, tuned, rep=args.rep_ms)
-                results[(n, prov)] = r
-                log(f"{n:28s} {prov:34s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {r['note']}")
-            except ReferenceMismatch as e:
-                log(f"{n:28s} {prov:34s} NOT REPORTED (reference mismatch): {e}")
-            except Exception as e:
-                log(f"{n:28s} {prov:34s} SKIP {type(e).__name__}: {str(e)[:240]}")
+        log(f"# {n}: start at {time.time() - t_start:.0f}s")
+        inp = Inputs(n, dev, seed=100 + list(GRID).index(n))  # seeded by grid position: same data in any subset
+        providers = list(paths)
+        if not args.no_peer:
+            if warm is not None and warm.is_alive():
+                deferred.append(i)
+            else:
+                providers.append(PEER)
+        _measure_all(inp, providers, results, chosen, args.rep_ms, log)
         del inp
         torch.cuda.empty_cache()
+    if warm is not None:
+        warm.join(timeout=240)
+        log(f"peer warm-up: {'done' if not warm.is_alive() else 'still running (compiles inline)'} at "
+            f"{time.time() - t_start:.0f}s; {len(deferred)} workloads' peer runs deferred")  # fmt: skip
+    for i in deferred:
+        inp = Inputs(names[i], dev, seed=100 + list(GRID).index(names[i]))  # the kvforge rows' data
+        _measure_all(inp, [PEER], results, chosen, args.rep_ms, log)
+        del inp
+        torch.cuda.empty_cache()
+    providers = paths + ([] if args.no_peer else [PEER])
+    _report(args, log, results, done, paths, providers, mm, stamp, grid_tag, chosen, out_dir)
+    if log_file is not None:
+        log_file.close()
+    return 0
 
+
+def _measure_all(inp: Inputs, providers: list[str], results: dict, chosen: dict, rep_ms: float, log) -> None:
+    n = inp.name
+    for prov in providers:
+        try:
+            if prov == PEER:
+                fn = flashinfer_provider(inp)
+                heads = [0, inp.heads - 1]
+                rel = check(f"{prov} {n}", fn()[:, heads], inp.reference("bf16", "bf16", heads), False)
+                t = time_gpu(fn, warmup=max(5, int(rep_ms) // 10), rep=rep_ms)
+                r = {**t, "tflops": inp.flops / t["ms"] / 1e9, "rel_rmse": rel, "note": ""}
+            else:
+                tuned = chosen.get(sweep_key(prov)) if PATHS[prov][3] == "planned" else None
+                r = measure(inp, prov, tuned, rep=rep_ms)
+            results[(n, prov)] = r
+            log(f"{n:28s} {prov:34s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {r['note']}")
+        except ReferenceMismatch as e:
+            log(f"{n:28s} {prov:34s} NOT REPORTED (reference mismatch): {e}")
+        except Exception as e:
+            log(f"{n:28s} {prov:34s} SKIP {type(e).__name__}: {str(e)[:240]}")
+
+
+def _report(args, log, results, done, paths, providers, mm, stamp, grid_tag, chosen, out_dir) -> None:
     # Ratios against the peer, per workload, and geomeans per path (one table row per path: the columns are
     # the workloads' short names, so the table stays readable with 17 paths).
     rows = []
@@ -666,9 +703,6 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
             )
-    if log_file is not None:
-        log_file.close()
-    return 0
 
 
 if __name__ == "__main__":

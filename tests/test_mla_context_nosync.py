@@ -432,5 +432,10 @@ def test_gpu_op_quantised_and_q_scale(device, gen, s):
     q8 = quantize_kv_e4m3(q, 1.0 / 3.0)
     out = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=1.0 / s,
                                 q_scale=torch.tensor([3.0], device=device))  # fmt: skip
+    ref, _ = mla_context_attention_ref(q8[:, :2], k8[:, :2], v8[:, :2], cu_q, cu_kv, kv_scale_quant_orig=1.0 / s,
+                                       q_scale=3.0, head_chunk=1)  # fmt: skip
+    assert rel_rmse(out[:, :2], ref) < 0.035  # the bench's FP8 bound against the same inputs
+    # Against the unquantised fp32 attention: the H200 measured 0.046 / 0.047 (s = 1, 2; q / 3 puts many of Q's
+    # values among e4m3's subnormals); the interpreter test's bound.
     full, _ = mla_context_attention_ref(q[:, :2], k[:, :2], v[:, :2], cu_q, cu_kv, head_chunk=1)
-    assert rel_rmse(out[:, :2], full) < 0.035
+    assert rel_rmse(out[:, :2], full) < 0.08
