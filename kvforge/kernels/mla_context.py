@@ -17,10 +17,9 @@ Entry points: ``MLAContextPlan.plan`` (host work table, once per step: one read 
 layer, graph-capturable), or one call ``mla_context_attention``, which with device ``cu_seqlens`` never reads the
 lengths back: it builds the work table on the device, bounded by the row counts (or ``max_seqlen_*``), checks the
 lengths there (NaN rows and ``error_flag``; ``strict=True`` checks on the host and raises). ``mla_context_paths``
-says which paths a GPU has; inputs a device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route a key to the
-warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``: FP8 Q/K/V, 16-bit Q + FP8 K/V with V
-widened, 16-bit Q/K/V token-major); elsewhere, or without Gluon, the same config runs this module's portable
-kernel. Design notes and measurements: bench/results/mla_context.md.
+says which paths a GPU has; inputs a device cannot run raise ``ValueError`` before any launch. On sm_90 the
+per-GPU table may route a key to the warp-specialised Gluon kernel (``mla_context_gluon``, knob ``GLUON``); else
+the same config runs this module's portable kernel. Notes: docs/mla_context.md, bench/results/mla_context.md.
 """
 
 from __future__ import annotations
