@@ -89,10 +89,16 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
          "USE_TMA": False, "PRECISION": "tf32"},
         4,
     ),
-    "_mla_work_table_kernel": (
+    "_mla_tile_starts_kernel": (
         "mla_context",
-        {"CuQ": "*i32", "CuKV": "*i32", "Work": "*i32",
-         **{n: "i32" for n in ("n_req", "tiles", "total_q", "kv_rows", "max_q", "max_kv")}},
+        {"CuQ": "*i32", "CuKV": "*i32", "Starts": "*i32", "Flag": "*i32",
+         **{n: "i32" for n in ("n_req", "total_q", "kv_rows", "max_q", "max_kv")}},
+        {"BLOCK_M": 128, "R_BLOCK": 256, "SET_FLAG": True}, 4,
+    ),
+    "_mla_work_items_kernel": (
+        "mla_context",
+        {"CuQ": "*i32", "CuKV": "*i32", "Starts": "*i32", "Work": "*i32",
+         **{n: "i32" for n in ("n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv")}},
         {"BLOCK_M": 128, "N_PAD": 64, "SORT": True}, 4,
     ),
     "_mla_context_fwd_kernel": ("mla_context", {}, {}, 4),  # variants below
@@ -122,7 +128,8 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
 
 _MLA_BASE: dict[str, object] = {
     "H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "Q_FP8": False, "KV_FP8": False, "QK_MODE": 0,
-    "PV_MODE": 0, "Q_QUANT": False, "V_DIM_MAJOR": False, "SCALE_FROM_PTR": False, "WRITE_LSE": True,
+    "PV_MODE": 0, "Q_QUANT": False, "V_DIM_MAJOR": False, "SCALE_FROM_PTR": False, "Q_SCALE_FROM_PTR": False,
+    "WRITE_LSE": True,
     "UPCAST": False, "NATIVE_FP8": True, "P_OFFSET": 0.0, "BLOCK_M": 64, "BLOCK_N": 32, "EXP_POLY": False,
     "USE_TMA": False, "KV_ALIGN": 1, "PIPE_QK": 2, "HEADS_OUTER": True,
 }  # fmt: skip
@@ -131,7 +138,8 @@ _FP8 = {"KV_FP8": True, "P_OFFSET": 8.0}
 MLA_VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
     "bf16": ("*bf16", "*bf16", {}),
     "fp8 q/k/v, dim-major V": ("*fp8e4nv", "*fp8e4nv", {**_FP8, "Q_FP8": True, "QK_MODE": 1, "PV_MODE": 1,
-                                                        "V_DIM_MAJOR": True, "KV_ALIGN": 16}),
+                                                        "V_DIM_MAJOR": True, "KV_ALIGN": 16,
+                                                        "Q_SCALE_FROM_PTR": True}),
     "bf16 q + fp8 k/v, Q quantised, V widened": ("*bf16", "*fp8e4nv", {**_FP8, "QK_MODE": 1, "PV_MODE": 2,
                                                                       "Q_QUANT": True}),
     "fp8 q/k/v as bytes": ("*u8", "*u8", {**_FP8, "Q_FP8": True, "QK_MODE": 2, "PV_MODE": 3}),
@@ -174,9 +182,11 @@ def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], 
         types = {"Q": "*fp8e4nv" if mode.startswith("fp8") else "*bf16", "O": "*bf16", "LSE": "*fp32",
                  "k_desc_a": desc([128, 128], kv16), "k_desc_b": desc([128, 64], kv16),
                  "v_desc": desc([128, 128], kv16), "Work": "*i32", "n_items": "i32",
-                 "scale_ptr": "*fp32", "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
+                 "scale_ptr": "*fp32", "softmax_scale": "fp32", "kv_scale": "fp32", "q_scale_ptr": "*fp32",
+                 "q_scale": "fp32"}  # fmt: skip
         consts = {"H": 16, "GROUP": 1, "D_A": 128, "D_B": 64, "DV": 128, "V_DIM_MAJOR": dim_major,
-                  "SCALE_FROM_PTR": False, "WRITE_LSE": True, "P_OFFSET": 8.0, "BLOCK_N": 128, "NUM_STAGES": stages,
+                  "SCALE_FROM_PTR": False, "Q_SCALE_FROM_PTR": not dim_major,
+                  "WRITE_LSE": True, "P_OFFSET": 8.0, "BLOCK_N": 128, "NUM_STAGES": stages,
                   "KV_ALIGN": 16 if dim_major else 1, "HEADS_OUTER": True, "C_REGS": mg._C_REGS,
                   "V_REGS": mg._V_REGS, "PINGPONG": pingpong, "KEY_PERM": key_perm, "KV16": kv16,
                   "Q_QUANT": mode == "mixed", "V_WIDEN": widen}  # fmt: skip
@@ -218,7 +228,8 @@ def _compile_all(arch: int) -> list[dict[str, object]]:
             q_t, kv_t, over = MLA_VARIANTS[variant]
             types = {"Q": q_t, "K": kv_t, "V": kv_t, "O": "*bf16", "LSE": "*fp32", "Qd_a": q_t, "Qd_b": q_t,
                      "Kd_a": kv_t, "Kd_b": kv_t, "Vd": kv_t, "Work": "*i32", "n_items": "i32", "scale_ptr": "*fp32",
-                     "softmax_scale": "fp32", "kv_scale": "fp32"}  # fmt: skip
+                     "softmax_scale": "fp32", "kv_scale": "fp32", "q_scale_ptr": "*fp32",
+                     "q_scale": "fp32"}  # fmt: skip
             jobs.append((f"{name} [{variant}]", fn, types, {**_MLA_BASE, **over}, warps, {}))
     gluon = _gluon_jobs() if arch == 90 else []
     records = []

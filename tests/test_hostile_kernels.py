@@ -96,6 +96,18 @@ def _decode(**over):
     return mla_decode_attention(a.pop("q"), a.pop("kv_cache"), a.pop("block_table"), a.pop("seq_lens"), **a)
 
 
+def _ctx(**over):
+    """mla_context_attention on a valid tiny FP8 batch (2 requests, 2 heads), with ``over`` replacing arguments."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    f8 = torch.float8_e4m3fn
+    a = dict(q=torch.randn(5, 2, 32).to(f8), k=torch.randn(9, 2, 32).to(f8), v=torch.randn(9, 2, 16).to(f8),
+             cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+             cu_seqlens_kv=torch.tensor([0, 4, 9], dtype=torch.int32))  # fmt: skip
+    a.update(over)
+    return mla_context_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("cu_seqlens_q"), a.pop("cu_seqlens_kv"), **a)
+
+
 def _shared_stores():
     buf = torch.zeros(3, 6, dtype=torch.int32)
     return SlotStores(buf, buf, torch.zeros(6, dtype=torch.int32), torch.zeros(6, 2, dtype=torch.int32))
@@ -630,6 +642,43 @@ CASES = [
         ValueError,
         "overlaps",
     ),
+    # ---- kv_pack: page indices on a device would be read back (a sync) by the host plan (issue 28 item 2)
+    Case("kv_pack", "device", "page indices on a device",
+         lambda: pack_kv_blocks([torch.zeros(4, 2, 8)], [torch.zeros(2, dtype=torch.int32, device=META)]),
+         TypeError, "host data"),
+    # ---- mla_context_attention: q_scale, op-quantised inputs, error flag, strict (issues 28 and 32)
+    Case("mla_context", "type", "q_scale a str", lambda: _ctx(q_scale="2"), TypeError, "q_scale"),
+    Case("mla_context", "type", "strict an int", lambda: _ctx(strict=1), TypeError, "strict"),
+    Case("mla_context", "type", "error_flag a list", lambda: _ctx(error_flag=[0]), TypeError, "error_flag"),
+    Case("mla_context", "dtype", "error_flag int64", lambda: _ctx(error_flag=torch.zeros(1, dtype=torch.int64)),
+         TypeError, "error_flag"),
+    Case("mla_context", "dtype", "op-quantised FP8 input", lambda: _ctx(kv_scale_orig_quant=2.0), TypeError,
+         "16-bit"),
+    Case("mla_context", "dtype", "q_scale float64 tensor", lambda: _ctx(q_scale=torch.ones(1, dtype=torch.float64)),
+         TypeError, "q_scale"),
+    Case("mla_context", "shape", "error_flag of 2", lambda: _ctx(error_flag=torch.zeros(2, dtype=torch.int32)),
+         ValueError, "error_flag"),
+    Case("mla_context", "value", "q_scale NaN", lambda: _ctx(q_scale=float("nan")), ValueError, "q_scale"),
+    Case("mla_context", "value", "q_scale with a bf16 q",
+         lambda: _ctx(q=torch.randn(5, 2, 32).bfloat16(), q_scale=2.0), ValueError, "q_scale"),
+    Case("mla_context", "value", "kv_scale_orig_quant inf",
+         lambda: _ctx(q=torch.randn(5, 2, 32).bfloat16(), k=torch.randn(9, 2, 32).bfloat16(),
+                      v=torch.randn(9, 2, 16).bfloat16(), kv_scale_orig_quant=float("inf")),
+         ValueError, "kv_scale_orig_quant"),
+    Case("mla_context", "value", "strict: q_len > kv_len",
+         lambda: _ctx(cu_seqlens_kv=torch.tensor([0, 1, 9], dtype=torch.int32), strict=True), ValueError, "q_len"),
+    Case("mla_context", "device", "meta error_flag",
+         lambda: _ctx(error_flag=torch.zeros(1, dtype=torch.int32, device=META)), ValueError, "meta"),
+    Case("mla_context", "device", "meta q_scale", lambda: _ctx(q_scale=torch.ones(1, device=META)), ValueError,
+         "meta"),
+    Case("mla_context", "alias", "out inside q",
+         lambda: (lambda q: _ctx(q=q, out=q.view(torch.uint8).view(-1).view(torch.bfloat16).view(5, 2, 16)))(
+             torch.randn(5, 2, 32).to(torch.float8_e4m3fn)),
+         ValueError, "overlaps"),
+    Case("mla_context", "alias", "error_flag inside out",
+         lambda: (lambda o: _ctx(out=o, error_flag=o.view(torch.int32).view(-1)[:1]))(
+             torch.zeros(5, 2, 16, dtype=torch.bfloat16)),
+         ValueError, "overlaps"),
 ]
 # fmt: on
 

@@ -124,6 +124,11 @@ def _as_index_list(name: str, idx: object, num_pages: int, *, unique: bool) -> l
             raise TypeError(
                 f"{name}: expected a 1-D integer tensor or a list of ints, got {idx.dtype} {tuple(idx.shape)}"
             )
+        if idx.device.type != "cpu":  # the plan is built on the host: a device tensor would be a silent sync
+            raise TypeError(
+                f"{name}: page indices are host data (the plan is built on the host); pass a list or a CPU tensor, "
+                f"not a tensor on {idx.device} (reading it back would wait for the device)"
+            )
         values = [int(v) for v in idx.tolist()]
     elif isinstance(idx, Sequence) and not isinstance(idx, (str, bytes)):
         values = []

@@ -6,24 +6,27 @@ to the end of the KV). d_qk a power of two or a sum of two (192 = 128 + 64), d_v
 
 FP8 (NOTES §1): an FP8 tensor holds ``e4m3(x * kv_scale_orig_quant)``; the kernel dequantises with
 ``s = kv_scale_quant_orig``: ``O = softmax(q·kᵀ · s_q · s_k · softmax_scale) · v · s_v`` (``s_k = s_v = s`` for FP8
-K/V, ``s_q = s`` for FP8 Q). A 16-bit Q with FP8 K/V is quantised on chip (``Q_QUANT``, see ``_quantise_q``) or
-its K is widened to Q's type, whichever the per-GPU table chose. V is token-major ``[T, H_kv, d_v]`` or
-dim-major ``[H_kv, d_v, T]`` (``v_layout``). ``return_lse``: fp32 natural-log LSE of the scaled scores, so
-partial results merge exactly with ``merge_attention_states``.
+K/V; ``s_q = q_scale``, by default ``s``, for FP8 Q). Op-quantised inputs: 16-bit q/k/v with
+``kv_scale_orig_quant`` are quantised on the device to exactly that form, then run as FP8. A 16-bit Q with FP8
+K/V is quantised on chip (``Q_QUANT``, see ``_quantise_q``) or its K is widened to Q's type, whichever the per-GPU
+table chose. V is token-major ``[T, H_kv, d_v]`` or dim-major ``[H_kv, d_v, T]`` (``v_layout``; any token stride:
+one tensor descriptors cannot read is copied aligned first, see ``_v_path``). ``return_lse``: fp32 natural-log
+LSE of the scaled scores, so partial results merge exactly with ``merge_attention_states``.
 
-Entry points: ``MLAContextPlan.plan`` (host work table, once per step) + ``run`` (per layer, graph-capturable),
-or one call ``mla_context_attention``, which with ``max_seqlen_q``/``max_seqlen_kv`` and device ``cu_seqlens``
-builds the work table on the device (no host sync). ``mla_context_paths`` says which paths a GPU has; inputs a
-device cannot run raise ``ValueError`` before any launch. On sm_90 the per-GPU table may route a key to the
-warp-specialised Gluon kernel (``mla_context_gluon``, config knob ``GLUON``: FP8 Q/K/V, 16-bit Q + FP8 K/V with V
-widened, 16-bit Q/K/V token-major); elsewhere, or without Gluon, the same config runs this module's portable
-kernel. Design notes and measurements: bench/results/mla_context.md.
+Entry points: ``MLAContextPlan.plan`` (host work table, once per step: one read of the lengths) + ``run`` (per
+layer, graph-capturable), or one call ``mla_context_attention``, which with device ``cu_seqlens`` never reads the
+lengths back: it builds the work table on the device, bounded by the row counts (or ``max_seqlen_*``), checks the
+lengths there (NaN rows and ``error_flag``; ``strict=True`` checks on the host and raises). ``mla_context_paths``
+says which paths a GPU has; inputs a device cannot run raise ``ValueError`` before any launch. On sm_90 the
+per-GPU table may route a key to the warp-specialised Gluon kernel (``mla_context_gluon``, knob ``GLUON``); else
+the same config runs this module's portable kernel. Notes: docs/mla_context.md, bench/results/mla_context.md.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import FP8, check_launch_device, check_tensor, same_device
+from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, native_fp8_cast
 from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
 from kvforge.kernels._selfcheck import CheckRow, timed_check
@@ -370,12 +373,13 @@ def _sweep(acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b
 
 @triton.jit(do_not_specialize=["n_items"])
 def _mla_context_fwd_kernel(
-    Q, K, V, O, LSE, Qd_a, Qd_b, Kd_a, Kd_b, Vd, Work, n_items, scale_ptr, softmax_scale, kv_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lt,
-    stride_lh,
+    Q, K, V, O, LSE, Qd_a, Qd_b, Kd_a, Kd_b, Vd, Work, n_items, scale_ptr, softmax_scale, kv_scale, q_scale_ptr,
+    q_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh,
+    stride_lt, stride_lh,
     H: tl.constexpr, GROUP: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DV: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, Q_QUANT: tl.constexpr,
-    V_DIM_MAJOR: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    V_DIM_MAJOR: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, Q_SCALE_FROM_PTR: tl.constexpr,
+    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     NATIVE_FP8: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, KV_ALIGN: tl.constexpr, PIPE_QK: tl.constexpr,
     HEADS_OUTER: tl.constexpr,
@@ -409,8 +413,10 @@ def _mla_context_fwd_kernel(
     if KV_FP8:
         qk_scale = qk_scale * kv_scale
         out_scale = kv_scale
-        if Q_FP8:
-            qk_scale = qk_scale * kv_scale
+        if Q_FP8:  # an FP8 q's own dequantisation scale (the host passes kv_scale's when it has none)
+            if Q_SCALE_FROM_PTR:
+                q_scale = tl.load(q_scale_ptr).to(tl.float32)
+            qk_scale = qk_scale * q_scale
     if PV_MODE == 3:  # decoded bytes are the value * 2**-8 (K, V, and Q when FP8)
         qk_scale = qk_scale * 256.0
         out_scale = out_scale * 256.0
@@ -507,7 +513,7 @@ def _mla_context_fwd_kernel(
 
 @triton.jit
 def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr):
-    """(q_row0, n_rows, kv_row0, diag0) of tile t of request r (see ``_mla_work_table_kernel``)."""
+    """(q_row0, n_rows, kv_row0, diag0) of tile t of request r (see ``_mla_work_items_kernel``)."""
     q0 = tl.load(CuQ + r, mask=live, other=0)
     q1 = tl.load(CuQ + r + 1, mask=live, other=0)
     k0 = tl.load(CuKV + r, mask=live, other=0)
@@ -524,39 +530,86 @@ def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: 
     return q_row0, n_rows, kv_row0, diag0
 
 
-@triton.jit(do_not_specialize=["n_req", "tiles", "total_q", "kv_rows", "max_q", "max_kv"])
-def _mla_work_table_kernel(CuQ, CuKV, Work, n_req, tiles, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr,
-                           N_PAD: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
-    """The work table of ``MLAContextPlan.plan`` built on the device from ``cu_seqlens`` (no host read).
+@triton.jit(do_not_specialize=["n_req", "total_q", "kv_rows", "max_q", "max_kv"])
+def _mla_tile_starts_kernel(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr,
+                            R_BLOCK: tl.constexpr, SET_FLAG: tl.constexpr):  # fmt: skip
+    """First pass of the device-built work table (one program): ``Starts[r]`` = index of request r's first
+    (request, query-tile) item, ``Starts[n_req]`` = the number of items, and with ``SET_FLAG`` ``Flag[0]`` = 1 when
+    any request breaks the contract (``cu_seqlens_q[0] != 0``, decreasing entries, q_len > kv_len, past
+    ``max_seqlen_*``, more rows than q or k/v hold), else 0. Requests of any count, ``R_BLOCK`` at a time."""
+    carry = tl.zeros((), dtype=tl.int32)
+    bad_any = (tl.load(CuQ) != 0).to(tl.int32)
+    for c in tl.range(0, n_req, R_BLOCK):
+        r = c + tl.arange(0, R_BLOCK)
+        live = r < n_req
+        q0 = tl.load(CuQ + r, mask=live, other=0)
+        q1 = tl.load(CuQ + r + 1, mask=live, other=0)
+        k0 = tl.load(CuKV + r, mask=live, other=0)
+        k1 = tl.load(CuKV + r + 1, mask=live, other=0)
+        ql = q1 - q0
+        kl = k1 - k0
+        rows_ok = (q0 >= 0) & (ql >= 0) & (q1 <= total_q)
+        ok = rows_ok & (k0 >= 0) & (kl >= 0) & (k1 <= kv_rows) & (ql <= kl) & (ql <= max_q) & (kl <= max_kv)
+        # A request past max_seqlen_q keeps the tiles of max_seqlen_q rows (NaN): the host's slot bound holds.
+        tiles = tl.where(live & rows_ok, (tl.minimum(ql, max_q) + BLOCK_M - 1) // BLOCK_M, 0)
+        incl = tl.cumsum(tiles, 0) + carry
+        tl.store(Starts + r, incl - tiles, mask=live)
+        carry = carry + tl.sum(tiles, 0)
+        bad_any = tl.maximum(bad_any, tl.max((live & ~ok).to(tl.int32), 0))
+    tl.store(Starts + n_req, carry)
+    if SET_FLAG:
+        tl.store(Flag, bad_any)
 
-    Items are (request r, tile t) for ``tiles = cdiv(max_seqlen_q, BLOCK_M)`` tiles per request. ``SORT`` (one
-    program, ``N_PAD`` >= items): heaviest first by keys swept, ties in (r, t) order, empty items last, as the
-    host plan orders them; else (one program per ``N_PAD`` items) the last tiles of every request first. A
-    request whose lengths break the contract (decreasing, q_len > kv_len, past ``max_seqlen_*``, more rows than
-    q or k/v hold) gets items with no keys to sweep (NaN rows) where its query rows exist, else none."""
-    n_items = n_req * tiles
+
+@triton.jit
+def _locate(Starts, i, n_req, n_iter, live):
+    """(request, tile) of item ``i``: the last request whose first item is <= i (binary search over ``Starts``,
+    ``n_iter`` >= log2(n_req) steps); requests with no items share their successor's start and lose the search."""
+    lo = tl.zeros_like(i)
+    hi = tl.zeros_like(i) + n_req
+    for _ in tl.range(0, n_iter):
+        mid = (lo + hi) // 2
+        more = (hi - lo) > 1
+        s = tl.load(Starts + mid, mask=live & more, other=0)
+        up = more & (s <= i)
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(more & ~up, mid, hi)
+    t = i - tl.load(Starts + lo, mask=live, other=0)
+    return lo, t
+
+
+@triton.jit(do_not_specialize=["n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv"])
+def _mla_work_items_kernel(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv,
+                           BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
+    """Second pass: the ``n_slots`` rows of the work table (``n_slots`` >= the item count, a bound the host knows
+    without reading the lengths; slots past the last item are empty). Item i is tile i - Starts[r] of the request
+    r that ``_locate`` finds. ``SORT`` (one program, ``N_PAD`` >= n_slots): heaviest first by keys swept, ties in
+    item order, empty items last, as the host plan orders them; else (one program per ``N_PAD`` slots) each
+    request's last tile first. A request whose lengths break the contract gets items with no keys to sweep (NaN
+    rows, see ``_work_item``) where its query rows exist, else none."""
     i = tl.program_id(0) * N_PAD + tl.arange(0, N_PAD)
-    live = i < n_items
+    total = tl.load(Starts + n_req)
+    live = i < tl.minimum(total, n_slots)
     if SORT:
-        _, n_rows, _, diag0 = _work_item(CuQ, CuKV, i // tiles, i % tiles, live, total_q, kv_rows, max_q, max_kv,
-                                         BLOCK_M)  # fmt: skip
-        cost = tl.where(n_rows > 0, diag0 + n_rows, -1).to(tl.int64)
+        r, t = _locate(Starts, i, n_req, n_iter, live)
+        _, n_rows, _, diag0 = _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M)
+        cost = tl.where(live & (n_rows > 0), diag0 + n_rows, -1).to(tl.int64)
         key = tl.sort((cost << 32) | (N_PAD - 1 - i).to(tl.int64), descending=True)
         j = N_PAD - 1 - (key & 0xFFFFFFFF).to(tl.int32)
-        # The sorted items' fields, recomputed from their index (cheaper than shuffling four vectors).
-        r = j // tiles
-        t = j % tiles
-        live_j = j < n_items
-    else:  # last tiles first: tile index descending over the whole table
-        r = i % n_req
-        t = tiles - 1 - i // n_req
+        live_j = j < tl.minimum(total, n_slots)
+        r, t = _locate(Starts, j, n_req, n_iter, live_j)
+    else:  # last tile of each request first
         live_j = live
+        r, t = _locate(Starts, i, n_req, n_iter, live)
+        nxt = tl.load(Starts + r + 1, mask=live, other=0)
+        t = nxt - tl.load(Starts + r, mask=live, other=0) - 1 - t
     q_row0, n_rows, kv_row0, diag0 = _work_item(CuQ, CuKV, r, t, live_j, total_q, kv_rows, max_q, max_kv, BLOCK_M)
     w = Work + i.to(tl.int64) * 4
-    tl.store(w, q_row0, mask=live)
-    tl.store(w + 1, n_rows, mask=live)
-    tl.store(w + 2, kv_row0, mask=live)
-    tl.store(w + 3, diag0, mask=live)
+    st = i < n_slots
+    tl.store(w, q_row0, mask=st)
+    tl.store(w + 1, n_rows, mask=st)
+    tl.store(w + 2, kv_row0, mask=st)
+    tl.store(w + 3, diag0, mask=st)
 
 
 # ----------------------------------------------------------------------------------------------------- configs
@@ -809,8 +862,50 @@ def mla_context_paths(device: torch.device | str | None = None) -> dict[str, str
     else:
         fp8 = f"FP8 decoded on chip to fp16 MMA ({cap.name} has no e4m3 MMA), {where}"
         mixed = f"K/V decoded on chip to bf16/fp16 MMA, {where}"
+    if cap.tma:
+        unaligned = (
+            "copied per call into a 16-byte-aligned buffer (one read and write of the batch's V rows), then the "
+            f"paths above; over {_REPACK_MAX_BYTES >> 30} GiB: pointer loads (about 3x slower, warns once; build V "
+            "with v_to_dim_major)"
+        )
+    else:
+        unaligned = f"{where}, like every layout here"
     return {"fp16": f"fp16 MMA, {where}" + ws, "bf16": f"bf16 MMA, {where}" + ws, "fp8 q/k/v": fp8,
-            "bf16 q + fp8 k/v": mixed}  # fmt: skip
+            "bf16 q + fp8 k/v": mixed, "op-quantised 16-bit q/k/v": "quantised on the device to FP8 (dim-major "
+            "V), then the fp8 q/k/v path", "dim-major v, token stride not 16-byte aligned": unaligned}  # fmt: skip
+
+
+# A dim-major V that tensor descriptors cannot read is copied into an aligned buffer up to this size (the copy
+# reads and writes the batch's V rows once, ~1 ms per 2 GiB on an H200); larger ones take pointer loads and warn.
+_REPACK_MAX_BYTES = 8 << 30
+_WARNED: set[str] = set()
+
+
+def _v_path(v: torch.Tensor, sh: _Shapes, tma: bool, rows: int) -> str:
+    """How V reaches the kernel: "direct" (token-major, a dim-major V descriptors can read, or a device without
+    TMA, where every layout takes pointer loads); "repack" (a dim-major V whose token stride or base is not
+    16-byte aligned, or whose heads are not packed: its ``rows`` token rows are copied into a
+    ``v_to_dim_major`` buffer, then the descriptor kernels run); "pointer" (such a V over ``_REPACK_MAX_BYTES``:
+    pointer loads, the slow path; the call warns once)."""
+    if sh.v_layout != "dim_major" or not tma:
+        return "direct"
+    es = v.element_size()
+    if v.data_ptr() % 16 == 0 and (v.stride(1) * es) % 16 == 0 and v.stride(0) == sh.head_dim_v * v.stride(1):
+        return "direct"
+    return "repack" if rows * sh.num_kv_heads * sh.head_dim_v * es <= _REPACK_MAX_BYTES else "pointer"
+
+
+def _warn_unaligned_v(v: torch.Tensor) -> None:
+    if "v" in _WARNED:
+        return
+    _WARNED.add("v")
+    warnings.warn(
+        f"mla_context: dim-major v with strides {tuple(v.stride())} cannot be read with tensor descriptors (token "
+        f"stride not a multiple of 16 bytes) and is too large to copy (> {_REPACK_MAX_BYTES >> 30} GiB): it runs "
+        "the pointer-load kernel, about 3x slower. Build v with v_to_dim_major (16-byte-aligned token stride).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _check_capability(sh: _Shapes, device: torch.device) -> None:
@@ -924,33 +1019,55 @@ class MLAContextPlan:
         shapes: _Shapes,
         cu_q: torch.Tensor,
         cu_kv: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_kv: int,
+        max_seqlen_q: int | None,
+        max_seqlen_kv: int | None,
         total_q: int,
         kv_rows: int,
         config: triton.Config | None = None,
-    ) -> MLAContextPlan | None:
-        """The plan with its table built by ``_mla_work_table_kernel`` (no host read), or None when the batch
-        has more (request, tile) slots than one sorting program holds (the caller then plans on the host)."""
+        error_flag: torch.Tensor | None = None,
+    ) -> MLAContextPlan:
+        """The plan with its table built on the device (``_mla_tile_starts_kernel`` + ``_mla_work_items_kernel``):
+        no host read. The table has a slot for every item a valid batch can have, a bound known from shapes alone
+        (``total_q`` rows split at ``n_req`` request boundaries, and ``n_req`` times the tiles of ``max_seqlen_q``
+        when given); missing ``max_seqlen_*`` default to ``total_q`` / ``kv_rows``, which no valid request
+        exceeds. The short-query key (``SHORT_Q_ROWS``) is chosen from ``max_seqlen_q``, or without it from the
+        mean query length."""
         dev = cu_q.device
-        if config is None:
-            config = _choose_config(shapes, dev, 0 < max_seqlen_q <= SHORT_Q_ROWS)
-        bm = int(config.kwargs["BLOCK_M"])
         n_req = cu_q.numel() - 1
-        slots = n_req * -(-max_seqlen_q // bm)
-        if slots > _DEVICE_TABLE_SLOTS:
-            return None
-        # Live items never exceed the tiles of total_q rows split at n_req request boundaries; the sorted table
-        # holds them first, so the grid covers only those.
-        n_items = min(slots, (total_q + n_req * (bm - 1)) // bm)
-        work = torch.empty((max(slots, 1), 4), dtype=torch.int32, device=dev)
-        if n_items > 0:
-            n_pad = max(16, triton.next_power_of_2(slots))
-            _mla_work_table_kernel[(1,)](
-                cu_q, cu_kv, work, n_req, slots // n_req, total_q, kv_rows, max_seqlen_q, max_seqlen_kv,
-                BLOCK_M=bm, N_PAD=n_pad, SORT=True, num_warps=4 if n_pad <= 1024 else 16,
+        if config is None:
+            if max_seqlen_q is not None:
+                short = 0 < max_seqlen_q <= SHORT_Q_ROWS
+            else:
+                short = 0 < total_q <= SHORT_Q_ROWS * max(n_req, 1)
+            config = _choose_config(shapes, dev, short)
+        bm = int(config.kwargs["BLOCK_M"])
+        max_q = total_q if max_seqlen_q is None else max_seqlen_q
+        max_kv = kv_rows if max_seqlen_kv is None else max_seqlen_kv
+        n_slots = min(n_req * -(-min(max_q, total_q) // bm), (total_q + n_req * (bm - 1)) // bm) if n_req else 0
+        # One allocation: the table's rows, then the per-request first items (and the item count).
+        buf = torch.empty((max(n_slots, 1) * 4 + n_req + 1,), dtype=torch.int32, device=dev)
+        work, starts = buf[: max(n_slots, 1) * 4].view(-1, 4), buf[max(n_slots, 1) * 4 :]
+        flag = error_flag if error_flag is not None else buf
+        if n_req > 0:
+            _mla_tile_starts_kernel[(1,)](
+                cu_q, cu_kv, starts, flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M=bm,
+                R_BLOCK=256, SET_FLAG=error_flag is not None, num_warps=4,
             )  # fmt: skip
-        return cls(shapes, dev, config, work, n_items, total_q, 0)
+        elif error_flag is not None:
+            error_flag.zero_()
+        if n_slots > 0:
+            sort = n_slots <= _DEVICE_TABLE_SLOTS
+            n_pad = 1024
+            if sort:  # powers of 4: at most six compiled variants of the sorting program
+                n_pad = 16
+                while n_pad < n_slots:
+                    n_pad *= 4
+            grid = (1,) if sort else (triton.cdiv(n_slots, n_pad),)
+            _mla_work_items_kernel[grid](
+                cu_q, cu_kv, starts, work, n_req, n_slots, n_req.bit_length(), total_q, kv_rows, max_q, max_kv,
+                BLOCK_M=bm, N_PAD=n_pad, SORT=sort, num_warps=4 if n_pad <= 1024 else 16,
+            )  # fmt: skip
+        return cls(shapes, dev, config, work, n_slots, total_q, 0)
 
     def run(
         self,
@@ -959,15 +1076,26 @@ class MLAContextPlan:
         v: torch.Tensor,
         *,
         kv_scale_quant_orig: float | torch.Tensor = 1.0,
+        q_scale: float | torch.Tensor | None = None,
         softmax_scale: float | None = None,
         out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attention for the planned batch. Returns ``out`` (and the fp32 natural-log LSE if asked)."""
+        """Attention for the planned batch. Returns ``out`` (and the fp32 natural-log LSE if asked).
+
+        ``q_scale``: dequantisation scale of an FP8 q (float or 1-element fp32 device tensor); None: q shares
+        ``kv_scale_quant_orig``. A dim-major V whose token stride tensor descriptors cannot read (not a multiple
+        of 16 bytes) is copied into an aligned buffer first where ``_v_path`` says that is cheap."""
         sh = self.shapes
         _check_inputs(q, k, v, sh, self.device, self.total_q, self.total_kv)
         scale_val, scale_ptr = _check_kv_scale(kv_scale_quant_orig, sh, self.device)
+        if q_scale is None:
+            q_scale_val, q_scale_ptr = scale_val, scale_ptr
+        elif sh.q_dtype != FP8:
+            raise ValueError(f"q_scale: dequantises an FP8 q; q is {sh.q_dtype}, leave q_scale None")
+        else:
+            q_scale_val, q_scale_ptr = _check_kv_scale(q_scale, sh, self.device, name="q_scale")
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(sh.head_dim_qk)
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -975,6 +1103,7 @@ class MLAContextPlan:
         if not (math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale: expected a positive finite float, got {softmax_scale}")
         out_dtype = torch.float16 if sh.q_dtype == torch.float16 else torch.bfloat16
+        out_given = out is not None
         if out is None:
             out = torch.empty((self.total_q, sh.num_heads, sh.head_dim_v), dtype=out_dtype, device=self.device)
         else:
@@ -988,16 +1117,36 @@ class MLAContextPlan:
             check_tensor("lse_out", lse_out, dtype=torch.float32, device=self.device, ndim=2)
             check_launch_device("lse_out", lse_out)
             _check_shape_exact("lse_out", lse_out, (self.total_q, sh.num_heads))
-        elif want_lse:
+        if out_given or lse_out is not None:
+            # Host metadata only (byte ranges): an output over an input or another output would race.
+            check_no_overlap({"out": out if out_given else None, "lse_out": lse_out}, {"q": q, "k": k, "v": v})
+        if lse_out is None and want_lse:
             lse_out = torch.empty((self.total_q, sh.num_heads), dtype=torch.float32, device=self.device)
         if self.n_items > 0:
-            self._launch(q, k, v, out, lse_out, float(softmax_scale), scale_val, scale_ptr)
+            v = self._v_for_launch(v)
+            self._launch(q, k, v, out, lse_out, float(softmax_scale), scale_val, scale_ptr, q_scale_val, q_scale_ptr)
         if want_lse:
             return out, lse_out
         return out
 
-    def _launch(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr):
+    def _v_for_launch(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` itself, or for ``_v_path`` = "repack" an aligned copy of the token rows the batch reads (all of
+        ``v``'s rows when the lengths never reached the host); "pointer" warns once."""
+        if self.shapes.v_layout != "dim_major":
+            return v
+        cap = gpu_capability(self.device) if self.device.type == "cuda" else gpu_capability(None)
+        rows = self.total_kv if self.cu_seqlens_kv is not None else v.shape[2]
+        path = _v_path(v, self.shapes, cap.tma and not interpreting(), rows)
+        if path == "repack":
+            return v_to_dim_major(v[:, :, :rows].permute(2, 0, 1))
+        if path == "pointer":
+            _warn_unaligned_v(v)
+        return v
+
+    def _launch(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val=None, q_scale_ptr=None):
         """One launch; returns Triton's compiled-kernel handle (registers, spills, shared memory for reports)."""
+        if q_scale_val is None and q_scale_ptr is None:
+            q_scale_val, q_scale_ptr = scale_val, scale_ptr
         sh = self.shapes
         d_a, d_b = _split_head_dim(sh.head_dim_qk)
         if sh.v_layout == "dim_major":
@@ -1011,7 +1160,9 @@ class MLAContextPlan:
         q_fp8, kv_fp8 = sh.q_dtype == FP8, sh.kv_dtype == FP8
         fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma)
         if kw.pop("GLUON", 0):
-            handle = self._launch_gluon(q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, kw, fp8_bytes)
+            handle = self._launch_gluon(
+                q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr, kw, fp8_bytes
+            )
             if handle is not None:
                 return handle
             # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
@@ -1051,6 +1202,7 @@ class MLAContextPlan:
             Q_QUANT=q_quant,
             V_DIM_MAJOR=sh.v_layout == "dim_major",
             SCALE_FROM_PTR=scale_ptr is not None,
+            Q_SCALE_FROM_PTR=q_scale_ptr is not None,
             WRITE_LSE=lse is not None,
             UPCAST=interpreting() and sh.q_dtype in (torch.bfloat16, torch.float16),
             NATIVE_FP8=native_fp8_cast(),
@@ -1062,12 +1214,14 @@ class MLAContextPlan:
         return _mla_context_fwd_kernel[grid](
             q, k, v, out, lse_t, *descs, self.work, self.n_items,
             scale_ptr if scale_ptr is not None else self.work, softmax_scale, scale_val,
+            q_scale_ptr if q_scale_ptr is not None else self.work, q_scale_val,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), svt, svh, svd,
             out.stride(0), out.stride(1), slt, slh,
             **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages,
         )  # fmt: skip
 
-    def _launch_gluon(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, kw, fp8_bytes):
+    def _launch_gluon(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr, kw,
+                      fp8_bytes):  # fmt: skip
         """The warp-specialised sm_90 kernel (``mla_context_gluon``), or None when it cannot run here."""
         from kvforge.kernels import mla_context_gluon as mg
 
@@ -1085,14 +1239,15 @@ class MLAContextPlan:
             q, k, v, out, lse, self.work, self.n_items, num_heads=sh.num_heads,
             group=sh.num_heads // sh.num_kv_heads, d_a=d_a, d_b=d_b, dv=sh.head_dim_v,
             dim_major=dim_major, softmax_scale=softmax_scale, scale_val=scale_val,
-            scale_ptr=scale_ptr, block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
+            scale_ptr=scale_ptr, q_scale_val=q_scale_val, q_scale_ptr=q_scale_ptr,
+            block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
             heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
             key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen,
         )  # fmt: skip
 
 
-# (request, tile) slots one sorting program of ``_mla_work_table_kernel`` orders; beyond this the one-call API
-# reads the lengths on the host (a batch of 128 requests of up to 16k new rows in 128-row tiles fits).
+# Table slots one sorting program of ``_mla_work_items_kernel`` orders (heaviest first); larger tables (over 2M
+# query rows in 128-row tiles) are built by many programs, each request's last tile first.
 _DEVICE_TABLE_SLOTS = 16384
 
 
@@ -1261,22 +1416,76 @@ def _check_inputs(
         check_launch_device(name, t)
 
 
-def _check_kv_scale(s: object, sh: _Shapes, device: torch.device) -> tuple[float, torch.Tensor | None]:
+def _check_kv_scale(
+    s: object, sh: _Shapes, device: torch.device, name: str = "kv_scale_quant_orig"
+) -> tuple[float, torch.Tensor | None]:
     """A Python float (checked here) or a 1-element fp32 tensor on the device (read by the kernel: no sync)."""
     if isinstance(s, torch.Tensor):
-        check_tensor("kv_scale_quant_orig", s, dtype=torch.float32, device=device)
-        check_launch_device("kv_scale_quant_orig", s)
+        check_tensor(name, s, dtype=torch.float32, device=device)
+        check_launch_device(name, s)
         if s.numel() != 1:
-            raise ValueError(f"kv_scale_quant_orig: expected a 1-element tensor, got shape {tuple(s.shape)}")
+            raise ValueError(f"{name}: expected a 1-element tensor, got shape {tuple(s.shape)}")
         return 1.0, s
     if isinstance(s, bool) or not isinstance(s, (int, float)):
-        raise TypeError(f"kv_scale_quant_orig: expected a float or a 1-element tensor, got {type(s).__name__}")
+        raise TypeError(f"{name}: expected a float or a 1-element tensor, got {type(s).__name__}")
     s = float(s)
     if not (math.isfinite(s) and s > 0):
-        raise ValueError(f"kv_scale_quant_orig: expected a positive finite float, got {s}")
+        raise ValueError(f"{name}: expected a positive finite float, got {s}")
     if sh.kv_dtype != FP8 and s != 1.0:
-        raise ValueError(f"kv_scale_quant_orig: dequantises FP8 k/v; with {sh.kv_dtype} k/v it must be 1.0, got {s}")
+        raise ValueError(f"{name}: dequantises FP8 k/v; with {sh.kv_dtype} k/v it must be 1.0, got {s}")
     return s, None
+
+
+def _check_error_flag(flag: object, device: torch.device) -> torch.Tensor | None:
+    if flag is None:
+        return None
+    check_tensor("error_flag", flag, dtype=torch.int32, device=device)
+    assert isinstance(flag, torch.Tensor)
+    check_launch_device("error_flag", flag)
+    if flag.numel() != 1:
+        raise ValueError(f"error_flag: expected a 1-element int32 tensor, got shape {tuple(flag.shape)}")
+    return flag
+
+
+def _op_quantise(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_layout: str, kv_scale_orig_quant: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | torch.Tensor]:
+    """16-bit q/k/v -> e4m3(x * kv_scale_orig_quant) copies on the device (``quantize_fp8``; V written dim-major
+    with a 16-byte-aligned token stride, the FP8 layout the kernel reads fastest) and the dequantisation scale
+    ``1 / kv_scale_orig_quant`` (a device tensor stays one: no host read)."""
+    from kvforge.kernels.quantize_fp8 import quantize_fp8
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"{name}: kv_scale_orig_quant quantises 16-bit inputs on chip; expected bf16/fp16, got {t.dtype} "
+                "(pass caller-quantised FP8 with kv_scale_quant_orig instead)"
+            )
+    s = kv_scale_orig_quant
+    if isinstance(s, torch.Tensor):
+        check_tensor("kv_scale_orig_quant", s, dtype=torch.float32, device=q.device)
+        check_launch_device("kv_scale_orig_quant", s)
+        if s.numel() != 1:
+            raise ValueError(f"kv_scale_orig_quant: expected a 1-element tensor, got shape {tuple(s.shape)}")
+        deq: float | torch.Tensor = torch.reciprocal(s.reshape(1))
+    elif isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"kv_scale_orig_quant: expected a float or a 1-element tensor, got {type(s).__name__}")
+    else:
+        s = float(s)
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"kv_scale_orig_quant: expected a positive finite float, got {s}")
+        deq = 1.0 / s
+    q8 = quantize_fp8(q, s)
+    k8 = quantize_fp8(k, s)
+    v_tok = v.permute(2, 0, 1) if v_layout == "dim_major" else v  # [T, H_kv, d_v] view either way
+    t, h, d = v_tok.shape
+    per = 16  # FP8: a 16-byte token stride for tensor descriptors
+    buf = torch.empty((h, d, -(-t // per) * per), dtype=FP8, device=v.device)
+    if v_layout == "dim_major":  # tokens contiguous already: quantise row by row in place of the layout
+        quantize_fp8(v, s, out=buf[:, :, :t])
+    else:
+        quantize_fp8(v_tok, s, out=buf[:, :, :t], transpose_tokens=True)
+    return q8, k8, buf[:, :, :t], deq
 
 
 def mla_context_attention(
@@ -1287,12 +1496,16 @@ def mla_context_attention(
     cu_seqlens_kv: torch.Tensor,
     *,
     kv_scale_quant_orig: float | torch.Tensor = 1.0,
+    q_scale: float | torch.Tensor | None = None,
+    kv_scale_orig_quant: float | torch.Tensor | None = None,
     softmax_scale: float | None = None,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     max_seqlen_q: int | None = None,
     max_seqlen_kv: int | None = None,
     v_layout: str = "token_major",
+    error_flag: torch.Tensor | None = None,
+    strict: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal MLA context attention over cached prefixes in one call (see the module docstring for the contract).
 
@@ -1301,19 +1514,28 @@ def mla_context_attention(
         k: ``[>= total_kv, H_kv, d_qk]``, q's dtype or FP8 e4m3; H_kv divides H. Rows past ``cu_seqlens_kv[-1]``
             are ignored.
         v: ``[>= total_kv, H_kv, d_v]`` (``v_layout="token_major"``) or ``[H_kv, d_v, >= total_kv]`` with tokens
-            contiguous (``v_layout="dim_major"``); k's dtype.
+            contiguous (``v_layout="dim_major"``, any token stride); k's dtype.
         cu_seqlens_q / cu_seqlens_kv: int32 ``[B + 1]`` on q's device or the host; ``cu_seqlens_q[0] == 0``,
             ``cu_seqlens_q[-1] == total_q``; both non-decreasing and ``q_len <= kv_len`` per request.
-        kv_scale_quant_orig: dequantisation scale of FP8 k/v (and of q when q is FP8); a float or a 1-element
-            fp32 tensor on the device. Must be 1.0 for 16-bit k/v.
+        kv_scale_quant_orig: dequantisation scale of FP8 k/v; a float or a 1-element fp32 tensor on the device.
+            Must be 1.0 for 16-bit k/v.
+        q_scale: dequantisation scale of an FP8 q (float or 1-element fp32 device tensor); None: q shares
+            ``kv_scale_quant_orig``. Only with an FP8 q.
+        kv_scale_orig_quant: op-quantised inputs: with 16-bit q/k/v, quantise all three on the device to
+            ``e4m3(x * kv_scale_orig_quant)`` (exactly ``quantize_kv_e4m3``) and run the FP8 path with the
+            reciprocal as dequantisation scale. Excludes ``kv_scale_quant_orig`` and ``q_scale``.
         softmax_scale: defaults to ``1 / sqrt(d_qk)``.
         out: optional ``[total_q, H, d_v]`` bf16 (or fp16) output buffer.
         return_lse: also return the fp32 ``[total_q, H]`` natural-log LSE of the scaled scores.
-        max_seqlen_q / max_seqlen_kv: upper bounds of the lengths. With both given and ``cu_seqlens`` on q's
-            device, the work table is built on the device: no host read, no per-request Python. The lengths are
-            then checked on the device instead of raising: a request that breaks the contract (or a bound) gets
-            NaN output and LSE rows, and nothing outside the given tensors is read or written; rows past
-            ``cu_seqlens_q[-1]`` are not written. Otherwise the lengths are read on the host and checked there.
+        max_seqlen_q / max_seqlen_kv: optional upper bounds of the lengths (smaller work tables, the short-query
+            tiles when ``max_seqlen_q <= 64``).
+        error_flag: optional 1-element int32 device tensor; the call writes 1 into it when a request breaks the
+            length contract, else 0 (no host read).
+        strict: read the lengths on the host and raise ValueError for a bad batch (one device sync).
+    Lengths. With ``cu_seqlens`` on q's device the call never reads them back: the work table is built on the
+    device, bounded by ``total_q`` and the k/v rows (or ``max_seqlen_*``). A request that breaks the contract then
+    gets NaN output and LSE rows (and sets ``error_flag``); nothing outside the given tensors is read or written.
+    Host ``cu_seqlens`` (or ``strict=True``) are checked on the host and raise.
     Returns:
         ``out`` (bf16; fp16 for fp16 inputs), or ``(out, lse)``.
     """
@@ -1326,26 +1548,36 @@ def mla_context_attention(
     check_tensor("v", v, ndim=3)
     if v_layout not in V_LAYOUTS:
         raise ValueError(f"v_layout: expected one of {V_LAYOUTS}, got {v_layout!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict: expected a bool, got {type(strict).__name__}")
     num_kv_heads = v.shape[0] if v_layout == "dim_major" else k.shape[1]
     head_dim_v = v.shape[1] if v_layout == "dim_major" else v.shape[2]
     if k.shape[1] != num_kv_heads:
         raise ValueError(f"v: has {num_kv_heads} KV heads, k has {k.shape[1]}")
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_kv = _check_max_seqlen("max_seqlen_kv", max_seqlen_kv)
-    plan = None
-    if (
-        max_q is not None
-        and max_kv is not None
-        and isinstance(cu_seqlens_q, torch.Tensor)
-        and same_device(cu_seqlens_q.device, dev)
-    ):
+    flag = _check_error_flag(error_flag, dev)
+    if flag is not None:  # the flag is written before run's checks: refuse an aliased one first
+        check_no_overlap({"error_flag": flag, "out": out if isinstance(out, torch.Tensor) else None},
+                         {"q": q, "k": k, "v": v})  # fmt: skip
+    if kv_scale_orig_quant is not None:
+        if not (isinstance(kv_scale_quant_orig, (int, float)) and kv_scale_quant_orig == 1.0) or q_scale is not None:
+            raise ValueError(
+                "kv_scale_orig_quant: op-quantised inputs take their dequantisation scale from it; leave "
+                "kv_scale_quant_orig (1.0) and q_scale (None) unset"
+            )
+        _check_shapes(q.shape[1], k.shape[1], q.shape[2], head_dim_v, q.dtype, k.dtype, v_layout)
+        q, k, v, kv_scale_quant_orig = _op_quantise(q, k, v, v_layout, kv_scale_orig_quant)
+        v_layout = "dim_major"
+    on_device = isinstance(cu_seqlens_q, torch.Tensor) and same_device(cu_seqlens_q.device, dev)
+    if on_device and not strict:
         sh = _check_shapes(q.shape[1], k.shape[1], q.shape[2], head_dim_v, q.dtype, k.dtype, v_layout)
         _check_capability(sh, dev)
         cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, dev, None, host_ok=False)
         cu_kv = _check_cu("cu_seqlens_kv", cu_seqlens_kv, dev, cu_q.numel(), host_ok=False)
         kv_rows = min(k.shape[0], v.shape[2] if v_layout == "dim_major" else v.shape[0])
-        plan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, max_q, max_kv, q.shape[0], kv_rows)
-    if plan is None:
+        plan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, max_q, max_kv, q.shape[0], kv_rows, error_flag=flag)
+    else:
         plan = MLAContextPlan.plan(
             cu_seqlens_q,
             cu_seqlens_kv,
@@ -1360,9 +1592,12 @@ def mla_context_attention(
             max_seqlen_q=max_q,
             max_seqlen_kv=max_kv,
         )
+        if flag is not None:
+            flag.zero_()  # the host checks raised for anything the flag would report
     return plan.run(
-        q, k, v, kv_scale_quant_orig=kv_scale_quant_orig, softmax_scale=softmax_scale, out=out, return_lse=return_lse
-    )
+        q, k, v, kv_scale_quant_orig=kv_scale_quant_orig, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
+        return_lse=return_lse,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------- reference
@@ -1393,6 +1628,8 @@ def mla_context_attention_ref(
     cu_seqlens_kv: torch.Tensor | Sequence[int],
     *,
     kv_scale_quant_orig: float = 1.0,
+    q_scale: float | None = None,
+    kv_scale_orig_quant: float | None = None,
     softmax_scale: float | None = None,
     v_layout: str = "token_major",
     dtype: torch.dtype = torch.float32,
@@ -1400,15 +1637,22 @@ def mla_context_attention_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference, per request with an explicit mask: returns (out, natural-log lse) in ``dtype``.
 
-    FP8 tensors are dequantised by ``kv_scale_quant_orig`` (q too when q is FP8). ``head_chunk`` bounds the
-    score matrix held at once (heads per step) for long requests on a GPU.
+    FP8 k/v are dequantised by ``kv_scale_quant_orig``, an FP8 q by ``q_scale`` (default: the same scale).
+    ``kv_scale_orig_quant`` (16-bit q/k/v): the op-quantised branch, each input first rounded to
+    ``e4m3(x * kv_scale_orig_quant)`` and dequantised by its reciprocal. ``head_chunk`` bounds the score matrix
+    held at once (heads per step) for long requests on a GPU.
     """
     cu_q = cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
     cu_kv = cu_seqlens_kv.tolist() if isinstance(cu_seqlens_kv, torch.Tensor) else list(cu_seqlens_kv)
+    if kv_scale_orig_quant is not None:
+        sq = float(kv_scale_orig_quant)
+        q, k, v = (e4m3_ref(t.float() * sq) for t in (q, k, v))  # the contract: one fp32 product
+        kv_scale_quant_orig = 1.0 / sq
     s = float(kv_scale_quant_orig)
+    s_q = s if q_scale is None else float(q_scale)
 
-    def deq(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) * s if t.dtype == FP8 else t.to(dtype)
+    def deq(t: torch.Tensor, scale: float = s) -> torch.Tensor:
+        return t.to(dtype) * scale if t.dtype == FP8 else t.to(dtype)
 
     if v_layout == "dim_major":
         v = v.permute(2, 0, 1)
@@ -1428,7 +1672,7 @@ def mla_context_attention_ref(
         for h0 in range(0, n_heads, step):
             h1 = min(n_heads, h0 + step)
             heads = torch.arange(h0, h1, device=q.device)
-            qh = deq(q[q0:q1, h0:h1]).transpose(0, 1)
+            qh = deq(q[q0:q1, h0:h1], s_q).transpose(0, 1)
             kh = deq(k[k0:k1][:, heads // group]).transpose(0, 1)
             vh = deq(v[k0:k1][:, heads // group]).transpose(0, 1)
             sc = (qh @ kh.transpose(1, 2)) * scale

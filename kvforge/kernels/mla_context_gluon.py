@@ -437,10 +437,11 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["n_items"])
     def _mla_context_gluon_kernel(
-        Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, scale_ptr, softmax_scale, kv_scale,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+        Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, scale_ptr, softmax_scale, kv_scale, q_scale_ptr,
+        q_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
         H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
-        V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
+        V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, Q_SCALE_FROM_PTR: gl.constexpr,
+        WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
         C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr, KEY_PERM: gl.constexpr,
         KV16: gl.constexpr, Q_QUANT: gl.constexpr, V_WIDEN: gl.constexpr,
@@ -470,7 +471,9 @@ if gluon is not None:
         elif Q_QUANT:
             qk_scale = softmax_scale * 1.4426950408889634 * kv_scale  # log2 e, s_k (s_q is per row, on chip)
         else:
-            qk_scale = softmax_scale * 1.4426950408889634 * kv_scale * kv_scale  # log2 e, s_q, s_k
+            if Q_SCALE_FROM_PTR:
+                q_scale = gl.load(q_scale_ptr).to(gl.float32)
+            qk_scale = softmax_scale * 1.4426950408889634 * kv_scale * q_scale  # log2 e, s_k, s_q
         shift = kv_row0 % KV_ALIGN
         kv_tok0 = kv_row0 - shift
         n_end = diag0 + n_rows
@@ -617,22 +620,28 @@ def gluon_supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, dim_major: bool,
 
 
 def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
-                          softmax_scale, scale_val, scale_ptr, block_n=128, num_stages=2, heads_outer=True,
+                          softmax_scale, scale_val, scale_ptr, q_scale_val=None, q_scale_ptr=None,
+                          block_n=128, num_stages=2, heads_outer=True,
                           pingpong=False, key_perm=False, v_widen=False):  # fmt: skip
     """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller, and
     ``gluon_supports`` true for them)."""
     kv16 = k.dtype != torch.float8_e4m3fn
     q_quant = not kv16 and q.dtype != torch.float8_e4m3fn
     fp8_p = not kv16 and not v_widen
+    if q_scale_val is None and q_scale_ptr is None:  # an FP8 q shares the K/V scale
+        q_scale_val, q_scale_ptr = scale_val, scale_ptr
     kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
     lse_t = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     grid = (n_items * num_heads,)
     return _mla_context_gluon_kernel[grid](
         q, out, lse_t, kd_a, kd_b, vd, work, n_items, scale_ptr if scale_ptr is not None else work,
-        float(softmax_scale), float(scale_val), q.stride(0), q.stride(1), out.stride(0), out.stride(1), slt, slh,
+        float(softmax_scale), float(scale_val), q_scale_ptr if q_scale_ptr is not None else work,
+        float(q_scale_val if q_scale_val is not None else 1.0), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), slt, slh,
         H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv,
-        V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, WRITE_LSE=lse is not None,
+        V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, Q_SCALE_FROM_PTR=q_scale_ptr is not None,
+        WRITE_LSE=lse is not None,
         P_OFFSET=8.0 if fp8_p else 0.0, BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1,
         HEADS_OUTER=heads_outer, C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, KEY_PERM=key_perm and fp8_p,
         KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16, num_warps=4, maxnreg=_MAXNREG,

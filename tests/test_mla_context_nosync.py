@@ -1,0 +1,441 @@
+"""MLA context attention: the one call without a host read, the error flag and strict mode, unaligned dim-major V,
+FP8 Q with its own scale and op-quantised 16-bit inputs (issues 28 and 32), against the plain-torch reference.
+
+CPU (interpreter) cases are small; the ``gpu`` cases repeat the sync checks with CUDA's sync debug mode and the
+alignment / scale paths at serving sizes on the H200.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+import kvforge.kernels.mla_context as mc
+from kvforge.kernels._checks import FP8
+from kvforge.kernels.capability import capability_for
+from kvforge.kernels.mla_context import (
+    MLAContextPlan,
+    mla_context_attention,
+    mla_context_attention_ref,
+    quantize_kv_e4m3,
+    v_to_dim_major,
+)
+from tests.helpers import assert_all_written, poisoned
+from tests.tolerances import assert_close, rel_rmse
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0 / 0 of empty items in the interpreter
+
+# Awkward lengths: not multiples of 16, an empty request, one request with no cached prefix.
+Q_LENS, CACHED = [5, 0, 37, 19], [17, 9, 0, 3]
+
+
+def _cu(lens: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _make(gen, device, q_lens=Q_LENS, cached=CACHED, heads=2, extra_rows=3):
+    kv_lens = [a + b for a, b in zip(q_lens, cached)]
+    cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
+    tq, tkv = int(cu_q[-1]), int(cu_kv[-1])
+    g = gen
+    if device.type != "cpu":
+        g = torch.Generator(device=device).manual_seed(int(torch.randint(1 << 31, (1,), generator=gen)))
+    q = torch.randn(tq, heads, 192, generator=g, device=device)
+    k = torch.randn(tkv + extra_rows, heads, 192, generator=g, device=device)
+    v = torch.randn(tkv + extra_rows, heads, 128, generator=g, device=device)
+    k[tkv:] = float("nan")  # rows no request owns
+    v[tkv:] = float("nan")
+    return q, k, v, cu_q.to(device), cu_kv.to(device)
+
+
+class _HostReads:
+    """Counts host reads of tensors (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``int()/float()/bool()``
+    of a tensor) made by kvforge.kernels code. Calls from elsewhere (the interpreter moving kernel arguments, the
+    test itself) are not counted: on the CPU every tensor is on the host already, so the caller's
+    file is what tells a host read of lengths apart."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._wrap(name, real))
+
+    def _wrap(self, name, real):
+        calls = self.calls
+
+        def wrapper(t, *a, **kw):
+            caller = sys._getframe(1).f_code.co_filename
+            if "kvforge/kernels/" in caller.replace("\\", "/"):
+                calls.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
+            return real(t, *a, **kw)
+
+        return wrapper
+
+
+def test_host_read_counter_sees_a_host_plan(gen, device, monkeypatch):
+    """The counter itself: the host plan (strict, or MLAContextPlan.plan) reads the lengths and is counted."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    reads = _HostReads(monkeypatch)
+    mla_context_attention(q, k, v, cu_q, cu_kv, strict=True)
+    assert any("tolist" in c for c in reads.calls), reads.calls
+
+
+@pytest.mark.parametrize("max_seqlen", [False, True], ids=["no-max_seqlen", "max_seqlen"])
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8kv-tensor-scale", "opq"])
+def test_one_call_reads_nothing_back(gen, device, monkeypatch, mode, max_seqlen):
+    """The one call, with or without max_seqlen_q/_kv, never reads a device value on the host (lengths, scales,
+    flags) and equals the reference; the error flag reads 0 for a valid batch."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    s = 1.5
+    kw: dict = {}
+    ref_kw: dict = {}
+    if mode == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    elif mode == "opq":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        kw = {"kv_scale_orig_quant": torch.tensor([1.0 / s], device=device)}
+        ref_kw = {"kv_scale_orig_quant": 1.0 / s}
+    else:
+        q = quantize_kv_e4m3(q, 1.0 / s) if mode == "fp8" else q.bfloat16()
+        k, v = quantize_kv_e4m3(k, 1.0 / s), quantize_kv_e4m3(v, 1.0 / s)
+        kw = {"kv_scale_quant_orig": torch.tensor([s], device=device) if "tensor" in mode else s}
+        ref_kw = {"kv_scale_quant_orig": s}
+    if max_seqlen:
+        kw.update(max_seqlen_q=max(Q_LENS), max_seqlen_kv=max(a + b for a, b in zip(Q_LENS, CACHED)))
+    flag = torch.full((1,), 7, dtype=torch.int32, device=device)
+    out = poisoned((q.shape[0], 2, 128), torch.bfloat16, device)
+    reads = _HostReads(monkeypatch)
+    got, lse = mla_context_attention(q, k, v, cu_q, cu_kv, out=out, return_lse=True, error_flag=flag, **kw)
+    assert reads.calls == [], reads.calls
+    monkeypatch.undo()
+    assert int(flag[0]) == 0
+    assert_all_written(got)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
+    fp8 = mode != "bf16"
+    assert_close(got, ref, FP8 if fp8 else torch.bfloat16)
+    assert rel_rmse(got, ref) < (0.03 if mode == "fp8kv-tensor-scale" else 0.02)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-2 if fp8 else 1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8-dim"])
+def test_one_call_without_max_equals_host_plan(gen, device, mode):
+    """Without max_seqlen the device table holds the host plan's items in the same order (plus empty slots), so
+    the output is bit-identical to the strict (host-planned) call."""
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens=[70, 3, 0, 41], cached=[5, 60, 2, 0])
+    layout = "token_major"
+    if mode == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    else:
+        q, k, v = (quantize_kv_e4m3(t, 1.0) for t in (q, k, v))
+        v, layout = v_to_dim_major(v), "dim_major"
+    host, host_lse = mla_context_attention(q, k, v, cu_q, cu_kv, v_layout=layout, return_lse=True, strict=True)
+    dev, dev_lse = mla_context_attention(q, k, v, cu_q, cu_kv, v_layout=layout, return_lse=True)
+    assert torch.equal(dev, host) and torch.equal(dev_lse, host_lse)
+    sh = mc._Shapes(2, 2, 192, 128, q.dtype, k.dtype, layout)
+    cfg = mc._cfg(block_m=16, block_n=16, warps=4, stages=1)
+    dplan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, None, None, q.shape[0], k.shape[0], config=cfg)
+    hplan = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, q_dtype=q.dtype,
+        kv_dtype=k.dtype, v_layout=layout, config=cfg,
+    )  # fmt: skip
+    assert dplan.work[: hplan.n_items].tolist() == hplan.work.tolist()
+    assert all(row[1] == 0 for row in dplan.work[hplan.n_items :].tolist())
+    assert dplan.n_items <= (q.shape[0] + 4 * 15) // 16
+
+
+def test_large_table_is_built_by_many_programs(gen, device, monkeypatch):
+    """Past one sorting program's slots the table is built unsorted by several programs, still on the device."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    want = mla_context_attention(q, k, v, cu_q, cu_kv, strict=True)
+    monkeypatch.setattr(mc, "_DEVICE_TABLE_SLOTS", 1)
+    reads = _HostReads(monkeypatch)
+    got = mla_context_attention(q, k, v, cu_q, cu_kv)
+    assert reads.calls == []
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0)  # same items, another order
+    sh = mc._Shapes(2, 2, 192, 128, q.dtype, k.dtype, "token_major")
+    cfg = mc._cfg(block_m=16, block_n=16, warps=4, stages=1)
+    plan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, None, None, q.shape[0], k.shape[0], config=cfg)
+    rows = plan.work.tolist()
+    host = MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128, config=cfg
+    ).work.tolist()
+    assert sorted(r for r in rows if r[1] > 0) == sorted(host)
+
+
+@pytest.mark.parametrize("max_seqlen", [False, True])
+def test_error_flag_and_nan_rows_for_a_bad_batch(gen, device, max_seqlen):
+    """Device checks: a request with q_len > kv_len and one reaching past k's rows set the flag and get NaN
+    rows; the valid requests are exact. strict=True raises for the same batch instead."""
+    q, k, v, cu_q, cu_kv = _make(gen, device, q_lens=[5, 20, 7, 9], cached=[10, 0, 3, 2], extra_rows=0)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    bad = cu_kv.clone()
+    bad[3] = bad[2] + 2  # request 2: kv_len 2 < q_len 7
+    bad[4] = k.shape[0] + 5  # request 3: past k's rows
+    kw = {"max_seqlen_q": 20, "max_seqlen_kv": 64} if max_seqlen else {}
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    out = mla_context_attention(q, k, v, cu_q, bad, error_flag=flag, **kw)
+    assert int(flag[0]) == 1
+    good = mla_context_attention(q, k, v, cu_q, cu_kv, error_flag=flag, **kw)
+    assert int(flag[0]) == 0  # written by every call
+    cq = cu_q.tolist()
+    assert torch.equal(out[: cq[2]], good[: cq[2]])
+    assert torch.isnan(out[cq[2] :].float()).all()
+    with pytest.raises(ValueError, match="q_len 7 > kv_len 2"):
+        mla_context_attention(q, k, v, cu_q, bad, strict=True)
+    shifted = cu_q.clone()
+    shifted[0] = 1  # output rows must start at 0
+    mla_context_attention(q, k, v, shifted, cu_kv, error_flag=flag)
+    assert int(flag[0]) == 1
+
+
+def test_error_flag_validation(device):
+    q = torch.zeros(3, 2, 192, dtype=torch.bfloat16, device=device)
+    k = torch.zeros(3, 2, 192, dtype=torch.bfloat16, device=device)
+    v = torch.zeros(3, 2, 128, dtype=torch.bfloat16, device=device)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    for flag, err, match in (
+        (torch.zeros(1, dtype=torch.int64, device=device), TypeError, "error_flag"),
+        (torch.zeros(2, dtype=torch.int32, device=device), ValueError, "error_flag"),
+        ([0], TypeError, "error_flag"),
+    ):
+        with pytest.raises(err, match=match):
+            mla_context_attention(q, k, v, cu, cu, error_flag=flag)
+    with pytest.raises(TypeError, match="strict"):
+        mla_context_attention(q, k, v, cu, cu, strict=1)
+
+
+# ----------------------------------------------------------------------------------------------------- dim-major V
+
+
+def _unaligned_dim_major(v: torch.Tensor) -> torch.Tensor:
+    """Dim-major with a packed token stride (T not a multiple of 16): what a permute of a cache hands over."""
+    return v.permute(1, 2, 0).contiguous()
+
+
+def test_v_path_chooser():
+    """The path chooser: descriptor-legal dim-major V direct, an unaligned token stride, base or head stride
+    repacked on a TMA device, too large to copy -> pointer; devices without TMA read every layout by pointer."""
+    t = 43340  # the issue's total_kv: token stride 43340 bytes, not a multiple of 16
+    v = torch.empty(2, 128, t, dtype=FP8)
+    sh = mc._Shapes(2, 2, 192, 128, FP8, FP8, "dim_major")
+    assert mc._v_path(v, sh, True, t) == "repack"
+    assert mc._v_path(v, sh, False, t) == "direct"
+    assert mc._v_path(v_to_dim_major(v.permute(2, 0, 1)), sh, True, t) == "direct"
+    wide = torch.empty(2, 128, 43344, dtype=FP8)[:, :, 4:]  # aligned stride, base 4 bytes in
+    assert mc._v_path(wide, sh, True, t) == "repack"
+    heads_apart = torch.empty(2, 129, 43344, dtype=FP8)[:, :128]  # heads not packed
+    assert mc._v_path(heads_apart, sh, True, t) == "repack"
+    tok = mc._Shapes(2, 2, 192, 128, FP8, FP8, "token_major")
+    assert mc._v_path(torch.empty(t, 2, 128, dtype=FP8), tok, True, t) == "direct"
+    assert mc._v_path(v, sh, True, mc._REPACK_MAX_BYTES) == "pointer"
+    bf = torch.empty(2, 128, 1001, dtype=torch.bfloat16)
+    assert mc._v_path(bf, mc._Shapes(2, 2, 192, 128, torch.bfloat16, torch.bfloat16, "dim_major"), True, 1001) == (
+        "repack"
+    )
+
+
+def test_paths_report_unaligned_dim_major(monkeypatch):
+    monkeypatch.setattr(mc, "gpu_capability", lambda d=None: capability_for((9, 0)))
+    monkeypatch.setattr("kvforge.kernels.mla_context_gluon.gluon_unavailable_reason", lambda d=None: None)
+    row = mc.mla_context_paths("cuda")["dim-major v, token stride not 16-byte aligned"]
+    assert "aligned buffer" in row and "v_to_dim_major" in row
+    monkeypatch.setattr(mc, "gpu_capability", lambda d=None: capability_for((8, 9)))
+    assert "pointer loads" in mc.mla_context_paths("cuda")["dim-major v, token stride not 16-byte aligned"]
+
+
+@pytest.mark.parametrize("path", ["repack", "pointer"])
+def test_unaligned_dim_major_repack_and_warning(gen, device, monkeypatch, path):
+    """Both outcomes of the chooser give the reference's result; "pointer" warns once, naming v_to_dim_major,
+    and "repack" runs on an aligned copy of the rows the batch reads."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    q, k, v = (quantize_kv_e4m3(t, 1.0) for t in (q, k, v))
+    vd = _unaligned_dim_major(v)
+    monkeypatch.setattr(mc, "_v_path", lambda *a: path)
+    monkeypatch.setattr(mc, "_WARNED", set())
+    seen = []
+    real = MLAContextPlan._launch
+    monkeypatch.setattr(MLAContextPlan, "_launch", lambda self, q, k, v, *a: seen.append(v) or real(self, q, k, v, *a))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mla_context_attention(q, k, vd, cu_q, cu_kv, v_layout="dim_major")
+        out2 = mla_context_attention(q, k, vd, cu_q, cu_kv, v_layout="dim_major", strict=True)
+    named = [w for w in caught if "v_to_dim_major" in str(w.message)]
+    assert len(named) == (1 if path == "pointer" else 0)
+    if path == "repack":
+        assert all((t.stride(1) * t.element_size()) % 16 == 0 and t.data_ptr() != vd.data_ptr() for t in seen)
+        assert seen[1].shape[2] == int(cu_kv[-1])  # the host plan copies only the batch's rows
+    else:
+        assert all(t.data_ptr() == vd.data_ptr() for t in seen)
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    assert_close(out, ref, FP8)
+    assert torch.equal(out, out2)
+
+
+# ----------------------------------------------------------------------------------------------------- q_scale
+
+
+@pytest.mark.parametrize("s_kv,s_q", [(1.0, 2.0), (1.5, 1.0), (2.0, 1.5)])
+@pytest.mark.parametrize("tensor", [False, True], ids=["float", "tensor"])
+def test_fp8_q_with_its_own_scale(gen, device, s_kv, s_q, tensor):
+    """An FP8 q dequantised by ``q_scale`` (float or device scalar), K/V by ``kv_scale_quant_orig``: matches the
+    fp32 attention of the unquantised inputs within the FP8 band, and the reference exactly as to scales."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    q8 = quantize_kv_e4m3(q, 1.0 / s_q)
+    k8, v8 = quantize_kv_e4m3(k, 1.0 / s_kv), quantize_kv_e4m3(v, 1.0 / s_kv)
+
+    def sc(x: float):
+        return torch.tensor([x], device=device) if tensor else x
+
+    out = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=sc(s_kv), q_scale=sc(s_q))
+    ref, _ = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=s_kv, q_scale=s_q)
+    assert_close(out, ref, FP8)
+    assert rel_rmse(out, ref) < 0.02
+    full, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    assert rel_rmse(out, full) < 0.08  # a wrong scale direction (4x) lands far outside
+    # Default: q shares the K/V scale, bit-identical to passing it explicitly.
+    q8s = quantize_kv_e4m3(q, 1.0 / s_kv)
+    a = mla_context_attention(q8s, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=s_kv)
+    b = mla_context_attention(q8s, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=s_kv, q_scale=sc(s_kv))
+    assert torch.equal(a, b)
+
+
+def test_q_scale_validation(device):
+    q = torch.zeros(3, 2, 192, dtype=torch.bfloat16, device=device)
+    k8 = torch.zeros(3, 2, 192, dtype=FP8, device=device)
+    v8 = torch.zeros(3, 2, 128, dtype=FP8, device=device)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="q_scale"):
+        mla_context_attention(q, k8, v8, cu, cu, q_scale=2.0)
+    q8 = q.to(FP8)
+    bads = [(0.0, ValueError), (float("nan"), ValueError), ("2", TypeError), (True, TypeError),
+            (torch.ones(2, device=device), ValueError), (torch.ones(1, dtype=torch.float64), TypeError)]  # fmt: skip
+    for bad, err in bads:
+        with pytest.raises(err, match="q_scale"):
+            mla_context_attention(q8, k8, v8, cu, cu, q_scale=bad)
+
+
+# ----------------------------------------------------------------------------------------------------- op-quantised
+
+
+@pytest.mark.parametrize("in_layout", ["token_major", "dim_major"])
+@pytest.mark.parametrize("s", [1.0, 1.5, 2.0])
+def test_op_quantised_equals_direct_fp8(gen, device, s, in_layout):
+    """16-bit q/k/v with ``kv_scale_orig_quant = s`` give exactly the direct FP8 call on inputs quantised by
+    ``quantize_kv_e4m3(x, s)`` (dequantised by 1 / s, dim-major V), and the reference's op-quantised branch."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    v_in = v_to_dim_major(v) if in_layout == "dim_major" else v
+    got, lse = mla_context_attention(q, k, v_in, cu_q, cu_kv, kv_scale_orig_quant=s, v_layout=in_layout,
+                                     return_lse=True)  # fmt: skip
+    q8, k8, v8 = (quantize_kv_e4m3(t, s) for t in (q, k, v))
+    direct, direct_lse = mla_context_attention(
+        q8, k8, v_to_dim_major(v8), cu_q, cu_kv, kv_scale_quant_orig=1.0 / s, v_layout="dim_major", return_lse=True
+    )
+    assert torch.equal(got, direct) and torch.equal(lse, direct_lse)
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), kv_scale_orig_quant=s)
+    assert_close(got, ref, FP8)
+    assert rel_rmse(got, ref) < 0.02
+    full, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    assert rel_rmse(got, full) < 0.08
+
+
+def test_op_quantised_validation(device):
+    q = torch.zeros(3, 2, 192, dtype=torch.bfloat16, device=device)
+    k = torch.zeros(3, 2, 192, dtype=torch.bfloat16, device=device)
+    v = torch.zeros(3, 2, 128, dtype=torch.bfloat16, device=device)
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="16-bit"):
+        mla_context_attention(q.to(FP8), k.to(FP8), v.to(FP8), cu, cu, kv_scale_orig_quant=1.0)
+    with pytest.raises(ValueError, match="kv_scale_orig_quant"):
+        mla_context_attention(q, k, v, cu, cu, kv_scale_orig_quant=1.0, kv_scale_quant_orig=2.0)
+    with pytest.raises(ValueError, match="kv_scale_orig_quant"):
+        mla_context_attention(q, k, v, cu, cu, kv_scale_orig_quant=1.0, q_scale=2.0)
+    for bad, err in ((0.0, ValueError), (float("inf"), ValueError), ("1", TypeError),
+                     (torch.ones(3, device=device), ValueError)):  # fmt: skip
+        with pytest.raises(err, match="kv_scale_orig_quant"):
+            mla_context_attention(q, k, v, cu, cu, kv_scale_orig_quant=bad)
+
+
+# ----------------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_batch(device, gen, heads=16, q_lens=(1000, 37, 2049, 300), cached=(3001, 0, 1111, 9000)):
+    return _make(gen, device, list(q_lens), list(cached), heads=heads, extra_rows=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16", "fp8kv", "fp8-dim", "opq"])
+def test_gpu_one_call_never_syncs(device, gen, mode):
+    """CUDA's sync debug mode raises on any synchronising call (item, tolist, a blocking copy): the one call
+    without max_seqlen (and with an error flag) makes none, after warm-up compiles and tuning."""
+    q, k, v, cu_q, cu_kv = _gpu_batch(device, gen)
+    layout, kw = "token_major", {}
+    if mode == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    elif mode == "opq":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        kw = {"kv_scale_orig_quant": torch.tensor([0.5], device=device)}
+    else:
+        q = quantize_kv_e4m3(q, 1.0) if mode == "fp8-dim" else q.bfloat16()
+        k, v = quantize_kv_e4m3(k, 1.0), quantize_kv_e4m3(v, 1.0)
+        if mode == "fp8-dim":
+            v, layout = _unaligned_dim_major(v), "dim_major"  # the repack path too
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    out = mla_context_attention(q, k, v, cu_q, cu_kv, v_layout=layout, error_flag=flag, **kw)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mla_context_attention(q, k, v, cu_q, cu_kv, v_layout=layout, error_flag=flag, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(flag[0]) == 0
+    ref_kw = {"kv_scale_orig_quant": 0.5} if mode == "opq" else {}
+    ref, _ = mla_context_attention_ref(q[:, :2], k[:, :2], v[:2] if layout == "dim_major" else v[:, :2], cu_q,
+                                       cu_kv, v_layout=layout, head_chunk=1, **ref_kw)  # fmt: skip
+    assert rel_rmse(out[:, :2], ref) < (0.01 if mode == "bf16" else 0.035)
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_dim_major_equals_aligned(device, gen):
+    """total_kv not a multiple of 16: the packed dim-major V (repacked internally) gives the aligned V's output
+    bit for bit (same kernel, same data)."""
+    q, k, v, cu_q, cu_kv = _gpu_batch(device, gen, heads=32, q_lens=(4001, 77, 513), cached=(10007, 1, 30000))
+    q8, k8, v8 = (quantize_kv_e4m3(t, 1.0) for t in (q, k, v))
+    assert (int(cu_kv[-1]) % 16) != 0
+    a = mla_context_attention(q8, k8, v_to_dim_major(v8), cu_q, cu_kv, v_layout="dim_major")
+    b = mla_context_attention(q8, k8, _unaligned_dim_major(v8), cu_q, cu_kv, v_layout="dim_major")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [1.0, 2.0])
+def test_gpu_op_quantised_and_q_scale(device, gen, s):
+    """At serving size: op-quantised equals the direct FP8 input bit for bit, and an FP8 q with its own scale
+    (a device scalar) stays within the FP8 band of the unquantised fp32 attention."""
+    q, k, v, cu_q, cu_kv = _gpu_batch(device, gen)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = mla_context_attention(qb, kb, vb, cu_q, cu_kv, kv_scale_orig_quant=s)
+    q8, k8, v8 = (quantize_kv_e4m3(t, s) for t in (qb, kb, vb))
+    direct = mla_context_attention(q8, k8, v_to_dim_major(v8), cu_q, cu_kv, kv_scale_quant_orig=1.0 / s,
+                                   v_layout="dim_major")  # fmt: skip
+    assert torch.equal(got, direct)
+    q8 = quantize_kv_e4m3(q, 1.0 / 3.0)
+    out = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=1.0 / s,
+                                q_scale=torch.tensor([3.0], device=device))  # fmt: skip
+    ref, _ = mla_context_attention_ref(q8[:, :2], k8[:, :2], v8[:, :2], cu_q, cu_kv, kv_scale_quant_orig=1.0 / s,
+                                       q_scale=3.0, head_chunk=1)  # fmt: skip
+    assert rel_rmse(out[:, :2], ref) < 0.035  # the bench's FP8 bound against the same inputs
+    # Against the unquantised fp32 attention: the H200 measured 0.046 / 0.047 (s = 1, 2; q / 3 puts many of Q's
+    # values among e4m3's subnormals); the interpreter test's bound.
+    full, _ = mla_context_attention_ref(q[:, :2], k[:, :2], v[:, :2], cu_q, cu_kv, head_chunk=1)
+    assert rel_rmse(out[:, :2], full) < 0.08
