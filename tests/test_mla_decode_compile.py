@@ -35,14 +35,17 @@ def _compile_all() -> list[dict[str, object]]:
     from kvforge.kernels.mla_decode import _mla_decode_split_kernel as fn
 
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf16", "bt_ptr": "*i32",
-             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32"}  # fmt: skip
+             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32",
+             "kv_scale": "fp32"}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     records = []
     jobs = [(arch, v, False) for arch in ARCHS for v in VARIANTS] + [(90, v, False) for v in REAL_WIDTH_SM90]
     jobs += [(90, (*v, False), True) for v in GLUON_FALLBACK_SM90]
     for arch, (dv, dr, bh, bn, warps, stages, split_dv), tma in jobs:
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
-                  "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32"}  # fmt: skip
+                  "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32", "CHECK": True, "BALANCE": True,
+                  "SCALE_MODE": 0}  # fmt: skip
         name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma}"
         tsig = sig
         if tma:  # host descriptors of one key tile's latent half and rope part

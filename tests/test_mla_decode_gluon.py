@@ -240,11 +240,12 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) 
 
     types = {"q_desc_h": desc(g.BLOCK_H, dv // 2, q_lay_h), "q_desc_r": desc(g.BLOCK_H, dr, q_lay_r),
              "k_desc_h": desc(block_n, dv // 2, k_lay_h), "k_desc_r": desc(block_n, dr, k_lay_r), "bt_ptr": "*i32",
-             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
+             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early}  # fmt: skip
+              "EARLY": early, "CHECK": True, "BALANCE": True}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,
                               "estimate": g.smem_bytes(dv, dr, block_n, stages)}  # fmt: skip
