@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, append_csv, git_revision, time_graph, time_interleaved  # noqa: E402
-from kvforge.kernels import mla_decode as md  # noqa: E402
-from kvforge.kernels._fp8 import e4m3_ref  # noqa: E402
+from bench._common import RESULTS, append_csv, git_revision, time_graph, time_interleaved
+from kvforge.kernels import mla_decode as md
+from kvforge.kernels._fp8 import e4m3_ref
 
 DV, DR = 512, 64
 HEADS = (16, 32, 64, 128)
@@ -159,7 +159,7 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
         kv_fp8()
         row["rmse_fp8_vs_dequant"] = check("kvforge fp8", out8, q, kv8, bt, sl, scale, kv_scale_quant_orig=s_q)
         fns["kvforge_fp8"] = kv_fp8
-    t = time_interleaved(fns, samples=120)
+    t = time_interleaved(fns, samples=80)
     for k, v in t.items():
         row[f"{k}_ms"] = v["ms"]
     row["check_cost"] = t["kvforge"]["ms"] / t["kvforge_nocheck"]["ms"]
@@ -168,9 +168,9 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
         row["ratio_eager_nocheck"] = t["flashinfer"]["ms"] / t["kvforge_nocheck"]["ms"]
     if fp8:
         row["fp8_speedup"] = t["kvforge"]["ms"] / t["kvforge_fp8"]["ms"]
-    row["kvforge_graph_ms"] = time_graph(kv_default, rep=50)["ms"]
+    row["kvforge_graph_ms"] = time_graph(kv_default, rep=30)["ms"]
     if fi:
-        row["flashinfer_graph_ms"] = time_graph(fns["flashinfer"], rep=50)["ms"]
+        row["flashinfer_graph_ms"] = time_graph(fns["flashinfer"], rep=30)["ms"]
         row["ratio_graph"] = row["flashinfer_graph_ms"] / row["kvforge_graph_ms"]
     if int(flags.sum()):
         raise RuntimeError(f"kvforge: error flags {flags.tolist()} on a valid table")
@@ -227,6 +227,7 @@ def main() -> None:
               f"{row.get('ratio_eager', float('nan')):.3f} graph {row.get('ratio_graph', float('nan')):.3f} | fp8 "
               f"{row.get('kvforge_fp8_ms', float('nan')):.4f} ms x{row.get('fp8_speedup', float('nan')):.2f} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+    print("chosen configs:", md._SPLIT.chosen())
     if args.warm or not rows:
         return
     for key in ("ratio_eager", "ratio_eager_nocheck", "ratio_graph", "check_cost", "fp8_speedup"):

@@ -181,9 +181,8 @@ def _mla_decode_split_kernel(
                                               tl.num_programs(0), BLOCK_N, CHECK, BALANCE)  # fmt: skip
     if split >= n_share:
         return
-    if S > 1:
-        if (pid1 == 0) & (split == 0):
-            tl.store(nshare_ptr + b, n_share)
+    if (S > 1) & (pid1 == 0) & (split == 0):
+        tl.store(nshare_ptr + b, n_share)
     if SCALE_MODE == 2:
         kv_scale = tl.load(scale_ptr)
     if SCALE_MODE != 0:
@@ -202,6 +201,10 @@ def _mla_decode_split_kernel(
         q_mine = q_mine.to(tl.float32)
         q_other = q_other.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
+    elif SCALE_MODE != 0:  # an e4m3 cache: fp16 products (e4m3 -> fp16 is one instruction per pair; -> bf16 is not)
+        q_mine = q_mine.to(tl.float16)
+        q_other = q_other.to(tl.float16)
+        q_rope = q_rope.to(tl.float16)
     full_end = tl.maximum(start, start + ((end - start) // BLOCK_N) * BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
@@ -210,6 +213,7 @@ def _mla_decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * s_btb
     bad_page = bad * 0
+    bad_tok = tl.zeros((BLOCK_N,), tl.int32)
     for n0 in tl.range(start, full_end, BLOCK_N):
         tok = n0 + offs_n
         if PAGE_SIZE % BLOCK_N == 0:
@@ -220,9 +224,9 @@ def _mla_decode_split_kernel(
                 page = tl.where(wrong, 0, page)
         else:
             page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
-            if CHECK:
+            if CHECK:  # per token: or-ed into a vector, reduced once after the loop (no reduction per tile)
                 wrong = (page < 0) | (page >= num_pages)
-                bad_page = bad_page | tl.max(wrong.to(tl.int32), 0)
+                bad_tok = bad_tok | wrong.to(tl.int32)
                 page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
@@ -242,7 +246,7 @@ def _mla_decode_split_kernel(
             page = tl.load(bt_row + tok // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
             if CHECK:
                 wrong = nmask & ((page < 0) | (page >= num_pages))
-                bad_page = bad_page | tl.max(wrong.to(tl.int32), 0)
+                bad_tok = bad_tok | wrong.to(tl.int32)
                 page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
@@ -258,6 +262,8 @@ def _mla_decode_split_kernel(
     o_mine = acc_mine * inv[:, None]
     o_other = acc_other * inv[:, None]
     if CHECK:
+        if PAGE_SIZE % BLOCK_N != 0:
+            bad_page = bad_page | tl.max(bad_tok, 0)
         if (bad | bad_page) != 0:
             o_mine = tl.full((BLOCK_H, D_HALF), float("nan"), tl.float32)
             o_other = o_mine
@@ -367,14 +373,13 @@ def _gluon_first(page_size: int) -> tuple[int, int, bool]:
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16, page size, TMA-able layout)
     kw = cfg.kwargs
-    if kw["BLOCK_H"] > max(16, key[3]):  # no head tile wider than the heads
+    if kw["BLOCK_H"] > max(16, key[3]) and not kw.get("GLUON"):  # no portable head tile wider than the heads
         return False
     if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
         return False
-    # The Gluon kernel: bf16 q and cache, a TMA-able cache, key tiles inside a page. Any head count: with fewer
-    # than 64 heads the 64-row tile is partly empty, but those keys are memory-bound and the kernel's TMA ring
-    # keeps the copies in flight.
-    if kw.get("GLUON") and not (key[2] == "bfloat16" and key[5] and key[4] % kw["BLOCK_N"] == 0):
+    # The Gluon kernel: bf16 q and cache, 32 or more heads (with 32 the 64-row tile is half empty, but the keys
+    # are read once, not once per 16-head tile), a TMA-able cache, key tiles inside a page.
+    if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 32 and key[5] and key[4] % kw["BLOCK_N"] == 0):
         return False
     # Beyond the first variant that fits the page, Gluon variants are candidates only where asked for (the bench
     # asks, and checks each against the reference): a key without a committed config autotunes by speed alone.
@@ -388,17 +393,19 @@ _CONFIGS = ConfigTable(
     fallback=[_cfg(16, 32, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
-        # Few heads (memory-bound): head tiles of 16, two programs per SM. Many heads (matrix-bound): head tiles
-        # of 64 on 8 warps, or 128 with the value columns split over two programs; one program per SM.
+        # The first kept config is the one a key without a committed config runs (no first-call tuning: a timing
+        # of a few-microsecond call measures the host, not the kernel). 32 or more heads in bf16: the Gluon
+        # kernel (64-token tiles, or 32 in a 4-deep ring for 32-token pages). 16 heads, or an e4m3 cache:
+        # portable head tiles of 16 (two programs per SM), or 64 on 8 warps for 64 or more heads.
         9: [
             _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=1),
             _cfg(16, 64, 4, 2),
+            _cfg(64, 64, 8, 2, per_sm=1),
             _cfg(16, 32, 4, 3),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1),
-            _cfg(64, 64, 8, 2, per_sm=1),
             _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
-            # Trial Gluon variants (TRIAL_ENV): deeper rings of 32-token key tiles, scores issued early.
-            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=1),
+            # Trial Gluon variants (TRIAL_ENV): a 3-deep ring of 32-token key tiles, scores issued early.
             _cfg(64, 32, 8, 3, tma=True, per_sm=1, gluon=1),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
@@ -406,7 +413,7 @@ _CONFIGS = ConfigTable(
     },
     keep=_keep,
 )
-_SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS)
+_SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS, tune_first=1)
 
 
 def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
@@ -849,7 +856,8 @@ def mla_decode_attention(
         rt = (B, splits, max_len, max(1, MIN_SHARE_TOKENS // bn), per_sm * sms, num_pages, H * splits, splits,
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
-                  ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance), ("SCALE_MODE", scale_mode))  # fmt: skip
+                  ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
+                  ("SCALE_MODE", scale_mode))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)

@@ -356,9 +356,8 @@ if gluon is not None:
             n_share = gl.minimum(gl.maximum(tiles, 1), S)
         if split >= n_share:
             return
-        if S > 1:
-            if (pid_h == 0) & (split == 0):
-                gl.store(nshare_ptr + b, n_share)
+        if (S > 1) & (pid_h == 0) & (split == 0):
+            gl.store(nshare_ptr + b, n_share)
         per = (tiles + n_share - 1) // n_share
         h0 = pid_h * BLOCK_H
         start = split * per * BLOCK_N
@@ -412,9 +411,9 @@ if gluon is not None:
                                 BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                              n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh,
-                              direct, bad_len, num_pages, err_ptr, 0, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N,
-                              STAGES, EARLY, CHECK)),
+                              n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
+                              s_lh, direct, bad_len, num_pages, err_ptr, 0, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H,
+                              BLOCK_N, STAGES, EARLY, CHECK)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
