@@ -168,6 +168,10 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
         row["ratio_eager_nocheck"] = t["flashinfer"]["ms"] / t["kvforge_nocheck"]["ms"]
     if fp8:
         row["fp8_speedup"] = t["kvforge"]["ms"] / t["kvforge_fp8"]["ms"]
+    # The timed calls took the cached launch paths: their last outputs are checked too.
+    check("kvforge (timed)", out, q, kv, bt, sl, scale)
+    if fp8:
+        check("kvforge fp8 (timed)", out8, q, kv8, bt, sl, scale, kv_scale_quant_orig=s_q)
     row["kvforge_graph_ms"] = time_graph(kv_default, rep=30)["ms"]
     if fi:
         row["flashinfer_graph_ms"] = time_graph(fns["flashinfer"], rep=30)["ms"]

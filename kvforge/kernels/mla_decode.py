@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_shape, check_tensor, same_device
+from kvforge.kernels._fp8 import fp32_to_e4m3_bits
 from kvforge.kernels._runtime import (
     ConfigTable,
     PlanCache,
@@ -78,9 +79,22 @@ def _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, nmask, page, s_kp, s_kr, col_mine,
 
 
 @triton.jit
+def _e4m3_bytes_to_f16(b):
+    """e4m3 bytes -> fp16 holding the value / 256, with integer ops only (sm_80 has no e4m3 type): the
+    exponent bias moves from 7 to 15, so the byte's bits shifted into fp16's place read 2^-8 times the value,
+    subnormals included; the caller folds the 256 into its scale."""
+    b = b.to(tl.int32)
+    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
                  sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                 PRECISION: tl.constexpr):  # fmt: skip
+                 PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False):  # fmt: skip
+    if FP8_BYTES:
+        k_mine = _e4m3_bytes_to_f16(k_mine)
+        k_other = _e4m3_bytes_to_f16(k_other)
+        k_rope = _e4m3_bytes_to_f16(k_rope)
     if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact (and so is fp8 -> fp32)
         k_mine = k_mine.to(tl.float32)
         k_other = k_other.to(tl.float32)
@@ -154,7 +168,7 @@ def _mla_decode_split_kernel(
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
-    PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False,
+    FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -164,9 +178,9 @@ def _mla_decode_split_kernel(
     count (``nshare``) for ``_decode_merge_kernel``. CHECK: lengths past ``max_len`` and page ids outside
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
-    scores and the output (an e4m3 cache's dequantisation). PER_SM and GLUON are the launcher's (programs
-    resident per SM; the sm_90 Gluon kernel instead of this one where it can run), parameters so that a
-    config's kwargs launch as they are."""
+    scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80).
+    PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
+    where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -185,6 +199,8 @@ def _mla_decode_split_kernel(
         tl.store(nshare_ptr + b, n_share)
     if SCALE_MODE == 2:
         kv_scale = tl.load(scale_ptr)
+    if FP8_BYTES:  # the cache's bytes decode to value / 256 (_e4m3_bytes_to_f16)
+        kv_scale = kv_scale * 256.0
     if SCALE_MODE != 0:
         sm_scale_log2 = sm_scale_log2 * kv_scale
     col_mine = half * D_HALF
@@ -232,7 +248,7 @@ def _mla_decode_split_kernel(
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, False, PRECISION)  # fmt: skip
+                                                     SPLIT_DV, False, PRECISION, FP8_BYTES)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -252,7 +268,7 @@ def _mla_decode_split_kernel(
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, True, PRECISION)  # fmt: skip
+                                                     SPLIT_DV, True, PRECISION, FP8_BYTES)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero output; a merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
@@ -543,7 +559,7 @@ def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, pe
     return best
 
 
-MIN_SHARE_TOKENS = 256  # a key share shorter than this costs more in its partial and merge than it saves
+MIN_SHARE_TOKENS = 128  # a key share shorter than this costs more in its partial and merge than it saves
 
 
 def share_grid(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int, block_n: int) -> int:
@@ -680,7 +696,8 @@ def _launch(
             desc_h, desc_r = descs
         else:
             desc_h = desc_r = kv_cache
-        args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err,
+        kv = kv_cache.view(torch.uint8) if plan.consts[-1][1] else kv_cache  # FP8_BYTES: the cache as bytes
+        args = (q, kv, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err,
                 scale_ptr, *plan.ints, *plan.rt, plan.scale_log2, plan.kv_scale)  # fmt: skip
         grid = plan.grid
         if fast and plan.direct:
@@ -830,6 +847,9 @@ def mla_decode_attention(
     sms = num_sms(dev)
     check = check_values is True
     max_len = max_pages * page_size
+    # Before sm_89 Triton has no e4m3 type: the kernel decodes the cache's bytes itself.
+    cap = device_capability(dev)
+    fp8_bytes = kv_cache.dtype == FP8 and not interpreting() and cap is not None and cap < (8, 9)
 
     def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
@@ -857,7 +877,7 @@ def mla_decode_attention(
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
-                  ("SCALE_MODE", scale_mode))  # fmt: skip
+                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
@@ -886,6 +906,112 @@ def mla_decode_attention(
     if pkey is not None:
         _PLANS.put(pkey, plan)
     return (out, lse) if return_lse else out
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_slots", "s_row", "scale_val"])
+def _store_latent_kernel(rows_ptr, slot_ptr, cache_ptr, scale_ptr, scale_val, n_rows, n_slots, s_row, s_page,
+                         s_tok, PAGE_SIZE: tl.constexpr, D: tl.constexpr, FP8_OUT: tl.constexpr,
+                         SCALE_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Row r goes to slot ``slots[r]`` (page ``slot // PAGE_SIZE``, token ``slot % PAGE_SIZE``); a slot outside
+    ``[0, n_slots)`` (-1 marks padding) is skipped. FP8_OUT: ``e4m3(x * scale)`` through the int-only encoder,
+    stored as bytes."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    ok = rmask & (slot >= 0) & (slot < n_slots)
+    dst = (slot // PAGE_SIZE) * s_page + (slot % PAGE_SIZE) * s_tok
+    if SCALE_IS_PTR:
+        scale_val = tl.load(scale_ptr)
+    for c0 in tl.static_range(0, D, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        m = ok[:, None] & (cols < D)[None, :]
+        x = tl.load(rows_ptr + r.to(tl.int64)[:, None] * s_row + cols[None, :], mask=m, other=0.0)
+        if FP8_OUT:
+            y = fp32_to_e4m3_bits(x.to(tl.float32) * scale_val).to(tl.uint8)
+        else:
+            y = x.to(cache_ptr.dtype.element_ty)
+        tl.store(cache_ptr + dst[:, None] + cols[None, :], y, mask=m)
+
+
+_STORE_CFG = triton.Config({"BLOCK_R": 8, "BLOCK_D": 128}, num_warps=4, num_stages=1)
+_STORE = TunedKernel(
+    "mla_store_latent", _store_latent_kernel, ConfigTable(fallback=[_STORE_CFG], interpreter=_STORE_CFG)
+)
+
+
+def store_latent_rows(
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    kv_scale_orig_quant: float | torch.Tensor | None = None,
+) -> None:
+    """Write new latent rows into the paged cache: ``rows [N, D]`` (bf16/fp16/fp32) to slots ``slots [N]``
+    (int32/int64, slot = page * page_size + token; a slot outside ``[0, pages * page_size)``, e.g. -1 for
+    padding, is skipped). An e4m3 cache stores ``e4m3(row * kv_scale_orig_quant)`` (round to nearest even,
+    saturating at ±448; the scale a float or a 1-element fp32 device tensor, default 1.0), what
+    ``mla_decode_attention`` reads back with ``kv_scale_quant_orig = 1 / kv_scale_orig_quant``; a 16/32-bit
+    cache stores the rows cast to its dtype (no scale allowed). No device->host read: graph-capturable."""
+    kv_cache = check_tensor("kv_cache", kv_cache, dtype=(FP8, *_FLOATS), ndim=3, last_dim_contiguous=True)
+    check_launch_device("kv_cache", kv_cache)
+    dev = kv_cache.device
+    rows = check_tensor("rows", rows, dtype=_FLOATS, ndim=2, device=dev, last_dim_contiguous=True)
+    slots = check_tensor("slots", slots, dtype=(torch.int32, torch.int64), ndim=1, device=dev, contiguous=True)
+    for name, t in (("rows", rows), ("slots", slots)):
+        check_launch_device(name, t)
+    P, S, D = kv_cache.shape
+    if rows.shape[1] != D:
+        raise ValueError(f"rows: expected rows as wide as the cache ({D}), got shape {list(rows.shape)}")
+    check_shape("slots", slots, (rows.shape[0],))
+    fp8 = kv_cache.dtype == FP8
+    sc = kv_scale_orig_quant
+    scale_t, scale_val = None, 1.0
+    if sc is not None and not fp8:
+        raise ValueError(f"kv_scale_orig_quant: only an e4m3 kv_cache takes a scale, got a {kv_cache.dtype} cache")
+    if isinstance(sc, torch.Tensor):
+        if sc.dtype != torch.float32 or sc.numel() != 1:
+            raise TypeError(
+                f"kv_scale_orig_quant: expected a 1-element float32 tensor, got {sc.dtype} {tuple(sc.shape)}"
+            )
+        if not same_device(sc.device, dev):
+            raise ValueError(f"kv_scale_orig_quant: expected a tensor on {dev}, got one on {sc.device}")
+        scale_t = sc
+    elif sc is not None:
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)):
+            raise TypeError(
+                f"kv_scale_orig_quant: expected a float or a 1-element fp32 tensor, got {type(sc).__name__}"
+            )
+        if not (math.isfinite(sc) and sc > 0):
+            raise ValueError(f"kv_scale_orig_quant: expected a finite scale > 0, got {sc}")
+        scale_val = float(sc)
+    check_no_overlap({"kv_cache": kv_cache}, {"rows": rows, "slots": slots, "kv_scale_orig_quant": scale_t})
+    n = rows.shape[0]
+    if n == 0 or P * S == 0:
+        return
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    _STORE.launch(
+        lambda meta: (-(-n // meta["BLOCK_R"]),),
+        ("store",),
+        rows, slots, cache, scale_t if scale_t is not None else rows, scale_val, n, P * S, rows.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1),
+        PAGE_SIZE=S, D=D, FP8_OUT=fp8, SCALE_IS_PTR=scale_t is not None,
+    )  # fmt: skip
+
+
+def store_latent_rows_ref(
+    kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, *, kv_scale_orig_quant: float | None = None
+) -> torch.Tensor:
+    """Plain-torch reference of ``store_latent_rows``: returns the updated copy of the cache."""
+    from kvforge.kernels._fp8 import e4m3_ref
+
+    out = kv_cache.clone()
+    P, S, _ = out.shape
+    flat = out.view(P * S, -1)
+    for r, slot in enumerate(slots.tolist()):
+        if 0 <= slot < P * S:
+            x = rows[r].float()
+            flat[slot] = e4m3_ref(x * (kv_scale_orig_quant or 1.0)) if out.dtype == FP8 else x.to(out.dtype)
+    return out
 
 
 def mla_decode_attention_ref(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels import mla_context_gluon as _mcg
 
 __all__ = ["BLOCK_H", "BLOCK_N", "BLOCK_NS", "STAGES", "gluon_decode_reason", "mla_decode_gluon_split", "smem_bytes"]
@@ -475,10 +476,35 @@ def mla_decode_gluon_split(
     k_desc_r = TD(kv_cache, k2, ks, [block_n, d_r], k_lay_r)
     grid = (-(-H // BLOCK_H), B, splits)
     # rt = (B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob, s_oh, s_lb, s_lh); partials contiguous
-    return _mla_decode_gluon_kernel[grid](
-        q_desc_h, q_desc_r, k_desc_h, k_desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err,
-        H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim, *rt, scale_log2,
-        PAGE_SIZE=S, D_V=v_head_dim, D_R=d_r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, C_REGS=_C_REGS, L_REGS=_L_REGS,
-        FIRST_W=_FIRST_W, STAGES=stages, EARLY=bool(early), CHECK=bool(check), BALANCE=bool(balance),
-        num_warps=4, maxnreg=_MAXNREG,
-    )  # fmt: skip
+    ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
+    args = (q_desc_h, q_desc_r, k_desc_h, k_desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare,
+            err, *ints, *rt, scale_log2)  # fmt: skip
+    consts = {"PAGE_SIZE": S, "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
+              "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
+              "CHECK": bool(check), "BALANCE": bool(balance)}  # fmt: skip
+    # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
+    # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
+    ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
+    spec = (tuple(consts.items()), tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints),
+            tuple((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs), q.device.index)  # fmt: skip
+    fast = _FAST.get(spec)
+    if fast is not None and not _rt.hooks_active():
+        kernel, cvals, device, current_device, current_stream = fast
+        if current_device() == device:
+            # Triton's own launch path costs ~0.1 ms of host time per call here; the compiled kernel's launcher
+            # takes the same arguments directly (as _runtime.TunedKernel.launch_fast does for Triton kernels).
+            kernel.run(grid[0], grid[1], grid[2], current_stream(device), kernel.function, kernel.packed_metadata,
+                       None, None, None, *args, *cvals)  # fmt: skip
+            return kernel
+    kernel = _mla_decode_gluon_kernel[grid](*args, **consts, num_warps=4, maxnreg=_MAXNREG)
+    if hasattr(kernel, "packed_metadata"):
+        from triton.runtime import driver
+
+        names = [p.name for p in _mla_decode_gluon_kernel.params][len(args) :]
+        active = driver.active
+        _FAST[spec] = (kernel, tuple(consts[n] for n in names), active.get_current_device(),
+                       active.get_current_device, active.get_current_stream)  # fmt: skip
+    return kernel
+
+
+_FAST: dict = {}  # launch spec -> (compiled kernel, constexpr values, device, current_device, current_stream)
