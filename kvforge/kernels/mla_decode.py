@@ -2,19 +2,19 @@
 
 One query token per request, ``q [B, H, D_qk]``, over ``kv_cache [num_pages, page_size, D_qk]`` addressed by
 ``block_table [B, max_pages]`` and ``seq_lens [B]``; keys are whole rows, values the first ``v_head_dim``
-columns::
-
-    s = softmax_scale · q · kᵀ        out = softmax(s) · v        lse = log Σ exp(s)   (natural log, fp32)
-
-A request with ``seq_lens[b] == 0`` gets ``out = 0`` and ``lse = −inf``. q and kv_cache share one dtype (bf16,
-fp16 or fp32); out takes q's dtype. No device→host sync beyond the optional value check, so the call is
-graph-capturable. Checks, before any launch: types, dtypes, shapes, devices (meta and non-interpreter CPU
-refused), ``out``/``lse`` not overlapping any input or each other, and, unless ``check_values=False``,
-seq_lens and page ids in range (one device→host read). A call whose tensors (address, shape, strides, dtype,
-device) and arguments equal an earlier valid call's reuses its checked launch plan; the value check still runs.
-On sm_90 with bf16 and many heads a config may choose the warp-specialised Gluon kernel of ``mla_decode_gluon``
-(same partials, same merge); elsewhere it falls back to the portable kernel. Layout, splits and launch
-variants: ``docs/kernels.md``.
+columns: ``s = softmax_scale · q · kᵀ``, ``out = softmax(s) · v``, ``lse = log Σ exp(s)`` (natural log, fp32).
+A request with ``seq_lens[b] == 0`` gets ``out = 0``, ``lse = −inf``. q and the cache share one dtype (bf16, fp16,
+fp32), or a 16-bit q reads an e4m3 cache (``kv_scale_quant_orig`` dequantises; fp16 products, fp32 sums): its
+output is within relative RMSE 1e-2 of fp32 attention over the dequantised cache (what the tests hold it to;
+the e4m3 rounding itself adds 2.5-2.8% against the unquantised rows at 576-wide unit-variance rows).
+``store_latent_rows`` writes new rows into either cache (quantising on write). Host checks before any launch:
+types, dtypes, shapes, devices, overlaps. Values (lengths, page ids) are checked on the device by default with
+no device→host read (bad requests get NaN and set an error flag; ``check_values="strict"`` checks on the host
+and raises), so the default call is graph-capturable. Key shares are sized on the device from the batch's total
+work (a long request of a mixed batch gets many, a short one a single share written straight to ``out``); a
+repeat call with the same tensors and arguments reuses its checked launch plan. On sm_90 with bf16 and 32 or
+more heads the warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel.
+Layout, shares and launch variants: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
