@@ -1,11 +1,14 @@
 """Warp-specialised sm_90 split kernel of MLA decode attention (Gluon), same contract as ``mla_decode``'s.
 
-``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the fp32 partial output and lse
-that ``kvforge.kernels.mla_decode`` merges; the caller has checked every input and ``gluon_decode_reason`` said
-the layout fits. bf16 only, keys 576 = 512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit
-shared memory), page size a multiple of 64. A variant is (``block_n``, ``stages``, ``early``): key tiles of
-``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the SM: 64 x 2, 32 x 3 and
-32 x 4 do), and the score product issued before (``early``) or after taking the other warpgroup's tile.
+``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse``
+when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
+sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
+checked every input and ``gluon_decode_reason`` said the layout fits. bf16 only, keys 576 = 512 latent + 64
+rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of the key tile;
+this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
+``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
+SM: 64 x 2, 32 x 3 and 32 x 4 do), and the score product issued before (``early``) or after taking the other
+warpgroup's tile.
 One program per (head tile, request, share), three partitions:
 
 * a loader warp: TMA copies of the Q tile (once) and of each key tile (one page slice of the 2-D
