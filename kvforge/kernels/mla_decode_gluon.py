@@ -28,6 +28,8 @@ takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Tr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -430,6 +432,7 @@ if gluon is not None:
             mbarrier.invalidate(k_empty.index(i))
 
 
+@functools.lru_cache(maxsize=64)  # Gluon's layout helpers cost ~40 µs of host time per call
 def descriptor_layouts(d_v: int, d_r: int, rows: int = BLOCK_N) -> tuple:
     """The NVMMA shared layouts of ``rows``-row latent-half and rope boxes (a key tile's rows, or BLOCK_H for
     the Q tile; also what the offline compile test uses)."""
