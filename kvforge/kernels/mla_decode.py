@@ -607,7 +607,8 @@ def _dev_key(device: torch.device) -> tuple[str, int | None]:
 def decode_error_flags(device: torch.device | str | None = None) -> torch.Tensor:
     """The device's error flags that ``mla_decode_attention``'s default (checked) call sets when no
     ``error_flag`` is given: int32 ``[2]``, element 0 for a length out of range, 1 for a page id out of range.
-    Reading them is the caller's choice (a device->host read); ``raise_decode_errors`` reads, clears and raises."""
+    Reading them is the caller's choice (a device->host read); ``raise_decode_errors`` reads, clears and raises.
+    Created (zeroed) on first use: make one call, or call this, before capturing a CUDA graph."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     key = _dev_key(dev)
     flags = _ERROR_FLAGS.get(key)
