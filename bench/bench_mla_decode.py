@@ -11,7 +11,8 @@ is timed) and the fastest correct one is reported next to FlashInfer and written
 
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode.py [--quick]
 
-Appends rows to bench/results/mla_decode.csv (GPU name, versions, git revision, date).
+Appends rows to bench/results/mla_decode.csv (GPU name, versions, git revision, date). The seeded grid of any
+shape against FlashInfer (``--grid``, ``--random N --seed S``) is bench/bench_mla_decode_grid.py.
 """
 
 from __future__ import annotations
@@ -98,12 +99,12 @@ def cfg_label(cfg) -> str:
 
 
 def default_splits(cfg, B: int, H: int, L: int) -> int:
-    """The split count mla_decode_attention chooses for this config and workload (printed with each row)."""
+    """The share grid mla_decode_attention launches for this config and workload (printed with each row; the
+    shares themselves are sized on the device from the lengths)."""
     kw = cfg.kwargs
     per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
     max_tiles = -(-L // kw["BLOCK_N"])
-    splits = md.default_num_splits(B, per_request, max_tiles, md.num_sms(), int(kw.get("PER_SM", 2)))
-    return min(splits, max_tiles)
+    return md.share_grid(B, per_request, max_tiles, md.num_sms(), int(kw.get("PER_SM", 2)), kw["BLOCK_N"])
 
 
 GLUON_LAUNCHES = [0]

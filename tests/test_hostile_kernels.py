@@ -614,7 +614,7 @@ CASES = [
         "mla_decode",
         "value",
         "seq_len past the table",
-        lambda: _decode(seq_lens=torch.tensor([5, 13], dtype=torch.int32)),
+        lambda: _decode(seq_lens=torch.tensor([5, 13], dtype=torch.int32), check_values="strict"),
         ValueError,
         "seq_lens",
     ),
@@ -622,7 +622,7 @@ CASES = [
         "mla_decode",
         "value",
         "page id past the cache",
-        lambda: _decode(block_table=torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)),
+        lambda: _decode(block_table=torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32), check_values="strict"),
         ValueError,
     ),
     Case("mla_decode", "value", "NaN softmax_scale", lambda: _decode(softmax_scale=float("nan")), ValueError),
@@ -679,8 +679,37 @@ CASES = [
          lambda: (lambda o: _ctx(out=o, error_flag=o.view(torch.int32).view(-1)[:1]))(
              torch.zeros(5, 2, 16, dtype=torch.bfloat16)),
          ValueError, "overlaps"),
+    Case("mla_decode", "type", "kv scale a str", lambda: _decode(kv_cache=torch.randn(6, 4, 48).to(torch.float8_e4m3fn),
+                                                               q=torch.randn(2, 3, 48).bfloat16(),
+                                                               kv_scale_quant_orig="2"), TypeError, "kv_scale"),
+    Case("mla_decode", "dtype", "error flag int64", lambda: _decode(error_flag=torch.zeros(2, dtype=torch.int64)),
+         TypeError, "error_flag"),
+    Case("mla_decode", "alias", "error flag inside seq_lens",
+         lambda: (lambda sl: _decode(seq_lens=sl[:2], error_flag=sl))(torch.tensor([5, 12], dtype=torch.int32)),
+         ValueError, "overlaps"),
+    Case("store_latent", "type", "rows a list", lambda: _store(rows=[[0.0]]), TypeError, "rows"),
+    Case("store_latent", "dtype", "slots float", lambda: _store(slots=torch.zeros(3)), TypeError, "slots"),
+    Case("store_latent", "shape", "rows too narrow", lambda: _store(rows=torch.randn(3, 40)), ValueError, "rows"),
+    Case("store_latent", "value", "NaN scale", lambda: _store(kv_scale_orig_quant=float("nan")), ValueError,
+         "kv_scale_orig_quant"),
+    Case("store_latent", "device", "meta cache",
+         lambda: _store(kv_cache=torch.empty(4, 4, 48, device=META, dtype=torch.float8_e4m3fn)), ValueError, "meta"),
+    Case("store_latent", "alias", "rows inside the cache",
+         lambda: (lambda c: _store(kv_cache=c, rows=c.view(-1, 48)[:3]))(torch.zeros(4, 4, 48)), ValueError,
+         "overlaps"),
 ]
 # fmt: on
+
+
+def _store(**over):
+    from kvforge.kernels.mla_decode import store_latent_rows
+
+    a = dict(kv_cache=torch.zeros(4, 4, 48, dtype=torch.float8_e4m3fn), slots=torch.tensor([0, 5, 9]),
+             rows=torch.randn(3, 48), kv_scale_orig_quant=1.0)  # fmt: skip
+    a.update(over)
+    if a["kv_cache"].dtype != torch.float8_e4m3fn:
+        a.pop("kv_scale_orig_quant")
+    return store_latent_rows(a.pop("kv_cache"), a.pop("slots"), a.pop("rows"), **a)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.op}-{c.cls}-{c.what}" for c in CASES])

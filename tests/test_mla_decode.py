@@ -172,6 +172,8 @@ def test_refused_before_launch(device, change, exc, match):
         pytest.skip("the cases build CPU tensors")
     q, kv, bt, sl = _args(device)
     args = change({"q": q, "kv_cache": kv, "block_table": bt, "seq_lens": sl, "softmax_scale": 0.1, "v_head_dim": 32})
+    if match.startswith(("seq_lens\\[", "block_table\\[")):  # value checks that raise: the opt-in strict mode
+        args["check_values"] = "strict"
     with pytest.raises(exc, match=match):
         mla_decode_attention(args.pop("q"), args.pop("kv_cache"), args.pop("block_table"), args.pop("seq_lens"), **args)
 
@@ -224,10 +226,233 @@ def test_repeat_calls_reuse_the_checked_plan(gen, device, monkeypatch):
     good = sl.clone()
     sl.copy_(torch.tensor([0, 23, 13 * 4], dtype=torch.int32))  # past the block table: refused on a reused plan
     with pytest.raises(ValueError, match=r"seq_lens\[2\]"):
-        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out)
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, check_values="strict")
+    with pytest.raises(ValueError, match=r"seq_lens\[2\]"):  # the strict call's plan, reused
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, check_values="strict")
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, error_flag=flags)
+    assert flags.tolist() == [1, 0] and bool(out[2].isnan().all())  # the reused default plan checks on the device
     sl.copy_(good)
     cfg = md._cfg(16, 16, 1, 1, split_dv=True)
     monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_plan_test", md._mla_decode_split_kernel,
                                                   ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
     call()
     assert any(p.cfg is cfg for p in md._PLANS._plans.values())  # planned again with the swapped kernel's config
+
+
+def _flags(device):
+    return torch.zeros(4, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_device_checks_poison_and_flag(gen, device, page_size):
+    """The default call checks on the device, without a host read: a length past the table or a page id out of
+    range makes that request's output and lse NaN (the others stay right) and sets its flag; nothing raises."""
+    lens = [5, 23, 9]
+    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, page_size, lens, torch.float32, device)
+    ref, ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    bad_len = sl.clone()
+    bad_len[0] = bt.shape[1] * page_size + 1
+    bad_page = bt.clone()
+    bad_page[1, (lens[1] - 1) // page_size] = kv.shape[0]  # the last page request 1 reads
+    neg_page = bt.clone()
+    neg_page[2, 0] = -1
+    for table, lengths, who, flag in ((bt, bad_len, 0, 0), (bad_page, sl, 1, 1), (neg_page, sl, 2, 1)):
+        for splits in (None, 2):
+            flags = _flags(device)
+            out, lse = mla_decode_attention(q, kv, table, lengths, softmax_scale=0.3, v_head_dim=32, return_lse=True,
+                                            error_flag=flags, num_splits=splits)  # fmt: skip
+            assert flags.tolist() == [int(flag == 0), int(flag == 1), 0, 0]
+            assert bool(out[who].isnan().all()) and bool(lse[who].isnan().all())
+            good = [b for b in range(3) if b != who]
+            assert rel_rmse(out.cpu()[good], ref.cpu()[good]) < 1e-5
+            torch.testing.assert_close(lse.cpu()[good], ref_lse.cpu()[good], atol=1e-4, rtol=1e-5)
+    # A page id past the request's length is never read, so it is not an error.
+    unread = bt.clone()
+    unread[0, -1] = 10**6
+    flags = _flags(device)
+    out = mla_decode_attention(q, kv, unread, sl, softmax_scale=0.3, v_head_dim=32, error_flag=flags)
+    assert flags.tolist() == [0, 0, 0, 0] and rel_rmse(out.cpu(), ref.cpu()) < 1e-5
+
+
+def test_device_flags_default_and_strict(gen, device):
+    """Without ``error_flag`` the device's flags are set; ``raise_decode_errors`` reads, clears and names the
+    argument; ``check_values="strict"`` raises before launch; ``check_values=False`` checks nothing."""
+    from kvforge.kernels.mla_decode import decode_error_flags, raise_decode_errors
+
+    q, kv, bt, sl = make_case(gen, 2, 3, 32, 16, 4, [6, 9], torch.float32, device)
+    raise_decode_errors(device)  # clears anything an earlier test left
+    bad = bt.clone()
+    bad[1, 0] = -7
+    out = poisoned((2, 3, 32), torch.float32, device)
+    mla_decode_attention(q, kv, bad, sl, softmax_scale=0.3, v_head_dim=32, out=out)
+    assert decode_error_flags(device).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="block_table: a page id"):
+        raise_decode_errors(device)
+    assert decode_error_flags(device).tolist() == [0, 0]
+    raise_decode_errors(device)  # cleared: nothing to raise
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
+        mla_decode_attention(q, kv, bad, sl, softmax_scale=0.3, v_head_dim=32, check_values="strict")
+    with pytest.raises(TypeError, match="check_values"):
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, check_values="yes")
+    with pytest.raises(ValueError, match="error_flag"):
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, error_flag=_flags(device)[:1])
+    with pytest.raises(TypeError, match="error_flag"):
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, error_flag=_flags(device).long())
+    flags = _flags(device)
+    mla_decode_attention(q, kv, bad, sl, softmax_scale=0.3, v_head_dim=32, check_values=False, error_flag=flags)
+    assert flags.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("lens", [[600, 37, 1100, 0], [1500, 1500, 1500, 1500], [2000, 1, 2, 3]])
+def test_balanced_shares_match_reference(gen, device, lens):
+    """The default split (shares sized on the device from the batch's total work; a request with one share
+    writes ``out`` itself, the others are merged) on uniform and mixed lengths long enough to be split."""
+    q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
+    check(q, kv, bt, sl, 32, 0.3, torch.float32)
+
+
+def _fp8_case(gen, device, B, H, page_size, lens, s):
+    """bf16 q; the cache quantised by the repo's int-only e4m3 encoder (quantize_fp8) from fp32 rows: it holds
+    e4m3(x / s), so its dequant scale kv_scale_quant_orig is s."""
+    from kvforge.kernels.quantize_fp8 import quantize_fp8
+
+    q, kv32, bt, sl = make_case(gen, B, H, 32, 16, page_size, lens, torch.float32, device)
+    kv8 = quantize_fp8(kv32, 1.0 / s)
+    return q.to(torch.bfloat16), kv32, kv8, bt, sl
+
+
+# Relative RMSE bounds of the docstring: against fp32 attention over the dequantised cache (the kernel's own
+# error: bf16 q, fp16 products, fp32 accumulation) and over the rows before quantisation (e4m3 keeps 3 mantissa
+# bits: 2.5-2.8% measured at 576-wide unit-variance rows, up to 7.4% at the narrow 48-wide test rows).
+FP8_BOUND_DEQUANT = 1e-2
+FP8_BOUND_ORIGINAL = 0.1  # narrow rows
+FP8_BOUND_ORIGINAL_576 = 4e-2
+
+
+@pytest.mark.parametrize("s", [1.0, 1.5, 2.0])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_fp8_cache_matches_reference(gen, device, s, as_tensor):
+    q, kv32, kv8, bt, sl = _fp8_case(gen, device, 3, 5, 4, [0, 23, 70], s)
+    scale = torch.tensor([s], dtype=torch.float32, device=device) if as_tensor else s
+    out = poisoned((3, 5, 32), torch.bfloat16, device)
+    lse = poisoned((3, 5), torch.float32, device)
+    mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, lse=lse,
+                         kv_scale_quant_orig=scale)  # fmt: skip
+    assert_all_written(out)
+    ref, ref_lse = mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=s)
+    orig, _ = mla_decode_attention_ref(q, kv32, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    assert bool((out[0] == 0).all()) and bool(lse[0].isneginf().all())
+    assert rel_rmse(out.cpu()[1:].float(), ref.cpu()[1:]) < FP8_BOUND_DEQUANT
+    assert rel_rmse(out.cpu()[1:].float(), orig.cpu()[1:]) < FP8_BOUND_ORIGINAL
+    torch.testing.assert_close(lse.cpu()[1:], ref_lse.cpu()[1:], atol=2e-2, rtol=1e-3)
+    # A wrong scale direction (the quantise scale given as the dequant one) is far off the bound at s != 1.
+    if s != 1.0:
+        wrong = mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=1 / s)
+        assert rel_rmse(wrong.cpu()[1:].float(), ref.cpu()[1:]) > 5 * FP8_BOUND_DEQUANT
+
+
+def test_fp8_cache_refusals(gen, device):
+    q, kv32, kv8, bt, sl = _fp8_case(gen, device, 2, 3, 4, [5, 9], 1.0)
+    with pytest.raises(ValueError, match="kv_scale_quant_orig"):
+        mla_decode_attention(q, kv32.bfloat16(), bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=2.0)
+    with pytest.raises(ValueError, match="kv_scale_quant_orig"):
+        mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=float("nan"))
+    with pytest.raises(TypeError, match="kv_scale_quant_orig"):
+        mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig="2")
+    with pytest.raises(ValueError, match="kv_scale_quant_orig"):
+        mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32,
+                             kv_scale_quant_orig=torch.ones(2, device=device))  # fmt: skip
+    with pytest.raises(TypeError, match="kv_cache: expected dtype"):  # an fp32 q takes an fp32 cache only
+        mla_decode_attention(q.float(), kv8, bt, sl, softmax_scale=0.3, v_head_dim=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,B,lens", [(16, 5, [1, 700, 8192, 0, 30000]), (128, 3, [8192, 5, 3000])])
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_gpu_fp8_deepseek_sizes(gen, device, H, B, lens, page_size):
+    from kvforge.kernels._fp8 import e4m3_ref
+
+    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    kv8 = e4m3_ref(kv.float() / 0.5)
+    out = mla_decode_attention(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=0.5)
+    ref, _ = mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=0.5)
+    orig, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=576**-0.5)
+    full = sl.cpu() > 0
+    assert rel_rmse(out.cpu()[full].float(), ref.cpu()[full]) < FP8_BOUND_DEQUANT
+    assert rel_rmse(out.cpu()[full].float(), orig.cpu()[full]) < FP8_BOUND_ORIGINAL_576
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+@pytest.mark.parametrize("page_size", [32, 64])
+def test_gpu_device_checks(gen, device, H, page_size):
+    """The device checks on the GPU's default path (the Gluon kernel for 32 or more heads): a bad length and a
+    bad page id poison their requests only and set the flags."""
+    lens = [3000, 100, 5000, 64]
+    q, kv, bt, sl = make_case(gen, 4, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=576**-0.5)
+    sl2 = sl.clone()
+    sl2[1] = -5
+    bt2 = bt.clone()
+    bt2[2, 40] = kv.shape[0] + 3
+    flags = _flags(device)
+    out = mla_decode_attention(q, kv, bt2, sl2, softmax_scale=576**-0.5, error_flag=flags)
+    assert flags.tolist() == [1, 1, 0, 0]
+    assert bool(out[1].isnan().all()) and bool(out[2].isnan().all())
+    assert rel_rmse(out.cpu()[[0, 3]].float(), ref.cpu()[[0, 3]]) < 8e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_store_latent_rows_matches_reference(gen, device, dtype, as_tensor):
+    """The latent write path: rows to scattered slots (-1 and out-of-range slots skipped), quantised on write
+    to e4m3 with kv_scale_orig_quant; bit-exact against the plain-torch reference, then read back by decode."""
+    from kvforge.kernels.mla_decode import store_latent_rows, store_latent_rows_ref
+
+    P, S, D = 7, 4, 48
+    cache = torch.zeros(P, S, D, device=device).to(dtype)
+    rows = (torch.randn(9, D, generator=gen) * 3).to(device)
+    rows[0, :3] = torch.tensor([1000.0, -1000.0, 0.0])  # saturates at ±448 in e4m3
+    slots = torch.tensor([3, 27, -1, 0, 12, 28, 5, 19, 8], dtype=torch.int32, device=device)
+    fp8 = dtype == torch.float8_e4m3fn
+    s = 1.5
+    sc = (torch.tensor([s], device=device) if as_tensor else s) if fp8 else None
+    want = store_latent_rows_ref(cache, slots, rows, kv_scale_orig_quant=s if fp8 else None)
+    store_latent_rows(cache, slots, rows, kv_scale_orig_quant=sc)
+    got_bits = cache.view(torch.uint8 if fp8 else torch.int16).cpu().int()
+    want_bits = want.view(torch.uint8 if fp8 else torch.int16).cpu().int()
+    # The interpreter's fp32 -> bf16 cast truncates (a GPU rounds to nearest even): one ulp apart there.
+    ulps = 1 if (not fp8 and device.type == "cpu") else 0
+    assert int((got_bits - want_bits).abs().max()) <= ulps
+    assert bool((cache.float().view(P * S, D)[[1, 2, 4]] == 0).all())  # slots nobody wrote
+    if fp8:
+        with pytest.raises(ValueError, match="kv_scale_orig_quant"):
+            store_latent_rows(cache, slots, rows, kv_scale_orig_quant=0.0)
+    else:
+        with pytest.raises(ValueError, match="kv_scale_orig_quant"):
+            store_latent_rows(cache, slots, rows, kv_scale_orig_quant=2.0)
+    with pytest.raises(ValueError, match="rows: expected rows as wide"):
+        store_latent_rows(cache, slots, rows[:, :40])
+    with pytest.raises(TypeError, match="slots"):
+        store_latent_rows(cache, slots.float(), rows)
+
+
+def test_store_then_decode_fp8(gen, device):
+    """Write a request's rows through the FP8 write path, decode over them: within the stated bound of fp32
+    attention over the original rows."""
+    from kvforge.kernels.mla_decode import store_latent_rows
+
+    P, S, DV, DR, n = 6, 8, 32, 16, 37
+    rows = torch.randn(n, DV + DR, generator=gen).to(device)
+    cache = torch.zeros(P, S, DV + DR, device=device).to(torch.float8_e4m3fn)
+    bt = torch.tensor([[4, 0, 5, 2, 1]], dtype=torch.int32, device=device)
+    slots = torch.tensor([int(bt[0, t // S]) * S + t % S for t in range(n)], dtype=torch.int64, device=device)
+    store_latent_rows(cache, slots, rows, kv_scale_orig_quant=2.0)
+    q = torch.randn(1, 5, DV + DR, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor([n], dtype=torch.int32, device=device)
+    out = mla_decode_attention(q, cache, bt, sl, softmax_scale=0.3, v_head_dim=DV, kv_scale_quant_orig=0.5)
+    ref_cache = torch.zeros(P, S, DV + DR, device=device)
+    ref_cache.view(P * S, -1)[slots] = rows
+    orig, _ = mla_decode_attention_ref(q, ref_cache, bt, sl, softmax_scale=0.3, v_head_dim=DV)
+    assert rel_rmse(out.cpu().float(), orig.cpu()) < FP8_BOUND_ORIGINAL

@@ -25,6 +25,8 @@ REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
 # What a Gluon config runs where the Gluon kernel cannot (the portable kernel with its tiles, TMA): the sm_90
 # table's deepest 32-token ring, (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages).
 GLUON_FALLBACK_SM90 = [(512, 64, 64, 32, 8, 4)]
+# An e4m3 latent cache (bf16 q, fp16 products), on every architecture: the configs an e4m3 key runs.
+FP8_VARIANTS = [(512, 64, 16, 64, 4, 2, False), (512, 64, 64, 64, 8, 2, False)]
 
 
 def _compile_all() -> list[dict[str, object]]:
@@ -35,16 +37,25 @@ def _compile_all() -> list[dict[str, object]]:
     from kvforge.kernels.mla_decode import _mla_decode_split_kernel as fn
 
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf16", "bt_ptr": "*i32",
-             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32"}  # fmt: skip
+             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32",
+             "kv_scale": "fp32"}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     records = []
     jobs = [(arch, v, False) for arch in ARCHS for v in VARIANTS] + [(90, v, False) for v in REAL_WIDTH_SM90]
     jobs += [(90, (*v, False), True) for v in GLUON_FALLBACK_SM90]
+    jobs += [(arch, v, "fp8") for arch in ARCHS for v in FP8_VARIANTS]
     for arch, (dv, dr, bh, bn, warps, stages, split_dv), tma in jobs:
+        fp8 = tma == "fp8"
+        tma = tma is True
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
-                  "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32"}  # fmt: skip
-        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma}"
+                  "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32", "CHECK": True, "BALANCE": True,
+                  "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89}  # fmt: skip
+        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
         tsig = sig
+        if fp8:  # an e4m3 cache: the e4m3 type from sm_89, its bytes before
+            kv_t = "*fp8e4nv" if arch >= 89 else "*u8"
+            tsig = {**sig, "kv_ptr": kv_t, "desc_h": kv_t, "desc_r": kv_t}
         if tma:  # host descriptors of one key tile's latent half and rope part
             tsig = {**sig, "desc_h": f"tensordesc<bf16[{bn}, {dv // 2}]>", "desc_r": f"tensordesc<bf16[{bn}, {dr}]>"}
         try:
@@ -68,7 +79,9 @@ def test_decode_variants_compile_offline():
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, "\n".join(failed)
-    assert len(records) == len(ARCHS) * len(VARIANTS) + len(REAL_WIDTH_SM90) + len(GLUON_FALLBACK_SM90)
+    assert len(records) == len(ARCHS) * (len(VARIANTS) + len(FP8_VARIANTS)) + len(REAL_WIDTH_SM90) + len(
+        GLUON_FALLBACK_SM90
+    )
 
 
 if __name__ == "__main__":

@@ -86,10 +86,12 @@ def test_gluon_candidates_only_for_sm90_bf16_many_heads():
     assert gluon_kept((9, 0), (512, 64, "bfloat16", 64, 128, True))
     for arch in ((8, 0), (8, 9), (10, 0), (12, 0)):
         assert not gluon_kept(arch, key), arch
+    assert gluon_kept((9, 0), (512, 64, "bfloat16", 32, 64, True))
+    assert [md._gluon_variant(c) for c in gluon_kept((9, 0), (512, 64, "bfloat16", 128, 32, True))] == [(32, 4, False)]
     for other in (
         (512, 64, "float16", 128, 64, True),  # bf16 only
-        (512, 64, "bfloat16", 16, 64, True),  # few heads: memory-bound, the portable kernel
-        (512, 64, "bfloat16", 128, 32, True),  # a 64-token tile would cross pages
+        (512, 64, "bfloat16,e4m3", 128, 64, True),  # an e4m3 cache takes the portable kernel
+        (512, 64, "bfloat16", 16, 64, True),  # 16 heads: memory-bound, the portable kernel
         (512, 64, "bfloat16", 128, 64, False),  # no TMA-able layout
     ):
         assert not gluon_kept((9, 0), other), other
@@ -141,7 +143,11 @@ def test_trial_variants_are_candidates_only_when_asked(monkeypatch):
     key = (512, 64, "bfloat16", 128, 64, True)
     monkeypatch.delenv(md.TRIAL_ENV, raising=False)
     plain = [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
-    assert plain == [md._GLUON_FIRST] == md.gluon_variants(trial=False)
+    assert plain == [md._GLUON_FIRST]
+    plain32 = [
+        md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), (*key[:4], 32, True)) if c.kwargs.get("GLUON")
+    ]
+    assert plain32 == [md._gluon_first(32)] and plain + plain32 == md.gluon_variants(trial=False)
     monkeypatch.setenv(md.TRIAL_ENV, "1")
     trial = [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
     assert trial == md.gluon_variants() and len(trial) > 1
@@ -240,11 +246,12 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) 
 
     types = {"q_desc_h": desc(g.BLOCK_H, dv // 2, q_lay_h), "q_desc_r": desc(g.BLOCK_H, dr, q_lay_r),
              "k_desc_h": desc(block_n, dv // 2, k_lay_h), "k_desc_r": desc(block_n, dr, k_lay_r), "bt_ptr": "*i32",
-             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
+             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+             "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early}  # fmt: skip
+              "EARLY": early, "CHECK": True, "BALANCE": True}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,
                               "estimate": g.smem_bytes(dv, dr, block_n, stages)}  # fmt: skip

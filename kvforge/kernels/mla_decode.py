@@ -2,19 +2,19 @@
 
 One query token per request, ``q [B, H, D_qk]``, over ``kv_cache [num_pages, page_size, D_qk]`` addressed by
 ``block_table [B, max_pages]`` and ``seq_lens [B]``; keys are whole rows, values the first ``v_head_dim``
-columns::
-
-    s = softmax_scale · q · kᵀ        out = softmax(s) · v        lse = log Σ exp(s)   (natural log, fp32)
-
-A request with ``seq_lens[b] == 0`` gets ``out = 0`` and ``lse = −inf``. q and kv_cache share one dtype (bf16,
-fp16 or fp32); out takes q's dtype. No device→host sync beyond the optional value check, so the call is
-graph-capturable. Checks, before any launch: types, dtypes, shapes, devices (meta and non-interpreter CPU
-refused), ``out``/``lse`` not overlapping any input or each other, and, unless ``check_values=False``,
-seq_lens and page ids in range (one device→host read). A call whose tensors (address, shape, strides, dtype,
-device) and arguments equal an earlier valid call's reuses its checked launch plan; the value check still runs.
-On sm_90 with bf16 and many heads a config may choose the warp-specialised Gluon kernel of ``mla_decode_gluon``
-(same partials, same merge); elsewhere it falls back to the portable kernel. Layout, splits and launch
-variants: ``docs/kernels.md``.
+columns: ``s = softmax_scale · q · kᵀ``, ``out = softmax(s) · v``, ``lse = log Σ exp(s)`` (natural log, fp32).
+A request with ``seq_lens[b] == 0`` gets ``out = 0``, ``lse = −inf``. q and the cache share one dtype (bf16, fp16,
+fp32), or a 16-bit q reads an e4m3 cache (``kv_scale_quant_orig`` dequantises; fp16 products, fp32 sums): its
+output is within relative RMSE 1e-2 of fp32 attention over the dequantised cache (what the tests hold it to;
+the e4m3 rounding itself adds 2.5-2.8% against the unquantised rows at 576-wide unit-variance rows).
+``store_latent_rows`` writes new rows into either cache (quantising on write). Host checks before any launch:
+types, dtypes, shapes, devices, overlaps. Values (lengths, page ids) are checked on the device by default with
+no device→host read (bad requests get NaN and set an error flag; ``check_values="strict"`` checks on the host
+and raises), so the default call is graph-capturable. Key shares are sized on the device from the batch's total
+work (a long request of a mixed batch gets many, a short one a single share written straight to ``out``); a
+repeat call with the same tensors and arguments reuses its checked launch plan. On sm_90 with bf16 and 32 or
+more heads the warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel.
+Layout, shares and launch variants: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
+from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_shape, check_tensor, same_device
+from kvforge.kernels._fp8 import fp32_to_e4m3_bits
 from kvforge.kernels._runtime import (
     ConfigTable,
     PlanCache,
@@ -78,13 +79,30 @@ def _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, nmask, page, s_kp, s_kr, col_mine,
 
 
 @triton.jit
+def _e4m3_bytes_to_f16(b):
+    """e4m3 bytes -> fp16 holding the value / 256, with integer ops only (sm_80 has no e4m3 type): the
+    exponent bias moves from 7 to 15, so the byte's bits shifted into fp16's place read 2^-8 times the value,
+    subnormals included; the caller folds the 256 into its scale."""
+    b = b.to(tl.int32)
+    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
                  sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                 PRECISION: tl.constexpr):  # fmt: skip
-    if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact
+                 PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False):  # fmt: skip
+    if FP8_BYTES:
+        k_mine = _e4m3_bytes_to_f16(k_mine)
+        k_other = _e4m3_bytes_to_f16(k_other)
+        k_rope = _e4m3_bytes_to_f16(k_rope)
+    if UPCAST:  # the interpreter's bf16 dot multiplies bit patterns; fp32 there is exact (and so is fp8 -> fp32)
         k_mine = k_mine.to(tl.float32)
         k_other = k_other.to(tl.float32)
         k_rope = k_rope.to(tl.float32)
+    else:  # an e4m3 cache widens to q's 16-bit type exactly (no-op when the cache already has q's dtype)
+        k_mine = k_mine.to(q_mine.dtype)
+        k_other = k_other.to(q_mine.dtype)
+        k_rope = k_rope.to(q_mine.dtype)
     s = tl.dot(q_mine, tl.trans(k_mine), input_precision=PRECISION)
     s = tl.dot(q_other, tl.trans(k_other), s, input_precision=PRECISION)
     s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION) * sm_scale_log2
@@ -101,24 +119,68 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
     return acc_mine, acc_other, m_new, l_sum
 
 
-# The share length and the split count change with the batch: never specialise on them (a recompile per value).
-@triton.jit(do_not_specialize=["tiles_per_split", "s_plb", "s_plh"])
+@triton.jit
+def _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr,
+                   CHECK: tl.constexpr, BALANCE: tl.constexpr):  # fmt: skip
+    """This program's key share of request ``b``: (start, end, shares of the request, length out of range).
+
+    A request of ``t`` key tiles is cut into ``n`` shares of ``ceil(t / n)`` tiles. Without BALANCE,
+    ``n = min(S, t)``. With BALANCE the work of the whole batch decides: a share holds at least ``chunk`` tiles,
+    ``chunk = max(min_tiles, ceil(total tiles * head_progs / slots))``, so a long request gets many shares and a
+    short one a single share, and about one wave of ``slots`` programs does real work (the grid's S is an upper
+    bound; programs past a request's ``n`` return at once). A length outside ``[0, max_len]`` counts as 0 keys
+    and is reported (CHECK)."""
+    seq_len = tl.load(seq_ptr + b)
+    bad = seq_len * 0  # int32 0/1 (a tensor, so it can join the page check's flag)
+    if CHECK:
+        bad = ((seq_len < 0) | (seq_len > max_len)).to(tl.int32)
+        seq_len = tl.where(bad != 0, 0, seq_len)
+    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    if BALANCE:
+        offs = tl.arange(0, 1024)
+        total = tl.zeros((1024,), tl.int32)
+        i = 0
+        while i < B:
+            lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+            lens = tl.minimum(tl.maximum(lens, 0), max_len)
+            total += (lens + BLOCK_N - 1) // BLOCK_N
+            i += 1024
+        work = tl.sum(total, 0).to(tl.int64) * head_progs
+        chunk = tl.maximum((work + slots - 1) // slots, min_tiles).to(tl.int32)
+        n = tl.minimum(tl.maximum(tiles // chunk, 1), S)
+    else:
+        n = tl.minimum(tl.maximum(tiles, 1), S)
+    per = (tiles + n - 1) // n
+    start = split * per * BLOCK_N
+    end = tl.minimum(start + per * BLOCK_N, seq_len)
+    return start, end, n, bad
+
+
+# The batch, the share bounds and the output strides change from call to call: never specialise on them (a
+# recompile per value).
+@triton.jit(do_not_specialize=["B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob",
+                               "s_oh", "s_lb", "s_lh", "kv_scale"])  # fmt: skip
 def _mla_decode_split_kernel(
-    q_ptr, kv_ptr, desc_h, desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
-    H, tiles_per_split,
-    s_qb, s_qh, s_kp, s_kr, s_btb, s_pob, s_poh, s_pos, s_plb, s_plh,
-    sm_scale_log2,
+    q_ptr, kv_ptr, desc_h, desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, nshare_ptr, err_ptr,
+    scale_ptr, H, s_qb, s_qh, s_kp, s_kr, s_btb, s_pob, s_poh, s_pos,
+    B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob, s_oh, s_lb, s_lh,
+    sm_scale_log2, kv_scale,
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False,
+    PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
+    FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (head tiles x (2 if SPLIT_DV else 1), requests, key shares): the programs that read the same keys
-    are neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
+    """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
+    neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
     columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
     half of the output (half the accumulator registers, the scores computed by both programs of the pair).
-    PER_SM and GLUON are not read: they are the launcher's (programs resident per SM, for the split count; the
-    sm_90 Gluon kernel instead of this one where it can run) and parameters so that a config's kwargs launch as
-    they are."""
+    A request with one share writes ``out``/``lse`` itself; one with several writes fp32 partials and its share
+    count (``nshare``) for ``_decode_merge_kernel``. CHECK: lengths past ``max_len`` and page ids outside
+    ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
+    ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
+    scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80).
+    PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
+    where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -129,6 +191,18 @@ def _mla_decode_split_kernel(
     else:
         pid_h = pid1
         half = 0
+    start, end, n_share, bad = _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots,
+                                              tl.num_programs(0), BLOCK_N, CHECK, BALANCE)  # fmt: skip
+    if split >= n_share:
+        return
+    if (S > 1) & (pid1 == 0) & (split == 0):
+        tl.store(nshare_ptr + b, n_share)
+    if SCALE_MODE == 2:
+        kv_scale = tl.load(scale_ptr)
+    if FP8_BYTES:  # the cache's bytes decode to value / 256 (_e4m3_bytes_to_f16)
+        kv_scale = kv_scale * 256.0
+    if SCALE_MODE != 0:
+        sm_scale_log2 = sm_scale_log2 * kv_scale
     col_mine = half * D_HALF
     col_other = D_HALF - col_mine
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -143,9 +217,10 @@ def _mla_decode_split_kernel(
         q_mine = q_mine.to(tl.float32)
         q_other = q_other.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
-    seq_len = tl.load(seq_ptr + b)
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    elif SCALE_MODE != 0:  # an e4m3 cache: fp16 products (e4m3 -> fp16 is one instruction per pair; -> bf16 is not)
+        q_mine = q_mine.to(tl.float16)
+        q_other = q_other.to(tl.float16)
+        q_rope = q_rope.to(tl.float16)
     full_end = tl.maximum(start, start + ((end - start) // BLOCK_N) * BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
@@ -153,39 +228,130 @@ def _mla_decode_split_kernel(
     acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * s_btb
+    bad_page = bad * 0
+    bad_tok = tl.zeros((BLOCK_N,), tl.int32)
     for n0 in tl.range(start, full_end, BLOCK_N):
         tok = n0 + offs_n
         if PAGE_SIZE % BLOCK_N == 0:
             page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            if CHECK:
+                wrong = (page < 0) | (page >= num_pages)
+                bad_page = bad_page | wrong.to(tl.int32)
+                page = tl.where(wrong, 0, page)
         else:
             page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
+            if CHECK:  # per token: or-ed into a vector, reduced once after the loop (no reduction per tile)
+                wrong = (page < 0) | (page >= num_pages)
+                bad_tok = bad_tok | wrong.to(tl.int32)
+                page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, False, PRECISION)  # fmt: skip
+                                                     SPLIT_DV, False, PRECISION, FP8_BYTES)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
         if PAGE_SIZE % BLOCK_N == 0:
             page = tl.load(bt_row + full_end // PAGE_SIZE).to(tl.int64)
+            if CHECK:
+                wrong = (page < 0) | (page >= num_pages)
+                bad_page = bad_page | wrong.to(tl.int32)
+                page = tl.where(wrong, 0, page)
         else:
             page = tl.load(bt_row + tok // PAGE_SIZE, mask=nmask, other=0).to(tl.int64)
+            if CHECK:
+                wrong = nmask & ((page < 0) | (page >= num_pages))
+                bad_tok = bad_tok | wrong.to(tl.int32)
+                page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, True, PRECISION)  # fmt: skip
-    # Empty share (no keys): lse = -inf and a zero partial; the merge gives it weight 0.
+                                                     SPLIT_DV, True, PRECISION, FP8_BYTES)  # fmt: skip
+    # Empty share (no keys): lse = -inf and a zero output; a merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
-    po = po_ptr + b * s_pob + split.to(tl.int64) * s_pos + heads.to(tl.int64)[:, None] * s_poh
-    tl.store(po + col_mine + dh[None, :], acc_mine * inv[:, None], mask=hmask[:, None])
+    if SCALE_MODE != 0:
+        inv = inv * kv_scale
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_mine = acc_mine * inv[:, None]
+    o_other = acc_other * inv[:, None]
+    if CHECK:
+        if PAGE_SIZE % BLOCK_N != 0:
+            bad_page = bad_page | tl.max(bad_tok, 0)
+        if (bad | bad_page) != 0:
+            o_mine = tl.full((BLOCK_H, D_HALF), float("nan"), tl.float32)
+            o_other = o_mine
+            lse = tl.full((BLOCK_H,), float("nan"), tl.float32)
+        if bad != 0:
+            tl.store(err_ptr, 1)
+        if bad_page != 0:
+            tl.store(err_ptr + 1, 1)
+    rows = heads.to(tl.int64)
+    if n_share == 1:  # the request's only share: the final output, in out's dtype
+        _store_share(out_ptr + b * s_ob + rows[:, None] * s_oh, lse_ptr + b * s_lb + rows * s_lh, o_mine, o_other,
+                     lse, col_mine, col_other, hmask, half, D_HALF, SPLIT_DV)  # fmt: skip
+    else:
+        _store_share(po_ptr + b * s_pob + split.to(tl.int64) * s_pos + rows[:, None] * s_poh,
+                     plse_ptr + b * s_plb + rows * s_plh + split, o_mine, o_other, lse, col_mine, col_other, hmask,
+                     half, D_HALF, SPLIT_DV)  # fmt: skip
+
+
+@triton.jit
+def _store_share(po, pl, o_mine, o_other, lse, col_mine, col_other, hmask, half, D_HALF: tl.constexpr,
+                 SPLIT_DV: tl.constexpr):  # fmt: skip
+    dh = tl.arange(0, D_HALF)
+    ty = po.dtype.element_ty
+    tl.store(po + col_mine + dh[None, :], o_mine.to(ty), mask=hmask[:, None])
     if not SPLIT_DV:
-        tl.store(po + col_other + dh[None, :], acc_other * inv[:, None], mask=hmask[:, None])
+        tl.store(po + col_other + dh[None, :], o_other.to(ty), mask=hmask[:, None])
     if half == 0:
-        lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(plse_ptr + b * s_plb + heads.to(tl.int64) * s_plh + split, lse, mask=hmask)
+        tl.store(pl, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["H", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh"])
+def _decode_merge_kernel(po_ptr, plse_ptr, nshare_ptr, out_ptr, lse_ptr, H, s_pob, s_poh, s_pos, s_plb, s_plh,
+                         s_ob, s_oh, s_lb, s_lh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         CH: tl.constexpr):  # fmt: skip
+    """Grid (requests, heads, column blocks): the log-sum-exp merge of a request's shares, only for requests
+    with more than one share (the others wrote ``out`` themselves). ``BLOCK_S`` >= the grid's share count: the
+    share lses load as one vector; the outputs in chunks of ``CH`` shares, an empty share's (weight 0) not read.
+    A NaN share lse (a poisoned share) makes the row NaN."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    n = tl.load(nshare_ptr + b)
+    if n <= 1:
+        return
+    pl = plse_ptr + b * s_plb + h * s_plh
+    offs_s = tl.arange(0, BLOCK_S)
+    x = tl.load(pl + offs_s, mask=offs_s < n, other=float("-inf"))
+    nan = x != x
+    bad = tl.max(nan.to(tl.int32), 0)
+    m = tl.max(tl.where(nan, float("-inf"), x), 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_all = tl.exp(tl.where(nan, float("-inf"), x) - m_safe)
+    den = tl.sum(w_all, 0)
+    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    po = po_ptr + b * s_pob + h * s_poh + cols
+    offs_c = tl.arange(0, CH)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    s0 = 0
+    while s0 < n:
+        ss = s0 + offs_c
+        w = tl.exp(tl.load(pl + ss, mask=ss < n, other=float("-inf")) - m_safe)
+        use = w > 0.0  # False for NaN too: a poisoned share's row is set below
+        o = tl.load(po[None, :] + ss.to(tl.int64)[:, None] * s_pos, mask=use[:, None], other=0.0)
+        acc += tl.sum(tl.where(use[:, None], w[:, None] * o, 0.0), 0)
+        s0 += CH
+    o = acc / tl.where(den > 0.0, den, 1.0)
+    o = tl.where(bad != 0, float("nan"), o)
+    optr = out_ptr + b * s_ob + h * s_oh + cols
+    tl.store(optr, o.to(optr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        lse = tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf"))
+        lse = tl.where(bad != 0, float("nan"), lse)
+        tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
 
 
 def _cfg(
@@ -215,21 +381,25 @@ def _gluon_variant(cfg: triton.Config) -> tuple[int, int, bool]:
     return (int(cfg.kwargs["BLOCK_N"]), int(cfg.num_stages), int(cfg.kwargs.get("GLUON") or 0) == 2)
 
 
+def _gluon_first(page_size: int) -> tuple[int, int, bool]:
+    """The Gluon variant an untuned key autotunes among: 64-token tiles, or 32 in a 4-deep ring for 32-token pages."""
+    return _GLUON_FIRST if page_size % 64 == 0 else (32, 4, False)
+
+
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16, page size, TMA-able layout)
     kw = cfg.kwargs
-    if kw["BLOCK_H"] > max(16, key[3]):  # no head tile wider than the heads
+    if kw["BLOCK_H"] > max(16, key[3]) and not kw.get("GLUON"):  # no portable head tile wider than the heads
         return False
     if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
         return False
-    # The Gluon kernel: bf16, many heads (matrix-bound; few heads are memory-bound and the portable kernel
-    # meets its target there), whole 64-token tiles inside a page, TMA-able cache.
-    if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 64 and key[5] and key[4] % 64 == 0):
+    # The Gluon kernel: bf16 q and cache, 32 or more heads (with 32 the 64-row tile is half empty, but the keys
+    # are read once, not once per 16-head tile), a TMA-able cache, key tiles inside a page.
+    if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 32 and key[5] and key[4] % kw["BLOCK_N"] == 0):
         return False
-    # Beyond the first, Gluon variants are candidates only where asked for (the bench asks, and checks each
-    # against the reference): a key without a committed config autotunes by speed alone. The gate predates the
-    # H200 run in which every variant passed the GPU tests; widening it is an open choice (docs/kernels.md).
-    if kw.get("GLUON") and _gluon_variant(cfg) != _GLUON_FIRST and os.environ.get(TRIAL_ENV) != "1":
+    # Beyond the first variant that fits the page, Gluon variants are candidates only where asked for (the bench
+    # asks, and checks each against the reference): a key without a committed config autotunes by speed alone.
+    if kw.get("GLUON") and _gluon_variant(cfg) != _gluon_first(key[4]) and os.environ.get(TRIAL_ENV) != "1":
         return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
@@ -239,17 +409,19 @@ _CONFIGS = ConfigTable(
     fallback=[_cfg(16, 32, 4, 2)],
     interpreter=_cfg(16, 16, 1, 1),
     by_arch={
-        # Few heads (memory-bound): head tiles of 16, two programs per SM. Many heads (matrix-bound): head tiles
-        # of 64 on 8 warps, or 128 with the value columns split over two programs; one program per SM.
+        # The first kept config is the one a key without a committed config runs (no first-call tuning: a timing
+        # of a few-microsecond call measures the host, not the kernel). 32 or more heads in bf16: the Gluon
+        # kernel (64-token tiles, or 32 in a 4-deep ring for 32-token pages). 16 heads, or an e4m3 cache:
+        # portable head tiles of 16 (two programs per SM), or 64 on 8 warps for 64 or more heads.
         9: [
             _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=1),
             _cfg(16, 64, 4, 2),
+            _cfg(64, 64, 8, 2, per_sm=1),
             _cfg(16, 32, 4, 3),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1),
-            _cfg(64, 64, 8, 2, per_sm=1),
             _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
-            # Trial Gluon variants (TRIAL_ENV): deeper rings of 32-token key tiles, scores issued early.
-            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=1),
+            # Trial Gluon variants (TRIAL_ENV): a 3-deep ring of 32-token key tiles, scores issued early.
             _cfg(64, 32, 8, 3, tma=True, per_sm=1, gluon=1),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
@@ -257,7 +429,7 @@ _CONFIGS = ConfigTable(
     },
     keep=_keep,
 )
-_SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS)
+_SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS, tune_first=1)
 
 
 def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
@@ -266,24 +438,16 @@ def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
     seen: list[tuple[int, int, bool]] = []
     for cfg in _CONFIGS.by_arch[9]:
         v = _gluon_variant(cfg)
-        if cfg.kwargs.get("GLUON") and v not in seen and (trial or v == _GLUON_FIRST):
+        if cfg.kwargs.get("GLUON") and v not in seen and (trial or v in (_GLUON_FIRST, _gluon_first(32))):
             seen.append(v)
     return seen
 
 
 def _tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
-    """Whether the cache can be read through 2-D descriptors ``[pages * page_size, D]`` (pages evenly strided,
-    16-byte aligned rows and column offsets, row count within int32)."""
-    P, S, _ = kv_cache.shape
-    es = kv_cache.element_size()
-    return (
-        P * S > 0
-        and kv_cache.stride(0) == S * kv_cache.stride(1)
-        and (kv_cache.stride(1) * es) % 16 == 0
-        and kv_cache.data_ptr() % 16 == 0
-        and (d_v // 2 * es) % 16 == 0
-        and P * S < 2**31
-    )
+    """Whether the cache can be read through 2-D descriptors (``mla_decode_gluon.tma_layout_ok``)."""
+    from kvforge.kernels.mla_decode_gluon import tma_layout_ok
+
+    return tma_layout_ok(kv_cache, d_v)
 
 
 def _descriptors(kv_cache: torch.Tensor, block_n: int, d_v: int, d_r: int) -> tuple | None:
@@ -314,7 +478,8 @@ def _check_args(
     q = check_tensor("q", q, dtype=_FLOATS, ndim=3, last_dim_contiguous=True)
     check_launch_device("q", q)
     dev = q.device
-    kv_cache = check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=dev, last_dim_contiguous=True)
+    kv_dtypes = (q.dtype, FP8) if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    kv_cache = check_tensor("kv_cache", kv_cache, dtype=kv_dtypes, ndim=3, device=dev, last_dim_contiguous=True)
     block_table = check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
     seq_lens = check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=dev)
     for name, t in (("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
@@ -368,16 +533,19 @@ def _check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: 
 
 
 def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -> tuple:
-    """What the best launch configuration depends on: widths, dtype, heads (rounded up to a power of two), page
-    size and whether the cache layout allows TMA. Never batch size or lengths."""
+    """What the best launch configuration depends on: widths, dtypes (q's, and ``,e4m3`` for an FP8 cache), heads
+    (rounded up to a power of two), page size and whether the cache layout allows TMA. Never batch size or
+    lengths."""
     tma_ok = not interpreting() and _tma_layout_ok(kv_cache, v_head_dim)
     heads = max(16, 1 << max(0, q.shape[1] - 1).bit_length())  # host int math: triton.* helpers cost µs
-    return (v_head_dim, q.shape[-1] - v_head_dim, str(q.dtype).split(".")[-1], heads, kv_cache.shape[1], tma_ok)
+    dtype = str(q.dtype).split(".")[-1] + (",e4m3" if kv_cache.dtype == FP8 else "")
+    return (v_head_dim, q.shape[-1] - v_head_dim, dtype, heads, kv_cache.shape[1], tma_ok)
 
 
 def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int = 2) -> int:
-    """Key shares per request: up to about one wave of programs (``per_sm`` resident per SM), choosing the count
-    whose programs fill the last wave best (with a wave of 264, 300 programs leave most of a second wave idle)."""
+    """Key shares per request for a batch of equal lengths: up to about one wave of programs (``per_sm``
+    resident per SM), choosing the count whose programs fill the last wave best (with a wave of 264, 300
+    programs leave most of a second wave idle)."""
     if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
         raise ValueError(f"per_sm: expected an int >= 1, got {per_sm!r}")
     base = max(1, batch * head_tiles)
@@ -389,6 +557,21 @@ def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, pe
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
+
+
+MIN_SHARE_TOKENS = 128  # a key share shorter than this costs more in its partial and merge than it saves
+
+
+def share_grid(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int, block_n: int) -> int:
+    """The grid's share axis S when the shares are balanced on the device (``_request_share``): room for the
+    longest request of a mixed batch to take several shares, about two waves of programs at most. 1 (every
+    request one share, written straight to ``out``, no merge) when the keys are too short to split or the
+    requests alone fill two waves."""
+    min_tiles = max(1, MIN_SHARE_TOKENS // block_n)
+    if max_tiles < 2 * min_tiles:
+        return 1
+    base = max(1, batch * head_tiles)
+    return max(1, min(max_tiles // min_tiles, -(-2 * per_sm * sms // base), 65535))
 
 
 def _cfg_id(cfg: triton.Config) -> tuple:
@@ -404,35 +587,49 @@ def _int_spec(ints: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
     return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints)
 
 
-def _merge_args(S: int, B: int, H: int, D: int, out: torch.Tensor, lse: torch.Tensor) -> tuple:
-    """merge_attention_states' key, launch spec and int arguments for this module's partials: fresh contiguous
-    ``[B, H, S, D]`` / ``[B, H, S]`` buffers read as ``[S, B, H, D]`` / ``[S, B, H]``."""
-    ints = (S, B * H, H, D, D, H * S * D, S * D, 1, H * S, S, out.stride(0), out.stride(1), lse.stride(0),
-            lse.stride(1))  # fmt: skip
-    key = (1 << max(0, D - 1).bit_length(),)  # merge_attention_states' key
-    # The partials come from the caching allocator: 16-byte aligned.
-    return key, (key, out.dtype, (True, True, *_aligned(out, lse)), _int_spec(ints)), ints
+_MERGE_CFG = triton.Config({"CH": 8}, num_warps=2, num_stages=1)
+_DMERGE = TunedKernel("mla_decode_merge", _decode_merge_kernel,
+                      ConfigTable(fallback=[_MERGE_CFG], interpreter=_MERGE_CFG))  # fmt: skip
+
+# Per-device error flags of the checked default call: int32 [2], [0] a length out of range, [1] a page id out of
+# range (set to 1 by the kernel; never cleared by it).
+_ERROR_FLAGS: dict[tuple[str, int | None], torch.Tensor] = {}
+_FLAG_NAMES = ("seq_lens: a length outside [0, block_table width x page size]",
+               "block_table: a page id outside [0, num_pages) for a page a request reads")  # fmt: skip
 
 
-def _merge(
-    partial: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, margs: tuple
-) -> None:
-    """merge_attention_states on the partials this module allocated, without its input checks (out and lse were
-    checked by the caller) and through the cached direct launcher; ``margs`` from ``_merge_args``."""
-    from kvforge.kernels.merge_states import _MERGE
+def _dev_key(device: torch.device) -> tuple[str, int | None]:
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
 
-    key, spec, ints = margs
-    R, D = ints[1], ints[3]
-    _MERGE.launch_fast(
-        lambda meta: (-(-R // meta["BLOCK_R"]), -(-D // meta["BLOCK_D"])),
-        key,
-        spec,
-        (partial, partial_lse, out, lse, *ints),
-    )
+
+def decode_error_flags(device: torch.device | str | None = None) -> torch.Tensor:
+    """The device's error flags that ``mla_decode_attention``'s default (checked) call sets when no
+    ``error_flag`` is given: int32 ``[2]``, element 0 for a length out of range, 1 for a page id out of range.
+    Reading them is the caller's choice (a device->host read); ``raise_decode_errors`` reads, clears and raises.
+    Created (zeroed) on first use: make one call, or call this, before capturing a CUDA graph."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    key = _dev_key(dev)
+    flags = _ERROR_FLAGS.get(key)
+    if flags is None:
+        flags = _ERROR_FLAGS.setdefault(key, torch.zeros(2, dtype=torch.int32, device=dev))
+    return flags
+
+
+def raise_decode_errors(error_flag: torch.Tensor | torch.device | str | None = None) -> None:
+    """Read (one device->host read) and clear an error flag tensor (or the device's ``decode_error_flags``);
+    raise ValueError naming what the kernel found since the last clear, if anything."""
+    flags = error_flag if isinstance(error_flag, torch.Tensor) else decode_error_flags(error_flag)
+    seen = flags[:2].tolist()
+    flags.zero_()
+    found = [name for name, v in zip(_FLAG_NAMES, seen) if v]
+    if found:
+        raise ValueError("mla_decode_attention: " + "; ".join(found) + " (those requests' outputs are NaN)")
 
 
 class _Plan(NamedTuple):
-    """A checked call's launch, keyed by its tensors' metadata (``_PLANS``); holds no tensor."""
+    """A checked call's launch, keyed by its tensors' metadata (``_PLANS``); holds no caller tensor."""
 
     kernel: TunedKernel  # the module's TunedKernel when planned (tests swap it)
     memo: tuple  # (arch, config key): the plan is stale once another config is chosen for it
@@ -441,9 +638,10 @@ class _Plan(NamedTuple):
     spec: tuple
     consts: tuple
     ints: tuple  # H and the specialised strides, in kernel order
+    rt: tuple  # the do_not_specialize ints, in kernel order
     grid: tuple[int, int, int]
-    tiles_per_split: int
     scale_log2: float
+    kv_scale: float
     B: int
     H: int
     v_head_dim: int
@@ -451,8 +649,10 @@ class _Plan(NamedTuple):
     num_pages: int
     page_size: int
     direct: bool
-    merge: tuple  # _merge_args: fixed by the shapes and out/lse's metadata
-    gluon: bool  # mla_decode_gluon's kernel instead of the portable split kernel
+    gluon: tuple | None  # mla_decode_gluon's (block_n, stages, early) instead of the portable split kernel
+    merge: tuple | None  # (grid, spec, consts) of the share merge when S > 1
+    strict: bool
+    flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
 
 
 _PLANS = PlanCache(maxsize=64)
@@ -466,42 +666,77 @@ def _launch(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    err: torch.Tensor,
+    scale_t: torch.Tensor | None,
     fast: bool = True,
 ) -> None:
-    """The split kernel into fresh partials, then the merge into ``out``/``lse`` (inputs already checked)."""
-    kw = plan.cfg.kwargs
-    if plan.gluon:
+    """The split kernel (requests with one share write ``out``/``lse``), then the merge of the others."""
+    B, H, S, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
+    if S > 1:
+        partial = torch.empty((B, H, S, dv), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
+        nshare = torch.empty((B,), dtype=torch.int32, device=q.device)
+    else:  # never written (every request has one share): placeholders of the same dtypes
+        partial, partial_lse, nshare = lse, lse, seq_lens
+    scale_ptr = scale_t if scale_t is not None else lse
+    if plan.gluon is not None:
         from kvforge.kernels import mla_decode_gluon
 
-        B, H, splits, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
-        bn, stages, early = _gluon_variant(plan.cfg)
-        partial = torch.empty((B, H, splits, dv), dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+        bn, stages, early = plan.gluon
         mla_decode_gluon.mla_decode_gluon_split(
-            q, kv_cache, block_table, seq_lens, partial, partial_lse, tiles_per_split=plan.tiles_per_split,
+            q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
             scale_log2=plan.scale_log2, v_head_dim=dv, block_n=bn, stages=stages, early=early,
+            check=dict(plan.consts)["CHECK"], balance=dict(plan.consts)["BALANCE"], splits=S,
         )  # fmt: skip
-        _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse, plan.merge)
-        return
-    if kw["USE_TMA"]:
-        descs = _descriptors(kv_cache, kw["BLOCK_N"], plan.v_head_dim, plan.d_r)
-        if descs is None:
-            raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
-        desc_h, desc_r = descs
     else:
-        desc_h = desc_r = kv_cache
-    B, H, splits, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
-    partial = torch.empty((B, H, splits, dv), dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-    args = (q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, H, plan.tiles_per_split,
-            *plan.ints[1:], H * splits, splits, plan.scale_log2)  # fmt: skip
-    grid = plan.grid
-    if fast and plan.direct:
-        _SPLIT.launch_fast(lambda meta: grid, plan.key, plan.spec, args, **dict(plan.consts))
-    else:
-        _mla_decode_split_kernel[grid](*args, **dict(plan.consts), **{"PER_SM": 2, **kw},
-                                       num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)  # fmt: skip
-    _merge(partial.permute(2, 0, 1, 3), partial_lse.permute(2, 0, 1), out, lse, plan.merge)
+        kw = plan.cfg.kwargs
+        if kw["USE_TMA"]:
+            descs = _descriptors(kv_cache, kw["BLOCK_N"], dv, plan.d_r)
+            if descs is None:
+                raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
+            desc_h, desc_r = descs
+        else:
+            desc_h = desc_r = kv_cache
+        kv = kv_cache.view(torch.uint8) if plan.consts[-1][1] else kv_cache  # FP8_BYTES: the cache as bytes
+        args = (q, kv, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err,
+                scale_ptr, *plan.ints, *plan.rt, plan.scale_log2, plan.kv_scale)  # fmt: skip
+        grid = plan.grid
+        if fast and plan.direct:
+            _SPLIT.launch_fast(lambda meta: grid, plan.key, plan.spec, args, **dict(plan.consts))
+        else:
+            _mla_decode_split_kernel[grid](*args, **dict(plan.consts), **{"PER_SM": 2, "GLUON": 0, **kw},
+                                           num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)  # fmt: skip
+    if plan.merge is not None:
+        mgrid, mspec, mconsts = plan.merge
+        margs = (partial, partial_lse, nshare, out, lse, H, partial.stride(0), partial.stride(1), partial.stride(2),
+                 partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+                 lse.stride(1))  # fmt: skip
+        _DMERGE.launch_fast(lambda meta: mgrid, ("merge",), mspec, margs, **dict(mconsts))
+
+
+def _check_scale(kv_scale_quant_orig: object, kv_cache: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
+    """(SCALE_MODE, float scale, device scale tensor) for the cache's dequantisation."""
+    sc = kv_scale_quant_orig
+    if kv_cache.dtype != FP8:
+        if sc is not None:
+            raise ValueError(f"kv_scale_quant_orig: only an e4m3 kv_cache takes a scale, got a {kv_cache.dtype} cache")
+        return 0, 1.0, None
+    if sc is None:
+        return 1, 1.0, None
+    if isinstance(sc, torch.Tensor):
+        if sc.dtype != torch.float32:
+            raise TypeError(f"kv_scale_quant_orig: expected a float32 tensor, got {sc.dtype}")
+        if sc.numel() != 1:
+            raise ValueError(f"kv_scale_quant_orig: expected a 1-element tensor, got shape {tuple(sc.shape)}")
+        if not same_device(sc.device, kv_cache.device):
+            raise ValueError(f"kv_scale_quant_orig: expected a tensor on {kv_cache.device}, got one on {sc.device}")
+        check_launch_device("kv_scale_quant_orig", sc)
+        return 2, 1.0, sc
+    if isinstance(sc, bool) or not isinstance(sc, (int, float)):
+        raise TypeError(f"kv_scale_quant_orig: expected a float or a 1-element fp32 tensor, got {type(sc).__name__}")
+    if not (math.isfinite(sc) and sc > 0):
+        raise ValueError(f"kv_scale_quant_orig: expected a finite scale > 0, got {sc}")
+    return 1, float(sc), None
 
 
 def mla_decode_attention(
@@ -516,30 +751,45 @@ def mla_decode_attention(
     lse: torch.Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
-    check_values: bool = True,
+    check_values: bool | str = True,
+    error_flag: torch.Tensor | None = None,
+    kv_scale_quant_orig: float | torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D_qk]`` over the paged latent cache; returns ``out [B, H, v_head_dim]``
-    (q's dtype) and, with ``return_lse``, ``lse [B, H]`` fp32. ``out``/``lse`` buffers are written when given."""
+    (q's dtype) and, with ``return_lse``, ``lse [B, H]`` fp32. ``out``/``lse`` buffers are written when given.
+
+    ``check_values``: True (default) checks lengths and page ids on the device, without a device->host read: a
+    request with a length outside ``[0, block_table width x page size]`` or a page id outside ``[0, num_pages)``
+    among the pages it reads gets NaN in ``out`` and ``lse``, nothing is read out of bounds, and element 0
+    (length) or 1 (page id) of ``error_flag`` (int32, >= 2 elements; default ``decode_error_flags(device)``) is
+    set to 1; ``raise_decode_errors`` reads, clears and raises. ``"strict"`` checks on the host first (one
+    device->host read) and raises ValueError naming the argument and the first bad entry. False: no check.
+    ``kv_scale_quant_orig`` (float or 1-element fp32 device tensor, default 1.0) dequantises an e4m3 cache."""
     try:
         pkey = (
             tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
             None if out is None else tensor_key(out), None if lse is None else tensor_key(lse),
             type(softmax_scale), softmax_scale, type(v_head_dim), v_head_dim, type(num_splits), num_splits,
-            type(return_lse), type(check_values),
+            type(return_lse), type(check_values), check_values,
+            None if error_flag is None else tensor_key(error_flag),
+            tensor_key(kv_scale_quant_orig) if isinstance(kv_scale_quant_orig, torch.Tensor)
+            else (type(kv_scale_quant_orig), kv_scale_quant_orig),
         )  # fmt: skip
         plan = _PLANS.get(pkey)
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checked path says which
         pkey, plan = None, None
     if plan is not None and plan.kernel is _SPLIT and _SPLIT._chosen.get(plan.memo) is plan.cfg:
         # Same tensors (address, shape, strides, dtype, device) and arguments as an earlier checked call.
-        if check_values:
+        if plan.strict:
             _check_values(block_table, seq_lens, plan.num_pages, plan.page_size)
         B, H, dv = plan.B, plan.H, plan.v_head_dim
         if out is None:
             out = torch.empty((B, H, dv), dtype=q.dtype, device=q.device)
         if lse is None:
             lse = torch.empty((B, H), dtype=torch.float32, device=q.device)
-        _launch(plan, q, kv_cache, block_table, seq_lens, out, lse)
+        scale_t = kv_scale_quant_orig if isinstance(kv_scale_quant_orig, torch.Tensor) else None
+        _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, plan.flags if error_flag is None else error_flag,
+                scale_t)  # fmt: skip
         return (out, lse) if return_lse else out
     B, H, D, num_pages, page_size, max_pages = _check_args(
         q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim
@@ -547,12 +797,13 @@ def mla_decode_attention(
     dev = q.device
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-    if not isinstance(check_values, bool):
-        raise TypeError(f"check_values: expected a bool, got {type(check_values).__name__}")
+    if not (isinstance(check_values, bool) or check_values == "strict"):
+        raise TypeError(f"check_values: expected True, False or 'strict', got {check_values!r:.40}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)):
         raise TypeError(f"num_splits: expected an int or None, got {type(num_splits).__name__}")
     if num_splits is not None and not 1 <= num_splits <= 65535:
         raise ValueError(f"num_splits: expected a value in [1, 65535], got {num_splits}")
+    scale_mode, kv_scale, scale_t = _check_scale(kv_scale_quant_orig, kv_cache)
     if out is None:
         out = torch.empty((B, H, v_head_dim), dtype=q.dtype, device=dev)
     else:
@@ -565,62 +816,203 @@ def mla_decode_attention(
         check_tensor("lse", lse, dtype=torch.float32, ndim=2, device=dev)
         check_launch_device("lse", lse)
         check_shape("lse", lse, (B, H))
+    if error_flag is not None:
+        check_tensor("error_flag", error_flag, dtype=torch.int32, device=dev, contiguous=True)
+        check_launch_device("error_flag", error_flag)
+        if error_flag.numel() < 2:
+            raise ValueError(f"error_flag: expected at least 2 elements, got shape {tuple(error_flag.shape)}")
     check_no_overlap(
-        {"out": out, "lse": lse},
-        {"q": q, "kv_cache": kv_cache, "block_table": block_table, "seq_lens": seq_lens},
+        {"out": out, "lse": lse, "error_flag": error_flag},
+        {
+            "q": q,
+            "kv_cache": kv_cache,
+            "block_table": block_table,
+            "seq_lens": seq_lens,
+            "kv_scale_quant_orig": scale_t,
+        },
     )
     if B > 65535:
         raise ValueError(f"q: expected at most 65535 requests per call, got {B}")
-    if check_values:
+    strict = check_values == "strict"
+    if strict:
         _check_values(block_table, seq_lens, num_pages, page_size)
     if B == 0:
         return (out, lse) if return_lse else out
+    flags = decode_error_flags(dev)
+    err = flags if error_flag is None else error_flag
     d_r = D - v_head_dim
     key = config_key(q, kv_cache, v_head_dim)
     upcast = interpreting() and q.dtype == torch.bfloat16
     # fp32 inputs get fp32 products (a GPU's default for fp32 tl.dot is TF32, about 1e-3 relative error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     sms = num_sms(dev)
-    consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast), ("PRECISION", precision))
+    check = check_values is True
+    max_len = max_pages * page_size
+    # Before sm_89 Triton has no e4m3 type: the kernel decodes the cache's bytes itself.
+    cap = device_capability(dev)
+    fp8_bytes = kv_cache.dtype == FP8 and not interpreting() and cap is not None and cap < (8, 9)
 
     def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
-        gluon = False
+        gluon = None
         if kw.get("GLUON"):
             from kvforge.kernels.mla_decode_gluon import BLOCK_H, gluon_decode_reason
 
-            bn, stages, _ = _gluon_variant(cfg)
-            gluon = gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages) is None
-            if gluon:  # its own head tile and key tile, one program per SM
+            variant = _gluon_variant(cfg)
+            bn, stages, _ = variant
+            if gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages) is None:
+                gluon = variant  # its own head tile and key tile, one program per SM
                 kw = {**kw, "BLOCK_H": BLOCK_H, "BLOCK_N": bn, "SPLIT_DV": False, "PER_SM": 1}
+        bn = kw["BLOCK_N"]
         programs_per_request = -(-H // kw["BLOCK_H"]) * (2 if kw["SPLIT_DV"] else 1)
-        max_tiles = max(1, -(-(max_pages * page_size) // kw["BLOCK_N"]))
+        max_tiles = max(1, -(-max_len // bn))
+        per_sm = int(kw.get("PER_SM", 2))
         if num_splits is None:
-            splits = default_num_splits(B, programs_per_request, max_tiles, sms, int(kw.get("PER_SM", 2)))
+            splits = share_grid(B, programs_per_request, max_tiles, sms, per_sm, bn)
+            balance = splits > 1
         else:
-            splits = num_splits
-        splits = min(splits, max_tiles)
+            splits, balance = min(num_splits, max_tiles), False
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
-        # Everything Triton specialises the compiled kernel on (tiles_per_split and the lse strides are
-        # do_not_specialize): a repeat call launches the cached kernel directly.
-        spec = (key, _cfg_id(cfg), q.dtype, _aligned(q, kv_cache, block_table, seq_lens), _int_spec(ints), consts)
+        rt = (B, splits, max_len, max(1, MIN_SHARE_TOKENS // bn), per_sm * sms, num_pages, H * splits, splits,
+              out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
+        consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
+                  ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
+                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes))  # fmt: skip
+        # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
+        # call launches the cached kernel directly.
+        ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
+        spec = (key, _cfg_id(cfg), q.dtype, kv_cache.dtype, _aligned(*ptrs), _int_spec(ints), consts, splits > 1)
+        merge = None
+        if splits > 1:
+            bs = 1 << max(0, splits - 1).bit_length()
+            bd = min(128, v_head_dim)  # a power of two
+            mconsts = (("BLOCK_S", bs), ("BLOCK_D", bd))
+            mgrid = (B, H, v_head_dim // bd)
+            merge = (mgrid, (v_head_dim, out.dtype, _aligned(out, lse), bs, bd), mconsts)
         return _Plan(
-            _SPLIT, (arch_name(device_capability(dev)), key), cfg, key, spec, consts, ints,
-            (programs_per_request, B, splits), -(-max_tiles // splits), float(softmax_scale) * 1.4426950408889634,
+            _SPLIT, (arch_name(device_capability(dev)), key), cfg, key, spec, consts, ints, rt,
+            (programs_per_request, B, splits), float(softmax_scale) * 1.4426950408889634, kv_scale,
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
-            "PER_SM" in kw and "GLUON" in kw, _merge_args(splits, B, H, v_head_dim, out, lse), gluon,
+            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags,
         )  # fmt: skip
 
-    # Tuned once per key on a GPU without a committed config (idempotent: it writes only the partials).
-    cfg = _SPLIT.config_for(key, lambda c: _launch(make_plan(c), q, kv_cache, block_table, seq_lens, out, lse, False))
+    # Tuned once per key on a GPU without a committed config (idempotent: it writes only out, lse and partials).
+    cfg = _SPLIT.config_for(
+        key, lambda c: _launch(make_plan(c), q, kv_cache, block_table, seq_lens, out, lse, err, scale_t, False)
+    )
     plan = make_plan(cfg)
-    _launch(plan, q, kv_cache, block_table, seq_lens, out, lse)
+    _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, err, scale_t)
     if pkey is not None:
         _PLANS.put(pkey, plan)
-    # An empty request merges to 0 with lse -inf already (every share reported -inf).
     return (out, lse) if return_lse else out
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_slots", "s_row", "scale_val"])
+def _store_latent_kernel(rows_ptr, slot_ptr, cache_ptr, scale_ptr, scale_val, n_rows, n_slots, s_row, s_page,
+                         s_tok, PAGE_SIZE: tl.constexpr, D: tl.constexpr, FP8_OUT: tl.constexpr,
+                         SCALE_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Row r goes to slot ``slots[r]`` (page ``slot // PAGE_SIZE``, token ``slot % PAGE_SIZE``); a slot outside
+    ``[0, n_slots)`` (-1 marks padding) is skipped. FP8_OUT: ``e4m3(x * scale)`` through the int-only encoder,
+    stored as bytes."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    ok = rmask & (slot >= 0) & (slot < n_slots)
+    dst = (slot // PAGE_SIZE) * s_page + (slot % PAGE_SIZE) * s_tok
+    if SCALE_IS_PTR:
+        scale_val = tl.load(scale_ptr)
+    for c0 in tl.static_range(0, D, BLOCK_D):
+        cols = c0 + tl.arange(0, BLOCK_D)
+        m = ok[:, None] & (cols < D)[None, :]
+        x = tl.load(rows_ptr + r.to(tl.int64)[:, None] * s_row + cols[None, :], mask=m, other=0.0)
+        if FP8_OUT:
+            y = fp32_to_e4m3_bits(x.to(tl.float32) * scale_val).to(tl.uint8)
+        else:
+            y = x.to(cache_ptr.dtype.element_ty)
+        tl.store(cache_ptr + dst[:, None] + cols[None, :], y, mask=m)
+
+
+_STORE_CFG = triton.Config({"BLOCK_R": 8, "BLOCK_D": 128}, num_warps=4, num_stages=1)
+_STORE = TunedKernel(
+    "mla_store_latent", _store_latent_kernel, ConfigTable(fallback=[_STORE_CFG], interpreter=_STORE_CFG)
+)
+
+
+def store_latent_rows(
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    kv_scale_orig_quant: float | torch.Tensor | None = None,
+) -> None:
+    """Write new latent rows into the paged cache: ``rows [N, D]`` (bf16/fp16/fp32) to slots ``slots [N]``
+    (int32/int64, slot = page * page_size + token; a slot outside ``[0, pages * page_size)``, e.g. -1 for
+    padding, is skipped). An e4m3 cache stores ``e4m3(row * kv_scale_orig_quant)`` (round to nearest even,
+    saturating at ±448; the scale a float or a 1-element fp32 device tensor, default 1.0), what
+    ``mla_decode_attention`` reads back with ``kv_scale_quant_orig = 1 / kv_scale_orig_quant``; a 16/32-bit
+    cache stores the rows cast to its dtype (no scale allowed). No device->host read: graph-capturable."""
+    kv_cache = check_tensor("kv_cache", kv_cache, dtype=(FP8, *_FLOATS), ndim=3, last_dim_contiguous=True)
+    check_launch_device("kv_cache", kv_cache)
+    dev = kv_cache.device
+    rows = check_tensor("rows", rows, dtype=_FLOATS, ndim=2, device=dev, last_dim_contiguous=True)
+    slots = check_tensor("slots", slots, dtype=(torch.int32, torch.int64), ndim=1, device=dev, contiguous=True)
+    for name, t in (("rows", rows), ("slots", slots)):
+        check_launch_device(name, t)
+    P, S, D = kv_cache.shape
+    if rows.shape[1] != D:
+        raise ValueError(f"rows: expected rows as wide as the cache ({D}), got shape {list(rows.shape)}")
+    check_shape("slots", slots, (rows.shape[0],))
+    fp8 = kv_cache.dtype == FP8
+    sc = kv_scale_orig_quant
+    scale_t, scale_val = None, 1.0
+    if sc is not None and not fp8:
+        raise ValueError(f"kv_scale_orig_quant: only an e4m3 kv_cache takes a scale, got a {kv_cache.dtype} cache")
+    if isinstance(sc, torch.Tensor):
+        if sc.dtype != torch.float32 or sc.numel() != 1:
+            raise TypeError(
+                f"kv_scale_orig_quant: expected a 1-element float32 tensor, got {sc.dtype} {tuple(sc.shape)}"
+            )
+        if not same_device(sc.device, dev):
+            raise ValueError(f"kv_scale_orig_quant: expected a tensor on {dev}, got one on {sc.device}")
+        scale_t = sc
+    elif sc is not None:
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)):
+            raise TypeError(
+                f"kv_scale_orig_quant: expected a float or a 1-element fp32 tensor, got {type(sc).__name__}"
+            )
+        if not (math.isfinite(sc) and sc > 0):
+            raise ValueError(f"kv_scale_orig_quant: expected a finite scale > 0, got {sc}")
+        scale_val = float(sc)
+    check_no_overlap({"kv_cache": kv_cache}, {"rows": rows, "slots": slots, "kv_scale_orig_quant": scale_t})
+    n = rows.shape[0]
+    if n == 0 or P * S == 0:
+        return
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    _STORE.launch(
+        lambda meta: (-(-n // meta["BLOCK_R"]),),
+        ("store",),
+        rows, slots, cache, scale_t if scale_t is not None else rows, scale_val, n, P * S, rows.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1),
+        PAGE_SIZE=S, D=D, FP8_OUT=fp8, SCALE_IS_PTR=scale_t is not None,
+    )  # fmt: skip
+
+
+def store_latent_rows_ref(
+    kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, *, kv_scale_orig_quant: float | None = None
+) -> torch.Tensor:
+    """Plain-torch reference of ``store_latent_rows``: returns the updated copy of the cache."""
+    from kvforge.kernels._fp8 import e4m3_ref
+
+    out = kv_cache.clone()
+    P, S, _ = out.shape
+    flat = out.view(P * S, -1)
+    for r, slot in enumerate(slots.tolist()):
+        if 0 <= slot < P * S:
+            x = rows[r].float()
+            flat[slot] = e4m3_ref(x * (kv_scale_orig_quant or 1.0)) if out.dtype == FP8 else x.to(out.dtype)
+    return out
 
 
 def mla_decode_attention_ref(
@@ -631,9 +1023,12 @@ def mla_decode_attention_ref(
     *,
     softmax_scale: float,
     v_head_dim: int = 512,
+    kv_scale_quant_orig: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch fp32 reference, one request at a time: gathers the request's rows page by page, then
-    ``softmax(scale · q kᵀ) v``. Returns ``(out [B, H, v_head_dim] fp32, lse [B, H] fp32)``."""
+    """Plain-torch fp32 reference, one request at a time: gathers the request's rows page by page (an e4m3
+    cache times ``kv_scale_quant_orig``), then ``softmax(scale · q kᵀ) v``. Returns ``(out [B, H, v_head_dim]
+    fp32, lse [B, H] fp32)``."""
+    scale = 1.0 if kv_scale_quant_orig is None else float(kv_scale_quant_orig)
     B, H, _ = q.shape
     page_size = kv_cache.shape[1]
     out = torch.zeros((B, H, v_head_dim), dtype=torch.float32, device=q.device)
@@ -645,7 +1040,7 @@ def mla_decode_attention_ref(
         if n == 0:
             continue
         pages = tables[b][: (n + page_size - 1) // page_size]
-        rows = torch.cat([kv_cache[p] for p in pages])[:n].float()
+        rows = torch.cat([kv_cache[p] for p in pages])[:n].float() * scale
         s = (q[b].float() @ rows.T) * softmax_scale
         lse[b] = torch.logsumexp(s, dim=-1)
         out[b] = torch.softmax(s, dim=-1) @ rows[:, :v_head_dim]
@@ -653,10 +1048,11 @@ def mla_decode_attention_ref(
 
 
 def selfcheck(device: torch.device) -> list:
-    """Decode attention against the fp32 reference: awkward lengths, an empty request, shuffled pages."""
+    """Decode attention against the fp32 reference: awkward lengths, an empty request, shuffled pages; and an
+    e4m3 cache written by ``store_latent_rows`` against the reference over the dequantised cache."""
     from kvforge.kernels._selfcheck import timed_check
 
-    def case(B: int, H: int, dv: int, dr: int, page_size: int, lens: list[int], dtype: torch.dtype):
+    def case(B: int, H: int, dv: int, dr: int, page_size: int, lens: list[int], dtype: torch.dtype, fp8: bool = False):
         def run() -> tuple[float, bool]:
             g = torch.Generator().manual_seed(11 + B * H)
             max_pages = max(1, max(-(-n // page_size) for n in lens))
@@ -666,16 +1062,30 @@ def selfcheck(device: torch.device) -> list:
             bt = torch.randperm(pages, generator=g)[: B * max_pages].view(B, max_pages).to(torch.int32).to(device)
             sl = torch.tensor(lens, dtype=torch.int32, device=device)
             scale = (dv + dr) ** -0.5
-            out, lse = mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, v_head_dim=dv, return_lse=True)
-            ref, ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=scale, v_head_dim=dv)
+            s_kv = None
+            if fp8:  # the write path quantises e4m3(x * 4); decode dequantises by 1/4
+                rows = kv.view(-1, dv + dr)
+                kv = torch.zeros(kv.shape, dtype=FP8, device=device)
+                slots = torch.arange(rows.shape[0], device=device)
+                store_latent_rows(kv, slots, rows, kv_scale_orig_quant=4.0)
+                s_kv = 0.25
+            out, lse = mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, v_head_dim=dv, return_lse=True,
+                                            kv_scale_quant_orig=s_kv)  # fmt: skip
+            ref, ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=scale, v_head_dim=dv,
+                                                    kv_scale_quant_orig=s_kv)  # fmt: skip
             err = float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
             finite = torch.isfinite(ref_lse)
-            lse_ok = torch.equal(finite, torch.isfinite(lse)) and bool(((lse - ref_lse)[finite].abs() <= 1e-3).all())
-            return err, lse_ok and err <= {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+            lse_tol = 2e-2 if fp8 else 1e-3
+            lse_ok = torch.equal(finite, torch.isfinite(lse)) and bool(((lse - ref_lse)[finite].abs() <= lse_tol).all())
+            tol = 1e-2 if fp8 else {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+            return err, lse_ok and err <= tol
 
         shapes = f"B={B} H={H} {dv}+{dr} page={page_size} lens={lens if len(lens) <= 4 else '...'} {dtype}"
+        shapes += " e4m3 cache" if fp8 else ""
         return timed_check("mla_decode_attention", device, shapes, run, unit="rel RMSE")
 
     if device.type != "cuda":
-        return [case(3, 5, 32, 16, 4, [0, 23, 9], torch.float32), case(2, 16, 32, 16, 16, [40, 7], torch.bfloat16)]
-    return [case(8, 128, 512, 64, 64, [1, 63, 64, 65, 4000, 0, 8191, 300], torch.bfloat16)]
+        return [case(3, 5, 32, 16, 4, [0, 23, 9], torch.float32), case(2, 16, 32, 16, 16, [40, 7], torch.bfloat16),
+                case(2, 16, 32, 16, 16, [40, 7], torch.bfloat16, fp8=True)]  # fmt: skip
+    return [case(8, 128, 512, 64, 64, [1, 63, 64, 65, 4000, 0, 8191, 300], torch.bfloat16),
+            case(4, 16, 512, 64, 64, [1, 4000, 0, 8191], torch.bfloat16, fp8=True)]  # fmt: skip

@@ -1,11 +1,14 @@
 """Warp-specialised sm_90 split kernel of MLA decode attention (Gluon), same contract as ``mla_decode``'s.
 
-``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the fp32 partial output and lse
-that ``kvforge.kernels.mla_decode`` merges; the caller has checked every input and ``gluon_decode_reason`` said
-the layout fits. bf16 only, keys 576 = 512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit
-shared memory), page size a multiple of 64. A variant is (``block_n``, ``stages``, ``early``): key tiles of
-``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the SM: 64 x 2, 32 x 3 and
-32 x 4 do), and the score product issued before (``early``) or after taking the other warpgroup's tile.
+``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse``
+when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
+sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
+checked every input and ``gluon_decode_reason`` said the layout fits. bf16 only, keys 576 = 512 latent + 64
+rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of the key tile;
+this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
+``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
+SM: 64 x 2, 32 x 3 and 32 x 4 do), and the score product issued before (``early``) or after taking the other
+warpgroup's tile.
 One program per (head tile, request, share), three partitions:
 
 * a loader warp: TMA copies of the Q tile (once) and of each key tile (one page slice of the 2-D
@@ -25,9 +28,12 @@ takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Tr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels import mla_context_gluon as _mcg
 
 __all__ = ["BLOCK_H", "BLOCK_N", "BLOCK_NS", "STAGES", "gluon_decode_reason", "mla_decode_gluon_split", "smem_bytes"]
@@ -54,6 +60,21 @@ if gluon is not None:
     _tma_load = _mcg._tma_load
 
 
+def tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
+    """Whether the cache can be read through 2-D descriptors ``[pages * page_size, D]`` (pages evenly strided,
+    16-byte aligned rows and column offsets, row count within int32)."""
+    P, S, _ = kv_cache.shape
+    es = kv_cache.element_size()
+    return (
+        P * S > 0
+        and kv_cache.stride(0) == S * kv_cache.stride(1)
+        and (kv_cache.stride(1) * es) % 16 == 0
+        and kv_cache.data_ptr() % 16 == 0
+        and (d_v // 2 * es) % 16 == 0
+        and P * S < 2**31
+    )
+
+
 def smem_bytes(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES) -> int:
     """Shared memory of one program: the Q tile, the key-tile ring, P, the max and the two row sums, barriers."""
     d = d_v + d_r
@@ -71,13 +92,11 @@ def gluon_decode_reason(
 ) -> str | None:
     """None when the Gluon kernel variant (``block_n``-token key tiles, ``stages`` ring slots) can run this call,
     else why not (device, dtype, widths, shared memory, layouts)."""
-    from kvforge.kernels.mla_decode import _tma_layout_ok
-
     why = _mcg.gluon_unavailable_reason(q.device)
     if why is not None:
         return why
-    if q.dtype != torch.bfloat16:
-        return f"the Gluon decode kernel is bf16 only, got {q.dtype}"
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        return f"the Gluon decode kernel is bf16 only, got q {q.dtype} and kv_cache {kv_cache.dtype}"
     half = v_head_dim // 2
     if half % 64 or half > 256 or d_r % 16 or d_r > 256:
         return f"widths {v_head_dim} + {d_r} do not split into TMA boxes of at most 256 columns"
@@ -91,7 +110,7 @@ def gluon_decode_reason(
     B, H, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D or (B > 1 and q.stride(0) != H * D) or q.data_ptr() % 16:
         return "q is not a contiguous, 16-byte aligned [B, H, D] tensor (its Q tiles are TMA copies)"
-    if not _tma_layout_ok(kv_cache, v_head_dim):
+    if not tma_layout_ok(kv_cache, v_head_dim):
         return "kv_cache's layout does not allow TMA copies of whole rows"
     return None
 
@@ -101,9 +120,10 @@ if gluon is not None:
     @gluon.jit
     def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                    q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
-                   po_base, plse_base, s_poh, s_plh, scale_log2, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                   D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                   po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
+                   num_pages, err_ptr, W: gl.constexpr, PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr,
+                   D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
         """One warp: the Q tile once, then key tile t into ring slot t % STAGES once both warpgroups freed it."""
         mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
         _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
@@ -113,6 +133,8 @@ if gluon is not None:
             s = t % STAGES
             tok = start + t * BLOCK_N
             page = gl.load(bt_row + tok // PAGE_SIZE)
+            if CHECK:  # a page id out of range reads page 0 (the consumers poison the output)
+                page = gl.where((page < 0) | (page >= num_pages), 0, page)
             row = page * PAGE_SIZE + tok % PAGE_SIZE
             mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
@@ -183,9 +205,10 @@ if gluon is not None:
     @gluon.jit
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
-                     po_base, plse_base, s_poh, s_plh, scale_log2, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                     D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                     po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
+                     num_pages, err_ptr, W: gl.constexpr, PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr,
+                     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
         columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
         P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
@@ -203,6 +226,16 @@ if gluon is not None:
             v_bufs = k_a
         else:
             v_bufs = k_b
+        bad_page = bad_len * 0
+        if CHECK:  # the share's page ids, checked while the loader's first copies are in flight
+            vl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            offs = gl.arange(0, 128, layout=vl)
+            p1 = (end + PAGE_SIZE - 1) // PAGE_SIZE
+            wrong = gl.zeros([128], gl.int32, layout=vl)
+            for c in range(start // PAGE_SIZE, p1, 128):
+                ids = gl.load(bt_row + c + offs, mask=c + offs < p1, other=0)
+                wrong = wrong | ((ids < 0) | (ids >= num_pages)).to(gl.int32)
+            bad_page = gl.max(wrong, 0)
         m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
         l_run = gl.zeros([BLOCK_H], gl.float32, layout=srow)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
@@ -264,40 +297,86 @@ if gluon is not None:
         has = l_tot > 0.0
         inv = 1.0 / gl.where(has, l_tot, 1.0)
         o = acc * gl.convert_layout(inv, orow)[:, None]
-        heads = h0 + gl.arange(0, BLOCK_H, layout=orow)
+        lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        if CHECK:  # a bad length or page id: NaN output and lse, and the caller's flags
+            poison = gl.where((bad_len | bad_page) != 0, float("nan"), 0.0)
+            o = o + poison
+            lse = lse + poison
+            if W == 0:
+                if bad_len != 0:
+                    gl.store(err_ptr, 1)
+                if bad_page != 0:
+                    gl.store(err_ptr + 1, 1)
+        heads = (h0 + gl.arange(0, BLOCK_H, layout=orow)).to(gl.int64)
         cols = W * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_layout))
-        ptrs = po_base + heads.to(gl.int64)[:, None] * s_poh + cols[None, :]
-        gl.store(ptrs, o, mask=(heads < H)[:, None])
-        if W == 0:
-            hr = h0 + gl.arange(0, BLOCK_H, layout=srow)
-            lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
-            gl.store(plse_base + hr.to(gl.int64) * s_plh, lse, mask=hr < H)
+        hr = (h0 + gl.arange(0, BLOCK_H, layout=srow)).to(gl.int64)
+        if direct:  # the request's only share: the final output in out's dtype
+            optrs = ob_base + heads[:, None] * s_oh + cols[None, :]
+            gl.store(optrs, o.to(ob_base.dtype.element_ty), mask=(heads < H)[:, None])
+            if W == 0:
+                gl.store(lb_base + hr * s_lh, lse, mask=hr < H)
+        else:
+            pptrs = po_base + heads[:, None] * s_poh + cols[None, :]
+            gl.store(pptrs, o, mask=(heads < H)[:, None])
+            if W == 0:
+                gl.store(plse_base + hr * s_plh, lse, mask=hr < H)
 
-    @gluon.jit(do_not_specialize=["tiles_per_split", "s_plb", "s_plh"])
+    @gluon.jit(do_not_specialize=["B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh",
+                                  "s_ob", "s_oh", "s_lb", "s_lh"])  # fmt: skip
     def _mla_decode_gluon_kernel(
-        q_desc_h, q_desc_r, k_desc_h, k_desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr,
-        H, tiles_per_split, s_btb, s_pob, s_poh, s_pos, s_plb, s_plh, scale_log2,
+        q_desc_h, q_desc_r, k_desc_h, k_desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, nshare_ptr,
+        err_ptr, H, s_btb, s_pob, s_poh, s_pos, B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob,
+        s_oh, s_lb, s_lh, scale_log2,
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
-        STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False,
+        STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
+        BALANCE: gl.constexpr = False,
     ):  # fmt: skip
-        """Grid (head tiles, requests, key shares): a request's head tiles are neighbours in launch order, so
-        the second reads the key tiles from L2. Launched with 4 warps (consumer warpgroup FIRST_W, the
-        default partition); the partitions add 4 + 1."""
+        """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
+        reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
+        (``_request_share``: a request with one share writes ``out``/``lse``, the others partials and their
+        count). Launched with 4 warps (consumer warpgroup FIRST_W, the default partition); the partitions add
+        4 + 1."""
         D_HALF: gl.constexpr = D_V // 2
         pid_h = gl.program_id(0)
         b = gl.program_id(1)
         split = gl.program_id(2)
-        h0 = pid_h * BLOCK_H
         seq_len = gl.load(seq_ptr + b)
-        start = split * tiles_per_split * BLOCK_N
-        end = gl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+        bad_len = seq_len * 0
+        if CHECK:
+            bad_len = ((seq_len < 0) | (seq_len > max_len)).to(gl.int32)
+            seq_len = gl.where(bad_len != 0, 0, seq_len)
+        tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+        if BALANCE:
+            bl: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+            offs = gl.arange(0, 1024, layout=bl)
+            tot = gl.zeros([1024], gl.int32, layout=bl)
+            for i in range(0, B, 1024):
+                lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+                lens = gl.minimum(gl.maximum(lens, 0), max_len)
+                tot += (lens + BLOCK_N - 1) // BLOCK_N
+            work = gl.sum(tot, 0).to(gl.int64) * gl.num_programs(0)
+            chunk = gl.maximum((work + slots - 1) // slots, min_tiles).to(gl.int32)
+            n_share = gl.minimum(gl.maximum(tiles // chunk, 1), S)
+        else:
+            n_share = gl.minimum(gl.maximum(tiles, 1), S)
+        if split >= n_share:
+            return
+        if (S > 1) & (pid_h == 0) & (split == 0):
+            gl.store(nshare_ptr + b, n_share)
+        per = (tiles + n_share - 1) // n_share
+        h0 = pid_h * BLOCK_H
+        start = split * per * BLOCK_N
+        end = gl.minimum(start + per * BLOCK_N, seq_len)
         n_tiles = gl.maximum(end - start, 0)
         n_tiles = (n_tiles + BLOCK_N - 1) // BLOCK_N
         bt_row = bt_ptr + b.to(gl.int64) * s_btb
         q_row = b * H + h0
         po_base = po_ptr + b.to(gl.int64) * s_pob + split.to(gl.int64) * s_pos
         plse_base = plse_ptr + b.to(gl.int64) * s_plb + split
+        ob_base = out_ptr + b.to(gl.int64) * s_ob
+        lb_base = lse_ptr + b.to(gl.int64) * s_lb
+        direct = n_share == 1
 
         q_a = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
         q_b = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
@@ -328,16 +407,19 @@ if gluon is not None:
             [
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, FIRST_W, PAGE_SIZE,
-                                D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY)),
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
+                                s_lh, direct, bad_len, num_pages, err_ptr, FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R,
+                                BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 1 - FIRST_W,
-                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY)),
+                                n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
+                                s_lh, direct, bad_len, num_pages, err_ptr, 1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R,
+                                BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
-                              n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, 0, PAGE_SIZE, D_HALF,
-                              D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY)),
+                              n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
+                              s_lh, direct, bad_len, num_pages, err_ptr, 0, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H,
+                              BLOCK_N, STAGES, EARLY, CHECK)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
@@ -350,6 +432,7 @@ if gluon is not None:
             mbarrier.invalidate(k_empty.index(i))
 
 
+@functools.lru_cache(maxsize=64)  # Gluon's layout helpers cost ~40 µs of host time per call
 def descriptor_layouts(d_v: int, d_r: int, rows: int = BLOCK_N) -> tuple:
     """The NVMMA shared layouts of ``rows``-row latent-half and rope boxes (a key tile's rows, or BLOCK_H for
     the Q tile; also what the offline compile test uses)."""
@@ -366,21 +449,28 @@ def mla_decode_gluon_split(
     seq_lens: torch.Tensor,
     partial: torch.Tensor,
     partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    nshare: torch.Tensor,
+    err: torch.Tensor,
     *,
-    tiles_per_split: int,
+    rt: tuple,
     scale_log2: float,
     v_head_dim: int,
+    splits: int,
     block_n: int = BLOCK_N,
     stages: int = STAGES,
     early: bool = False,
+    check: bool = True,
+    balance: bool = False,
 ) -> object:
-    """One launch over ``(head tiles, B, splits)`` writing ``partial [B, H, splits, D_V]`` and ``partial_lse
-    [B, H, splits]`` (fresh contiguous buffers); ``tiles_per_split`` counts ``block_n``-token tiles. Inputs
-    checked by the caller and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``."""
+    """One launch over ``(head tiles, B, splits)``: requests with one share write ``out``/``lse``, the others
+    ``partial [B, H, splits, D_V]`` / ``partial_lse [B, H, splits]`` (fresh contiguous buffers) and their share
+    count in ``nshare``; ``rt`` is ``mla_decode``'s plan's do_not_specialize ints. Inputs checked by the caller
+    and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``."""
     B, H, D = q.shape
     P, S, _ = kv_cache.shape
     d_r = D - v_head_dim
-    splits = partial.shape[2]
     q_lay_h, q_lay_r = descriptor_layouts(v_head_dim, d_r, BLOCK_H)
     k_lay_h, k_lay_r = descriptor_layouts(v_head_dim, d_r, block_n)
     TD = _mcg.GluonTensorDescriptor
@@ -391,10 +481,36 @@ def mla_decode_gluon_split(
     k_desc_h = TD(kv_cache, k2, ks, [block_n, v_head_dim // 2], k_lay_h)
     k_desc_r = TD(kv_cache, k2, ks, [block_n, d_r], k_lay_r)
     grid = (-(-H // BLOCK_H), B, splits)
-    return _mla_decode_gluon_kernel[grid](
-        q_desc_h, q_desc_r, k_desc_h, k_desc_r, block_table, seq_lens, partial, partial_lse,
-        H, tiles_per_split, block_table.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1), scale_log2,
-        PAGE_SIZE=S, D_V=v_head_dim, D_R=d_r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, C_REGS=_C_REGS, L_REGS=_L_REGS,
-        FIRST_W=_FIRST_W, STAGES=stages, EARLY=bool(early), num_warps=4, maxnreg=_MAXNREG,
-    )  # fmt: skip
+    # rt = (B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob, s_oh, s_lb, s_lh); partials contiguous
+    ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
+    args = (q_desc_h, q_desc_r, k_desc_h, k_desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare,
+            err, *ints, *rt, scale_log2)  # fmt: skip
+    consts = {"PAGE_SIZE": S, "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
+              "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
+              "CHECK": bool(check), "BALANCE": bool(balance)}  # fmt: skip
+    # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
+    # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
+    ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
+    spec = (tuple(consts.items()), tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints),
+            tuple((t.dtype, t.data_ptr() % 16 == 0) for t in ptrs), q.device.index)  # fmt: skip
+    fast = _FAST.get(spec)
+    if fast is not None and not _rt.hooks_active():
+        kernel, cvals, device, current_device, current_stream = fast
+        if current_device() == device:
+            # Triton's own launch path costs ~0.1 ms of host time per call here; the compiled kernel's launcher
+            # takes the same arguments directly (as _runtime.TunedKernel.launch_fast does for Triton kernels).
+            kernel.run(grid[0], grid[1], grid[2], current_stream(device), kernel.function, kernel.packed_metadata,
+                       None, None, None, *args, *cvals)  # fmt: skip
+            return kernel
+    kernel = _mla_decode_gluon_kernel[grid](*args, **consts, num_warps=4, maxnreg=_MAXNREG)
+    if hasattr(kernel, "packed_metadata"):
+        from triton.runtime import driver
+
+        names = [p.name for p in _mla_decode_gluon_kernel.params][len(args) :]
+        active = driver.active
+        _FAST[spec] = (kernel, tuple(consts[n] for n in names), active.get_current_device(),
+                       active.get_current_device, active.get_current_stream)  # fmt: skip
+    return kernel
+
+
+_FAST: dict = {}  # launch spec -> (compiled kernel, constexpr values, device, current_device, current_stream)

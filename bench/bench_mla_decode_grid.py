@@ -1,0 +1,270 @@
+"""MLA decode on any shape: kvforge's default call against FlashInfer fa3 over a seeded grid of workloads.
+
+The grid (``--grid``, seed 0, 24 workloads) and ``--random N --seed S`` draw workloads the same way: heads
+{16, 32, 64, 128}, batch {1, 4, 16, 64, 256}, page size 32 or 64, lengths 512 to 128k (log-uniform), either one
+length for the batch or lengths drawn per request between 1/20 of the longest and the longest; pages scattered
+at random over the cache; total keys capped at 4M (the cache stays a few GB). bf16 q and 576-wide latent rows
+(512 + 64). Per workload, each provider's output is checked against ``mla_decode_attention_ref`` (fp32) on two
+requests, and every element for being written and finite, before anything is timed; a failed check is reported
+and the workload's ratios are not written. Timed, sample by sample in turn behind an L2 flush: kvforge's
+default call (device-side value checks), kvforge with ``check_values=False``, FlashInfer's ``run`` (its
+``plan`` outside the timing), and kvforge over an e4m3 copy of the cache (``kv_scale_quant_orig``, same call).
+Then kvforge's default call and FlashInfer replayed from CUDA graphs. Ratios are FlashInfer time / kvforge time
+(above 1: kvforge faster); the FP8 ratio is kvforge bf16 time / kvforge FP8 time.
+
+    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --grid
+    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 24 --seed 7
+
+Appends rows to bench/results/mla_decode_grid.csv (GPU, versions, git revision, date) and draws
+bench/results/mla_decode_grid_<tag>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import RESULTS, append_csv, git_revision, time_graph, time_interleaved
+from kvforge.kernels import mla_decode as md
+from kvforge.kernels._fp8 import e4m3_ref
+
+DV, DR = 512, 64
+HEADS = (16, 32, 64, 128)
+BATCHES = (1, 4, 16, 64, 256)
+MAX_KEYS = 4 << 20
+
+
+def draw(n: int, seed: int, fixed: bool) -> list[dict]:
+    """``n`` workloads from ``seed``. ``fixed``: the grid's cover (every head count and batch size in turn,
+    page sizes and uniform/mixed alternating); otherwise each choice is drawn at random."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if fixed:
+            H, B = HEADS[i % 4], BATCHES[i % 5]
+            page, mixed = (64, 32)[(i // 4) % 2], (i // 2) % 2 == 1
+        else:
+            H, B = rng.choice(HEADS), rng.choice(BATCHES)
+            page, mixed = rng.choice((32, 64)), rng.random() < 0.5
+        cap = min(131072, MAX_KEYS // B * (2 if mixed else 1))
+        longest = int(math.exp(rng.uniform(math.log(512), math.log(max(513, cap)))))
+        longest = max(512, min(cap, longest - rng.randrange(0, 16)))  # lengths off the tile grid too
+        if mixed:
+            lens = [rng.randint(max(1, longest // 20), longest) for _ in range(B)]
+            lens[rng.randrange(B)] = longest
+        else:
+            lens = [longest] * B
+        kind = "mixed" if mixed else "uniform"
+        out.append({"H": H, "B": B, "page": page, "lens": lens,
+                    "name": f"H{H} B{B} p{page} {kind} {min(lens)}-{longest}"})  # fmt: skip
+    return out
+
+
+def build(w: dict, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    H, B, page, lens = w["H"], w["B"], w["page"], w["lens"]
+    n_pages = [-(-n // page) for n in lens]
+    total = sum(n_pages) + 8
+    q = torch.randn(B, H, DV + DR, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(total, page, DV + DR, device="cuda", dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(total, device="cuda", generator=g).to(torch.int32)
+    width = max(n_pages)
+    bt = torch.empty(B, width, dtype=torch.int32, device="cuda")
+    indptr = [0]
+    flat = []
+    pos = 0
+    for b, n in enumerate(n_pages):
+        row = perm[pos : pos + n]
+        pos += n
+        flat.append(row)
+        indptr.append(indptr[-1] + n)
+        bt[b, :n] = row
+        if n < width:  # unread entries: any valid page
+            bt[b, n:] = perm[-1]
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    indices = torch.cat(flat)
+    return q, kv, bt, sl, torch.tensor(indptr, dtype=torch.int32, device="cuda"), indices
+
+
+def check(name: str, got: torch.Tensor, q, kv, bt, sl, scale: float, **kw) -> float:
+    if not bool(torch.isfinite(got).all()):
+        raise RuntimeError(f"{name}: {int((~torch.isfinite(got)).sum())} output elements not written or not finite")
+    rows = [0, q.shape[0] - 1] if q.shape[0] > 1 else [0]
+    idx = torch.tensor(rows, device=q.device)
+    ref, _ = md.mla_decode_attention_ref(q[idx], kv, bt[idx], sl[idx], softmax_scale=scale, **kw)
+    err = float((got[idx].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
+    if not err < 1e-2:
+        raise RuntimeError(f"{name}: relative RMSE {err:.3g} against the fp32 reference")
+    return err
+
+
+def flashinfer_runner(q, kv, sl, indptr, indices, H, page, scale):
+    import flashinfer
+
+    B = q.shape[0]
+    ckv = kv[..., :DV].contiguous()
+    kpe = kv[..., DV:].contiguous()
+    q_nope, q_pe = q[..., :DV].contiguous(), q[..., DV:].contiguous()
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa3")
+    qo_indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    w.plan(qo_indptr, indptr, indices, sl, H, DV, DR, page, False, scale, torch.bfloat16, torch.bfloat16)
+    out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
+    return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), out
+
+
+def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
+    q, kv, bt, sl, indptr, indices = build(w, seed)
+    scale = 1.0 / math.sqrt(DV + DR)
+    B, H = q.shape[:2]
+    out = torch.full((B, H, DV), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out_nc = torch.empty_like(out)
+    flags = md.decode_error_flags(q.device)
+
+    def kv_default():
+        md.mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, out=out)
+
+    def kv_nocheck():
+        md.mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, out=out_nc, check_values=False)
+
+    fns = {"kvforge": kv_default, "kvforge_nocheck": kv_nocheck}
+    row = {"workload": w["name"], "heads": H, "batch": B, "page": w["page"], "max_len": max(w["lens"]),
+           "mean_len": sum(w["lens"]) / B}  # fmt: skip
+    kv_default()
+    row["rmse_kvforge"] = check("kvforge", out, q, kv, bt, sl, scale)
+    if int(flags.sum()):
+        raise RuntimeError(f"kvforge: error flags {flags.tolist()} on a valid table")
+    if fi:
+        run_fi, fi_out = flashinfer_runner(q, kv, sl, indptr, indices, H, w["page"], scale)
+        fi_out.fill_(float("nan"))
+        run_fi()
+        row["rmse_flashinfer"] = check("flashinfer", fi_out, q, kv, bt, sl, scale)
+        fns["flashinfer"] = run_fi
+    if fp8:
+        s_q = 0.5  # dequant scale: the cache holds e4m3(x / 0.5)
+        kv8 = e4m3_ref(kv.float() / s_q)
+        out8 = torch.full_like(out, float("nan"))
+
+        def kv_fp8():
+            md.mla_decode_attention(q, kv8, bt, sl, softmax_scale=scale, out=out8, kv_scale_quant_orig=s_q)
+
+        kv_fp8()
+        row["rmse_fp8_vs_dequant"] = check("kvforge fp8", out8, q, kv8, bt, sl, scale, kv_scale_quant_orig=s_q)
+        fns["kvforge_fp8"] = kv_fp8
+    t = time_interleaved(fns, samples=80)
+    for k, v in t.items():
+        row[f"{k}_ms"] = v["ms"]
+    row["check_cost"] = t["kvforge"]["ms"] / t["kvforge_nocheck"]["ms"]
+    if fi:
+        row["ratio_eager"] = t["flashinfer"]["ms"] / t["kvforge"]["ms"]
+        row["ratio_eager_nocheck"] = t["flashinfer"]["ms"] / t["kvforge_nocheck"]["ms"]
+    if fp8:
+        row["fp8_speedup"] = t["kvforge"]["ms"] / t["kvforge_fp8"]["ms"]
+    # The timed calls took the cached launch paths: their last outputs are checked too.
+    check("kvforge (timed)", out, q, kv, bt, sl, scale)
+    if fp8:
+        check("kvforge fp8 (timed)", out8, q, kv8, bt, sl, scale, kv_scale_quant_orig=s_q)
+    row["kvforge_graph_ms"] = time_graph(kv_default, rep=30)["ms"]
+    if fi:
+        row["flashinfer_graph_ms"] = time_graph(fns["flashinfer"], rep=30)["ms"]
+        row["ratio_graph"] = row["flashinfer_graph_ms"] / row["kvforge_graph_ms"]
+    if int(flags.sum()):
+        raise RuntimeError(f"kvforge: error flags {flags.tolist()} on a valid table")
+    return row
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--grid", action="store_true", help="the fixed grid: 24 workloads from seed 0")
+    ap.add_argument("--random", type=int, default=0, help="draw this many fresh workloads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--only", type=str, default="", help="comma-separated workload indices (warm-up shards)")
+    ap.add_argument("--warm", action="store_true", help="compile only: one call per workload, nothing timed")
+    args = ap.parse_args()
+    if not args.grid and args.random <= 0:
+        ap.error("give --grid or --random N")
+    if args.random < 0 or args.random > 1000:
+        ap.error(f"--random: expected 1..1000, got {args.random}")
+    tag = "grid" if args.grid else f"random{args.random}_seed{args.seed}"
+    work = draw(24, 0, True) if args.grid else draw(args.random, args.seed, False)
+    picked = range(len(work)) if not args.only else [int(x) for x in args.only.split(",")]
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU {gpu}, torch {torch.__version__}, SMs {md.num_sms()}, {tag}: {len(work)} workloads")
+    rows = []
+    for i in picked:
+        w = work[i]
+        t0 = time.perf_counter()
+        try:
+            if args.warm:
+                q, kv, bt, sl, _, _ = build(w, i)
+                md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05)
+                if not args.no_fp8:
+                    md.mla_decode_attention(q, e4m3_ref(kv), bt, sl, softmax_scale=0.05, kv_scale_quant_orig=1.0)
+                torch.cuda.synchronize()
+                print(f"warm {i} {w['name']} {time.perf_counter() - t0:.1f}s", flush=True)
+                continue
+            row = run_workload(w, i, not args.no_flashinfer, not args.no_fp8)
+        except Exception as exc:  # reported; no ratio is written for a workload that failed its check
+            print(f"{i:2d} {w['name']:>40}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        row["set"] = tag
+        rows.append(row)
+        print(f"{i:2d} {w['name']:>40}: kvforge {row['kvforge_ms']:.4f} ms (no check {row['kvforge_nocheck_ms']:.4f}, "
+              f"check cost {row['check_cost']:.3f}x) fi {row.get('flashinfer_ms', float('nan')):.4f} ms | ratio eager "
+              f"{row.get('ratio_eager', float('nan')):.3f} graph {row.get('ratio_graph', float('nan')):.3f} | fp8 "
+              f"{row.get('kvforge_fp8_ms', float('nan')):.4f} ms x{row.get('fp8_speedup', float('nan')):.2f} "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+    print("chosen configs:", md._SPLIT.chosen())
+    if args.warm or not rows:
+        return
+    for key in ("ratio_eager", "ratio_eager_nocheck", "ratio_graph", "check_cost", "fp8_speedup"):
+        vals = [r[key] for r in rows if key in r]
+        if vals:
+            print(f"{key}: geomean {geomean(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)}")
+    long8 = [r["fp8_speedup"] for r in rows if "fp8_speedup" in r and r["max_len"] >= 8192]
+    if long8:
+        print(f"fp8_speedup at max length >= 8k: geomean {geomean(long8):.3f}, min {min(long8):.3f} ({len(long8)})")
+    print("wrote", append_csv("mla_decode_grid", rows))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(16, 6))
+    names = [r["workload"] for r in rows]
+    xs = range(len(rows))
+    for j, (key, label) in enumerate((("ratio_eager", "eager, default call"), ("ratio_graph", "CUDA graph"),
+                                      ("fp8_speedup", "FP8 cache vs bf16 (kvforge)"))):  # fmt: skip
+        ax.bar([x + (j - 1) * 0.27 for x in xs], [r.get(key, 0.0) for r in rows], 0.27, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(0.9, color="r", lw=0.6, ls="--")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("FlashInfer fa3 time / kvforge time")
+    ax.set_title(f"MLA decode, bf16 q, 576/512, {tag} ({gpu}, rev {git_revision()})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    png = RESULTS / f"mla_decode_grid_{tag}.png"
+    fig.savefig(png, dpi=110)
+    print("wrote", png)
+
+
+if __name__ == "__main__":
+    main()
