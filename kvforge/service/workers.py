@@ -254,7 +254,7 @@ class WorkerService(RouterService):
         if not self._admin_ok(request):
             return _error(401, "admin: missing or wrong bearer token")
         return web.json_response(
-            {"worker": self._worker, "pid": os.getpid(), "workers": self._state.workers,
+            {"worker": self._worker, "pid": os.getpid(), "workers": self._state.workers, "name": self._state.name,
              "conversation_map": self._state.stats()}
         )  # fmt: skip
 
@@ -284,7 +284,7 @@ def _new_loop(choice: str) -> asyncio.AbstractEventLoop | None:
     return uvloop.new_event_loop()
 
 
-def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker: int, parent: int) -> None:
+def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker: int, parent: int, ready: Any) -> None:
     from kvforge.service.cli import config_from_args
     from kvforge.service.metrics import configure_logging
 
@@ -307,7 +307,11 @@ def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker
             await task
 
     app.cleanup_ctx.append(watch_parent)
-    logger.info("worker listening", extra={"fields": {"worker": worker, "pid": os.getpid(), "port": args.port}})
+
+    def listening(_banner: str) -> None:  # run_app's print(), called once every site listens
+        logger.info("worker listening", extra={"fields": {"worker": worker, "pid": os.getpid(), "port": args.port}})
+        ready.set()
+
     try:
         web.run_app(
             app,
@@ -315,7 +319,7 @@ def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker
             port=args.port,
             reuse_port=True,
             access_log=None,
-            print=None,
+            print=listening,
             handler_cancellation=True,
             loop=_new_loop(args.event_loop),
             shutdown_timeout=max(0.1, args.shutdown_grace_s - 1.0),
@@ -385,24 +389,28 @@ def run_workers(args: argparse.Namespace) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     status = 0
+    ready = [ctx.Event() for _ in range(n)]
     try:
         for i in range(n):
             p = ctx.Process(
                 target=_worker_main,
-                args=(args, state.name, lock_path, i, os.getpid()),
+                args=(args, state.name, lock_path, i, os.getpid(), ready[i]),
                 name=f"kvforge-router-worker-{i}",
                 daemon=False,
             )
             p.start()
             procs.append(p)
-        logger.info(
-            "router listening",
-            extra={"fields": {"host": args.host, "port": args.port, "workers": n, "policy": cfg.policy,
-                              "backends": list(cfg.backends), "pids": [p.pid for p in procs]}},
-        )  # fmt: skip
         alive = {p.sentinel: (i, p) for i, p in enumerate(procs)}
+        announced = False
         while alive and not stopping:
-            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5):
+            if not announced and all(e.is_set() for e in ready):
+                announced = True
+                logger.info(
+                    "router listening",
+                    extra={"fields": {"host": args.host, "port": args.port, "workers": n, "policy": cfg.policy,
+                                      "backends": list(cfg.backends), "pids": [p.pid for p in procs]}},
+                )  # fmt: skip
+            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5 if announced else 0.05):
                 i, p = alive.pop(sentinel)  # type: ignore[call-overload]
                 p.join()
                 state.clear_worker(i)
