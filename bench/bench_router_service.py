@@ -498,21 +498,22 @@ def _plot_peers(rows: list[dict], args: argparse.Namespace) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for name in dict.fromkeys(r["router"] for r in rows):
-        if name == "direct":
-            continue
         mine = [r for r in rows if r["router"] == name]
         rates = [r["rate"] for r in mine]
-        axes[0].plot(rates, [r["ttfb_p50_added_ms"] for r in mine], marker="o", label=name)
-        axes[1].plot(rates, [r["ttfb_p99_added_ms"] for r in mine], marker="o", label=name)
-        axes[2].plot(rates, [r["cpu_ms_per_request"] for r in mine], marker="o", label=name)
-    for ax, title in zip(axes, ("added time to first chunk, p50 (ms)", "added time to first chunk, p99 (ms)",
+        style = {"color": "black", "linestyle": "--"} if name == "direct" else {}
+        axes[0].plot(rates, [r["ttfb_p50_ms"] for r in mine], marker="o", label=name, **style)
+        axes[1].plot(rates, [r["ttfb_p99_ms"] for r in mine], marker="o", label=name, **style)
+        if name != "direct":
+            axes[2].plot(rates, [r["cpu_ms_per_request"] for r in mine], marker="o", label=name)
+    for ax, title in zip(axes, ("time to first chunk, p50 (ms)", "time to first chunk, p99 (ms)",
                                 "router CPU ms per request (all its processes)")):  # fmt: skip
         ax.set_xlabel("offered req/s (open loop, Poisson)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].set_yscale("symlog", linthresh=1.0)
-    axes[1].set_yscale("symlog", linthresh=1.0)
-    axes[2].legend(fontsize=8)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[2].set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
     from bench._common import git_revision
 
     r0 = rows[0]

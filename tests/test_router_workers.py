@@ -222,10 +222,106 @@ def test_a_conversation_leaves_an_ejected_backend_once_for_every_worker(state: S
         f0.place(4, [], 10, "conv")
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["place", "finish", "eject", "back"]), st.integers(0, 1), st.integers(0, 30)),
+        max_size=120,
+    )
+)
+def test_random_operations_keep_the_shared_books(ops: list[tuple[str, int, int]]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        s = SharedState.create(2, os.path.join(d, "lock"), max_backends=8, conversations=64)
+        try:
+            fleets = _fleets(s)
+            live: dict[int, tuple[SharedFleet, Any, str, int]] = {}
+            owner: dict[str, str] = {}
+            for n, (op, w, x) in enumerate(ops):
+                f = fleets[w]
+                if op == "place":
+                    conv = f"c{x % 7}"
+                    try:
+                        ep, b = f.place(n, [x], 10 + x, conv)
+                    except NoBackend:
+                        assert not any(b.healthy for b in f.backends.values())
+                        continue
+                    # A conversation keeps its owner unless that owner is out of rotation for this worker.
+                    prev = owner.get(conv)
+                    if prev is not None and f.backends[prev].healthy:
+                        assert b.url == prev
+                    owner[conv] = b.url
+                    live[n] = (f, ep, b.url, 10 + x)
+                elif op == "finish" and live:
+                    rid = sorted(live)[x % len(live)]
+                    g, ep, _, _ = live.pop(rid)
+                    g.finish(ep, rid, x % 2 == 0)
+                elif op == "eject":
+                    f.eject(f.backends[URLS[x % len(URLS)]], "test")
+                elif op == "back":
+                    f.set_health(f.backends[URLS[x % len(URLS)]], True)
+                want: dict[str, list[int]] = {u: [0, 0] for u in URLS}
+                for _, _, u, t in live.values():
+                    want[u][0] += 1
+                    want[u][1] += t
+                for g in fleets:
+                    assert {u: [k, int(load)] for u, load, k, _ in g.snapshot()} == want
+        finally:
+            s.close()
+
+
 def test_policies_with_per_process_state_are_refused(state: SharedState) -> None:
     cfg = ServiceConfig(backends=URLS, policy="cache-aware")
     with pytest.raises(ValueError, match="cache-aware"):
         SharedFleet(cfg, None, state, 0)
+
+
+def test_worker_admin_and_hostile_conversation_ids(state: SharedState) -> None:
+    from aiohttp import web
+
+    from kvforge.service.workers import WorkerService
+
+    async def main() -> None:
+        fakes = [FakeBackend(K.Keyer(16), name=f"b{i}", tokens_per_s=5000) for i in range(2)]
+        for f in fakes:
+            await f.start()
+        svc = WorkerService(ServiceConfig(backends=[f.url for f in fakes], admin_token="tok"), state, 1)
+        runner = web.AppRunner(svc.make_app(), access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        auth = {"Authorization": "Bearer tok"}
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/admin/shared", "/admin/backends"):
+                    async with s.get(base + path) as r:
+                        assert r.status == 401
+                async with s.get(base + "/admin/shared", headers=auth) as r:
+                    assert r.status == 200 and (await r.json())["worker"] == 1
+                async with s.post(base + "/admin/backends", json={"url": "http://127.0.0.1:9"}, headers=auth) as r:
+                    assert r.status == 409 and "backends-file" in (await r.json())["error"]["message"]
+                async with s.delete(base + "/admin/backends?url=" + fakes[0].url, headers=auth) as r:
+                    assert r.status == 409
+                chat = "/v1/chat/completions"
+                msgs = [{"role": "user", "content": "hi"}]
+                # Ids the map must key without raising (control characters, the longest allowed, non-ASCII); a lone
+                # surrogate is refused by the JSON decoder before it reaches the map.
+                for conv, status in (("\x00\n\t", 200), ("x" * 512, 200), ("é" * 300, 200), ("\ud800", 400)):
+                    body = json.dumps({"messages": msgs, "conversation_id": conv}, ensure_ascii=True)
+                    async with s.post(base + chat, data=body, headers={"Content-Type": "application/json"}) as r:
+                        assert r.status == status, (conv[:8], r.status, await r.text())
+                async with s.post(base + chat, json={"messages": msgs}, headers={"X-Conversation-Id": "y" * 513}) as r:
+                    assert r.status == 400
+            assert all(load == 0 and k == 0 for _, load, k, _ in svc.fleet.snapshot())
+            assert state.stats()["inserts"] == 3
+        finally:
+            await runner.cleanup()
+            for f in fakes:
+                await f.kill()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
 
 
 @pytest.mark.parametrize(
