@@ -186,6 +186,28 @@ def test_two_workers_agree_on_conversations_and_see_one_load(state: SharedState)
     assert all(load == 0 and k == 0 for f in fleets for _, load, k, _ in f.snapshot())
 
 
+def test_anonymous_conversations_continue_across_workers(state: SharedState) -> None:
+    fleets = _fleets(state)
+    rng = random.Random(3)
+    history = {c: [(c << 32) + i for i in range(6)] for c in range(30)}
+    placed: dict[int, set[str]] = defaultdict(set)
+    n = 0
+    for _ in range(4):
+        for c in range(30):
+            history[c] += [(c << 32) + len(history[c]) + i for i in range(2)]  # the reply and the next question
+            f = fleets[rng.randrange(2)]
+            ep, b = f.place(n, history[c], 16 * len(history[c]), None)
+            f.finish(ep, n, True)
+            placed[c].add(b.url)
+            n += 1
+    assert all(len(bs) == 1 for bs in placed.values()), placed
+    assert len({next(iter(bs)) for bs in placed.values()}) == 3
+    # A prompt sharing less than the last 3/4 of a known one is new (placed by load, not followed).
+    short = history[0][:4] + [(99 << 32) + i for i in range(8)]
+    _, b = fleets[0].place("short", short, 16 * len(short), None)
+    assert state.owner(state.block_key(short[-1])) == fleets[0]._slot_of[b.url]
+
+
 def test_new_conversations_go_to_the_least_shared_load(state: SharedState) -> None:
     f0, f1 = _fleets(state, policy="least-load")
     _, b = f0.place("x", [], 10_000, None)  # a big request through worker 0
@@ -195,14 +217,14 @@ def test_new_conversations_go_to_the_least_shared_load(state: SharedState) -> No
 
 def test_events_place_a_conversation_in_either_worker(state: SharedState) -> None:
     fleets = _fleets(state, events=True)
-    prefix = [("blk", i) for i in range(4)]
+    prefix = [(7 << 40) + i for i in range(4)]
     for f in fleets:  # each worker's own subscriber applied the engine's BlockStored for backend 2
         f.backends[URLS[2]].mapper.present.update(dict.fromkeys(prefix, 1))  # type: ignore[union-attr]
     for n in range(10):
-        _, b = fleets[n % 2].place(n, [*prefix, ("new", n)], 80, f"conv-{n}")
+        _, b = fleets[n % 2].place(n, [*prefix, (8 << 40) + n], 80, f"conv-{n}")
         assert b.url == URLS[2]
     # Too little held (one block) is not followed.
-    _, b = fleets[0].place("one", [prefix[0], ("x", 1)], 32, None)
+    _, b = fleets[0].place("one", [prefix[0], 9 << 40], 32, None)
     assert b.url != URLS[2]  # the least loaded decides (URLS[2] carries the 10 requests above)
 
 
@@ -475,14 +497,22 @@ def test_two_workers_end_to_end(tmp_path: Path) -> None:
                     r = await _post(fresh, base, _chat(history[c]), f"conv-{c}")
                     assert r["status"] == 200 and r["done"], r
                     placed[f"conv-{c}"].add(r["backend"])
+            # Anonymous conversations (no id) continue through the map's block keys (and the engines' events).
+            anon = {c: _words(rng, 60) for c in range(10)}
+            for _ in range(3):
+                for c in range(10):
+                    anon[c] += " " + _words(rng, 20)
+                    r = await _post(fresh, base, _chat(anon[c]), None)
+                    assert r["status"] == 200 and r["done"], r
+                    placed[f"anon-{c}"].add(r["backend"])
             assert all(len(bs) == 1 for bs in placed.values()), placed
             split = defaultdict(int)
             for bs in placed.values():
                 split[next(iter(bs))] += 1
-            assert min(split.values()) >= 10, split  # and new conversations spread over both backends
+            assert min(split.values()) >= 12, split  # and new conversations spread over both backends
             views = await _per_worker(fresh, base + "/admin/backends")
             by_worker = {w: sum(b["placed_by_worker"] for b in v) - before[w] for w, v in views.items()}
-            assert sum(by_worker.values()) == 120 and min(by_worker.values()) >= 20, by_worker
+            assert sum(by_worker.values()) == 150 and min(by_worker.values()) >= 25, by_worker
 
             # ---- Shared load: slow streams through both workers; each worker reports all of them.
             for f in fakes:

@@ -8,7 +8,8 @@ One ``multiprocessing.shared_memory`` block of little-endian int64 words, create
 - the load table: one row per worker, ``[requests, tokens]`` in flight per backend slot. Each worker writes only
   its own row (a single writer: no lock); readers sum the rows. The parent zeroes a dead worker's row after it
   has reaped it (:meth:`clear_worker`), so a killed worker's load never outlives it;
-- the conversation map: ``conversations`` entries ``[key, backend slot, last use (monotonic ns), 0]``, open
+- the conversation map: ``conversations`` entries ``[key, backend slot, last use (monotonic ns), 0]`` (keys of
+  conversation ids, and of the last block of anonymous prompts: :meth:`block_key`), open
   addressing over a window of ``PROBE`` entries from the key's home. Lookups take no lock (a reader re-reads the
   key after the slot and retries if it changed). Inserts hold the lock; a key not in its window takes an empty
   entry, else evicts the least recently used entry of the window (the bounded-memory rule: a conversation idle
@@ -41,6 +42,8 @@ _H_MAGIC, _H_VERSION, _H_WORKERS, _H_BACKENDS, _H_CONVS, _H_SEED = 0, 1, 2, 3, 4
 _H_INSERTS, _H_EVICTIONS, _H_MOVES, _H_USED = 6, 7, 8, 9
 _CONV_WORDS = 4
 _REFRESH_NS = 1_000_000_000  # a hit refreshes an entry's last use at most once a second (fewer shared writes)
+_KEY_MASK = (1 << 128) - 1
+_BLOCK_DOMAIN = 0x5A5A_0B10_C4E9_0000  # block keys and conversation ids never share a map key by construction
 _MAX_WORKERS = 1024
 _MAX_BACKENDS = 4096
 _MAX_CONVS = 1 << 24
@@ -209,6 +212,11 @@ class SharedState:
     def conversation_key(self, conversation_id: str) -> int:
         """The map key of a conversation id (seeded per router; never 0, which marks an empty entry)."""
         return _signed(xxhash.xxh3_64_intdigest(conversation_id.encode("utf-8", "surrogatepass"), self._seed) or 1)
+
+    def block_key(self, block_key: int) -> int:
+        """The map key of a prompt's block key (a 128-bit int; workers must share the block-key salt)."""
+        h = xxhash.xxh3_64_intdigest((block_key & _KEY_MASK).to_bytes(16, "little"), self._seed ^ _BLOCK_DOMAIN)
+        return _signed(h or 1)
 
     def owner(self, key: int) -> int:
         """The backend slot owning ``key``, or -1 when the map does not hold it. Takes no lock."""

@@ -12,7 +12,11 @@ Each worker is a full :class:`~kvforge.service.proxy.RouterService` whose fleet 
 
 - it subscribes to every engine's KV events itself (the engines' caches are the shared view of what is cached);
 - a request with a conversation id goes to the backend the shared conversation map names for it, if that one
-  is in rotation here; otherwise it is placed (below) and claimed in the map, first claim winning;
+  is in rotation here; otherwise it is placed (below) and claimed in the map, first claim winning. A request
+  without one continues the conversation whose latest prompt it extends: each placed prompt's last block key
+  is claimed in the same map, and a prompt whose trailing quarter (at most 64 blocks) holds such a key goes
+  where that one went (block keys are salted alike in every worker: the parent sets ``$KVFORGE_BLOCK_KEY_SALT``
+  when it is unset);
 - placement (``conversation`` / ``conversation-always``): the backend whose engine holds the longest run of the
   prompt's leading blocks (at least 2, from this worker's event index), unless that would put it beyond
   :class:`~kvforge.routing.ImbalanceGuard`'s bound over the least-loaded; else the least loaded. ``least-load``
@@ -29,9 +33,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -42,6 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvforge.kvcache.hashing import SALT_ENV
 from kvforge.routing import ImbalanceGuard
 from kvforge.service.proxy import Backend, Fleet, NoBackend, RouterService, ServiceConfig, _Epoch, _error
 from kvforge.service.shared_state import SharedState, max_workers
@@ -52,6 +59,8 @@ logger = logging.getLogger("kvforge.service")
 
 MULTI_WORKER_POLICIES = ("conversation", "conversation-always", "least-load", "round-robin")
 _MIN_FOLLOW_BLOCKS = 2
+_MATCH_SHARE = 0.75  # an anonymous prompt continues a conversation whose last prompt covers this share of it
+_MAX_BACK = 64  # blocks searched back from a prompt's end for that conversation's last block
 
 
 class _NullRouter:
@@ -153,20 +162,43 @@ class SharedFleet(Fleet):
                 b = self._by_slot.get(owner)
                 if b is not None and b.healthy:
                     chosen = b
+        elif self._follow and keys:
+            # Anonymous: continue the conversation whose latest prompt this one extends (its last block is in the
+            # map, within the trailing quarter of this prompt, as the single-process router's 0.75 match).
+            chosen = self._continued(keys, num_tokens)
+            key = st.block_key(keys[-1])  # type: ignore[arg-type]
+            owner = st.owner(key)
         if chosen is None:
             chosen, slot = self._choose(rot, keys, num_tokens)
-            if conv is not None:
+            if key != -1:
                 won = st.claim(key, slot, owner)
                 if won != slot:
                     b = self._by_slot.get(won)
                     if b is not None and b.healthy:  # another worker placed it first
                         chosen = b
+        elif conv is None and key != -1 and owner != self._slot_of[chosen.url]:
+            st.claim(key, self._slot_of[chosen.url], owner)
         slot = self._slot_of[chosen.url]
         st.add_load(self.worker, slot, 1, num_tokens)
         self._in_flight_here[request_id] = (slot, num_tokens)
         self.placed[chosen.url] += 1
         ep.in_flight += 1
         return ep, chosen
+
+    def _continued(self, keys: Sequence[Hashable], num_tokens: int) -> Backend | None:
+        st = self.state
+        n = len(keys)
+        lowest = max(1, math.ceil(_MATCH_SHARE * n), n - _MAX_BACK)
+        for i in range(n - 1, lowest - 2, -1):
+            owner = st.owner(st.block_key(keys[i]))  # type: ignore[arg-type]
+            if owner >= 0:
+                b = self._by_slot.get(owner)
+                if b is None or not b.healthy:
+                    return None
+                # The guard against load collapse: a continuation far beyond the least loaded is placed afresh.
+                least = min(st.tokens(s) for _, s in self._in_rotation())
+                return b if st.tokens(owner) + num_tokens <= self._guard.limit(least) else None
+        return None
 
     def _choose(self, rot: list[tuple[Backend, int]], keys: Sequence[Hashable], num_tokens: int) -> tuple[Backend, int]:
         n = len(rot)
@@ -379,6 +411,9 @@ def run_workers(args: argparse.Namespace) -> int:
     fd, lock_path = tempfile.mkstemp(prefix="kvforge-router-", suffix=".lock")
     os.close(fd)
     state = SharedState.create(n, lock_path, conversations=args.shared_conversations)
+    if not os.environ.get(SALT_ENV):
+        # Workers key anonymous prompts in the shared map by their block keys: every worker must hash alike.
+        os.environ[SALT_ENV] = secrets.token_hex(16)
     ctx = multiprocessing.get_context("spawn")
     procs: list[Any] = []
     stopping = False
