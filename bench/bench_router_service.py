@@ -329,6 +329,9 @@ def _summarise(rows: list) -> dict:
 
 def compare(args: argparse.Namespace) -> int:
     """kvforge (1 and 2 workers, uvloop; 1 worker asyncio) and the SGLang router over the same fake backends."""
+    from bench._common import git_revision
+
+    rev = git_revision()  # before this run writes its own log (a tracked file)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs: list[subprocess.Popen] = []
     port_files = []
@@ -428,9 +431,9 @@ def compare(args: argparse.Namespace) -> int:
 
     import aiohttp as _a
 
-    from bench._common import append_csv, git_revision
+    from bench._common import append_csv
 
-    stamp = {"machine": f"{platform.processor() or platform.machine()} x{os.cpu_count()}",
+    stamp = {"git_rev": rev, "machine": f"{platform.processor() or platform.machine()} x{os.cpu_count()}",
              "python": platform.python_version(), "aiohttp": _a.__version__, "sglang_router": args.sglang_version,
              "window_s": args.window_s, "rounds": args.rounds, "backends": args.backends, "tokens": args.tokens,
              "tokens_per_s": args.tokens_per_s, "prompt_chars": args.prompt_chars, "turn_chars": args.turn_chars,
@@ -476,7 +479,7 @@ def compare(args: argparse.Namespace) -> int:
                 r["max_rate_error_free"] = clean
                 r["max_rate_p50_added_le_2ms"] = fast
     path = append_csv("router_service_peers", rows)
-    say(f"git {git_revision()}  appended {path}")
+    say(f"git {rev}  appended {path}")
     say(f"{'router':20s} {'rate':>6s} {'err':>5s} {'ttfb+p50':>9s} {'ttfb+p99':>9s} {'cpu ms/req':>10s} "
         f"{'sticky':>7s} {'max share':>9s}")  # fmt: skip
     for r in rows:
@@ -514,11 +517,9 @@ def _plot_peers(rows: list[dict], args: argparse.Namespace) -> None:
     axes[1].set_yscale("log")
     axes[2].set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
-    from bench._common import git_revision
-
     r0 = rows[0]
     fig.suptitle(f"kvforge router vs sglang-router {args.sglang_version} (cache_aware), {args.backends} fake backends, "
-                 f"{r0['machine']}, load avg {r0['load_avg_1m']} @ {git_revision()}", fontsize=9)  # fmt: skip
+                 f"{r0['machine']}, load avg {r0['load_avg_1m']} @ {r0['git_rev']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(RESULTS / "router_service_peers.png", dpi=110)
 
