@@ -293,6 +293,23 @@ def test_random_operations_keep_the_shared_books(ops: list[tuple[str, int, int]]
             s.close()
 
 
+def test_membership_changes_keep_slots_and_a_full_table_refuses_cleanly(tmp_path: Path) -> None:
+    s = SharedState.create(2, str(tmp_path / "lock"), max_backends=4, conversations=64)
+    try:
+        f0, f1 = _fleets(s)
+        assert f0._slot_of == f1._slot_of  # every worker maps a URL to the same slot
+        asyncio.run(f0.remove(URLS[1] + "/"))  # (normalised like every other URL)
+        assert URLS[1] not in f0.backends and all(b.url != URLS[1] for b, _ in f0._in_rotation())
+        f0.add("http://127.0.0.1:4")
+        with pytest.raises(ValueError, match="full"):
+            f0.add("http://127.0.0.1:5")
+        assert "http://127.0.0.1:5" not in f0.backends
+        f0.add(URLS[1])  # a URL seen before gets its old slot back
+        assert f0._slot_of[URLS[1]] == f1._slot_of[URLS[1]]
+    finally:
+        s.close()
+
+
 def test_policies_with_per_process_state_are_refused(state: SharedState) -> None:
     cfg = ServiceConfig(backends=URLS, policy="cache-aware")
     with pytest.raises(ValueError, match="cache-aware"):

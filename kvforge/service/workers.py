@@ -52,6 +52,7 @@ from kvforge.kvcache.hashing import SALT_ENV
 from kvforge.routing import ImbalanceGuard
 from kvforge.service.proxy import Backend, Fleet, NoBackend, RouterService, ServiceConfig, _Epoch, _error
 from kvforge.service.shared_state import SharedState, max_workers
+from kvforge.service.urls import normalize_backend_url
 
 __all__ = ["MULTI_WORKER_POLICIES", "SharedFleet", "WorkerService", "max_workers", "run_workers"]
 
@@ -110,12 +111,9 @@ class SharedFleet(Fleet):
     def add(
         self, url: str, kv_events: str | None = None, kv_replay: str | None = None, *, from_file: bool = False
     ) -> Backend:
+        # The shared slot first: a full table refuses the backend before anything (a subscriber) starts.
+        slot = self.state.backend_slot(normalize_backend_url(url))
         b = super().add(url, kv_events, kv_replay, from_file=from_file)
-        try:
-            slot = self.state.backend_slot(b.url)
-        except ValueError:
-            self.backends.pop(b.url, None)
-            raise
         self._slot_of[b.url] = slot
         self._by_slot[slot] = b
         self.placed.setdefault(b.url, 0)
@@ -123,6 +121,7 @@ class SharedFleet(Fleet):
         return b
 
     async def remove(self, url: str) -> bool:
+        url = normalize_backend_url(url)
         slot = self._slot_of.get(url)
         removed = await super().remove(url)
         if removed and slot is not None:
