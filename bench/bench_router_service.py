@@ -24,7 +24,8 @@ the added latency includes that contention. Rows go to ``bench/results/router_se
 asyncio, 1 and 2 workers with uvloop) and the SGLang router (``sglang-router`` wheel, ``cache_aware``, installed
 by pip into ``--sglang-site`` on first use) side by side; at each of ``--rates`` and each of ``--rounds``, the
 same seeded Poisson arrivals of multi-turn conversations (``X-Conversation-Id`` sent; SGLang matches text
-prefixes) go to each router and straight to the backends in turn (``--window-s`` each, order rotated per
+prefixes; ``aiohttp-floor``, a bare aiohttp pass-through, marks the framework's CPU floor) go to each router
+and straight to the backends in turn (``--window-s`` each, order rotated per
 round). Per router and rate: added time to first chunk and to the end (p50/p99, against direct), CPU per
 request over the router's whole process tree (/proc), errors, completions per second, stickiness (share of
 conversations whose turns all met one backend) and load split; the highest rate carried (no error, at least
@@ -94,6 +95,39 @@ async def _serve_backends(n: int, tokens_per_s: float, tokens: int, tpb: int, po
     site = aiohttp.web.TCPSite(runner, "127.0.0.1", int(os.environ["CTL_PORT"]))
     await site.start()
     await asyncio.Event().wait()
+
+
+def _serve_floor(port: int, urls: list[str]) -> None:
+    """A bare aiohttp pass-through on uvloop (round robin; no keys, metrics, retries or health checks): the
+    CPU floor of the framework kvforge's router is built on, as a reference in ``--compare``."""
+    import itertools
+
+    import uvloop
+    from aiohttp import web
+
+    turn = itertools.count()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        url = urls[next(turn) % len(urls)]
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with request.app["session"].post(url + request.path, data=body, headers=headers) as up:
+            resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")})
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    async def session(app: web.Application):  # type: ignore[no-untyped-def]
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        yield
+        await app["session"].close()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    app.cleanup_ctx.append(session)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: dict, out: list) -> None:
@@ -374,7 +408,9 @@ def compare(args: argparse.Namespace) -> int:
         }
         for name in args.routers.split(","):
             port = _free_port()
-            if name == "sglang":
+            if name == "aiohttp-floor":
+                p = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(port), *urls], env=env)
+            elif name == "sglang":
                 cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
                        str(port), "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *urls]  # fmt: skip
                 p = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": site}, stdout=subprocess.DEVNULL)
@@ -543,10 +579,18 @@ def main() -> int:
     g.add_argument("--window-s", type=float, default=2.0, help="seconds per router per round")
     g.add_argument("--rounds", type=int, default=2, help="interleaved rounds per rate")
     g.add_argument("--turn-chars", type=int, default=200, help="characters each turn adds to a conversation")
-    g.add_argument("--routers", default="kvforge-1w-asyncio,kvforge-1w-uvloop,kvforge-2w-uvloop,sglang")
+    g.add_argument(
+        "--routers",
+        default="kvforge-1w-asyncio,kvforge-1w-uvloop,kvforge-2w-uvloop,sglang,aiohttp-floor",
+        help="aiohttp-floor: a bare aiohttp pass-through (round robin), the framework's CPU floor",
+    )
     g.add_argument("--sglang-version", default="0.3.2")
     g.add_argument("--sglang-site", default="/tmp/sglang_router_site", help="where the wheel is installed")
+    ap.add_argument("--serve-floor", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_floor:
+        _serve_floor(int(args.serve_floor[0]), args.serve_floor[1:])
+        return 0
     if args.compare:
         args.rates = [float(x) for x in args.rates.split(",")]
         return compare(args)
