@@ -228,6 +228,20 @@ def test_events_place_a_conversation_in_either_worker(state: SharedState) -> Non
     assert b.url != URLS[2]  # the least loaded decides (URLS[2] carries the 10 requests above)
 
 
+def test_a_huge_prompt_is_placed_in_bounded_time(state: SharedState) -> None:
+    import time
+
+    fleets = _fleets(state, events=True)
+    keys = list(range(1, 300_001))  # a 16 MiB body's worth of blocks, every one held by every engine
+    for f in fleets:
+        for b in f.backends.values():
+            b.mapper.present.update(dict.fromkeys(keys, 1))  # type: ignore[union-attr]
+    t = time.perf_counter()
+    ep, b = asyncio.run(fleets[0].place_off_loop("big", keys, 300_000 * 16, None))
+    assert time.perf_counter() - t < 0.05
+    fleets[0].finish(ep, "big", True)
+
+
 def test_a_conversation_leaves_an_ejected_backend_once_for_every_worker(state: SharedState) -> None:
     f0, f1 = _fleets(state)
     _, b = f0.place(1, [], 10, "conv")

@@ -18,8 +18,9 @@ Each worker is a full :class:`~kvforge.service.proxy.RouterService` whose fleet 
   where that one went (block keys are salted alike in every worker: the parent sets ``$KVFORGE_BLOCK_KEY_SALT``
   when it is unset);
 - placement (``conversation`` / ``conversation-always``): the backend whose engine holds the longest run of the
-  prompt's leading blocks (at least 2, from this worker's event index), unless that would put it beyond
-  :class:`~kvforge.routing.ImbalanceGuard`'s bound over the least-loaded; else the least loaded. ``least-load``
+  prompt's leading blocks (at least 2, at most 4096 compared, from this worker's event index), unless that
+  would put it beyond :class:`~kvforge.routing.ImbalanceGuard`'s bound over the least-loaded; else the least
+  loaded. ``least-load``
   takes the least loaded, ``round-robin`` rotates; ``cache-aware`` is refused (its tree is per process). Load is
   prompt tokens in flight, summed over every worker's row of the shared load table.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import multiprocessing
@@ -62,6 +64,9 @@ MULTI_WORKER_POLICIES = ("conversation", "conversation-always", "least-load", "r
 _MIN_FOLLOW_BLOCKS = 2
 _MATCH_SHARE = 0.75  # an anonymous prompt continues a conversation whose last prompt covers this share of it
 _MAX_BACK = 64  # blocks searched back from a prompt's end for that conversation's last block
+# Leading blocks compared with each engine's events: a decision stays well under a millisecond on the event loop
+# for any prompt (a longer held run counts as this long).
+_MAX_HELD_SCAN = 4096
 
 
 class _NullRouter:
@@ -184,6 +189,13 @@ class SharedFleet(Fleet):
         ep.in_flight += 1
         return ep, chosen
 
+    async def place_off_loop(
+        self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
+    ) -> tuple[_Epoch, Backend]:
+        # The shared-state decision reads a bounded number of keys (see _MAX_HELD_SCAN, _MAX_BACK): it stays on
+        # the loop, where this worker's row of the load table has a single writer.
+        return self.place(request_id, keys, num_tokens, conv)
+
     def _continued(self, keys: Sequence[Hashable], num_tokens: int) -> Backend | None:
         st = self.state
         n = len(keys)
@@ -216,7 +228,7 @@ class SharedFleet(Fleet):
                     continue
                 present = m.present
                 held = 0
-                for k in keys:
+                for k in itertools.islice(keys, _MAX_HELD_SCAN):
                     if k not in present:
                         break
                     held += 1
