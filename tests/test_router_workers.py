@@ -5,6 +5,7 @@ worker killed while the other keeps serving, a clean SIGTERM)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -151,9 +152,17 @@ def test_random_map_operations_never_return_a_wrong_owner(ops: list[tuple[int, i
 # ---------------------------------------------------------------- two worker fleets, one process
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer() -> str:
+    import tempfile
+
+    return str(build_tokenizer(Path(tempfile.mkdtemp()) / "tokenizer.json"))
+
+
 def _fleets(state: SharedState, policy: str = "conversation", events: bool = False) -> list[SharedFleet]:
     eps = [f"tcp://127.0.0.1:{5000 + i}" for i in range(len(URLS))] if events else []
-    cfg = ServiceConfig(backends=URLS, policy=policy, tokens_per_block=16, kv_events=eps)
+    tok = _tokenizer() if events else None  # (KV events are keyed by token ids: the service requires one)
+    cfg = ServiceConfig(backends=URLS, policy=policy, tokens_per_block=16, kv_events=eps, tokenizer=tok)
     out = []
     for w in range(2):
         f = SharedFleet(cfg, None, state, w)
