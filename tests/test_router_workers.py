@@ -594,6 +594,8 @@ def test_two_workers_end_to_end(tmp_path: Path) -> None:
             for pid in pids.values():
                 with pytest.raises(ProcessLookupError):
                     os.kill(pid, 0)
+                with pytest.raises(ProcessLookupError):  # nothing a worker started (a tokenizer pool) is left
+                    os.killpg(pid, 0)
             assert not shm.exists()
         finally:
             await fresh.close()

@@ -4,9 +4,10 @@
 non-listening ``SO_REUSEPORT`` socket, so ``--port 0`` resolves once for all), creates the
 :class:`~kvforge.service.shared_state.SharedState` block and starts N spawned workers, each listening on the
 port with ``SO_REUSEPORT`` (the kernel spreads connections over them). It restarts nothing: a worker that exits
-is logged as an error with its exit status, its load row is zeroed, and the others keep serving; with none left
-the parent exits 1. SIGTERM / SIGINT stop every worker (SIGTERM, then SIGKILL after ``--shutdown-grace-s``),
-reap them, remove the shared block and exit 0.
+is logged as an error with its exit status, what it started (its process group) is killed, its load row is
+zeroed, and the others keep serving; with none left the parent exits 1. SIGTERM / SIGINT stop every worker
+(SIGTERM, then SIGKILL after ``--shutdown-grace-s``; then whatever is left in its process group), reap them,
+remove the shared block and exit 0.
 
 Each worker is a full :class:`~kvforge.service.proxy.RouterService` whose fleet is a :class:`SharedFleet`:
 
@@ -331,6 +332,8 @@ def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker
     from kvforge.service.cli import config_from_args
     from kvforge.service.metrics import configure_logging
 
+    # Its own process group: the parent reaches whatever this worker starts (a tokenizer pool) even after it dies.
+    os.setpgid(0, 0)
     configure_logging(args.log_level, args.log_format)
     state = SharedState.attach(shm_name, lock_path)
     service = WorkerService(config_from_args(args), state, worker)
@@ -369,6 +372,12 @@ def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker
         )
     finally:
         state.close()
+
+
+def _sweep_group(pid: int) -> None:
+    """SIGKILL what is left of a reaped worker's process group (what it started, e.g. a tokenizer pool)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:
@@ -459,6 +468,7 @@ def run_workers(args: argparse.Namespace) -> int:
             for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5 if announced else 0.05):
                 i, p = alive.pop(sentinel)  # type: ignore[call-overload]
                 p.join()
+                _sweep_group(p.pid)  # what it started must not outlive it
                 state.clear_worker(i)
                 logger.error(
                     "router worker exited; not restarted",
@@ -473,7 +483,7 @@ def run_workers(args: argparse.Namespace) -> int:
         for p in procs:
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
+                    os.kill(p.pid, signal.SIGTERM)  # (the worker shuts down what it started itself)
         deadline = time.monotonic() + args.shutdown_grace_s
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -482,6 +492,7 @@ def run_workers(args: argparse.Namespace) -> int:
                 logger.warning("router worker ignored SIGTERM; killing it", extra={"fields": {"worker": i}})
                 p.kill()
                 p.join()
+            _sweep_group(p.pid)
             state.clear_worker(i)
         state.close()
         reserved.close()
