@@ -219,11 +219,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="debug logs one JSON line per request (default info)",
     )
     g.add_argument("--log-format", choices=("json", "text"), default="json", help="default json")
+    _add_worker_arguments(g)
     g.add_argument(
         "--event-loop",
         choices=("auto", "asyncio", "uvloop"),
         default="auto",
         help="auto: uvloop when it is installed (less CPU per request), else asyncio (default auto)",
+    )
+
+
+def _workers(text: str) -> int:
+    import socket
+
+    from kvforge.service.shared_state import max_workers
+
+    hi = max_workers()
+    v = _int_at_least(1)(text)
+    if v > hi:
+        raise argparse.ArgumentTypeError(f"expected 1..{hi} (4 per core), got {v}")
+    if v > 1 and not hasattr(socket, "SO_REUSEPORT"):
+        raise argparse.ArgumentTypeError(f"{v} workers need SO_REUSEPORT, which this platform lacks; use 1")
+    return v
+
+
+def _power_of_two(text: str) -> int:
+    v = _int_at_least(8)(text)
+    if v & (v - 1) or v > 1 << 24:
+        raise argparse.ArgumentTypeError(f"expected a power of two in 8..{1 << 24}, got {v}")
+    return v
+
+
+def _add_worker_arguments(g) -> None:
+    g.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        help="router processes on one port (SO_REUSEPORT), sharing conversation owners and backend load in "
+        "shared memory; policies conversation, conversation-always, least-load, round-robin (default 1)",
+    )
+    g.add_argument(
+        "--shared-conversations",
+        type=_power_of_two,
+        default=1 << 17,
+        help="--workers > 1: entries of the shared conversation map; the least recently used of 8 neighbours "
+        "is forgotten when full (default 131072, 4 MiB)",
+    )
+    g.add_argument(
+        "--shutdown-grace-s",
+        type=_positive_float,
+        default=10.0,
+        help="--workers > 1: on SIGTERM/SIGINT, how long workers may finish before SIGKILL (default 10)",
     )
 
 
@@ -269,6 +314,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
         return 1
 
+    if getattr(args, "workers", 1) > 1:
+        from kvforge.service.workers import run_workers
+
+        return run_workers(args)
     try:
         cfg = config_from_args(args)
         service = RouterService(cfg)

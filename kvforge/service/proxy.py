@@ -428,7 +428,7 @@ class RouterService:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.keyer = K.Keyer(cfg.tokens_per_block, cfg.chars_per_token, cfg.tokenizer, cfg.chat_template)
-        self.fleet = Fleet(cfg, self._kv_stat)
+        self.fleet = self._make_fleet()
         self.metrics = ServiceMetrics(self.fleet.snapshot)
         for i, url in enumerate(cfg.backends):
             ev = cfg.kv_events[i] if cfg.kv_events else None
@@ -444,6 +444,10 @@ class RouterService:
         self._client_timeout = aiohttp.ClientTimeout(
             total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
         )
+
+    def _make_fleet(self) -> Fleet:
+        # (kvforge.service.workers gives each worker of ``--workers N`` a fleet that shares state across them.)
+        return Fleet(self.cfg, self._kv_stat)
 
     def _kv_stat(self, url: str, kind: str, n: int) -> None:
         self.metrics.kv_events.labels(url, kind).inc(n)
