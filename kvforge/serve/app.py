@@ -52,23 +52,26 @@ def _error(status: int, message: str, param: str | None = None, kind: str | None
     return web.json_response(body, status=status)
 
 
-@web.middleware
-async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except _ClientError as exc:
-        return _error(exc.status, exc.message, exc.param, exc.kind)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error(413, f"body: larger than {exc.max_size} bytes", "body")
-    except web.HTTPException as exc:
-        if exc.status < 400:
+def _error_middleware(log: Any, max_body_bytes: int) -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except _ClientError as exc:
+            return _error(exc.status, exc.message, exc.param, exc.kind)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body: larger than {max_body_bytes} bytes", "body")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, exc.reason or "error", None, "not_found_error" if exc.status == 404 else None)
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        return _error(exc.status, exc.reason or "error", None, "not_found_error" if exc.status == 404 else None)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as exc:  # never a traceback to the client
-        request.app["log"].exception("unhandled error on %s", request.path)
-        return _error(500, f"internal error: {type(exc).__name__}")
+        except Exception as exc:  # never a traceback to the client
+            log.exception("unhandled error on %s", request.path)
+            return _error(500, f"internal error: {type(exc).__name__}")
+
+    return middleware
 
 
 @dataclass(frozen=True)
@@ -188,8 +191,8 @@ class ServeApp:
         self.created = int(time.time())
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[_error_middleware])
-        app["log"] = self.log
+        mw = _error_middleware(self.log, self.settings.max_body_bytes)
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[mw])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
