@@ -37,6 +37,7 @@ from kvforge.routing import (
 )
 from kvforge.scheduling import SchedulerConfig
 from kvforge.sim.model import KIMI_K3_LIKE, ModelSpec, StepTimeModel, Throughputs
+from kvforge.sim.profile import ProfiledStepTime, StepProfile
 from kvforge.sim.server import GiB, SimServer, make_cache_manager, plan_cache_layout, snapshot_policies
 from kvforge.sim.workload import SimRequest
 
@@ -119,6 +120,8 @@ class SimConfig:
     demote_uncached_tokens: int = 0
     exact_demotion: bool = False
     load_samples: int = 200
+    # Measured step times (kvforge.sim.profile) instead of the roofline; its model must be ``model``.
+    step_profile: StepProfile | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
@@ -151,6 +154,8 @@ class SimConfig:
             object.__setattr__(self, "snapshot_policy", snapshot_policies(self.model)[0])
         if self.exact_demotion and not self.demote_uncached_tokens:
             raise SimulationError("--exact-demotion needs a demotion threshold (--demote TOKENS)")
+        if self.step_profile is not None and self.step_profile.model != self.model:
+            raise SimulationError("--profile: the profile's model differs from --model (the profile sets the model)")
 
 
 @dataclass
@@ -313,7 +318,11 @@ def simulate(
     assert snapshot_policy is not None  # SimConfig.__post_init__ resolves None
     server_ids = list(range(config.servers))
     router = make_router(policy, server_ids, tpb, layout.attention_tokens // tpb)
-    step_model = StepTimeModel(config.model, config.throughputs)
+    step_model = (
+        StepTimeModel(config.model, config.throughputs)
+        if config.step_profile is None
+        else ProfiledStepTime(config.step_profile)
+    )
     sched_cfg = SchedulerConfig(
         max_num_tokens=quantum * config.max_num_tokens,
         max_num_requests=config.max_num_requests,
