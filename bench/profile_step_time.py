@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import env_stamp  # noqa: E402
-from kvforge.sim.model import ModelSpec  # noqa: E402
-from kvforge.sim.profile import FEATURES, FORMAT, fit_step_times, step_features  # noqa: E402
+from bench._common import env_stamp
+from kvforge.sim.model import ModelSpec
+from kvforge.sim.profile import FEATURES, FORMAT, fit_step_times, step_features
 
 
 def serve_args(size: str, **over: object) -> argparse.Namespace:
@@ -114,7 +114,7 @@ class Recorder:
 def workloads(rng: random.Random, vocab: int, big: bool):
     """(name, {request id: prompt}, new tokens) in order; a continued prompt extends an earlier one."""
     s = 8 if big else 1
-    for b in ((1, 4, 8, 16, 32, 64) if big else (1, 4, 8, 16)):
+    for b in (1, 4, 8, 16, 32, 64) if big else (1, 4, 8, 16):
         for length in (32 * s, 256 * s):
             prompts = {f"d{b}-{length}-{i}": [rng.randrange(vocab) for _ in range(length)] for i in range(b)}
             yield f"decode b={b} len={length}", prompts, 6
@@ -182,7 +182,9 @@ def main() -> None:
         "max_abs_rel_err": errs[-1],
     }
     stamp = env_stamp()
-    stamp.update({"device": device, "size": args.size, "load_avg": os.getloadavg(), "profile_s": time.perf_counter() - t0})
+    stamp.update(
+        {"device": device, "size": args.size, "load_avg": os.getloadavg(), "profile_s": time.perf_counter() - t0}
+    )
     spec = model_spec(eng, f"kvforge-{args.size}")
     out = {
         "format": FORMAT,
@@ -204,7 +206,9 @@ def main() -> None:
     print("coefficients (s per unit):", {k: f"{v:.3g}" for k, v in coef.items()})
     print(f"fit over {fit['samples']} steps: median |rel err| {fit['median_abs_rel_err']:.1%}, "
           f"p90 {fit['p90_abs_rel_err']:.1%}, max {fit['max_abs_rel_err']:.1%}")  # fmt: skip
-    print(f"wrote {args.out} ({stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, rev {stamp['git_rev']})")
+    print(
+        f"wrote {args.out} ({stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, rev {stamp['git_rev']})"
+    )
 
 
 if __name__ == "__main__":

@@ -66,6 +66,8 @@ ROUTER_POLICIES: dict[str, str] = {
     "conversation": "ConversationRouter: sticky sessions, prefix trie, 'specific' follow mode (the default)",
     "conversation-always": "ConversationRouter, 'always' follow mode (weighs load by uncached tokens)",
     "conversation-events": "ConversationRouter, 'always' + the servers' cache events + imbalance guard",
+    "conversation-kv": "ConversationRouter, 'specific' + the servers' cache events (kvforge router --policy "
+    "conversation --kv-events)",
     "cache-aware": "SGLang-router-like: best approximate prefix match unless imbalanced, then shortest queue",
     "least-load": "fewest prompt tokens in flight",
     "round-robin": "servers in turn",
@@ -92,6 +94,8 @@ def make_router(name: str, servers: Sequence[Hashable], tokens_per_block: int, t
             imbalance_guard=ImbalanceGuard(),
             **common,
         )
+    if name == "conversation-kv":
+        return ConversationRouter(servers, use_cache_events=True, **common)
     if name == "cache-aware":
         return CacheAwareRouter(servers, tree_capacity_blocks=tree_blocks, **common)
     if name == "least-load":
