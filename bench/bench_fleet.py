@@ -2,8 +2,11 @@
 replaying a slice of the conversation trace, for several router policies in the same run; then
 ``kvforge simulate``'s engine (with a measured step-time profile) on the same slice, printed side by side.
 
-Workload: the first ``--requests`` lines of the Mooncake conversation trace (``$KVFORGE_TRACE`` or
-``/work/shared/data``), each prompt built from its ``hash_ids`` as ``bench_engine`` does (block ``h`` is
+Workload: a slice of the Mooncake conversation trace (``$KVFORGE_TRACE`` or ``/work/shared/data``): the first
+``--requests`` lines, or with ``--conversations N`` the first N multi-turn conversations (a request whose hash
+ids extend an earlier one's continues it), up to ``--turns`` turns each, in turn-major order (all first turns,
+then all second turns, ...: the trace's own turns are minutes apart, so a compressed replay keeps each turn after
+the one before it). Each prompt built from its ``hash_ids`` as ``bench_engine`` does (block ``h`` is
 ``--block-tokens`` seeded-random token ids, the same ids wherever ``h`` appears), its length the trace's
 ``input_length`` scaled by ``block-tokens / 512`` and capped at ``--max-prompt``, its output
 ``min(output_length, --max-output)`` tokens. Arrivals are Poisson at ``--rate`` requests/s (seeded), the same
@@ -65,14 +68,29 @@ def load_slice(args) -> list[dict[str, Any]]:
     path = Path(
         os.environ.get("KVFORGE_TRACE") or find_trace() or "/work/shared/data/mooncake_conversation_trace.jsonl"
     )
-    rows = []
     with path.open() as f:
-        for i, line in enumerate(f):
-            if i < args.offset:
-                continue
-            rows.append(json.loads(line))
-            if len(rows) == args.requests:
-                break
+        lines = [json.loads(line) for line in f]
+    if args.conversations:
+        # Conversations: a request whose hash ids extend an earlier one's (two ids or more) continues it.
+        owner: dict[tuple[int, ...], int] = {}
+        turns: dict[int, list[int]] = {}
+        for i, r in enumerate(lines):
+            ids = tuple(r["hash_ids"])
+            c = next((owner[ids[:k]] for k in range(len(ids), 1, -1) if ids[:k] in owner), i)
+            turns.setdefault(c, []).append(i)
+            for k in range(2, len(ids) + 1):
+                owner.setdefault(ids[:k], c)
+        chosen = [c for c in sorted(turns) if c >= args.offset and len(turns[c]) >= 2][: args.conversations]
+        # Turn-major order: every conversation's first turn, then every second turn, ...
+        picked = [turns[c][t] for t in range(args.turns) for c in chosen if t < len(turns[c])]
+        rows = [lines[i] for i in picked]
+        args.slice_desc = (
+            f"the first {len(chosen)} multi-turn conversations from line {args.offset} (up to {args.turns} turns "
+            f"each, turn-major order: lines {picked[:6]}...)"
+        )
+    else:
+        rows = lines[args.offset : args.offset + args.requests]
+        args.slice_desc = f"trace lines {args.offset}..{args.offset + len(rows) - 1}"
     rng = random.Random(args.seed)
     t = 0.0
     reqs = []
@@ -253,7 +271,11 @@ def main() -> None:
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--policies", default="conversation,cache-aware,round-robin")
-    ap.add_argument("--requests", type=int, default=40, help="trace lines in the slice")
+    ap.add_argument("--requests", type=int, default=40, help="trace lines in the slice (without --conversations)")
+    ap.add_argument(
+        "--conversations", type=int, default=0, help="slice = the first N multi-turn conversations (0: lines)"
+    )
+    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation (with --conversations)")
     ap.add_argument("--offset", type=int, default=0, help="first trace line of the slice")
     ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
     ap.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id (the trace's is 512)")
@@ -287,7 +309,7 @@ def main() -> None:
              *args.serve_arg]  # fmt: skip
     router = ["--tokens-per-block", str(eng["tokens_per_block"]), "--health-interval-s", "1"]
     prompt_tokens = sum(len(r["prompt"]) for r in reqs)
-    desc = (f"{len(reqs)} requests (trace lines {args.offset}..{args.offset + len(reqs) - 1} of {trace.name}), "
+    desc = (f"{len(reqs)} requests ({args.slice_desc} of {trace.name}), "
             f"{prompt_tokens} prompt / {sum(r['output'] for r in reqs)} output tokens, Poisson {args.rate:g} req/s "
             f"(seed {args.seed}), {args.block_tokens} tokens per hash id, prompts <= {args.max_prompt}")  # fmt: skip
     print(f"bench_fleet: {args.engines} x kvforge serve --model {args.size} on {machine}, rev {git_rev()}")
@@ -300,7 +322,7 @@ def main() -> None:
              "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "load_avg_1m": os.getloadavg()[0],
              "engines": args.engines, "size": args.size, "requests": len(reqs), "rate_req_s": args.rate,
              "block_tokens": args.block_tokens, "max_prompt": args.max_prompt, "max_output": args.max_output,
-             "seed": args.seed, "offset": args.offset}  # fmt: skip
+             "seed": args.seed, "offset": args.offset, "slice": args.slice_desc}  # fmt: skip
     for policy in args.policies.split(","):
         log_dir = args.out / f"fleet_logs_{tag}" / policy
         t0 = time.perf_counter()
@@ -346,7 +368,7 @@ def main() -> None:
     path = args.out / "fleet.csv"
     cols = ["date", "git_rev", "machine", "torch", "size", "engines", "policy", "source", *METRICS, "makespan_s",
             "engine_hit_rate", "requests_per_engine", "sim_policy", "requests", "rate_req_s", "block_tokens",
-            "max_prompt", "max_output", "seed", "offset", "load_avg_1m"]  # fmt: skip
+            "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")

@@ -107,7 +107,7 @@ def test_fleet_end_to_end(fleet):
         shared = _text(rng, 4 * TPB)
         direct = openai.OpenAI(base_url=urls[target] + "/v1", api_key="none", max_retries=0, timeout=120)
         direct.chat.completions.create(model="tiny", messages=[{"role": "user", "content": shared}], max_tokens=1)
-        time.sleep(0.5)  # the events reach the router
+        time.sleep(1.5)  # the events reach the router
         r = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": shared + " " + _text(rng, 8)}],
