@@ -38,6 +38,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -284,7 +285,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", type=Path, required=True, help="step profile of the same engine (profile_step_time)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra kvforge serve flag (repeat)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for fleet.csv, the PNG and the engine logs")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for fleet.csv and the PNG")
+    ap.add_argument("--log-dir", type=Path, default=None, help="engine and router logs (default: a temp folder)")
     ap.add_argument("--tag", default=None, help="file-name tag (default: cpu_tiny / gpu_real)")
     args = ap.parse_args()
 
@@ -324,7 +326,7 @@ def main() -> None:
              "block_tokens": args.block_tokens, "max_prompt": args.max_prompt, "max_output": args.max_output,
              "seed": args.seed, "offset": args.offset, "slice": args.slice_desc}  # fmt: skip
     for policy in args.policies.split(","):
-        log_dir = args.out / f"fleet_logs_{tag}" / policy
+        log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-fleet-"))) / policy
         t0 = time.perf_counter()
         with LocalFleet(args.engines, log_dir, serve, router, policy=policy) as fleet:
             start = time.perf_counter() - t0

@@ -6,7 +6,8 @@ included), records what the scheduler put in it (context chunks as ``(start, tok
 their contexts), fits :mod:`kvforge.sim.profile`'s linear step-time model on those samples and writes the
 profile JSON (coefficients, the model's layout, the engine's budgets, every sample with its fitted value, the
 fit's relative errors, machine and versions). Grid: decode batches {1, 4, 8, 16} (more on a GPU) at prompt
-lengths {32, 256} (x8 on a GPU), single prompts {16 .. 500} (x8), and continued prompts (a cached prefix).
+lengths {32, 128, 256} (x8 on a GPU), single prompts {16 .. 500} (x8), continued prompts (a cached prefix) and
+two prompts in one step, all within ``--max-len`` tokens.
 
     python3 bench/profile_step_time.py --size tiny --out bench/results/step_profile_cpu_tiny.json   # CPU
     python3 bench/profile_step_time.py --size real --out $OUT/step_profile_h200_real.json          # GPU
@@ -111,19 +112,25 @@ class Recorder:
             self.step()
 
 
-def workloads(rng: random.Random, vocab: int, big: bool):
-    """(name, {request id: prompt}, new tokens) in order; a continued prompt extends an earlier one."""
+def workloads(rng: random.Random, vocab: int, big: bool, max_len: int):
+    """(name, {request id: prompt}, new tokens) in order; a continued prompt extends an earlier one. Prompts stay
+    within ``max_len`` tokens (the operating range of the fleet bench being modelled)."""
     s = 8 if big else 1
-    for b in (1, 4, 8, 16, 32, 64) if big else (1, 4, 8, 16):
-        for length in (32 * s, 256 * s):
+    lens = [n for n in (32 * s, 128 * s, 256 * s) if n <= max_len]
+    for b in (1, 4, 8, 16, 32, 64) if big else (1, 2, 4, 8):
+        for length in lens:
             prompts = {f"d{b}-{length}-{i}": [rng.randrange(vocab) for _ in range(length)] for i in range(b)}
             yield f"decode b={b} len={length}", prompts, 6
-    for length in (16 * s, 100 * s, 300 * s, 500 * s):
+    for length in [n for n in (16 * s, 64 * s, 160 * s, 256 * s, 500 * s) if n <= max_len]:
         yield f"prefill len={length}", {f"p{length}": [rng.randrange(vocab) for _ in range(length)]}, 2
-    base = [rng.randrange(vocab) for _ in range(300 * s)]
+    base = [rng.randrange(vocab) for _ in range(min(max_len, 300 * s) * 2 // 3)]
     yield "base", {"base": base}, 2
-    for extra in (16 * s, 120 * s):
-        yield f"continued +{extra}", {f"c{extra}": base + [rng.randrange(vocab) for _ in range(extra)]}, 2
+    for extra in (16 * s, 64 * s):
+        if len(base) + extra <= max_len:
+            yield f"continued +{extra}", {f"c{extra}": base + [rng.randrange(vocab) for _ in range(extra)]}, 2
+    # Two prompts in one step (chunk rows), as concurrent arrivals give.
+    pair = {f"two{i}": [rng.randrange(vocab) for _ in range(lens[-1] // 2)] for i in range(2)}
+    yield "two prompts", pair, 2
 
 
 def main() -> None:
@@ -131,6 +138,7 @@ def main() -> None:
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
     ap.add_argument("--out", type=Path, required=True, help="the profile JSON to write")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-len", type=int, default=None, help="longest prompt profiled (default 512 CPU, 4096 GPU)")
     args = ap.parse_args()
 
     import kvforge.kernels  # noqa: F401  (the Triton interpreter without a GPU)
@@ -157,9 +165,11 @@ def main() -> None:
     eng.generate({"warm": [1, 2, 3]}, 2)  # one-time costs out of the samples
     eng.generate({"warm2": [4] * 200}, 2)
     rec = Recorder(eng)
+    load0 = os.getloadavg()
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
-    for name, prompts, new in workloads(rng, mc.vocab_size, device == "cuda"):
+    max_len = args.max_len or (4096 if device == "cuda" else 512)
+    for name, prompts, new in workloads(rng, mc.vocab_size, device == "cuda", max_len):
         n0 = len(rec.samples)
         for rid, p in prompts.items():
             eng.add_request(rid, p, new)
@@ -183,8 +193,9 @@ def main() -> None:
     }
     stamp = env_stamp()
     stamp.update(
-        {"device": device, "size": args.size, "load_avg": os.getloadavg(), "profile_s": time.perf_counter() - t0}
-    )
+        {"device": device, "size": args.size, "load_avg_start": load0, "load_avg_end": os.getloadavg(),
+         "profile_s": time.perf_counter() - t0, "max_len": max_len}
+    )  # fmt: skip
     spec = model_spec(eng, f"kvforge-{args.size}")
     out = {
         "format": FORMAT,
