@@ -39,6 +39,7 @@ import platform
 import random
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -262,7 +263,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xticks([i + 0.19 for i in range(len(policies))], policies, rotation=15)
         ax.set_title(label)
     axes[0].legend()
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 170)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
