@@ -309,7 +309,8 @@ def main() -> None:
     serve = ["--model", args.size, "--tokens-per-block", str(eng["tokens_per_block"]),
              "--attention-pages", str(eng["attention_pages"]), "--state-pages", str(eng["state_pages"]),
              "--max-num-tokens", str(eng["max_num_tokens"]), "--max-num-requests", str(eng["max_num_requests"]),
-             *args.serve_arg]  # fmt: skip
+             "--draft-pages", str(eng["attention_pages"]), "--max-blocks-per-request",
+             str(eng.get("max_blocks_per_request", 128)), *args.serve_arg]  # fmt: skip
     router = ["--tokens-per-block", str(eng["tokens_per_block"]), "--health-interval-s", "1"]
     prompt_tokens = sum(len(r["prompt"]) for r in reqs)
     desc = (f"{len(reqs)} requests ({args.slice_desc} of {trace.name}), "

@@ -10,7 +10,8 @@ lengths {32, 128, 256} (x8 on a GPU), single prompts {16 .. 500} (x8), continued
 two prompts in one step, all within ``--max-len`` tokens.
 
     python3 bench/profile_step_time.py --size tiny --out bench/results/step_profile_cpu_tiny.json   # CPU
-    python3 bench/profile_step_time.py --size real --out $OUT/step_profile_h200_real.json          # GPU
+    python3 bench/profile_step_time.py --size real --attention-pages 16384 --state-pages 256 \
+        --max-num-tokens 8192 --max-num-requests 64 --max-blocks-per-request 512 --out $OUT/profile.json  # GPU
 """
 
 from __future__ import annotations
@@ -139,12 +140,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="the profile JSON to write")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-len", type=int, default=None, help="longest prompt profiled (default 512 CPU, 4096 GPU)")
+    for flag in ("tokens-per-block", "attention-pages", "state-pages", "max-num-tokens", "max-num-requests",
+                 "max-blocks-per-request"):  # fmt: skip
+        ap.add_argument(f"--{flag}", type=int, default=None, help="as kvforge serve's flag (default: its default)")
     args = ap.parse_args()
 
     import kvforge.kernels  # noqa: F401  (the Triton interpreter without a GPU)
     from kvforge.engine import Engine, EngineConfig, HybridModel, real, tiny
 
-    sa = serve_args(args.size)
+    names = ("tokens_per_block", "attention_pages", "state_pages", "max_num_tokens", "max_num_requests",
+             "max_blocks_per_request")  # fmt: skip
+    sa = serve_args(args.size, **{n: getattr(args, n) for n in names if getattr(args, n) is not None})
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,6 +213,7 @@ def main() -> None:
             "state_pages": ec.state_pages,
             "max_num_tokens": ec.max_num_tokens,
             "max_num_requests": ec.max_num_requests,
+            "max_blocks_per_request": ec.max_blocks_per_request,
         },
         "fit": fit,
         "meta": stamp,
