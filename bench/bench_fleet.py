@@ -241,6 +241,8 @@ def simulate_slice(reqs, args, profile, policy: str) -> dict[str, float]:
         "hit_rate": r.hit_rate,
         "throughput_tok_s": r.throughput_tok_s,
         "makespan_s": r.makespan_s,
+        "steps": r.steps,
+        "step_mean_s": r.busy_s / max(1, r.steps),
     }
 
 
@@ -339,6 +341,20 @@ def main() -> None:
         hits = sum(a["kvforge_serve_prefix_hit_tokens_total"] - b["kvforge_serve_prefix_hit_tokens_total"]
                    for a, b in zip(after, before))  # fmt: skip
         m["engine_hit_rate"] = hits / prompt_tokens
+
+        def delta(name: str, after=after, before=before) -> float:
+            return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before))
+
+        # Where the time goes: the engines' own TTFT (request received -> first token, no router or client
+        # network) against the client's, and the mean engine step in the fleet (the profile timed one engine alone).
+        m["engine_ttft_mean_s"] = delta("kvforge_serve_ttft_seconds_sum") / max(
+            1.0, delta("kvforge_serve_ttft_seconds_count")
+        )
+        m["client_ttft_mean_s"] = sum(x["first"] - x["sent"] for x in res) / len(res)
+        m["engine_step_mean_s"] = delta("kvforge_serve_step_seconds_total") / max(
+            1.0, delta("kvforge_serve_steps_total")
+        )
+        m["engine_steps"] = delta("kvforge_serve_steps_total")
         per = {}
         for x in res:
             per[x["server"]] = per.get(x["server"], 0) + 1
@@ -349,6 +365,11 @@ def main() -> None:
         sim = simulate_slice(reqs, args, profile, policy)
         print(f"  simulated {policy:13s} " + ", ".join(f"{k} {v:.4g}" for k, v in sim.items()), flush=True)
         rows.append({"policy": policy, "source": "simulated", **sim, **stamp, "sim_policy": SIM_POLICY[policy]})
+        gap = m["client_ttft_mean_s"] - m["engine_ttft_mean_s"]
+        print(f"  where the time goes ({policy}): client TTFT mean {m['client_ttft_mean_s']:.3f} s, engine-side "
+              f"{m['engine_ttft_mean_s']:.3f} s (router + HTTP + client {gap:+.3f} s); engine steps "
+              f"{m['engine_steps']:.0f}, mean {m['engine_step_mean_s'] * 1e3:.0f} ms measured vs "
+              f"{sim['step_mean_s'] * 1e3:.0f} ms simulated over {sim['steps']:.0f} steps", flush=True)  # fmt: skip
     print("\npredicted vs measured (simulated / measured - 1):")
     print(f"  {'policy':13s} " + " ".join(f"{k:>22s}" for k in METRICS))
     for policy in args.policies.split(","):
@@ -371,14 +392,20 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "fleet.csv"
     cols = ["date", "git_rev", "machine", "torch", "size", "engines", "policy", "source", *METRICS, "makespan_s",
-            "engine_hit_rate", "requests_per_engine", "sim_policy", "requests", "rate_req_s", "block_tokens",
-            "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
-    new = not path.exists()
-    with path.open("a", newline="") as f:
+            "engine_hit_rate", "requests_per_engine", "engine_ttft_mean_s", "client_ttft_mean_s",
+            "engine_step_mean_s", "engine_steps", "steps", "step_mean_s", "sim_policy", "requests", "rate_req_s",
+            "block_tokens", "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
+    old: list[dict[str, str]] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != cols:  # an older layout: rewrite it under the new header (blank new columns)
+                old = list(reader)
+    with path.open("w" if old or not path.exists() else "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        if new:
+        if old or f.tell() == 0:
             w.writeheader()
-        for r in rows:
+        for r in [*old, *rows]:
             w.writerow(r)
     png = args.out / f"fleet_{tag}.png"
     plot(rows, png, f"kvforge serve x{args.engines} ({args.size}) + router on {machine}, rev {git_rev()}: {desc}")

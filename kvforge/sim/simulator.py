@@ -190,6 +190,8 @@ class RunResult:
     load_times: list[float] = field(default_factory=list, repr=False)
     load_series: list[list[int]] = field(default_factory=list, repr=False)
     ttfts: dict[int, float] = field(default_factory=dict, repr=False)  # request id -> time to first token
+    steps: int = 0  # simulated steps over all servers (not in the CSV row)
+    busy_s: float = 0.0  # their summed durations
 
     def row(self) -> dict[str, Any]:
         """The CSV row (time series left out); every column name carries its unit."""
@@ -486,4 +488,6 @@ def simulate(
         load_times=load_times,
         load_series=load_series,
         ttfts=ttfts,
+        steps=sum(sv.stats.steps for sv in servers),
+        busy_s=sum(busy),
     )
