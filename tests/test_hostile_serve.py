@@ -384,3 +384,45 @@ def test_help_documents_every_flag(capsys):
             if s.startswith("--"):
                 assert s in out
                 assert a.help, s
+
+
+def test_evictions_are_published_as_block_removed():
+    # A cache of 12 attention pages: distinct 3-block prompts evict earlier blocks, which the subscriber must hear.
+    from kvforge.service.kv_events import BlockRemoved
+
+    eng = Engine(HybridModel(tiny(draft_layers=0)), EngineConfig(attention_pages=12, state_pages=8, max_num_requests=2))
+    pub = KVEventPublisher("tcp://127.0.0.1:0")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    time.sleep(0.2)
+    loop = EngineLoop(eng, pub)
+    loop.start()
+
+    async def main() -> None:
+        for i in range(8):
+            q = loop.submit(i, [(i * 31 + j) % 250 + 1 for j in range(3 * TPB)], 1)
+            while (await q.get())[0] != "done":
+                pass
+
+    try:
+        asyncio.run(main())
+        kinds: dict[str, int] = {}
+        stored: set = set()
+        removed: set = set()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not removed:
+            if sub.poll(100):
+                for ev in decode_batch(sub.recv_multipart()[2]).events:
+                    kinds[type(ev).__name__] = kinds.get(type(ev).__name__, 0) + 1
+                    if isinstance(ev, BlockStored):
+                        stored.update(ev.block_hashes)
+                    elif isinstance(ev, BlockRemoved):
+                        removed.update(ev.block_hashes)
+        assert removed and removed <= stored, kinds  # every removed block was announced as stored first
+        assert loop.stats.unmapped_blocks == 0
+    finally:
+        loop.stop()
+        sub.close(0)
+        ctx.term()
