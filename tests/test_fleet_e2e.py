@@ -40,6 +40,15 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in {url}/metrics")
 
 
+def _event_batches(router_url: str, backend: str) -> float:
+    with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            head = line.startswith("kvforge_router_kv_events_total{")
+            if head and f'backend="{backend}"' in line and 'kind="batches"' in line:
+                return float(line.split()[-1])
+    return 0.0
+
+
 def _text(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n))
 
@@ -50,8 +59,10 @@ def fleet(tmp_path_factory):
     tok = build_tokenizer(d / "tokenizer.json", WORDS)
     serve = ["--tokenizer", str(tok), "--tokens-per-block", str(TPB), "--max-num-requests", "8",
              "--attention-pages", "256", "--draft-pages", "256", "--state-pages", "64"]  # fmt: skip
+    # A generous health timeout: on a loaded CPU the interpreter's engine thread can hold the GIL for a whole step,
+    # delaying /health; a killed engine is still ejected at once (its connections are refused).
     router = ["--tokenizer", str(tok), "--tokens-per-block", str(TPB), "--health-interval-s", "0.5",
-              "--health-timeout-s", "2", "--unhealthy-after", "1"]  # fmt: skip
+              "--health-timeout-s", "10", "--unhealthy-after", "2"]  # fmt: skip
     with LocalFleet(2, d, serve, router, policy=POLICY) as f:
         yield f
 
@@ -106,8 +117,12 @@ def test_fleet_end_to_end(fleet):
     for target in urls:
         shared = _text(rng, 4 * TPB)
         direct = openai.OpenAI(base_url=urls[target] + "/v1", api_key="none", max_retries=0, timeout=120)
+        seen = _event_batches(fleet.router_url, urls[target])
         direct.chat.completions.create(model="tiny", messages=[{"role": "user", "content": shared}], max_tokens=1)
-        time.sleep(1.5)  # the events reach the router
+        deadline = time.monotonic() + 20
+        while _event_batches(fleet.router_url, urls[target]) <= seen:  # the engine's events reach the router
+            assert time.monotonic() < deadline, "no KV events from the engine reached the router"
+            time.sleep(0.1)
         r = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": shared + " " + _text(rng, 8)}],
