@@ -48,6 +48,14 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from kvforge.serve.cli import DESCRIPTION, add_arguments, run
+
+    p = sub.add_parser("serve", help="one engine behind an OpenAI-compatible HTTP server", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 DESCRIPTION = """kvforge: kernels, KV caches, schedulers and routers for hybrid-attention LLM serving.
 
 subcommands:
@@ -57,6 +65,8 @@ subcommands:
   selfcheck   run every kernel against its reference on this machine (the Triton interpreter without a GPU)
   router      the conversation router as an OpenAI-compatible HTTP proxy in front of a fleet of engines
               (see: kvforge router --help)
+  serve       one kvforge engine (random weights) behind an OpenAI-compatible HTTP server, publishing its
+              KV events in vLLM's format (see: kvforge serve --help)
 """
 
 
@@ -104,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(func=_selfcheck)
     _add_router(sub)
+    _add_serve(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         # No subcommand: the main job, simulate, with whatever options were given.

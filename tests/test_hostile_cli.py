@@ -119,6 +119,10 @@ def test_numeric_option_out_of_range_or_not_a_number(flag: str, value: str, caps
         (["--max-num-tokens", "1"], ["argument --max-num-tokens:", "got 1", "at least 4"]),
         (["--max-num-tokens", "3"], ["argument --max-num-tokens:", "got 3"]),
         (["--bogus"], ["unrecognized arguments: --bogus"]),
+        (["--profile", "{bad_json}"], ["argument --profile:", "not JSON"]),
+        (["--profile", "{list_json}"], ["argument --profile:", "kvforge-step-profile/1"]),
+        (["--profile", "{absent}"], ["argument --profile:"]),
+        (["--profile", "{dir}"], ["argument --profile:", "folder"]),
     ],
 )
 def test_other_options_bad_values(tmp_path: Path, capsys, argv: list[str], needles: list[str]):
@@ -165,7 +169,7 @@ def test_every_option_has_a_bad_value_case():
     add_arguments(p)
     flags = {s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
     covered = set(LIMITS) | {"--router", "--snapshot-policy", "--model", "--exact-demotion", "--no-progress"}
-    covered |= {"--trace", "--out"}
+    covered |= {"--trace", "--out", "--profile"}
     assert flags == covered
 
 

@@ -217,21 +217,79 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: Hashable, tokens: Sequence[int], max_new_tokens: int) -> Request:
-        """Queue a request (token mode). With reuse off it gets its own reuse scope."""
+        """Queue a request (token mode). With reuse off it gets its own reuse scope.
+
+        Raises ``TypeError`` / ``ValueError`` naming the argument, changing nothing: ``request_id`` None,
+        unhashable or already unfinished here; ``tokens`` not a non-empty sequence of ids in ``[0, vocab)``;
+        ``max_new_tokens`` not an int >= 1; a request whose prompt + ``max_new_tokens`` can never fit the cache
+        (``max_blocks_per_request`` x ``tokens_per_block``, or more blocks than a pool group's pages)."""
+        if request_id is None:
+            raise ValueError("request_id: expected a hashable id, got None")
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+        if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
+            raise TypeError(f"tokens: expected a sequence of token ids, got {type(tokens).__name__}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens: expected an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens}")
         vocab = self.model.config.vocab_size
         toks = list(tokens)
+        if not toks:
+            raise ValueError("tokens: expected at least one token id, got an empty sequence")
         bad = [t for t in toks if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"tokens: expected ids in [0, {vocab}), got {bad[:4]}")
-        if len(toks) + max_new_tokens > self.config.max_blocks_per_request * self.config.tokens_per_block:
+        if self.scheduler.get(request_id) is not None:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
+        tpb = self.config.tokens_per_block
+        total = len(toks) + max_new_tokens
+        if total > self.config.max_blocks_per_request * tpb:
             raise ValueError(
                 f"tokens: {len(toks)} + max_new_tokens {max_new_tokens} exceed max_blocks_per_request x "
-                f"tokens_per_block ({self.config.max_blocks_per_request * self.config.tokens_per_block})"
+                f"tokens_per_block ({self.config.max_blocks_per_request * tpb})"
             )
+        # A request holds one page per block of its whole sequence in each attention group (the drafter's too),
+        # so one needing more than a group has could never be scheduled: refuse it here, not in every schedule().
+        blocks = -(-total // tpb)
+        for group in (self.attn_group, self.draft_group):
+            if group is None:
+                continue
+            capacity = self.manager.pool(group).capacity
+            if blocks > capacity:
+                raise ValueError(
+                    f"tokens: {len(toks)} + max_new_tokens {max_new_tokens} need {blocks} blocks of {tpb} tokens, "
+                    f"more than the {capacity} pages of pool group {group}: the request can never fit the cache"
+                )
         scope = None if self.config.reuse else ("no-reuse", request_id)
         req = Request(request_id, tokens=toks, max_new_tokens=max_new_tokens, draft_len=self.draft_len, scope=scope)
         self.scheduler.add_request(req)
         return req
+
+    def abort(self, request_id: Hashable) -> Request:
+        """Finish an unfinished request now, between steps: its cache closes (pages go back to the manager;
+        committed blocks stay reusable) and its slot is freed. Its tokens so far stay in :attr:`outputs`.
+        Raises ``ValueError`` naming ``request_id`` when no unfinished request has that id."""
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+        if self.scheduler.get(request_id) is None:
+            raise ValueError(f"request_id: no unfinished request {request_id!r}")
+        req = self.scheduler.abort(request_id)
+        self.outputs[request_id] = list(req.output_tokens)
+        self.last_draft.pop(request_id, None)
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        return req
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slot-store rows not held by an unfinished request."""
+        return len(self._free_slots)
 
     def _slot_of(self, rid: Hashable) -> int:
         s = self._slot.get(rid)

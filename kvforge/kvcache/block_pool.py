@@ -178,6 +178,12 @@ class BlockPool:
         """Keys of full blocks removed since the last :meth:`flush_events` (not announced yet)."""
         return tuple(self._removed)
 
+    def set_event_sink(self, sink: EventSink | None) -> None:
+        """Send later block events to ``sink`` (None: drop them); a server attaches its publisher after setup."""
+        if sink is not None and not callable(sink):
+            raise TypeError(f"sink: expected a callable or None, got {type(sink).__name__}")
+        self._sink = sink
+
     def flush_events(self) -> None:
         """Announce the blocks removed since the last call (one BlockRemoved)."""
         if self._removed:

@@ -15,6 +15,7 @@ Modes, states and marks in full: ``docs/scheduling.md``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -169,6 +170,8 @@ class Request:
         self.max_new_tokens = _count("max_new_tokens", max_new_tokens, 1)
         if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
             raise TypeError(f"arrival_time: expected a number, got {type(arrival_time).__name__}")
+        if not math.isfinite(arrival_time):
+            raise ValueError(f"arrival_time: expected a finite number, got {arrival_time}")
         self.arrival_time = float(arrival_time)
         if conversation_id is not None and not isinstance(conversation_id, str):
             raise TypeError(f"conversation_id: expected a str or None, got {type(conversation_id).__name__}")

@@ -30,6 +30,7 @@ from kvforge.sim.model import (
     Throughputs,
     load_model,
 )
+from kvforge.sim.profile import load_profile
 from kvforge.sim.report import PlotUnavailableError, format_summary, write_csv, write_load_csv, write_plots
 from kvforge.sim.server import SNAPSHOT_POLICIES, snapshot_policies
 from kvforge.sim.simulator import ROUTER_POLICIES, SimConfig, SimulationError, simulate
@@ -48,6 +49,8 @@ __all__ = ["DEFAULT_POLICIES", "LIMITS", "OUT_FILES", "add_arguments", "main", "
 
 DEFAULT_POLICIES = "conversation,conversation-events,cache-aware,round-robin"
 OUT_FILES = ("summary.csv", "load.csv", "policies.png", "load.png")
+STATE_FRACTION_DEFAULT = 0.5
+MAX_NUM_TOKENS_DEFAULT = 8192
 
 # Inclusive ranges of the numeric options, checked when the command line is parsed (before any allocation):
 # each upper bound keeps a typo from turning into minutes of work or a MemoryError.
@@ -163,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--state-fraction",
         type=f("--state-fraction"),
-        default=0.5,
+        default=STATE_FRACTION_DEFAULT,
         metavar="F",
         help="share of the cache for recurrent states: live + snapshots (0.5)",
     )
@@ -186,7 +189,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--max-num-tokens",
         type=i("--max-num-tokens"),
-        default=8192,
+        default=MAX_NUM_TOKENS_DEFAULT,
         metavar="N",
         help="token budget per real step (8192); at least 1 + the drafter's draft tokens",
     )
@@ -230,6 +233,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--efficiency", type=f("--efficiency"), default=1.0, metavar="F", help="fraction of those peaks reached (1)"
+    )
+    t.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="step times measured on the engine (a kvforge-step-profile/1 JSON that bench/profile_step_time.py "
+        "writes) instead of the roofline; it sets the model, and the cache pages, token and request budgets "
+        "the profiled engine ran with (--cache-gib / --state-fraction / --max-num-tokens still override), and "
+        "--decode-quantum defaults to 1",
     )
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="DIR", help=f"write {', '.join(OUT_FILES)} into DIR")
@@ -322,8 +333,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_dir(args.out)
     policies = args.router
+    profile = None
+    if getattr(args, "profile", None):
+        if args.model != KIMI_K3_LIKE.name:
+            raise _arg("--profile", "it sets the model; drop --model")
+        try:
+            profile = load_profile(args.profile)
+        except (OSError, ValueError) as exc:
+            raise _arg("--profile", str(exc)) from None
     try:
-        model = load_model(args.model)
+        model = load_model(args.model) if profile is None else profile.model
     except ValueError as exc:
         raise _arg("--model", str(exc).removeprefix("--model").lstrip(": ")) from None
     except RecursionError:
@@ -349,18 +368,29 @@ def run(args: argparse.Namespace) -> int:
     )
     trace = bool(args.trace)
     tpb = MOONCAKE_BLOCK_TOKENS if trace else SyntheticWorkload.tokens_per_block
+    extra_cfg: dict[str, object] = {}
+    cache_gib, state_fraction, max_num_tokens = args.cache_gib or 64.0, args.state_fraction, args.max_num_tokens
+    if profile is not None:
+        gib, frac = profile.cache_size()
+        cache_gib = args.cache_gib or gib
+        if args.state_fraction == STATE_FRACTION_DEFAULT:
+            state_fraction = frac
+        if args.max_num_tokens == MAX_NUM_TOKENS_DEFAULT:
+            max_num_tokens = profile.engine["max_num_tokens"]
+        extra_cfg = {"step_profile": profile, "max_num_requests": profile.engine["max_num_requests"]}
     cfg = SimConfig(
         servers=args.servers or (8 if trace else 4),
         model=model,
         throughputs=tp,
-        cache_gib=args.cache_gib or 64.0,
-        state_fraction=args.state_fraction,
+        cache_gib=cache_gib,
+        state_fraction=state_fraction,
         tokens_per_block=tpb,
         snapshot_policy=snaps[0],
-        max_num_tokens=args.max_num_tokens,
-        decode_quantum=args.decode_quantum or 8,
+        max_num_tokens=max_num_tokens,
+        decode_quantum=args.decode_quantum or (8 if profile is None else 1),
         demote_uncached_tokens=args.demote,
         exact_demotion=args.exact_demotion,
+        **extra_cfg,  # type: ignore[arg-type]
     )
     reqs, label, tpb = _workload(args)
     st = describe(reqs)
@@ -381,11 +411,17 @@ def run(args: argparse.Namespace) -> int:
         f"({cfg.state_fraction:.0%} recurrent states), {tpb} tokens/block, snapshot policy {snap}, "
         f"demotion {cfg.demote_uncached_tokens or 'off'}{' (exact)' if cfg.exact_demotion else ''}"
     )
-    print(
-        f"  step time roofline at {tp.matmul_tflops:.0f} TFLOP/s matmul, {tp.attention_tflops:.0f} TFLOP/s MLA, "
-        f"{tp.hbm_gbps:.0f} GB/s per GPU x efficiency {tp.efficiency:g} [{tp.source}]; "
-        f"up to {cfg.decode_quantum} real decode steps per simulated step"
-    )
+    if profile is not None:
+        print(
+            f"  step time measured profile {args.profile} (engine {dict(profile.engine)}); "
+            f"up to {cfg.decode_quantum} real decode steps per simulated step"
+        )
+    else:
+        print(
+            f"  step time roofline at {tp.matmul_tflops:.0f} TFLOP/s matmul, {tp.attention_tflops:.0f} TFLOP/s "
+            f"MLA, {tp.hbm_gbps:.0f} GB/s per GPU x efficiency {tp.efficiency:g} [{tp.source}]; "
+            f"up to {cfg.decode_quantum} real decode steps per simulated step"
+        )
     results = []
     runs = [(pol, sp) for sp in snaps for pol in policies]
     for i, (pol, sp) in enumerate(runs):

@@ -37,6 +37,7 @@ from kvforge.routing import (
 )
 from kvforge.scheduling import SchedulerConfig
 from kvforge.sim.model import KIMI_K3_LIKE, ModelSpec, StepTimeModel, Throughputs
+from kvforge.sim.profile import ProfiledStepTime, StepProfile
 from kvforge.sim.server import GiB, SimServer, make_cache_manager, plan_cache_layout, snapshot_policies
 from kvforge.sim.workload import SimRequest
 
@@ -65,6 +66,8 @@ ROUTER_POLICIES: dict[str, str] = {
     "conversation": "ConversationRouter: sticky sessions, prefix trie, 'specific' follow mode (the default)",
     "conversation-always": "ConversationRouter, 'always' follow mode (weighs load by uncached tokens)",
     "conversation-events": "ConversationRouter, 'always' + the servers' cache events + imbalance guard",
+    "conversation-kv": "ConversationRouter, 'specific' + the servers' cache events (kvforge router --policy "
+    "conversation --kv-events)",
     "cache-aware": "SGLang-router-like: best approximate prefix match unless imbalanced, then shortest queue",
     "least-load": "fewest prompt tokens in flight",
     "round-robin": "servers in turn",
@@ -91,6 +94,8 @@ def make_router(name: str, servers: Sequence[Hashable], tokens_per_block: int, t
             imbalance_guard=ImbalanceGuard(),
             **common,
         )
+    if name == "conversation-kv":
+        return ConversationRouter(servers, use_cache_events=True, **common)
     if name == "cache-aware":
         return CacheAwareRouter(servers, tree_capacity_blocks=tree_blocks, **common)
     if name == "least-load":
@@ -119,6 +124,8 @@ class SimConfig:
     demote_uncached_tokens: int = 0
     exact_demotion: bool = False
     load_samples: int = 200
+    # Measured step times (kvforge.sim.profile) instead of the roofline; its model must be ``model``.
+    step_profile: StepProfile | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
@@ -151,6 +158,8 @@ class SimConfig:
             object.__setattr__(self, "snapshot_policy", snapshot_policies(self.model)[0])
         if self.exact_demotion and not self.demote_uncached_tokens:
             raise SimulationError("--exact-demotion needs a demotion threshold (--demote TOKENS)")
+        if self.step_profile is not None and self.step_profile.model != self.model:
+            raise SimulationError("--profile: the profile's model differs from --model (the profile sets the model)")
 
 
 @dataclass
@@ -181,6 +190,8 @@ class RunResult:
     load_times: list[float] = field(default_factory=list, repr=False)
     load_series: list[list[int]] = field(default_factory=list, repr=False)
     ttfts: dict[int, float] = field(default_factory=dict, repr=False)  # request id -> time to first token
+    steps: int = 0  # simulated steps over all servers (not in the CSV row)
+    busy_s: float = 0.0  # their summed durations
 
     def row(self) -> dict[str, Any]:
         """The CSV row (time series left out); every column name carries its unit."""
@@ -313,7 +324,11 @@ def simulate(
     assert snapshot_policy is not None  # SimConfig.__post_init__ resolves None
     server_ids = list(range(config.servers))
     router = make_router(policy, server_ids, tpb, layout.attention_tokens // tpb)
-    step_model = StepTimeModel(config.model, config.throughputs)
+    step_model = (
+        StepTimeModel(config.model, config.throughputs)
+        if config.step_profile is None
+        else ProfiledStepTime(config.step_profile)
+    )
     sched_cfg = SchedulerConfig(
         max_num_tokens=quantum * config.max_num_tokens,
         max_num_requests=config.max_num_requests,
@@ -473,4 +488,6 @@ def simulate(
         load_times=load_times,
         load_series=load_series,
         ttfts=ttfts,
+        steps=sum(sv.stats.steps for sv in servers),
+        busy_s=sum(busy),
     )

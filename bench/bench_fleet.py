@@ -1,0 +1,416 @@
+"""The fleet, measured and simulated: N ``kvforge serve`` engines behind ``kvforge router`` (KV events on),
+replaying a slice of the conversation trace, for several router policies in the same run; then
+``kvforge simulate``'s engine (with a measured step-time profile) on the same slice, printed side by side.
+
+Workload: a slice of the Mooncake conversation trace (``$KVFORGE_TRACE`` or ``/work/shared/data``): the first
+``--requests`` lines, or with ``--conversations N`` the first N multi-turn conversations (a request whose hash
+ids extend an earlier one's continues it), up to ``--turns`` turns each, in turn-major order (all first turns,
+then all second turns, ...: the trace's own turns are minutes apart, so a compressed replay keeps each turn after
+the one before it). Each prompt built from its ``hash_ids`` as ``bench_engine`` does (block ``h`` is
+``--block-tokens`` seeded-random token ids, the same ids wherever ``h`` appears), its length the trace's
+``input_length`` scaled by ``block-tokens / 512`` and capped at ``--max-prompt``, its output
+``min(output_length, --max-output)`` tokens. Arrivals are Poisson at ``--rate`` requests/s (seeded), the same
+times for every policy and for the simulator. Each policy gets a fresh fleet (cold caches).
+
+Measured per policy, at the client (streaming ``/v1/completions`` through the router, token-id prompts): TTFT
+p50/p99 (send -> first chunk with a token), inter-token latency p50/p99 (gaps between token chunks, weighted by
+tokens), prefix-hit rate (``usage.prompt_tokens_details.cached_tokens`` / prompt tokens, cross-checked against
+the engines' ``kvforge_serve_prefix_hit_tokens_total``), throughput (output tokens / makespan). A run with a
+failed request or a wrong token count is not reported. Simulated: the same figures from
+:func:`kvforge.sim.simulator.simulate` with ``--profile`` (one simulated server per engine, the engine's pages
+and budgets, decode quantum 1, snapshot policy ``lru``; policy ``conversation`` is the simulator's
+``conversation-kv``). Appends rows to ``bench/results/fleet.csv`` and draws ``fleet_<tag>.png``.
+
+    python3 bench/bench_fleet.py --size tiny --profile bench/results/step_profile_cpu_tiny.json    # CPU
+    python3 bench/bench_fleet.py --size real --profile step_profile_h200_real.json --requests 400 \\
+        --rate 4 --max-prompt 4096 --block-tokens 512 --max-output 64 --out $OUT                    # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import datetime as dt
+import json
+import math
+import os
+import platform
+import random
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SIM_POLICY = {"conversation": "conversation-kv", "cache-aware": "cache-aware", "round-robin": "round-robin"}
+METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "hit_rate", "throughput_tok_s")
+
+
+def git_rev() -> str:
+    from bench._common import git_revision
+
+    return git_revision()
+
+
+def percentile(values: list[float], q: float, weights: list[float] | None = None) -> float:
+    from kvforge.sim.simulator import percentile as p
+
+    return p(values, q, weights)
+
+
+def load_slice(args) -> list[dict[str, Any]]:
+    from kvforge.kvcache.replay import find_trace
+
+    path = Path(
+        os.environ.get("KVFORGE_TRACE") or find_trace() or "/work/shared/data/mooncake_conversation_trace.jsonl"
+    )
+    with path.open() as f:
+        lines = [json.loads(line) for line in f]
+    if args.conversations:
+        # Conversations: a request whose hash ids extend an earlier one's (two ids or more) continues it.
+        owner: dict[tuple[int, ...], int] = {}
+        turns: dict[int, list[int]] = {}
+        for i, r in enumerate(lines):
+            ids = tuple(r["hash_ids"])
+            c = next((owner[ids[:k]] for k in range(len(ids), 1, -1) if ids[:k] in owner), i)
+            turns.setdefault(c, []).append(i)
+            for k in range(2, len(ids) + 1):
+                owner.setdefault(ids[:k], c)
+        chosen = [c for c in sorted(turns) if c >= args.offset and len(turns[c]) >= 2][: args.conversations]
+        # Turn-major order: every conversation's first turn, then every second turn, ...
+        picked = [turns[c][t] for t in range(args.turns) for c in chosen if t < len(turns[c])]
+        rows = [lines[i] for i in picked]
+        args.slice_desc = (
+            f"the first {len(chosen)} multi-turn conversations from line {args.offset} (up to {args.turns} turns "
+            f"each, turn-major order: lines {picked[:6]}...)"
+        )
+    else:
+        rows = lines[args.offset : args.offset + args.requests]
+        args.slice_desc = f"trace lines {args.offset}..{args.offset + len(rows) - 1}"
+    rng = random.Random(args.seed)
+    t = 0.0
+    reqs = []
+    cache: dict[int, list[int]] = {}
+
+    def block(h: int) -> list[int]:
+        if h not in cache:
+            r = random.Random(h)
+            cache[h] = [r.randrange(1, args.vocab) for _ in range(args.block_tokens)]
+        return cache[h]
+
+    for i, r in enumerate(rows):
+        n = max(1, min(args.max_prompt, math.ceil(r["input_length"] * args.block_tokens / 512)))
+        toks: list[int] = []
+        for h in r["hash_ids"]:
+            toks.extend(block(h))
+            if len(toks) >= n:
+                break
+        while len(toks) < n:  # a trace line whose ids cover less than its length: a request-unique tail
+            toks.append(random.Random(f"{i}/{len(toks)}").randrange(1, args.vocab))
+        t += rng.expovariate(args.rate)
+        reqs.append(
+            {"id": i, "arrival_s": t, "prompt": toks[:n], "output": max(1, min(args.max_output, r["output_length"]))}
+        )
+    return reqs, path
+
+
+def scrape(url: str) -> dict[str, float]:
+    out = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvforge_serve_") and not line.startswith("#") and "{" not in line:
+                k, v = line.split()
+                out[k] = float(v)
+    return out
+
+
+async def drive(router_url: str, reqs: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    import aiohttp
+
+    results: list[dict[str, Any]] = []
+    timeout = aiohttp.ClientTimeout(total=3600, sock_read=600)
+
+    async def one(s: aiohttp.ClientSession, r: dict[str, Any], t0: float) -> None:
+        delay = t0 + r["arrival_s"] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = {"id": r["id"], "sent": time.perf_counter(), "first": None, "chunks": [], "tokens": 0, "cached": None,
+               "error": None, "server": None}  # fmt: skip
+        body = {"model": model, "prompt": r["prompt"], "max_tokens": r["output"], "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        try:
+            async with s.post(router_url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    rec["error"] = f"status {resp.status}: {(await resp.text())[:200]}"
+                else:
+                    async for line in resp.content:
+                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                            continue
+                        msg = json.loads(line[6:])
+                        now = time.perf_counter()
+                        rec["server"] = msg.get("system_fingerprint", rec["server"])
+                        if msg.get("usage"):
+                            rec["cached"] = msg["usage"]["prompt_tokens_details"]["cached_tokens"]
+                        for c in msg.get("choices", []):
+                            n = len(c.get("token_ids") or [])
+                            if n:
+                                if rec["first"] is None:
+                                    rec["first"] = now
+                                rec["chunks"].append((now, n))
+                                rec["tokens"] += n
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["done"] = time.perf_counter()
+        results.append(rec)
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = time.perf_counter() + 0.2
+        await asyncio.gather(*(one(s, r, t0) for r in reqs))
+    return sorted(results, key=lambda x: x["id"])
+
+
+def summarize(reqs, res) -> dict[str, float]:
+    bad = [x for x in res if x["error"] or x["tokens"] != reqs[x["id"]]["output"] or x["cached"] is None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed or returned the wrong token count, e.g. {bad[0]}")
+    ttft = [x["first"] - x["sent"] for x in res]
+    gaps, weights = [], []
+    for x in res:
+        prev = x["first"]
+        for t, n in x["chunks"][1:]:
+            gaps.append((t - prev) / n)
+            weights.append(n)
+            prev = t
+    prompt = sum(len(r["prompt"]) for r in reqs)
+    out = sum(x["tokens"] for x in res)
+    span = max(x["done"] for x in res) - min(x["sent"] for x in res)
+    return {
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_ms": percentile(gaps, 50, weights) * 1e3 if gaps else float("nan"),
+        "itl_p99_ms": percentile(gaps, 99, weights) * 1e3 if gaps else float("nan"),
+        "hit_rate": sum(x["cached"] for x in res) / prompt,
+        "throughput_tok_s": out / span,
+        "makespan_s": span,
+    }
+
+
+def simulate_slice(reqs, args, profile, policy: str) -> dict[str, float]:
+    from kvforge.kvcache import hashing
+    from kvforge.sim.simulator import SimConfig, simulate
+    from kvforge.sim.workload import SimRequest
+
+    tpb = profile.engine["tokens_per_block"]
+    sim_reqs = [
+        SimRequest(
+            r["id"],
+            r["arrival_s"],
+            len(r["prompt"]),
+            r["output"],
+            tuple(hashing.block_keys(r["prompt"], tpb)),
+            None,
+            "trace",
+        )
+        for r in reqs
+    ]
+    gib, frac = profile.cache_size()
+    cfg = SimConfig(
+        servers=args.engines,
+        model=profile.model,
+        cache_gib=gib,
+        state_fraction=frac,
+        tokens_per_block=tpb,
+        snapshot_policy="lru",
+        max_num_tokens=profile.engine["max_num_tokens"],
+        max_num_requests=profile.engine["max_num_requests"],
+        decode_quantum=1,
+        step_profile=profile,
+    )
+    r = simulate(sim_reqs, cfg, SIM_POLICY[policy])
+    return {
+        "ttft_p50_s": r.ttft_p50,
+        "ttft_p99_s": r.ttft_p99,
+        "itl_p50_ms": r.itl_p50 * 1e3,
+        "itl_p99_ms": r.itl_p99 * 1e3,
+        "hit_rate": r.hit_rate,
+        "throughput_tok_s": r.throughput_tok_s,
+        "makespan_s": r.makespan_s,
+        "steps": r.steps,
+        "step_mean_s": r.busy_s / max(1, r.steps),
+    }
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    shown = (("ttft_p50_s", "TTFT p50 (s)"), ("hit_rate", "prefix-hit rate"), ("throughput_tok_s", "output tok/s"),
+             ("itl_p50_ms", "ITL p50 (ms)"))  # fmt: skip
+    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.6))
+    for ax, (key, label) in zip(axes, shown):
+        for j, src in enumerate(("measured", "simulated")):
+            vals = [
+                next((r[key] for r in rows if r["policy"] == p and r["source"] == src), float("nan")) for p in policies
+            ]
+            ax.bar([i + 0.38 * j for i in range(len(policies))], vals, 0.38, label=src)
+        ax.set_xticks([i + 0.19 for i in range(len(policies))], policies, rotation=15)
+        ax.set_title(label)
+    axes[0].legend()
+    fig.suptitle("\n".join(textwrap.wrap(title, 170)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--policies", default="conversation,cache-aware,round-robin")
+    ap.add_argument("--requests", type=int, default=40, help="trace lines in the slice (without --conversations)")
+    ap.add_argument(
+        "--conversations", type=int, default=0, help="slice = the first N multi-turn conversations (0: lines)"
+    )
+    ap.add_argument("--turns", type=int, default=4, help="turns kept per conversation (with --conversations)")
+    ap.add_argument("--offset", type=int, default=0, help="first trace line of the slice")
+    ap.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals per second")
+    ap.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id (the trace's is 512)")
+    ap.add_argument("--max-prompt", type=int, default=384)
+    ap.add_argument("--max-output", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=Path, required=True, help="step profile of the same engine (profile_step_time)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra kvforge serve flag (repeat)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for fleet.csv and the PNG")
+    ap.add_argument("--log-dir", type=Path, default=None, help="engine and router logs (default: a temp folder)")
+    ap.add_argument("--tag", default=None, help="file-name tag (default: cpu_tiny / gpu_real)")
+    args = ap.parse_args()
+
+    from kvforge.serve.fleet import LocalFleet
+    from kvforge.sim.profile import load_profile
+
+    profile = load_profile(args.profile)
+    args.vocab = 256 if args.size == "tiny" else 32768
+    reqs, trace = load_slice(args)
+    import torch
+
+    machine = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    )
+    tag = args.tag or f"{'gpu' if torch.cuda.is_available() else 'cpu'}_{args.size}"
+    eng = profile.engine
+    serve = ["--model", args.size, "--tokens-per-block", str(eng["tokens_per_block"]),
+             "--attention-pages", str(eng["attention_pages"]), "--state-pages", str(eng["state_pages"]),
+             "--max-num-tokens", str(eng["max_num_tokens"]), "--max-num-requests", str(eng["max_num_requests"]),
+             "--draft-pages", str(eng["attention_pages"]), "--max-blocks-per-request",
+             str(eng.get("max_blocks_per_request", 128)), *args.serve_arg]  # fmt: skip
+    router = ["--tokens-per-block", str(eng["tokens_per_block"]), "--health-interval-s", "1"]
+    prompt_tokens = sum(len(r["prompt"]) for r in reqs)
+    desc = (f"{len(reqs)} requests ({args.slice_desc} of {trace.name}), "
+            f"{prompt_tokens} prompt / {sum(r['output'] for r in reqs)} output tokens, Poisson {args.rate:g} req/s "
+            f"(seed {args.seed}), {args.block_tokens} tokens per hash id, prompts <= {args.max_prompt}")  # fmt: skip
+    print(f"bench_fleet: {args.engines} x kvforge serve --model {args.size} on {machine}, rev {git_rev()}")
+    print(f"  slice: {desc}")
+    fit = json.loads(args.profile.read_text()).get("fit", {})
+    print(f"  profile: {args.profile} (fit over {fit.get('samples')} steps: median |rel err| "
+          f"{fit.get('median_abs_rel_err', float('nan')):.1%}; engine {dict(eng)})", flush=True)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    stamp = {"machine": machine, "torch": torch.__version__, "git_rev": git_rev(),
+             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "load_avg_1m": os.getloadavg()[0],
+             "engines": args.engines, "size": args.size, "requests": len(reqs), "rate_req_s": args.rate,
+             "block_tokens": args.block_tokens, "max_prompt": args.max_prompt, "max_output": args.max_output,
+             "seed": args.seed, "offset": args.offset, "slice": args.slice_desc}  # fmt: skip
+    for policy in args.policies.split(","):
+        log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-fleet-"))) / policy
+        t0 = time.perf_counter()
+        with LocalFleet(args.engines, log_dir, serve, router, policy=policy) as fleet:
+            start = time.perf_counter() - t0
+            before = [scrape(e.url) for e in fleet.engines]
+            res = asyncio.run(drive(fleet.router_url, reqs, args.size))
+            after = [scrape(e.url) for e in fleet.engines]
+        m = summarize(reqs, res)
+        hits = sum(a["kvforge_serve_prefix_hit_tokens_total"] - b["kvforge_serve_prefix_hit_tokens_total"]
+                   for a, b in zip(after, before))  # fmt: skip
+        m["engine_hit_rate"] = hits / prompt_tokens
+
+        def delta(name: str, after=after, before=before) -> float:
+            return sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before))
+
+        # Where the time goes: the engines' own TTFT (request received -> first token, no router or client
+        # network) against the client's, and the mean engine step in the fleet (the profile timed one engine alone).
+        m["engine_ttft_mean_s"] = delta("kvforge_serve_ttft_seconds_sum") / max(
+            1.0, delta("kvforge_serve_ttft_seconds_count")
+        )
+        m["client_ttft_mean_s"] = sum(x["first"] - x["sent"] for x in res) / len(res)
+        m["engine_step_mean_s"] = delta("kvforge_serve_step_seconds_total") / max(
+            1.0, delta("kvforge_serve_steps_total")
+        )
+        m["engine_steps"] = delta("kvforge_serve_steps_total")
+        per = {}
+        for x in res:
+            per[x["server"]] = per.get(x["server"], 0) + 1
+        m["requests_per_engine"] = "/".join(str(per.get(f"engine{i}", 0)) for i in range(args.engines))
+        print(f"  measured  {policy:13s} start-up {start:.0f} s, " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float)
+              else f"{k} {v}" for k, v in m.items()), flush=True)  # fmt: skip
+        rows.append({"policy": policy, "source": "measured", **m, **stamp})
+        sim = simulate_slice(reqs, args, profile, policy)
+        print(f"  simulated {policy:13s} " + ", ".join(f"{k} {v:.4g}" for k, v in sim.items()), flush=True)
+        rows.append({"policy": policy, "source": "simulated", **sim, **stamp, "sim_policy": SIM_POLICY[policy]})
+        gap = m["client_ttft_mean_s"] - m["engine_ttft_mean_s"]
+        print(f"  where the time goes ({policy}): client TTFT mean {m['client_ttft_mean_s']:.3f} s, engine-side "
+              f"{m['engine_ttft_mean_s']:.3f} s (router + HTTP + client {gap:+.3f} s); engine steps "
+              f"{m['engine_steps']:.0f}, mean {m['engine_step_mean_s'] * 1e3:.0f} ms measured vs "
+              f"{sim['step_mean_s'] * 1e3:.0f} ms simulated over {sim['steps']:.0f} steps", flush=True)  # fmt: skip
+    print("\npredicted vs measured (simulated / measured - 1):")
+    print(f"  {'policy':13s} " + " ".join(f"{k:>22s}" for k in METRICS))
+    for policy in args.policies.split(","):
+        mr = next(r for r in rows if r["policy"] == policy and r["source"] == "measured")
+        sr = next(r for r in rows if r["policy"] == policy and r["source"] == "simulated")
+        cells = []
+        for k in METRICS:
+            a, b = mr[k], sr[k]
+            rel = (b / a - 1) if a else float("nan")
+            cells.append(f"{b:8.3g}/{a:<8.3g}{rel:+5.0%}")
+        print(f"  {policy:13s} " + " ".join(f"{c:>22s}" for c in cells))
+    base = next((r for r in rows if r["policy"] == "round-robin" and r["source"] == "measured"), None)
+    if base is not None:
+        for r in rows:
+            if r["source"] == "measured" and r["policy"] != "round-robin":
+                print(f"  {r['policy']} vs round-robin (measured): hit rate {r['hit_rate']:.3f} vs "
+                      f"{base['hit_rate']:.3f}, "
+                      f"TTFT p50 {r['ttft_p50_s']:.3f} s vs {base['ttft_p50_s']:.3f} s "
+                      f"({base['ttft_p50_s'] / r['ttft_p50_s']:.2f}x)")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "fleet.csv"
+    cols = ["date", "git_rev", "machine", "torch", "size", "engines", "policy", "source", *METRICS, "makespan_s",
+            "engine_hit_rate", "requests_per_engine", "engine_ttft_mean_s", "client_ttft_mean_s",
+            "engine_step_mean_s", "engine_steps", "steps", "step_mean_s", "sim_policy", "requests", "rate_req_s",
+            "block_tokens", "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
+    old: list[dict[str, str]] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != cols:  # an older layout: rewrite it under the new header (blank new columns)
+                old = list(reader)
+    with path.open("w" if old or not path.exists() else "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        if old or f.tell() == 0:
+            w.writeheader()
+        for r in [*old, *rows]:
+            w.writerow(r)
+    png = args.out / f"fleet_{tag}.png"
+    plot(rows, png, f"kvforge serve x{args.engines} ({args.size}) + router on {machine}, rev {git_rev()}: {desc}")
+    print(f"\nwrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Profile the engine's step time for ``kvforge simulate --profile`` (as Vidur profiles before it simulates).
+
+Runs a grid of workloads through one :class:`~kvforge.engine.Engine` built as ``kvforge serve`` builds it (same
+budgets), times every ``Engine.step`` (wall time: the step reads its emitted tokens back, so device work is
+included), records what the scheduler put in it (context chunks as ``(start, tokens)``, generation rows and
+their contexts), fits :mod:`kvforge.sim.profile`'s linear step-time model on those samples and writes the
+profile JSON (coefficients, the model's layout, the engine's budgets, every sample with its fitted value, the
+fit's relative errors, machine and versions). Grid: decode batches {1, 4, 8, 16} (more on a GPU) at prompt
+lengths {32, 128, 256} (x8 on a GPU), single prompts {16 .. 500} (x8), continued prompts (a cached prefix) and
+two prompts in one step, all within ``--max-len`` tokens.
+
+    python3 bench/profile_step_time.py --size tiny --out bench/results/step_profile_cpu_tiny.json   # CPU
+    python3 bench/profile_step_time.py --size real --attention-pages 16384 --state-pages 256 \
+        --max-num-tokens 8192 --max-num-requests 64 --max-blocks-per-request 512 --out $OUT/profile.json  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import env_stamp
+from kvforge.sim.model import ModelSpec
+from kvforge.sim.profile import FEATURES, FORMAT, fit_step_times, step_features
+
+
+def serve_args(size: str, **over: object) -> argparse.Namespace:
+    """``kvforge serve``'s parsed defaults for ``--model size`` (the fleet bench passes the same flags)."""
+    from kvforge.serve.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--model", size, "--no-warmup"])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+def model_spec(engine, name: str) -> ModelSpec:
+    """The simulator's view of an engine's model: its cache layout (MLA latent, recurrent state, drafter)."""
+    import torch
+
+    mc = engine.model.config
+    esize = torch.empty(0, dtype=engine.model.dtype).element_size()
+    kv_dtype = {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}[esize]
+    params = float(mc.num_params())
+    hd = mc.linear_head_dim
+    return ModelSpec(
+        name=name,
+        mla_layers=len(mc.mla_layers),
+        mla_heads=mc.num_heads,
+        mla_qk_dim=mc.qk_head_dim,
+        mla_v_dim=mc.v_head_dim,
+        mla_latent_dim=mc.latent_dim,
+        kv_dtype=kv_dtype,
+        recurrent_layers=len(mc.linear_layers),
+        recurrent_state_bytes=4 * mc.linear_heads * hd * hd,
+        recurrent_flops_per_token=4.0 * mc.linear_heads * hd * hd,
+        total_params=params,
+        active_params=params,
+        dense_params=params,
+        experts=1,
+        top_k=1,
+        weight_bytes=float(esize),
+        draft_layers=mc.draft_layers,
+        draft_params=0.0,
+        draft_len=engine.draft_len,
+        draft_acceptance=0.0,
+    )
+
+
+class Recorder:
+    """Wraps an engine's ``scheduler.schedule`` to keep each batch's features, and times ``step``."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.samples: list[dict] = []
+        self._batch = None
+        orig = engine.scheduler.schedule
+
+        def schedule():
+            self._batch = orig()
+            return self._batch
+
+        engine.scheduler.schedule = schedule
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.step()
+        dt = time.perf_counter() - t0
+        b = self._batch
+        prefill = [(s.start, s.num_tokens) for s in b.context]
+        dec = list(b.generation)
+        self.samples.append(
+            {
+                "prefill": prefill,
+                "decode_requests": len(dec),
+                "decode_context": sum(s.start for s in dec),
+                "seconds": dt,
+            }
+        )
+
+    def run(self) -> None:
+        while self.engine.scheduler.has_unfinished:
+            self.step()
+
+
+def workloads(rng: random.Random, vocab: int, big: bool, max_len: int):
+    """(name, {request id: prompt}, new tokens) in order; a continued prompt extends an earlier one. Prompts stay
+    within ``max_len`` tokens (the operating range of the fleet bench being modelled)."""
+    s = 8 if big else 1
+    lens = [n for n in (32 * s, 128 * s, 256 * s) if n <= max_len]
+    for b in (1, 4, 8, 16, 32, 64) if big else (1, 2, 4, 8):
+        for length in lens:
+            prompts = {f"d{b}-{length}-{i}": [rng.randrange(vocab) for _ in range(length)] for i in range(b)}
+            yield f"decode b={b} len={length}", prompts, 6
+    for length in [n for n in (16 * s, 64 * s, 160 * s, 256 * s, 500 * s) if n <= max_len]:
+        yield f"prefill len={length}", {f"p{length}": [rng.randrange(vocab) for _ in range(length)]}, 2
+    base = [rng.randrange(vocab) for _ in range(min(max_len, 300 * s) * 2 // 3)]
+    yield "base", {"base": base}, 2
+    for extra in (16 * s, 64 * s):
+        if len(base) + extra <= max_len:
+            yield f"continued +{extra}", {f"c{extra}": base + [rng.randrange(vocab) for _ in range(extra)]}, 2
+    # Two prompts in one step (chunk rows), as concurrent arrivals give.
+    pair = {f"two{i}": [rng.randrange(vocab) for _ in range(lens[-1] // 2)] for i in range(2)}
+    yield "two prompts", pair, 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
+    ap.add_argument("--out", type=Path, required=True, help="the profile JSON to write")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-len", type=int, default=None, help="longest prompt profiled (default 512 CPU, 4096 GPU)")
+    for flag in ("tokens-per-block", "attention-pages", "state-pages", "max-num-tokens", "max-num-requests",
+                 "max-blocks-per-request"):  # fmt: skip
+        ap.add_argument(f"--{flag}", type=int, default=None, help="as kvforge serve's flag (default: its default)")
+    args = ap.parse_args()
+
+    import kvforge.kernels  # noqa: F401  (the Triton interpreter without a GPU)
+    from kvforge.engine import Engine, EngineConfig, HybridModel, real, tiny
+
+    names = ("tokens_per_block", "attention_pages", "state_pages", "max_num_tokens", "max_num_requests",
+             "max_blocks_per_request")  # fmt: skip
+    sa = serve_args(args.size, **{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mc = (real if args.size == "real" else tiny)(draft_layers=0, seed=sa.seed)
+    model = HybridModel(mc, device=device)
+    ec = EngineConfig(
+        tokens_per_block=sa.tokens_per_block,
+        attention_pages=sa.attention_pages,
+        draft_pages=sa.draft_pages,
+        state_pages=sa.state_pages,
+        max_num_tokens=sa.max_num_tokens,
+        max_num_requests=sa.max_num_requests,
+        max_blocks_per_request=sa.max_blocks_per_request,
+        snapshot_interval=sa.snapshot_interval,
+        device=device,
+    )
+    eng = Engine(model, ec)
+    eng.generate({"warm": [1, 2, 3]}, 2)  # one-time costs out of the samples
+    eng.generate({"warm2": [4] * 200}, 2)
+    rec = Recorder(eng)
+    load0 = os.getloadavg()
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    max_len = args.max_len or (4096 if device == "cuda" else 512)
+    for name, prompts, new in workloads(rng, mc.vocab_size, device == "cuda", max_len):
+        n0 = len(rec.samples)
+        for rid, p in prompts.items():
+            eng.add_request(rid, p, new)
+        rec.run()
+        secs = [s["seconds"] for s in rec.samples[n0:]]
+        print(f"{name:24s} {len(secs):3d} steps, median {statistics.median(secs) * 1e3:8.1f} ms", flush=True)
+    rows = [step_features(s["prefill"], s["decode_requests"], s["decode_context"]) for s in rec.samples]
+    secs = [s["seconds"] for s in rec.samples]
+    coef = fit_step_times(rows, secs)
+    errs = []
+    for s, r in zip(rec.samples, rows):
+        pred = sum(coef[n] * f for n, f in zip(FEATURES, r))
+        s["fitted"] = pred
+        errs.append(abs(pred - s["seconds"]) / s["seconds"])
+    errs.sort()
+    fit = {
+        "samples": len(errs),
+        "median_abs_rel_err": errs[len(errs) // 2],
+        "p90_abs_rel_err": errs[int(0.9 * (len(errs) - 1))],
+        "max_abs_rel_err": errs[-1],
+    }
+    stamp = env_stamp()
+    stamp.update(
+        {"device": device, "size": args.size, "load_avg_start": load0, "load_avg_end": os.getloadavg(),
+         "profile_s": time.perf_counter() - t0, "max_len": max_len}
+    )  # fmt: skip
+    spec = model_spec(eng, f"kvforge-{args.size}")
+    out = {
+        "format": FORMAT,
+        "coefficients": coef,
+        "model": {k: getattr(spec, k) for k in spec.__dataclass_fields__},
+        "engine": {
+            "tokens_per_block": ec.tokens_per_block,
+            "attention_pages": ec.attention_pages,
+            "state_pages": ec.state_pages,
+            "max_num_tokens": ec.max_num_tokens,
+            "max_num_requests": ec.max_num_requests,
+            "max_blocks_per_request": ec.max_blocks_per_request,
+        },
+        "fit": fit,
+        "meta": stamp,
+        "samples": rec.samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print("coefficients (s per unit):", {k: f"{v:.3g}" for k, v in coef.items()})
+    print(f"fit over {fit['samples']} steps: median |rel err| {fit['median_abs_rel_err']:.1%}, "
+          f"p90 {fit['p90_abs_rel_err']:.1%}, max {fit['max_abs_rel_err']:.1%}")  # fmt: skip
+    print(
+        f"wrote {args.out} ({stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, rev {stamp['git_rev']})"
+    )
+
+
+if __name__ == "__main__":
+    main()
