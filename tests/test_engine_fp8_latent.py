@@ -1,16 +1,18 @@
 """The engine with an FP8 latent cache (``EngineConfig(latent_cache_dtype="fp8_e4m3")``), CPU interpreter, tiny model.
 
-The bound, derived rather than measured: the FP8 latent cache adds e4m3 roundings of the latent rows (relative
-error at most 2^-4 per value; 2.5-2.8% RMS at unit-variance rows, ``kvforge.kernels.mla_decode``'s docstring)
-and the decode kernel's own error (relative RMSE <= 1e-2 against fp32 over the dequantised cache). Against the
-16-bit-cache engine that is one rounding of the rows K, V and the decode keys come from, plus K/V re-rounded to
-e4m3 by the context path at decorrelated points: three e4m3 roundings of attention inputs, as many as the
-context path's FP8 Q, K and V, whose effect on the logits ``LOGIT_ATOL`` (tests/test_engine.py) bounds. So:
+The bounds come from the stated ones by the triangle inequality, no new constant. The FP8 latent cache adds
+one stage of e4m3 rounding (relative error at most 2^-4 per value, 2.5-2.8% RMS at unit-variance rows, plus the
+decode kernel's relative RMSE <= 1e-2 over the dequantised cache: ``kvforge.kernels.mla_decode``'s docstring) of
+the latent rows K, V and the decode keys come from. That is no more than the context path's FP8 stage (Q, K and
+V each rounded to e4m3 the same way), whose effect on the logits is bounded by ``B`` = ``LOGIT_ATOL`` (random) /
+``PLANTED_BOUND x std`` (planted) of tests/test_engine.py. Errors of stages add at worst, so:
 
-* FP8-latent engine vs 16-bit-cache engine, on every row up to and including the first token where the two
-  differ: ``<= LOGIT_ATOL`` (random) / ``PLANTED_BOUND x std`` (planted);
-* vs the plain forward pass (teacher forced on the engine's own tokens): the sum of both bounds, ``2 x`` (errors
-  add at worst), with :func:`compare_logits`'s greedy check; the planted model keeps exact greedy identity.
+* FP8-latent engine vs the plain forward pass (teacher forced on the engine's own tokens): ``2 B`` (latent stage
+  + context FP8 stage), with :func:`compare_logits`'s greedy check; the planted model keeps exact greedy identity;
+* vs the 16-bit-cache engine on every row up to and including the first token where the two differ: ``3 B``
+  (``2 B`` for this engine plus ``B`` for that one: the two engines round K/V to e4m3 at different points, so
+  their context-FP8 errors do not cancel). A first rule of ``B`` here failed on the planted model (1.84 against
+  1.20 on one prefill row, 0.23 x std) for exactly that reason; the planted outputs are equal token for token.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def test_fp8_latent_multiturn_with_reuse(model: HybridModel) -> None:
         k = next((i for i, (x, y) in enumerate(zip(out, b_out)) if x != y), len(out) - 1) + 1
         b_rows = torch.cat(base.logits[rid])
         err = float((rows[:k] - b_rows[:k]).abs().max())
-        assert err <= bound, f"{rid}: FP8 latent vs 16-bit cache logits differ by {err:.4f} (bound {bound:.4f})"
+        assert err <= 3 * bound, f"{rid}: FP8 latent vs 16-bit cache logits differ by {err:.4f} (3 x {bound:.4f})"
         compared += 1
         if planted:
             assert out == b_out, (rid, out, b_out)

@@ -57,8 +57,8 @@ def latent_dtype(model: HybridModel, config: EngineConfig) -> torch.dtype:
 
 
 def kv_cache_config(model: HybridModel, config: EngineConfig, *, draft: bool = True) -> KVCacheConfig:
-    """The manager's layer list: MLA layers (latent bytes per token, in :func:`latent_dtype`), KDA layers (state bytes), and the drafter's
-    layer when the model has one and ``draft`` (the shared draft KV pool) is on."""
+    """The manager's layer list: MLA layers (latent bytes per token, in :func:`latent_dtype`), KDA layers (state
+    bytes), and the drafter's layer when the model has one and ``draft`` (the shared draft KV pool) is on."""
     mc = model.config
     ldt = latent_dtype(model, config)
     dt = dtype_name(ldt)

@@ -3,8 +3,9 @@
 * :func:`decode_attention` is the one switch point for absorbed-MLA paged decode: ``q [B, H, latent]`` against
   the latent cache ``kv_cache [num_pages, page_size, latent]`` addressed by ``block_table [B, max_pages]`` int32
   and ``seq_lens [B]`` int32, returning ``[B, H, v_head_dim]`` with values the first ``v_head_dim`` latent
-  columns (an e4m3 cache with a 16-bit q and ``kv_scale_quant_orig``). It runs the Triton kernel ``kvforge.kernels.mla_decode.mla_decode_attention`` (whose plain-torch
-  reference is ``mla_decode_attention_ref``).
+  columns (or an e4m3 cache with a 16-bit q and ``kv_scale_quant_orig``). It runs the Triton kernel
+  ``kvforge.kernels.mla_decode.mla_decode_attention`` (whose plain-torch reference is
+  ``mla_decode_attention_ref``).
 * :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
   and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
   reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
