@@ -129,6 +129,12 @@ def test_hostile_latent_cache_config_is_refused(kw: dict, err: type, match: str)
         EngineConfig(**kw)
 
 
+def test_a_latent_scale_that_saturates_the_copy_head_is_refused() -> None:
+    planted = _model("planted")
+    with pytest.raises(ValueError, match="latent_scale"):
+        Engine(planted, EngineConfig(latent_cache_dtype="fp8_e4m3", latent_scale=1e4))
+
+
 def test_a_handoff_at_another_latent_scale_is_refused(random_model: HybridModel) -> None:
     """Disaggregation moves FP8 latent pages as stored bytes: a receiver at another scale (or a 16-bit cache)
     refuses the handoff before it takes any page."""

@@ -114,6 +114,15 @@ class Engine:
             raise ValueError(f"draft_len: expected 0 or 1 (one drafter layer proposes one token), got {draft_len!r}")
         if draft_len and not model.config.draft_layers:
             raise ValueError("draft_len: the model has no drafter layer (ModelConfig.draft_layers = 0)")
+        if config.fp8_latent and model.config.copy_offset and config.latent_scale is not None:
+            from kvforge.engine import planted
+
+            amp, top = planted.copy_key_amplitude(model.config), planted.FP8_HEADROOM * planted.FP8_MAX
+            if amp * config.latent_scale > top:
+                raise ValueError(
+                    f"config.latent_scale: the copy head's rotary key amplitude {amp:.1f} x latent_scale "
+                    f"{config.latent_scale} exceeds {top:.0f} (e4m3 range with headroom): its rows would saturate"
+                )
         self.model = model
         self.config = config
         self.draft_len = draft_len
