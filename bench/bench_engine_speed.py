@@ -7,12 +7,16 @@ Same process, same model, in this order:
 
 1. ceilings: device copy bandwidth (a 4 GiB device-to-device copy, bytes read + written, median) and the bf16
    matmul rate (8192^3, random inputs, median), both with ``triton.testing.do_bench``;
-2. decode step grid, batch {1, 8, 64, 256} x context {512, 8192}, no drafter: the generation-only step
+2. decode step grid, batch {1, 8, 64, 256} x context {512, 8192} x latent cache {bf16, FP8 e4m3}
+   (``--latent``: ``EngineConfig.latent_cache_dtype`` "auto" / "fp8_e4m3"), no drafter: the generation-only step
    (:meth:`Runner.decode_static <kvforge.engine.runner.Runner.decode_static>`) on rows placed directly in the
    engine's cache (random latent pages and states, no prefill), as a CUDA-graph replay through
    :meth:`DecodeGraphs.run <kvforge.engine.graphs.DecodeGraphs.run>` (host upload + replay + the one host read)
    and as the same step run eagerly. Its floor: weights (every weight but the embedding, read once) + recurrent
-   state (read once, written once per verified token) + latent rows read, over the measured copy bandwidth;
+   state (read once, written once per verified token) + latent rows read (2 or 1 bytes per value), over the
+   measured copy bandwidth. FP8 rows also carry ``x_vs_bf16_graph`` / ``x_vs_bf16_eager``: the bf16-cache
+   step's time over the FP8 one at the same point of the same run (issue 28's target: >= 1.6 at context >= 8k),
+   reported only after one prompt on the FP8 cache passes its logits check against the plain forward pass;
 3. engine steps, batch {1, 64} x context 512 (real prefill first): wall ms per decode step of ``Engine.step``
    (scheduler, cache manager, page table included) with ``cuda_graphs`` on and off, at batch 64 with the
    one-token drafter (verify steps) graphs on, and at batch 64 graphs on with ``Engine(sync=True)``: the
@@ -74,9 +78,11 @@ def weight_bytes(model: HybridModel, draft: bool) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def floor_bytes(model: HybridModel, batch: int, ctx: int, t: int, draft: bool) -> dict[str, int]:
+def floor_bytes(
+    model: HybridModel, batch: int, ctx: int, t: int, draft: bool, latent_esize: int | None = None
+) -> dict[str, int]:
     mc = model.config
-    esize = torch.empty(0, dtype=model.dtype).element_size()
+    esize = latent_esize or torch.empty(0, dtype=model.dtype).element_size()
     state = 4 * mc.linear_heads * mc.linear_head_dim**2 * len(mc.linear_layers)
     mla = len(mc.mla_layers) + (1 if draft else 0)
     return {
@@ -86,7 +92,7 @@ def floor_bytes(model: HybridModel, batch: int, ctx: int, t: int, draft: bool) -
     }
 
 
-def _grid_engine(model: HybridModel, batch: int, ctx: int, tpb: int) -> Engine:
+def _grid_engine(model: HybridModel, batch: int, ctx: int, tpb: int, latent: str = "auto") -> Engine:
     blocks = ctx // tpb + 2
     cfg = EngineConfig(
         tokens_per_block=tpb,
@@ -96,52 +102,86 @@ def _grid_engine(model: HybridModel, batch: int, ctx: int, tpb: int) -> Engine:
         max_num_requests=batch,
         max_blocks_per_request=blocks,
         max_num_tokens=max(256, batch),
+        latent_cache_dtype=latent,
     )
     return Engine(model, cfg)
 
 
+def check_fp8_latent(model: HybridModel, args) -> dict:
+    """Before the FP8-latent rows are reported: one prompt's logits on an e4m3 latent cache against the plain
+    forward pass, held to twice tests/test_engine_gpu.py's bound (tests/test_engine_fp8_latent.py says why)."""
+    from kvforge.engine import reference_logits
+    from kvforge.engine.numerics import compare_logits
+
+    rng = random.Random(17)
+    n, t = (48, 4) if args.quick else (300, 12)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(n)]
+    cfg = EngineConfig(tokens_per_block=args.tokens_per_block, latent_cache_dtype="fp8_e4m3", max_num_tokens=2048)
+    eng = Engine(model, cfg, record_logits=True)
+    got = eng.generate({0: prompt}, t)[0]
+    ref, _ = reference_logits(model, prompt + got)
+    ref_rows = ref[n - 1 : n - 1 + len(got)]
+    chk = compare_logits(torch.cat(eng.logits[0]).to(ref_rows.device), ref_rows, got, 0.5 * float(ref_rows.std()))
+    print(f"check vs reference (FP8 latent cache): {chk.summary()}", flush=True)
+    if not chk.ok:
+        raise SystemExit(
+            f"bench_engine_speed: the FP8 latent cache failed its reference check, no rows: {chk.summary()}"
+        )
+    return {"max_abs_logit_err": chk.max_abs_err, "logit_std": chk.logit_std, "bound": chk.bound, "ok": chk.ok}
+
+
 def decode_grid(model: HybridModel, args, bw: float) -> list[dict]:
     rows = []
-    for ctx in args.contexts:
-        for batch in args.batches:
-            eng = _grid_engine(model, batch, ctx, args.tokens_per_block)
-            gen = torch.Generator(device=model.device).manual_seed(batch * 7919 + ctx)
-            for pool in [*eng.cache.latent.values(), *eng.cache.state.values()]:
-                pool.normal_(0.0, 0.5, generator=gen)  # never time on zeros
-            blocks = ctx // args.tokens_per_block + 1
-            pages = torch.randperm(batch * (blocks + 1), device=model.device)[: batch * blocks].view(batch, blocks)
-            eng._offsets[0, :batch, 0, :blocks] = pages.to(torch.int32)
-            slots, state_rows, starts = list(range(batch)), list(range(batch)), [ctx] * batch
-            fb = floor_bytes(model, batch, ctx, 1, False)
-            floor_ms = 1e3 * sum(fb.values()) / bw
-            res: dict[str, float] = {}
-            for mode in ("graph", "eager"):
-                g = eng.decode_graphs(capture=mode == "graph")
-                g.run(slots, state_rows, starts)  # capture / compile
-                _sync()
-                times = []
-                for _ in range(args.reps):
-                    t0 = time.perf_counter()
-                    for _ in range(args.steps):
-                        g.run(slots, state_rows, starts)  # ends with the step's host read: synchronous
-                    times.append(1e3 * (time.perf_counter() - t0) / args.steps)
-                res[mode] = sorted(times)[len(times) // 2]
-            row = {
-                "phase": "decode_step", "batch": batch, "context": ctx, "draft_len": 0,
-                "ms_graph": res["graph"], "ms_eager": res["eager"], "floor_ms": floor_ms,
-                "x_floor_graph": res["graph"] / floor_ms, "x_floor_eager": res["eager"] / floor_ms,
-                "tok_per_s_graph": batch / (res["graph"] * 1e-3),
-                "floor_weights_gb": fb["weights"] / 1e9, "floor_state_gb": fb["state"] / 1e9,
-                "floor_latent_gb": fb["latent"] / 1e9,
-            }  # fmt: skip
-            print(
-                f"decode batch {batch:3d} ctx {ctx:5d}: graph {res['graph']:7.2f} ms ({row['x_floor_graph']:.2f}x "
-                f"floor {floor_ms:.2f} ms), eager {res['eager']:7.2f} ms ({row['x_floor_eager']:.2f}x)",
-                flush=True,
-            )
-            rows.append(row)
-            del eng
-            torch.cuda.empty_cache()
+    if "fp8_e4m3" in args.latent:
+        check_fp8_latent(model, args)
+    for ctx, batch, latent in [(c, b, lt) for c in args.contexts for b in args.batches for lt in args.latent]:
+        eng = _grid_engine(model, batch, ctx, args.tokens_per_block, latent)
+        gen = torch.Generator(device=model.device).manual_seed(batch * 7919 + ctx)
+        for pool in eng.cache.state.values():
+            pool.normal_(0.0, 0.5, generator=gen)  # never time on zeros
+        for pool in eng.cache.latent.values():  # the same draws for both caches; e4m3 holds them x scale
+            vals = torch.empty(pool.shape, device=pool.device).normal_(0.0, 0.5, generator=gen)
+            pool.copy_(vals * (eng.cache.latent_scale or 1.0))
+        blocks = ctx // args.tokens_per_block + 1
+        pages = torch.randperm(batch * (blocks + 1), device=model.device)[: batch * blocks].view(batch, blocks)
+        eng._offsets[0, :batch, 0, :blocks] = pages.to(torch.int32)
+        slots, state_rows, starts = list(range(batch)), list(range(batch)), [ctx] * batch
+        fb = floor_bytes(model, batch, ctx, 1, False, eng.cache.latent[model.config.mla_layers[0]].element_size())
+        floor_ms = 1e3 * sum(fb.values()) / bw
+        res: dict[str, float] = {}
+        for mode in ("graph", "eager"):
+            g = eng.decode_graphs(capture=mode == "graph")
+            g.run(slots, state_rows, starts)  # capture / compile
+            _sync()
+            times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    g.run(slots, state_rows, starts)  # ends with the step's host read: synchronous
+                times.append(1e3 * (time.perf_counter() - t0) / args.steps)
+            res[mode] = sorted(times)[len(times) // 2]
+        row = {
+            "phase": "decode_step", "batch": batch, "context": ctx, "draft_len": 0, "latent": latent,
+            "ms_graph": res["graph"], "ms_eager": res["eager"], "floor_ms": floor_ms,
+            "x_floor_graph": res["graph"] / floor_ms, "x_floor_eager": res["eager"] / floor_ms,
+            "tok_per_s_graph": batch / (res["graph"] * 1e-3),
+            "floor_weights_gb": fb["weights"] / 1e9, "floor_state_gb": fb["state"] / 1e9,
+            "floor_latent_gb": fb["latent"] / 1e9,
+        }  # fmt: skip
+        peer = [r for r in rows if (r["batch"], r["context"], r["latent"]) == (batch, ctx, "auto")]
+        if latent != "auto" and peer:
+            row["x_vs_bf16_graph"] = peer[0]["ms_graph"] / res["graph"]
+            row["x_vs_bf16_eager"] = peer[0]["ms_eager"] / res["eager"]
+        print(
+            f"decode {latent:8s} batch {batch:3d} ctx {ctx:5d}: graph {res['graph']:7.2f} ms "
+            f"({row['x_floor_graph']:.2f}x floor {floor_ms:.2f} ms), eager {res['eager']:7.2f} ms "
+            f"({row['x_floor_eager']:.2f}x)"
+            + (f", bf16/fp8 {row['x_vs_bf16_graph']:.2f}" if "x_vs_bf16_graph" in row else ""),
+            flush=True,
+        )
+        rows.append(row)
+        del eng
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -310,6 +350,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--phases", nargs="+", default=["grid", "engine", "prefill", "profile"])
+    ap.add_argument("--latent", nargs="+", choices=("auto", "fp8_e4m3"), default=["auto", "fp8_e4m3"],
+                    help="latent cache dtypes of the decode grid (auto: the model's bf16)")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_engine_speed: needs a CUDA device (the decode graphs and the ceilings)")
@@ -336,7 +378,7 @@ def main() -> None:
     append_csv("engine_speed", [{**stamp, **r} for r in rows])
     grid = [r for r in rows if r["phase"] == "decode_step"]
     if grid:
-        labels = [f"b{r['batch']} ctx{r['context']}" for r in grid]
+        labels = [f"b{r['batch']} ctx{r['context']}{' fp8' if r['latent'] != 'auto' else ''}" for r in grid]
         png = (args.out or RESULTS) / "engine_speed.png"
         bar_plot(
             png,

@@ -16,6 +16,12 @@ holds each component to about twice its measured error, so a GPU-path bug in one
 Every scenario also runs on ``real(copy_offset=100)`` (the same random weights with a planted copy head,
 :mod:`kvforge.engine.planted`): its logits peak at the token 100 positions back, and greedy identity is exact
 (:attr:`~kvforge.engine.numerics.LogitCheck.exact`: no token differs, every row decisive).
+
+The FP8 latent cache (``latent_cache_dtype="fp8_e4m3"``) adds as many e4m3 roundings of attention inputs as the
+FP8 context path (tests/test_engine_fp8_latent.py derives it), so its logits are held to ``2 x BOUND`` against
+the reference (the two stages' errors add at worst) and to ``3 x BOUND`` against the 16-bit-cache engine on the
+rows up to where the two first differ (that engine's own FP8 context error does not cancel); the planted model
+keeps exact greedy identity, CUDA-graph decode included.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, real
 from kvforge.engine.numerics import LogitCheck, compare_logits, component_errors
@@ -207,4 +214,50 @@ def test_real_greedy_identity_with_cuda_graphs(draft_len: int, inject: bool) -> 
     assert eng.graphs.replays >= n_new // 2 and 8 in eng.graphs._graphs
     if inject:
         assert seen.count(2) > len(seen) // 2, seen
+    eng.manager.check_invariants()
+
+
+def test_real_fp8_latent_multiturn_with_reuse(model: HybridModel) -> None:
+    """The multi-turn scenario with reuse on an e4m3 latent cache, next to the 16-bit-cache engine."""
+    base = Engine(model, _cfg(), draft_len=1, record_logits=True)
+    base_prompts = _conversations(base, 1, turns=2, n_conv=2, new_tokens=6)
+    eng = Engine(model, _cfg(latent_cache_dtype="fp8_e4m3"), draft_len=1, record_logits=True)
+    prompts = _conversations(eng, 1, turns=2, n_conv=2, new_tokens=6)
+    assert eng.manager.stats.reused_tokens > 0
+    planted = model.config.copy_offset > 0
+    for rid, prompt in prompts.items():
+        out, rows, ref_rows, _ = engine_rows_and_reference(model, eng, rid, prompt)
+        std = float(ref_rows.std())
+        chk = compare_logits(rows, ref_rows, out, 2 * BOUND * std)
+        print(f"[fp8 latent{' planted' if planted else ''}] {rid}: {chk.summary()}")
+        assert chk.ok, chk.summary()
+        if planted:
+            assert chk.exact, f"greedy identity is not exact: {chk.summary()}"
+        if base_prompts.get(rid) == prompt:
+            b_out = base.outputs[rid]
+            k = next((i for i, (x, y) in enumerate(zip(out, b_out)) if x != y), len(out) - 1) + 1
+            err = float((rows[:k] - torch.cat(base.logits[rid])[:k].to(rows.device)).abs().max())
+            print(f"[fp8 latent vs 16-bit cache] {rid}: {err:.4f} ({err / std:.3f} x std)")
+            assert err <= 3 * BOUND * std, (rid, err, std)
+    eng.manager.check_invariants()
+
+
+@pytest.mark.parametrize("draft_len", [0, 1])
+def test_real_fp8_latent_greedy_identity_with_cuda_graphs(draft_len: int) -> None:
+    """The planted model on an e4m3 latent cache with CUDA-graph decode: the plain forward pass's greedy
+    continuation, token for token (padding rows write the trash page through store_latent_rows)."""
+    from kvforge.engine import reference_greedy
+
+    model = _model("planted")
+    rng = random.Random(31 + draft_len)
+    prompts = {f"f{i}": _prompt(rng, rng.randrange(150, 300)) for i in range(5)}
+    n_new = 12
+    want = {rid: reference_greedy(model, p, n_new) for rid, p in prompts.items()}
+    eng = Engine(model, _cfg(latent_cache_dtype="fp8_e4m3"), draft_len=draft_len)
+    assert eng.graphs is not None and eng.graphs.capture
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, n_new)
+    out = eng.run()
+    assert {rid: out[rid] for rid in prompts} == want
+    assert eng.graphs.replays >= n_new // 2
     eng.manager.check_invariants()

@@ -3,8 +3,9 @@
 The cache manager owns page *ids*; this object owns the memory they index, and is the only place where the
 two meet (``shared/DESIGN.md``):
 
-* ``latent[layer_id]``: ``[attention_pages, tokens_per_block, latent_dim]`` in the model dtype, one per MLA
-  layer, all addressed by the target attention group's page ids (``KVCache.page_indices(attn_group)``);
+* ``latent[layer_id]``: ``[attention_pages, tokens_per_block, latent_dim]`` in :attr:`latent_dtype` (the model
+  dtype, or float8_e4m3fn with ``EngineConfig.latent_cache_dtype="fp8_e4m3"``), one per MLA layer, all
+  addressed by the target attention group's page ids (``KVCache.page_indices(attn_group)``);
 * ``draft_latent``: the same for the drafter's layer (the DRAFT group's page ids);
 * ``state[layer_id]``: ``[state_pages + staging_state_pages, HL, dk, dv]`` fp32, one per KDA layer, addressed by
   the recurrent group's page ids (live states and snapshots alike). Rows past ``state_pages`` are staging rows
@@ -13,6 +14,10 @@ two meet (``shared/DESIGN.md``):
   (:attr:`scratch_base`), and one trash row (:attr:`state_trash`);
 * every latent pool has one trash page past the manager's pages (:attr:`latent_trash`, :attr:`draft_trash`):
   the padded rows of a CUDA-graph batch bucket read and write there, never in a page the manager owns.
+
+Latent rows go in through :meth:`write_latent` (an e4m3 cache: ``store_latent_rows`` at :attr:`latent_scale`,
+no host read) and come out through :meth:`read_latent` (dequantised by :attr:`latent_scale_inv`, which decode
+passes to the kernel as ``kv_scale_quant_orig``). Page copies move stored bytes, so an e4m3 page is copied exactly.
 
 :meth:`EngineCache.execute` runs the manager's :class:`~kvforge.kvcache.manager.PageCopy` list (copy-on-write of a
 partial block, a snapshot copied into a live state, a live state copied into a snapshot page) in order; a copy
@@ -51,12 +56,18 @@ class EngineCache:
         self.attn_group, self.state_group, self.draft_group = attn_group, state_group, draft_group
         self.state_pages = ec.state_pages
         self.latent_trash, self.draft_trash = ec.attention_pages, ec.draft_pages
+        # FP8: rows are stored as e4m3(row * latent_scale); readers multiply by latent_scale_inv.
+        self.latent_fp8 = ec.fp8_latent
+        self.latent_dtype = torch.float8_e4m3fn if self.latent_fp8 else dtype
+        scale = float(ec.latent_scale if ec.latent_scale is not None else mc.kv_scale_orig_quant)
+        self.latent_scale: float | None = scale if self.latent_fp8 else None
+        self.latent_scale_inv: float | None = 1.0 / scale if self.latent_fp8 else None
+        ldt = self.latent_dtype
         self.latent = {
-            i: torch.zeros(ec.attention_pages + 1, tpb, mc.latent_dim, device=device, dtype=dtype)
-            for i in mc.mla_layers
+            i: torch.zeros(ec.attention_pages + 1, tpb, mc.latent_dim, device=device, dtype=ldt) for i in mc.mla_layers
         }
         self.draft_latent = (
-            torch.zeros(ec.draft_pages + 1, tpb, mc.latent_dim, device=device, dtype=dtype)
+            torch.zeros(ec.draft_pages + 1, tpb, mc.latent_dim, device=device, dtype=ldt)
             if draft_group is not None
             else None
         )
@@ -104,6 +115,25 @@ class EngineCache:
         """Flat row index ``page * tokens_per_block + offset`` of each position of one request."""
         pages = block_table[positions // tokens_per_block].long()
         return pages * tokens_per_block + positions % tokens_per_block
+
+    def write_latent(self, pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Latent rows ``values [N, latent_dim]`` into flat rows ``rows [N]`` of a latent pool (quantised to e4m3 at
+        :attr:`latent_scale` on an FP8 cache, by the same kernel the decode tests hold to its reference)."""
+        if self.latent_fp8:
+            from kvforge.kernels.mla_decode import store_latent_rows
+
+            store_latent_rows(pool, rows, values.contiguous(), kv_scale_orig_quant=self.latent_scale)
+        else:
+            self.write(pool, rows, values)
+
+    def read_latent(self, pool: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Flat rows ``rows`` of a latent pool in ``dtype`` (an e4m3 cache dequantised: value x latent_scale_inv,
+        the same product the decode kernel forms)."""
+        x = self.read(pool, rows)
+        if self.latent_fp8:
+            assert self.latent_scale_inv is not None
+            return (x.float() * self.latent_scale_inv).to(dtype)
+        return x.to(dtype)
 
     @staticmethod
     def write(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:

@@ -10,14 +10,19 @@ style). :func:`tiny` is the CPU-interpreter size of the tests; :func:`real` is a
 a config whose sizes cannot hold one (code width, rotary contrast, FP8 range) raises ``ValueError``.
 
 :class:`EngineConfig` holds the cache and scheduler budgets: ``tokens_per_block``, pages per pool group (attention,
-recurrent state, draft), the token and request budgets of a step, snapshot placement, and the device.
+recurrent state, draft), the token and request budgets of a step, snapshot placement, the device, and the
+latent cache's dtype (``latent_cache_dtype="fp8_e4m3"``: one byte per latent value at ``latent_scale``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-__all__ = ["EngineConfig", "ModelConfig", "real", "tiny"]
+__all__ = ["LATENT_CACHE_DTYPES", "EngineConfig", "ModelConfig", "real", "tiny"]
+
+# "auto": the model dtype (bf16 on a GPU, fp32 on the CPU); "fp8_e4m3": float8_e4m3fn at a per-tensor scale.
+LATENT_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def _pos(name: str, v: object, lo: int = 1) -> None:
@@ -193,9 +198,14 @@ class EngineConfig:
     engine receives snapshots before it commits them. ``device``: None picks CUDA when available.
     ``context_fp8``: the context (prefill/extend) attention reads Q/K/V quantised to FP8 e4m3 at the model's
     ``kv_scale_orig_quant``; False passes them in 16 bits (bf16 on a GPU, fp16 in the CPU interpreter), the
-    mode whose only rounding is the model dtype's (decode always reads the model-dtype latent cache).
+    mode whose only rounding is the model dtype's (decode reads the latent cache in ``latent_cache_dtype``).
     ``cuda_graphs``: generation-only steps replay a CUDA graph per batch bucket (:mod:`kvforge.engine.graphs`);
-    None turns them on exactly when the model is on CUDA, True on a CPU model is refused by the engine."""
+    None turns them on exactly when the model is on CUDA, True on a CPU model is refused by the engine.
+    ``latent_cache_dtype``: ``"auto"`` keeps the MLA latent caches (target and drafter) in the model dtype;
+    ``"fp8_e4m3"`` stores them as float8_e4m3fn, one byte per value: rows are written as
+    ``e4m3(row * latent_scale)`` (``store_latent_rows``) and read back times ``1 / latent_scale`` by decode and by
+    the context path. ``latent_scale`` (fp8 only; None: the model's ``kv_scale_orig_quant``, the scale the
+    context path already quantises K/V at) must be a finite float > 0."""
 
     tokens_per_block: int = 16
     attention_pages: int = 64
@@ -213,6 +223,8 @@ class EngineConfig:
     prefix_wait: bool = True
     context_fp8: bool = True
     cuda_graphs: bool | None = None
+    latent_cache_dtype: str = "auto"
+    latent_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -236,3 +248,23 @@ class EngineConfig:
             raise TypeError(f"cuda_graphs: expected a bool or None, got {type(self.cuda_graphs).__name__}")
         if self.device is not None and not isinstance(self.device, str):
             raise TypeError(f"device: expected a device name or None, got {type(self.device).__name__}")
+        if not isinstance(self.latent_cache_dtype, str) or self.latent_cache_dtype not in LATENT_CACHE_DTYPES:
+            raise ValueError(
+                f"latent_cache_dtype: expected one of {LATENT_CACHE_DTYPES}, got {self.latent_cache_dtype!r}"
+            )
+        sc = self.latent_scale
+        if sc is not None:
+            if self.latent_cache_dtype != "fp8_e4m3":
+                raise ValueError(
+                    f"latent_scale: only latent_cache_dtype='fp8_e4m3' takes a scale, got {sc!r} with "
+                    f"{self.latent_cache_dtype!r}"
+                )
+            if isinstance(sc, bool) or not isinstance(sc, (int, float)):
+                raise TypeError(f"latent_scale: expected a float or None, got {type(sc).__name__}")
+            if not (math.isfinite(sc) and sc > 0):
+                raise ValueError(f"latent_scale: expected a finite float > 0, got {sc}")
+
+    @property
+    def fp8_latent(self) -> bool:
+        """The MLA latent caches hold float8_e4m3fn (``latent_cache_dtype == "fp8_e4m3"``)."""
+        return self.latent_cache_dtype == "fp8_e4m3"

@@ -12,6 +12,9 @@ drafter's latent pages, KDA state pages) and their requests with ``request_kv_fr
   prompt step by step so the manager records a snapshot at each point, runs those copies from the staging
   rows, and admits the request straight into the generation phase with its first token and draft.
 
+An FP8 latent cache (``EngineConfig.latent_cache_dtype="fp8_e4m3"``) moves as stored: one byte per value, the
+layers and ``RankInfo`` announce float8_e4m3fn, and :class:`Handoff` carries the scale the receiver must share.
+
 Gap worked around here: the scheduler has no public call to admit a request whose prefill ran elsewhere;
 :func:`finish_receive` sets the request's phase and the scheduler's running list directly.
 """
@@ -47,6 +50,9 @@ class Handoff:
     draft_token: int
     snapshot_points: list[int]
     max_new_tokens: int
+    # The sender's FP8 latent scale (None: a 16-bit latent cache). Pages move as stored bytes, so the receiver
+    # must read them at the same scale; the dtypes are matched by the RankInfo peer check.
+    latent_scale: float | None = None
 
 
 def engine_layers(engine: Engine) -> list[KVLayer]:
@@ -59,8 +65,10 @@ def engine_layers(engine: Engine) -> list[KVLayer]:
 def engine_rank_info(engine: Engine, instance_name: str, transport_rank: int) -> RankInfo:
     """A one-rank instance (TP = PP = CP = DP = 1) announcing the engine's MLA latent cache and drafter."""
     mc = engine.model.config
-    dt = dtype_name(engine.model.dtype)
-    esize = torch.empty(0, dtype=engine.model.dtype).element_size()
+    # The latent pools' dtype (float8_e4m3fn with an FP8 latent cache: one byte per value, moved as stored).
+    ldt = engine.cache.latent_dtype
+    dt = dtype_name(ldt)
+    esize = torch.empty(0, dtype=ldt).element_size()
     has_draft = any(s.owner is LayerOwner.DRAFT for s in engine.kv_config.layers)
     layers = engine_layers(engine)
     return RankInfo(
@@ -140,13 +148,24 @@ def export_request(engine: Engine, request_id: int, prompt: Sequence[int]) -> tu
         cache, request_id, len(prompt), state_pages={g: [live.index, *(snaps[p] for p in points)]}
     )
     handoff = Handoff(
-        request_id, prompt, req.output_tokens[0], engine.last_draft.get(request_id, 0), points, req.max_new_tokens
+        request_id,
+        prompt,
+        req.output_tokens[0],
+        engine.last_draft.get(request_id, 0),
+        points,
+        req.max_new_tokens,
+        engine.cache.latent_scale,
     )
     return kv, handoff, cache
 
 
 def prepare_receive(engine: Engine, handoff: Handoff) -> tuple[RequestKV, HybridKVCache]:
     """Generation side: a cache for the prompt and the pages the transfer fills (snapshots into staging rows)."""
+    if handoff.latent_scale != engine.cache.latent_scale:
+        raise ValueError(
+            f"handoff.latent_scale: the sender's latent pages are at scale {handoff.latent_scale}, this engine "
+            f"reads its latent cache at {engine.cache.latent_scale} (EngineConfig.latent_cache_dtype/latent_scale)"
+        )
     n_snap = len(handoff.snapshot_points)
     free = _staging_free(engine)
     if n_snap > len(free):

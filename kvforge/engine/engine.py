@@ -48,15 +48,21 @@ from kvforge.kvcache.hybrid import HybridCacheManager
 from kvforge.kvcache.page_table import DevicePageTable
 from kvforge.scheduling import Request, RequestState, Scheduler, SchedulerConfig
 
-__all__ = ["Engine", "kv_cache_config"]
+__all__ = ["Engine", "kv_cache_config", "latent_dtype"]
+
+
+def latent_dtype(model: HybridModel, config: EngineConfig) -> torch.dtype:
+    """The MLA latent caches' dtype: float8_e4m3fn with ``latent_cache_dtype="fp8_e4m3"``, else the model's."""
+    return torch.float8_e4m3fn if config.fp8_latent else model.dtype
 
 
 def kv_cache_config(model: HybridModel, config: EngineConfig, *, draft: bool = True) -> KVCacheConfig:
-    """The manager's layer list: MLA layers (latent bytes per token), KDA layers (state bytes), and the drafter's
-    layer when the model has one and ``draft`` (the shared draft KV pool) is on."""
+    """The manager's layer list: MLA layers (latent bytes per token, in :func:`latent_dtype`), KDA layers (state
+    bytes), and the drafter's layer when the model has one and ``draft`` (the shared draft KV pool) is on."""
     mc = model.config
-    dt = dtype_name(model.dtype)
-    esize = torch.empty(0, dtype=model.dtype).element_size()
+    ldt = latent_dtype(model, config)
+    dt = dtype_name(ldt)
+    esize = torch.empty(0, dtype=ldt).element_size()
     state_bytes = 4 * mc.linear_heads * mc.linear_head_dim * mc.linear_head_dim
     layers = []
     for i, t in enumerate(mc.layer_types):
@@ -108,6 +114,15 @@ class Engine:
             raise ValueError(f"draft_len: expected 0 or 1 (one drafter layer proposes one token), got {draft_len!r}")
         if draft_len and not model.config.draft_layers:
             raise ValueError("draft_len: the model has no drafter layer (ModelConfig.draft_layers = 0)")
+        if config.fp8_latent and model.config.copy_offset and config.latent_scale is not None:
+            from kvforge.engine import planted
+
+            amp, top = planted.copy_key_amplitude(model.config), planted.FP8_HEADROOM * planted.FP8_MAX
+            if amp * config.latent_scale > top:
+                raise ValueError(
+                    f"config.latent_scale: the copy head's rotary key amplitude {amp:.1f} x latent_scale "
+                    f"{config.latent_scale} exceeds {top:.0f} (e4m3 range with headroom): its rows would saturate"
+                )
         self.model = model
         self.config = config
         self.draft_len = draft_len

@@ -3,8 +3,9 @@
 * :func:`decode_attention` is the one switch point for absorbed-MLA paged decode: ``q [B, H, latent]`` against
   the latent cache ``kv_cache [num_pages, page_size, latent]`` addressed by ``block_table [B, max_pages]`` int32
   and ``seq_lens [B]`` int32, returning ``[B, H, v_head_dim]`` with values the first ``v_head_dim`` latent
-  columns. It runs the Triton kernel ``kvforge.kernels.mla_decode.mla_decode_attention`` (whose plain-torch
-  reference is ``mla_decode_attention_ref``).
+  columns (or an e4m3 cache with a 16-bit q and ``kv_scale_quant_orig``). It runs the Triton kernel
+  ``kvforge.kernels.mla_decode.mla_decode_attention`` (whose plain-torch reference is
+  ``mla_decode_attention_ref``).
 * :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
   and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
   reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
@@ -32,9 +33,11 @@ def decode_attention(
     *,
     softmax_scale: float,
     v_head_dim: int,
+    kv_scale_quant_orig: float | None = None,
 ) -> torch.Tensor:
     """The engine's decode attention (see the module docstring): the Triton kernel. The engine built the block
-    table and lengths itself, so the kernel's value check (a device-to-host read) is skipped."""
+    table and lengths itself, so the kernel's value check (a device-to-host read) is skipped. An e4m3 cache
+    (``kv_scale_quant_orig`` dequantises it) needs a 16-bit q: the output then has q's dtype."""
     from kvforge.kernels.mla_decode import mla_decode_attention
 
     out = mla_decode_attention(
@@ -45,6 +48,7 @@ def decode_attention(
         softmax_scale=softmax_scale,
         v_head_dim=v_head_dim,
         check_values=False,
+        kv_scale_quant_orig=kv_scale_quant_orig,
     )
     assert isinstance(out, torch.Tensor)  # return_lse=False: the output alone
     return out

@@ -3,7 +3,9 @@
 A step is a list of :class:`Row` (generation rows first, then context rows, as the scheduler orders them).
 Its tokens are laid out flat in that order. Per layer:
 
-* **MLA**: the new tokens' latent rows are written into their pages first. Context rows then gather their
+* **MLA**: the new tokens' latent rows are written into their pages first (:meth:`EngineCache.write_latent`:
+  quantised to e4m3 when ``EngineConfig.latent_cache_dtype="fp8_e4m3"``, then dequantised by every reader,
+  :meth:`EngineCache.read_latent` and the decode kernel's ``kv_scale_quant_orig``). Context rows then gather their
   whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
   up-project it to K/V, quantise Q, K and V to FP8 at one per-tensor scale (``quantize_fp8``; or pass them in
   16 bits with ``EngineConfig.context_fp8=False``) and run ``mla_context_attention`` over all context rows at
@@ -179,13 +181,16 @@ class Runner:
 
     def _mla(self, m: MLAWeights, h: torch.Tensor, pool: torch.Tensor, lay: _Layout) -> torch.Tensor:
         model, mc = self.model, self.model.config
+        cache = self.cache
         q, latent = model.mla_project(m, h, lay.positions, fused=True)
-        EngineCache.write(pool, lay.write_rows, latent)
+        cache.write_latent(pool, lay.write_rows, latent)
         out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
         g = lay.num_gen_tokens
         if g:
             assert lay.gen_table is not None and lay.gen_lens is not None
             q_abs = model.mla_absorb(m, q[:g])
+            if cache.latent_fp8:  # the kernel reads an e4m3 cache with a 16-bit q (fp16 on the interpreter)
+                q_abs = q_abs.to(self.q_dtype)
             o_lat = decode_attention(
                 q_abs,
                 pool,
@@ -193,10 +198,11 @@ class Runner:
                 lay.gen_lens,
                 softmax_scale=model.softmax_scale,
                 v_head_dim=mc.kv_lora_rank,
+                kv_scale_quant_orig=cache.latent_scale_inv,
             )
             out[:g] = model.mla_unabsorb(m, o_lat)
         if lay.ctx_kv_rows is not None:
-            k, v = model.mla_up(m, EngineCache.read(pool, lay.ctx_kv_rows).to(model.dtype))
+            k, v = model.mla_up(m, cache.read_latent(pool, lay.ctx_kv_rows, model.dtype))
             q_ctx = q[g:]
             if self.context_fp8:
                 # Q too, at the K/V scale, and V token-major: both dtype/layout keys (FP8 and 16-bit) have committed
