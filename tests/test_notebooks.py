@@ -13,12 +13,12 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 IMAGES = {
-    "01_kernels_tour.ipynb": 3,  # the committed bench/results PNGs
+    "01_kernels_tour.ipynb": 4,  # the committed bench/results PNGs; the MLA decode grids
     "02_prefix_cache_and_snapshots.ipynb": 2,
     "03_routing_and_scheduling.ipynb": 3,
     "04_engine.ipynb": 1,  # where the engine's step time goes
     "05_fleet.ipynb": 2,  # bench_fleet: simulated against measured; the step-time profile's fit
-    "mla_context_attention.ipynb": 2,  # FP8 error across scales; the H200 throughput from bench/results
+    "mla_context_attention.ipynb": 3,  # FP8 error across scales; the H200 fixed grid and the --random grids
 }
 
 
