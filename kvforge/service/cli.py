@@ -317,7 +317,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     if getattr(args, "workers", 1) > 1:
         from kvforge.service.workers import run_workers
 
-        return run_workers(args)
+        return run_workers(args, config_from_args)
     try:
         cfg = config_from_args(args)
         service = RouterService(cfg)

@@ -46,7 +46,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -328,15 +328,22 @@ def _new_loop(choice: str) -> asyncio.AbstractEventLoop | None:
     return uvloop.new_event_loop()
 
 
-def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker: int, parent: int, ready: Any) -> None:
-    from kvforge.service.cli import config_from_args
+def _worker_main(
+    args: argparse.Namespace,
+    make_config: Callable[[argparse.Namespace], ServiceConfig],
+    shm_name: str,
+    lock_path: str,
+    worker: int,
+    parent: int,
+    ready: Any,
+) -> None:
     from kvforge.service.metrics import configure_logging
 
     # Its own process group: the parent reaches whatever this worker starts (a tokenizer pool) even after it dies.
     os.setpgid(0, 0)
     configure_logging(args.log_level, args.log_format)
     state = SharedState.attach(shm_name, lock_path)
-    service = WorkerService(config_from_args(args), state, worker)
+    service = WorkerService(make_config(args), state, worker)
     app = service.make_app()
 
     async def watch_parent(app: web.Application) -> None:
@@ -393,10 +400,13 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return s
 
 
-def run_workers(args: argparse.Namespace) -> int:
-    """The supervising parent of ``kvforge router --workers N`` (N >= 2); returns the exit status."""
+def run_workers(args: argparse.Namespace, make_config: Callable[[argparse.Namespace], ServiceConfig]) -> int:
+    """The supervising parent of ``kvforge router --workers N`` (N >= 2); returns the exit status.
+
+    ``make_config`` turns the parsed flags into a ``ServiceConfig`` (the CLI passes its own, so this module does
+    not import the CLI back); each worker process calls it again on the same flags.
+    """
     from kvforge.service import keys as K
-    from kvforge.service.cli import config_from_args
     from kvforge.service.metrics import configure_logging
 
     prog = "kvforge router"
@@ -405,7 +415,7 @@ def run_workers(args: argparse.Namespace) -> int:
         print(f"{prog}: error: --workers {n}: this platform has no SO_REUSEPORT; run one worker", file=sys.stderr)
         return 2
     try:
-        cfg = config_from_args(args)
+        cfg = make_config(args)
         if cfg.policy not in MULTI_WORKER_POLICIES:
             raise ValueError(
                 f"--policy {cfg.policy} keeps per-process state; with --workers > 1 use one of "
@@ -449,7 +459,7 @@ def run_workers(args: argparse.Namespace) -> int:
         for i in range(n):
             p = ctx.Process(
                 target=_worker_main,
-                args=(args, state.name, lock_path, i, os.getpid(), ready[i]),
+                args=(args, make_config, state.name, lock_path, i, os.getpid(), ready[i]),
                 name=f"kvforge-router-worker-{i}",
                 daemon=False,
             )
