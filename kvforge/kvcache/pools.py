@@ -21,8 +21,11 @@ verifies them.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
 from enum import Enum
+from itertools import count
+from operator import itemgetter
 from typing import Any, Protocol, runtime_checkable
 
 from kvforge.kvcache.config import LifeCycle, LifeCycleKind, PoolGroupSpec, Tier
@@ -83,24 +86,155 @@ class Page:
         return f"Page(g{self.pool.group} {self.pool.tier.name}#{self.index} ref={self.ref_count} prio={self.priority})"
 
 
-class Children(dict):
-    """A block's children by block key. A dict subclass only so that CPython's collector never stops tracking it:
-    a plain dict with no tracked values is untracked at a full collection and tracked again (into the youngest
-    generation) by its next insertion, so the children of blocks frozen at start-up would re-enter the
-    collector's view one by one (see :mod:`~kvforge.kvcache.host`)."""
+# Insertion stamps of tree children: one counter for every tree, so a later insertion has a larger stamp.
+next_seq = count().__next__
+_tokens_of = itemgetter(0)
+_seq_of = itemgetter(1)
 
-    __slots__ = ()
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slices compared in C, halving the range)."""
+    n = min(len(a), len(b))
+    if not n or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Children(dict[int, "Block"]):
+    """A block's children by block key, with an index of those that hold tokens.
+
+    A dict subclass so that CPython's collector never stops tracking it: a plain dict with no tracked values is
+    untracked at a full collection and tracked again (into the youngest generation) by its next insertion, so
+    the children of blocks frozen at start-up would re-enter the collector's view one by one (see
+    :mod:`~kvforge.kvcache.host`).
+
+    ``by_tokens`` (None when empty) holds ``(tokens, seq, block)`` for every child whose ``tokens`` is set,
+    sorted; ``seq`` is the stamp the child took when its key entered the dict (a replaced key's new block keeps
+    it), so stamps rise in the dict's iteration order. Every mutation goes through the methods below and
+    :attr:`Block.tokens`' setter, which keep the index exact; :meth:`longest_prefix` answers from it in
+    O(log n) comparisons, whatever the number of children.
+    """
+
+    __slots__ = ("by_tokens",)
+
+    def __init__(self) -> None:
+        self.by_tokens: list[tuple[tuple[int, ...], int, Block]] | None = None
+
+    def _index(self, block: Block) -> None:
+        entry: tuple[tuple[int, ...], int, Block] = (block._tokens, block.seq, block)  # type: ignore[assignment]
+        lst = self.by_tokens
+        if lst is None:
+            self.by_tokens = [entry]
+        else:
+            insort(lst, entry)  # (tokens, seq) is unique: blocks are never compared
+
+    def _unindex(self, block: Block) -> None:
+        lst = self.by_tokens
+        assert lst is not None
+        i = bisect_left(lst, (block._tokens, block.seq))
+        if lst[i][2] is not block:
+            raise AssertionError(f"Children: {block!r} missing from the token index")
+        del lst[i]
+        if not lst:
+            self.by_tokens = None
+
+    def __setitem__(self, key: int, block: Block) -> None:
+        old = dict.get(self, key)
+        if old is block:
+            return
+        if old is None:
+            block.seq = next_seq()
+        else:
+            block.seq = old.seq  # the dict keeps the key's position
+            if old._tokens is not None:
+                self._unindex(old)
+        dict.__setitem__(self, key, block)
+        if block._tokens is not None:
+            self._index(block)
+
+    def __delitem__(self, key: int) -> None:
+        block = dict.pop(self, key)
+        if block._tokens is not None:
+            self._unindex(block)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        if key not in self:
+            return dict.pop(self, key, *default)
+        block = dict.pop(self, key)
+        if block._tokens is not None:
+            self._unindex(block)
+        return block
+
+    def popitem(self) -> tuple[int, Block]:
+        key, block = dict.popitem(self)
+        if block._tokens is not None:
+            self._unindex(block)
+        return key, block
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.by_tokens = None
+
+    def setdefault(self, key: int, default: Block) -> Block:
+        block = dict.get(self, key)
+        if block is None:
+            self[key] = block = default
+        return block
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, block in dict(*args, **kwargs).items():
+            self[key] = block
+
+    def __ior__(self, other: Any) -> Children:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def longest_prefix(self, tokens: tuple[int, ...]) -> tuple[Block | None, int]:
+        """The child (with tokens) sharing the longest prefix with ``tokens``, and that length; among equals the
+        first in the dict's order; ``(None, 0)`` when no child starts with ``tokens[0]``. In sorted order the
+        longest prefix is shared with a neighbour of ``tokens``' position, and the children sharing it form one
+        run (whose smallest stamp is the first in dict order)."""
+        lst = self.by_tokens
+        if lst is None or not tokens:
+            return None, 0
+        i = bisect_left(lst, tokens, key=_tokens_of)
+        best = common_prefix_len(lst[i][0], tokens) if i < len(lst) else 0
+        if i:
+            best = max(best, common_prefix_len(lst[i - 1][0], tokens))
+        if not best:
+            return None, 0
+        prefix = tokens[:best]
+
+        def cut(e: tuple[tuple[int, ...], int, Block]) -> tuple[int, ...]:
+            return e[0][:best]
+
+        lo = bisect_left(lst, prefix, key=cut)
+        hi = bisect_right(lst, prefix, lo, key=cut)
+        if hi - lo == 1:
+            return lst[lo][2], best
+        return min(lst[lo:hi], key=_seq_of)[2], best
 
 
 class Block:
     """A radix-tree node: one block of tokens under a chained-hash ``key``.
 
     ``depth`` is the block's ordinal in its sequence (0 for the first block; -1 for a root). ``tokens`` is the
-    block's token tuple when known (None for blocks committed from precomputed hashes without tokens). Full
-    blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`; partial ones never are.
+    block's token tuple when known (None for blocks committed from precomputed hashes without tokens); setting
+    it keeps the parent's token index (:class:`Children`) exact. ``seq`` is the stamp the block took when it
+    entered its parent's children. Full blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`;
+    partial ones never are.
     """
 
-    __slots__ = ("children", "depth", "key", "num_tokens", "pages", "parent", "tokens")
+    __slots__ = ("_tokens", "children", "depth", "key", "num_tokens", "pages", "parent", "seq")
 
     def __init__(
         self,
@@ -115,9 +249,30 @@ class Block:
         self.parent = parent
         self.depth = depth
         self.num_tokens = num_tokens
-        self.tokens = tokens
-        self.children: dict[int, Block] = Children()
+        self._tokens = tokens  # not in a tree yet: no index to update
+        self.seq = -1  # set by Children when the block enters a tree
+        self.children = Children()
         self.pages: list[Page | None] = [None] * num_groups
+
+    @property
+    def tokens(self) -> tuple[int, ...] | None:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: tuple[int, ...] | None) -> None:
+        old = self._tokens
+        if value is old:
+            return
+        parent = self.parent
+        # In a tree: its parent's token index follows (a removed block is no longer its parent's child).
+        if parent is not None and dict.get(parent.children, self.key) is self:
+            if old is not None:
+                parent.children._unindex(self)
+            self._tokens = value
+            if value is not None:
+                parent.children._index(self)
+        else:
+            self._tokens = value
 
     @property
     def is_root(self) -> bool:
