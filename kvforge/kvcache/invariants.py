@@ -21,16 +21,18 @@ __all__ = ["block_pool_state", "check_block_pool", "check_children_index"]
 
 def check_children_index(node: Block) -> None:
     """Raise AssertionError unless ``node``'s children index is exact: stamps rise in the dict's order, and
-    ``by_tokens`` holds exactly the children with tokens, sorted by (tokens, stamp)."""
+    ``by_tokens`` indexes exactly the children with tokens, sorted by (tokens, stamp)."""
     children = node.children
     seqs = [c.seq for c in children.values()]
     assert all(a < b for a, b in pairwise(seqs)), f"{node!r}: child stamps {seqs} out of dict order"
     want = sorted(((c.tokens, c.seq, c) for c in children.values() if c.tokens is not None), key=lambda e: e[:2])
-    got = children.by_tokens or []
+    got = children.token_entries()
     assert len(got) == len(want) and all(g[0] == w[0] and g[1] == w[1] and g[2] is w[2] for g, w in zip(got, want)), (
         f"{node!r}: token index {[(e[0], e[1]) for e in got]} != {[(e[0], e[1]) for e in want]}"
     )
-    assert children.by_tokens is None or children.by_tokens, f"{node!r}: empty token index not None"
+    idx = children.by_tokens
+    # None for no child with tokens, that child itself for one, a list only for two or more.
+    assert (idx is None) == (not want) and (type(idx) is list) == (len(want) > 1), f"{node!r}: index form {idx!r}"
 
 
 def check_block_pool(bp: BlockPool, refs: Iterable[Page], full_groups: Iterable[int]) -> None:

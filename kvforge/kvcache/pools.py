@@ -89,6 +89,7 @@ class Page:
 # Insertion stamps of tree children: one counter for every tree, so a later insertion has a larger stamp.
 next_seq = count().__next__
 _tokens_of = itemgetter(0)
+_Entry = tuple[tuple[int, ...], int, "Block"]
 _seq_of = itemgetter(1)
 
 
@@ -117,35 +118,52 @@ class Children(dict[int, "Block"]):
     the children of blocks frozen at start-up would re-enter the collector's view one by one (see
     :mod:`~kvforge.kvcache.host`).
 
-    ``by_tokens`` (None when empty) holds ``(tokens, seq, block)`` for every child whose ``tokens`` is set,
-    sorted; ``seq`` is the stamp the child took when its key entered the dict (a replaced key's new block keeps
-    it), so stamps rise in the dict's iteration order. Every mutation goes through the methods below and
-    :attr:`Block.tokens`' setter, which keep the index exact; :meth:`longest_prefix` answers from it in
-    O(log n) comparisons, whatever the number of children.
+    ``by_tokens`` indexes the children whose ``tokens`` is set: None for none, the block itself for one (no
+    allocation: most nodes have at most one), else ``(tokens, seq, block)`` for each, sorted. ``seq`` is the
+    stamp a child took when its key entered the dict (a replaced key's new block keeps it), so stamps rise in the
+    dict's iteration order. Every mutation goes through the methods below and :attr:`Block.tokens`' setter,
+    which keep the index exact; :meth:`longest_prefix` answers from it in O(log n) comparisons, whatever the
+    number of children.
     """
 
     __slots__ = ("by_tokens",)
 
     def __init__(self) -> None:
-        self.by_tokens: list[tuple[tuple[int, ...], int, Block]] | None = None
+        self.by_tokens: Block | list[_Entry] | None = None
+
+    def token_entries(self) -> list[_Entry]:
+        """The index as a sorted list of ``(tokens, seq, block)`` (a copy; for checks)."""
+        cur = self.by_tokens
+        if cur is None:
+            return []
+        if type(cur) is list:
+            return list(cur)
+        return [(cur._tokens, cur.seq, cur)]  # type: ignore[union-attr,list-item]
 
     def _index(self, block: Block) -> None:
-        entry: tuple[tuple[int, ...], int, Block] = (block._tokens, block.seq, block)  # type: ignore[assignment]
-        lst = self.by_tokens
-        if lst is None:
-            self.by_tokens = [entry]
+        cur = self.by_tokens
+        if cur is None:
+            self.by_tokens = block
+            return
+        entry: _Entry = (block._tokens, block.seq, block)  # type: ignore[assignment]
+        if type(cur) is list:
+            insort(cur, entry)  # (tokens, seq) is unique: blocks are never compared
         else:
-            insort(lst, entry)  # (tokens, seq) is unique: blocks are never compared
+            self.by_tokens = sorted([(cur._tokens, cur.seq, cur), entry])  # type: ignore[union-attr,list-item]
 
     def _unindex(self, block: Block) -> None:
-        lst = self.by_tokens
-        assert lst is not None
-        i = bisect_left(lst, (block._tokens, block.seq))
-        if lst[i][2] is not block:
-            raise AssertionError(f"Children: {block!r} missing from the token index")
-        del lst[i]
-        if not lst:
+        cur = self.by_tokens
+        if cur is block:
             self.by_tokens = None
+            return
+        if type(cur) is not list:
+            raise AssertionError(f"Children: {block!r} missing from the token index")
+        i = bisect_left(cur, (block._tokens, block.seq))
+        if i == len(cur) or cur[i][2] is not block:
+            raise AssertionError(f"Children: {block!r} missing from the token index")
+        del cur[i]
+        if len(cur) == 1:
+            self.by_tokens = cur[0][2]
 
     def __setitem__(self, key: int, block: Block) -> None:
         old = dict.get(self, key)
@@ -206,6 +224,9 @@ class Children(dict[int, "Block"]):
         lst = self.by_tokens
         if lst is None or not tokens:
             return None, 0
+        if type(lst) is not list:
+            n = common_prefix_len(lst._tokens, tokens)  # type: ignore[union-attr,arg-type]
+            return (lst, n) if n else (None, 0)  # type: ignore[return-value]
         i = bisect_left(lst, tokens, key=_tokens_of)
         best = common_prefix_len(lst[i][0], tokens) if i < len(lst) else 0
         if i:
