@@ -228,18 +228,22 @@ class Children(dict[int, "Block"]):
             n = common_prefix_len(lst._tokens, tokens)  # type: ignore[union-attr,arg-type]
             return (lst, n) if n else (None, 0)  # type: ignore[return-value]
         i = bisect_left(lst, tokens, key=_tokens_of)
-        best = common_prefix_len(lst[i][0], tokens) if i < len(lst) else 0
-        if i:
-            best = max(best, common_prefix_len(lst[i - 1][0], tokens))
+        after = common_prefix_len(lst[i][0], tokens) if i < len(lst) else 0
+        before = common_prefix_len(lst[i - 1][0], tokens) if i else 0
+        best = after if after > before else before
         if not best:
             return None, 0
+        # The run of entries sharing tokens[:best] holds i - 1 and/or i; most often nothing beyond them.
+        lo = i - 1 if before == best else i
+        hi = i + 1 if after == best else i
         prefix = tokens[:best]
+        if (lo and lst[lo - 1][0][:best] == prefix) or (hi < len(lst) and lst[hi][0][:best] == prefix):
 
-        def cut(e: tuple[tuple[int, ...], int, Block]) -> tuple[int, ...]:
-            return e[0][:best]
+            def cut(e: _Entry) -> tuple[int, ...]:
+                return e[0][:best]
 
-        lo = bisect_left(lst, prefix, key=cut)
-        hi = bisect_right(lst, prefix, lo, key=cut)
+            lo = bisect_left(lst, prefix, 0, lo, key=cut)
+            hi = bisect_right(lst, prefix, hi, key=cut)
         if hi - lo == 1:
             return lst[lo][2], best
         return min(lst[lo:hi], key=_seq_of)[2], best
