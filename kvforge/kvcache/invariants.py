@@ -33,6 +33,8 @@ def check_children_index(node: Block) -> None:
     idx = children.by_tokens
     # None for no child with tokens, that child itself for one, a list only for two or more.
     assert (idx is None) == (not want) and (type(idx) is list) == (len(want) > 1), f"{node!r}: index form {idx!r}"
+    oldest = children.oldest
+    assert oldest is None or (len(want) > 1 and oldest is min(want, key=lambda e: e[1])[2]), f"{node!r}: oldest"
 
 
 def check_block_pool(bp: BlockPool, refs: Iterable[Page], full_groups: Iterable[int]) -> None:

@@ -123,13 +123,17 @@ class Children(dict[int, "Block"]):
     stamp a child took when its key entered the dict (a replaced key's new block keeps it), so stamps rise in the
     dict's iteration order. Every mutation goes through the methods below and :attr:`Block.tokens`' setter,
     which keep the index exact; :meth:`longest_prefix` answers from it in O(log n) comparisons, whatever the
-    number of children.
+    number of children, except that a best prefix shared by k children (not all) costs a C-level minimum over
+    their k stamps.
     """
 
-    __slots__ = ("by_tokens",)
+    __slots__ = ("by_tokens", "oldest")
 
     def __init__(self) -> None:
         self.by_tokens: Block | list[_Entry] | None = None
+        # The indexed child with the smallest stamp while the index is a list, computed when a query ties every
+        # entry (e.g. children sharing a system prompt's tail) and dropped when it leaves the index.
+        self.oldest: Block | None = None
 
     def token_entries(self) -> list[_Entry]:
         """The index as a sorted list of ``(tokens, seq, block)`` (a copy; for checks)."""
@@ -148,10 +152,15 @@ class Children(dict[int, "Block"]):
         entry: _Entry = (block._tokens, block.seq, block)  # type: ignore[assignment]
         if type(cur) is list:
             insort(cur, entry)  # (tokens, seq) is unique: blocks are never compared
+            oldest = self.oldest
+            if oldest is not None and block.seq < oldest.seq:  # a replaced key's block keeps its stamp
+                self.oldest = block
         else:
             self.by_tokens = sorted([(cur._tokens, cur.seq, cur), entry])  # type: ignore[union-attr,list-item]
 
     def _unindex(self, block: Block) -> None:
+        if self.oldest is block:
+            self.oldest = None
         cur = self.by_tokens
         if cur is block:
             self.by_tokens = None
@@ -164,6 +173,7 @@ class Children(dict[int, "Block"]):
         del cur[i]
         if len(cur) == 1:
             self.by_tokens = cur[0][2]
+            self.oldest = None
 
     def __setitem__(self, key: int, block: Block) -> None:
         old = dict.get(self, key)
@@ -200,7 +210,7 @@ class Children(dict[int, "Block"]):
 
     def clear(self) -> None:
         dict.clear(self)
-        self.by_tokens = None
+        self.by_tokens = self.oldest = None
 
     def setdefault(self, key: int, default: Block) -> Block:
         block = dict.get(self, key)
@@ -246,6 +256,11 @@ class Children(dict[int, "Block"]):
             hi = bisect_right(lst, prefix, hi, key=cut)
         if hi - lo == 1:
             return lst[lo][2], best
+        if hi - lo == len(lst):
+            oldest = self.oldest
+            if oldest is None:
+                oldest = self.oldest = min(lst, key=_seq_of)[2]
+            return oldest, best
         return min(lst[lo:hi], key=_seq_of)[2], best
 
 
