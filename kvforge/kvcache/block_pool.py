@@ -29,7 +29,7 @@ from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, PoolGroupSpec, 
 from kvforge.kvcache.events import BlockRemoved, BlockStored, EventSink
 from kvforge.kvcache.eviction import PrioritizedLRU
 from kvforge.kvcache.hashing import BlockKeyHasher, default_hasher
-from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool
+from kvforge.kvcache.pools import Block, EvictionPolicyFactory, Page, PagePool, next_seq
 from kvforge.kvcache.radix import RadixTree
 from kvforge.kvcache.records import ManagerStats, PageCopy, check_count
 
@@ -39,6 +39,10 @@ MAX_PREALLOCATED_BLOCKS = 1 << 22
 """At most this many tree blocks are built at construction (about 225 bytes each on CPython 3.11)."""
 
 _getrefcount = sys.getrefcount
+# Children's own insertion and deletion, for the hot paths below that do the token index's part inline (a new key
+# whose block holds no tokens takes only a stamp; deleting a block without tokens touches no index).
+_dict_setitem = dict.__setitem__
+_dict_delitem = dict.__delitem__
 
 
 def _unheld_refs() -> int:
@@ -406,7 +410,7 @@ class BlockPool:
                 b.parent = parent
                 b.depth = depth
                 b.num_tokens = num_tokens
-                b.tokens = tokens
+                b._tokens = tokens  # in no tree: no token index to update
                 return b
         return Block(key, parent, depth, num_tokens, tokens, self.num_groups)
 
@@ -432,6 +436,7 @@ class BlockPool:
             g, row = rows[0]
             if first + len(keys) > len(row):
                 raise IndexError(f"new_chain: the row holds {len(row)} page slots, not {first + len(keys)}")
+            fresh = False
             for ordinal, h, p in zip(count(first), keys, row[first : first + len(keys)]):
                 while spare:
                     child = spare.popleft()
@@ -440,11 +445,18 @@ class BlockPool:
                         child.parent = parent
                         child.depth = ordinal
                         child.num_tokens = tpb
-                        child.tokens = None
+                        child._tokens = None  # in no tree: no token index to update
                         break
                 else:
                     child = Block(h, parent, ordinal, tpb, None, num_groups)
-                parent.children[h] = child
+                if fresh:
+                    # The parent was made just above (no children): a new key for a block without tokens, so
+                    # Children.__setitem__ would only stamp it.
+                    child.seq = next_seq()
+                    _dict_setitem(parent.children, h, child)
+                else:
+                    parent.children[h] = child
+                    fresh = True
                 if p is not None:
                     child.pages[g] = p
                     p.block = child
@@ -566,7 +578,10 @@ class BlockPool:
             pages[:] = no_pages
             parent = block.parent
             assert parent is not None
-            del parent.children[block.key]
+            if block._tokens is None:  # Children.__delitem__ inlined: no token index entry to drop
+                _dict_delitem(parent.children, block.key)
+            else:
+                del parent.children[block.key]
             spare.append(block)
             n += 1
             if block.num_tokens == tpb:
@@ -658,7 +673,10 @@ class BlockPool:
                 while True:  # the block, then each ancestor left with no page and no child, leaves the tree
                     parent: Block = block.parent  # type: ignore[assignment]
                     key = block.key
-                    del parent.children[key]
+                    if block._tokens is None:  # as in remove_block
+                        _dict_delitem(parent.children, key)
+                    else:
+                        del parent.children[key]
                     spare_append(block)
                     if block.num_tokens == tpb:
                         removed_append(key)

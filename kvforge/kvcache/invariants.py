@@ -10,12 +10,31 @@ observable about pools, policies and the tree as one comparable value (read-only
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 from typing import Any
 
 from kvforge.kvcache.block_pool import BlockPool
-from kvforge.kvcache.pools import Page
+from kvforge.kvcache.pools import Block, Page
 
-__all__ = ["block_pool_state", "check_block_pool"]
+__all__ = ["block_pool_state", "check_block_pool", "check_children_index"]
+
+
+def check_children_index(node: Block) -> None:
+    """Raise AssertionError unless ``node``'s children index is exact: stamps rise in the dict's order, and
+    ``by_tokens`` indexes exactly the children with tokens, sorted by (tokens, stamp)."""
+    children = node.children
+    seqs = [c.seq for c in children.values()]
+    assert all(a < b for a, b in pairwise(seqs)), f"{node!r}: child stamps {seqs} out of dict order"
+    want = sorted(((c.tokens, c.seq, c) for c in children.values() if c.tokens is not None), key=lambda e: e[:2])
+    got = children.token_entries()
+    assert len(got) == len(want) and all(g[0] == w[0] and g[1] == w[1] and g[2] is w[2] for g, w in zip(got, want)), (
+        f"{node!r}: token index {[(e[0], e[1]) for e in got]} != {[(e[0], e[1]) for e in want]}"
+    )
+    idx = children.by_tokens
+    # None for no child with tokens, that child itself for one, a list only for two or more.
+    assert (idx is None) == (not want) and (type(idx) is list) == (len(want) > 1), f"{node!r}: index form {idx!r}"
+    oldest = children.oldest
+    assert oldest is None or (len(want) > 1 and oldest is min(want, key=lambda e: e[1])[2]), f"{node!r}: oldest"
 
 
 def check_block_pool(bp: BlockPool, refs: Iterable[Page], full_groups: Iterable[int]) -> None:
@@ -52,9 +71,12 @@ def check_block_pool(bp: BlockPool, refs: Iterable[Page], full_groups: Iterable[
         assert len(pool.policy) == in_policy, f"{pool.tier.name} g{pool.group}: policy size {len(pool.policy)}"
 
     full = tuple(full_groups)
+    for root in bp.tree.roots.values():
+        check_children_index(root)
     count_blocks = 0
     for block in bp.tree.blocks():
         count_blocks += 1
+        check_children_index(block)
         parent = block.parent
         assert parent is not None and parent.children.get(block.key) is block, f"{block!r} detached"
         assert block.depth == parent.depth + 1, f"{block!r} depth"

@@ -110,20 +110,10 @@ class PrefixMatcher:
     def match_partial(
         self, blocks: list[Block], node: Block, tokens: Sequence[int], start: int, end: int
     ) -> tuple[Block | None, int]:
-        """The child of ``node`` sharing the longest token prefix with ``tokens[start:end]`` (at most one block)."""
+        """The child of ``node`` sharing the longest token prefix with ``tokens[start:end]`` (at most one block;
+        among equals the first in ``node.children``' order), found through the children's token index."""
         rem = tuple(token_ints(tokens[start : min(end, start + self.tokens_per_block)]))
-        first = rem[0]
-        best, best_len = None, 0
-        for child in node.children.values():
-            ct = child.tokens
-            if ct is None or ct[0] != first:
-                continue
-            n = min(len(ct), len(rem))
-            i = 1
-            while i < n and ct[i] == rem[i]:
-                i += 1
-            if i > best_len:
-                best, best_len = child, i
+        best, best_len = node.children.longest_prefix(rem)
         if best is None or not self.usable(blocks, len(blocks), best, best_len):
             return None, 0
         return best, best_len

@@ -21,8 +21,11 @@ verifies them.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
 from enum import Enum
+from itertools import count
+from operator import itemgetter
 from typing import Any, Protocol, runtime_checkable
 
 from kvforge.kvcache.config import LifeCycle, LifeCycleKind, PoolGroupSpec, Tier
@@ -83,24 +86,195 @@ class Page:
         return f"Page(g{self.pool.group} {self.pool.tier.name}#{self.index} ref={self.ref_count} prio={self.priority})"
 
 
-class Children(dict):
-    """A block's children by block key. A dict subclass only so that CPython's collector never stops tracking it:
-    a plain dict with no tracked values is untracked at a full collection and tracked again (into the youngest
-    generation) by its next insertion, so the children of blocks frozen at start-up would re-enter the
-    collector's view one by one (see :mod:`~kvforge.kvcache.host`)."""
+# Insertion stamps of tree children: one counter for every tree, so a later insertion has a larger stamp.
+next_seq = count().__next__
+_tokens_of = itemgetter(0)
+_Entry = tuple[tuple[int, ...], int, "Block"]
+_seq_of = itemgetter(1)
 
-    __slots__ = ()
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slices compared in C, halving the range)."""
+    n = min(len(a), len(b))
+    if not n or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 1, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Children(dict[int, "Block"]):
+    """A block's children by block key, with an index of those that hold tokens.
+
+    A dict subclass so that CPython's collector never stops tracking it: a plain dict with no tracked values is
+    untracked at a full collection and tracked again (into the youngest generation) by its next insertion, so
+    the children of blocks frozen at start-up would re-enter the collector's view one by one (see
+    :mod:`~kvforge.kvcache.host`).
+
+    ``by_tokens`` indexes the children whose ``tokens`` is set: None for none, the block itself for one (no
+    allocation: most nodes have at most one), else ``(tokens, seq, block)`` for each, sorted. ``seq`` is the
+    stamp a child took when its key entered the dict (a replaced key's new block keeps it), so stamps rise in the
+    dict's iteration order. Every mutation goes through the methods below and :attr:`Block.tokens`' setter,
+    which keep the index exact; :meth:`longest_prefix` answers from it in O(log n) comparisons, whatever the
+    number of children, except that a best prefix shared by k children (not all) costs a C-level minimum over
+    their k stamps.
+    """
+
+    __slots__ = ("by_tokens", "oldest")
+
+    def __init__(self) -> None:
+        self.by_tokens: Block | list[_Entry] | None = None
+        # The indexed child with the smallest stamp while the index is a list, computed when a query ties every
+        # entry (e.g. children sharing a system prompt's tail) and dropped when it leaves the index.
+        self.oldest: Block | None = None
+
+    def token_entries(self) -> list[_Entry]:
+        """The index as a sorted list of ``(tokens, seq, block)`` (a copy; for checks)."""
+        cur = self.by_tokens
+        if cur is None:
+            return []
+        if type(cur) is list:
+            return list(cur)
+        return [(cur._tokens, cur.seq, cur)]  # type: ignore[union-attr,list-item]
+
+    def _index(self, block: Block) -> None:
+        cur = self.by_tokens
+        if cur is None:
+            self.by_tokens = block
+            return
+        entry: _Entry = (block._tokens, block.seq, block)  # type: ignore[assignment]
+        if type(cur) is list:
+            insort(cur, entry)  # (tokens, seq) is unique: blocks are never compared
+            oldest = self.oldest
+            if oldest is not None and block.seq < oldest.seq:  # a replaced key's block keeps its stamp
+                self.oldest = block
+        else:
+            self.by_tokens = sorted([(cur._tokens, cur.seq, cur), entry])  # type: ignore[union-attr,list-item]
+
+    def _unindex(self, block: Block) -> None:
+        if self.oldest is block:
+            self.oldest = None
+        cur = self.by_tokens
+        if cur is block:
+            self.by_tokens = None
+            return
+        if type(cur) is not list:
+            raise AssertionError(f"Children: {block!r} missing from the token index")
+        i = bisect_left(cur, (block._tokens, block.seq))
+        if i == len(cur) or cur[i][2] is not block:
+            raise AssertionError(f"Children: {block!r} missing from the token index")
+        del cur[i]
+        if len(cur) == 1:
+            self.by_tokens = cur[0][2]
+            self.oldest = None
+
+    def __setitem__(self, key: int, block: Block) -> None:
+        old = dict.get(self, key)
+        if old is block:
+            return
+        if old is None:
+            block.seq = next_seq()
+        else:
+            block.seq = old.seq  # the dict keeps the key's position
+            if old._tokens is not None:
+                self._unindex(old)
+        dict.__setitem__(self, key, block)
+        if block._tokens is not None:
+            self._index(block)
+
+    def __delitem__(self, key: int) -> None:
+        block = dict.pop(self, key)
+        if block._tokens is not None:
+            self._unindex(block)
+
+    def pop(self, key: int, *default: Any) -> Any:
+        if key not in self:
+            return dict.pop(self, key, *default)
+        block = dict.pop(self, key)
+        if block._tokens is not None:
+            self._unindex(block)
+        return block
+
+    def popitem(self) -> tuple[int, Block]:
+        key, block = dict.popitem(self)
+        if block._tokens is not None:
+            self._unindex(block)
+        return key, block
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.by_tokens = self.oldest = None
+
+    def setdefault(self, key: int, default: Block) -> Block:
+        block = dict.get(self, key)
+        if block is None:
+            self[key] = block = default
+        return block
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, block in dict(*args, **kwargs).items():
+            self[key] = block
+
+    def __ior__(self, other: Any) -> Children:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def longest_prefix(self, tokens: tuple[int, ...]) -> tuple[Block | None, int]:
+        """The child (with tokens) sharing the longest prefix with ``tokens``, and that length; among equals the
+        first in the dict's order; ``(None, 0)`` when no child starts with ``tokens[0]``. In sorted order the
+        longest prefix is shared with a neighbour of ``tokens``' position, and the children sharing it form one
+        run (whose smallest stamp is the first in dict order)."""
+        lst = self.by_tokens
+        if lst is None or not tokens:
+            return None, 0
+        if type(lst) is not list:
+            n = common_prefix_len(lst._tokens, tokens)  # type: ignore[union-attr,arg-type]
+            return (lst, n) if n else (None, 0)  # type: ignore[return-value]
+        i = bisect_left(lst, tokens, key=_tokens_of)
+        after = common_prefix_len(lst[i][0], tokens) if i < len(lst) else 0
+        before = common_prefix_len(lst[i - 1][0], tokens) if i else 0
+        best = after if after > before else before
+        if not best:
+            return None, 0
+        # The run of entries sharing tokens[:best] holds i - 1 and/or i; most often nothing beyond them.
+        lo = i - 1 if before == best else i
+        hi = i + 1 if after == best else i
+        prefix = tokens[:best]
+        if (lo and lst[lo - 1][0][:best] == prefix) or (hi < len(lst) and lst[hi][0][:best] == prefix):
+
+            def cut(e: _Entry) -> tuple[int, ...]:
+                return e[0][:best]
+
+            lo = bisect_left(lst, prefix, 0, lo, key=cut)
+            hi = bisect_right(lst, prefix, hi, key=cut)
+        if hi - lo == 1:
+            return lst[lo][2], best
+        if hi - lo == len(lst):
+            oldest = self.oldest
+            if oldest is None:
+                oldest = self.oldest = min(lst, key=_seq_of)[2]
+            return oldest, best
+        return min(lst[lo:hi], key=_seq_of)[2], best
 
 
 class Block:
     """A radix-tree node: one block of tokens under a chained-hash ``key``.
 
     ``depth`` is the block's ordinal in its sequence (0 for the first block; -1 for a root). ``tokens`` is the
-    block's token tuple when known (None for blocks committed from precomputed hashes without tokens). Full
-    blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`; partial ones never are.
+    block's token tuple when known (None for blocks committed from precomputed hashes without tokens); setting
+    it keeps the parent's token index (:class:`Children`) exact. ``seq`` is the stamp the block took when it
+    entered its parent's children. Full blocks are announced by :class:`~kvforge.kvcache.events.BlockStored`;
+    partial ones never are.
     """
 
-    __slots__ = ("children", "depth", "key", "num_tokens", "pages", "parent", "tokens")
+    __slots__ = ("_tokens", "children", "depth", "key", "num_tokens", "pages", "parent", "seq")
 
     def __init__(
         self,
@@ -115,9 +289,30 @@ class Block:
         self.parent = parent
         self.depth = depth
         self.num_tokens = num_tokens
-        self.tokens = tokens
-        self.children: dict[int, Block] = Children()
+        self._tokens = tokens  # not in a tree yet: no index to update
+        self.seq = -1  # set by Children when the block enters a tree
+        self.children = Children()
         self.pages: list[Page | None] = [None] * num_groups
+
+    @property
+    def tokens(self) -> tuple[int, ...] | None:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: tuple[int, ...] | None) -> None:
+        old = self._tokens
+        if value is old:
+            return
+        parent = self.parent
+        # In a tree: its parent's token index follows (a removed block is no longer its parent's child).
+        if parent is not None and dict.get(parent.children, self.key) is self:
+            if old is not None:
+                parent.children._unindex(self)
+            self._tokens = value
+            if value is not None:
+                parent.children._index(self)
+        else:
+            self._tokens = value
 
     @property
     def is_root(self) -> bool:

@@ -8,7 +8,8 @@ cycle keeps nothing for the block, e.g. a sliding-window page already dropped, o
 snapshotted there).
 
 A *partial* block holds fewer than ``tokens_per_block`` tokens (what a request had committed past its last full
-block when it ended); it is always a leaf, and is found by comparing tokens, not by hash.
+block when it ended); it is always a leaf, and is found by comparing tokens, not by hash, through the token index
+each node's :class:`~kvforge.kvcache.pools.Children` keeps.
 """
 
 from __future__ import annotations
