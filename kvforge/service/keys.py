@@ -96,7 +96,9 @@ def block_keys_from_text(text: str, chars_per_block: int) -> list[BlockKey]:
 # ---------------------------------------------------------------- request bodies
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, *, typed: bool = True) -> str:
+    # typed: chat parts count only with "type": "text" (images and the like add nothing); untyped (responses
+    # items: input_text, output_text, ...): every part's "text", where it has one.
     if content is None:
         return ""
     if isinstance(content, str):
@@ -107,10 +109,11 @@ def _content_text(content: Any, where: str) -> str:
             if not isinstance(part, dict):
                 raise BadRequest(f"{where}[{j}]: expected an object, got {type(part).__name__}")
             text = part.get("text")
-            if part.get("type") == "text":
-                if not isinstance(text, str):
-                    raise BadRequest(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
-                parts.append(text)
+            if (part.get("type") != "text") if typed else text is None:
+                continue
+            if not isinstance(text, str):
+                raise BadRequest(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
+            parts.append(text)
         return "".join(parts)
     raise BadRequest(f"{where}: expected a string, a list of parts or null, got {type(content).__name__}")
 
@@ -170,20 +173,7 @@ def render_responses(body: dict[str, Any]) -> str:
                 continue
             if not isinstance(role, str) or not role:
                 raise BadRequest(f"input[{i}].role: expected a non-empty string, got {role!r:.40}")
-            content = item.get("content")
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict):
-                        raise BadRequest(f"input[{i}].content[{j}]: expected an object, got {type(part).__name__}")
-                    text = part.get("text")
-                    if text is not None and not isinstance(text, str):
-                        raise BadRequest(f"input[{i}].content[{j}].text: expected a string, got {type(text).__name__}")
-                    texts.append(text or "")
-                content = "".join(texts)
-            elif content is not None and not isinstance(content, str):
-                raise BadRequest(f"input[{i}].content: expected a string or a list of parts")
-            out.append(f"<|{role}|>\n{content or ''}\n")
+            out.append(f"<|{role}|>\n{_content_text(item.get('content'), f'input[{i}].content', typed=False)}\n")
     else:
         raise BadRequest("input: expected a string or a non-empty list of items")
     return "".join(out)
