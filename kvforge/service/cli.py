@@ -15,7 +15,7 @@ import sys
 from kvforge.service.keys import POLICIES
 from kvforge.service.urls import normalize_backend_url
 
-__all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "new_event_loop", "run"]
 
 DESCRIPTION = (
     "Route OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, "
@@ -272,6 +272,20 @@ def _add_worker_arguments(g) -> None:
     )
 
 
+def new_event_loop(choice: str):
+    """The loop ``--event-loop choice`` asks for (None: asyncio's default); ImportError for ``uvloop`` when it
+    is not installed (``auto`` falls back to asyncio)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop()
+
+
 def config_from_args(args: argparse.Namespace):
     from kvforge.service.proxy import ServiceConfig
 
@@ -329,16 +343,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         "router listening",
         extra={"fields": {"host": args.host, "port": args.port, "policy": cfg.policy, "backends": list(cfg.backends)}},
     )
-    loop = None
-    if args.event_loop != "asyncio":
-        try:
-            import uvloop
-
-            loop = uvloop.new_event_loop()
-        except ImportError:
-            if args.event_loop == "uvloop":
-                print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
-                return 2
+    try:
+        loop = new_event_loop(args.event_loop)
+    except ImportError:
+        print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
+        return 2
     app = service.make_app()
     # What start-up allocated (modules, the tokenizer, the app) lives as long as the process: out of the
     # collector's sight, a full collection no longer walks it while requests wait.

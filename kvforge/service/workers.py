@@ -316,20 +316,8 @@ def _cached_blocks(b: Backend) -> int:
 # ---------------------------------------------------------------- processes
 
 
-def _new_loop(choice: str) -> asyncio.AbstractEventLoop | None:
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return None
-    return uvloop.new_event_loop()
-
-
 def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker: int, parent: int, ready: Any) -> None:
-    from kvforge.service.cli import config_from_args
+    from kvforge.service.cli import config_from_args, new_event_loop
     from kvforge.service.metrics import configure_logging
 
     # Its own process group: the parent reaches whatever this worker starts (a tokenizer pool) even after it dies.
@@ -367,7 +355,7 @@ def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker
             access_log=None,
             print=listening,
             handler_cancellation=True,
-            loop=_new_loop(args.event_loop),
+            loop=new_event_loop(args.event_loop),
             shutdown_timeout=max(0.1, args.shutdown_grace_s - 1.0),
         )
     finally:
