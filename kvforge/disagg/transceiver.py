@@ -138,10 +138,14 @@ class _Session:
 class _Peer:
     name: str
     infos: list[RankInfo]  # by instance rank
-    pieces: list[Piece]  # the plan of DP ranks (0, 0): the whole plan without attention DP
     ctx: InstanceLayout
     gen: InstanceLayout
     plans: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """The plan of DP ranks (0, 0): the whole plan without attention DP."""
+        return self.plan(0, 0)
 
     def plan(self, ctx_dp_rank: int, gen_dp_rank: int) -> list[Piece]:
         """The pieces of a request held by context DP group ``ctx_dp_rank`` and generation DP group
@@ -341,8 +345,9 @@ class _Endpoint:
             )
         ctx_info, gen_info = (self.info, first) if self.side == "context" else (first, self.info)
         ctx, gen = layouts_for(ctx_info, gen_info)
-        pieces = plan_pieces(ctx, gen)
-        self.peers[peer] = _Peer(peer, infos, pieces, ctx, gen, {(0, 0): pieces})
+        entry = _Peer(peer, infos, ctx, gen)
+        entry.plan(0, 0)  # planned at registration: a layout the mapping refuses fails here, not at the first send
+        self.peers[peer] = entry
         for key in [k for k in self._layouts if k[0] == peer]:  # a re-registered peer may cut pieces differently
             del self._layouts[key]
 
