@@ -78,7 +78,7 @@ _EVENTS_NEED_TOKENIZER = (
     "by text and no event could ever match one)"
 )
 # Request headers that describe the body as the client sent it: aiohttp has already decoded a compressed body.
-_BODY_HOP = frozenset(("content-encoding",))
+_REQUEST_HOP = _HOP | {"content-encoding"}
 
 
 @dataclass
@@ -654,7 +654,7 @@ class RouterService:
         except K.BadRequest as exc:
             self.metrics.requests.labels("", "bad_request").inc()
             return _error(400, str(exc))
-        headers = _forward_headers(request.headers, _BODY_HOP)
+        headers = _forward_headers(request.headers, _REQUEST_HOP)
         rid = f"{self._prefix}{next(self._ids)}"
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
@@ -862,8 +862,9 @@ def _prepare_in_child(
     return (None if out is raw else out), conv, keys, num_tokens
 
 
-def _forward_headers(headers: Any, also: frozenset[str] = frozenset()) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in also}
+def _forward_headers(headers: Any, drop: frozenset[str] = _HOP) -> dict[str, str]:
+    # (One set built at import: each forwarded header costs one lower() and one lookup.)
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
 
 
 async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
