@@ -15,7 +15,7 @@ import sys
 from kvforge.service.keys import POLICIES
 from kvforge.service.urls import normalize_backend_url
 
-__all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "new_event_loop", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "run"]
 
 DESCRIPTION = (
     "Route OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, "
@@ -272,50 +272,10 @@ def _add_worker_arguments(g) -> None:
     )
 
 
-def new_event_loop(choice: str):
-    """The loop ``--event-loop choice`` asks for (None: asyncio's default); ImportError for ``uvloop`` when it
-    is not installed (``auto`` falls back to asyncio)."""
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return None
-    return uvloop.new_event_loop()
-
-
 def config_from_args(args: argparse.Namespace):
     from kvforge.service.proxy import ServiceConfig
 
-    return ServiceConfig(
-        backends=args.backend,
-        policy=args.policy,
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        tokens_per_block=args.tokens_per_block,
-        chars_per_token=args.chars_per_token,
-        conversation_header=args.conversation_header,
-        connect_timeout_s=args.connect_timeout_s,
-        read_timeout_s=args.read_timeout_s,
-        request_timeout_s=args.request_timeout_s,
-        max_retries=args.max_retries,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout_s,
-        health_path=args.health_path,
-        health_interval_s=args.health_interval_s,
-        health_timeout_s=args.health_timeout_s,
-        unhealthy_after=args.unhealthy_after,
-        healthy_after=args.healthy_after,
-        request_ttl_s=args.request_ttl_s,
-        kv_events=args.kv_events,
-        kv_replay=args.kv_replay,
-        kv_topic=args.kv_topic,
-        kv_group=args.kv_group,
-        backends_file=args.backends_file,
-        admin_token=args.admin_token,
-    )
+    return ServiceConfig.from_args(args)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -323,7 +283,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         from aiohttp import web
 
         from kvforge.service.metrics import configure_logging
-        from kvforge.service.proxy import RouterService
+        from kvforge.service.proxy import RouterService, new_event_loop
     except ImportError as exc:
         print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
         return 1

@@ -51,7 +51,7 @@ from kvforge.service.metrics import ServiceMetrics
 from kvforge.service.urls import check_zmq_endpoint as _check_zmq_endpoint
 from kvforge.service.urls import normalize_backend_url
 
-__all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "normalize_backend_url"]
+__all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "new_event_loop", "normalize_backend_url"]
 
 logger = logging.getLogger("kvforge.service")
 
@@ -111,6 +111,37 @@ class ServiceConfig:
     kv_group: int = 0
     backends_file: str | None = None
     admin_token: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServiceConfig:
+        """The configuration in ``kvforge router``'s parsed arguments (``kvforge.service.cli.add_arguments``)."""
+        return cls(
+            backends=args.backend,
+            policy=args.policy,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            tokens_per_block=args.tokens_per_block,
+            chars_per_token=args.chars_per_token,
+            conversation_header=args.conversation_header,
+            connect_timeout_s=args.connect_timeout_s,
+            read_timeout_s=args.read_timeout_s,
+            request_timeout_s=args.request_timeout_s,
+            max_retries=args.max_retries,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout_s,
+            health_path=args.health_path,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+            unhealthy_after=args.unhealthy_after,
+            healthy_after=args.healthy_after,
+            request_ttl_s=args.request_ttl_s,
+            kv_events=args.kv_events,
+            kv_replay=args.kv_replay,
+            kv_topic=args.kv_topic,
+            kv_group=args.kv_group,
+            backends_file=args.backends_file,
+            admin_token=args.admin_token,
+        )
 
     def __post_init__(self) -> None:
         if self.policy not in K.POLICIES:
@@ -810,6 +841,20 @@ class RouterService:
         if not removed:
             return _error(404, f"backend {url} is not in the fleet")
         return web.json_response({"removed": url})
+
+
+def new_event_loop(choice: str):
+    """The loop ``--event-loop choice`` asks for (None: asyncio's default); ImportError for ``uvloop`` when it
+    is not installed (``auto`` falls back to asyncio)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop()
 
 
 def _conversation_id(conv: str | None, body: dict[str, Any]) -> str | None:

@@ -53,7 +53,16 @@ from aiohttp import web
 
 from kvforge.kvcache.hashing import SALT_ENV
 from kvforge.routing import ImbalanceGuard
-from kvforge.service.proxy import Backend, Fleet, NoBackend, RouterService, ServiceConfig, _Epoch, _error
+from kvforge.service.proxy import (
+    Backend,
+    Fleet,
+    NoBackend,
+    RouterService,
+    ServiceConfig,
+    _Epoch,
+    _error,
+    new_event_loop,
+)
 from kvforge.service.shared_state import SharedState, max_workers
 from kvforge.service.urls import normalize_backend_url
 
@@ -317,14 +326,13 @@ def _cached_blocks(b: Backend) -> int:
 
 
 def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker: int, parent: int, ready: Any) -> None:
-    from kvforge.service.cli import config_from_args, new_event_loop
     from kvforge.service.metrics import configure_logging
 
     # Its own process group: the parent reaches whatever this worker starts (a tokenizer pool) even after it dies.
     os.setpgid(0, 0)
     configure_logging(args.log_level, args.log_format)
     state = SharedState.attach(shm_name, lock_path)
-    service = WorkerService(config_from_args(args), state, worker)
+    service = WorkerService(ServiceConfig.from_args(args), state, worker)
     app = service.make_app()
 
     async def watch_parent(app: web.Application) -> None:
@@ -384,7 +392,6 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 def run_workers(args: argparse.Namespace) -> int:
     """The supervising parent of ``kvforge router --workers N`` (N >= 2); returns the exit status."""
     from kvforge.service import keys as K
-    from kvforge.service.cli import config_from_args
     from kvforge.service.metrics import configure_logging
 
     prog = "kvforge router"
@@ -393,7 +400,7 @@ def run_workers(args: argparse.Namespace) -> int:
         print(f"{prog}: error: --workers {n}: this platform has no SO_REUSEPORT; run one worker", file=sys.stderr)
         return 2
     try:
-        cfg = config_from_args(args)
+        cfg = ServiceConfig.from_args(args)
         if cfg.policy not in MULTI_WORKER_POLICIES:
             raise ValueError(
                 f"--policy {cfg.policy} keeps per-process state; with --workers > 1 use one of "
