@@ -330,3 +330,15 @@ def test_big_bodies_prepared_in_a_child_process_key_the_same(tmp_path) -> None:
             pooled.submit(_prepare_in_child, "/v1/completions", b'{"prompt": [1, 4294967296]}', None).result()
     finally:
         pooled.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("max_seq_jump", 0), ("resync_after", True), ("max_message_bytes", 1.5), ("slice_blocks", -1),
+     ("slice_s", float("nan")), ("slice_s", -0.5), ("log_interval_s", float("inf")), ("log_interval_s", "10")],
+)  # fmt: skip
+def test_kv_event_subscriber_refuses_bad_settings(name, value) -> None:
+    from kvforge.service.kv_events import BlockMapper, KVEventSubscriber
+
+    with pytest.raises(ValueError, match=name):
+        KVEventSubscriber("tcp://127.0.0.1:1", lambda evs: None, BlockMapper(4), **{name: value})

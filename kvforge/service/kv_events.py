@@ -439,6 +439,10 @@ class KVEventSubscriber:
                         ("max_message_bytes", max_message_bytes), ("slice_blocks", slice_blocks)):  # fmt: skip
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        # (A NaN slice would never yield to the event loop; a NaN interval would never hold a warning back.)
+        for name, x in (("slice_s", slice_s), ("log_interval_s", log_interval_s)):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x < float("inf"):
+                raise ValueError(f"{name}: expected a finite number of seconds >= 0, got {x!r}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
