@@ -1,32 +1,20 @@
 """``kvforge router --workers N``: N router processes on one port, sharing what only the router knows.
 
-:func:`run_workers` is the supervising parent. It validates the configuration, reserves the port (a bound,
-non-listening ``SO_REUSEPORT`` socket, so ``--port 0`` resolves once for all), creates the
-:class:`~kvforge.service.shared_state.SharedState` block and starts N spawned workers, each listening on the
-port with ``SO_REUSEPORT`` (the kernel spreads connections over them). It restarts nothing: a worker that exits
-is logged as an error with its exit status, what it started (its process group) is killed, its load row is
-zeroed, and the others keep serving; with none left the parent exits 1. SIGTERM / SIGINT stop every worker
-(SIGTERM, then SIGKILL after ``--shutdown-grace-s``; then whatever is left in its process group), reap them,
-remove the shared block and exit 0.
+:func:`run_workers` is the supervising parent: it validates the configuration, reserves the port (``--port 0``
+resolves once for all), creates the :class:`~kvforge.service.shared_state.SharedState` block and starts N spawned
+workers, each listening on the port with ``SO_REUSEPORT``. It restarts nothing: a worker that exits is logged
+with its status, its process group is killed and its load row zeroed; with none left the parent exits 1.
+SIGTERM / SIGINT stop every worker (SIGKILL after ``--shutdown-grace-s``, then what is left of its process
+group), remove the shared block and exit 0.
 
-Each worker is a full :class:`~kvforge.service.proxy.RouterService` whose fleet is a :class:`SharedFleet`:
-
-- it subscribes to every engine's KV events itself (the engines' caches are the shared view of what is cached);
-- a request with a conversation id goes to the backend the shared conversation map names for it, if that one
-  is in rotation here; otherwise it is placed (below) and claimed in the map, first claim winning. A request
-  without one continues the conversation whose latest prompt it extends: each placed prompt's last block key
-  is claimed in the same map, and a prompt whose trailing quarter (at most 64 blocks) holds such a key goes
-  where that one went (block keys are salted alike in every worker: the parent sets ``$KVFORGE_BLOCK_KEY_SALT``
-  when it is unset);
-- placement (``conversation`` / ``conversation-always``): the backend whose engine holds the longest run of the
-  prompt's leading blocks (at least 2, at most 4096 compared, from this worker's event index), unless that
-  would put it beyond :class:`~kvforge.routing.ImbalanceGuard`'s bound over the least-loaded; else the least
-  loaded. ``least-load``
-  takes the least loaded, ``round-robin`` rotates; ``cache-aware`` is refused (its tree is per process). Load is
-  prompt tokens in flight, summed over every worker's row of the shared load table.
-
-Health checks, the backends file and metrics are per worker; ``/admin/backends`` lists the shared load and
-refuses POST/DELETE (409): with several workers, membership changes go through ``--backends-file``.
+Each worker is a :class:`~kvforge.service.proxy.RouterService` whose fleet is a :class:`SharedFleet`: it
+subscribes to every engine's KV events itself; a request goes to the owner the shared conversation map names
+(by conversation id, or by the last block of the prompt it extends) when that one is in rotation, else it is
+placed (``conversation*``: the longest held run of the prompt's leading blocks within
+:class:`~kvforge.routing.ImbalanceGuard`'s bound, else the fewest prompt tokens in flight over all workers;
+``least-load``; ``round-robin``; ``cache-aware`` is refused) and claimed, first claim winning. Health checks,
+the backends file and metrics are per worker; ``/admin/backends`` refuses POST/DELETE (409). The rules in full:
+``docs/router_service.md``.
 """
 
 from __future__ import annotations
