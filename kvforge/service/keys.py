@@ -21,7 +21,6 @@ the service touches ``kvforge.routing`` / ``kvforge.kvcache.events`` field names
 
 from __future__ import annotations
 
-import array
 import math
 import time
 from collections.abc import Hashable, Sequence
@@ -56,7 +55,6 @@ POLICIES = ("conversation", "conversation-always", "cache-aware", "least-load", 
 EVENT_POLICIES = ("conversation", "conversation-always")
 # The POST routes the service keys and places (everything else it serves is answered or passed through).
 KEYED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
-_TOKEN_LIMIT = 1 << 32
 # Texts at least this long are tokenised through encode_batch, which releases the GIL (encode holds it).
 _LONG_TEXT = 32 * 1024
 
@@ -146,7 +144,7 @@ def _prompt(body: dict[str, Any], field: str = "prompt") -> str | list[int]:
             return first
         if isinstance(first, list):
             prompt = first
-        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _TOKEN_LIMIT for t in prompt):
+        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < hashing.TOKEN_ID_LIMIT for t in prompt):
             return prompt
     raise BadRequest(f"{field}: expected a string, a list of strings or a non-empty list of token ids in [0, 2**32)")
 
@@ -319,14 +317,13 @@ class Keyer:
         if isinstance(token_ids, list) and len(token_ids) > _IDS_SLICE:
             # A long list converted to uint32 in slices: one C call over millions of ints would hold the GIL
             # (and the event loop, when this runs on a worker thread) for tens of milliseconds.
-            words = array.array("I")
+            ids = np.empty(len(token_ids), dtype=np.uint32)
             try:
                 for a in range(0, len(token_ids), _IDS_SLICE):
-                    words.fromlist(token_ids[a : a + _IDS_SLICE])
-            except (TypeError, OverflowError):
-                pass  # the checked path below names the bad id
+                    ids[a : a + _IDS_SLICE] = hashing.token_array(token_ids[a : a + _IDS_SLICE])
+            except (TypeError, ValueError):
+                pass  # the checked path below names the bad id by its index in the whole list
             else:
-                ids = np.frombuffer(words, dtype=np.uint32)
                 return block_keys_from_tokens(ids, self.tokens_per_block), len(token_ids)  # type: ignore[arg-type]
         return block_keys_from_tokens(token_ids, self.tokens_per_block), len(token_ids)
 

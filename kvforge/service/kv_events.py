@@ -31,6 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvforge.kvcache.hashing import TOKEN_ID_LIMIT
 from kvforge.service import keys as _keys
 
 __all__ = [
@@ -60,7 +61,7 @@ class WireError(ValueError):
 # Field names below are vLLM's wire names (its ``block_hashes`` are the engine's hashes, not kvforge keys).
 # Token ids are 32-bit (kvforge.kvcache.hashing's bound) and a block holds at least one: checked by msgspec in C
 # while decoding, so a hostile id (-1, 2**40) is a WireError before anything is mapped.
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 BlockSize = Annotated[int, msgspec.Meta(gt=0)]
 
 
