@@ -355,13 +355,8 @@ class Fleet:
     def place(
         self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
     ) -> tuple[_Epoch, Backend]:
-        ep = self._epoch
-        if ep is None:
-            raise NoBackend("no backend is in rotation")
-        try:
-            url = K.route(ep.router, request_id, keys, num_tokens, conv)
-        except NoServerAvailableError:
-            raise NoBackend("no backend is in rotation") from None
+        ep = self._routable_epoch()
+        url = _route(ep.router, request_id, keys, num_tokens, conv)
         ep.in_flight += 1
         return ep, self.backends[url]  # type: ignore[index]
 
@@ -369,21 +364,21 @@ class Fleet:
         self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
     ) -> tuple[_Epoch, Backend]:
         """:meth:`place`, the router's decision taken on a worker thread (for requests with many keys)."""
-        ep = self._epoch
-        if ep is None:
-            raise NoBackend("no backend is in rotation")
-        try:
-            url = await asyncio.get_running_loop().run_in_executor(
-                None, K.route, ep.router, request_id, keys, num_tokens, conv
-            )
-        except NoServerAvailableError:
-            raise NoBackend("no backend is in rotation") from None
+        ep = self._routable_epoch()
+        url = await asyncio.get_running_loop().run_in_executor(
+            None, _route, ep.router, request_id, keys, num_tokens, conv
+        )
         ep.in_flight += 1
         b = self.backends.get(url)  # type: ignore[arg-type]
         if b is None:  # removed while the decision was being taken: undo it and decide again here
             self.finish(ep, request_id, False)
             return self.place(request_id, keys, num_tokens, conv)
         return ep, b
+
+    def _routable_epoch(self) -> _Epoch:
+        if self._epoch is None:
+            raise NoBackend("no backend is in rotation")
+        return self._epoch
 
     def finish(self, ep: _Epoch, request_id: Hashable, success: bool) -> None:
         K.finish(ep.router, request_id, success)
@@ -855,6 +850,14 @@ def new_event_loop(choice: str):
             raise
         return None
     return uvloop.new_event_loop()
+
+
+def _route(router: Any, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None) -> Any:
+    """:func:`K.route`, an empty rotation raised as :class:`NoBackend` (from a worker thread too)."""
+    try:
+        return K.route(router, request_id, keys, num_tokens, conv)
+    except NoServerAvailableError:
+        raise NoBackend("no backend is in rotation") from None
 
 
 def _conversation_id(conv: str | None, body: dict[str, Any]) -> str | None:
