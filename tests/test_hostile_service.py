@@ -342,3 +342,25 @@ def test_kv_event_subscriber_refuses_bad_settings(name, value) -> None:
 
     with pytest.raises(ValueError, match=name):
         KVEventSubscriber("tcp://127.0.0.1:1", lambda evs: None, BlockMapper(4), **{name: value})
+
+
+def test_shared_state_writers_refuse_indices_outside_their_tables(tmp_path) -> None:
+    from kvforge.service.shared_state import SharedState
+
+    st = SharedState.create(2, str(tmp_path / "lock"), max_backends=4, conversations=64)
+    try:
+        for worker, slot in ((2, 0), (-1, 0), (0, 4), (0, -1)):
+            with pytest.raises(ValueError, match="worker, slot"):
+                st.add_load(worker, slot, 1, 10)
+        key = st.conversation_key("c")
+        for bad_slot in (4, -1):
+            with pytest.raises(ValueError, match="slot"):
+                st.claim(key, bad_slot)
+        for bad_key in (0, 1 << 63, -(1 << 63) - 1):
+            with pytest.raises(ValueError, match="key"):
+                st.claim(bad_key, 0)
+        assert st.load(0) == (0, 0) and st.owner(key) == -1  # nothing was written
+        st.add_load(1, 3, 1, 10)
+        assert st.claim(key, 3) == 3 and st.load(3) == (1, 10)
+    finally:
+        st.close()
