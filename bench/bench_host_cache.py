@@ -25,11 +25,9 @@ first, so every run starts from the same heap. Full-block hits must agree exactl
 unlimited cache (the same longest-prefix semantics); with LRU eviction they differ by design (vLLM may evict a
 block whose children stay cached; kvforge evicts leaves) and are reported side by side. After building its pools,
 every run calls ``gc.collect(); gc.freeze()`` (:func:`kvforge.kvcache.host.freeze_gc`), as vLLM's and SGLang's
-servers do after start-up (``--no-freeze``: not). The earlier form of this bench (trace ids hashed by
-``keys_from_ids`` against vLLM's bare pool, and SGLang's ``RadixCache``) is in ``bench/results/host_cache.csv``
-(workload ``mooncake_conversation``) and ``docs/benchmarks.md``.
+servers do after start-up (``--no-freeze``: not). The bench's earlier form: ``docs/history.md``.
 
-On a shared machine one run of a system can take up to 1.7x another of the same code, so each repetition runs
+A shared machine's load moves single runs of the same code a lot (``docs/kvcache.md``), so each repetition runs
 every system once, kvforge next to vLLM (reversed every other repetition), and besides each system's median-total
 run the bench reports the **paired ratio** of each repetition (a system's total over vLLM's total in the same
 repetition), as its median and range over repetitions, with ``os.getloadavg()`` at start and end. Rows go to

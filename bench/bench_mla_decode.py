@@ -67,20 +67,11 @@ def check(name: str, got: torch.Tensor, q, kv, bt, sl, scale: float, rows: int =
 
 
 def flashinfer_runner(q, kv, bt, sl, H, scale):
-    import flashinfer
+    # The grid bench's FlashInfer runner over this bench's dense table (every request bt.shape[1] pages).
+    from bench.bench_mla_decode_grid import flashinfer_runner as paged_runner
 
-    B = q.shape[0]
-    ckv = kv[..., :DV].contiguous()
-    kpe = kv[..., DV:].contiguous()
-    q_nope, q_pe = q[..., :DV].contiguous(), q[..., DV:].contiguous()
-    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend="fa3")
-    qo_indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda")
-    pages_per = bt.shape[1]
-    kv_indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda") * pages_per
-    w.plan(qo_indptr, kv_indptr, bt.reshape(-1), sl, H, DV, DR, PAGE, False, scale, torch.bfloat16, torch.bfloat16)
-    out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
-    return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), out
+    kv_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device="cuda") * bt.shape[1]
+    return paged_runner(q, kv, sl, kv_indptr, bt.reshape(-1), H, PAGE, scale)
 
 
 def kvforge_runner(q, kv, bt, sl, scale, out, splits=None):

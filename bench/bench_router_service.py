@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -54,14 +53,10 @@ if __package__ in (None, ""):
 import aiohttp
 import numpy as np
 
+from bench._net import free_port, read_port_file, wait_port
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve_backends(n: int, tokens_per_s: float, tokens: int, tpb: int, port_file: str) -> None:
@@ -259,19 +254,6 @@ def _sglang_site(path: str, version: str) -> str:
     return str(site)
 
 
-def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on {port} within {timeout:.0f} s")
-
-
 def _conversation_workload(rate: float, seconds: float, seed: int, prompt_chars: int, turn_chars: int,
                            tokens: int) -> tuple[list[float], list[tuple[int, bytes]]]:  # fmt: skip
     """Poisson arrival offsets and ``(conversation, body)`` per request: each conversation's prompt grows by
@@ -387,7 +369,7 @@ def compare(args: argparse.Namespace) -> int:
             port_files.append(pf)
             procs.append(subprocess.Popen([sys.executable, __file__, "--serve-backends", str(pf), "--backends", "1",
                                            "--tokens", str(args.tokens), "--tokens-per-s", str(args.tokens_per_s)],
-                                          env={**env, "CTL_PORT": str(_free_port()), "BACKEND_PREFIX": f"b{i}-"},
+                                          env={**env, "CTL_PORT": str(free_port()), "BACKEND_PREFIX": f"b{i}-"},
                                           stderr=subprocess.DEVNULL))  # fmt: skip
             # (stderr: SGLang's router opens with an HTTP/2 preface the fake backends log as a bad request)
         for pf in port_files:
@@ -407,7 +389,7 @@ def compare(args: argparse.Namespace) -> int:
             "kvforge-2w-uvloop": [*kvf, "--event-loop", "uvloop", "--workers", "2"],
         }
         for name in args.routers.split(","):
-            port = _free_port()
+            port = free_port()
             if name == "aiohttp-floor":
                 p = subprocess.Popen([sys.executable, __file__, "--serve-floor", str(port), *urls], env=env)
             elif name == "sglang":
@@ -419,7 +401,7 @@ def compare(args: argparse.Namespace) -> int:
             procs.append(p)
             routers[name] = (f"http://127.0.0.1:{port}", p)
         for name, (url, p) in routers.items():
-            _wait_port(int(url.rsplit(":", 1)[1]), p, name)
+            wait_port(int(url.rsplit(":", 1)[1]), p, name)
         time.sleep(2.0)  # every kvforge worker listening, SGLang's workers healthy
         # Warm every path (connections, SGLang's worker discovery).
         off, reqs = _conversation_workload(50, 1.0, 0, args.prompt_chars, args.turn_chars, args.tokens)
@@ -599,19 +581,15 @@ def main() -> int:
         return 0
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ctl_port = _free_port()
+    ctl_port = free_port()
     port_file = Path(f"/tmp/kvf_bench_ports_{os.getpid()}.json")
     procs = []
     try:
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-backends", str(port_file), "--backends",
                                        str(args.backends), "--tokens", str(args.tokens), "--tokens-per-s",
                                        str(args.tokens_per_s)], env={**env, "CTL_PORT": str(ctl_port)}))  # fmt: skip
-        for _ in range(300):
-            if port_file.exists() and port_file.read_text():
-                break
-            time.sleep(0.05)
-        urls = json.loads(port_file.read_text())
-        port = _free_port()
+        urls = read_port_file(port_file, 15.0)
+        port = free_port()
         prof = os.environ.get("KVFORGE_PROFILE_ROUTER")  # a path: profile the router process into it
         cmd = [sys.executable, *(["-m", "cProfile", "-o", prof] if prof else []), "-m", "kvforge", "router",
                "--port", str(port), "--policy", args.policy, "--tokens-per-block", "512", "--log-level", "warning",
@@ -620,12 +598,7 @@ def main() -> int:
             cmd += ["--backend", u]
         procs.append(subprocess.Popen(cmd, env=env))
         proxy = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.1):
-                    break
-            except OSError:
-                time.sleep(0.05)
+        wait_port(port, procs[-1], "router", 45.0)
         # The trace replay runs first, on a fresh proxy, so its router starts as empty as the in-process one.
         hit_proxy = hit_inproc = float("nan")
         from kvforge.kvcache.replay import find_trace

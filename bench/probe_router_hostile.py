@@ -27,7 +27,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,14 +38,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._net import free_port, read_port_file, wait_port
+
 TARGET_MS = 50.0
 CHAT = "/v1/chat/completions"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve_backends(port_file: str) -> None:
@@ -241,12 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = [subprocess.Popen([sys.executable, __file__, "--serve-backends", str(port_file)])]
     pubs = [KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
     try:
-        for _ in range(600):
-            if port_file.exists() and port_file.read_text():
-                break
-            time.sleep(0.05)
-        urls = json.loads(port_file.read_text())
-        port = _free_port()
+        urls = read_port_file(port_file, 30.0)
+        port = free_port()
         cmd = [sys.executable, "-m", "kvforge", "router", "--port", str(port), "--tokenizer", str(tok),
                "--tokens-per-block", "64", "--body-timeout-s", "1", "--log-level", "error"]  # fmt: skip
         for u, p in zip(urls, pubs):
@@ -254,12 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         log(" ".join(cmd))
         procs.append(subprocess.Popen(cmd, cwd=str(Path(__file__).resolve().parents[1])))
         base = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                time.sleep(0.05)
+        wait_port(port, procs[-1], "router", 150.0)
         rows = asyncio.run(_run(args, base, pubs, log))
     finally:
         for p in procs:

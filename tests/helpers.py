@@ -1,4 +1,5 @@
-"""Shared test helpers: poisoned outputs and write checks; a RankInfo with defaults; multi-turn engine traffic."""
+"""Shared test helpers: poisoned outputs and write checks; a RankInfo with defaults; what a disaggregation plan
+delivers to a generation rank; multi-turn engine traffic."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvforge.disagg.mapping import InstanceLayout, helix_blocks
 from kvforge.disagg.rank_info import RankInfo
 
 INT_POISON = -0x2A2A2A2A
@@ -73,6 +75,34 @@ def rank_info(**kw) -> RankInfo:
     )
     base.update(kw)
     return RankInfo(**base)
+
+
+def held(lay: InstanceLayout, rank: int, heads: int) -> set:
+    """(layer key, global head) pairs a rank holds: its DP group's heads split over the group's TP ranks."""
+    tp, pp, _ = lay.coords(rank)
+    atp = lay.attention_tp_size
+    local = tp % atp
+    keys = [("target", i) for i in lay.target_layers(pp)] + [("draft", i) for i in lay.draft_layers(pp)]
+    hs = [0] if lay.is_mla else range(local * heads // atp, (local + 1) * heads // atp)
+    return {(k, h) for k in keys for h in hs}
+
+
+def plan_delivery(
+    ctx: InstanceLayout, gen: InstanceLayout, pieces: list, gen_rank: int, heads: int, num_blocks: int
+) -> tuple[list, set]:
+    """What ``pieces`` (those of a plan addressed to ``gen_rank``) deliver, one ``((layer key, head), block)`` per
+    delivery, checked to come from a context rank that holds it; and the set that rank needs."""
+    _, _, cp = gen.coords(gen_rank)
+    need = {(kh, b) for kh in held(gen, gen_rank, heads) for b in helix_blocks(num_blocks, cp, gen.cp_size)}
+    got = []
+    for p in pieces:
+        lo, hi = p.head_range(1 if ctx.is_mla else heads)
+        have = held(ctx, p.ctx_rank, heads)
+        for key in p.layer_keys():
+            for h in range(lo, hi):
+                assert (key, h) in have, f"ctx rank {p.ctx_rank} does not hold {key} head {h}"
+                got += [((key, h), b) for b in p.blocks(num_blocks)]
+    return got, need
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -18,10 +18,10 @@ import pytest
 
 from kvforge.disagg import synthetic as syn
 from kvforge.disagg.launch import run_world
-from kvforge.disagg.mapping import InstanceLayout, helix_blocks, layouts_for, plan_pieces
+from kvforge.disagg.mapping import InstanceLayout, layouts_for, plan_pieces
 from kvforge.disagg.peer import PeerMismatchError, check_peer, peer_mismatches
 from kvforge.disagg.rank_info import RankInfo
-from tests.helpers import rank_info
+from tests.helpers import plan_delivery, rank_info
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
 DRAFT = dict(num_draft_layers=2, draft_kv_dtype="float8_e4m3fn", draft_kv_heads=1)
@@ -37,16 +37,6 @@ def layout(tp=1, dp=1, pp=1, cp=1, layers=6, drafts=2, mla=True) -> InstanceLayo
     return InstanceLayout(tp, pp, cp, tuple(base + (p < extra) for p in range(pp)), drafts, mla, dp)
 
 
-def held(lay: InstanceLayout, rank: int, heads: int) -> set:
-    """(layer key, global head) pairs a rank holds: its DP group's heads split over the group's TP ranks."""
-    tp, pp, _ = lay.coords(rank)
-    atp = lay.attention_tp_size
-    local = tp % atp
-    keys = [("target", i) for i in lay.target_layers(pp)] + [("draft", i) for i in lay.draft_layers(pp)]
-    hs = [0] if lay.is_mla else range(local * heads // atp, (local + 1) * heads // atp)
-    return {(k, h) for k in keys for h in hs}
-
-
 def check_dp_cover(ctx: InstanceLayout, gen: InstanceLayout, heads: int, num_blocks: int) -> None:
     for c_dp, g_dp in itertools.product(range(ctx.dp_size), range(gen.dp_size)):
         pieces = plan_pieces(ctx, gen, ctx_dp_rank=c_dp, gen_dp_rank=g_dp)
@@ -56,16 +46,7 @@ def check_dp_cover(ctx: InstanceLayout, gen: InstanceLayout, heads: int, num_blo
             if gen.dp_rank_of(g) != g_dp:
                 assert mine == [], f"gen rank {g} of DP group {gen.dp_rank_of(g)} receives a group-{g_dp} request"
                 continue
-            _, _, cp = gen.coords(g)
-            need = {(kh, b) for kh in held(gen, g, heads) for b in helix_blocks(num_blocks, cp, gen.cp_size)}
-            got = []
-            for p in mine:
-                lo, hi = p.head_range(1 if ctx.is_mla else heads)
-                have = held(ctx, p.ctx_rank, heads)
-                for key in p.layer_keys():
-                    for h in range(lo, hi):
-                        assert (key, h) in have, f"ctx rank {p.ctx_rank} does not hold {key} head {h}"
-                        got += [((key, h), b) for b in p.blocks(num_blocks)]
+            got, need = plan_delivery(ctx, gen, mine, g, heads, num_blocks)
             assert len(got) == len(set(got)), f"dp ({c_dp}, {g_dp}): gen rank {g} receives something twice"
             assert set(got) == need, f"dp ({c_dp}, {g_dp}): gen rank {g} missing {sorted(need - set(got))[:3]}"
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from kvforge.disagg.mapping import InstanceLayout, helix_block_count, helix_blocks, layouts_for, plan_pieces
-from tests.helpers import rank_info
+from tests.helpers import plan_delivery, rank_info
 
 SIZES = [1, 2, 4, 8]
 
@@ -19,29 +19,10 @@ def layout(tp=1, pp=1, cp=1, layers=8, drafts=1, mla=True) -> InstanceLayout:
     return InstanceLayout(tp, pp, cp, split, drafts, mla)
 
 
-def held(lay: InstanceLayout, rank: int, heads: int):
-    """(layer key, global head) pairs a rank holds."""
-    tp, pp, _ = lay.coords(rank)
-    keys = [("target", i) for i in lay.target_layers(pp)] + [("draft", i) for i in lay.draft_layers(pp)]
-    hs = [0] if lay.is_mla else range(tp * heads // lay.tp_size, (tp + 1) * heads // lay.tp_size)
-    return {(k, h) for k in keys for h in hs}
-
-
 def check_cover(ctx: InstanceLayout, gen: InstanceLayout, heads: int, num_blocks: int):
     pieces = plan_pieces(ctx, gen)
     for g in range(gen.world_size):
-        _, _, cp = gen.coords(g)
-        need = {(kh, b) for kh in held(gen, g, heads) for b in helix_blocks(num_blocks, cp, gen.cp_size)}
-        got = []
-        for p in pieces:
-            if p.gen_rank != g:
-                continue
-            lo, hi = p.head_range(1 if ctx.is_mla else heads)
-            have = held(ctx, p.ctx_rank, heads)
-            for key in p.layer_keys():
-                for h in range(lo, hi):
-                    assert (key, h) in have, f"ctx rank {p.ctx_rank} does not hold {key} head {h}"
-                    got += [((key, h), b) for b in p.blocks(num_blocks)]
+        got, need = plan_delivery(ctx, gen, [p for p in pieces if p.gen_rank == g], g, heads, num_blocks)
         assert len(got) == len(set(got)), f"gen rank {g} receives something twice"
         assert set(got) == need, (
             f"gen rank {g}: missing {sorted(need - set(got))[:3]} extra {sorted(set(got) - need)[:3]}"

@@ -755,3 +755,17 @@ def test_text_requests_use_the_vectorised_code_point_keys():
             assert block_keys_from_text(text, cpb) == want
     keys, n = request_content(RouteRequest("r", text=text), 16, 4.0)
     assert list(keys) == text_block_keys(text, 64) and n == -(-len(text) // 4)
+
+
+@pytest.mark.parametrize(
+    ("text", "cpb", "exc", "name"),
+    [(b"bytes", 4, TypeError, "text"), (None, 4, TypeError, "text"), ("abcdef", 0, ValueError, "chars_per_block"),
+     ("abcdef", -3, ValueError, "chars_per_block"), ("abcdef", 2.5, TypeError, "chars_per_block"),
+     ("abcdef", True, TypeError, "chars_per_block")],
+)  # fmt: skip
+def test_text_block_keys_refuses_bad_arguments(text, cpb, exc, name):
+    from kvforge.routing.request import text_block_keys, text_code_points
+
+    for fn in (text_block_keys, text_code_points):
+        with pytest.raises(exc, match=name):
+            fn(text, cpb)

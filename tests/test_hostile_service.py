@@ -330,3 +330,37 @@ def test_big_bodies_prepared_in_a_child_process_key_the_same(tmp_path) -> None:
             pooled.submit(_prepare_in_child, "/v1/completions", b'{"prompt": [1, 4294967296]}', None).result()
     finally:
         pooled.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("max_seq_jump", 0), ("resync_after", True), ("max_message_bytes", 1.5), ("slice_blocks", -1),
+     ("slice_s", float("nan")), ("slice_s", -0.5), ("log_interval_s", float("inf")), ("log_interval_s", "10")],
+)  # fmt: skip
+def test_kv_event_subscriber_refuses_bad_settings(name, value) -> None:
+    from kvforge.service.kv_events import BlockMapper, KVEventSubscriber
+
+    with pytest.raises(ValueError, match=name):
+        KVEventSubscriber("tcp://127.0.0.1:1", lambda evs: None, BlockMapper(4), **{name: value})
+
+
+def test_shared_state_writers_refuse_indices_outside_their_tables(tmp_path) -> None:
+    from kvforge.service.shared_state import SharedState
+
+    st = SharedState.create(2, str(tmp_path / "lock"), max_backends=4, conversations=64)
+    try:
+        for worker, slot in ((2, 0), (-1, 0), (0, 4), (0, -1)):
+            with pytest.raises(ValueError, match="worker, slot"):
+                st.add_load(worker, slot, 1, 10)
+        key = st.conversation_key("c")
+        for bad_slot in (4, -1):
+            with pytest.raises(ValueError, match="slot"):
+                st.claim(key, bad_slot)
+        for bad_key in (0, 1 << 63, -(1 << 63) - 1):
+            with pytest.raises(ValueError, match="key"):
+                st.claim(bad_key, 0)
+        assert st.load(0) == (0, 0) and st.owner(key) == -1  # nothing was written
+        st.add_load(1, 3, 1, 10)
+        assert st.claim(key, 3) == 3 and st.load(3) == (1, 10)
+    finally:
+        st.close()

@@ -4,9 +4,11 @@ legacy array layout, the engine-block -> router-key mapper, and a live subscribe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -168,21 +170,9 @@ def test_mapper_keys_match_request_keys() -> None:
 
 def test_subscriber_replays_a_gap_over_zmq() -> None:
     async def main() -> None:
-        pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        got: list = []
-        sub = KVEventSubscriber(pub.endpoint, got.extend, BlockMapper(4), replay_endpoint=pub.replay_endpoint)
-        sub.start()
-        served = asyncio.get_running_loop().create_task(_serve(pub))
-        try:
+        async with _joined_pair() as (pub, sub):
             toks = list(range(40))
             h = [bytes([i]) for i in range(10)]
-            # PUB/SUB joins late: publish until the subscriber has seen something.
-            for _ in range(200):
-                if sub.counts["batches"]:
-                    break
-                pub.publish([AllBlocksCleared()])
-                await asyncio.sleep(0.01)
-            assert sub.counts["batches"] > 0
             pub.publish([BlockStored(h[:2], None, toks[:8], 4, None, "GPU", None)], send=False)  # lost on the wire
             pub.publish([BlockStored(h[2:4], h[1], toks[8:16], 4, None, "GPU", None)])
             for _ in range(200):
@@ -203,10 +193,6 @@ def test_subscriber_replays_a_gap_over_zmq() -> None:
                     break
                 await asyncio.sleep(0.01)
             assert sub.counts["bad"] >= 2 and sub.last_seq == pub.next_seq - 1
-        finally:
-            served.cancel()
-            await sub.stop()
-            pub.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
 
@@ -215,6 +201,29 @@ async def _serve(pub: KVEventPublisher) -> None:
     while True:
         pub.serve_replay()
         await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def _joined_pair() -> AsyncIterator[tuple[KVEventPublisher, KVEventSubscriber]]:
+    """A publisher with its replay socket served and a subscriber (BlockMapper(4)) that has seen a batch."""
+    pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    got: list = []
+    sub = KVEventSubscriber(pub.endpoint, got.extend, BlockMapper(4), replay_endpoint=pub.replay_endpoint)
+    sub.start()
+    served = asyncio.get_running_loop().create_task(_serve(pub))
+    try:
+        # PUB/SUB joins late: publish until the subscriber has seen something.
+        for _ in range(200):
+            if sub.counts["batches"]:
+                break
+            pub.publish([AllBlocksCleared()])
+            await asyncio.sleep(0.01)
+        assert sub.counts["batches"] > 0
+        yield pub, sub
+    finally:
+        served.cancel()
+        await sub.stop()
+        pub.close()
 
 
 def test_kvforge_events_to_wire_and_back_through_the_mapper() -> None:
@@ -497,17 +506,7 @@ def test_block_size_mismatch_is_warned_once_and_counted(caplog) -> None:
 
 def test_live_subscriber_survives_hostile_messages_and_a_forged_number() -> None:
     async def main() -> None:
-        pub = KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        got: list = []
-        sub = KVEventSubscriber(pub.endpoint, got.extend, BlockMapper(4), replay_endpoint=pub.replay_endpoint)
-        sub.start()
-        served = asyncio.get_running_loop().create_task(_serve(pub))
-        try:
-            for _ in range(200):
-                if sub.counts["batches"]:
-                    break
-                pub.publish([AllBlocksCleared()])
-                await asyncio.sleep(0.01)
+        async with _joined_pair() as (pub, sub):
             raw = pub._pub  # a test reaching for the engine's socket to send what an attacker would
 
             def forge(seq: int, payload: bytes) -> None:
@@ -529,10 +528,6 @@ def test_live_subscriber_survives_hostile_messages_and_a_forged_number() -> None
             assert want <= set(sub.mapper.present), sub.counts
             assert sub.running and sub.counts["bad"] == 2 and sub.counts["implausible_seq"] == 1
             assert sub.counts["lost"] == 0 and sub.last_seq == pub.next_seq - 1
-        finally:
-            served.cancel()
-            await sub.stop()
-            pub.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
 

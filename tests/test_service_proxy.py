@@ -275,6 +275,18 @@ def _template(tmp_path) -> str:
     return str(path)
 
 
+def _events_fleet(tmp_path, policy: str, tokens_per_block: int):
+    """A keyer over the test tokenizer and chat template, and a function opening a 2-backend fleet under
+    ``policy`` whose fake engines (16-token blocks) publish KV events the router subscribes to."""
+    tok = build_tokenizer(tmp_path / "tokenizer.json")
+    template = _template(tmp_path)
+    keyer = Keyer(tokens_per_block, tokenizer=tok, chat_template=template)
+    return keyer, lambda: fleet(
+        2, keyer=keyer, events=True, policy=policy, tokens_per_block=tokens_per_block, tokenizer=str(tok),
+        chat_template=template, backend_kw={"engine_block_size": 16},
+    )  # fmt: skip
+
+
 def test_chat_template_keys_are_the_rendered_prompts_tokens(tmp_path) -> None:
     tok = build_tokenizer(tmp_path / "tokenizer.json")
     keyer = Keyer(4, tokenizer=tok, chat_template=_template(tmp_path))
@@ -302,15 +314,10 @@ def test_chat_template_keys_are_the_rendered_prompts_tokens(tmp_path) -> None:
 
 
 def test_kv_events_from_backends_reach_the_router(tmp_path) -> None:
-    tok = build_tokenizer(tmp_path / "tokenizer.json")
-    template = _template(tmp_path)
+    keyer, events_fleet = _events_fleet(tmp_path, "conversation-always", 32)
 
     async def main() -> None:
-        keyer = Keyer(32, tokenizer=tok, chat_template=template)
-        async with fleet(
-            2, keyer=keyer, events=True, policy="conversation-always", tokens_per_block=32, tokenizer=str(tok),
-            chat_template=template, backend_kw={"engine_block_size": 16},
-        ) as (svc, base, backends, s):  # fmt: skip
+        async with events_fleet() as (svc, base, backends, s):
             text = " ".join(f"w{i % 97}" for i in range(200))
             body = {"messages": [{"role": "user", "content": text}], "stream": True}
             r = await post_chat(s, base, body)
@@ -477,15 +484,10 @@ def test_fleet_changes_its_router_in_place() -> None:
 
 def test_readme_configuration_sends_a_new_conversation_to_the_backend_announcing_its_prefix(tmp_path) -> None:
     # Issue 31: under the README's --policy conversation, KV events never placed a new conversation.
-    tok = build_tokenizer(tmp_path / "tokenizer.json")
-    template = _template(tmp_path)
+    keyer, events_fleet = _events_fleet(tmp_path, "conversation", 64)
 
     async def main() -> None:
-        keyer = Keyer(64, tokenizer=tok, chat_template=template)
-        async with fleet(
-            2, keyer=keyer, events=True, policy="conversation", tokens_per_block=64, tokenizer=str(tok),
-            chat_template=template, backend_kw={"engine_block_size": 16},
-        ) as (svc, base, backends, s):  # fmt: skip
+        async with events_fleet() as (svc, base, backends, s):
             router = svc.fleet._epoch.router
             for n, announcer in enumerate((backends[1], backends[0], backends[1])):
                 doc = " ".join(f"w{(7 * i + 31 * n) % 400}" for i in range(300))

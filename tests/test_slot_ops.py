@@ -15,7 +15,7 @@ from kvforge.kernels.slot_ops import (
     step_gather,
     step_gather_ref,
 )
-from tests.helpers import INT_POISON, assert_all_written, poison
+from tests.helpers import INT_POISON, assert_all_written, poison, poisoned
 
 VOCAB = 32000
 
@@ -59,12 +59,7 @@ def test_scatter_then_gather_match_references(rows, tokens, device, gen):
     slot_scatter(st, slot_ids, *outs, row_begin=row_begin)
     _assert_stores_equal(st, want)
 
-    out = StepInputs(
-        poison(torch.empty(rows * tokens, dtype=torch.int32, device=device)),
-        poison(torch.empty(rows * tokens, dtype=torch.int32, device=device)),
-        poison(torch.empty(rows, tokens - 1, dtype=torch.int32, device=device)),
-        poison(torch.empty(rows, dtype=torch.int32, device=device)),
-    )
+    out = _gather_out(rows, tokens, tokens - 1, device)
     got = step_gather(st, slot_ids, tokens, out=out)
     assert got is out
     for t in got:
@@ -169,7 +164,7 @@ def test_kernels_mask_out_of_range_device_slots(device, gen):
     smod._slot_scatter_kernel[(triton.cdiv(5, block_r),)](*args, **layout, BLOCK_R=block_r)
     _assert_stores_equal(st, want)
 
-    out = StepInputs(*(poison(torch.empty(s, dtype=torch.int32, device=device)) for s in [(20,), (20,), (5, 3), (5,)]))
+    out = _gather_out(5, 4, 3, device)
     layout = smod._gather_layout(st, slot_ids, 4, 3, out)
     smod._step_gather_kernel[(triton.cdiv(5, block_r),)](
         slot_ids, 5, *st.tensors()[1:], *out, **layout, BLOCK_R=block_r
@@ -236,10 +231,9 @@ def test_stores_validate_themselves(device):
         SlotStores(z(4, 8), z(4, 8), z(8, 1), z(8, 3))
 
 
-def _gather_out(n, t, k, device):
-    return StepInputs(
-        *(poison(torch.empty(s, dtype=torch.int32, device=device)) for s in [(n * t,), (n * t,), (n, k), (n,)])
-    )
+def _gather_out(n, t, k, device, dtype=torch.int32):
+    """Poisoned ``out=`` buffers of a gather of n rows, t tokens and k draft tokens each."""
+    return StepInputs(*(poisoned(s, dtype, device) for s in [(n * t,), (n * t,), (n, k), (n,)]))
 
 
 GATHER_BAD = [
@@ -462,12 +456,7 @@ def test_int64_values_beyond_32_bits_survive_scatter_and_gather(sign, device, ge
     if sign > 0:
         assert bool((st.new_tokens[:, slot_ids.long()].abs() >= 2**32).all()), "token ids were narrowed"
 
-    out = StepInputs(
-        poison(torch.empty(rows * t, dtype=torch.int64, device=device)),
-        poison(torch.empty(rows * t, dtype=torch.int64, device=device)),
-        poison(torch.empty(rows, t - 1, dtype=torch.int64, device=device)),
-        poison(torch.empty(rows, dtype=torch.int64, device=device)),
-    )
+    out = _gather_out(rows, t, t - 1, device, torch.int64)
     got = step_gather(st, slot_ids, t, out=out)
     for x in got:
         assert_all_written(x)

@@ -228,6 +228,19 @@ SHARED_DRAFT_KV_ENV = "KVFORGE_SHARED_DRAFT_KV"
 _launch_log = __import__("logging").getLogger("kvforge.disagg.launch")
 
 
+def _shared_draft_setting(setting: str | None, environ: Mapping[str, str] | None) -> tuple[str, str]:
+    """The shared-draft-KV setting, ``"auto"``, ``"0"`` or ``"1"`` (``KVFORGE_SHARED_DRAFT_KV`` overrides the
+    argument; None is ``"auto"``), and where it came from; ValueError naming that source for any other value."""
+    env = os.environ if environ is None else environ
+    raw, source = setting, "argument"
+    if env.get(SHARED_DRAFT_KV_ENV) not in (None, ""):
+        raw, source = env[SHARED_DRAFT_KV_ENV], f"env {SHARED_DRAFT_KV_ENV}"
+    value = "auto" if raw is None else str(raw).strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"shared draft KV ({source}): expected 'auto', '0' or '1', got {raw!r}")
+    return value, source
+
+
 def resolve_shared_draft_kv(
     setting: str | None,
     *,
@@ -247,14 +260,7 @@ def resolve_shared_draft_kv(
     equal), no helix and no context parallelism (``cp_size == 1``), whose per-rank block shares a shared draft
     pool would not follow. Logs one INFO line with the setting, its source and the outcome.
     """
-    env = os.environ if environ is None else environ
-    source = "argument"
-    raw = setting
-    if env.get(SHARED_DRAFT_KV_ENV) not in (None, ""):
-        raw, source = env[SHARED_DRAFT_KV_ENV], f"env {SHARED_DRAFT_KV_ENV}"
-    value = "auto" if raw is None else str(raw).strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"shared draft KV ({source}): expected 'auto', '0' or '1', got {raw!r}")
+    value, source = _shared_draft_setting(setting, environ)
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
         raise ValueError(f"tokens_per_block: expected an int >= 1, got {tokens_per_block!r}")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
@@ -314,13 +320,7 @@ def launch_defaults(
     from kvforge.kvcache.sizing import DEFAULT_TORCH_MEM_SAFETY_MARGIN
 
     r = parse_role(role)
-    env = os.environ if environ is None else environ
-    raw, source = shared_draft_kv, "argument"
-    if env.get(SHARED_DRAFT_KV_ENV) not in (None, ""):
-        raw, source = env[SHARED_DRAFT_KV_ENV], f"env {SHARED_DRAFT_KV_ENV}"
-    value = "auto" if raw is None else str(raw).strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"shared draft KV ({source}): expected 'auto', '0' or '1', got {raw!r}")
+    value, source = _shared_draft_setting(shared_draft_kv, environ)
     if value == "1" and speculative_config is None:
         raise ValueError(
             f"shared draft KV ({source}) = 1, but there is no speculative config (no drafter whose KV to share)"

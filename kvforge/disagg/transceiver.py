@@ -138,10 +138,14 @@ class _Session:
 class _Peer:
     name: str
     infos: list[RankInfo]  # by instance rank
-    pieces: list[Piece]  # the plan of DP ranks (0, 0): the whole plan without attention DP
     ctx: InstanceLayout
     gen: InstanceLayout
     plans: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """The plan of DP ranks (0, 0): the whole plan without attention DP."""
+        return self.plan(0, 0)
 
     def plan(self, ctx_dp_rank: int, gen_dp_rank: int) -> list[Piece]:
         """The pieces of a request held by context DP group ``ctx_dp_rank`` and generation DP group
@@ -341,8 +345,9 @@ class _Endpoint:
             )
         ctx_info, gen_info = (self.info, first) if self.side == "context" else (first, self.info)
         ctx, gen = layouts_for(ctx_info, gen_info)
-        pieces = plan_pieces(ctx, gen)
-        self.peers[peer] = _Peer(peer, infos, pieces, ctx, gen, {(0, 0): pieces})
+        entry = _Peer(peer, infos, ctx, gen)
+        entry.plan(0, 0)  # planned at registration: a layout the mapping refuses fails here, not at the first send
+        self.peers[peer] = entry
         for key in [k for k in self._layouts if k[0] == peer]:  # a re-registered peer may cut pieces differently
             del self._layouts[key]
 
@@ -389,6 +394,27 @@ class _Endpoint:
                 f"the transfer plan needs [{lo}, {hi})"
             )
         return (lo - start) * layer.head_elems, (hi - start) * layer.head_elems
+
+    def _my_pieces(
+        self, p: _Peer, request: RequestKV, nb: int, ctx_dp: int, gen_dp: int, *, sending: bool
+    ) -> list[tuple[int, Piece, KVPackPlan]]:
+        """(piece word, piece, pack plan) of each piece of ``request``'s plan that this rank sends (``sending``)
+        or receives and that carries blocks; raises before anything is posted when a peer rank it needs is gone.
+        A sender packs the piece's blocks from its pages; a receiver unpacks its share, one page per block."""
+        me = self.info.instance_rank
+        planned = []
+        for k, piece in enumerate(p.plan(ctx_dp, gen_dp)):
+            if (piece.ctx_rank if sending else piece.gen_rank) != me:
+                continue
+            blocks = piece.blocks(nb)
+            if not blocks:
+                continue
+            index = _piece_word(k, ctx_dp, gen_dp)
+            rows = list(blocks) if sending else range(len(blocks))
+            planned.append((index, piece, self._piece_plan(p.name, index, piece, request, rows, unpack=not sending)))
+        for _, piece, _ in planned:
+            self.transport.check_peer(p.infos[piece.gen_rank if sending else piece.ctx_rank].transport_rank)
+        return planned
 
     def _piece_layout(self, peer: str, index: int, piece: Piece) -> tuple[KVPackLayout, list[tuple[str, int]]]:
         """The pack layout of a piece's layers (built once per peer and piece; ``index`` is the piece word, which
@@ -606,18 +632,7 @@ class KVSender(_Endpoint):
         ctx_dp = dp_group(self.info)
         nb = request.num_blocks(self.tokens_per_block)
         self._check_pages(request, nb, unique=False)
-        me = self.info.instance_rank
-        planned = []
-        for k, piece in enumerate(p.plan(ctx_dp, gen_dp)):
-            if piece.ctx_rank != me:
-                continue
-            blocks = list(piece.blocks(nb))
-            if not blocks:
-                continue
-            index = _piece_word(k, ctx_dp, gen_dp)
-            planned.append((index, piece, self._piece_plan(peer, index, piece, request, blocks, unpack=False)))
-        for _, piece, _ in planned:
-            self.transport.check_peer(p.infos[piece.gen_rank].transport_rank)
+        planned = self._my_pieces(p, request, nb, ctx_dp, gen_dp, sending=True)
 
         # Pack every message before posting any send: packing may tune its kernel on first use, and tuning
         # synchronises the device, which must not happen behind this transfer's own posted NCCL sends.
@@ -745,18 +760,7 @@ class KVReceiver(_Endpoint):
         nb = request.num_blocks(self.tokens_per_block)
         info = self.info
         self._check_pages(request, helix_block_count(nb, info.cp_rank, info.cp_size), unique=True)
-        me = info.instance_rank
-        planned = []
-        for k, piece in enumerate(p.plan(ctx_dp, gen_dp)):
-            if piece.gen_rank != me:
-                continue
-            n = len(piece.blocks(nb))
-            if n == 0:
-                continue
-            index = _piece_word(k, ctx_dp, gen_dp)
-            planned.append((index, piece, self._piece_plan(peer, index, piece, request, range(n), unpack=True)))
-        for _, piece, _ in planned:
-            self.transport.check_peer(p.infos[piece.ctx_rank].transport_rank)
+        planned = self._my_pieces(p, request, nb, ctx_dp, gen_dp, sending=False)
 
         bufs = [
             torch.empty(HEADER_BYTES + plan.nbytes, dtype=torch.uint8, device=self.transport.device)

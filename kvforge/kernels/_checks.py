@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -67,6 +68,26 @@ def check_launch_device(name: str, t: torch.Tensor) -> None:
         return
     want = "a CUDA tensor (or a CPU tensor under TRITON_INTERPRET=1)"
     raise ValueError(f"{name}: expected {want}, got one on {t.device}")
+
+
+def check_operand(
+    name: str,
+    t: object,
+    *,
+    shape: tuple[int | None, ...] | None = None,
+    device: torch.device | None = None,
+    **tensor_checks: Any,
+) -> torch.Tensor:
+    """A kernel operand: :func:`check_tensor` (``tensor_checks``), :func:`check_launch_device`, then with ``shape``
+    :func:`check_shape` and with ``device`` the device of the operand it goes with (``shape``/``device`` of the
+    leading tensor, checked after the launch device so a meta tensor is reported as such)."""
+    t = check_tensor(name, t, **tensor_checks)
+    check_launch_device(name, t)
+    if shape is not None:
+        check_shape(name, t, shape)
+    if device is not None and not same_device(t.device, device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    return t
 
 
 # ---- Overlapping outputs ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
+from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["greedy_accept", "greedy_accept_ref"]
 
@@ -65,28 +65,21 @@ def greedy_accept(
     accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring."""
-    check_tensor("logits", logits, dtype=_FLOAT, ndim=3, last_dim_contiguous=True)
-    check_launch_device("logits", logits)
+    check_operand("logits", logits, dtype=_FLOAT, ndim=3, last_dim_contiguous=True)
     b, t, v = logits.shape
     if not 1 <= t <= MAX_T:
         raise ValueError(f"logits: expected 1 .. {MAX_T} positions per request, got {t}")
     if v < 1 or v >= 2**31:
         raise ValueError(f"logits: expected a vocabulary of 1 .. 2^31 - 1 entries, got {v}")
-    check_tensor("tokens", tokens, dtype=(torch.int32, torch.int64), ndim=2, last_dim_contiguous=True)
-    check_launch_device("tokens", tokens)
-    check_shape("tokens", tokens, (b, t))
-    if tokens.device != logits.device:
-        raise ValueError(f"tokens: expected a tensor on {logits.device}, got one on {tokens.device}")
+    ints = (torch.int32, torch.int64)
+    check_operand("tokens", tokens, dtype=ints, ndim=2, last_dim_contiguous=True, shape=(b, t), device=logits.device)
     outs = {}
     for name, buf, shape in (("best", best, (b, t)), ("accepted", accepted, (b,))):
         if buf is None:
             buf = torch.empty(shape, dtype=torch.int32, device=logits.device)
         else:
-            check_tensor(name, buf, dtype=torch.int32, ndim=len(shape), contiguous=True)
-            check_launch_device(name, buf)
-            check_shape(name, buf, shape)
-            if buf.device != logits.device:
-                raise ValueError(f"{name}: expected a tensor on {logits.device}, got one on {buf.device}")
+            check_operand(name, buf, dtype=torch.int32, ndim=len(shape), contiguous=True, shape=shape,
+                          device=logits.device)  # fmt: skip
         outs[name] = buf
     check_no_overlap(outs, {"logits": logits, "tokens": tokens})
     if b:

@@ -512,8 +512,10 @@ def _mla_context_fwd_kernel(
 
 
 @triton.jit
-def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr):
-    """(q_row0, n_rows, kv_row0, diag0) of tile t of request r (see ``_mla_work_items_kernel``)."""
+def _request_bounds(CuQ, CuKV, r, live, total_q, kv_rows, max_q, max_kv):
+    """(q0, ql, k0, kl, rows_ok, ok) of request r: its first query and key row, its lengths, whether its query rows
+    lie within q (``rows_ok``) and whether it keeps the whole contract (``ok``). Both passes of the device-built
+    table read a request through this, so the tile count and the items agree on what is bad."""
     q0 = tl.load(CuQ + r, mask=live, other=0)
     q1 = tl.load(CuQ + r + 1, mask=live, other=0)
     k0 = tl.load(CuKV + r, mask=live, other=0)
@@ -522,6 +524,13 @@ def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: 
     kl = k1 - k0
     rows_ok = (q0 >= 0) & (ql >= 0) & (q1 <= total_q)
     ok = rows_ok & (k0 >= 0) & (kl >= 0) & (k1 <= kv_rows) & (ql <= kl) & (ql <= max_q) & (kl <= max_kv)
+    return q0, ql, k0, kl, rows_ok, ok
+
+
+@triton.jit
+def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr):
+    """(q_row0, n_rows, kv_row0, diag0) of tile t of request r (see ``_mla_work_items_kernel``)."""
+    q0, ql, k0, kl, rows_ok, ok = _request_bounds(CuQ, CuKV, r, live, total_q, kv_rows, max_q, max_kv)
     m0 = t * BLOCK_M
     n_rows = tl.where(live & rows_ok, tl.minimum(tl.maximum(ql - m0, 0), BLOCK_M), 0)
     q_row0 = tl.where(n_rows > 0, q0 + m0, 0)
@@ -542,14 +551,7 @@ def _mla_tile_starts_kernel(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, ma
     for c in tl.range(0, n_req, R_BLOCK):
         r = c + tl.arange(0, R_BLOCK)
         live = r < n_req
-        q0 = tl.load(CuQ + r, mask=live, other=0)
-        q1 = tl.load(CuQ + r + 1, mask=live, other=0)
-        k0 = tl.load(CuKV + r, mask=live, other=0)
-        k1 = tl.load(CuKV + r + 1, mask=live, other=0)
-        ql = q1 - q0
-        kl = k1 - k0
-        rows_ok = (q0 >= 0) & (ql >= 0) & (q1 <= total_q)
-        ok = rows_ok & (k0 >= 0) & (kl >= 0) & (k1 <= kv_rows) & (ql <= kl) & (ql <= max_q) & (kl <= max_kv)
+        _, ql, _, _, rows_ok, ok = _request_bounds(CuQ, CuKV, r, live, total_q, kv_rows, max_q, max_kv)
         # A request past max_seqlen_q keeps the tiles of max_seqlen_q rows (NaN): the host's slot bound holds.
         tiles = tl.where(live & rows_ok, (tl.minimum(ql, max_q) + BLOCK_M - 1) // BLOCK_M, 0)
         incl = tl.cumsum(tiles, 0) + carry

@@ -8,22 +8,11 @@ rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page si
 this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
 ``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
 SM: 64 x 2, 32 x 3 and 32 x 4 do), and the score product issued before (``early``) or after taking the other
-warpgroup's tile.
-One program per (head tile, request, share), three partitions:
-
-* a loader warp: TMA copies of the Q tile (once) and of each key tile (one page slice of the 2-D
-  ``[pages * page_size, D]`` cache view, two latent halves and the rope part) into the ring;
-* two consumer warpgroups that take turns: warpgroup ``t % 2`` computes tile t's scores (Q from shared memory,
-  64 x block_n x 576), its online softmax against the running max the other published for tile t - 1, then
-  publishes P (bf16) and the new max in shared memory. Both compute P·V on every tile with V = the tile's
-  latent columns, each for its own 256 output columns, so K is read once per head tile and the score product
-  runs once per tile. A warpgroup issues the other's tile's P·V ahead of its own softmax and frees that ring
-  slot as soon as the product is done; with ``early`` its own tile's scores are issued even before that (they
-  need only Q and the key tile), so they run while it waits for the other's P. Row sums are added at the end.
-
-Rows of a share's last tile past the request's length are zeroed in shared memory before P·V (a never-written
-cache row may hold NaN, and 0·NaN = NaN). Used only where ``gluon_decode_reason`` returns None; everything else
-takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9 bridges.
+warpgroup's tile. Rows of a share's last tile past the request's length are zeroed before P·V (a never-written
+cache row may hold NaN). Used only where ``gluon_decode_reason`` returns None; everything else takes the portable
+kernel. Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9 bridges. The partitions (a TMA
+loader warp, two consumer warpgroups taking turns) and their schedule: ``docs/kernels.md``, "The sm_90 Gluon
+kernel".
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
+from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -44,14 +44,11 @@ def _rms_norm_kernel(
 
 
 def _check_2d(name: str, t: object, like: torch.Tensor | None, dtype=_FLOAT) -> torch.Tensor:
-    check_tensor(name, t, dtype=dtype if like is None else like.dtype, ndim=2, last_dim_contiguous=True)
-    assert isinstance(t, torch.Tensor)
-    check_launch_device(name, t)
-    if like is not None:
-        check_shape(name, t, tuple(like.shape))
-        if t.device != like.device:
-            raise ValueError(f"{name}: expected a tensor on {like.device}, got one on {t.device}")
-    return t
+    if like is None:
+        return check_operand(name, t, dtype=dtype, ndim=2, last_dim_contiguous=True)
+    return check_operand(
+        name, t, dtype=like.dtype, ndim=2, last_dim_contiguous=True, shape=tuple(like.shape), device=like.device
+    )
 
 
 def rms_norm(
@@ -68,11 +65,7 @@ def rms_norm(
     n, d = x.shape
     if d < 1 or d > MAX_D:
         raise ValueError(f"x: expected rows of 1 .. {MAX_D} elements, got {d}")
-    check_tensor("weight", weight, dtype=_FLOAT, ndim=1, contiguous=True)
-    check_launch_device("weight", weight)
-    check_shape("weight", weight, (d,))
-    if weight.device != x.device:
-        raise ValueError(f"weight: expected a tensor on {x.device}, got one on {weight.device}")
+    check_operand("weight", weight, dtype=_FLOAT, ndim=1, contiguous=True, shape=(d,), device=x.device)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if residual is not None:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
+from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_operand, check_tensor
 
 __all__ = ["rotary", "rotary_ref", "rotary_table"]
 
@@ -67,25 +67,15 @@ def rotary(
     r = x.shape[-1]
     if r % 2 or r < 2:
         raise ValueError(f"x: expected an even rotary width >= 2, got {r}")
-    check_tensor("positions", positions, dtype=(torch.int32, torch.int64), ndim=1, contiguous=True)
-    check_launch_device("positions", positions)
-    check_shape("positions", positions, (x.shape[0],))
-    check_tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, contiguous=True)
-    check_launch_device("cos_sin", cos_sin)
-    check_shape("cos_sin", cos_sin, (None, r))
-    for name, t in (("positions", positions), ("cos_sin", cos_sin)):
-        if t.device != x.device:
-            raise ValueError(f"{name}: expected a tensor on {x.device}, got one on {t.device}")
+    ints = (torch.int32, torch.int64)
+    check_operand("positions", positions, dtype=ints, ndim=1, contiguous=True, shape=(x.shape[0],), device=x.device)
+    check_operand("cos_sin", cos_sin, dtype=torch.float32, ndim=2, contiguous=True, shape=(None, r), device=x.device)
     if not isinstance(check_values, bool):
         raise TypeError(f"check_values: expected a bool, got {type(check_values).__name__}")
     if out is None:
         out = torch.empty_like(x)
     else:
-        check_tensor("out", out, dtype=x.dtype, last_dim_contiguous=True)
-        check_launch_device("out", out)
-        check_shape("out", out, tuple(x.shape))
-        if out.device != x.device:
-            raise ValueError(f"out: expected a tensor on {x.device}, got one on {out.device}")
+        check_operand("out", out, dtype=x.dtype, last_dim_contiguous=True, shape=tuple(x.shape), device=x.device)
     if out is not x:  # in place is allowed (each program reads its row before writing it); any other overlap is not
         check_no_overlap({"out": out}, {"x": x, "positions": positions, "cos_sin": cos_sin})
     if check_values and positions.numel():

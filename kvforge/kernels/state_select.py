@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor, same_device
+from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor
 
 __all__ = ["select_accepted_states", "select_accepted_states_ref"]
 
@@ -57,9 +57,7 @@ def _check(pool: object, live: object, scratch: object, accepted: object) -> tup
             f"scratch, accepted: expected {n} rows (as live), got {scratch.shape[0]} and {accepted.shape[0]}"
         )
     for name, t in (("live", live), ("scratch", scratch), ("accepted", accepted)):
-        if not same_device(t.device, pool.device):
-            raise ValueError(f"{name}: expected a tensor on {pool.device}, got one on {t.device}")
-        check_launch_device(name, t)
+        check_launch_device(name, t)  # (their device is pool's: check_tensor above)
     check_no_overlap({"pool": pool}, {"live": live, "scratch": scratch, "accepted": accepted})
     return n, max(1, scratch.shape[1]), pool[0].numel()
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
+from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["swiglu", "swiglu_ref"]
 
@@ -33,21 +33,13 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, n_cols, sg, su, so, BLOCK: tl.constexp
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring."""
-    check_tensor("gate", gate, dtype=_FLOAT, ndim=2, last_dim_contiguous=True)
-    check_launch_device("gate", gate)
-    check_tensor("up", up, dtype=gate.dtype, ndim=2, last_dim_contiguous=True)
-    check_launch_device("up", up)
-    check_shape("up", up, tuple(gate.shape))
-    if up.device != gate.device:
-        raise ValueError(f"up: expected a tensor on {gate.device}, got one on {up.device}")
+    check_operand("gate", gate, dtype=_FLOAT, ndim=2, last_dim_contiguous=True)
+    like = dict(dtype=gate.dtype, ndim=2, last_dim_contiguous=True, shape=tuple(gate.shape), device=gate.device)
+    check_operand("up", up, **like)
     if out is None:
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     else:
-        check_tensor("out", out, dtype=gate.dtype, ndim=2, last_dim_contiguous=True)
-        check_launch_device("out", out)
-        check_shape("out", out, tuple(gate.shape))
-        if out.device != gate.device:
-            raise ValueError(f"out: expected a tensor on {gate.device}, got one on {out.device}")
+        check_operand("out", out, **like)
     check_no_overlap({"out": out}, {"gate": gate, "up": up})
     n, cols = gate.shape
     if n and cols:

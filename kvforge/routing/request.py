@@ -163,7 +163,14 @@ _UTF32 = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"
 def text_code_points(text: str, chars_per_block: int) -> np.ndarray:
     """The code points of ``text``'s full blocks of ``chars_per_block`` characters, as uint32 (a trailing
     partial block has no key, so it is not converted). The same ints as ``ord()`` per character, lone
-    surrogates included, decoded in C (UTF-32 in native order viewed as uint32)."""
+    surrogates included, decoded in C (UTF-32 in native order viewed as uint32). A non-str ``text`` is a
+    TypeError, a ``chars_per_block`` other than an int >= 1 a TypeError/ValueError, each naming the argument."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected a str, got {type(text).__name__}")
+    if isinstance(chars_per_block, bool) or not isinstance(chars_per_block, int):
+        raise TypeError(f"chars_per_block: expected an int, got {type(chars_per_block).__name__}")
+    if chars_per_block < 1:
+        raise ValueError(f"chars_per_block: expected an int >= 1, got {chars_per_block}")
     full = len(text) - len(text) % chars_per_block
     return np.frombuffer(text[:full].encode(_UTF32, "surrogatepass"), dtype=np.uint32)
 

@@ -275,33 +275,7 @@ def _add_worker_arguments(g) -> None:
 def config_from_args(args: argparse.Namespace):
     from kvforge.service.proxy import ServiceConfig
 
-    return ServiceConfig(
-        backends=args.backend,
-        policy=args.policy,
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        tokens_per_block=args.tokens_per_block,
-        chars_per_token=args.chars_per_token,
-        conversation_header=args.conversation_header,
-        connect_timeout_s=args.connect_timeout_s,
-        read_timeout_s=args.read_timeout_s,
-        request_timeout_s=args.request_timeout_s,
-        max_retries=args.max_retries,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout_s,
-        health_path=args.health_path,
-        health_interval_s=args.health_interval_s,
-        health_timeout_s=args.health_timeout_s,
-        unhealthy_after=args.unhealthy_after,
-        healthy_after=args.healthy_after,
-        request_ttl_s=args.request_ttl_s,
-        kv_events=args.kv_events,
-        kv_replay=args.kv_replay,
-        kv_topic=args.kv_topic,
-        kv_group=args.kv_group,
-        backends_file=args.backends_file,
-        admin_token=args.admin_token,
-    )
+    return ServiceConfig.from_args(args)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
@@ -309,7 +283,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         from aiohttp import web
 
         from kvforge.service.metrics import configure_logging
-        from kvforge.service.proxy import RouterService
+        from kvforge.service.proxy import RouterService, new_event_loop
     except ImportError as exc:
         print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
         return 1
@@ -317,7 +291,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     if getattr(args, "workers", 1) > 1:
         from kvforge.service.workers import run_workers
 
-        return run_workers(args, config_from_args)
+        return run_workers(args)
     try:
         cfg = config_from_args(args)
         service = RouterService(cfg)
@@ -329,16 +303,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
         "router listening",
         extra={"fields": {"host": args.host, "port": args.port, "policy": cfg.policy, "backends": list(cfg.backends)}},
     )
-    loop = None
-    if args.event_loop != "asyncio":
-        try:
-            import uvloop
-
-            loop = uvloop.new_event_loop()
-        except ImportError:
-            if args.event_loop == "uvloop":
-                print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
-                return 2
+    try:
+        loop = new_event_loop(args.event_loop)
+    except ImportError:
+        print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
+        return 2
     app = service.make_app()
     # What start-up allocated (modules, the tokenizer, the app) lives as long as the process: out of the
     # collector's sight, a full collection no longer walks it while requests wait.

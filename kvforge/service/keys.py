@@ -21,7 +21,6 @@ the service touches ``kvforge.routing`` / ``kvforge.kvcache.events`` field names
 
 from __future__ import annotations
 
-import array
 import math
 import time
 from collections.abc import Hashable, Sequence
@@ -56,7 +55,6 @@ POLICIES = ("conversation", "conversation-always", "cache-aware", "least-load", 
 EVENT_POLICIES = ("conversation", "conversation-always")
 # The POST routes the service keys and places (everything else it serves is answered or passed through).
 KEYED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
-_TOKEN_LIMIT = 1 << 32
 # Texts at least this long are tokenised through encode_batch, which releases the GIL (encode holds it).
 _LONG_TEXT = 32 * 1024
 
@@ -96,7 +94,9 @@ def block_keys_from_text(text: str, chars_per_block: int) -> list[BlockKey]:
 # ---------------------------------------------------------------- request bodies
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str, *, typed: bool = True) -> str:
+    # typed: chat parts count only with "type": "text" (images and the like add nothing); untyped (responses
+    # items: input_text, output_text, ...): every part's "text", where it has one.
     if content is None:
         return ""
     if isinstance(content, str):
@@ -107,10 +107,11 @@ def _content_text(content: Any, where: str) -> str:
             if not isinstance(part, dict):
                 raise BadRequest(f"{where}[{j}]: expected an object, got {type(part).__name__}")
             text = part.get("text")
-            if part.get("type") == "text":
-                if not isinstance(text, str):
-                    raise BadRequest(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
-                parts.append(text)
+            if (part.get("type") != "text") if typed else text is None:
+                continue
+            if not isinstance(text, str):
+                raise BadRequest(f"{where}[{j}].text: expected a string, got {type(text).__name__}")
+            parts.append(text)
         return "".join(parts)
     raise BadRequest(f"{where}: expected a string, a list of parts or null, got {type(content).__name__}")
 
@@ -143,7 +144,7 @@ def _prompt(body: dict[str, Any], field: str = "prompt") -> str | list[int]:
             return first
         if isinstance(first, list):
             prompt = first
-        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _TOKEN_LIMIT for t in prompt):
+        if all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < hashing.TOKEN_ID_LIMIT for t in prompt):
             return prompt
     raise BadRequest(f"{field}: expected a string, a list of strings or a non-empty list of token ids in [0, 2**32)")
 
@@ -170,20 +171,7 @@ def render_responses(body: dict[str, Any]) -> str:
                 continue
             if not isinstance(role, str) or not role:
                 raise BadRequest(f"input[{i}].role: expected a non-empty string, got {role!r:.40}")
-            content = item.get("content")
-            if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict):
-                        raise BadRequest(f"input[{i}].content[{j}]: expected an object, got {type(part).__name__}")
-                    text = part.get("text")
-                    if text is not None and not isinstance(text, str):
-                        raise BadRequest(f"input[{i}].content[{j}].text: expected a string, got {type(text).__name__}")
-                    texts.append(text or "")
-                content = "".join(texts)
-            elif content is not None and not isinstance(content, str):
-                raise BadRequest(f"input[{i}].content: expected a string or a list of parts")
-            out.append(f"<|{role}|>\n{content or ''}\n")
+            out.append(f"<|{role}|>\n{_content_text(item.get('content'), f'input[{i}].content', typed=False)}\n")
     else:
         raise BadRequest("input: expected a string or a non-empty list of items")
     return "".join(out)
@@ -329,14 +317,13 @@ class Keyer:
         if isinstance(token_ids, list) and len(token_ids) > _IDS_SLICE:
             # A long list converted to uint32 in slices: one C call over millions of ints would hold the GIL
             # (and the event loop, when this runs on a worker thread) for tens of milliseconds.
-            words = array.array("I")
+            ids = np.empty(len(token_ids), dtype=np.uint32)
             try:
                 for a in range(0, len(token_ids), _IDS_SLICE):
-                    words.fromlist(token_ids[a : a + _IDS_SLICE])
-            except (TypeError, OverflowError):
-                pass  # the checked path below names the bad id
+                    ids[a : a + _IDS_SLICE] = hashing.token_array(token_ids[a : a + _IDS_SLICE])
+            except (TypeError, ValueError):
+                pass  # the checked path below names the bad id by its index in the whole list
             else:
-                ids = np.frombuffer(words, dtype=np.uint32)
                 return block_keys_from_tokens(ids, self.tokens_per_block), len(token_ids)  # type: ignore[arg-type]
         return block_keys_from_tokens(token_ids, self.tokens_per_block), len(token_ids)
 

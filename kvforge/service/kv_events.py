@@ -31,6 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvforge.kvcache.hashing import TOKEN_ID_LIMIT
 from kvforge.service import keys as _keys
 
 __all__ = [
@@ -60,7 +61,7 @@ class WireError(ValueError):
 # Field names below are vLLM's wire names (its ``block_hashes`` are the engine's hashes, not kvforge keys).
 # Token ids are 32-bit (kvforge.kvcache.hashing's bound) and a block holds at least one: checked by msgspec in C
 # while decoding, so a hostile id (-1, 2**40) is a WireError before anything is mapped.
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 BlockSize = Annotated[int, msgspec.Meta(gt=0)]
 
 
@@ -439,6 +440,10 @@ class KVEventSubscriber:
                         ("max_message_bytes", max_message_bytes), ("slice_blocks", slice_blocks)):  # fmt: skip
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        # (A NaN slice would never yield to the event loop; a NaN interval would never hold a warning back.)
+        for name, x in (("slice_s", slice_s), ("log_interval_s", log_interval_s)):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x < float("inf"):
+                raise ValueError(f"{name}: expected a finite number of seconds >= 0, got {x!r}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()

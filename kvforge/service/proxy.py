@@ -51,7 +51,7 @@ from kvforge.service.metrics import ServiceMetrics
 from kvforge.service.urls import check_zmq_endpoint as _check_zmq_endpoint
 from kvforge.service.urls import normalize_backend_url
 
-__all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "normalize_backend_url"]
+__all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "new_event_loop", "normalize_backend_url"]
 
 logger = logging.getLogger("kvforge.service")
 
@@ -78,7 +78,7 @@ _EVENTS_NEED_TOKENIZER = (
     "by text and no event could ever match one)"
 )
 # Request headers that describe the body as the client sent it: aiohttp has already decoded a compressed body.
-_BODY_HOP = frozenset(("content-encoding",))
+_REQUEST_HOP = _HOP | {"content-encoding"}
 
 
 @dataclass
@@ -111,6 +111,37 @@ class ServiceConfig:
     kv_group: int = 0
     backends_file: str | None = None
     admin_token: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServiceConfig:
+        """The configuration in ``kvforge router``'s parsed arguments (``kvforge.service.cli.add_arguments``)."""
+        return cls(
+            backends=args.backend,
+            policy=args.policy,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            tokens_per_block=args.tokens_per_block,
+            chars_per_token=args.chars_per_token,
+            conversation_header=args.conversation_header,
+            connect_timeout_s=args.connect_timeout_s,
+            read_timeout_s=args.read_timeout_s,
+            request_timeout_s=args.request_timeout_s,
+            max_retries=args.max_retries,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout_s,
+            health_path=args.health_path,
+            health_interval_s=args.health_interval_s,
+            health_timeout_s=args.health_timeout_s,
+            unhealthy_after=args.unhealthy_after,
+            healthy_after=args.healthy_after,
+            request_ttl_s=args.request_ttl_s,
+            kv_events=args.kv_events,
+            kv_replay=args.kv_replay,
+            kv_topic=args.kv_topic,
+            kv_group=args.kv_group,
+            backends_file=args.backends_file,
+            admin_token=args.admin_token,
+        )
 
     def __post_init__(self) -> None:
         if self.policy not in K.POLICIES:
@@ -324,13 +355,8 @@ class Fleet:
     def place(
         self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
     ) -> tuple[_Epoch, Backend]:
-        ep = self._epoch
-        if ep is None:
-            raise NoBackend("no backend is in rotation")
-        try:
-            url = K.route(ep.router, request_id, keys, num_tokens, conv)
-        except NoServerAvailableError:
-            raise NoBackend("no backend is in rotation") from None
+        ep = self._routable_epoch()
+        url = _route(ep.router, request_id, keys, num_tokens, conv)
         ep.in_flight += 1
         return ep, self.backends[url]  # type: ignore[index]
 
@@ -338,21 +364,21 @@ class Fleet:
         self, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None
     ) -> tuple[_Epoch, Backend]:
         """:meth:`place`, the router's decision taken on a worker thread (for requests with many keys)."""
-        ep = self._epoch
-        if ep is None:
-            raise NoBackend("no backend is in rotation")
-        try:
-            url = await asyncio.get_running_loop().run_in_executor(
-                None, K.route, ep.router, request_id, keys, num_tokens, conv
-            )
-        except NoServerAvailableError:
-            raise NoBackend("no backend is in rotation") from None
+        ep = self._routable_epoch()
+        url = await asyncio.get_running_loop().run_in_executor(
+            None, _route, ep.router, request_id, keys, num_tokens, conv
+        )
         ep.in_flight += 1
         b = self.backends.get(url)  # type: ignore[arg-type]
         if b is None:  # removed while the decision was being taken: undo it and decide again here
             self.finish(ep, request_id, False)
             return self.place(request_id, keys, num_tokens, conv)
         return ep, b
+
+    def _routable_epoch(self) -> _Epoch:
+        if self._epoch is None:
+            raise NoBackend("no backend is in rotation")
+        return self._epoch
 
     def finish(self, ep: _Epoch, request_id: Hashable, success: bool) -> None:
         K.finish(ep.router, request_id, success)
@@ -654,7 +680,7 @@ class RouterService:
         except K.BadRequest as exc:
             self.metrics.requests.labels("", "bad_request").inc()
             return _error(400, str(exc))
-        headers = _forward_headers(request.headers, _BODY_HOP)
+        headers = _forward_headers(request.headers, _REQUEST_HOP)
         rid = f"{self._prefix}{next(self._ids)}"
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
@@ -812,6 +838,28 @@ class RouterService:
         return web.json_response({"removed": url})
 
 
+def new_event_loop(choice: str):
+    """The loop ``--event-loop choice`` asks for (None: asyncio's default); ImportError for ``uvloop`` when it
+    is not installed (``auto`` falls back to asyncio)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop()
+
+
+def _route(router: Any, request_id: Hashable, keys: Sequence[Hashable], num_tokens: int, conv: str | None) -> Any:
+    """:func:`K.route`, an empty rotation raised as :class:`NoBackend` (from a worker thread too)."""
+    try:
+        return K.route(router, request_id, keys, num_tokens, conv)
+    except NoServerAvailableError:
+        raise NoBackend("no backend is in rotation") from None
+
+
 def _conversation_id(conv: str | None, body: dict[str, Any]) -> str | None:
     if conv is None:
         conv = body.get("conversation_id")
@@ -862,8 +910,9 @@ def _prepare_in_child(
     return (None if out is raw else out), conv, keys, num_tokens
 
 
-def _forward_headers(headers: Any, also: frozenset[str] = frozenset()) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in also}
+def _forward_headers(headers: Any, drop: frozenset[str] = _HOP) -> dict[str, str]:
+    # (One set built at import: each forwarded header costs one lower() and one lookup.)
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
 
 
 async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:

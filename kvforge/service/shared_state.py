@@ -169,6 +169,11 @@ class SharedState:
 
     def add_load(self, worker: int, slot: int, requests: int, tokens: int) -> None:
         """Add to ``worker``'s own row (only that worker may call this for its index)."""
+        # (An index out of range would write another worker's row or the conversation map, not fail.)
+        if not (0 <= worker < self.workers and 0 <= slot < self.max_backends):
+            raise ValueError(
+                f"worker, slot: expected 0..{self.workers - 1} and 0..{self.max_backends - 1}, got {worker!r}, {slot!r}"
+            )
         i = self._load_at + worker * self._row_words + 2 * slot
         w = self._w
         w[i] += requests
@@ -244,6 +249,10 @@ class SharedState:
         replace owner ``s`` (a worker moving a conversation off a backend it found out of rotation); an owner
         other than ``expect`` found under the lock is returned unchanged (another worker decided first).
         """
+        if not 0 <= slot < self.max_backends:
+            raise ValueError(f"slot: expected 0..{self.max_backends - 1}, got {slot!r}")
+        if key == 0 or not -(1 << 63) <= key < 1 << 63:  # 0 marks an empty entry
+            raise ValueError(f"key: expected a nonzero int64 (conversation_key, block_key), got {key!r}")
         w = self._w
         at = self._conv_at
         mask = self._mask

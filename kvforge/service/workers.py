@@ -1,32 +1,20 @@
 """``kvforge router --workers N``: N router processes on one port, sharing what only the router knows.
 
-:func:`run_workers` is the supervising parent. It validates the configuration, reserves the port (a bound,
-non-listening ``SO_REUSEPORT`` socket, so ``--port 0`` resolves once for all), creates the
-:class:`~kvforge.service.shared_state.SharedState` block and starts N spawned workers, each listening on the
-port with ``SO_REUSEPORT`` (the kernel spreads connections over them). It restarts nothing: a worker that exits
-is logged as an error with its exit status, what it started (its process group) is killed, its load row is
-zeroed, and the others keep serving; with none left the parent exits 1. SIGTERM / SIGINT stop every worker
-(SIGTERM, then SIGKILL after ``--shutdown-grace-s``; then whatever is left in its process group), reap them,
-remove the shared block and exit 0.
+:func:`run_workers` is the supervising parent: it validates the configuration, reserves the port (``--port 0``
+resolves once for all), creates the :class:`~kvforge.service.shared_state.SharedState` block and starts N spawned
+workers, each listening on the port with ``SO_REUSEPORT``. It restarts nothing: a worker that exits is logged
+with its status, its process group is killed and its load row zeroed; with none left the parent exits 1.
+SIGTERM / SIGINT stop every worker (SIGKILL after ``--shutdown-grace-s``, then what is left of its process
+group), remove the shared block and exit 0.
 
-Each worker is a full :class:`~kvforge.service.proxy.RouterService` whose fleet is a :class:`SharedFleet`:
-
-- it subscribes to every engine's KV events itself (the engines' caches are the shared view of what is cached);
-- a request with a conversation id goes to the backend the shared conversation map names for it, if that one
-  is in rotation here; otherwise it is placed (below) and claimed in the map, first claim winning. A request
-  without one continues the conversation whose latest prompt it extends: each placed prompt's last block key
-  is claimed in the same map, and a prompt whose trailing quarter (at most 64 blocks) holds such a key goes
-  where that one went (block keys are salted alike in every worker: the parent sets ``$KVFORGE_BLOCK_KEY_SALT``
-  when it is unset);
-- placement (``conversation`` / ``conversation-always``): the backend whose engine holds the longest run of the
-  prompt's leading blocks (at least 2, at most 4096 compared, from this worker's event index), unless that
-  would put it beyond :class:`~kvforge.routing.ImbalanceGuard`'s bound over the least-loaded; else the least
-  loaded. ``least-load``
-  takes the least loaded, ``round-robin`` rotates; ``cache-aware`` is refused (its tree is per process). Load is
-  prompt tokens in flight, summed over every worker's row of the shared load table.
-
-Health checks, the backends file and metrics are per worker; ``/admin/backends`` lists the shared load and
-refuses POST/DELETE (409): with several workers, membership changes go through ``--backends-file``.
+Each worker is a :class:`~kvforge.service.proxy.RouterService` whose fleet is a :class:`SharedFleet`: it
+subscribes to every engine's KV events itself; a request goes to the owner the shared conversation map names
+(by conversation id, or by the last block of the prompt it extends) when that one is in rotation, else it is
+placed (``conversation*``: the longest held run of the prompt's leading blocks within
+:class:`~kvforge.routing.ImbalanceGuard`'s bound, else the fewest prompt tokens in flight over all workers;
+``least-load``; ``round-robin``; ``cache-aware`` is refused) and claimed, first claim winning. Health checks,
+the backends file and metrics are per worker; ``/admin/backends`` refuses POST/DELETE (409). The rules in full:
+``docs/router_service.md``.
 """
 
 from __future__ import annotations
@@ -46,14 +34,23 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from aiohttp import web
 
 from kvforge.kvcache.hashing import SALT_ENV
 from kvforge.routing import ImbalanceGuard
-from kvforge.service.proxy import Backend, Fleet, NoBackend, RouterService, ServiceConfig, _Epoch, _error
+from kvforge.service.proxy import (
+    Backend,
+    Fleet,
+    NoBackend,
+    RouterService,
+    ServiceConfig,
+    _Epoch,
+    _error,
+    new_event_loop,
+)
 from kvforge.service.shared_state import SharedState, max_workers
 from kvforge.service.urls import normalize_backend_url
 
@@ -316,34 +313,14 @@ def _cached_blocks(b: Backend) -> int:
 # ---------------------------------------------------------------- processes
 
 
-def _new_loop(choice: str) -> asyncio.AbstractEventLoop | None:
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return None
-    return uvloop.new_event_loop()
-
-
-def _worker_main(
-    args: argparse.Namespace,
-    make_config: Callable[[argparse.Namespace], ServiceConfig],
-    shm_name: str,
-    lock_path: str,
-    worker: int,
-    parent: int,
-    ready: Any,
-) -> None:
+def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker: int, parent: int, ready: Any) -> None:
     from kvforge.service.metrics import configure_logging
 
     # Its own process group: the parent reaches whatever this worker starts (a tokenizer pool) even after it dies.
     os.setpgid(0, 0)
     configure_logging(args.log_level, args.log_format)
     state = SharedState.attach(shm_name, lock_path)
-    service = WorkerService(make_config(args), state, worker)
+    service = WorkerService(ServiceConfig.from_args(args), state, worker)
     app = service.make_app()
 
     async def watch_parent(app: web.Application) -> None:
@@ -374,7 +351,7 @@ def _worker_main(
             access_log=None,
             print=listening,
             handler_cancellation=True,
-            loop=_new_loop(args.event_loop),
+            loop=new_event_loop(args.event_loop),
             shutdown_timeout=max(0.1, args.shutdown_grace_s - 1.0),
         )
     finally:
@@ -400,12 +377,8 @@ def _reserve_port(host: str, port: int) -> socket.socket:
     return s
 
 
-def run_workers(args: argparse.Namespace, make_config: Callable[[argparse.Namespace], ServiceConfig]) -> int:
-    """The supervising parent of ``kvforge router --workers N`` (N >= 2); returns the exit status.
-
-    ``make_config`` turns the parsed flags into a ``ServiceConfig`` (the CLI passes its own, so this module does
-    not import the CLI back); each worker process calls it again on the same flags.
-    """
+def run_workers(args: argparse.Namespace) -> int:
+    """The supervising parent of ``kvforge router --workers N`` (N >= 2); returns the exit status."""
     from kvforge.service import keys as K
     from kvforge.service.metrics import configure_logging
 
@@ -415,7 +388,7 @@ def run_workers(args: argparse.Namespace, make_config: Callable[[argparse.Namesp
         print(f"{prog}: error: --workers {n}: this platform has no SO_REUSEPORT; run one worker", file=sys.stderr)
         return 2
     try:
-        cfg = make_config(args)
+        cfg = ServiceConfig.from_args(args)
         if cfg.policy not in MULTI_WORKER_POLICIES:
             raise ValueError(
                 f"--policy {cfg.policy} keeps per-process state; with --workers > 1 use one of "
@@ -459,7 +432,7 @@ def run_workers(args: argparse.Namespace, make_config: Callable[[argparse.Namesp
         for i in range(n):
             p = ctx.Process(
                 target=_worker_main,
-                args=(args, make_config, state.name, lock_path, i, os.getpid(), ready[i]),
+                args=(args, state.name, lock_path, i, os.getpid(), ready[i]),
                 name=f"kvforge-router-worker-{i}",
                 daemon=False,
             )
