@@ -18,28 +18,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from bench.bench_partial_match import scan as scan_reference  # noqa: E402  (the former scan, kept there once)
 from kvforge.kvcache import KVCacheConfig, KVCacheManager, LayerSpec, LifeCycle, Tier, TierConfig  # noqa: E402
 from kvforge.kvcache.invariants import check_children_index  # noqa: E402
 from kvforge.kvcache.pools import Block, common_prefix_len  # noqa: E402
 
 TPB = 4
-
-
-def scan_reference(node: Block, rem: tuple[int, ...]) -> tuple[Block | None, int]:
-    """The scan match_partial did before the index (kept here as the reference)."""
-    first = rem[0]
-    best, best_len = None, 0
-    for child in node.children.values():
-        ct = child.tokens
-        if ct is None or ct[0] != first:
-            continue
-        n = min(len(ct), len(rem))
-        i = 1
-        while i < n and ct[i] == rem[i]:
-            i += 1
-        if i > best_len:
-            best, best_len = child, i
-    return best, best_len
 
 
 def _tokens(rng: random.Random) -> tuple[int, ...]:
