@@ -492,10 +492,13 @@ def test_readme_configuration_sends_a_new_conversation_to_the_backend_announcing
             for n, announcer in enumerate((backends[1], backends[0], backends[1])):
                 doc = " ".join(f"w{(7 * i + 31 * n) % 400}" for i in range(300))
                 body = {"messages": [{"role": "user", "content": doc}], "stream": False}
+                keys, _ = keyer.keys_for_body("/v1/chat/completions", body)
+                # The announcer already holds earlier documents' blocks (n=2 reuses backends[1]), so wait
+                # for this document's blocks on top of them, not for a count the old blocks already meet.
+                url = announcer.url
+                want = router.cached_blocks(url) + len(keys)
                 # The engine holds this prompt (another router, a warm-up): it says so on its event stream.
                 announcer._publish(keyer.prompt_token_ids("/v1/chat/completions", body))
-                keys, _ = keyer.keys_for_body("/v1/chat/completions", body)
-                url, want = announcer.url, len(keys)
                 assert await wait_for(lambda u=url, w=want: router.cached_blocks(u) >= w, timeout=5)
                 follow = {"messages": [{"role": "user", "content": doc + " w1 w2 w3"}], "stream": False}
                 r = await post_chat(s, base, follow, f"new-{n}")
