@@ -36,6 +36,13 @@ def helix_block_count(num_blocks: int, cp_rank: int, cp_size: int) -> int:
     return len(helix_blocks(num_blocks, cp_rank, cp_size))
 
 
+def rank_coords(rank: int, tp: int, pp: int, cp: int) -> tuple[int, int, int]:
+    """(tp_rank, pp_rank, cp_rank) of an instance rank: TP varies fastest, then CP, then PP."""
+    if not 0 <= rank < tp * pp * cp:
+        raise ValueError(f"rank: expected an instance rank in [0, {tp * pp * cp}), got {rank}")
+    return rank % tp, rank // (tp * cp), (rank // tp) % cp
+
+
 @dataclass(frozen=True)
 class InstanceLayout:
     """The parallel layout of one instance, as far as the KV cache is concerned."""
@@ -98,12 +105,7 @@ class InstanceLayout:
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, cp_rank) of an instance rank."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank: expected an instance rank in [0, {self.world_size}), got {rank}")
-        tp = rank % self.tp_size
-        cp = (rank // self.tp_size) % self.cp_size
-        pp = rank // (self.tp_size * self.cp_size)
-        return tp, pp, cp
+        return rank_coords(rank, self.tp_size, self.pp_size, self.cp_size)
 
     def target_layers(self, pp: int) -> range:
         start = sum(self.layers_per_pp[:pp])

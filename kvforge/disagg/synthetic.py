@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvforge.disagg.layers import KVLayer, RequestKV
-from kvforge.disagg.mapping import helix_blocks
+from kvforge.disagg.mapping import helix_blocks, rank_coords
 from kvforge.disagg.rank_info import RankInfo
 from kvforge.disagg.transport import Transport
 from kvforge.kvcache.config import DTYPE_BYTES
@@ -88,10 +88,7 @@ class InstanceSpec:
         return self.coords(instance_rank)[0] % self.attention_tp
 
     def coords(self, instance_rank: int) -> tuple[int, int, int]:
-        tp = instance_rank % self.tp
-        cp = (instance_rank // self.tp) % self.cp
-        pp = instance_rank // (self.tp * self.cp)
-        return tp, pp, cp
+        return rank_coords(instance_rank, self.tp, self.pp, self.cp)
 
     def split(self, num_layers: int) -> tuple[int, ...]:
         if self.layers_per_pp is not None:
