@@ -557,11 +557,15 @@ class KVEventSubscriber:
         self._run_seq = seq
         return self._run_len >= self.resync_after
 
+    def _end_run(self) -> None:
+        """Forget the run of far numbers: a batch in sequence (or a resync) ends it."""
+        self._run_seq, self._run_len = None, 0
+
     def _resync(self, seq: int) -> None:
         self._count("resyncs")
         self._warn("kv events from %s: following the engine's numbers from %d (was %s)", self.endpoint, seq,
                    self.last_seq)  # fmt: skip
-        self._run_seq, self._run_len = None, 0
+        self._end_run()
         self.last_seq = seq - 1
 
     async def on_message(self, frames: Sequence[bytes]) -> None:
@@ -589,7 +593,7 @@ class KVEventSubscriber:
                 self.mapper.apply(AllBlocksCleared())
                 self.sink([_keys.cleared_event()])
                 self.last_seq = None
-                self._run_seq, self._run_len = None, 0
+                self._end_run()
                 await self._apply(seq, payload)
             elif last - seq > self.max_seq_jump and self._far_run(seq):
                 self._resync(seq)  # the numbers before were not the engine's: follow these
@@ -598,7 +602,7 @@ class KVEventSubscriber:
                 self._count("duplicates")
             return
         if seq == (0 if last is None else last + 1):
-            self._run_seq, self._run_len = None, 0
+            self._end_run()
             await self._apply(seq, payload)
             return
         # A gap (or the first batch seen, not 0).
@@ -620,7 +624,7 @@ class KVEventSubscriber:
             self._warn("kv events from %s: batch number %d dropped: %d past the engine's %s", self.endpoint, seq,
                        seq - top, top)  # fmt: skip
             return
-        self._run_seq, self._run_len = None, 0
+        self._end_run()
         if self.last_seq is not None and seq > self.last_seq + 1:
             lost = seq - self.last_seq - 1
             self._count("lost", lost)
