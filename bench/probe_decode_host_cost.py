@@ -1,0 +1,281 @@
+"""Host cost of ``mla_decode_attention`` (and the one-call ``mla_context_attention``) on the CPU, launches stubbed.
+
+What one eager call costs in Python besides the driver launch: argument checks, the plan lookup, split planning,
+allocations, descriptor building, the torch ops the wrapper issues. The wrapper runs as on an sm_90 GPU with 132
+SMs (``device_capability``, ``num_sms``, Gluon availability and Triton's active driver are patched; CPU tensors
+stand in for CUDA ones, so ``check_launch_device`` is patched to take them as it takes CUDA tensors), and every
+compiled kernel is a stub whose ``run`` does nothing: the first call per launch spec goes through the JIT path as
+on the GPU and registers the stub as the direct launcher, later calls take the direct path. What is not here:
+the driver launch itself (a few µs per kernel on the H200 host), Triton's launcher work per argument (for each
+TMA descriptor argument it encodes a ``CUtensorMap``) and the CUDA caching allocator (a CPU ``torch.empty`` is
+cheaper than a CUDA one). Timed with ``time.perf_counter`` over many calls with the garbage collector on; the
+torch ops each call issues are counted with a ``TorchDispatchMode``; ``--profile`` prints a cProfile of one
+workload.
+
+    PYTHONPATH=. python3 bench/probe_decode_host_cost.py [--calls 200] [--rounds 15] [--profile 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # import kvforge on a CPU-only machine
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DV, DR = 512, 64
+# (heads, batch, page size, longest length): the decode grid's shapes (bench_mla_decode_grid.py --grid), rows 0-11.
+WORKLOADS = [
+    (16, 1, 64, 55301),
+    (32, 4, 64, 625),
+    (64, 16, 64, 4826),
+    (128, 64, 64, 3631),
+    (16, 256, 32, 1529),
+    (32, 1, 32, 2555),
+    (64, 4, 32, 48702),
+    (128, 16, 32, 838),
+    (16, 64, 64, 4546),
+    (32, 256, 64, 678),
+    (64, 1, 64, 7588),
+    (128, 4, 64, 1962),
+]
+
+
+class _Stub:
+    """A compiled kernel whose launcher does nothing (counts its launches)."""
+
+    launches = 0
+
+    def __init__(self) -> None:
+        self.packed_metadata = object()
+        self.function = 0
+
+    @staticmethod
+    def run(*args: object) -> None:
+        _Stub.launches += 1
+
+
+class _StubJIT:
+    """Stands in for a ``JITFunction``: ``fn[grid](*args, **kw)`` returns a stub kernel; ``params`` are the real
+    kernel's (what ``launch_fast`` reads the constexpr order from)."""
+
+    def __init__(self, real: object) -> None:
+        import inspect
+        from types import SimpleNamespace
+
+        names = getattr(real, "arg_names", None) or list(inspect.signature(real.fn).parameters)
+        self.params = [SimpleNamespace(name=n) for n in names]
+
+    def __getitem__(self, grid: object):
+        def launch(*args: object, **kwargs: object) -> _Stub:
+            _Stub.launches += 1
+            return _Stub()
+
+        return launch
+
+
+class _Driver:
+    """Triton's active driver as ``launch_fast`` / the Gluon launcher read it: device 0, stream 0."""
+
+    @staticmethod
+    def get_current_device() -> int:
+        return 0
+
+    @staticmethod
+    def get_current_stream(device: int) -> int:
+        return 0
+
+
+def patch_as_sm90() -> None:
+    """Make the wrappers take their sm_90 paths on CPU tensors with stubbed kernels (see the module docstring)."""
+    import triton
+
+    from kvforge.kernels import _checks, _runtime
+    from kvforge.kernels import mla_context as mc
+    from kvforge.kernels import mla_context_gluon as mcg
+    from kvforge.kernels import mla_decode as md
+    from kvforge.kernels import mla_decode_gluon as mdg
+
+    def check_launch_device(name: str, t: torch.Tensor) -> None:  # _checks' test, with CPU standing in for CUDA
+        kind = t.device.type
+        if kind == "meta":
+            raise ValueError(f"{name}: expected a tensor with storage on a CUDA device, got a meta tensor")
+        if kind in ("cuda", "cpu"):
+            return
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+
+    cap = (9, 0)
+    for mod in (_runtime, md, mc):
+        if hasattr(mod, "interpreting"):
+            mod.interpreting = lambda: False
+    for mod in (_runtime, md):
+        mod.device_capability = lambda device=None: cap
+        mod.num_sms = lambda device=None: 132
+    for mod in (_checks, md, mc, mdg):
+        if hasattr(mod, "check_launch_device"):
+            mod.check_launch_device = check_launch_device
+    mcg.gluon_unavailable_reason = lambda device=None: None
+    if hasattr(mc, "gpu_capability"):
+        mc.gpu_capability = lambda device=None: cap
+    triton.runtime.driver.set_active(_Driver())
+    md._SPLIT.fn = _StubJIT(md._SPLIT.fn)
+    md._mla_decode_split_kernel = md._SPLIT.fn
+    md._DMERGE.fn = _StubJIT(md._DMERGE.fn)
+    mdg._mla_decode_gluon_kernel = _StubJIT(mdg._mla_decode_gluon_kernel)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops issued inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+ALLOC_OPS = ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like", "new_empty", "new_zeros", "ones")
+
+
+def decode_inputs(H: int, B: int, page: int, longest: int) -> dict:
+    n_pages = -(-longest // page)
+    pages = B * n_pages + 8
+    g = torch.Generator().manual_seed(H * 1000 + B)
+    q = torch.randn(B, H, DV + DR, generator=g).to(torch.bfloat16)
+    kv = torch.empty(pages, page, DV + DR, dtype=torch.bfloat16)  # never read on the host: not initialised
+    bt = torch.randperm(pages, generator=g)[: B * n_pages].view(B, n_pages).to(torch.int32)
+    lens = torch.randint(max(1, longest // 20), longest + 1, (B,), generator=g, dtype=torch.int32)
+    lens[0] = longest
+    out = torch.empty(B, H, DV, dtype=torch.bfloat16)
+    return {"q": q, "kv_cache": kv, "block_table": bt, "seq_lens": lens, "out": out}
+
+
+def time_calls(fn, calls: int, rounds: int) -> tuple[float, float, float]:
+    """Per call, in µs: the median over ``rounds`` of the wall time (``perf_counter``) of ``calls`` calls, its
+    minimum, and the median of the thread's CPU time (``thread_time``: what the call costs the CPU, the time a
+    contended machine spends running other processes left out). The garbage collector stays on."""
+    assert gc.isenabled()
+    wall, cpu = [], []
+    for _ in range(rounds):
+        c0 = time.thread_time()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        wall.append((time.perf_counter() - t0) / calls * 1e6)
+        cpu.append((time.thread_time() - c0) / calls * 1e6)
+    return statistics.median(wall), min(wall), statistics.median(cpu)
+
+
+def count_ops(fn) -> tuple[int, int, int, Counter]:
+    """(torch ops, allocations, kernel launches) of one call, and the ops by name."""
+    before = _Stub.launches
+    with OpCounter() as c:
+        fn()
+    allocs = sum(n for name, n in c.ops.items() if name in ALLOC_OPS)
+    return sum(c.ops.values()), allocs, _Stub.launches - before, c.ops
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()  # fmt: skip
+        return rev.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def decode_cases(md) -> list[tuple[str, object]]:
+    cases = []
+    for H, B, page, longest in WORKLOADS:
+        t = decode_inputs(H, B, page, longest)
+        scale = (DV + DR) ** -0.5
+        name = f"H{H} B{B} p{page} {longest}"
+
+        def default(t=t, scale=scale) -> None:  # the bench's call: out given, default checks
+            md.mla_decode_attention(t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], softmax_scale=scale,
+                                    out=t["out"])  # fmt: skip
+
+        def fresh_out(t=t, scale=scale) -> None:  # out and lse allocated by the call
+            md.mla_decode_attention(t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], softmax_scale=scale,
+                                    return_lse=True)  # fmt: skip
+
+        cases.append((f"{name} default out=", default))
+        cases.append((f"{name} fresh out+lse", fresh_out))
+        plan_cls = getattr(md, "MLADecodePlan", None)
+        if plan_cls is not None:
+            plan = plan_cls(t["q"], t["kv_cache"], t["block_table"], t["seq_lens"], softmax_scale=scale)
+
+            def planned(t=t, plan=plan) -> None:
+                plan.run(t["q"], t["kv_cache"], out=t["out"])
+
+            cases.append((f"{name} planned run", planned))
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--profile", type=int, default=-1, help="cProfile this case index (one round)")
+    ap.add_argument("--only", type=str, default="", help="substring of the case names to run")
+    args = ap.parse_args()
+    from kvforge.kernels import mla_decode as md
+
+    patch_as_sm90()
+    load = os.getloadavg()
+    print(f"host {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
+          f"{platform.python_version()}, torch {torch.__version__}, rev {git_revision()}, load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")  # fmt: skip
+    t0 = time.perf_counter()
+    for _ in range(20000):
+        torch.empty(0)
+    print(f"reference: CPU torch.empty(0) {(time.perf_counter() - t0) / 20000 * 1e6:.2f} µs")
+    cases = [c for c in decode_cases(md) if args.only in c[0]]
+    rows = []
+    for i, (name, fn) in enumerate(cases):
+        fn()  # plan, "compile", register the direct launcher
+        fn()
+        ops, allocs, launches, by_name = count_ops(fn)
+        med, best, cpu = time_calls(fn, args.calls, args.rounds)
+        rows.append((name, med, best, ops, allocs, launches, cpu))
+        top = ", ".join(f"{k} {v}" for k, v in by_name.most_common())
+        print(f"{i:2d} {name:>34}: {med:7.2f} µs/call (min {best:6.2f}, CPU {cpu:6.2f}) | torch ops {ops} "
+              f"(allocations {allocs}) | launches {launches} | {top}", flush=True)  # fmt: skip
+        if i == args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.calls):
+                fn()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    for tag in ("default out=", "fresh out+lse", "planned run"):
+        sel = [r for r in rows if r[0].endswith(tag)]
+        med = statistics.median
+        if sel:
+            print(f"{tag:>14}: median over {len(sel)} workloads: wall {med(r[1] for r in sel):.2f} µs/call (max "
+                  f"{max(r[1] for r in sel):.2f}), min wall {med(r[2] for r in sel):.2f}, CPU "
+                  f"{med(r[6] for r in sel):.2f}; torch ops {min(r[3] for r in sel)}-{max(r[3] for r in sel)}, "
+                  f"allocations {min(r[4] for r in sel)}-{max(r[4] for r in sel)}")  # fmt: skip
+    load = os.getloadavg()
+    print(f"load average after {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
