@@ -56,34 +56,43 @@ WORKLOADS = [
 
 
 class _Stub:
-    """A compiled kernel whose launcher does nothing (counts its launches)."""
+    """A compiled kernel whose launcher does nothing; ``LAUNCHES`` records the last launches when it is a list."""
 
-    launches = 0
-
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.packed_metadata = object()
         self.function = 0
 
-    @staticmethod
-    def run(*args: object) -> None:
-        _Stub.launches += 1
+    def run(self, *args: object) -> None:
+        global COUNT
+        COUNT += 1
+        if LAUNCHES is not None:
+            LAUNCHES.append(("direct", self.name, args))
+
+
+COUNT = 0  # launches so far (JIT path and direct)
+LAUNCHES: list | None = None
 
 
 class _StubJIT:
-    """Stands in for a ``JITFunction``: ``fn[grid](*args, **kw)`` returns a stub kernel; ``params`` are the real
-    kernel's (what ``launch_fast`` reads the constexpr order from)."""
+    """Stands in for a ``JITFunction``: ``fn[grid](*args, **kw)`` returns a stub kernel; ``params`` name the real
+    kernel's parameters (what ``launch_fast`` reads the constexpr order from)."""
 
-    def __init__(self, real: object) -> None:
+    def __init__(self, real: object, name: str) -> None:
         import inspect
         from types import SimpleNamespace
 
         names = getattr(real, "arg_names", None) or list(inspect.signature(real.fn).parameters)
         self.params = [SimpleNamespace(name=n) for n in names]
+        self.name = name
 
     def __getitem__(self, grid: object):
         def launch(*args: object, **kwargs: object) -> _Stub:
-            _Stub.launches += 1
-            return _Stub()
+            global COUNT
+            COUNT += 1
+            if LAUNCHES is not None:
+                LAUNCHES.append(("jit", self.name, (tuple(grid), args, kwargs)))
+            return _Stub(self.name)
 
         return launch
 
@@ -100,12 +109,13 @@ class _Driver:
         return 0
 
 
-def patch_as_sm90() -> None:
-    """Make the wrappers take their sm_90 paths on CPU tensors with stubbed kernels (see the module docstring)."""
+def patch_as_sm90(set_=setattr) -> None:
+    """Make the decode wrappers take their sm_90 paths on CPU tensors with stubbed kernels (see the module
+    docstring). Every change goes through ``set_`` (``monkeypatch.setattr`` in a test, to be undone); the
+    kernels, their launch caches and the plan cache are fresh ones."""
     import triton
 
     from kvforge.kernels import _checks, _runtime
-    from kvforge.kernels import mla_context as mc
     from kvforge.kernels import mla_context_gluon as mcg
     from kvforge.kernels import mla_decode as md
     from kvforge.kernels import mla_decode_gluon as mdg
@@ -119,23 +129,24 @@ def patch_as_sm90() -> None:
         raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
 
     cap = (9, 0)
-    for mod in (_runtime, md, mc):
-        if hasattr(mod, "interpreting"):
-            mod.interpreting = lambda: False
     for mod in (_runtime, md):
-        mod.device_capability = lambda device=None: cap
-        mod.num_sms = lambda device=None: 132
-    for mod in (_checks, md, mc, mdg):
+        set_(mod, "interpreting", lambda: False)
+        set_(mod, "device_capability", lambda device=None: cap)
+        set_(mod, "num_sms", lambda device=None: 132)
+    for mod in (_checks, md, mdg):
         if hasattr(mod, "check_launch_device"):
-            mod.check_launch_device = check_launch_device
-    mcg.gluon_unavailable_reason = lambda device=None: None
-    if hasattr(mc, "gpu_capability"):
-        mc.gpu_capability = lambda device=None: cap
-    triton.runtime.driver.set_active(_Driver())
-    md._SPLIT.fn = _StubJIT(md._SPLIT.fn)
-    md._mla_decode_split_kernel = md._SPLIT.fn
-    md._DMERGE.fn = _StubJIT(md._DMERGE.fn)
-    mdg._mla_decode_gluon_kernel = _StubJIT(mdg._mla_decode_gluon_kernel)
+            set_(mod, "check_launch_device", check_launch_device)
+    set_(mcg, "gluon_unavailable_reason", lambda device=None: None)
+    set_(triton.runtime.driver, "_active", _Driver())
+    set_(_runtime, "_REGISTRY", dict(_runtime._REGISTRY))  # the fresh kernels below register under the real names
+    split = _StubJIT(md._mla_decode_split_kernel, "split")
+    set_(md, "_mla_decode_split_kernel", split)
+    set_(md, "_SPLIT", _runtime.TunedKernel(md._SPLIT.name, split, md._CONFIGS, tune_first=md._SPLIT.tune_first))
+    merge = _StubJIT(md._decode_merge_kernel, "merge")
+    set_(md, "_DMERGE", _runtime.TunedKernel(md._DMERGE.name, merge, md._DMERGE.table))
+    set_(mdg, "_mla_decode_gluon_kernel", _StubJIT(mdg._mla_decode_gluon_kernel, "gluon"))
+    set_(mdg, "_FAST", {})
+    set_(md, "_PLANS", _runtime.PlanCache(maxsize=64))
 
 
 class OpCounter(TorchDispatchMode):
@@ -184,11 +195,11 @@ def time_calls(fn, calls: int, rounds: int) -> tuple[float, float, float]:
 
 def count_ops(fn) -> tuple[int, int, int, Counter]:
     """(torch ops, allocations, kernel launches) of one call, and the ops by name."""
-    before = _Stub.launches
+    before = COUNT
     with OpCounter() as c:
         fn()
     allocs = sum(n for name, n in c.ops.items() if name in ALLOC_OPS)
-    return sum(c.ops.values()), allocs, _Stub.launches - before, c.ops
+    return sum(c.ops.values()), allocs, COUNT - before, c.ops
 
 
 def git_revision() -> str:
@@ -236,9 +247,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=-1, help="cProfile this case index (one round)")
     ap.add_argument("--only", type=str, default="", help="substring of the case names to run")
     args = ap.parse_args()
+    patch_as_sm90()
     from kvforge.kernels import mla_decode as md
 
-    patch_as_sm90()
     load = os.getloadavg()
     print(f"host {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python "
           f"{platform.python_version()}, torch {torch.__version__}, rev {git_revision()}, load average "
