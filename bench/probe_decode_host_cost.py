@@ -149,6 +149,25 @@ def patch_as_sm90(set_=setattr) -> None:
     set_(md, "_PLANS", _runtime.PlanCache(maxsize=64))
 
 
+def patch_context_as_sm90(set_=setattr) -> None:
+    """``patch_as_sm90`` for ``mla_context``: sm_90 capability (TMA, FP8 MMA, the Gluon kernel), CPU tensors taken
+    as CUDA ones, its three kernels and the Gluon kernel stubbed. These launch through the JIT path (the stub
+    stands for Triton's ``kernel[grid]`` launch, whose own host work is not measured here)."""
+    from kvforge.kernels import mla_context as mc
+    from kvforge.kernels import mla_context_gluon as mcg
+    from kvforge.kernels.capability import capability_for
+
+    patch_as_sm90(set_)
+    from kvforge.kernels import mla_decode as md
+
+    set_(mc, "interpreting", lambda: False)
+    set_(mc, "check_launch_device", md.check_launch_device)
+    set_(mc, "gpu_capability", lambda device=None: capability_for((9, 0)))
+    for name in ("_mla_context_fwd_kernel", "_mla_tile_starts_kernel", "_mla_work_items_kernel"):
+        set_(mc, name, _StubJIT(getattr(mc, name), name))
+    set_(mcg, "_mla_context_gluon_kernel", _StubJIT(mcg._mla_context_gluon_kernel, "context_gluon"))
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops issued inside the ``with`` block."""
 
@@ -240,14 +259,48 @@ def decode_cases(md) -> list[tuple[str, object]]:
     return cases
 
 
+def context_cases() -> list[tuple[str, object]]:
+    """bf16 q/k/v, 192 = 128 + 64 wide keys, 128-wide values (DeepSeek's context attention after the
+    up-projections), token-major V; device ``cu_seqlens``: the one call without and with ``max_seqlen_*``, and
+    ``MLAContextPlan.run`` (planned from host lengths outside the timing)."""
+    from kvforge.kernels import mla_context as mc
+
+    cases = []
+    for H, B, cached, new in ((16, 8, 2048, 1024), (128, 4, 4096, 512)):
+        tq, tkv = B * new, B * (cached + new)
+        q = torch.empty(tq, H, 192, dtype=torch.bfloat16)
+        k = torch.empty(tkv, H, 192, dtype=torch.bfloat16)
+        v = torch.empty(tkv, H, 128, dtype=torch.bfloat16)
+        cu_q = torch.arange(0, tq + 1, new, dtype=torch.int32)
+        cu_kv = torch.arange(0, tkv + 1, cached + new, dtype=torch.int32)
+        out = torch.empty(tq, H, 128, dtype=torch.bfloat16)
+        name = f"ctx H{H} {B}x({cached}+{new})"
+
+        def one(q=q, k=k, v=v, cu_q=cu_q, cu_kv=cu_kv, out=out) -> None:
+            mc.mla_context_attention(q, k, v, cu_q, cu_kv, out=out)
+
+        def one_max(q=q, k=k, v=v, cu_q=cu_q, cu_kv=cu_kv, out=out, new=new, kvl=cached + new) -> None:
+            mc.mla_context_attention(q, k, v, cu_q, cu_kv, out=out, max_seqlen_q=new, max_seqlen_kv=kvl)
+
+        plan = mc.MLAContextPlan.plan(cu_q, cu_kv, num_heads=H, num_kv_heads=H, head_dim_qk=192, head_dim_v=128,
+                                      device=q.device)  # fmt: skip
+
+        def planned(q=q, k=k, v=v, out=out, plan=plan) -> None:
+            plan.run(q, k, v, out=out)
+
+        cases += [(f"{name} one call", one), (f"{name} one call max_seqlen", one_max), (f"{name} planned run", planned)]
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--profile", type=int, default=-1, help="cProfile this case index (one round)")
     ap.add_argument("--only", type=str, default="", help="substring of the case names to run")
+    ap.add_argument("--context", action="store_true", help="also mla_context_attention's one call and plan.run")
     args = ap.parse_args()
-    patch_as_sm90()
+    patch_context_as_sm90() if args.context else patch_as_sm90()
     from kvforge.kernels import mla_decode as md
 
     load = os.getloadavg()
@@ -258,7 +311,8 @@ def main() -> None:
     for _ in range(20000):
         torch.empty(0)
     print(f"reference: CPU torch.empty(0) {(time.perf_counter() - t0) / 20000 * 1e6:.2f} µs")
-    cases = [c for c in decode_cases(md) if args.only in c[0]]
+    cases = decode_cases(md) + (context_cases() if args.context else [])
+    cases = [c for c in cases if args.only in c[0]]
     rows = []
     for i, (name, fn) in enumerate(cases):
         fn()  # plan, "compile", register the direct launcher
@@ -276,12 +330,14 @@ def main() -> None:
                 fn()
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-    for tag in ("default out=", "fresh out+lse", "planned run"):
-        sel = [r for r in rows if r[0].endswith(tag)]
-        med = statistics.median
+    med = statistics.median
+    groups = [("decode", t) for t in ("default out=", "fresh out+lse", "planned run")]
+    groups += [("context", t) for t in ("one call", "one call max_seqlen", "planned run")]
+    for op, tag in groups:
+        sel = [r for r in rows if r[0].endswith(tag) and r[0].startswith("ctx") == (op == "context")]
         if sel:
-            print(f"{tag:>14}: median over {len(sel)} workloads: wall {med(r[1] for r in sel):.2f} µs/call (max "
-                  f"{max(r[1] for r in sel):.2f}), min wall {med(r[2] for r in sel):.2f}, CPU "
+            print(f"{op} {tag:>19}: median over {len(sel)} workloads: wall {med(r[1] for r in sel):.2f} µs/call "
+                  f"(max {max(r[1] for r in sel):.2f}), min wall {med(r[2] for r in sel):.2f}, CPU "
                   f"{med(r[6] for r in sel):.2f}; torch ops {min(r[3] for r in sel)}-{max(r[3] for r in sel)}, "
                   f"allocations {min(r[4] for r in sel)}-{max(r[4] for r in sel)}")  # fmt: skip
     load = os.getloadavg()
