@@ -147,6 +147,7 @@ def patch_as_sm90(set_=setattr) -> None:
     set_(mdg, "_mla_decode_gluon_kernel", _StubJIT(mdg._mla_decode_gluon_kernel, "gluon"))
     set_(mdg, "_FAST", {})
     set_(md, "_PLANS", _runtime.PlanCache(maxsize=64))
+    set_(_runtime, "_JIT_FAST", {})
 
 
 def patch_context_as_sm90(set_=setattr) -> None:

@@ -215,3 +215,52 @@ def test_direct_launch_matches_checked_launch(gen, monkeypatch, name, planned):
         assert (m[0], m[1], m[2]) == (a[6], a[7], a[10])
     if expect == "gluon":
         assert [d.base for d in second[0][2][9:13]] == [q, q, kv, kv]  # this call's tensors
+
+
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("short_q", [False, True], ids=["gluon", "short q portable TMA"])
+def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned, short_q):
+    """``mla_context_attention``'s launches (``_runtime.launch_jit``) as on sm_90: the second call's direct launches
+    carry the first call's arguments (the one call's fresh work table aside)."""
+    from kvforge.kernels import mla_context as mc
+    from kvforge.kernels import mla_context_gluon as mcg
+
+    probe.patch_context_as_sm90(monkeypatch.setattr)
+    monkeypatch.setattr(probe, "LAUNCHES", [])
+    H, B, cached, new = 16, 3, 200, 16 if short_q else 130
+    tq, tkv = B * new, B * (cached + new)
+    q = torch.randn(tq, H, 192, generator=gen).to(torch.bfloat16)
+    k = torch.randn(tkv, H, 192, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tkv, H, 128, generator=gen).to(torch.bfloat16)
+    cu_q = torch.arange(0, tq + 1, new, dtype=torch.int32)
+    cu_kv = torch.arange(0, tkv + 1, cached + new, dtype=torch.int32)
+    out = torch.empty(tq, H, 128, dtype=torch.bfloat16)
+    if planned:
+        plan = mc.MLAContextPlan.plan(cu_q, cu_kv, num_heads=H, num_kv_heads=H, head_dim_qk=192, head_dim_v=128)
+        call = lambda: plan.run(q, k, v, out=out)
+    else:
+        call = lambda: mc.mla_context_attention(q, k, v, cu_q, cu_kv, out=out)
+    call()
+    first = list(probe.LAUNCHES)
+    probe.LAUNCHES.clear()
+    call()
+    second = list(probe.LAUNCHES)
+    main = "_mla_context_fwd_kernel" if short_q else "context_gluon"
+    names = [] if planned else ["_mla_tile_starts_kernel", "_mla_work_items_kernel"]
+    assert [e[1] for e in first] == [*names, main] and [e[0] for e in first] == ["jit"] * len(first)
+    assert [e[1] for e in second] == [*names, main] and [e[0] for e in second] == ["direct"] * len(first)
+    fns = {
+        "_mla_tile_starts_kernel": mc._mla_tile_starts_kernel,
+        "_mla_work_items_kernel": mc._mla_work_items_kernel,
+        "_mla_context_fwd_kernel": mc._mla_context_fwd_kernel,
+        "context_gluon": mcg._mla_context_gluon_kernel,
+    }
+    # The one call's work table (starts, table, and the flag / scale placeholders that point at it) is new per call.
+    skips = {"_mla_tile_starts_kernel": (2, 3), "_mla_work_items_kernel": (2, 3),
+             "_mla_context_fwd_kernel": (10, 12, 15), "context_gluon": (6, 8, 11)}  # fmt: skip
+    for a, b in zip(first, second):
+        _check_direct_matches(a, b, [p.name for p in fns[a[1]].params], () if planned else skips[a[1]])
+    if short_q:  # the portable kernel read q, k and v through TMA descriptors over this call's tensors
+        assert [d.base for d in second[-1][2][9 + 5 : 9 + 10]] == [q, q, k, k, v]
+    else:
+        assert [d.base for d in second[-1][2][9 + 3 : 9 + 6]] == [k, k, v]
