@@ -264,3 +264,24 @@ def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned,
         assert [d.base for d in second[-1][2][9 + 5 : 9 + 10]] == [q, q, k, k, v]
     else:
         assert [d.base for d in second[-1][2][9 + 3 : 9 + 6]] == [k, k, v]
+
+
+@pytest.mark.parametrize("name", ["gluon 64 heads, shares merged", "portable TMA (q not contiguous), shares merged"])
+def test_cached_launch_state_keeps_no_tensor(gen, monkeypatch, name):
+    """The plan cache, the per-plan launch state and the descriptor fields keep no caller tensor alive."""
+    import gc
+    import weakref
+
+    H, page, lens, kind, _ = WORKLOADS[name]
+    probe.patch_as_sm90(monkeypatch.setattr)
+    q, kv, bt, sl = make_case(gen, len(lens), H, 512, 64, page, lens, torch.bfloat16, torch.device("cpu"))
+    if kind == "strided q":
+        q = torch.randn(H, len(lens), 576, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    out = torch.empty(len(lens), H, 512, dtype=torch.bfloat16)
+    for _ in range(2):  # planned and checked, then launched directly
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, out=out)
+    refs = [weakref.ref(t) for t in (q, kv, bt, sl, out)]
+    assert len(md._PLANS) == 1
+    del q, kv, bt, sl, out
+    gc.collect()
+    assert all(r() is None for r in refs)
