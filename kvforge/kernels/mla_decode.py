@@ -685,7 +685,7 @@ class _Plan(NamedTuple):
     state: _State
 
 
-_PLANS = PlanCache(maxsize=64)
+_PLANS = PlanCache(maxsize=256)  # an engine step calls once per layer (61 in DeepSeek-V3), each its own cache
 
 
 def _scratch_layout(B: int, H: int, S: int, dv: int) -> tuple[int, int, int]:
