@@ -1041,14 +1041,14 @@ class MLADecodePlan:
 
     The constructor takes the call's arguments (q and kv_cache as examples of every layer's) and does all of the
     one call's host work once: every argument check (the same errors, raised here), the launch configuration,
-    the key-share grid, and one scratch buffer for the partial results (``[B, H, shares, v_head_dim]`` fp32 at
-    most, owned by the plan and reused by every run: runs of one plan must stay on one stream). It keeps
-    ``block_table`` and ``seq_lens`` (their contents are read on the device at each run, so an engine may update
-    them in place). ``run`` takes any q and cache with the planned shape, strides, dtype, device and 16-byte
-    alignment (ValueError naming the argument otherwise), checks ``out``/``lse`` when given (contiguous, not
-    overlapping an input), and launches; it does not synchronise and is graph-capturable. ``check_values`` and
-    ``error_flag`` as in ``mla_decode_attention``; ``"strict"`` checks the lengths and page ids on the host at
-    every run.
+    the key-share grid, a scratch buffer for the partial results (``[B, H, shares, v_head_dim]`` fp32 at most)
+    and an lse buffer for runs that do not ask for lse, both owned by the plan and reused by every run (so runs
+    of one plan must stay on one stream). It keeps ``block_table`` and ``seq_lens`` (their contents are read on
+    the device at each run, so an engine may update them in place). ``run`` takes any q and cache with the
+    planned shape, strides, dtype, device and 16-byte alignment (ValueError naming the argument otherwise),
+    checks ``out``/``lse`` when given (contiguous, not overlapping an input), and launches; it does not
+    synchronise and is graph-capturable. ``check_values`` and ``error_flag`` as in ``mla_decode_attention``;
+    ``"strict"`` checks the lengths and page ids on the host at every run.
     """
 
     def __init__(
@@ -1075,6 +1075,7 @@ class MLADecodePlan:
         # Bytes each tensor spans from its address (planned layouts; out and lse contiguous).
         self._q_bytes, self._kv_bytes = (_span_bytes(t) for t in (q, kv_cache))
         self._out_bytes, self._lse_bytes = out.numel() * out.element_size(), lse.numel() * 4
+        self._lse_own = lse
         self._device = q.device
         self.block_table = block_table
         self.seq_lens = seq_lens
@@ -1117,7 +1118,9 @@ class MLADecodePlan:
         else:
             self._check_buffer("out", out, shape, strides, dtype)
         if lse is None:
-            lse = torch.empty(self._lse[0], dtype=torch.float32, device=self._device)
+            # Not asked for: the plan's own (the kernels only write it), so a run with out given allocates nothing.
+            lse = self._lse_own if not return_lse else torch.empty(self._lse[0], dtype=torch.float32,
+                                                                   device=self._device)  # fmt: skip
         else:
             self._check_buffer("lse", lse, self._lse[0], self._lse[1], torch.float32)
         if plan is None:  # no requests
