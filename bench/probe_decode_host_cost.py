@@ -10,9 +10,11 @@ the driver launch itself (a few µs per kernel on the H200 host), Triton's launc
 TMA descriptor argument it encodes a ``CUtensorMap``) and the CUDA caching allocator (a CPU ``torch.empty`` is
 cheaper than a CUDA one). Timed with ``time.perf_counter`` over many calls with the garbage collector on; the
 torch ops each call issues are counted with a ``TorchDispatchMode``; ``--profile`` prints a cProfile of one
-workload.
+workload. ``--device cuda`` runs the same calls unpatched on a GPU (kernels included, caches uninitialised):
+the host's whole enqueue time per call, driver launches and the CUDA allocator included.
 
-    PYTHONPATH=. python3 bench/probe_decode_host_cost.py [--calls 200] [--rounds 15] [--profile 3]
+    PYTHONPATH=. python3 bench/probe_decode_host_cost.py [--context] [--calls 200] [--rounds 15] [--profile 3]
+    PYTHONPATH=. python3 bench/probe_decode_host_cost.py --device cuda --context --calls 100   # on the H200
 """
 
 from __future__ import annotations
@@ -184,17 +186,17 @@ class OpCounter(TorchDispatchMode):
 ALLOC_OPS = ("empty", "empty_like", "zeros", "zeros_like", "full", "full_like", "new_empty", "new_zeros", "ones")
 
 
-def decode_inputs(H: int, B: int, page: int, longest: int) -> dict:
+def decode_inputs(H: int, B: int, page: int, longest: int, device: str = "cpu") -> dict:
     n_pages = -(-longest // page)
     pages = B * n_pages + 8
     g = torch.Generator().manual_seed(H * 1000 + B)
     q = torch.randn(B, H, DV + DR, generator=g).to(torch.bfloat16)
-    kv = torch.empty(pages, page, DV + DR, dtype=torch.bfloat16)  # never read on the host: not initialised
+    kv = torch.empty(pages, page, DV + DR, dtype=torch.bfloat16, device=device)  # not initialised: never checked
     bt = torch.randperm(pages, generator=g)[: B * n_pages].view(B, n_pages).to(torch.int32)
     lens = torch.randint(max(1, longest // 20), longest + 1, (B,), generator=g, dtype=torch.int32)
     lens[0] = longest
-    out = torch.empty(B, H, DV, dtype=torch.bfloat16)
-    return {"q": q, "kv_cache": kv, "block_table": bt, "seq_lens": lens, "out": out}
+    out = torch.empty(B, H, DV, dtype=torch.bfloat16, device=device)
+    return {"q": q.to(device), "kv_cache": kv, "block_table": bt.to(device), "seq_lens": lens.to(device), "out": out}
 
 
 def time_calls(fn, calls: int, rounds: int) -> tuple[float, float, float]:
@@ -202,14 +204,19 @@ def time_calls(fn, calls: int, rounds: int) -> tuple[float, float, float]:
     minimum, and the median of the thread's CPU time (``thread_time``: what the call costs the CPU, the time a
     contended machine spends running other processes left out). The garbage collector stays on."""
     assert gc.isenabled()
+    # On a GPU the device is drained before each round and a round enqueues fewer launches than CUDA's queue
+    # holds, so the loop measures the host's enqueue time, not the kernels'.
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     wall, cpu = [], []
     for _ in range(rounds):
+        sync()
         c0 = time.thread_time()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         wall.append((time.perf_counter() - t0) / calls * 1e6)
         cpu.append((time.thread_time() - c0) / calls * 1e6)
+    sync()
     return statistics.median(wall), min(wall), statistics.median(cpu)
 
 
@@ -232,10 +239,10 @@ def git_revision() -> str:
         return "unknown"
 
 
-def decode_cases(md) -> list[tuple[str, object]]:
+def decode_cases(md, device: str = "cpu") -> list[tuple[str, object]]:
     cases = []
     for H, B, page, longest in WORKLOADS:
-        t = decode_inputs(H, B, page, longest)
+        t = decode_inputs(H, B, page, longest, device)
         scale = (DV + DR) ** -0.5
         name = f"H{H} B{B} p{page} {longest}"
 
@@ -260,9 +267,9 @@ def decode_cases(md) -> list[tuple[str, object]]:
     # An engine step: one call per layer (61, as DeepSeek-V3), each layer's cache its own tensor (here slices of one
     # buffer at different addresses), q and out shared; timed per layer call.
     H, B, page, longest = 128, 64, 64, 3631
-    t = decode_inputs(H, B, page, longest)
+    t = decode_inputs(H, B, page, longest, device)
     pages = t["kv_cache"].shape[0]
-    buf = torch.empty(pages + 61 * 8, page, DV + DR, dtype=torch.bfloat16)
+    buf = torch.empty(pages + 61 * 8, page, DV + DR, dtype=torch.bfloat16, device=device)
     layers = [buf[8 * i : 8 * i + pages] for i in range(61)]
     scale = (DV + DR) ** -0.5
     name = f"H{H} B{B} p{page} {longest} x61 layers"
@@ -283,7 +290,7 @@ def decode_cases(md) -> list[tuple[str, object]]:
     return cases
 
 
-def context_cases() -> list[tuple[str, object]]:
+def context_cases(device: str = "cpu") -> list[tuple[str, object]]:
     """bf16 q/k/v, 192 = 128 + 64 wide keys, 128-wide values (DeepSeek's context attention after the
     up-projections), token-major V; device ``cu_seqlens``: the one call without and with ``max_seqlen_*``, and
     ``MLAContextPlan.run`` (planned from host lengths outside the timing)."""
@@ -292,12 +299,12 @@ def context_cases() -> list[tuple[str, object]]:
     cases = []
     for H, B, cached, new in ((16, 8, 2048, 1024), (128, 4, 4096, 512)):
         tq, tkv = B * new, B * (cached + new)
-        q = torch.empty(tq, H, 192, dtype=torch.bfloat16)
-        k = torch.empty(tkv, H, 192, dtype=torch.bfloat16)
-        v = torch.empty(tkv, H, 128, dtype=torch.bfloat16)
-        cu_q = torch.arange(0, tq + 1, new, dtype=torch.int32)
-        cu_kv = torch.arange(0, tkv + 1, cached + new, dtype=torch.int32)
-        out = torch.empty(tq, H, 128, dtype=torch.bfloat16)
+        q = torch.empty(tq, H, 192, dtype=torch.bfloat16, device=device)
+        k = torch.empty(tkv, H, 192, dtype=torch.bfloat16, device=device)
+        v = torch.empty(tkv, H, 128, dtype=torch.bfloat16, device=device)
+        cu_q = torch.arange(0, tq + 1, new, dtype=torch.int32, device=device)
+        cu_kv = torch.arange(0, tkv + 1, cached + new, dtype=torch.int32, device=device)
+        out = torch.empty(tq, H, 128, dtype=torch.bfloat16, device=device)
         name = f"ctx H{H} {B}x({cached}+{new})"
 
         def one(q=q, k=k, v=v, cu_q=cu_q, cu_kv=cu_kv, out=out) -> None:
@@ -323,8 +330,11 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=-1, help="cProfile this case index (one round)")
     ap.add_argument("--only", type=str, default="", help="substring of the case names to run")
     ap.add_argument("--context", action="store_true", help="also mla_context_attention's one call and plan.run")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the real calls on a GPU, kernels included (timing only)")  # fmt: skip
     args = ap.parse_args()
-    patch_context_as_sm90() if args.context else patch_as_sm90()
+    if args.device == "cpu":
+        patch_context_as_sm90() if args.context else patch_as_sm90()
     from kvforge.kernels import mla_decode as md
 
     load = os.getloadavg()
@@ -335,7 +345,7 @@ def main() -> None:
     for _ in range(20000):
         torch.empty(0)
     print(f"reference: CPU torch.empty(0) {(time.perf_counter() - t0) / 20000 * 1e6:.2f} µs")
-    cases = decode_cases(md) + (context_cases() if args.context else [])
+    cases = decode_cases(md, args.device) + (context_cases(args.device) if args.context else [])
     cases = [c for c in cases if args.only in c[0]]
     rows = []
     for i, (name, fn) in enumerate(cases):
@@ -365,8 +375,8 @@ def main() -> None:
         if sel:
             print(f"{op} {tag:>19}: median over {len(sel)} workloads: wall {med(r[1] for r in sel):.2f} µs/call "
                   f"(max {max(r[1] for r in sel):.2f}), min wall {med(r[2] for r in sel):.2f}, CPU "
-                  f"{med(r[6] for r in sel):.2f}; torch ops {min(r[3] for r in sel)}-{max(r[3] for r in sel)}, "
-                  f"allocations {min(r[4] for r in sel)}-{max(r[4] for r in sel)}")  # fmt: skip
+                  f"{med(r[6] for r in sel):.2f}; torch ops {min(r[3] for r in sel):g}-{max(r[3] for r in sel):g}, "
+                  f"allocations {min(r[4] for r in sel):g}-{max(r[4] for r in sel):g}")  # fmt: skip
     load = os.getloadavg()
     print(f"load average after {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
