@@ -7,8 +7,9 @@ at random over the cache; total keys capped at 4M (the cache stays a few GB). bf
 (512 + 64). Per workload, each provider's output is checked against ``mla_decode_attention_ref`` (fp32) on two
 requests, and every element for being written and finite, before anything is timed; a failed check is reported
 and the workload's ratios are not written. Timed, sample by sample in turn behind an L2 flush: kvforge's
-default call (device-side value checks), kvforge with ``check_values=False``, FlashInfer's ``run`` (its
-``plan`` outside the timing), and kvforge over an e4m3 copy of the cache (``kv_scale_quant_orig``, same call).
+default call (device-side value checks), kvforge with ``check_values=False``, ``MLADecodePlan.run`` (planned
+outside the timing), FlashInfer's ``run`` (its ``plan`` outside the timing), and kvforge over an e4m3 copy of the
+cache (``kv_scale_quant_orig``, same call).
 Then kvforge's default call and FlashInfer replayed from CUDA graphs. Ratios are FlashInfer time / kvforge time
 (above 1: kvforge faster); the FP8 ratio is kvforge bf16 time / kvforge FP8 time.
 
@@ -135,11 +136,19 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
     def kv_nocheck():
         md.mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, out=out_nc, check_values=False)
 
-    fns = {"kvforge": kv_default, "kvforge_nocheck": kv_nocheck}
+    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=scale)  # planned once, as an engine step would
+    out_pl = torch.full_like(out, float("nan"))
+
+    def kv_planned():
+        plan.run(q, kv, out=out_pl)
+
+    fns = {"kvforge": kv_default, "kvforge_nocheck": kv_nocheck, "kvforge_planned": kv_planned}
     row = {"workload": w["name"], "heads": H, "batch": B, "page": w["page"], "max_len": max(w["lens"]),
            "mean_len": sum(w["lens"]) / B}  # fmt: skip
     kv_default()
     row["rmse_kvforge"] = check("kvforge", out, q, kv, bt, sl, scale)
+    kv_planned()
+    row["rmse_kvforge_planned"] = check("kvforge planned", out_pl, q, kv, bt, sl, scale)
     if int(flags.sum()):
         raise RuntimeError(f"kvforge: error flags {flags.tolist()} on a valid table")
     if fi:
@@ -166,10 +175,12 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
     if fi:
         row["ratio_eager"] = t["flashinfer"]["ms"] / t["kvforge"]["ms"]
         row["ratio_eager_nocheck"] = t["flashinfer"]["ms"] / t["kvforge_nocheck"]["ms"]
+        row["ratio_eager_planned"] = t["flashinfer"]["ms"] / t["kvforge_planned"]["ms"]
     if fp8:
         row["fp8_speedup"] = t["kvforge"]["ms"] / t["kvforge_fp8"]["ms"]
     # The timed calls took the cached launch paths: their last outputs are checked too.
     check("kvforge (timed)", out, q, kv, bt, sl, scale)
+    check("kvforge planned (timed)", out_pl, q, kv, bt, sl, scale)
     if fp8:
         check("kvforge fp8 (timed)", out8, q, kv8, bt, sl, scale, kv_scale_quant_orig=s_q)
     row["kvforge_graph_ms"] = time_graph(kv_default, rep=30)["ms"]
@@ -226,15 +237,18 @@ def main() -> None:
             torch.cuda.empty_cache()
         row["set"] = tag
         rows.append(row)
+        nan = float("nan")
         print(f"{i:2d} {w['name']:>40}: kvforge {row['kvforge_ms']:.4f} ms (no check {row['kvforge_nocheck_ms']:.4f}, "
-              f"check cost {row['check_cost']:.3f}x) fi {row.get('flashinfer_ms', float('nan')):.4f} ms | ratio eager "
-              f"{row.get('ratio_eager', float('nan')):.3f} graph {row.get('ratio_graph', float('nan')):.3f} | fp8 "
-              f"{row.get('kvforge_fp8_ms', float('nan')):.4f} ms x{row.get('fp8_speedup', float('nan')):.2f} "
+              f"check cost {row['check_cost']:.3f}x, planned {row['kvforge_planned_ms']:.4f}) fi "
+              f"{row.get('flashinfer_ms', nan):.4f} ms | ratio eager {row.get('ratio_eager', nan):.3f} planned "
+              f"{row.get('ratio_eager_planned', nan):.3f} graph {row.get('ratio_graph', nan):.3f} | fp8 "
+              f"{row.get('kvforge_fp8_ms', nan):.4f} ms x{row.get('fp8_speedup', nan):.2f} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
     print("chosen configs:", md._SPLIT.chosen())
     if args.warm or not rows:
         return
-    for key in ("ratio_eager", "ratio_eager_nocheck", "ratio_graph", "check_cost", "fp8_speedup"):
+    for key in ("ratio_eager", "ratio_eager_nocheck", "ratio_eager_planned", "ratio_graph", "check_cost",
+                "fp8_speedup"):  # fmt: skip
         vals = [r[key] for r in rows if key in r]
         if vals:
             print(f"{key}: geomean {geomean(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)}")

@@ -226,6 +226,41 @@ def test_gpu_gluon_cuda_graph_replay(gen, device, monkeypatch, variant):
     assert float(err) < 8e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS[:1], ids=VARIANT_IDS[:1])
+def test_gpu_gluon_planned_runs_and_replay(gen, device, monkeypatch, variant):
+    """``MLADecodePlan`` on the Gluon path: runs over several layers' q and caches (the later ones launched
+    directly with raw scratch addresses and cloned descriptors), each against the reference, then a run captured
+    in a CUDA graph replaying new contents; the repeated default call takes the same direct path."""
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*variant))
+    calls = _count_gluon_launches(monkeypatch)
+    q, kv, bt, sl = make_case(gen, 3, 128, 512, 64, 64, [3000, 64, 1], torch.bfloat16, device)
+    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.05)
+    assert plan._plan.grid[2] > 1  # the merge runs
+    out = torch.empty(3, 128, 512, dtype=torch.bfloat16, device=device)
+    for layer in range(3):
+        q2, kv2 = torch.randn_like(q), torch.randn_like(kv)
+        got = plan.run(q2, kv2, out=out if layer else None)
+        ref, _ = md.mla_decode_attention_ref(q2, kv2, bt, sl, softmax_scale=0.05)
+        assert float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3, layer
+    assert calls[0] == 3
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, kv, out=out)
+    q.copy_(torch.randn(q.shape, generator=gen).to(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.05)
+    assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
+    for _ in range(3):  # the default call: checked, then the plan cache's direct launches
+        out.fill_(float("nan"))
+        md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, out=out)
+        assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
+
+
 def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) -> dict[str, object]:
     """Compile one Gluon variant for sm_90 offline; with ``ptxas_v``, also ptxas -v's registers and spills."""
     import re

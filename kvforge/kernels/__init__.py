@@ -44,6 +44,7 @@ _LAZY = {
     "unpack_kv_blocks_ref": "kv_pack",
     "merge_attention_states": "merge_states",
     "merge_attention_states_ref": "merge_states",
+    "MLADecodePlan": "mla_decode",
     "mla_decode_attention": "mla_decode",
     "mla_decode_attention_ref": "mla_decode",
 }

@@ -4,7 +4,8 @@
   device). ``device_capability()`` / ``num_sms()``: queried lazily and cached, never at import.
 * ``TunedKernel``: per-SM launch configuration, from the committed ``tuned/sm<XY>.json`` when present, else
   measured once on a GPU; the interpreter uses the table's interpreter config. ``launch_fast`` and
-  ``direct(spec)`` / ``DirectLaunch`` skip the per-call binder work after the first call per ``spec``.
+  ``direct(spec)`` / ``DirectLaunch`` skip the per-call binder work after the first call per ``spec``;
+  ``launch_jit`` does the same for a kernel launched as ``fn[grid]``, keyed on what Triton specialises on.
 * ``tensor_key`` / ``PlanCache``: a cache of per-call launch plans keyed by each tensor's address, shape,
   strides, dtype and device, so a changed buffer takes the fully checked path again.
 
@@ -13,6 +14,7 @@ How tuning and the fast launch paths work: ``docs/kernels.md``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -335,6 +337,68 @@ class TunedKernel:
 
     def chosen(self) -> dict[str, dict[str, Any]]:
         return {f"{arch}|{_key_str(key)}": config_to_json(cfg) for (arch, key), cfg in self._chosen.items()}
+
+
+def _arg_spec(a: Any) -> Any:
+    """What Triton may specialise a kernel on for one argument (a superset: a finer key only compiles more)."""
+    t = type(a)
+    if t is int:
+        return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+    if t is float or t is bool or a is None:
+        return t
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, int):  # an int subclass (numpy ints are not: they raise below)
+        return (t, a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(a, "block_shape"):  # a host tensor descriptor
+        return (t, base.dtype, tuple(a.block_shape), getattr(a, "layout", None), getattr(a, "padding", None),
+                getattr(a, "round_f32_to_tf32", None), len(a.shape))  # fmt: skip
+    raise TypeError(t.__name__)
+
+
+_JIT_FAST: dict[Any, tuple[Any, ...]] = {}
+
+
+def launch_jit(fn: Any, grid: tuple[int, ...], args: Sequence[Any], consts: Mapping[str, Any], **options: Any) -> Any:
+    """``fn[grid](*args, **consts, **options)``; once that has compiled, later calls whose arguments Triton would
+    specialise alike (tensor dtypes and 16-byte alignment, ints equal to 1 / multiples of 16 / 32 or 64 bits,
+    descriptor types and blocks; the same constexprs, options and device) hand them to the compiled kernel's
+    launcher directly, skipping Triton's per-call launch path. ``args`` are the kernel's runtime arguments in
+    signature order; every later parameter must be in ``consts``. Falls back to ``fn[grid]`` for arguments it
+    cannot key (its spec raises TypeError), with a launch hook set, or under KVFORGE_FAST_LAUNCH=0."""
+    spec = None
+    if _FAST_LAUNCH:
+        try:
+            spec = (id(fn), tuple(map(_arg_spec, args)), tuple(consts.items()), tuple(options.items()))
+        except TypeError:
+            spec = None
+    if spec is not None:
+        try:
+            fast = _JIT_FAST.get(spec)
+        except TypeError:  # an unhashable constexpr or layout: Triton's own path every time
+            fast, spec = None, None
+        if fast is not None and not _hooks_active():
+            kernel, cvals, device, current_device, current_stream = fast
+            if current_device() == device:
+                g = grid
+                kernel.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, current_stream(device),
+                           kernel.function, kernel.packed_metadata, None, None, None, *args, *cvals)  # fmt: skip
+                return kernel
+    kernel = fn[grid](*args, **consts, **options)
+    if spec is not None and not interpreting() and hasattr(kernel, "packed_metadata"):
+        from triton.runtime import driver
+
+        cvals = []
+        for p in fn.params[len(args) :]:  # the constexprs in signature order, defaults for those not given
+            value = consts.get(p.name, getattr(p, "default", inspect.Parameter.empty))
+            if value is inspect.Parameter.empty:
+                return kernel
+            cvals.append(value)
+        active = driver.active
+        _JIT_FAST[spec] = (kernel, tuple(cvals), active.get_current_device(), active.get_current_device,
+                           active.get_current_stream)  # fmt: skip
+    return kernel
 
 
 def export_tuned(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:

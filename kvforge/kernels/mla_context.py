@@ -36,7 +36,7 @@ import triton.language as tl
 
 from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, native_fp8_cast
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting
+from kvforge.kernels._runtime import ConfigTable, TunedKernel, interpreting, launch_jit
 from kvforge.kernels._selfcheck import CheckRow, timed_check
 from kvforge.kernels.capability import capability_for, gpu_capability
 
@@ -1051,10 +1051,9 @@ class MLAContextPlan:
         work, starts = buf[: max(n_slots, 1) * 4].view(-1, 4), buf[max(n_slots, 1) * 4 :]
         flag = error_flag if error_flag is not None else buf
         if n_req > 0:
-            _mla_tile_starts_kernel[(1,)](
-                cu_q, cu_kv, starts, flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M=bm,
-                R_BLOCK=256, SET_FLAG=error_flag is not None, num_warps=4,
-            )  # fmt: skip
+            consts = {"BLOCK_M": bm, "R_BLOCK": 256, "SET_FLAG": error_flag is not None}
+            launch_jit(_mla_tile_starts_kernel, (1,), (cu_q, cu_kv, starts, flag, n_req, total_q, kv_rows, max_q,
+                       max_kv), consts, num_warps=4)  # fmt: skip
         elif error_flag is not None:
             error_flag.zero_()
         if n_slots > 0:
@@ -1065,10 +1064,9 @@ class MLAContextPlan:
                 while n_pad < n_slots:
                     n_pad *= 4
             grid = (1,) if sort else (triton.cdiv(n_slots, n_pad),)
-            _mla_work_items_kernel[grid](
-                cu_q, cu_kv, starts, work, n_req, n_slots, n_req.bit_length(), total_q, kv_rows, max_q, max_kv,
-                BLOCK_M=bm, N_PAD=n_pad, SORT=sort, num_warps=4 if n_pad <= 1024 else 16,
-            )  # fmt: skip
+            launch_jit(_mla_work_items_kernel, grid, (cu_q, cu_kv, starts, work, n_req, n_slots, n_req.bit_length(),
+                       total_q, kv_rows, max_q, max_kv), {"BLOCK_M": bm, "N_PAD": n_pad, "SORT": sort},
+                       num_warps=4 if n_pad <= 1024 else 16)  # fmt: skip
         return cls(shapes, dev, config, work, n_slots, total_q, 0)
 
     def run(
@@ -1213,14 +1211,13 @@ class MLAContextPlan:
             **kw,
         )
         grid = (self.n_items * sh.num_heads,)
-        return _mla_context_fwd_kernel[grid](
-            q, k, v, out, lse_t, *descs, self.work, self.n_items,
-            scale_ptr if scale_ptr is not None else self.work, softmax_scale, scale_val,
-            q_scale_ptr if q_scale_ptr is not None else self.work, q_scale_val,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), svt, svh, svd,
-            out.stride(0), out.stride(1), slt, slh,
-            **meta, num_warps=self.config.num_warps, num_stages=self.config.num_stages,
-        )  # fmt: skip
+        args = (q, k, v, out, lse_t, *descs, self.work, self.n_items,
+                scale_ptr if scale_ptr is not None else self.work, softmax_scale, scale_val,
+                q_scale_ptr if q_scale_ptr is not None else self.work, q_scale_val,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), svt, svh, svd,
+                out.stride(0), out.stride(1), slt, slh)  # fmt: skip
+        return launch_jit(_mla_context_fwd_kernel, grid, args, meta, num_warps=self.config.num_warps,
+                          num_stages=self.config.num_stages)  # fmt: skip
 
     def _launch_gluon(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr, kw,
                       fp8_bytes):  # fmt: skip
@@ -1235,7 +1232,7 @@ class MLAContextPlan:
         if not mg.gluon_supports(sh.q_dtype, sh.kv_dtype, dim_major, v_widen):
             return None
         d_a, d_b = _split_head_dim(sh.head_dim_qk)
-        if _descriptors(q, k, v, sh, kw["BLOCK_M"], kw["BLOCK_N"], d_a, d_b) is None:
+        if not _tma_layouts_ok(q, k, v, sh):
             return None
         return mg.mla_context_gluon_fwd(
             q, k, v, out, lse, self.work, self.n_items, num_heads=sh.num_heads,
@@ -1294,6 +1291,21 @@ def _tune_runner(sh: _Shapes, device: torch.device, short_q: bool):
     return run
 
 
+def _tma_layouts_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sh: _Shapes) -> bool:
+    """Whether ``_descriptors`` can build its descriptors (heads packed, 16-byte alignment, rows present), read
+    from the metadata without building them."""
+    if q.stride(1) != sh.head_dim_qk or k.stride(1) != sh.head_dim_qk:
+        return False
+    es_q, es_kv = q.element_size(), k.element_size()
+    if any(t.data_ptr() % 16 for t in (q, k, v)) or (q.stride(0) * es_q) % 16 or (k.stride(0) * es_kv) % 16:
+        return False
+    if min(q.shape[0], k.shape[0]) == 0:
+        return False
+    if sh.v_layout == "dim_major":
+        return v.stride(0) == sh.head_dim_v * v.stride(1) and (v.stride(1) * es_kv) % 16 == 0
+    return v.stride(1) == sh.head_dim_v and (v.stride(0) * es_kv) % 16 == 0
+
+
 def _descriptors(q, k, v, sh: _Shapes, bm: int, bn: int, d_a: int, d_b: int) -> tuple | None:
     """2-D tensor descriptors (tokens x (heads * dim)) for the TMA path, or None when a layout does not allow
     one (heads not packed, 16-byte alignment); the kernel then takes the pointer path."""
@@ -1301,12 +1313,7 @@ def _descriptors(q, k, v, sh: _Shapes, bm: int, bn: int, d_a: int, d_b: int) -> 
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:  # Triton without host-side descriptors
         return None
-    if q.stride(1) != sh.head_dim_qk or k.stride(1) != sh.head_dim_qk:
-        return None
-    es_q, es_kv = q.element_size(), k.element_size()
-    if any(t.data_ptr() % 16 for t in (q, k, v)) or (q.stride(0) * es_q) % 16 or (k.stride(0) * es_kv) % 16:
-        return None
-    if min(q.shape[0], k.shape[0]) == 0:
+    if not _tma_layouts_ok(q, k, v, sh):
         return None
     d_b_blk = d_b or d_a
     q2 = [q.shape[0], sh.num_heads * sh.head_dim_qk]
@@ -1318,14 +1325,10 @@ def _descriptors(q, k, v, sh: _Shapes, bm: int, bn: int, d_a: int, d_b: int) -> 
         TensorDescriptor(k, k2, [k.stride(0), 1], [bn, d_b_blk]),
     ]
     if sh.v_layout == "dim_major":
-        if v.stride(0) != sh.head_dim_v * v.stride(1) or (v.stride(1) * es_kv) % 16:
-            return None
         descs.append(
             TensorDescriptor(v, [sh.num_kv_heads * sh.head_dim_v, v.shape[2]], [v.stride(1), 1], [sh.head_dim_v, bn])
         )
     else:
-        if v.stride(1) != sh.head_dim_v or (v.stride(0) * es_kv) % 16:
-            return None
         descs.append(
             TensorDescriptor(v, [v.shape[0], sh.num_kv_heads * sh.head_dim_v], [v.stride(0), 1], [bn, sh.head_dim_v])
         )

@@ -24,9 +24,12 @@ everything else takes the portable ``@triton.jit`` kernel. Written against Trito
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+from kvforge.kernels._runtime import launch_jit
 
 try:  # Gluon ships with Triton >= 3.5; its API moves between releases, so every name is checked here
     from triton.experimental import gluon
@@ -579,7 +582,12 @@ if gluon is not None:
 
 
 def _nvmma(block: list[int], dtype) -> object:
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return _nvmma_cached(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=256)  # Gluon's layout helper costs tens of µs of host time per call
+def _nvmma_cached(block: tuple[int, ...], dtype) -> object:
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
 def _gl_dtype(dt: torch.dtype) -> object:
@@ -590,6 +598,31 @@ def gluon_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: 
                       dim_major: bool, block_n: int) -> tuple:  # fmt: skip
     """Host-side Gluon tensor descriptors of K (two head-dim parts) and V (rows = tokens; dim-major:
     rows = head x dim). The caller has checked that the layouts allow them (``_descriptors`` in mla_context)."""
+    key = (k.dtype, k.shape, k.stride(), v.dtype, v.shape, v.stride(), k.data_ptr() % 16, v.data_ptr() % 16, d_a, d_b,
+           dv, num_kv_heads, dim_major, block_n)  # fmt: skip
+    fields = _DESC_FIELDS.get(key)
+    if fields is not None:  # descriptors over tensors laid out alike: their fields were checked when first built
+        return tuple(_clone_desc(f, base) for f, base in zip(fields, (k, k, v)))
+    descs = _build_descriptors(k, v, d_a, d_b, dv, num_kv_heads, dim_major, block_n)
+    if all(hasattr(d, "__dict__") for d in descs):
+        if len(_DESC_FIELDS) >= 256:
+            _DESC_FIELDS.clear()
+        _DESC_FIELDS[key] = tuple({n: x for n, x in vars(d).items() if n != "base"} for d in descs)
+    return descs
+
+
+_DESC_FIELDS: dict = {}  # layout key -> each descriptor's fields without its base tensor (no tensor kept)
+
+
+def _clone_desc(fields: dict, base: torch.Tensor) -> object:
+    d = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
+    d.__dict__.update(fields)
+    d.base = base
+    return d
+
+
+def _build_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: int, num_kv_heads: int,
+                       dim_major: bool, block_n: int) -> tuple:  # fmt: skip
     d_qk = d_a + d_b
     kt, vt = _gl_dtype(k.dtype), _gl_dtype(v.dtype)
     k2 = [k.shape[0], num_kv_heads * d_qk]
@@ -634,15 +667,17 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group,
     lse_t = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
     grid = (n_items * num_heads,)
-    return _mla_context_gluon_kernel[grid](
-        q, out, lse_t, kd_a, kd_b, vd, work, n_items, scale_ptr if scale_ptr is not None else work,
-        float(softmax_scale), float(scale_val), q_scale_ptr if q_scale_ptr is not None else work,
-        float(q_scale_val if q_scale_val is not None else 1.0), q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), slt, slh,
+    args = (q, out, lse_t, kd_a, kd_b, vd, work, n_items, scale_ptr if scale_ptr is not None else work,
+            float(softmax_scale), float(scale_val), q_scale_ptr if q_scale_ptr is not None else work,
+            float(q_scale_val if q_scale_val is not None else 1.0), q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), slt, slh)  # fmt: skip
+    consts = dict(
         H=num_heads, GROUP=group, D_A=d_a, D_B=d_b, DV=dv,
         V_DIM_MAJOR=dim_major, SCALE_FROM_PTR=scale_ptr is not None, Q_SCALE_FROM_PTR=q_scale_ptr is not None,
         WRITE_LSE=lse is not None,
         P_OFFSET=8.0 if fp8_p else 0.0, BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1,
         HEADS_OUTER=heads_outer, C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, KEY_PERM=key_perm and fp8_p,
-        KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16, num_warps=4, maxnreg=_MAXNREG,
+        KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16,
     )  # fmt: skip
+    # Repeat launches go to the compiled kernel's launcher (Triton's own launch path costs tens of µs a call).
+    return launch_jit(_mla_context_gluon_kernel, grid, args, consts, num_warps=4, maxnreg=_MAXNREG)

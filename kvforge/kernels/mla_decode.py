@@ -11,9 +11,10 @@ types, dtypes, shapes, devices, overlaps. Values (lengths, page ids) are checked
 no device→host read (bad requests get NaN and set an error flag; ``check_values="strict"`` checks on the host
 and raises), so the default call is graph-capturable. Key shares are sized on the device from the batch's total
 work (a long request of a mixed batch gets many, a short one a single share written straight to ``out``); a
-repeat call with the same tensors and arguments reuses its checked launch plan. On sm_90 with bf16 and 32 or
-more heads the warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel.
-Layout, shares and launch variants: ``docs/kernels.md``.
+repeat call with the same tensors and arguments reuses its checked launch plan. ``MLADecodePlan`` does the host
+work once per batch and ``run(q, kv_cache)`` per layer. On sm_90 with bf16 and 32 or more heads the
+warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel. Layout, shares,
+launch variants and host cost: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -26,14 +27,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_shape, check_tensor, same_device
+from kvforge.kernels._checks import (
+    FP8,
+    byte_span,
+    check_launch_device,
+    check_no_overlap,
+    check_shape,
+    check_tensor,
+    same_device,
+)
 from kvforge.kernels._fp8 import fp32_to_e4m3_bits
 from kvforge.kernels._runtime import (
     ConfigTable,
+    DirectLaunch,
     PlanCache,
     TunedKernel,
     arch_name,
     device_capability,
+    hooks_active,
     interpreting,
     num_sms,
     tensor_key,
@@ -627,6 +638,20 @@ def raise_decode_errors(error_flag: torch.Tensor | torch.device | str | None = N
         raise ValueError("mla_decode_attention: " + "; ".join(found) + " (those requests' outputs are NaN)")
 
 
+class _State:
+    """A plan's launch state, filled by its first launches; holds no caller tensor: the split and merge kernels'
+    direct launchers, the Gluon call's prep (``mla_decode_gluon.SplitPrep``), and the fields of the portable
+    kernel's TMA descriptors (checked once; a later call's cache has the plan's shape, strides and alignment)."""
+
+    __slots__ = ("gluon", "merge", "split", "tma")
+
+    def __init__(self, gluon_prep: object | None) -> None:
+        self.split: DirectLaunch | None = None
+        self.merge: DirectLaunch | None = None
+        self.gluon = gluon_prep
+        self.tma: tuple | None = None
+
+
 class _Plan(NamedTuple):
     """A checked call's launch, keyed by its tensors' metadata (``_PLANS``); holds no caller tensor."""
 
@@ -652,9 +677,64 @@ class _Plan(NamedTuple):
     merge: tuple | None  # (grid, spec, consts) of the share merge when S > 1
     strict: bool
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
+    check: bool
+    balance: bool
+    fp8_bytes: bool
+    scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
+    merge_ints: tuple  # H and the merge kernel's strides, in kernel order
+    state: _State
 
 
-_PLANS = PlanCache(maxsize=64)
+_PLANS = PlanCache(maxsize=256)  # an engine step calls once per layer (61 in DeepSeek-V3), each its own cache
+
+
+def _scratch_layout(B: int, H: int, S: int, dv: int) -> tuple[int, int, int]:
+    """partial [B, H, S, dv] fp32, partial_lse [B, H, S] fp32 and nshare [B] int32 in one fp32 buffer: (elements,
+    offset of partial_lse, offset of nshare), each part starting 16-byte aligned (dv is a multiple of 4)."""
+    if S <= 1:
+        return 0, 0, 0
+    o_pl = B * H * S * dv
+    o_ns = o_pl + -(-(B * H * S) // 4) * 4
+    return o_ns + -(-B // 4) * 4, o_pl, o_ns
+
+
+def _scratch_views(buf: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, S, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
+    _, o_pl, o_ns = plan.scratch
+    return (buf[: o_pl].view(B, H, S, dv), buf[o_pl : o_pl + B * H * S].view(B, H, S),
+            buf[o_ns : o_ns + B].view(torch.int32))  # fmt: skip
+
+
+def _ready(plan: _Plan) -> bool:
+    """Whether this plan's launches take the compiled kernels' launchers directly (so the scratch pointers may be
+    raw device addresses): both launchers known, no launch hook set, their device current."""
+    st = plan.state
+    if plan.merge is not None and st.merge is None:
+        return False
+    if plan.gluon is not None:
+        return st.gluon is not None and st.gluon.ready()
+    d = st.split
+    return d is not None and plan.direct and not hooks_active() and d.current_device() == d.device
+
+
+def _tma_descs(plan: _Plan, kv_cache: torch.Tensor) -> tuple:
+    st = plan.state
+    if st.tma is not None:
+        out = []
+        for cls, fields in st.tma:
+            d = cls.__new__(cls)
+            d.__dict__.update(fields)
+            d.base = kv_cache
+            out.append(d)
+        return tuple(out)
+    kw = plan.cfg.kwargs
+    descs = _descriptors(kv_cache, kw["BLOCK_N"], plan.v_head_dim, plan.d_r)
+    if descs is None:
+        raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
+    fields = [getattr(d, "__dict__", None) for d in descs]
+    if all(f is not None for f in fields):
+        st.tma = tuple((type(d), {k: v for k, v in f.items() if k != "base"}) for d, f in zip(descs, fields))
+    return descs
 
 
 def _launch(
@@ -668,13 +748,23 @@ def _launch(
     err: torch.Tensor,
     scale_t: torch.Tensor | None,
     fast: bool = True,
+    scratch: tuple | None = None,
 ) -> None:
-    """The split kernel (requests with one share write ``out``/``lse``), then the merge of the others."""
-    B, H, S, dv = plan.B, plan.H, plan.grid[2], plan.v_head_dim
-    if S > 1:
-        partial = torch.empty((B, H, S, dv), dtype=torch.float32, device=q.device)
-        partial_lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-        nshare = torch.empty((B,), dtype=torch.int32, device=q.device)
+    """The split kernel (requests with one share write ``out``/``lse``), then the merge of the others. The
+    partials live in one fresh buffer (``scratch``: a ``MLADecodePlan``'s own, as (views, addresses)); once both
+    kernels' launchers are known they are launched directly, the scratch passed as raw addresses."""
+    st = plan.state
+    ready = fast and _ready(plan)
+    if plan.merge is not None:
+        if scratch is not None:
+            partial, partial_lse, nshare = scratch[1] if ready else scratch[0]
+        else:
+            buf = torch.empty(plan.scratch[0], dtype=torch.float32, device=q.device)
+            if ready:  # addresses instead of views: each view is a torch op on the host
+                p = buf.data_ptr()
+                partial, partial_lse, nshare = p, p + 4 * plan.scratch[1], p + 4 * plan.scratch[2]
+            else:
+                partial, partial_lse, nshare = _scratch_views(buf, plan)
     else:  # never written (every request has one share): placeholders of the same dtypes
         partial, partial_lse, nshare = lse, lse, seq_lens
     scale_ptr = scale_t if scale_t is not None else lse
@@ -684,33 +774,44 @@ def _launch(
         bn, stages, early = plan.gluon
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
-            scale_log2=plan.scale_log2, v_head_dim=dv, block_n=bn, stages=stages, early=early,
-            check=dict(plan.consts)["CHECK"], balance=dict(plan.consts)["BALANCE"], splits=S,
+            scale_log2=plan.scale_log2, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages, early=early,
+            check=plan.check, balance=plan.balance, splits=plan.grid[2], prep=st.gluon if fast else None,
+            direct=ready,
         )  # fmt: skip
     else:
-        kw = plan.cfg.kwargs
-        if kw["USE_TMA"]:
-            descs = _descriptors(kv_cache, kw["BLOCK_N"], dv, plan.d_r)
-            if descs is None:
-                raise ValueError("kv_cache: this launch configuration needs a TMA-able cache layout")
-            desc_h, desc_r = descs
+        if plan.cfg.kwargs["USE_TMA"]:
+            desc_h, desc_r = _tma_descs(plan, kv_cache)
         else:
             desc_h = desc_r = kv_cache
-        kv = kv_cache.view(torch.uint8) if plan.consts[-1][1] else kv_cache  # FP8_BYTES: the cache as bytes
-        args = (q, kv, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err,
-                scale_ptr, *plan.ints, *plan.rt, plan.scale_log2, plan.kv_scale)  # fmt: skip
         grid = plan.grid
-        if fast and plan.direct:
-            _SPLIT.launch_fast(lambda meta: grid, plan.key, plan.spec, args, **dict(plan.consts))
+        if ready:  # an e4m3 cache read as bytes (FP8_BYTES) is the same address: the launcher takes the pointer
+            d = st.split
+            d.run(grid[0], grid[1], grid[2], d.current_stream(d.device), d.function, d.packed_metadata, None, None,
+                  None, q, kv_cache, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare,
+                  err, scale_ptr, *plan.ints, *plan.rt, plan.scale_log2, plan.kv_scale, *d.consts)  # fmt: skip
         else:
-            _mla_decode_split_kernel[grid](*args, **dict(plan.consts), **{"PER_SM": 2, "GLUON": 0, **kw},
-                                           num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)  # fmt: skip
+            kv = kv_cache.view(torch.uint8) if plan.fp8_bytes else kv_cache
+            args = (q, kv, desc_h, desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err,
+                    scale_ptr, *plan.ints, *plan.rt, plan.scale_log2, plan.kv_scale)  # fmt: skip
+            if fast and plan.direct:
+                plan.kernel.launch_fast(lambda meta: grid, plan.key, plan.spec, args, **dict(plan.consts))
+                if st.split is None:
+                    st.split = plan.kernel.direct(plan.spec)
+            else:
+                cfg = plan.cfg
+                _mla_decode_split_kernel[grid](*args, **dict(plan.consts), **{"PER_SM": 2, "GLUON": 0, **cfg.kwargs},
+                                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     if plan.merge is not None:
         mgrid, mspec, mconsts = plan.merge
-        margs = (partial, partial_lse, nshare, out, lse, H, partial.stride(0), partial.stride(1), partial.stride(2),
-                 partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-                 lse.stride(1))  # fmt: skip
-        _DMERGE.launch_fast(lambda meta: mgrid, ("merge",), mspec, margs, **dict(mconsts))
+        if ready:
+            d = st.merge
+            d.run(mgrid[0], mgrid[1], mgrid[2], d.current_stream(d.device), d.function, d.packed_metadata, None,
+                  None, None, partial, partial_lse, nshare, out, lse, *plan.merge_ints, *d.consts)  # fmt: skip
+        else:
+            margs = (partial, partial_lse, nshare, out, lse, *plan.merge_ints)
+            _DMERGE.launch_fast(lambda meta: mgrid, ("merge",), mspec, margs, **dict(mconsts))
+            if fast and st.merge is None:
+                st.merge = _DMERGE.direct(mspec)
 
 
 def _check_scale(kv_scale_quant_orig: object, kv_cache: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
@@ -781,15 +882,42 @@ def mla_decode_attention(
         # Same tensors (address, shape, strides, dtype, device) and arguments as an earlier checked call.
         if plan.strict:
             _check_values(block_table, seq_lens, plan.num_pages, plan.page_size)
-        B, H, dv = plan.B, plan.H, plan.v_head_dim
         if out is None:
-            out = torch.empty((B, H, dv), dtype=q.dtype, device=q.device)
+            out = torch.empty((plan.B, plan.H, plan.v_head_dim), dtype=q.dtype, device=q.device)
         if lse is None:
-            lse = torch.empty((B, H), dtype=torch.float32, device=q.device)
+            lse = torch.empty((plan.B, plan.H), dtype=torch.float32, device=q.device)
         scale_t = kv_scale_quant_orig if isinstance(kv_scale_quant_orig, torch.Tensor) else None
         _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, plan.flags if error_flag is None else error_flag,
                 scale_t)  # fmt: skip
         return (out, lse) if return_lse else out
+    plan, out, lse, err, scale_t = _plan_call(q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim, out,
+                                              lse, return_lse, num_splits, check_values, error_flag,
+                                              kv_scale_quant_orig)  # fmt: skip
+    if plan is not None:
+        _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, err, scale_t)
+        if pkey is not None:
+            _PLANS.put(pkey, plan)
+    return (out, lse) if return_lse else out
+
+
+def _plan_call(
+    q: object,
+    kv_cache: object,
+    block_table: object,
+    seq_lens: object,
+    softmax_scale: object,
+    v_head_dim: object,
+    out: object,
+    lse: object,
+    return_lse: object,
+    num_splits: object,
+    check_values: object,
+    error_flag: object,
+    kv_scale_quant_orig: object,
+) -> tuple[_Plan | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Every host check of ``mla_decode_attention`` (raising before anything launches), ``out``/``lse`` allocated
+    when not given, the launch configuration chosen: ``(plan or None when B == 0, out, lse, error flag, device
+    scale tensor)``."""
     B, H, D, num_pages, page_size, max_pages = _check_args(
         q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim
     )
@@ -836,7 +964,7 @@ def mla_decode_attention(
     if strict:
         _check_values(block_table, seq_lens, num_pages, page_size)
     if B == 0:
-        return (out, lse) if return_lse else out
+        return None, out, lse, None, scale_t
     flags = decode_error_flags(dev)
     err = flags if error_flag is None else error_flag
     d_r = D - v_head_dim
@@ -855,7 +983,7 @@ def mla_decode_attention(
         kw = cfg.kwargs
         gluon = None
         if kw.get("GLUON"):
-            from kvforge.kernels.mla_decode_gluon import BLOCK_H, gluon_decode_reason
+            from kvforge.kernels.mla_decode_gluon import BLOCK_H, SplitPrep, gluon_decode_reason
 
             variant = _gluon_variant(cfg)
             bn, stages, _ = variant
@@ -873,6 +1001,8 @@ def mla_decode_attention(
             splits, balance = min(num_splits, max_tiles), False
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
+        merge_ints = (H, H * splits * v_head_dim, splits * v_head_dim, v_head_dim, H * splits, splits, out.stride(0),
+                      out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         rt = (B, splits, max_len, max(1, MIN_SHARE_TOKENS // bn), per_sm * sms, num_pages, H * splits, splits,
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
@@ -894,18 +1024,156 @@ def mla_decode_attention(
             (programs_per_request, B, splits), float(softmax_scale) * 1.4426950408889634, kv_scale,
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
-            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags,
+            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, fp8_bytes,
+            _scratch_layout(B, H, splits, v_head_dim), merge_ints, _State(SplitPrep() if gluon else None),
         )  # fmt: skip
 
     # Tuned once per key on a GPU without a committed config (idempotent: it writes only out, lse and partials).
     cfg = _SPLIT.config_for(
         key, lambda c: _launch(make_plan(c), q, kv_cache, block_table, seq_lens, out, lse, err, scale_t, False)
     )
-    plan = make_plan(cfg)
-    _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, err, scale_t)
-    if pkey is not None:
-        _PLANS.put(pkey, plan)
-    return (out, lse) if return_lse else out
+    return make_plan(cfg), out, lse, err, scale_t
+
+
+class MLADecodePlan:
+    """``mla_decode_attention`` planned once per batch, run per layer: ``plan = MLADecodePlan(q, kv_cache,
+    block_table, seq_lens, softmax_scale=...)``, then ``plan.run(q, kv_cache)`` for each layer's q and cache.
+
+    The constructor takes the call's arguments (q and kv_cache as examples of every layer's) and does all of the
+    one call's host work once: every argument check (the same errors, raised here), the launch configuration,
+    the key-share grid, a scratch buffer for the partial results (``[B, H, shares, v_head_dim]`` fp32 at most)
+    and an lse buffer for runs that do not ask for lse, both owned by the plan and reused by every run (so runs
+    of one plan must stay on one stream). It keeps ``block_table`` and ``seq_lens`` (their contents are read on
+    the device at each run, so an engine may update them in place). ``run`` takes any q and cache with the
+    planned shape, strides, dtype, device and 16-byte alignment (ValueError naming the argument otherwise),
+    checks ``out``/``lse`` when given (contiguous, not overlapping an input), and launches; it does not
+    synchronise and is graph-capturable. ``check_values`` and ``error_flag`` as in ``mla_decode_attention``;
+    ``"strict"`` checks the lengths and page ids on the host at every run.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        softmax_scale: float,
+        v_head_dim: int = 512,
+        num_splits: int | None = None,
+        check_values: bool | str = True,
+        error_flag: torch.Tensor | None = None,
+        kv_scale_quant_orig: float | torch.Tensor | None = None,
+    ) -> None:
+        plan, out, lse, err, scale_t = _plan_call(q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim, None,
+                                                  None, False, num_splits, check_values, error_flag,
+                                                  kv_scale_quant_orig)  # fmt: skip
+        self._plan = plan
+        self._meta = (_layout(q), _layout(kv_cache))
+        self._out = (tuple(out.shape), out.stride(), out.dtype)
+        self._lse = (tuple(lse.shape), lse.stride())
+        # Bytes each tensor spans from its address (planned layouts; out and lse contiguous).
+        self._q_bytes, self._kv_bytes = (_span_bytes(t) for t in (q, kv_cache))
+        self._out_bytes, self._lse_bytes = out.numel() * out.element_size(), lse.numel() * 4
+        self._lse_own = lse
+        self._device = q.device
+        self.block_table = block_table
+        self.seq_lens = seq_lens
+        self._err = err
+        self._scale_t = scale_t
+        self._scratch: tuple | None = None
+        if plan is not None and plan.merge is not None:
+            buf = torch.empty(plan.scratch[0], dtype=torch.float32, device=q.device)
+            p = buf.data_ptr()
+            self._scratch = (_scratch_views(buf, plan), (p, p + 4 * plan.scratch[1], p + 4 * plan.scratch[2]))
+
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of this ``q`` over this ``kv_cache`` with the planned table and lengths; returns
+        ``out [B, H, v_head_dim]`` (and ``lse [B, H]`` fp32 with ``return_lse``), written into ``out``/``lse``
+        when given (contiguous, q's dtype / fp32)."""
+        for name, t, want in (("q", q, self._meta[0]), ("kv_cache", kv_cache, self._meta[1])):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            got = _layout(t)
+            if got != want:
+                raise ValueError(
+                    f"{name}: expected the planned shape, strides, dtype, device and 16-byte alignment "
+                    f"{_show(want)}, got {_show(got)}"
+                )
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+        plan = self._plan
+        shape, strides, dtype = self._out
+        given = out is not None or lse is not None
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self._device)
+        else:
+            self._check_buffer("out", out, shape, strides, dtype)
+        if lse is None:
+            # Not asked for: the plan's own (the kernels only write it), so a run with out given allocates nothing.
+            lse = self._lse_own if not return_lse else torch.empty(self._lse[0], dtype=torch.float32,
+                                                                   device=self._device)  # fmt: skip
+        else:
+            self._check_buffer("lse", lse, self._lse[0], self._lse[1], torch.float32)
+        if plan is None:  # no requests
+            return (out, lse) if return_lse else out
+        o0, l0 = out.data_ptr(), lse.data_ptr()
+        if o0 % 16 or l0 % 16:  # the launch spec was made for 16-byte aligned outputs
+            raise ValueError("out: expected out and lse 16-byte aligned (as the planned outputs)")
+        bt, sl = self.block_table, self.seq_lens
+        if given:
+            # Byte ranges first (q and the cache have the planned layouts, out and lse are contiguous): only when
+            # two meet does check_no_overlap compare them exactly (and name them).
+            outs = ((o0, o0 + self._out_bytes), (l0, l0 + self._lse_bytes))
+            ins = [(q.data_ptr(), self._q_bytes), (kv_cache.data_ptr(), self._kv_bytes)]
+            ins = [(p, p + n) for p, n in ins] + [s for s in (byte_span(bt), byte_span(sl), self._err_span()) if s]
+            if (outs[0][0] < outs[1][1] and outs[1][0] < outs[0][1]) or any(
+                lo < ihi and ilo < hi for lo, hi in outs for ilo, ihi in ins
+            ):
+                check_no_overlap({"out": out, "lse": lse, "error_flag": self._err},
+                                 {"q": q, "kv_cache": kv_cache, "block_table": bt, "seq_lens": sl,
+                                  "kv_scale_quant_orig": self._scale_t})  # fmt: skip
+        if plan.strict:
+            _check_values(bt, sl, plan.num_pages, plan.page_size)
+        _launch(plan, q, kv_cache, bt, sl, out, lse, self._err, self._scale_t, scratch=self._scratch)
+        return (out, lse) if return_lse else out
+
+    def _err_span(self) -> tuple[int, int] | None:
+        return None if self._err is None else byte_span(self._err)
+
+    def _check_buffer(self, name: str, t: object, shape: tuple, strides: tuple, dtype: torch.dtype) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if t.device != self._device and not same_device(t.device, self._device):
+            raise ValueError(f"{name}: expected a tensor on {self._device}, got one on {t.device}")
+        if t.shape != shape or t.stride() != strides:
+            raise ValueError(f"{name}: expected a contiguous tensor of shape {list(shape)}, got shape "
+                             f"{list(t.shape)} with strides {t.stride()}")  # fmt: skip
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    span = byte_span(t)
+    return 0 if span is None else span[1] - span[0]
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What a planned run's tensor must share with the planned one: shape, strides, dtype, device, alignment."""
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _show(layout: tuple) -> str:
+    shape, strides, dtype, device, aligned = layout
+    return f"{list(shape)} strides {strides} {dtype} on {device}{'' if aligned else ' (unaligned)'}"
 
 
 @triton.jit(do_not_specialize=["n_rows", "n_slots", "s_row", "scale_val"])

@@ -25,7 +25,16 @@ import triton
 from kvforge.kernels import _runtime as _rt
 from kvforge.kernels import mla_context_gluon as _mcg
 
-__all__ = ["BLOCK_H", "BLOCK_N", "BLOCK_NS", "STAGES", "gluon_decode_reason", "mla_decode_gluon_split", "smem_bytes"]
+__all__ = [
+    "BLOCK_H",
+    "BLOCK_N",
+    "BLOCK_NS",
+    "STAGES",
+    "SplitPrep",
+    "gluon_decode_reason",
+    "mla_decode_gluon_split",
+    "smem_bytes",
+]
 
 BLOCK_H = 64  # heads per program: one warpgroup's wgmma M
 BLOCK_N = 64  # tokens per key tile by default: a page of the reference layout, wgmma N of the score product
@@ -431,16 +440,53 @@ def descriptor_layouts(d_v: int, d_r: int, rows: int = BLOCK_N) -> tuple:
     )
 
 
+class SplitPrep:
+    """What a ``mla_decode_gluon_split`` call worked out that holds for every later call whose tensors have the
+    same shapes, strides, dtypes, devices and 16-byte alignment (the caller's plan guarantees it): the four
+    descriptors' fields (checked by the descriptor class once; no tensor kept), the grid, the integer arguments,
+    the launch spec and, once compiled, the direct launcher. Filled by the first call given an empty one."""
+
+    __slots__ = ("desc", "fast", "grid", "ints", "spec")
+
+    def __init__(self) -> None:
+        self.desc: tuple | None = None  # per descriptor: its fields without ``base``, or None (built per call)
+        self.grid: tuple[int, int, int] | None = None
+        self.ints: tuple = ()
+        self.spec: tuple | None = None
+        self.fast: tuple | None = None  # _FAST's entry for spec once compiled
+
+    def ready(self) -> bool:
+        """True when a call with this prep launches the compiled kernel directly (so scratch pointers may be raw
+        device addresses): compiled, no launch hook set, the kernel's device current."""
+        f = self.fast
+        return f is not None and not _rt.hooks_active() and f[3]() == f[2]
+
+
+def _fields(desc: object) -> dict | None:
+    """A descriptor's fields other than its base tensor, or None where the class keeps no ``__dict__``."""
+    d = getattr(desc, "__dict__", None)
+    return None if d is None else {k: v for k, v in d.items() if k != "base"}
+
+
+def _clone(fields: dict, base: torch.Tensor) -> object:
+    """A descriptor equal to the one ``fields`` came from, over ``base`` (same shape, strides, dtype and alignment
+    as that one's base): the fields were checked when it was built; the check costs ~10 µs of host time a call."""
+    d = _mcg.GluonTensorDescriptor.__new__(_mcg.GluonTensorDescriptor)
+    d.__dict__.update(fields)
+    d.base = base
+    return d
+
+
 def mla_decode_gluon_split(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    partial: torch.Tensor,
-    partial_lse: torch.Tensor,
+    partial: torch.Tensor | int,
+    partial_lse: torch.Tensor | int,
     out: torch.Tensor,
     lse: torch.Tensor,
-    nshare: torch.Tensor,
+    nshare: torch.Tensor | int,
     err: torch.Tensor,
     *,
     rt: tuple,
@@ -452,29 +498,42 @@ def mla_decode_gluon_split(
     early: bool = False,
     check: bool = True,
     balance: bool = False,
+    prep: SplitPrep | None = None,
+    direct: bool = False,
 ) -> object:
     """One launch over ``(head tiles, B, splits)``: requests with one share write ``out``/``lse``, the others
-    ``partial [B, H, splits, D_V]`` / ``partial_lse [B, H, splits]`` (fresh contiguous buffers) and their share
+    ``partial [B, H, splits, D_V]`` / ``partial_lse [B, H, splits]`` (contiguous, 16-byte aligned) and their share
     count in ``nshare``; ``rt`` is ``mla_decode``'s plan's do_not_specialize ints. Inputs checked by the caller
-    and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``."""
+    and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``. ``prep``: an empty one is filled
+    by this call; a filled one skips the per-call work for tensors laid out as that call's were. ``direct``: the
+    caller has just seen ``prep.ready()``; only then may the scratch pointers (``partial``, ``partial_lse``,
+    ``nshare``) be raw device addresses."""
+    if prep is not None and prep.spec is not None:
+        fast = prep.fast
+        if direct or (fast is not None and not _rt.hooks_active()):
+            kernel, cvals, device, current_device, current_stream = fast
+            if direct or current_device() == device:
+                desc = prep.desc
+                if desc is not None:
+                    descs = (_clone(desc[0], q), _clone(desc[1], q), _clone(desc[2], kv_cache),
+                             _clone(desc[3], kv_cache))  # fmt: skip
+                else:
+                    descs = _descriptors(q, kv_cache, v_head_dim, block_n)
+                grid = prep.grid
+                kernel.run(grid[0], grid[1], grid[2], current_stream(device), kernel.function,
+                           kernel.packed_metadata, None, None, None, *descs, block_table, seq_lens, partial,
+                           partial_lse, out, lse, nshare, err, *prep.ints, *rt, scale_log2, *cvals)  # fmt: skip
+                return kernel
+    if not all(isinstance(t, torch.Tensor) for t in (partial, partial_lse, nshare)):
+        raise RuntimeError("mla_decode_gluon_split: raw scratch addresses need a prep that is ready()")
     B, H, D = q.shape
-    P, S, _ = kv_cache.shape
     d_r = D - v_head_dim
-    q_lay_h, q_lay_r = descriptor_layouts(v_head_dim, d_r, BLOCK_H)
-    k_lay_h, k_lay_r = descriptor_layouts(v_head_dim, d_r, block_n)
-    TD = _mcg.GluonTensorDescriptor
-    q2 = [B * H, D]
-    k2, ks = [P * S, D], [kv_cache.stride(1), 1]
-    q_desc_h = TD(q, q2, [D, 1], [BLOCK_H, v_head_dim // 2], q_lay_h)
-    q_desc_r = TD(q, q2, [D, 1], [BLOCK_H, d_r], q_lay_r)
-    k_desc_h = TD(kv_cache, k2, ks, [block_n, v_head_dim // 2], k_lay_h)
-    k_desc_r = TD(kv_cache, k2, ks, [block_n, d_r], k_lay_r)
+    descs = _descriptors(q, kv_cache, v_head_dim, block_n)
     grid = (-(-H // BLOCK_H), B, splits)
     # rt = (B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob, s_oh, s_lb, s_lh); partials contiguous
     ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
-    args = (q_desc_h, q_desc_r, k_desc_h, k_desc_r, block_table, seq_lens, partial, partial_lse, out, lse, nshare,
-            err, *ints, *rt, scale_log2)  # fmt: skip
-    consts = {"PAGE_SIZE": S, "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
+    args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2)
+    consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
               "CHECK": bool(check), "BALANCE": bool(balance)}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
@@ -490,6 +549,8 @@ def mla_decode_gluon_split(
             # takes the same arguments directly (as _runtime.TunedKernel.launch_fast does for Triton kernels).
             kernel.run(grid[0], grid[1], grid[2], current_stream(device), kernel.function, kernel.packed_metadata,
                        None, None, None, *args, *cvals)  # fmt: skip
+            if prep is not None:
+                _fill(prep, descs, grid, ints, spec, fast)
             return kernel
     kernel = _mla_decode_gluon_kernel[grid](*args, **consts, num_warps=4, maxnreg=_MAXNREG)
     if hasattr(kernel, "packed_metadata"):
@@ -497,9 +558,36 @@ def mla_decode_gluon_split(
 
         names = [p.name for p in _mla_decode_gluon_kernel.params][len(args) :]
         active = driver.active
-        _FAST[spec] = (kernel, tuple(consts[n] for n in names), active.get_current_device(),
-                       active.get_current_device, active.get_current_stream)  # fmt: skip
+        fast = (kernel, tuple(consts[n] for n in names), active.get_current_device(), active.get_current_device,
+                active.get_current_stream)  # fmt: skip
+        _FAST[spec] = fast
+        if prep is not None:
+            _fill(prep, descs, grid, ints, spec, fast)
     return kernel
+
+
+def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int, block_n: int) -> tuple:
+    """Q's latent-half and rope descriptors over ``[B * H, D]``, the cache's over ``[pages * page_size, D]``."""
+    B, H, D = q.shape
+    P, S, _ = kv_cache.shape
+    d_r = D - v_head_dim
+    q_lay_h, q_lay_r = descriptor_layouts(v_head_dim, d_r, BLOCK_H)
+    k_lay_h, k_lay_r = descriptor_layouts(v_head_dim, d_r, block_n)
+    TD = _mcg.GluonTensorDescriptor
+    q2 = [B * H, D]
+    k2, ks = [P * S, D], [kv_cache.stride(1), 1]
+    return (
+        TD(q, q2, [D, 1], [BLOCK_H, v_head_dim // 2], q_lay_h),
+        TD(q, q2, [D, 1], [BLOCK_H, d_r], q_lay_r),
+        TD(kv_cache, k2, ks, [block_n, v_head_dim // 2], k_lay_h),
+        TD(kv_cache, k2, ks, [block_n, d_r], k_lay_r),
+    )
+
+
+def _fill(prep: SplitPrep, descs: tuple, grid: tuple, ints: tuple, spec: tuple, fast: tuple) -> None:
+    fields = tuple(_fields(d) for d in descs)
+    prep.desc = None if any(f is None for f in fields) else fields
+    prep.grid, prep.ints, prep.spec, prep.fast = grid, ints, spec, fast
 
 
 _FAST: dict = {}  # launch spec -> (compiled kernel, constexpr values, device, current_device, current_stream)
