@@ -8,12 +8,15 @@ reaches generation, ``--warmup`` decode steps run, then ``--reps`` rounds of ``-
 phase timer on (``EngineConfig(profile_phases=True)``, :mod:`kvforge.engine.phases`) and off; no request
 finishes inside them (steady state; blocks still fill and commit every ``tokens_per_block`` steps per row, with
 their KV events going to a list, as ``kvforge serve`` sets up). Reported per batch: ms/step of each phase (median
-over rounds), the step with the timer on and off (median), garbage collector on.
+over rounds), the step with the timer on and off (median), garbage collector on (``--gc-freeze``: frozen after the
+warm-up, as a server would after its setup). The clock is this thread's CPU time on the CPU (``--clock cpu``: a
+loaded shared machine's other processes disturb it far less than wall time) and wall time on a GPU.
 
 On the CPU (``--device cpu``, the default) the device work is stubbed: the captured step's body writes a fixed
 token per row into the graph's output buffer (``DecodeGraphs._body``), the eager prefill step
 (``Runner.step``) emits a fixed token per final chunk, ``step_gather`` returns zeros and the page-table kernel
-runs as torch ops (``_host_path``; the interpreter would stand for one kernel launch with seconds of Python).
+launch (``copy_block_offsets``) does nothing (the interpreter would stand for one launch with milliseconds of
+Python, and the stubbed body reads no page table).
 What is left is kvforge's host code around them plus the graph path's own buffers and the one host read.
 
 On a GPU (``--device cuda``) nothing is stubbed: real prefill, every bucket captured before timing
@@ -53,9 +56,7 @@ def _stub_device(eng: Engine) -> None:
     import kvforge.kernels.block_offsets as bo
 
     def offsets(page_indices, copy_index, index_scales, kv_offset, out) -> None:
-        scales = torch.as_tensor(index_scales, dtype=torch.int32)
-        offs = torch.as_tensor(kv_offset, dtype=torch.int32)
-        bo._host_path(bo._plane0(page_indices), copy_index, scales, offs, out)
+        pass  # on a GPU one kernel launch; the stubbed step body reads no page table
 
     bo.copy_block_offsets = offsets  # DevicePageTable.materialize imports it at call time
 
@@ -116,8 +117,9 @@ def measure(model: HybridModel, args, batch: int) -> dict:
     dev = model.device.type
     cfg = _config(args, batch, dev)
     eng = Engine(model, cfg, draft_len=args.draft_len, sync=args.sync)
-    assert eng.phases is not None
-    timer: PhaseTimer = eng.phases
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    timer = PhaseTimer(eng.sync, clock)
+    eng.set_phase_timer(timer)
     if args.stub:
         _stub_device(eng)
     events: list = []
@@ -133,6 +135,9 @@ def measure(model: HybridModel, args, batch: int) -> dict:
         eng.step()
     if eng.graphs is not None:
         eng.graphs.capture_all()
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()  # what was built so far is never scanned again (gc stays on)
     replays0 = eng.graphs.replays if eng.graphs is not None else 0
     on_ms: list[float] = []
     off_ms: list[float] = []
@@ -144,11 +149,11 @@ def measure(model: HybridModel, args, batch: int) -> dict:
             timer.clear()
             ev0 = len(events)
             _sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(args.steps):
                 eng.step()
             _sync()
-            ms = 1e3 * (time.perf_counter() - t0) / args.steps
+            ms = 1e3 * (clock() - t0) / args.steps
             (on_ms if on else off_ms).append(ms)
             if on:
                 phase_rounds.append(timer.per_step_ms())
@@ -198,6 +203,10 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="wait for the device at each phase end (GPU)")
     ap.add_argument("--no-stub", dest="stub", action="store_false", default=None,
                     help="run the tiny model's real device work on the CPU (interpreter: slow)")  # fmt: skip
+    ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
+                    help="wall: perf_counter (the GPU default); cpu: this thread's CPU time (the CPU default: a "
+                    "loaded machine's other processes disturb it far less)")  # fmt: skip
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after warm-up (gc stays on)")
     ap.add_argument("--label", default="", help="a note for the log (e.g. before / after)")
     ap.add_argument("--log", type=Path, default=None, help="append the report to this file")
     ap.add_argument("--out", type=Path, default=None, help="write engine_host_cost.json here")
@@ -206,6 +215,10 @@ def main() -> None:
         raise SystemExit("probe_engine_host_cost: --device cuda needs a CUDA device")
     if args.stub is None:
         args.stub = args.device == "cpu"
+    if args.clock is None:
+        args.clock = "cpu" if args.device == "cpu" else "wall"
+    if args.clock == "cpu" and args.device == "cuda":
+        raise SystemExit("probe_engine_host_cost: --clock cpu does not count the device waits (use wall on a GPU)")
     if args.stub and args.device == "cuda":
         raise SystemExit("probe_engine_host_cost: the device stubs are for the CPU (drop --device cuda)")
     gc.enable()
@@ -227,6 +240,8 @@ def main() -> None:
         "stub": args.stub,
         "sync": args.sync,
         "gc": gc.isenabled(),
+        "gc_freeze": args.gc_freeze,
+        "clock": args.clock,
         "ctx": args.ctx,
         "tokens_per_block": args.tokens_per_block,
         "draft_len": args.draft_len,
@@ -234,7 +249,8 @@ def main() -> None:
     lines = [
         f"# {head['label'] or 'run'}: {head['date']} git {head['git_rev']} on {head['machine']}, device "
         f"{head['device']}, torch {head['torch']}, python {head['python']}, load average {head['load_avg_start']} "
-        f"-> {head['load_avg_end']}, size {args.size}, stub {args.stub}, sync {args.sync}, gc on, ctx {args.ctx}, "
+        f"-> {head['load_avg_end']}, size {args.size}, stub {args.stub}, sync {args.sync}, clock {args.clock}, gc on"
+        f"{' (frozen after warm-up)' if args.gc_freeze else ''}, ctx {args.ctx}, "
         f"tokens_per_block {args.tokens_per_block}, draft_len {args.draft_len}, {args.reps} x {args.steps} steps",
         "phase (ms/step, median of rounds) | " + " | ".join(f"batch {r['batch']}" for r in rows),
     ]

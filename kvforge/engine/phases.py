@@ -10,6 +10,8 @@ running ahead of the device. :meth:`PhaseTimer.nested` wraps a callable that run
 pool's KV event emission inside ``commit``): its time goes to its own name and is taken out of the enclosing
 phase, so the phases still add up to the step.
 
+``clock`` is wall time (``time.perf_counter``) unless given (``time.thread_time``: this thread's CPU seconds, which
+a loaded machine's other processes disturb far less; it does not count time waiting for the device).
 ``totals`` maps phase -> seconds summed over ``steps`` steps; :meth:`per_step_ms` gives ms per step. Phases
 outside :data:`STEP_PHASES` do not occur.
 """
@@ -52,14 +54,17 @@ STEP_PHASES = (
 class PhaseTimer:
     """Host seconds per step phase (see the module docstring). ``sync``: wait for the CUDA device at every mark."""
 
-    __slots__ = ("_depth", "_t", "steps", "sync", "totals")
+    __slots__ = ("_clock", "_depth", "_t", "steps", "sync", "totals")
 
-    def __init__(self, sync: bool = False) -> None:
+    def __init__(self, sync: bool = False, clock: Callable[[], float] = time.perf_counter) -> None:
         if not isinstance(sync, bool):
             raise TypeError(f"sync: expected a bool, got {type(sync).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock: expected a callable returning seconds, got {type(clock).__name__}")
         self.totals: defaultdict[str, float] = defaultdict(float)
         self.steps = 0
         self.sync = sync
+        self._clock = clock
         self._t = 0.0
         self._depth = 0
 
@@ -68,7 +73,7 @@ class PhaseTimer:
             import torch
 
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self._clock()
 
     def start(self) -> None:
         """A step begins."""
@@ -87,13 +92,13 @@ class PhaseTimer:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             self._depth += 1
-            t0 = time.perf_counter()
+            t0 = self._clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
                 if not self._depth:
-                    dt = time.perf_counter() - t0
+                    dt = self._clock() - t0
                     self.totals[phase] += dt
                     self._t += dt
 
