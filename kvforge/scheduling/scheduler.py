@@ -502,15 +502,22 @@ class Scheduler:
             self._commit(req)
             if req.num_generated >= req.max_new_tokens:
                 finished.append(req)
+        acc_get = None if accepted_tokens is None else accepted_tokens.get
+        new_get = None if new_tokens is None else new_tokens.get
+        commit = self._commit
         for s in batch.generation:
             req = s.request
             cache = req.cache
-            a = 1 if accepted_tokens is None else accepted_tokens.get(req.request_id, 1)
+            a = 1 if acc_get is None else acc_get(req.request_id, 1)
             hist = cache.history + a  # type: ignore[union-attr]
             cache.resize(capacity=hist, history=hist)  # type: ignore[union-attr]
             stats.generation_tokens += s.num_tokens
-            self._emit(req, a, None if new_tokens is None else new_tokens.get(req.request_id))
-            self._commit(req)
+            # _emit, inlined (once per running request per step)
+            toks = None if new_get is None else new_get(req.request_id)
+            if req.tokens is not None and toks is not None and len(req.output_tokens) == req.num_generated:
+                req.output_tokens.extend(toks)
+            req.num_generated += a
+            commit(req)
             if req.num_generated >= req.max_new_tokens:
                 finished.append(req)
         for req in finished:
@@ -911,6 +918,7 @@ class Scheduler:
     # --- step results ------------------------------------------------------------------------------------------------
 
     def _emit(self, req: Request, n: int, toks: Sequence[int] | None) -> None:
+        # (inlined in on_step_done's generation loop: keep the two alike)
         if req.tokens is not None and toks is not None and len(req.output_tokens) == req.num_generated:
             # Only a gap-free record of outputs can be committed (a step reported without ids breaks it).
             req.output_tokens.extend(toks)
