@@ -8,7 +8,10 @@ reaches generation, ``--warmup`` decode steps run, then ``--reps`` rounds of ``-
 phase timer on (``EngineConfig(profile_phases=True)``, :mod:`kvforge.engine.phases`) and off; no request
 finishes inside them (steady state; blocks still fill and commit every ``tokens_per_block`` steps per row, with
 their KV events going to a list, as ``kvforge serve`` sets up). Reported per batch: ms/step of each phase (median
-over rounds), the step with the timer on and off (median), garbage collector on (``--gc-freeze``: frozen after the
+over rounds), the step with the timer on and off (median), ``DecodeGraphs.run`` alone on the same rows afterwards
+(the replay with its uploads and host read, no scheduler: the step's wall time minus it is what the engine adds),
+the time spent in garbage collections during the timed steps (mean, with the collections per generation; a
+collection's pause also lands inside whichever phase allocated), garbage collector on (``--gc-freeze``: frozen after the
 warm-up, as a server would after its setup). The clock is this thread's CPU time on the CPU (``--clock cpu``: a
 loaded shared machine's other processes disturb it far less than wall time) and wall time on a GPU.
 
@@ -139,6 +142,17 @@ def measure(model: HybridModel, args, batch: int) -> dict:
         gc.collect()
         gc.freeze()  # what was built so far is never scanned again (gc stays on)
     replays0 = eng.graphs.replays if eng.graphs is not None else 0
+    gc_time = [0.0, 0.0]  # [start of the running collection, seconds in collections]
+    gc_runs = [0, 0, 0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_time[0] = clock()
+        else:
+            gc_time[1] += clock() - gc_time[0]
+            gc_runs[info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
     on_ms: list[float] = []
     off_ms: list[float] = []
     phase_rounds: list[dict[str, float]] = []
@@ -158,11 +172,15 @@ def measure(model: HybridModel, args, batch: int) -> dict:
             if on:
                 phase_rounds.append(timer.per_step_ms())
                 n_events += len(events) - ev0
+    gc.callbacks.remove(on_gc)
     eng.set_phase_timer(timer)
     if eng.graphs is not None and eng.graphs.replays - replays0 != 2 * args.reps * args.steps:
         raise SystemExit("probe_engine_host_cost: a timed step did not take the graph path (not steady decode)")
     if eng.scheduler.has_unfinished is False or any(r.num_generated >= r.max_new_tokens for r in eng.scheduler.running):
         raise SystemExit("probe_engine_host_cost: a request finished inside the timed steps")
+    run_ms = _graph_run_alone(eng, args.steps, clock)
+    if args.gc_freeze:
+        gc.unfreeze()
     phases = {p: statistics.median(r.get(p, 0.0) for r in phase_rounds) for p in STEP_PHASES}
     phases = {p: v for p, v in phases.items() if any(p in r for r in phase_rounds)}
     return {
@@ -173,7 +191,28 @@ def measure(model: HybridModel, args, batch: int) -> dict:
         "phase_sum_ms": sum(phases.values()),
         "phases_ms": phases,
         "kv_events_per_step": n_events / (args.steps * args.reps),
+        "ms_graph_run_alone": run_ms,
+        "gc_ms_per_step": 1e3 * gc_time[1] / (2 * args.steps * args.reps),
+        "gc_runs_by_generation": gc_runs,
     }
+
+
+def _graph_run_alone(eng: Engine, steps: int, clock) -> float | None:
+    """ms per ``DecodeGraphs.run`` on the running rows as they stand (what bench_engine_speed's grid times): the
+    step without the scheduler, cache manager and page table. It rewrites the rows' next position, so it runs
+    after the timed steps."""
+    if eng.graphs is None:
+        return None
+    reqs = [r for r in eng.scheduler.running if r.state.value == "generation"]
+    slots = [eng._slot[r.request_id] for r in reqs]
+    rows = [r.cache.live_page(eng.state_group).index for r in reqs]  # type: ignore[union-attr]
+    starts = [r.cache.history for r in reqs]  # type: ignore[union-attr]
+    eng.graphs.run(slots, rows, starts)
+    _sync()
+    t0 = clock()
+    for _ in range(steps):
+        eng.graphs.run(slots, rows, starts)  # ends with its host read: synchronous
+    return 1e3 * (clock() - t0) / steps
 
 
 def _machine() -> str:
@@ -224,7 +263,12 @@ def main() -> None:
     gc.enable()
     model = HybridModel(real() if args.size == "real" else tiny(), device=args.device)
     load0 = os.getloadavg()
-    rows = [measure(model, args, b) for b in args.batches]
+    rows = []
+    for b in args.batches:
+        rows.append(measure(model, args, b))
+        gc.collect()  # the engine, its graphs and their memory pool go before the next batch's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     load1 = os.getloadavg()
     head = {
         "label": args.label,
@@ -261,6 +305,14 @@ def main() -> None:
     lines.append("step, timer on | " + " | ".join(f"{r['ms_step_timer_on']:.4f}" for r in rows))
     lines.append("step, timer off | " + " | ".join(f"{r['ms_step_timer_off']:.4f}" for r in rows))
     lines.append("kv events / step | " + " | ".join(f"{r['kv_events_per_step']:.2f}" for r in rows))
+    lines.append(
+        "DecodeGraphs.run alone | "
+        + " | ".join("-" if r["ms_graph_run_alone"] is None else f"{r['ms_graph_run_alone']:.4f}" for r in rows)
+    )
+    lines.append(
+        "gc ms/step (runs gen0/1/2) | "
+        + " | ".join(f"{r['gc_ms_per_step']:.4f} ({'/'.join(map(str, r['gc_runs_by_generation']))})" for r in rows)
+    )
     text = "\n".join(lines)
     print(text, flush=True)
     if args.log is not None:
