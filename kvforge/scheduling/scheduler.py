@@ -513,9 +513,9 @@ class Scheduler:
             cache.resize(capacity=hist, history=hist)  # type: ignore[union-attr]
             stats.generation_tokens += s.num_tokens
             # _emit, inlined (once per running request per step)
-            toks = None if new_get is None else new_get(req.request_id)
-            if req.tokens is not None and toks is not None and len(req.output_tokens) == req.num_generated:
-                req.output_tokens.extend(toks)
+            ids = None if new_get is None else new_get(req.request_id)
+            if req.tokens is not None and ids is not None and len(req.output_tokens) == req.num_generated:
+                req.output_tokens.extend(ids)
             req.num_generated += a
             commit(req)
             if req.num_generated >= req.max_new_tokens:
