@@ -13,8 +13,9 @@ Phases (one process, same model):
    with FP8 and with 16-bit context attention interleaved (median of ``--prefill-reps``);
 3. decode at batch ``--batch``: that many requests decoding together after their prefill; generated tokens / s
    over the decode steps only, and the share of each step spent in kvforge's host code (scheduler, cache
-   manager, page table, slot stores, state-index upload) against the whole step, timed with the device
-   synchronised at phase ends (``Engine(sync=True)``), garbage collector on;
+   manager, page table, slot stores, state-index upload: every phase of :mod:`kvforge.engine.phases` but the
+   capture, replay, forward and read) against the whole step, timed with the device synchronised at phase ends
+   (``Engine(sync=True)``), garbage collector on;
 4. prefix reuse: the conversation trace's first ``--trace-requests`` requests (prompts built from their block
    hash ids, 512 tokens per id, capped at ``--trace-max-len``; ``--trace-out`` tokens each) with reuse on and
    off, interleaved ``--trace-reps`` times: the fastest wall time and prompt tokens computed; speedup = off / on.
@@ -37,6 +38,7 @@ import torch
 from bench._common import append_csv, env_stamp
 from kvforge.engine import Engine, EngineConfig, HybridModel, real, reference_logits, tiny
 from kvforge.engine.numerics import compare_logits, component_errors
+from kvforge.engine.phases import STEP_PHASES
 from kvforge.kvcache.replay import find_trace
 
 T_START = time.perf_counter()
@@ -69,7 +71,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-HOST_PHASES = ("schedule", "copies", "page_table", "slots", "rows", "on_step_done")
+# Engine(sync=True) times the step's phases (kvforge.engine.phases); these run the model, the rest is host code.
+DEVICE_PHASES = ("capture", "replay", "forward", "read")
+HOST_PHASES = tuple(p for p in STEP_PHASES if p not in DEVICE_PHASES)
 
 
 def run(args) -> dict:
@@ -166,13 +170,15 @@ def run(args) -> dict:
         steps += 1
     _sync()
     dt = time.perf_counter() - t0
-    host = sum(eng.timings[k] for k in HOST_PHASES)
+    host = sum(eng.timings.get(k, 0.0) for k in HOST_PHASES)
     total = sum(eng.timings.values())
     out["decode_batch"] = args.batch
     out["decode_tokens_per_s"] = (eng.tokens["generation"] - gen0) / dt
     out["decode_step_ms"] = 1e3 * dt / max(steps, 1)
     out["host_share"] = host / total
-    out["host_phases_ms_per_step"] = {k: 1e3 * eng.timings[k] / max(steps, 1) for k in (*HOST_PHASES, "forward")}
+    out["host_phases_ms_per_step"] = {
+        k: 1e3 * eng.timings[k] / max(steps, 1) for k in (*HOST_PHASES, *DEVICE_PHASES) if k in eng.timings
+    }
     print(
         f"decode batch {args.batch}: {out['decode_tokens_per_s']:.0f} tok/s, {out['decode_step_ms']:.2f} ms/step, "
         f"host share {100 * out['host_share']:.1f}% {out['host_phases_ms_per_step']}",

@@ -205,7 +205,8 @@ class EngineConfig:
     ``"fp8_e4m3"`` stores them as float8_e4m3fn, one byte per value: rows are written as
     ``e4m3(row * latent_scale)`` (``store_latent_rows``) and read back times ``1 / latent_scale`` by decode and by
     the context path. ``latent_scale`` (fp8 only; None: the model's ``kv_scale_orig_quant``, the scale the
-    context path already quantises K/V at) must be a finite float > 0."""
+    context path already quantises K/V at) must be a finite float > 0. ``profile_phases``: ``Engine.step`` times
+    its phases (:mod:`kvforge.engine.phases`, totals in ``Engine.timings``); off, the step reads no clock."""
 
     tokens_per_block: int = 16
     attention_pages: int = 64
@@ -225,6 +226,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     latent_cache_dtype: str = "auto"
     latent_scale: float | None = None
+    profile_phases: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -241,7 +243,7 @@ class EngineConfig:
         _pos("staging_state_pages", self.staging_state_pages, 0)
         if self.midchunk_snapshot_alignment is not None:
             _pos("midchunk_snapshot_alignment", self.midchunk_snapshot_alignment)
-        for name in ("reuse", "context_fp8", "prefix_wait"):
+        for name in ("reuse", "context_fp8", "prefix_wait", "profile_phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):

@@ -14,13 +14,14 @@ One :meth:`Engine.step`:
    commits them (new snapshot copies are recorded for the next step).
 
 Prefix reuse off gives every request its own reuse scope. ``draft_len`` (0 or 1) is the engine's speculative
-length. Timings per phase are kept in :attr:`Engine.timings` (host seconds; ``sync=True`` waits for the device
-at phase ends so the split between host and device is measurable).
+length. ``EngineConfig(profile_phases=True)`` or ``sync=True`` gives the step a phase timer
+(:mod:`kvforge.engine.phases`; :attr:`Engine.timings` holds its host seconds per phase, ``sync=True`` waits for
+the device at each phase end so the split between host and device is measurable); without either the step reads
+no clock.
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 
@@ -31,6 +32,7 @@ from kvforge.engine.config import EngineConfig
 from kvforge.engine.graphs import DecodeGraphs
 from kvforge.engine.launch import plan_launch
 from kvforge.engine.model import HybridModel
+from kvforge.engine.phases import PhaseTimer
 from kvforge.engine.runner import Row, Runner, StepResult
 from kvforge.kernels.slot_ops import SlotStores, slot_scatter, step_gather
 from kvforge.kvcache.config import (
@@ -212,9 +214,27 @@ class Engine:
         self.draft_logits: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
         self.finished: dict[Hashable, Request] = {}
         self.last_draft: dict[Hashable, int] = {}
-        self.timings: dict[str, float] = defaultdict(float)
+        # The phase timer (kvforge.engine.phases): only with config.profile_phases or sync.
+        self.phases: PhaseTimer | None = None
+        self.timings: dict[str, float] = {}
+        if config.profile_phases or sync:
+            self.set_phase_timer(PhaseTimer(self.sync))
         self.steps = 0
         self.tokens = {"context": 0, "generation": 0}
+
+    def set_phase_timer(self, timer: PhaseTimer | None) -> None:
+        """Time the step's phases with ``timer`` (None: stop timing; the step then reads no clock).
+        :attr:`timings` becomes the timer's totals (an empty dict without one)."""
+        if timer is not None and not isinstance(timer, PhaseTimer):
+            raise TypeError(f"timer: expected a PhaseTimer or None, got {type(timer).__name__}")
+        bp = self.manager.block_pool
+        for name in ("flush_events", "publish_stored"):  # the KV event emission, inside on_step_done
+            if name in vars(bp):
+                delattr(bp, name)
+            if timer is not None:
+                setattr(bp, name, timer.nested("kv_events", getattr(bp, name)))
+        self.phases = timer
+        self.timings = timer.totals if timer is not None else {}
 
     def decode_graphs(self, *, capture: bool) -> DecodeGraphs:
         """The engine's :class:`DecodeGraphs` (``capture=False``: the same padded static step, run eagerly)."""
@@ -314,84 +334,64 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------------------------
 
-    def _tick(self, name: str, t0: float) -> float:
-        if self.sync:
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        self.timings[name] += t1 - t0
-        return t1
-
     def step(self) -> tuple[Request, ...]:
         """Run one scheduler step; returns the requests that finished in it."""
-        t = time.perf_counter()
+        prof = self.phases  # None unless profiling: then no clock is read (kvforge.engine.phases)
+        if prof is not None:
+            prof.start()
         batch = self.scheduler.schedule()
-        t = self._tick("schedule", t)
-        self.cache.execute(self.manager.take_pending_copies())
-        sched = list(batch)
+        if prof is not None:
+            prof.mark("schedule")
+        copies = self.manager.take_pending_copies()
+        if copies:
+            self.cache.execute(copies)
+        gen, ctx = batch.generation, batch.context
+        if ctx:
+            fresh = [s.request.cache.live_page(self.state_group).index for s in ctx if s.start == 0]  # type: ignore[union-attr]
+            if fresh:
+                self.cache.zero_states(torch.tensor(fresh, device=self.model.device))
+        if prof is not None:
+            prof.mark("cache_copies")
+        sched = (*gen, *ctx)
         caches = [s.request.cache for s in sched]
-        fresh = [s.request.cache.live_page(self.state_group).index for s in batch.context if s.start == 0]  # type: ignore[union-attr]
-        if fresh:
-            self.cache.zero_states(torch.tensor(fresh, device=self.model.device))
-        t = self._tick("copies", t)
         n_rows = len(caches)
-        tables = self.page_table.materialize(caches, out=self._offsets[:, :n_rows])[:, :, 0]  # plane 0: page ids
+        offsets = self.page_table.materialize(caches, out=self._offsets[:, :n_rows])
+        if prof is not None:
+            prof.mark("page_table")
         idx, mask = self.manager.step_state_indices(caches)
         width = 1 + self.draft_len
-        n_gen = len(batch.generation)
-        if self.graphs is not None and 0 < n_gen == n_rows and all(s.num_tokens == width for s in sched):
-            t = self._tick("page_table", t)
-            res, accepted = self._graph_step(sched, idx)
+        n_gen = len(gen)
+        if self.graphs is not None and n_gen == n_rows and n_gen and all(s.num_tokens == width for s in gen):
+            if prof is not None:
+                prof.mark("state_index")
+            res, accepted = self._graph_step(gen, idx, prof)
             graph_step = True
         else:
             graph_step = False
             self.upload.upload(idx, mask)
             state_idx = self.upload.dev_indices[: len(caches)]
-            t = self._tick("page_table", t)
-            gen_ids = None
-            if n_gen:
-                slots = tuple(self._slot_of(s.request.request_id) for s in batch.generation)
-                if slots != self._slots_up[0]:  # the same rows as last step: their slot ids are on the device
-                    dev_slots = torch.tensor(slots, dtype=torch.int32).to(self.stores.device)
-                    self._slots_up = (slots, dev_slots)
-                gen_ids = step_gather(self.stores, self._slots_up[1], width).input_ids.tolist()
-            t = self._tick("slots", t)
-            rows = []
-            for i, s in enumerate(sched):
-                req = s.request
-                cache = req.cache
-                if i < n_gen:
-                    assert gen_ids is not None
-                    toks = gen_ids[i * width : i * width + s.num_tokens]
-                    nxt = None
-                else:
-                    seq = (*req.tokens, *req.output_tokens)  # type: ignore[misc]
-                    toks = list(seq[s.start : s.start + s.num_tokens])
-                    nxt = None if s.is_last_chunk else seq[s.start + s.num_tokens]
-                pending = getattr(cache, "pending_ssm_snapshot_slot", None) if s.snapshot_point is not None else None
-                rows.append(
-                    Row(
-                        tokens=toks,
-                        start=s.start,
-                        gen=i < n_gen,
-                        is_last=s.is_last_chunk,
-                        state_page=idx[i],
-                        snapshot_point=s.snapshot_point if pending is not None else None,
-                        pending_page=pending,
-                        next_token=nxt,
-                    )
-                )
-            t = self._tick("rows", t)
-            res, accepted = self.runner.step(rows, state_idx, tables, draft=self.draft_len > 0)
+            if prof is not None:
+                prof.mark("state_index")
+            rows = self._eager_rows(batch, sched, idx, width)
+            if prof is not None:
+                prof.mark("inputs")
+            res, accepted = self.runner.step(rows, state_idx, offsets[:, :, 0], draft=self.draft_len > 0)
+            if prof is not None:
+                prof.mark("forward")
         if self.draft_fn is not None:
             for i, s in enumerate(sched):
                 if res.emitted[i]:
                     res.drafts[i] = self.draft_fn(s.request, res.emitted[i])
-        t = self._tick("forward", t)
+            if prof is not None:
+                prof.mark("accept")
         self._store(sched, res, accepted, on_device=graph_step)
-        t = self._tick("slots", t)
-        accepted_by_id = {s.request.request_id: accepted[i] for i, s in enumerate(sched) if i < n_gen}
+        if prof is not None:
+            prof.mark("store")
+        accepted_by_id = {s.request.request_id: accepted[i] for i, s in enumerate(gen)}
         new_tokens = {s.request.request_id: res.emitted[i] for i, s in enumerate(sched)}
         finished = self.scheduler.on_step_done(batch, accepted_tokens=accepted_by_id, new_tokens=new_tokens)
+        if prof is not None:
+            prof.mark("commit")
         for req in finished:
             self.outputs[req.request_id] = list(req.output_tokens)
             self.finished[req.request_id] = req
@@ -401,21 +401,74 @@ class Engine:
         self.steps += 1
         self.tokens["context"] += batch.num_context_tokens
         self.tokens["generation"] += sum(accepted_by_id.values())
-        self._tick("on_step_done", t)
+        if prof is not None:
+            prof.mark("finish")
         return finished
 
-    def _graph_step(self, sched, idx: list[int]) -> tuple[StepResult, list[int]]:
+    def _eager_rows(self, batch, sched, idx: list[int], width: int) -> list[Row]:
+        """The eager step's rows: generation rows read their input ids from the slot stores (one host read),
+        context rows take theirs from the request's known tokens."""
+        gen_ids = None
+        n_gen = len(batch.generation)
+        if n_gen:
+            slots = tuple(self._slot_of(s.request.request_id) for s in batch.generation)
+            if slots != self._slots_up[0]:  # the same rows as last step: their slot ids are on the device
+                dev_slots = torch.tensor(slots, dtype=torch.int32).to(self.stores.device)
+                self._slots_up = (slots, dev_slots)
+            gen_ids = step_gather(self.stores, self._slots_up[1], width).input_ids.tolist()
+        rows = []
+        for i, s in enumerate(sched):
+            req = s.request
+            cache = req.cache
+            if i < n_gen:
+                assert gen_ids is not None
+                toks = gen_ids[i * width : i * width + s.num_tokens]
+                nxt = None
+            else:
+                seq = (*req.tokens, *req.output_tokens)  # type: ignore[misc]
+                toks = list(seq[s.start : s.start + s.num_tokens])
+                nxt = None if s.is_last_chunk else seq[s.start + s.num_tokens]
+            pending = getattr(cache, "pending_ssm_snapshot_slot", None) if s.snapshot_point is not None else None
+            rows.append(
+                Row(
+                    tokens=toks,
+                    start=s.start,
+                    gen=i < n_gen,
+                    is_last=s.is_last_chunk,
+                    state_page=idx[i],
+                    snapshot_point=s.snapshot_point if pending is not None else None,
+                    pending_page=pending,
+                    next_token=nxt,
+                )
+            )
+        return rows
+
+    def _graph_step(self, gen, idx: list[int], prof: PhaseTimer | None) -> tuple[StepResult, list[int]]:
         """A generation-only step through :attr:`graphs`: one host read, the slot stores written on the device."""
         assert self.graphs is not None
-        slots = [self._slot_of(s.request.request_id) for s in sched]
-        out = self.graphs.run(slots, idx[: len(sched)], [s.start for s in sched]).tolist()
+        slot, free = self._slot, self._free_slots
+        slots = []
+        starts = []
+        for s in gen:
+            rid = s.request.request_id
+            k = slot.get(rid)
+            if k is None:
+                k = slot[rid] = free.pop()
+            slots.append(k)
+            starts.append(s.start)
+        # Without a timer, the plain three-argument call (what wrappers of DecodeGraphs.run expect).
+        g = self.graphs
+        out = (g.run(slots, idx, starts) if prof is None else g.run(slots, idx, starts, phases=prof)).tolist()
         w = 1 + self.draft_len
         res = StepResult()
+        n = len(out)
         accepted = [r[w] for r in out]
         res.emitted = [r[:a] for r, a in zip(out, accepted)]
-        res.logits = [None] * len(out)
-        res.drafts = [r[w + 1] for r in out] if self.draft_len else [None] * len(out)
-        res.draft_logits = [None] * len(out)
+        res.logits = [None] * n
+        res.drafts = [r[w + 1] for r in out] if self.draft_len else [None] * n
+        res.draft_logits = [None] * n
+        if prof is not None:
+            prof.mark("accept")
         return res, accepted
 
     def _store(self, sched, res, accepted, *, on_device: bool = False) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from kvforge.engine.cache import EngineCache
+from kvforge.engine.phases import PhaseTimer
 from kvforge.engine.runner import Runner
 from kvforge.kernels.slot_ops import SlotStores
 
@@ -61,10 +62,11 @@ class DecodeGraphs:
         # [slots; live state rows] change only when the batch does; starts change every step.
         self._host_ids = torch.zeros(2, m, dtype=torch.int32, pin_memory=pin)
         self._host_starts = torch.zeros(m, dtype=torch.int64, pin_memory=pin)
+        self._ids_np, self._starts_np = self._host_ids.numpy(), self._host_starts.numpy()
         self.ids = torch.zeros(2, m, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(m, dtype=torch.int64, device=dev)
         self.out = torch.zeros(m, t + 2, dtype=torch.int32, device=dev)
-        self._last_ids: tuple[int, tuple[int, ...]] | None = None
+        self._last_ids: tuple[int, ...] | None = None  # (bucket, *slots, *state rows) last uploaded
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.replays = 0
@@ -119,32 +121,54 @@ class DecodeGraphs:
                 if b not in self._graphs:
                     self._capture(b)
 
-    def run(self, slots: Sequence[int], state_rows: Sequence[int], starts: Sequence[int]) -> torch.Tensor:
-        """One generation-only step of ``len(slots)`` rows; returns the host ``[rows, t + 2]`` int32 result."""
+    def run(
+        self,
+        slots: Sequence[int],
+        state_rows: Sequence[int],
+        starts: Sequence[int],
+        *,
+        phases: PhaseTimer | None = None,
+    ) -> torch.Tensor:
+        """One generation-only step of ``len(slots)`` rows; returns the host ``[rows, t + 2]`` int32 result.
+        ``phases``: the engine's phase timer (inputs, capture, replay, read are marked)."""
         n = len(slots)
         b = self.bucket(n)
         if b is None or n == 0:
             raise ValueError(f"slots: expected 1 .. {self.buckets[-1]} rows, got {n}")
         if self.capture and b not in self._graphs:
+            if phases is not None:
+                phases.mark("inputs")
             self._capture(b)
-        key = (b, (*slots, *state_rows))
+            if phases is not None:
+                phases.mark("capture")
+        key = (b, *slots, *state_rows)
         if key != self._last_ids:
-            self._host_ids[0, :n] = torch.tensor(slots, dtype=torch.int32)
-            self._host_ids[1, :n] = torch.tensor(state_rows, dtype=torch.int32)
-            self._host_ids[0, n:b] = self.trash_slot
-            self._host_ids[1, n:b] = self.cache.state_trash
+            # numpy views of the pinned buffers: a list goes in without a temporary tensor.
+            ids = self._ids_np
+            ids[0, :n] = slots
+            ids[1, :n] = state_rows
+            ids[0, n:b] = self.trash_slot
+            ids[1, n:b] = self.cache.state_trash
             self.ids[:, :b].copy_(self._host_ids[:, :b], non_blocking=True)
             self._last_ids = key
         else:
             self.uploads_skipped += 1
-        self._host_starts[:n] = torch.tensor(starts, dtype=torch.int64)
-        self._host_starts[n:b] = 0
+        st = self._starts_np
+        st[:n] = starts
+        st[n:b] = 0
         self.starts[:b].copy_(self._host_starts[:b], non_blocking=True)
         self._pad_tables(n, b)
+        if phases is not None:
+            phases.mark("inputs")
         if self.capture:
             self._graphs[b].replay()
         else:
             self._body(b)
         self.replays += 1
+        if phases is not None:
+            phases.mark("replay")
         # The one host read of the step (it also orders the pinned buffers' reuse after this step's copies).
-        return self.out[:n].cpu()
+        out = self.out[:n].cpu()
+        if phases is not None:
+            phases.mark("read")
+        return out

@@ -779,7 +779,8 @@ class HybridCacheManager(KVCacheManager):
             raise ValueError(f"group: {g} is not a recurrent pool group (those are {list(rec)})")
         idx = []
         for c in caches:
-            page = c.live_page(g)
+            # The live page list itself (``live_page`` would check the group id once per cache; it is checked above).
+            page = c._live[g]
             if page is None:
                 raise CacheStateError(f"step_state_indices: cache {c.id!r} is {c.status.value}, expected active")
             idx.append(page.index)

@@ -186,7 +186,10 @@ class DevicePageTable:
         from kvforge.kernels._runtime import kernel_device
         from kvforge.kernels.block_offsets import copy_block_offsets
 
-        rows = [self.row(c) for c in caches]
+        known = self._rows
+        rows = [known.get(c) for c in caches]
+        if None in rows:  # a cache seen for the first time gets its row here
+            rows = [self.row(c) for c in caches]
         self.sync()
         n = len(rows)
         if out is None:

@@ -451,32 +451,29 @@ class Scheduler:
             if not isinstance(accepted_tokens, Mapping):
                 raise TypeError(f"accepted_tokens: expected a mapping, got {type(accepted_tokens).__name__}")
             for rid, a in accepted_tokens.items():
-                if rid not in gen_n:
-                    raise ValueError(f"accepted_tokens: {rid!r} is not a generation request of this batch")
-                _check_int(f"accepted_tokens[{rid!r}]", a, 1)
-                if a > gen_n[rid]:
-                    raise ValueError(f"accepted_tokens[{rid!r}]: {a} exceeds the {gen_n[rid]} tokens scheduled")
+                n = gen_n.get(rid)
+                # One cheap test per entry; anything it does not pass gets the detailed checks and their errors.
+                if n is None or type(a) is not int or not 1 <= a <= n:
+                    self._check_accepted(rid, a, gen_n)
         if new_tokens is not None:
             if not isinstance(new_tokens, Mapping):
                 raise TypeError(f"new_tokens: expected a mapping, got {type(new_tokens).__name__}")
             # Tokens each request emits this step: a generation step its accepted count, a last chunk one.
-            emits = {rid: (accepted_tokens or {}).get(rid, 1) for rid in gen_n}
+            acc = accepted_tokens or {}
+            emits = {rid: acc.get(rid, 1) for rid in gen_n}
             for s in batch.context:
                 emits[s.request.request_id] = int(s.is_last_chunk)
             vocab = self.manager.hasher.vocab_size
             for rid, toks in new_tokens.items():
-                if rid not in emits:
-                    raise ValueError(f"new_tokens: {rid!r} is not part of this batch")
-                if isinstance(toks, (str, bytes)) or not isinstance(toks, Sequence):
-                    raise TypeError(f"new_tokens[{rid!r}]: expected a sequence of ints, got {type(toks).__name__}")
-                if len(toks) != emits[rid]:
-                    raise ValueError(f"new_tokens[{rid!r}]: this step emits {emits[rid]} tokens, got {len(toks)} ids")
-                for t in toks:
-                    if isinstance(t, bool) or not isinstance(t, int):
-                        raise TypeError(f"new_tokens[{rid!r}]: expected ints, got {type(t).__name__}")
-                    if not 0 <= t < vocab:
-                        # Checked here: a token-mode request keys these ids when it commits them.
-                        raise ValueError(f"new_tokens[{rid!r}]: expected token ids in [0, {vocab}), got {t}")
+                ok = type(toks) is list or type(toks) is tuple
+                if ok and len(toks) == emits.get(rid, -1):
+                    for t in toks:
+                        if type(t) is not int or not 0 <= t < vocab:
+                            ok = False
+                            break
+                    if ok:
+                        continue
+                self._check_new_tokens(rid, toks, emits, vocab)
         self._pending = None
         now = self._clock()
         finished: list[Request] = []
@@ -505,15 +502,22 @@ class Scheduler:
             self._commit(req)
             if req.num_generated >= req.max_new_tokens:
                 finished.append(req)
+        acc_get = None if accepted_tokens is None else accepted_tokens.get
+        new_get = None if new_tokens is None else new_tokens.get
+        commit = self._commit
         for s in batch.generation:
             req = s.request
             cache = req.cache
-            a = 1 if accepted_tokens is None else accepted_tokens.get(req.request_id, 1)
+            a = 1 if acc_get is None else acc_get(req.request_id, 1)
             hist = cache.history + a  # type: ignore[union-attr]
             cache.resize(capacity=hist, history=hist)  # type: ignore[union-attr]
             stats.generation_tokens += s.num_tokens
-            self._emit(req, a, None if new_tokens is None else new_tokens.get(req.request_id))
-            self._commit(req)
+            # _emit, inlined (once per running request per step)
+            ids = None if new_get is None else new_get(req.request_id)
+            if req.tokens is not None and ids is not None and len(req.output_tokens) == req.num_generated:
+                req.output_tokens.extend(ids)
+            req.num_generated += a
+            commit(req)
             if req.num_generated >= req.max_new_tokens:
                 finished.append(req)
         for req in finished:
@@ -522,6 +526,31 @@ class Scheduler:
             stats.finished += 1
             self._finish(req)
         return tuple(finished)
+
+    @staticmethod
+    def _check_accepted(rid: Hashable, a: object, gen_n: Mapping[Hashable, int]) -> None:
+        """The detailed checks of one ``accepted_tokens`` entry (raises naming it)."""
+        if rid not in gen_n:
+            raise ValueError(f"accepted_tokens: {rid!r} is not a generation request of this batch")
+        _check_int(f"accepted_tokens[{rid!r}]", a, 1)
+        if a > gen_n[rid]:  # type: ignore[operator]
+            raise ValueError(f"accepted_tokens[{rid!r}]: {a} exceeds the {gen_n[rid]} tokens scheduled")
+
+    @staticmethod
+    def _check_new_tokens(rid: Hashable, toks: object, emits: Mapping[Hashable, int], vocab: int) -> None:
+        """The detailed checks of one ``new_tokens`` entry (raises naming it)."""
+        if rid not in emits:
+            raise ValueError(f"new_tokens: {rid!r} is not part of this batch")
+        if isinstance(toks, (str, bytes)) or not isinstance(toks, Sequence):
+            raise TypeError(f"new_tokens[{rid!r}]: expected a sequence of ints, got {type(toks).__name__}")
+        if len(toks) != emits[rid]:
+            raise ValueError(f"new_tokens[{rid!r}]: this step emits {emits[rid]} tokens, got {len(toks)} ids")
+        for t in toks:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"new_tokens[{rid!r}]: expected ints, got {type(t).__name__}")
+            if not 0 <= t < vocab:
+                # Checked here: a token-mode request keys these ids when it commits them.
+                raise ValueError(f"new_tokens[{rid!r}]: expected token ids in [0, {vocab}), got {t}")
 
     # --- the pass ----------------------------------------------------------------------------------------------------
 
@@ -889,6 +918,7 @@ class Scheduler:
     # --- step results ------------------------------------------------------------------------------------------------
 
     def _emit(self, req: Request, n: int, toks: Sequence[int] | None) -> None:
+        # (inlined in on_step_done's generation loop: keep the two alike)
         if req.tokens is not None and toks is not None and len(req.output_tokens) == req.num_generated:
             # Only a gap-free record of outputs can be committed (a step reported without ids breaks it).
             req.output_tokens.extend(toks)
@@ -912,6 +942,9 @@ class Scheduler:
             tpb = self.tokens_per_block
             if target // tpb > c // tpb:
                 kw["block_keys"] = self._keys_range(req, c // tpb, target // tpb)
+            elif not kw:  # a decode step inside a block: no keyword arguments to build
+                cache.commit(self._token_range(req, c, target))
+                return
             cache.commit(self._token_range(req, c, target), **kw)
             return
         tpb = self.tokens_per_block
