@@ -15,11 +15,11 @@ from kvforge.kvcache.replay import find_trace
 from kvforge.service.keys import Keyer
 from kvforge.service.kv_events import KVEventPublisher
 from kvforge.service.proxy import RouterService, ServiceConfig
+from kvforge.service.testing import FakeBackend, trace_text
 
 # The HTTP layer :func:`fleet` serves with ("fast" or "aiohttp"); tests/conftest.py's ``http_layer`` fixture sets
-# it per test where a module runs over both.
+# it per test where a test runs over both.
 HTTP = "fast"
-from kvforge.service.testing import FakeBackend, trace_text
 
 
 def trace_path() -> Path | None:

@@ -33,6 +33,7 @@ BAD_BODIES = [
 ]
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_bad_bodies_get_clean_4xx_and_place_nothing() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64, max_body_bytes=4096) as (svc, base, backends, s):
@@ -161,6 +162,7 @@ async def _ok_error(r, status: int) -> None:
     assert err["code"] == status and err["message"] and "Traceback" not in err["message"]
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_hostile_prompts_and_encodings_are_400s() -> None:
     import gzip
 
@@ -189,6 +191,7 @@ def test_hostile_prompts_and_encodings_are_400s() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_never_finished_bodies_are_dropped_after_the_deadline() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64, body_timeout_s=0.5) as (_, base, _b, s):
@@ -218,6 +221,7 @@ def test_never_finished_bodies_are_dropped_after_the_deadline() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_routing_seconds_start_after_the_body_is_read() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64) as (svc, base, _b, _s):
@@ -241,6 +245,7 @@ def test_routing_seconds_start_after_the_body_is_read() -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_routes_real_clients_call() -> None:
     async def main() -> None:
         async with fleet(2, tokens_per_block=4) as (_, base, backends, s):
@@ -269,6 +274,7 @@ def test_routes_real_clients_call() -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_a_big_prompt_is_tokenised_and_keyed_off_the_event_loop(tmp_path) -> None:
     import threading
 

@@ -126,6 +126,7 @@ class _Conn(asyncio.Protocol):
         self._url: list[bytes] = []
         self._headers: list[tuple[str, str]] = []
         self._head_bytes = 0
+        self._head_size = 0
         self._in_head = False
         self._body: list[bytes] = []
         self._body_len = 0
@@ -197,7 +198,8 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = []
         self._headers = []
-        self._head_bytes = 0
+        self._head_bytes = 0  # received while the head is incomplete (httptools holds a header until it ends)
+        self._head_size = 0
         self._in_head = True
         self._body = []
         self._body_len = 0
@@ -205,11 +207,15 @@ class _Conn(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
+        self._head_size += len(url)
+        if self._head_size > MAX_HEAD_BYTES:
+            raise _Refused(_error(431, f"request line: over {MAX_HEAD_BYTES} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
-        if len(self._headers) > MAX_HEADERS:
-            raise _Refused(_error(431, f"request headers: more than {MAX_HEADERS}"))
+        self._head_size += len(name) + len(value)
+        if len(self._headers) > MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
+            raise _Refused(_error(431, f"request headers: over {MAX_HEADERS} or {MAX_HEAD_BYTES} bytes"))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -219,6 +225,8 @@ class _Conn(asyncio.Protocol):
         spath = path.decode("latin-1")
         if "%" in spath:
             spath = unquote(path.decode("utf-8", "replace"))
+        if p.should_upgrade():
+            raise _Refused(_error(400, "request: protocol upgrades are not supported"))
         headers = _Headers(self._headers)
         req = _Request(
             p.get_method().decode("latin-1"), spath, query.decode("latin-1"), headers, p.should_keep_alive(),
@@ -535,6 +543,8 @@ class _UpConn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if self.status < 200:
+            return  # (an informational response: the real one follows)
         self.keep_alive = self.parser.should_keep_alive()
         for k, v in self.headers.raw:
             if len(k) == 14 and k.lower() == "content-length" and v.isdigit():
@@ -551,6 +561,8 @@ class _UpConn(asyncio.Protocol):
             self._buf.append(data)
 
     def on_message_complete(self) -> None:
+        if self.status < 200:
+            return
         self.complete = True
         self._disarm()
         f = self._done_fut

@@ -82,8 +82,9 @@ _EVENTS_NEED_TOKENIZER = (
     "kv_events: needs --tokenizer (engines announce blocks by token ids; without a tokenizer requests are keyed "
     "by text and no event could ever match one)"
 )
-# Request headers that describe the body as the client sent it: aiohttp has already decoded a compressed body.
-_REQUEST_HOP = _HOP | {"content-encoding"}
+# Request headers that describe the body as the client sent it: a compressed body has been decoded here, and the
+# whole body is in hand (no 100-continue to wait for).
+_REQUEST_HOP = _HOP | {"content-encoding", "expect"}
 
 
 @dataclass
