@@ -328,6 +328,11 @@ class _Conn(asyncio.Protocol):
             else:
                 handler = self.server.routes.get((method if method != "HEAD" else "GET", path))
                 if handler is not None:
+                    if req.body:
+                        raw = await self._decoded_body(req)
+                        if raw is None:
+                            return
+                        req.body = raw
                     self.reply(await handler(req))
                 elif path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
                     if method in ("GET", "HEAD"):

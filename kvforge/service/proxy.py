@@ -1,4 +1,6 @@
-"""The OpenAI-compatible routing proxy (aiohttp server and client).
+"""The OpenAI-compatible routing proxy: :class:`RouterService` (what every route does, whichever HTTP layer
+serves it), its aiohttp layer (``make_app``, ``--http aiohttp``) and :func:`serve`, which runs either layer
+(the default one is :mod:`kvforge.service.fasthttp`).
 
 ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings`` are keyed
 (:class:`~kvforge.service.keys.Keyer`), placed by the configured policy and forwarded; the backend's response
