@@ -228,3 +228,47 @@ def test_random_bytes_never_crash_the_parser_path(no_tracebacks) -> None:
             await still_serves(base)
 
     run(main(), 120)
+
+
+def test_backend_answers_without_length_and_cut_mid_body(no_tracebacks) -> None:
+    """A backend answering close-delimited (no length, no chunks) is passed through whole; one that cuts a
+    chunked body short cuts the client's connection (an error, not a clean end) and ejects nothing slow."""
+    from kvforge.service.proxy import RouterService, ServiceConfig
+    from tests.service_harness import serve_service
+
+    async def main() -> None:
+        cut = {"on": False}
+
+        async def backend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(re.search(rb"(?i)content-length: (\d+)", head).group(1)) if b"ength" in head else 0
+            await reader.readexactly(n)
+            if cut["on"] and head.startswith(b"POST"):
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n")
+                await writer.drain()
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+                for piece in (b"data: a\n\n", b"data: [DONE]\n\n"):
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+            writer.close()
+
+        server = await asyncio.start_server(backend, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        svc = RouterService(ServiceConfig(backends=[url], tokens_per_block=64, health_interval_s=5.0))
+        port, close = await serve_service(svc, "fast")
+        base = f"http://127.0.0.1:{port}"
+        try:
+            answer = await exchange(base, post())
+            assert status_of(answer) == 200
+            assert b"data: a\n\n" in answer and b"data: [DONE]" in answer and answer.endswith(b"0\r\n\r\n")
+            cut["on"] = True
+            answer = await exchange(base, post())
+            assert status_of(answer) == 200 and not answer.endswith(b"0\r\n\r\n")
+            assert svc.fleet.total_backlog() == 0 and svc.metrics.requests.labels(url, "upstream_failed")._value.get()
+        finally:
+            await close()
+            server.close()
+
+    run(main())

@@ -499,6 +499,7 @@ class _UpConn(asyncio.Protocol):
         self.complete = False
         self.got_bytes = False
         self.keep_alive = True
+        self._eof_ends_body = False
         self._head_fut: asyncio.Future[None] | None = None
         self._done_fut: asyncio.Future[None] | None = None
         self._buf: list[bytes] = []
@@ -528,9 +529,8 @@ class _UpConn(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
-        if not self.complete and self.active:
-            with contextlib.suppress(httptools.HttpParserError):
-                self.parser.feed_eof()  # (a body that ends with the connection)
+        if not self.complete and self.active and self.status >= 200 and self._eof_ends_body:
+            self.on_message_complete()  # (a body without length or chunks ends with the connection)
         if not self.complete:
             self._fail(UpstreamError(type(exc).__name__ if exc else "ServerDisconnectedError", True))
 
@@ -551,9 +551,13 @@ class _UpConn(asyncio.Protocol):
         if self.status < 200:
             return  # (an informational response: the real one follows)
         self.keep_alive = self.parser.should_keep_alive()
+        chunked = False
         for k, v in self.headers.raw:
             if len(k) == 14 and k.lower() == "content-length" and v.isdigit():
                 self.content_length = int(v)
+            elif len(k) == 17 and k.lower() == "transfer-encoding":
+                chunked = "chunked" in v.lower()
+        self._eof_ends_body = self.content_length is None and not chunked
         f = self._head_fut
         if f is not None and not f.done():
             f.set_result(None)
