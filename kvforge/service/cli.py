@@ -292,7 +292,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             import httptools  # noqa: F401
 
         from kvforge.service.metrics import configure_logging
-        from kvforge.service.proxy import RouterService, serve
+        from kvforge.service.proxy import RouterService
+        from kvforge.service.server import serve
     except ImportError as exc:
         print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
         return 1

@@ -49,8 +49,8 @@ from kvforge.service.proxy import (
     _Epoch,
     _error,
     _json,
-    serve,
 )
+from kvforge.service.server import serve
 from kvforge.service.shared_state import SharedState, max_workers
 from kvforge.service.urls import normalize_backend_url
 
