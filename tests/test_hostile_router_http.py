@@ -272,3 +272,52 @@ def test_backend_answers_without_length_and_cut_mid_body(no_tracebacks) -> None:
             server.close()
 
     run(main())
+
+
+def test_a_client_that_does_not_read_pauses_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backpressure: a big response to a client that reads nothing is held in the socket buffers (the backend's
+    reading paused), not in the router's memory; it arrives whole once the client reads."""
+    from kvforge.service import fasthttp
+    from kvforge.service.proxy import RouterService, ServiceConfig
+    from tests.service_harness import serve_service
+
+    size = 24 * 2**20
+    paused: list[int] = []
+    real_pause = fasthttp._UpConn.pause
+
+    def pause(self: fasthttp._UpConn) -> None:
+        paused.append(1)
+        real_pause(self)
+
+    monkeypatch.setattr(fasthttp._UpConn, "pause", pause)
+
+    async def main() -> None:
+        async def backend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            m = re.search(rb"(?i)content-length: (\d+)", head)
+            await reader.readexactly(int(m.group(1)) if m else 0)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            for _ in range(size // 65536):
+                writer.write(b"x" * 65536)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(backend, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        svc = RouterService(ServiceConfig(backends=[url], tokens_per_block=64, health_interval_s=5.0))
+        port, close = await serve_service(svc, "fast")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**16)
+            writer.write(post())
+            await asyncio.sleep(1.0)
+            assert paused, "the backend kept being read while the client read nothing"
+            got = 0
+            while piece := await reader.read(2**20):
+                got += len(piece)
+            writer.close()
+            assert got > size
+        finally:
+            await close()
+            server.close()
+
+    run(main())
