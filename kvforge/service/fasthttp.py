@@ -388,8 +388,8 @@ class _Conn(asyncio.Protocol):
             if len(req.body) >= _INFLATE_ON_THREAD:
                 return await self.loop.run_in_executor(None, _inflate, req.body, enc, limit)
             return _inflate(req.body, enc, limit)
-        except _Refused as exc:
-            self._refuse_now(exc.reply)
+        except OverflowError:
+            self._refuse_now(self.service.refuse_body(413, f"body: decoded, over the limit of {limit}"))
         except (zlib.error, ValueError) as exc:
             self._refuse_now(self.service.unreadable(exc))
         return None
@@ -450,6 +450,7 @@ class _Conn(asyncio.Protocol):
                 finally:
                     self._relay_up = None
         except UpstreamError as exc:
+            self._closing = True
             t.close()  # the client must see an error, not a clean end
             return "cut", (exc.name if exc.dead else None)
         except BaseException:
@@ -467,7 +468,7 @@ def _inflate(data: bytes, enc: str, limit: int) -> bytes:
     d = zlib.decompressobj(31 if enc in ("gzip", "x-gzip") else (zlib.MAX_WBITS if data[:1] == b"\x78" else -15))
     out = d.decompress(data, limit + 1)
     if len(out) > limit or d.unconsumed_tail:
-        raise _Refused(_error(413, f"body: decoded, over the limit of {limit}"))
+        raise OverflowError("decoded body over the limit")
     if not d.eof:
         raise ValueError(f"{enc} stream ends early")
     return out
