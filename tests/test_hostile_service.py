@@ -92,6 +92,7 @@ def test_bad_bodies_get_clean_4xx_and_place_nothing() -> None:
         ["router", "--backend", "http://h:1", "--tokenizer", "/nonexistent/tokenizer.json"],
         ["router", "--backend", "http://h:1", "--health-path", "health"],
         ["router", "--backend", "http://h:1", "--chat-template", "/nonexistent/tokenizer_config.json"],
+        ["router", "--backend", "http://h:1", "--http", "h2"],
     ],
 )
 def test_bad_cli_values_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
