@@ -69,9 +69,9 @@ class _Headers:
 
     __slots__ = ("_low", "raw")
 
-    def __init__(self, raw: list[tuple[str, str]]) -> None:
+    def __init__(self, raw: list[tuple[str, str]], low: dict[str, str] | None = None) -> None:
         self.raw = raw
-        self._low: dict[str, str] | None = None
+        self._low = low
 
     def get(self, name: str, default: Any = None) -> Any:
         low = self._low
@@ -125,6 +125,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self._url: list[bytes] = []
         self._headers: list[tuple[str, str]] = []
+        self._low: dict[str, str] = {}
         self._head_bytes = 0
         self._head_size = 0
         self._in_head = False
@@ -198,6 +199,7 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = []
         self._headers = []
+        self._low = {}
         self._head_bytes = 0  # received while the head is incomplete (httptools holds a header until it ends)
         self._head_size = 0
         self._in_head = True
@@ -212,7 +214,9 @@ class _Conn(asyncio.Protocol):
             raise _Refused(_error(431, f"request line: over {MAX_HEAD_BYTES} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        k, v = name.decode("latin-1"), value.decode("latin-1")
+        self._headers.append((k, v))
+        self._low[k.lower()] = v
         self._head_size += len(name) + len(value)
         if len(self._headers) > MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
             raise _Refused(_error(431, f"request headers: over {MAX_HEADERS} or {MAX_HEAD_BYTES} bytes"))
@@ -227,7 +231,7 @@ class _Conn(asyncio.Protocol):
             spath = unquote(path.decode("utf-8", "replace"))
         if p.should_upgrade():
             raise _Refused(_error(400, "request: protocol upgrades are not supported"))
-        headers = _Headers(self._headers)
+        headers = _Headers(self._headers, self._low)
         req = _Request(
             p.get_method().decode("latin-1"), spath, query.decode("latin-1"), headers, p.should_keep_alive(),
             p.get_http_version(),

@@ -757,8 +757,8 @@ class RouterService:
                 return
             if attempt_no == 0:
                 m.routing_seconds.observe(time.perf_counter() - t0)
-            m.prompt_tokens.labels(b.url).inc(num_tokens)
-            m.hit_tokens.labels(b.url).inc(self.fleet.estimate_hit(b, keys, num_tokens))
+            m.child(m.prompt_tokens, b.url).inc(num_tokens)
+            m.child(m.hit_tokens, b.url).inc(self.fleet.estimate_hit(b, keys, num_tokens))
             status = await self._attempt(io, path, raw, fwd, ep, b, rid)
             if status is not None:
                 if logger.isEnabledFor(logging.DEBUG):
@@ -820,7 +820,7 @@ class RouterService:
         finally:
             b.attempts.discard(a)
             if answered or outcome == "client_gone":
-                self.metrics.requests.labels(b.url, outcome).inc()
+                self.metrics.child(self.metrics.requests, b.url, outcome).inc()
             self.fleet.finish(ep, rid, success)
 
     # ---------------------------------------------------------------- admin
