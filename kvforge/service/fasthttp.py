@@ -437,14 +437,24 @@ class _Conn(asyncio.Protocol):
         else:
             chunked, framing = True, b"Transfer-Encoding: chunked\r\n"
         t = self.transport
-        t.write(_head(status, up.reason, headers, framing, keep))
+        # What one read from the backend brings goes out in one write (the head with the first piece, the last
+        # piece with the chunked terminator).
+        out = [_head(status, up.reason, headers, framing, keep)]
 
         def sink(data: bytes) -> None:
-            if data and not nobody and not self.closed:
-                t.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+            if data and not nobody:
+                out.append(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+
+        def flush(end: bytes = b"") -> None:
+            if end:
+                out.append(end)
+            if out:
+                if not self.closed:
+                    t.write(out[0] if len(out) == 1 else b"".join(out))
+                out.clear()
 
         try:
-            got = up.take(sink)
+            got = up.take(sink, flush, b"0\r\n\r\n" if chunked else b"")
             if got is not None:
                 self._relay_up = up
                 if self._write_paused:
@@ -460,8 +470,6 @@ class _Conn(asyncio.Protocol):
         except BaseException:
             up.discard()
             raise
-        if chunked and not self.closed:
-            t.write(b"0\r\n\r\n")
         if not keep:
             self._closing = True
         up.release()
@@ -509,6 +517,8 @@ class _UpConn(asyncio.Protocol):
         self._done_fut: asyncio.Future[None] | None = None
         self._buf: list[bytes] = []
         self._sink: Callable[[bytes], Any] | None = None
+        self._flush: Callable[..., Any] | None = None
+        self._end = b""
         self._error: UpstreamError | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0
@@ -528,6 +538,8 @@ class _UpConn(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"bad response ({str(exc)[:80]})", True))
+        if self._flush is not None:
+            self._flush()
 
     def eof_received(self) -> bool:
         return False
@@ -579,6 +591,10 @@ class _UpConn(asyncio.Protocol):
             return
         self.complete = True
         self._disarm()
+        flush = self._flush
+        if flush is not None:
+            self._sink = self._flush = None
+            flush(self._end)
         f = self._done_fut
         if f is not None and not f.done():
             f.set_result(None)
@@ -614,6 +630,9 @@ class _UpConn(asyncio.Protocol):
         if self._error is not None:
             return
         self._error = err
+        if self._flush is not None:  # (what arrived before the cut still goes out)
+            self._flush()
+            self._sink = self._flush = None
         self._disarm()
         self.keep_alive = False
         for f in (self._head_fut, self._done_fut):
@@ -635,17 +654,20 @@ class _UpConn(asyncio.Protocol):
             if not self.closed:
                 self.transport.resume_reading()
 
-    def take(self, sink: Callable[[bytes], Any]) -> asyncio.Future[None] | None:
-        """Hand what has arrived to ``sink`` and the rest as it arrives; a future for the end (None when the
-        response is already complete). Raises :class:`UpstreamError` when it was cut before."""
+    def take(self, sink: Callable[[bytes], Any], flush: Callable[..., Any], end: bytes) -> asyncio.Future[None] | None:
+        """Hand the body to ``sink`` piece by piece, what has arrived now and the rest as it arrives, calling
+        ``flush()`` after each read from the backend and ``flush(end)`` once it is complete; a future for the
+        end (None when it is already complete). Raises :class:`UpstreamError` when it was cut before."""
         for piece in self._buf:
             sink(piece)
         self._buf = []
         if self.complete:
+            flush(end)
             return None
+        flush()
         if self._error is not None:
             raise self._error
-        self._sink = sink
+        self._sink, self._flush, self._end = sink, flush, end
         return self._wait_done()
 
     def _wait_done(self) -> asyncio.Future[None]:
@@ -677,7 +699,7 @@ class _UpConn(asyncio.Protocol):
         reusable = self.complete and self.keep_alive and self._error is None and not self.closed
         if self._paused:
             self.resume()
-        self._sink = None  # (what the response was stays readable: status, headers; cleared at the next request)
+        self._sink = self._flush = None  # (status and headers stay readable; cleared at the next request)
         if reusable:
             self.pool.put(self)
         elif not self.closed:
@@ -686,7 +708,7 @@ class _UpConn(asyncio.Protocol):
     def discard(self) -> None:
         self.active = False
         self._disarm()
-        self._sink = None
+        self._sink = self._flush = None
         self.keep_alive = False
         if not self.closed and self.transport is not None:
             self.transport.close()
