@@ -20,12 +20,13 @@ All of it shares this machine's cores (2 here), so the router competes with the 
 the added latency includes that contention. Rows go to ``bench/results/router_service.csv``, the figure to
 ``bench/results/router_service_<rate>rps.png``.
 
-``--compare`` runs the peer comparison instead: one fake backend per process, then kvforge (1 worker with
-asyncio, 1 and 2 workers with uvloop) and the SGLang router (``sglang-router`` wheel, ``cache_aware``, installed
-by pip into ``--sglang-site`` on first use) side by side; at each of ``--rates`` and each of ``--rounds``, the
-same seeded Poisson arrivals of multi-turn conversations (``X-Conversation-Id`` sent; SGLang matches text
-prefixes; ``aiohttp-floor``, a bare aiohttp pass-through, marks the framework's CPU floor) go to each router
-and straight to the backends in turn (``--window-s`` each, order rotated per
+``--compare`` runs the peer comparison instead: one fake backend per process, then kvforge (``--http fast``
+with 1 and 2 workers, ``--http aiohttp`` with 1 worker; all on uvloop) and the SGLang router
+(``sglang-router`` wheel, ``cache_aware``, installed by pip into ``--sglang-site`` on first use) side by side;
+at each of ``--rates`` and each of ``--rounds``, the same seeded Poisson arrivals of multi-turn conversations
+(``X-Conversation-Id`` sent; SGLang matches text prefixes; ``aiohttp-floor``, a bare aiohttp pass-through,
+marks the framework's CPU floor) go to each router and straight to the backends in turn (``--window-s`` each,
+order rotated per
 round). Per router and rate: added time to first chunk and to the end (p50/p99, against direct), CPU per
 request over the router's whole process tree (/proc), errors, completions per second, stickiness (share of
 conversations whose turns all met one backend) and load split; the highest rate carried (no error, at least
@@ -383,10 +384,13 @@ def compare(args: argparse.Namespace) -> int:
                "--log-level", "warning"]  # fmt: skip
         for u in urls:
             kvf += ["--backend", u]
+        aio = [*kvf, "--http", "aiohttp"]
         variants = {
-            "kvforge-1w-asyncio": [*kvf, "--event-loop", "asyncio"],
-            "kvforge-1w-uvloop": [*kvf, "--event-loop", "uvloop"],
-            "kvforge-2w-uvloop": [*kvf, "--event-loop", "uvloop", "--workers", "2"],
+            "kvforge-1w-asyncio": [*aio, "--event-loop", "asyncio"],
+            "kvforge-1w-uvloop": [*aio, "--event-loop", "uvloop"],
+            "kvforge-2w-uvloop": [*aio, "--event-loop", "uvloop", "--workers", "2"],
+            "kvforge-1w-fast": [*kvf, "--http", "fast", "--event-loop", "uvloop"],
+            "kvforge-2w-fast": [*kvf, "--http", "fast", "--event-loop", "uvloop", "--workers", "2"],
         }
         for name in args.routers.split(","):
             port = free_port()
@@ -563,8 +567,10 @@ def main() -> int:
     g.add_argument("--turn-chars", type=int, default=200, help="characters each turn adds to a conversation")
     g.add_argument(
         "--routers",
-        default="kvforge-1w-asyncio,kvforge-1w-uvloop,kvforge-2w-uvloop,sglang,aiohttp-floor",
-        help="aiohttp-floor: a bare aiohttp pass-through (round robin), the framework's CPU floor",
+        default="kvforge-1w-fast,kvforge-1w-uvloop,kvforge-2w-fast,sglang,aiohttp-floor",
+        help="kvforge-{1w,2w}-fast: --http fast on uvloop; kvforge-1w-asyncio, kvforge-{1w,2w}-uvloop: --http "
+        "aiohttp on that loop; sglang; aiohttp-floor: a bare aiohttp pass-through (round robin), the framework's "
+        "CPU floor",
     )
     g.add_argument("--sglang-version", default="0.3.2")
     g.add_argument("--sglang-site", default="/tmp/sglang_router_site", help="where the wheel is installed")

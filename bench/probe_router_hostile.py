@@ -15,13 +15,17 @@ own maximum is reported beside it as that noise floor.
 Inputs: an ~8 MiB chat prompt (tokenised), a 20 MiB body (413), 100,000-deep JSON, token ids >= 2**32, a body
 labelled gzip that is not, 200 bodies that never finish, one KV batch of 1,000,000 hashes, one of 24,000
 blocks (applied, in slices), and a burst of forged / malformed KV messages (a 2**62 number, token id -1, deep
-msgpack, 1,000 random byte strings). Rows go to ``bench/results/router_hostile.csv``; ``--log`` keeps the run.
+msgpack, 1,000 random byte strings); at the HTTP layer (``--http``, default fast): garbage on 200
+connections at once, a 1 MiB header and 5,000 headers (20 connections each), a bad chunk size (200
+connections), headers dripped a byte per 20 ms (100 connections). Rows go to
+``bench/results/router_hostile.csv``; ``--log`` keeps the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -143,6 +147,42 @@ async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dic
             w.close()
         return f"{sum(isinstance(a, bytes) and a.startswith(b'HTTP/1.1 408') for a in answers)}x408"
 
+    async def raw_http(data: bytes, conns: int = 1, drip_s: float = 0.0) -> str:
+        """``data`` on ``conns`` connections at once (byte by byte, ``drip_s`` apart, when given); the statuses
+        answered before each connection closed."""
+
+        async def one() -> str:
+            reader, writer = await asyncio.open_connection(host, int(port))
+            answer = asyncio.get_running_loop().create_task(reader.read())
+            try:
+                if drip_s:
+                    for i in range(min(len(data), 200)):
+                        if answer.done():  # answered and closed: stop sending
+                            break
+                        writer.write(data[i : i + 1])
+                        await writer.drain()
+                        await asyncio.sleep(drip_s)
+                else:
+                    writer.write(data)
+                    await writer.drain()
+            except ConnectionError:
+                pass  # (the router closed the connection before it had all: its answer may be in)
+            try:
+                got = await asyncio.wait_for(answer, 10)
+            except (ConnectionError, asyncio.TimeoutError) as exc:
+                return type(exc).__name__
+            finally:
+                writer.close()
+            return got[9:12].decode("latin-1") if got.startswith(b"HTTP/1.1 ") else "closed"
+
+        got = await asyncio.gather(*(one() for _ in range(conns)))
+        return "+".join(f"{n}x{k}" for k, n in sorted(collections.Counter(got).items()))
+
+    head_1m = b"GET /health HTTP/1.1\r\nX: " + b"a" * 2**20 + b"\r\n\r\n"
+    many_headers = b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(5000)) + b"\r\n"
+    bad_chunks = b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n" * 1
+    drip_head = b"GET /health HTTP/1.1\r\n" + b"X-Slow: 1\r\n" * 40
+
     async def kv(payload_fn: Callable[[], None], settle_s: float = 1.0) -> str:
         payload_fn()
         await asyncio.sleep(settle_s)  # the router works on it meanwhile; the probe keeps measuring
@@ -164,6 +204,11 @@ async def _run(args: argparse.Namespace, base: str, pubs: list, log) -> list[dic
         ("token_id_2**32", lambda: post(big_ids, path="/v1/completions")),
         ("gzip_label_not_gzip", lambda: post(not_gzip, {"Content-Encoding": "gzip"})),
         ("slowloris_200_bodies", slowloris),
+        ("http_garbage_200_conns", lambda: raw_http(b"\x00\xffGARBAGE\r\n\r\n" * 4, 200)),
+        ("http_header_1MiB", lambda: raw_http(head_1m, 20)),
+        ("http_5000_headers", lambda: raw_http(many_headers, 20)),
+        ("http_bad_chunk_size", lambda: raw_http(bad_chunks, 200)),
+        ("http_slowloris_headers_100", lambda: raw_http(drip_head, 100, 0.02)),
         ("kv_batch_1M_hashes", lambda: kv(lambda: next_raw(pubs[0], kv_1m))),
         ("kv_batch_24k_blocks", lambda: kv(lambda: next_raw(pubs[0], kv_50k), 3.0)),
         ("kv_forged_and_malformed", lambda: kv(forged)),
@@ -208,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--after-s", type=float, default=3.0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--log", default=None, help="also write the run's lines here")
+    ap.add_argument("--http", default="fast", choices=("fast", "aiohttp"), help="the router's HTTP layer")
     ap.add_argument("--serve-backends", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -239,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         urls = read_port_file(port_file, 30.0)
         port = free_port()
         cmd = [sys.executable, "-m", "kvforge", "router", "--port", str(port), "--tokenizer", str(tok),
-               "--tokens-per-block", "64", "--body-timeout-s", "1", "--log-level", "error"]  # fmt: skip
+               "--tokens-per-block", "64", "--body-timeout-s", "1", "--log-level", "error",
+               "--http", args.http]  # fmt: skip
         for u, p in zip(urls, pubs):
             cmd += ["--backend", u, "--kv-events", p.endpoint, "--kv-replay", p.replay_endpoint]
         log(" ".join(cmd))
@@ -259,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_rev": git_revision(),
              "machine": f"{platform.processor() or platform.machine()} x{os.cpu_count()}",
              "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-             "aiohttp": aiohttp.__version__, "gc": "on", "tag": args.tag}  # fmt: skip
+             "aiohttp": aiohttp.__version__, "gc": "on", "tag": args.tag, "http": args.http}  # fmt: skip
     path = append_csv("router_hostile", [{**stamp, **r} for r in rows])
     worst = max(rows, key=lambda r: r["extra_ms"])
     log(f"worst: {worst['input']} +{worst['extra_ms']} ms (target {TARGET_MS} ms); appended {path}")

@@ -59,3 +59,12 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+@pytest.fixture(params=["fast", "aiohttp"])
+def http_layer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The router's HTTP layer that ``tests.service_harness.fleet`` serves with, one run per layer."""
+    from tests import service_harness
+
+    monkeypatch.setattr(service_harness, "HTTP", request.param)
+    return request.param

@@ -17,6 +17,10 @@ from kvforge.service.kv_events import KVEventPublisher
 from kvforge.service.proxy import RouterService, ServiceConfig
 from kvforge.service.testing import FakeBackend, trace_text
 
+# The HTTP layer :func:`fleet` serves with ("fast" or "aiohttp"); tests/conftest.py's ``http_layer`` fixture sets
+# it per test where a test runs over both.
+HTTP = "fast"
+
 
 def trace_path() -> Path | None:
     """The conversation trace ($KVFORGE_TRACE or shared/data beside the checkout), None when absent."""
@@ -75,11 +79,7 @@ async def fleet(
         **cfg_kw,
     )
     service = RouterService(cfg)
-    runner = web.AppRunner(service.make_app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port, close = await serve_service(service)
     if events:
         # ZMQ's slow joiner: a batch published before a subscription has reached the publisher is dropped, and
         # a test that sends one request would wait for events that never come (seen on a loaded CI machine).
@@ -99,11 +99,26 @@ async def fleet(
         yield service, f"http://127.0.0.1:{port}", backends, session
     finally:
         await session.close()
-        await runner.cleanup()
+        await close()
         for b in backends:
             await b.kill()
         for p in pubs:
             p.close()
+
+
+async def serve_service(service: RouterService, http: str | None = None) -> tuple[int, Any]:
+    """Serve ``service`` on a free port of 127.0.0.1 with the ``http`` layer (default :data:`HTTP`): (port,
+    ``async close()``)."""
+    if (http or HTTP) == "fast":
+        from kvforge.service import fasthttp
+
+        srv = await fasthttp.start(service, "127.0.0.1", 0)
+        return srv.port, lambda: srv.close(0.1)
+    runner = web.AppRunner(service.make_app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return site._server.sockets[0].getsockname()[1], runner.cleanup  # type: ignore[union-attr]
 
 
 async def post_chat(

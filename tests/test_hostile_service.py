@@ -33,6 +33,7 @@ BAD_BODIES = [
 ]
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_bad_bodies_get_clean_4xx_and_place_nothing() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64, max_body_bytes=4096) as (svc, base, backends, s):
@@ -91,6 +92,7 @@ def test_bad_bodies_get_clean_4xx_and_place_nothing() -> None:
         ["router", "--backend", "http://h:1", "--tokenizer", "/nonexistent/tokenizer.json"],
         ["router", "--backend", "http://h:1", "--health-path", "health"],
         ["router", "--backend", "http://h:1", "--chat-template", "/nonexistent/tokenizer_config.json"],
+        ["router", "--backend", "http://h:1", "--http", "h2"],
     ],
 )
 def test_bad_cli_values_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,6 +163,7 @@ async def _ok_error(r, status: int) -> None:
     assert err["code"] == status and err["message"] and "Traceback" not in err["message"]
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_hostile_prompts_and_encodings_are_400s() -> None:
     import gzip
 
@@ -189,6 +192,7 @@ def test_hostile_prompts_and_encodings_are_400s() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_never_finished_bodies_are_dropped_after_the_deadline() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64, body_timeout_s=0.5) as (_, base, _b, s):
@@ -218,6 +222,7 @@ def test_never_finished_bodies_are_dropped_after_the_deadline() -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_routing_seconds_start_after_the_body_is_read() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64) as (svc, base, _b, _s):
@@ -241,6 +246,7 @@ def test_routing_seconds_start_after_the_body_is_read() -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_routes_real_clients_call() -> None:
     async def main() -> None:
         async with fleet(2, tokens_per_block=4) as (_, base, backends, s):
@@ -269,6 +275,7 @@ def test_routes_real_clients_call() -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_a_big_prompt_is_tokenised_and_keyed_off_the_event_loop(tmp_path) -> None:
     import threading
 

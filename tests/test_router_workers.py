@@ -621,3 +621,38 @@ def test_two_workers_end_to_end(tmp_path: Path) -> None:
                 p.close()
 
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+@pytest.mark.parametrize("http", ["fast", "aiohttp"])
+def test_a_worker_sets_the_process_up_as_the_single_process_does(
+    state: SharedState, http: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review finding: workers of ``--workers N`` skipped gc.freeze() and the 1 ms switch interval. Both paths now
+    serve through kvforge.service.server.serve, which runs setup_process once the service is built."""
+    import argparse
+    import gc
+    import threading
+
+    from kvforge.service import fasthttp, server, workers
+    from kvforge.service.cli import add_arguments
+
+    real_setup = server.setup_process
+    calls: list[str] = []
+    monkeypatch.setattr(server, "setup_process", lambda: calls.append("setup"))
+    monkeypatch.setattr(fasthttp, "run", lambda *a, **k: calls.append("fast"))
+    monkeypatch.setattr(server.web, "run_app", lambda *a, **k: calls.append("aiohttp"))
+    monkeypatch.setattr(workers.os, "setpgid", lambda *a: None)  # (not this test process's group)
+    monkeypatch.setattr("kvforge.service.metrics.configure_logging", lambda *a: None)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--backend", "http://127.0.0.1:9", "--http", http, "--policy", "least-load"])
+    workers._worker_main(args, state.name, str(tmp_path / "lock"), 0, os.getpid(), threading.Event())
+    assert calls == ["setup", http]
+    # ... and what setup_process does, in this process (undone after).
+    old = sys.getswitchinterval()
+    try:
+        real_setup()
+        assert sys.getswitchinterval() == pytest.approx(0.001) and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        sys.setswitchinterval(old)

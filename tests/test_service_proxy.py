@@ -98,6 +98,7 @@ def test_trace_replay_hit_rate_equals_in_process_replay() -> None:
     assert len(set(zip(names, in_proc))) == len(set(in_proc))
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_killing_a_backend_mid_run_loses_no_request_that_had_not_started() -> None:
     async def main() -> None:
         kw = {"tokens_per_s": 200, "tokens_per_chunk": 2, "max_output_tokens": 10}
@@ -154,6 +155,7 @@ def test_killing_a_backend_mid_run_loses_no_request_that_had_not_started() -> No
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_a_slow_backend_answers_504_and_stays_in_rotation() -> None:
     # Issue 31: silence past --read-timeout-s (a long prefill) ejected the backend and every retry target.
     async def main() -> None:
@@ -171,6 +173,7 @@ def test_a_slow_backend_answers_504_and_stays_in_rotation() -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_hung_backend_failing_health_is_ejected_and_requests_move() -> None:
     async def main() -> None:
         async with fleet(2, policy="round-robin", tokens_per_block=64, read_timeout_s=0.3, health_interval_s=0.1) as (
@@ -186,6 +189,7 @@ def test_hung_backend_failing_health_is_ejected_and_requests_move() -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_client_disconnect_restores_the_baseline() -> None:
     async def main() -> None:
         kw = {"tokens_per_s": 50, "max_output_tokens": 50}
@@ -212,6 +216,7 @@ def test_client_disconnect_restores_the_baseline() -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_admin_endpoint_and_backends_file(tmp_path) -> None:
     async def main() -> None:
         async with fleet(1, policy="round-robin", tokens_per_block=64, admin_token="s3cret") as (svc, base, bes, s):
@@ -341,6 +346,7 @@ def test_kv_events_from_backends_reach_the_router(tmp_path) -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_no_backend_left_answers_503() -> None:
     async def main() -> None:
         async with fleet(1, tokens_per_block=64, max_retries=1) as (svc, base, backends, s):
@@ -354,6 +360,7 @@ def test_no_backend_left_answers_503() -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_models_passthrough() -> None:
     async def main() -> None:
         async with fleet(2, tokens_per_block=64) as (_, base, _, s), s.get(base + "/v1/models") as r:
@@ -362,6 +369,7 @@ def test_models_passthrough() -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 def test_streaming_is_passed_through_chunk_by_chunk() -> None:
     async def main() -> None:
         kw = {"tokens_per_s": 20, "max_output_tokens": 6}
@@ -379,6 +387,7 @@ def test_streaming_is_passed_through_chunk_by_chunk() -> None:
     run(main())
 
 
+@pytest.mark.usefixtures("http_layer")
 @pytest.mark.parametrize("policy", ["conversation", "conversation-always"])
 def test_membership_changes_keep_sessions_and_move_only_the_dead_backends_conversations(policy: str) -> None:
     async def main() -> None:

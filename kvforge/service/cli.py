@@ -7,7 +7,6 @@ Every value is checked by argparse (a bad one is a one-line usage error, exit st
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import math
 import sys
@@ -226,6 +225,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: uvloop when it is installed (less CPU per request), else asyncio (default auto)",
     )
+    g.add_argument(
+        "--http",
+        choices=("fast", "aiohttp"),
+        default="fast",
+        help="HTTP layer: fast (asyncio protocols and httptools, least CPU per request) or aiohttp (default fast)",
+    )
 
 
 def _workers(text: str) -> int:
@@ -279,11 +284,16 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    http = getattr(args, "http", "fast")
     try:
-        from aiohttp import web
+        import aiohttp  # noqa: F401  (the service's modules import it; the fast layer's client uses httptools)
+
+        if http == "fast":
+            import httptools  # noqa: F401
 
         from kvforge.service.metrics import configure_logging
-        from kvforge.service.proxy import RouterService, new_event_loop
+        from kvforge.service.proxy import RouterService
+        from kvforge.service.server import serve
     except ImportError as exc:
         print(f"kvforge router: error: {exc.name} is missing; install kvforge[router]", file=sys.stderr)
         return 1
@@ -301,31 +311,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     configure_logging(args.log_level, args.log_format)
     logging.getLogger("kvforge.service").info(
         "router listening",
-        extra={"fields": {"host": args.host, "port": args.port, "policy": cfg.policy, "backends": list(cfg.backends)}},
-    )
+        extra={"fields": {"host": args.host, "port": args.port, "policy": cfg.policy, "backends": list(cfg.backends),
+                          "http": http}},
+    )  # fmt: skip
     try:
-        loop = new_event_loop(args.event_loop)
+        serve(service, args.host, args.port, http=http, event_loop=args.event_loop)
     except ImportError:
         print("kvforge router: error: --event-loop uvloop: uvloop is not installed", file=sys.stderr)
         return 2
-    app = service.make_app()
-    # What start-up allocated (modules, the tokenizer, the app) lives as long as the process: out of the
-    # collector's sight, a full collection no longer walks it while requests wait.
-    gc.freeze()
-    # Big requests are keyed and placed on worker threads; a thread that computes holds the GIL for up to the
-    # switch interval each time the event loop's thread wants it back after a socket call, and a request takes
-    # several. 1 ms instead of Python's 5 bounds what a computing thread adds to another client's request.
-    sys.setswitchinterval(0.001)
-    try:
-        web.run_app(
-            app,
-            host=args.host,
-            port=args.port,
-            access_log=None,
-            print=None,
-            handler_cancellation=True,
-            loop=loop,
-        )
     except OSError as exc:
         print(f"kvforge router: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

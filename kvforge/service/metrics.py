@@ -103,6 +103,16 @@ class ServiceMetrics:
             "kvforge_router_kv_events", "KV-event stream counters", ["backend", "kind"], registry=r
         )
         r.register(_FleetCollector(snapshot))  # type: ignore[arg-type]
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered: the per-request counters skip prometheus-client's label
+        checks and lock after the first request of each backend and outcome (children are never removed)."""
+        key = (id(metric), values)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*values)
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

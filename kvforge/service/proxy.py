@@ -1,4 +1,6 @@
-"""The OpenAI-compatible routing proxy (aiohttp server and client).
+"""The OpenAI-compatible routing proxy: :class:`RouterService` (what every route does, whichever HTTP layer
+serves it) and its aiohttp layer (``make_app``, ``--http aiohttp``); the default layer is
+:mod:`kvforge.service.fasthttp`, and :func:`kvforge.service.server.serve` runs either.
 
 ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and ``/v1/embeddings`` are keyed
 (:class:`~kvforge.service.keys.Keyer`), placed by the configured policy and forwarded; the backend's response
@@ -51,7 +53,10 @@ from kvforge.service.metrics import ServiceMetrics
 from kvforge.service.urls import check_zmq_endpoint as _check_zmq_endpoint
 from kvforge.service.urls import normalize_backend_url
 
-__all__ = ["Backend", "Fleet", "RouterService", "ServiceConfig", "new_event_loop", "normalize_backend_url"]
+__all__ = [
+    "Backend", "Fleet", "Reply", "RouterService", "ServiceConfig", "UpstreamError", "new_event_loop",
+    "normalize_backend_url",
+]  # fmt: skip
 
 logger = logging.getLogger("kvforge.service")
 
@@ -77,8 +82,9 @@ _EVENTS_NEED_TOKENIZER = (
     "kv_events: needs --tokenizer (engines announce blocks by token ids; without a tokenizer requests are keyed "
     "by text and no event could ever match one)"
 )
-# Request headers that describe the body as the client sent it: aiohttp has already decoded a compressed body.
-_REQUEST_HOP = _HOP | {"content-encoding"}
+# Request headers that describe the body as the client sent it: a compressed body has been decoded here, and the
+# whole body is in hand (no 100-continue to wait for).
+_REQUEST_HOP = _HOP | {"content-encoding", "expect"}
 
 
 @dataclass
@@ -448,8 +454,32 @@ class Fleet:
                 await b.subscriber.stop()
 
 
+class UpstreamError(Exception):
+    """A failed exchange with a backend, from either HTTP layer's client. ``dead``: the backend looks down
+    (refused, reset, unreachable, cut, connect timeout), as opposed to slow (no byte within the read or total
+    timeout)."""
+
+    def __init__(self, name: str, dead: bool) -> None:
+        super().__init__(name)
+        self.name = name
+        self.dead = dead
+
+
+@dataclass(slots=True)
+class Reply:
+    """A whole response as a handler answers it, whichever HTTP layer sends it. ``headers`` (when given) are
+    sent as they are, Content-Type included; otherwise ``content_type`` is."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] | None = None
+
+
 class RouterService:
-    """The aiohttp application: build with a :class:`ServiceConfig`, then ``make_app()``."""
+    """The router behind either HTTP layer: routes (:meth:`handlers`, :meth:`forward`), health checks, the
+    backends file. ``make_app()`` serves it with aiohttp; :mod:`kvforge.service.fasthttp` with its own layer.
+    A layer calls :meth:`start` with its backend client before serving and :meth:`stop` after."""
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -462,14 +492,11 @@ class RouterService:
             self.fleet.add(url, ev, rp)
         self._ids = itertools.count()
         self._prefix = f"kvf-{os.getpid():x}-"
-        self._session: aiohttp.ClientSession | None = None
+        self.client: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._file_mtime: float | None = None
         self._conv_header = cfg.conversation_header
         self._rr = itertools.count()
-        self._client_timeout = aiohttp.ClientTimeout(
-            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
-        )
 
     def _make_fleet(self) -> Fleet:
         # (kvforge.service.workers gives each worker of ``--workers N`` a fleet that shares state across them.)
@@ -478,29 +505,26 @@ class RouterService:
     def _kv_stat(self, url: str, kind: str, n: int) -> None:
         self.metrics.kv_events.labels(url, kind).inc(n)
 
+    def handlers(self) -> dict[tuple[str, str], Any]:
+        """(method, path) -> ``async handler(request) -> Reply``, besides the keyed POST paths
+        (:meth:`forward`) and ``GET /v1/models/{id}`` (:meth:`model`). A request needs ``headers.get``,
+        ``query.get`` and ``await read()``."""
+        return {
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/admin/backends"): self._admin_list,
+            ("POST", "/admin/backends"): self._admin_add,
+            ("DELETE", "/admin/backends"): self._admin_remove,
+        }
+
     # ---------------------------------------------------------------- lifecycle
 
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_error_middleware])
-        for path in K.KEYED_PATHS:
-            app.router.add_post(path, self._completion)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model:.+}", self._model)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/admin/backends", self._admin_list)
-        app.router.add_post("/admin/backends", self._admin_add)
-        app.router.add_delete("/admin/backends", self._admin_remove)
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
-        return app
-
-    async def _on_startup(self, app: web.Application) -> None:
+    async def start(self, client: Any) -> None:
+        """Start serving with ``client`` (``await client.request(method, base_url, path, body, headers,
+        total=None)``, raising :class:`UpstreamError`; ``await client.close()``)."""
         cfg = self.cfg
-        conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(
-            connector=conn, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
-        )
+        self.client = client
         await self.fleet.start()
         if cfg.tokenizer_processes and self.keyer.uses_tokens:
             # (Spawning takes a second; the loop is not held meanwhile.)
@@ -509,7 +533,7 @@ class RouterService:
             self._sync_file()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop(), name="health"))
 
-    async def _on_cleanup(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -517,23 +541,48 @@ class RouterService:
                 await t
         await self.fleet.stop()
         self.keyer.close()
-        if self._session is not None:
-            await self._session.close()
+        if self.client is not None:
+            await self.client.close()
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application (``--http aiohttp``)."""
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[_error_middleware])
+        for path in K.KEYED_PATHS:
+            app.router.add_post(path, self._aio_completion)
+        for (method, path), handler in self.handlers().items():
+            if method == "GET":
+                app.router.add_get(path, _aio_handler(handler))
+            else:
+                app.router.add_route(method, path, _aio_handler(handler))
+
+        async def model(request: web.Request) -> web.Response:
+            return _web_response(await self.model(request.match_info["model"]))
+
+        app.router.add_get("/v1/models/{model:.+}", model)
+        app.on_startup.append(self._aio_startup)
+        app.on_cleanup.append(self._aio_cleanup)
+        return app
+
+    async def _aio_startup(self, app: web.Application) -> None:
+        await self.start(_AioClient(self.cfg))
+
+    async def _aio_cleanup(self, app: web.Application) -> None:
+        await self.stop()
 
     # ---------------------------------------------------------------- health
 
     async def _check(self, b: Backend) -> None:
-        assert self._session is not None
         cfg = self.cfg
         try:
-            async with self._session.get(
-                b.url + cfg.health_path, timeout=aiohttp.ClientTimeout(total=cfg.health_timeout_s)
-            ) as r:
-                await r.read()
-                ok = r.status < 500
-                reason = f"health status {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            ok, reason = False, f"health check failed: {type(exc).__name__}"
+            up = await self.client.request("GET", b.url, cfg.health_path, total=cfg.health_timeout_s)
+            try:
+                await up.read()
+            finally:
+                up.close()
+            ok = up.status < 500
+            reason = f"health status {up.status}"
+        except UpstreamError as exc:
+            ok, reason = False, f"health check failed: {exc.name}"
         if b.url in self.fleet.backends:
             self.fleet.set_health(b, ok, reason)
 
@@ -578,16 +627,15 @@ class RouterService:
 
     # ---------------------------------------------------------------- handlers
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: Any) -> Reply:
         n = sum(b.healthy for b in self.fleet.backends.values())
-        return web.json_response({"healthy_backends": n}, status=200 if n else 503)
+        return _json({"healthy_backends": n}, 200 if n else 503)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    async def _metrics(self, request: Any) -> Reply:
+        return Reply(200, self.metrics.render(), "text/plain; charset=utf-8")
 
-    async def _fetch_models(self) -> tuple[int, bytes, dict[str, str]] | web.Response:
-        """``/v1/models`` from a healthy backend (status, body, headers), or the error response to send."""
-        assert self._session is not None
+    async def _fetch_models(self) -> tuple[int, bytes, dict[str, str]] | Reply:
+        """``/v1/models`` from a healthy backend (status, body, headers), or the error to answer."""
         healthy = [b for b in self.fleet.backends.values() if b.healthy]
         if not healthy:
             return _error(503, "no backend is in rotation")
@@ -595,25 +643,27 @@ class RouterService:
         for i in range(len(healthy)):
             b = healthy[(start + i) % len(healthy)]
             try:
-                async with self._session.get(b.url + "/v1/models", timeout=self._timeout()) as up:
+                up = await self.client.request("GET", b.url, "/v1/models")
+                try:
                     return up.status, await up.read(), _forward_headers(up.headers)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                if _dead(exc):  # a slow answer is not a dead backend: health checks decide that
-                    self.fleet.eject(b, f"/v1/models failed: {type(exc).__name__}")
+                finally:
+                    up.close()
+            except UpstreamError as exc:
+                if exc.dead:  # a slow answer is not a dead backend: health checks decide that
+                    self.fleet.eject(b, f"/v1/models failed: {exc.name}")
         return _error(502, "every backend failed to answer /v1/models")
 
-    async def _models(self, request: web.Request) -> web.StreamResponse:
+    async def _models(self, request: Any) -> Reply:
         got = await self._fetch_models()
-        if isinstance(got, web.Response):
+        if isinstance(got, Reply):
             return got
         status, body, headers = got
-        return web.Response(body=body, status=status, headers=headers)
+        return Reply(status, body, headers=headers)
 
-    async def _model(self, request: web.Request) -> web.StreamResponse:
+    async def model(self, model: str) -> Reply:
         """``/v1/models/{id}`` (``client.models.retrieve``), answered from the backends' model list."""
-        model = request.match_info["model"]
         got = await self._fetch_models()
-        if isinstance(got, web.Response):
+        if isinstance(got, Reply):
             return got
         status, body, _ = got
         if status >= 400:
@@ -627,60 +677,72 @@ class RouterService:
             return _error(502, "/v1/models: the backend's answer is not a model list")
         for entry in entries:
             if isinstance(entry, dict) and entry.get("id") == model:
-                return web.json_response(entry)
+                return _json(entry)
         return _error(404, f"The model '{model[:200]}' does not exist")
 
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        return self._client_timeout
+    def refuse_body(self, status: int, message: str, outcome: str = "bad_request") -> Reply:
+        """The 4xx for a body that cannot be taken (counted under ``outcome``): 413 over ``max_body_bytes``,
+        408 past ``body_timeout_s``, 400 for one that does not decode."""
+        self.metrics.requests.labels("", outcome).inc()
+        return _error(status, message)
 
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+    def too_big(self, n: int | None = None) -> Reply:
+        got = "more" if n is None else f"{n} bytes,"
+        return self.refuse_body(413, f"body: {got} over the limit of {self.cfg.max_body_bytes}")
+
+    def body_timeout(self) -> Reply:
+        return self.refuse_body(408, f"body: not received within {self.cfg.body_timeout_s:g} s", "body_timeout")
+
+    def unreadable(self, exc: BaseException) -> Reply:
+        return self.refuse_body(400, f"body: cannot be read as sent ({type(exc).__name__}: {str(exc)[:200]})")
+
+    async def _aio_read_body(self, request: web.Request) -> bytes | web.Response:
         """The request body within ``body_timeout_s`` (decompressed by aiohttp as its Content-Encoding says),
-        or the 4xx to answer: 408 past the deadline (the connection is closed), 400 for a body that does not
-        decode (a body labelled gzip that is not), 413 over ``max_body_bytes``."""
+        or the 4xx to answer (the connection is closed after a 408 and a 413 declared up front)."""
         declared = request.content_length
         if declared is not None and declared > self.cfg.max_body_bytes:
             # Refused before a byte of it is read (a chunked upload is stopped by the read limit instead).
-            self.metrics.requests.labels("", "bad_request").inc()
-            return await _answer_and_close(
-                request, _error(413, f"body: {declared} bytes, over the limit of {self.cfg.max_body_bytes}")
-            )
+            return await _answer_and_close(request, self.too_big(declared))
         try:
             return await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
         except asyncio.TimeoutError:
-            self.metrics.requests.labels("", "body_timeout").inc()
-            return await _answer_and_close(
-                request, _error(408, f"body: not received within {self.cfg.body_timeout_s:g} s")
-            )
+            return await _answer_and_close(request, self.body_timeout())
         except web.HTTPException:
             raise  # 413 (over max_body_bytes): the middleware answers in OpenAI's shape
         except Exception as exc:  # (aiohttp's RequestPayloadError for a body that does not decode, and kin)
-            self.metrics.requests.labels("", "bad_request").inc()
-            resp = _error(400, f"body: cannot be read as sent ({type(exc).__name__}: {str(exc)[:200]})")
-            return await _answer_and_close(request, resp)
+            return await _answer_and_close(request, self.unreadable(exc))
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        raw_or_error = await self._read_body(request)
-        if isinstance(raw_or_error, web.Response):
-            return raw_or_error
-        raw = raw_or_error
+    async def _aio_completion(self, request: web.Request) -> web.StreamResponse:
+        raw = await self._aio_read_body(request)
+        if isinstance(raw, web.StreamResponse):
+            return raw
+        io = _AioExchange(request)
+        await self.forward(io, request.path, raw, request.headers)
+        assert io.response is not None
+        return io.response
+
+    async def forward(self, io: Any, path: str, raw: bytes, headers: Any) -> None:
+        """Key, place and forward one keyed POST whose body has been read; the answer goes to ``io``
+        (``io.reply(Reply)``, ``await io.relay(upstream) -> (how, dead)``), with retries on other backends."""
         # Routing time starts once the body is in: a slow client is not the router's time.
         t0 = time.perf_counter()
-        conv_header = request.headers.get(self._conv_header)
+        conv_header = headers.get(self._conv_header)
         try:
             if len(raw) < _OFFLOAD_BYTES:
-                raw, conv, keys, num_tokens = _prepare_body(self.keyer, request.path, raw, conv_header)
+                raw, conv, keys, num_tokens = _prepare_body(self.keyer, path, raw, conv_header)
             elif len(raw) >= _POOL_BYTES and self.keyer.has_pool:
-                fut = self.keyer.submit(_prepare_in_child, request.path, raw, conv_header)
+                fut = self.keyer.submit(_prepare_in_child, path, raw, conv_header)
                 changed, conv, keys, num_tokens = await asyncio.wrap_future(fut)
                 raw = raw if changed is None else changed
             else:
                 raw, conv, keys, num_tokens = await asyncio.get_running_loop().run_in_executor(
-                    None, _prepare_body, self.keyer, request.path, raw, conv_header
+                    None, _prepare_body, self.keyer, path, raw, conv_header
                 )
         except K.BadRequest as exc:
             self.metrics.requests.labels("", "bad_request").inc()
-            return _error(400, str(exc))
-        headers = _forward_headers(request.headers, _REQUEST_HOP)
+            io.reply(_error(400, str(exc)))
+            return
+        fwd = _forward_headers(headers, _REQUEST_HOP)
         rid = f"{self._prefix}{next(self._ids)}"
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
@@ -691,112 +753,86 @@ class RouterService:
                     ep, b = self.fleet.place(rid, keys, num_tokens, conv)
             except NoBackend as exc:
                 m.requests.labels("", "no_backend").inc()
-                return _error(503, str(exc))
+                io.reply(_error(503, str(exc)))
+                return
             if attempt_no == 0:
                 m.routing_seconds.observe(time.perf_counter() - t0)
-            m.prompt_tokens.labels(b.url).inc(num_tokens)
-            m.hit_tokens.labels(b.url).inc(self.fleet.estimate_hit(b, keys, num_tokens))
-            result = await self._attempt(request, raw, headers, ep, b, rid)
-            if result is not None:
+            m.child(m.prompt_tokens, b.url).inc(num_tokens)
+            m.child(m.hit_tokens, b.url).inc(self.fleet.estimate_hit(b, keys, num_tokens))
+            status = await self._attempt(io, path, raw, fwd, ep, b, rid)
+            if status is not None:
                 if logger.isEnabledFor(logging.DEBUG):
                     logger.debug(
                         "request",
                         extra={"fields": {"request_id": rid, "backend": b.url, "conversation": conv,
-                                          "prompt_tokens": num_tokens, "status": result.status,
+                                          "prompt_tokens": num_tokens, "status": status,
                                           "attempts": attempt_no + 1, "seconds": round(time.perf_counter() - t0, 6)}},
                     )  # fmt: skip
-                return result
+                return
             m.retries.labels(b.url).inc()
         m.requests.labels("", "no_backend").inc()
-        return _error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response")
+        io.reply(_error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response"))
 
     async def _attempt(
-        self, request: web.Request, raw: bytes, headers: dict[str, str], ep: _Epoch, b: Backend, rid: str
-    ) -> web.StreamResponse | None:
-        """One forward; None when it failed before the response started (the caller retries elsewhere)."""
-        assert self._session is not None
+        self, io: Any, path: str, raw: bytes, headers: dict[str, str], ep: _Epoch, b: Backend, rid: str
+    ) -> int | None:
+        """One forward: the status answered, or None when it failed before the response started (the caller
+        retries elsewhere)."""
         a = _Attempt(asyncio.current_task())
         b.attempts.add(a)
         success = False
         outcome = "upstream_failed"
-        resp: web.StreamResponse | None = None
+        answered = False
         try:
             try:
-                up = await self._session.post(b.url + request.path, data=raw, headers=headers, timeout=self._timeout())
+                up = await self.client.request("POST", b.url, path, raw, headers)
             except asyncio.CancelledError:
                 if a.ejected and not a.started:
                     asyncio.current_task().uncancel()  # type: ignore[union-attr]
                     return None
                 outcome = "client_gone"
                 raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except UpstreamError as exc:
                 b.attempts.discard(a)  # the ejection below cancels waiting attempts: not this one
-                if not _dead(exc):
+                if not exc.dead:
                     # Silence past read_timeout_s (a long prefill, a queue): the backend is alive and may be
                     # computing this very request, so it stays in rotation and the request is not sent again
                     # elsewhere. Health checks, not one slow request, take a backend out.
-                    outcome = "upstream_timeout"
-                    resp = _error(504, f"backend {b.url} sent no response within {self.cfg.read_timeout_s:g} s")
-                    return resp
-                self.fleet.eject(b, f"request failed: {type(exc).__name__}")
+                    outcome, answered = "upstream_timeout", True
+                    io.reply(_error(504, f"backend {b.url} sent no response within {self.cfg.read_timeout_s:g} s"))
+                    return 504
+                self.fleet.eject(b, f"request failed: {exc.name}")
                 return None
+            a.started = answered = True
             try:
-                a.started = True
-                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=_forward_headers(up.headers))
-                if up.content_length is not None:
-                    resp.content_length = up.content_length
-                try:
-                    await resp.prepare(request)
-                except (ConnectionError, RuntimeError):
-                    outcome = "client_gone"
-                    return resp
-                while True:
-                    try:
-                        chunk = await up.content.readany()
-                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                        if _dead(exc):
-                            self.fleet.eject(b, f"response cut: {type(exc).__name__}")
-                        outcome = "upstream_failed"
-                        # The client must see an error, not a clean end: drop its connection.
-                        if request.transport is not None:
-                            request.transport.close()
-                        return resp
-                    if not chunk:
-                        break
-                    try:
-                        await resp.write(chunk)
-                    except (ConnectionError, RuntimeError):
-                        outcome = "client_gone"
-                        return resp
-                with contextlib.suppress(ConnectionError, RuntimeError):
-                    await resp.write_eof()
-                success = up.status < 400
-                outcome = "ok" if success else "upstream_status"
-                return resp
+                how, dead = await io.relay(up)
             except asyncio.CancelledError:
                 outcome = "client_gone"
                 raise
-            finally:
-                if success:
-                    up.release()
-                else:
-                    up.close()  # an unfinished response must not go back to the pool
+            if how == "done":
+                success = up.status < 400
+                outcome = "ok" if success else "upstream_status"
+            elif how == "client_gone":
+                outcome = "client_gone"
+            elif dead is not None:  # cut mid-response (the layer has dropped the client's connection)
+                self.fleet.eject(b, f"response cut: {dead}")
+            return up.status
         finally:
             b.attempts.discard(a)
-            if resp is not None or outcome == "client_gone":
-                self.metrics.requests.labels(b.url, outcome).inc()
+            if answered or outcome == "client_gone":
+                self.metrics.child(self.metrics.requests, b.url, outcome).inc()
             self.fleet.finish(ep, rid, success)
 
     # ---------------------------------------------------------------- admin
 
-    def _admin_ok(self, request: web.Request) -> bool:
+    def _admin_ok(self, request: Any) -> bool:
         tok = self.cfg.admin_token
         return tok is None or request.headers.get("Authorization", "") == f"Bearer {tok}"
 
-    async def _admin_list(self, request: web.Request) -> web.Response:
+    async def _admin_list(self, request: Any) -> Reply:
         if not self._admin_ok(request):
             return _error(401, "admin: missing or wrong bearer token")
-        return web.json_response(
+        return _json(
             [
                 {"url": u, "healthy": ok, "backlog_tokens": load, "in_flight": n,
                  "kv_events": self.fleet.backends[u].kv_events}
@@ -804,16 +840,16 @@ class RouterService:
             ]
         )  # fmt: skip
 
-    async def _admin_body(self, request: web.Request) -> dict[str, Any]:
+    async def _admin_body(self, request: Any) -> dict[str, Any]:
         try:
             body = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             raise K.BadRequest("body: expected a JSON object") from None
         if not isinstance(body, dict):
             raise K.BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
         return body
 
-    async def _admin_add(self, request: web.Request) -> web.Response:
+    async def _admin_add(self, request: Any) -> Reply:
         if not self._admin_ok(request):
             return _error(401, "admin: missing or wrong bearer token")
         try:
@@ -821,9 +857,9 @@ class RouterService:
             b = self.fleet.add(body.get("url"), body.get("kv_events"), body.get("kv_replay"))  # type: ignore[arg-type]
         except ValueError as exc:
             return _error(400, str(exc))
-        return web.json_response({"url": b.url}, status=201)
+        return _json({"url": b.url}, 201)
 
-    async def _admin_remove(self, request: web.Request) -> web.Response:
+    async def _admin_remove(self, request: Any) -> Reply:
         if not self._admin_ok(request):
             return _error(401, "admin: missing or wrong bearer token")
         url = request.query.get("url")
@@ -835,7 +871,122 @@ class RouterService:
             return _error(400, str(exc))
         if not removed:
             return _error(404, f"backend {url} is not in the fleet")
-        return web.json_response({"removed": url})
+        return _json({"removed": url})
+
+
+# ---------------------------------------------------------------- the aiohttp layer (--http aiohttp)
+
+
+class _AioUpstream:
+    """An aiohttp response from a backend, as :meth:`RouterService.forward` sees one."""
+
+    __slots__ = ("headers", "r", "status")
+
+    def __init__(self, r: aiohttp.ClientResponse) -> None:
+        self.r = r
+        self.status = r.status
+        self.headers = r.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self.r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise UpstreamError(type(exc).__name__, _dead(exc)) from None
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class _AioClient:
+    """aiohttp's client session, its errors turned into :class:`UpstreamError` (built inside the loop)."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s
+        )
+
+    async def request(
+        self, method: str, base: str, path: str, body: bytes | None = None, headers: Any = None, total: Any = None
+    ) -> _AioUpstream:
+        timeout = self._timeout if total is None else aiohttp.ClientTimeout(total=total)
+        try:
+            r = await self._session.request(method, base + path, data=body, headers=headers, timeout=timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise UpstreamError(type(exc).__name__, _dead(exc)) from None
+        return _AioUpstream(r)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+class _AioExchange:
+    """One keyed request under aiohttp: :meth:`RouterService.forward`'s ``io``; ``response`` is what the
+    handler returns."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    def reply(self, r: Reply) -> None:
+        self.response = _web_response(r)
+
+    async def relay(self, up: _AioUpstream) -> tuple[str, str | None]:
+        """Stream ``up`` to the client chunk by chunk: ("done" | "client_gone" | "cut", why a cut backend
+        looks dead or None)."""
+        r, request = up.r, self.request
+        finished = False
+        try:
+            resp = self.response = web.StreamResponse(
+                status=r.status, reason=r.reason, headers=_forward_headers(r.headers)
+            )
+            if r.content_length is not None:
+                resp.content_length = r.content_length
+            try:
+                await resp.prepare(request)
+            except (ConnectionError, RuntimeError):
+                return "client_gone", None
+            while True:
+                try:
+                    chunk = await r.content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                    # The client must see an error, not a clean end: drop its connection.
+                    if request.transport is not None:
+                        request.transport.close()
+                    return "cut", (type(exc).__name__ if _dead(exc) else None)
+                if not chunk:
+                    break
+                try:
+                    await resp.write(chunk)
+                except (ConnectionError, RuntimeError):
+                    return "client_gone", None
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await resp.write_eof()
+            finished = r.status < 400
+            return "done", None
+        finally:
+            if finished:
+                r.release()
+            else:
+                r.close()  # an unfinished response must not go back to the pool
+
+
+def _aio_handler(handler: Any) -> Any:
+    async def run(request: web.Request) -> web.Response:
+        return _web_response(await handler(request))
+
+    return run
+
+
+def _web_response(r: Reply) -> web.Response:
+    headers = r.headers if r.headers is not None else {"Content-Type": r.content_type}
+    return web.Response(body=r.body, status=r.status, headers=headers)
 
 
 def new_event_loop(choice: str):
@@ -915,9 +1066,10 @@ def _forward_headers(headers: Any, drop: frozenset[str] = _HOP) -> dict[str, str
     return {k: v for k, v in headers.items() if k.lower() not in drop}
 
 
-async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
-    """Send ``resp`` and close the connection at once: the rest of an unread body is not waited for (aiohttp
+async def _answer_and_close(request: web.Request, reply: Reply) -> web.Response:
+    """Send ``reply`` and close the connection at once: the rest of an unread body is not waited for (aiohttp
     would otherwise drain it for up to its lingering time)."""
+    resp = _web_response(reply)
     resp.force_close()
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.prepare(request)
@@ -935,9 +1087,14 @@ def _dead(exc: BaseException) -> bool:
     return not isinstance(exc, asyncio.TimeoutError)
 
 
-def _error(status: int, message: str) -> web.Response:
+def _json(obj: Any, status: int = 200) -> Reply:
+    return Reply(status, msgspec.json.encode(obj))
+
+
+def _error(status: int, message: str) -> Reply:
+    """An error in OpenAI's shape."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    return _json({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 @web.middleware
@@ -946,5 +1103,5 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return _error(exc.status, exc.reason)
+            return _web_response(_error(exc.status, exc.reason))
         raise

@@ -37,20 +37,20 @@ import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from aiohttp import web
-
 from kvforge.kvcache.hashing import SALT_ENV
 from kvforge.routing import ImbalanceGuard
 from kvforge.service.proxy import (
     Backend,
     Fleet,
     NoBackend,
+    Reply,
     RouterService,
     ServiceConfig,
     _Epoch,
     _error,
-    new_event_loop,
+    _json,
 )
+from kvforge.service.server import serve
 from kvforge.service.shared_state import SharedState, max_workers
 from kvforge.service.urls import normalize_backend_url
 
@@ -268,21 +268,19 @@ class WorkerService(RouterService):
     def _make_fleet(self) -> Fleet:
         return SharedFleet(self.cfg, self._kv_stat, self._state, self._worker)
 
-    def make_app(self) -> web.Application:
-        app = super().make_app()
-        app.router.add_get("/admin/shared", self._admin_shared)
-        return app
+    def handlers(self) -> dict[tuple[str, str], Any]:
+        return {**super().handlers(), ("GET", "/admin/shared"): self._admin_shared}
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: Any) -> Reply:
         n = sum(b.healthy for b in self.fleet.backends.values())
-        return web.json_response({"healthy_backends": n, "worker": self._worker}, status=200 if n else 503)
+        return _json({"healthy_backends": n, "worker": self._worker}, 200 if n else 503)
 
-    async def _admin_list(self, request: web.Request) -> web.Response:
+    async def _admin_list(self, request: Any) -> Reply:
         if not self._admin_ok(request):
             return _error(401, "admin: missing or wrong bearer token")
         fleet = self.fleet
         assert isinstance(fleet, SharedFleet)
-        return web.json_response(
+        return _json(
             [
                 {"url": u, "healthy": ok, "backlog_tokens": load, "in_flight": n,
                  "kv_events": fleet.backends[u].kv_events, "worker": self._worker,
@@ -291,18 +289,18 @@ class WorkerService(RouterService):
             ]
         )  # fmt: skip
 
-    async def _admin_shared(self, request: web.Request) -> web.Response:
+    async def _admin_shared(self, request: Any) -> Reply:
         if not self._admin_ok(request):
             return _error(401, "admin: missing or wrong bearer token")
-        return web.json_response(
+        return _json(
             {"worker": self._worker, "pid": os.getpid(), "workers": self._state.workers, "name": self._state.name,
              "conversation_map": self._state.stats()}
         )  # fmt: skip
 
-    async def _admin_add(self, request: web.Request) -> web.Response:
+    async def _admin_add(self, request: Any) -> Reply:
         return _error(409, "admin: with --workers > 1, change the fleet through --backends-file (each worker reads it)")
 
-    async def _admin_remove(self, request: web.Request) -> web.Response:
+    async def _admin_remove(self, request: Any) -> Reply:
         return await self._admin_add(request)
 
 
@@ -321,39 +319,23 @@ def _worker_main(args: argparse.Namespace, shm_name: str, lock_path: str, worker
     configure_logging(args.log_level, args.log_format)
     state = SharedState.attach(shm_name, lock_path)
     service = WorkerService(ServiceConfig.from_args(args), state, worker)
-    app = service.make_app()
 
-    async def watch_parent(app: web.Application) -> None:
-        async def loop() -> None:
-            while os.getppid() == parent:
-                await asyncio.sleep(1.0)
-            logger.error("router parent gone; worker exiting", extra={"fields": {"worker": worker}})
-            os.kill(os.getpid(), signal.SIGTERM)
+    async def watch_parent() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        logger.error("router parent gone; worker exiting", extra={"fields": {"worker": worker}})
+        os.kill(os.getpid(), signal.SIGTERM)
 
-        task = asyncio.get_running_loop().create_task(loop())
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app.cleanup_ctx.append(watch_parent)
-
-    def listening(_banner: str) -> None:  # run_app's print(), called once every site listens
+    def listening() -> None:  # called once the worker listens
         logger.info("worker listening", extra={"fields": {"worker": worker, "pid": os.getpid(), "port": args.port}})
         ready.set()
 
     try:
-        web.run_app(
-            app,
-            host=args.host,
-            port=args.port,
-            reuse_port=True,
-            access_log=None,
-            print=listening,
-            handler_cancellation=True,
-            loop=new_event_loop(args.event_loop),
-            shutdown_timeout=max(0.1, args.shutdown_grace_s - 1.0),
-        )
+        serve(
+            service, args.host, args.port, http=getattr(args, "http", "fast"), event_loop=args.event_loop,
+            reuse_port=True, on_listening=listening, shutdown_timeout=max(0.1, args.shutdown_grace_s - 1.0),
+            background=[watch_parent],
+        )  # fmt: skip
     finally:
         state.close()
 
@@ -383,10 +365,7 @@ def run_workers(args: argparse.Namespace) -> int:
     from kvforge.service.metrics import configure_logging
 
     prog = "kvforge router"
-    n = args.workers
-    if not hasattr(socket, "SO_REUSEPORT"):
-        print(f"{prog}: error: --workers {n}: this platform has no SO_REUSEPORT; run one worker", file=sys.stderr)
-        return 2
+    n = args.workers  # (SO_REUSEPORT support is checked once, where --workers is parsed)
     try:
         cfg = ServiceConfig.from_args(args)
         if cfg.policy not in MULTI_WORKER_POLICIES:
