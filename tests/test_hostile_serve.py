@@ -193,6 +193,32 @@ def test_text_without_a_tokenizer_is_refused(served):
     _idle(loop)
 
 
+def test_a_stream_ends_with_the_engines_own_ttft(served):
+    """The SSE comment ``: kvforge {"ttft_s": ...}`` comes after the last data chunk and before ``[DONE]``, and
+    its time to first token is within what the client saw."""
+    loop, app, _ = served
+
+    async def fn(base, s):
+        body = {"prompt": list(range(1, 20)), "max_tokens": 3, "stream": True}
+        sent = time.perf_counter()
+        first = None
+        async with s.post(base + COMP, json=body) as r:
+            assert r.status == 200
+            lines = []
+            async for line in r.content:
+                if line.startswith(b"data: {") and first is None:
+                    first = time.perf_counter()
+                if line.strip():
+                    lines.append(line.strip())
+        comments = [x for x in lines if x.startswith(b": kvforge ")]
+        assert len(comments) == 1 and lines[-1] == b"data: [DONE]" and lines[-2] == comments[0]
+        ttft = json.loads(comments[0][len(b": kvforge ") :])["ttft_s"]
+        assert first is not None and 0 < ttft <= first - sent
+
+    _run(app, fn)
+    _idle(loop)
+
+
 def test_a_client_that_disconnects_aborts_its_request(served):
     loop, app, _ = served
     aborted = loop.stats.requests_aborted
