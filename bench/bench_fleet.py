@@ -235,6 +235,68 @@ async def probe_router(router_url: str, engines: dict[str, str], n: int, vocab: 
             "router_added_p50_ms": p_via - p_direct, "probe_pairs": n}  # fmt: skip
 
 
+async def warm(urls: list[str], lengths: list[int], vocab: int, model: str) -> None:
+    """One-time costs out of the replay: each engine (directly, not through the router) runs one fresh prompt of
+    each length (on a GPU, the first prompt of a new size compiles kernels and captures graphs)."""
+    import aiohttp
+
+    rng = random.Random(999)
+
+    async def one_engine(s: aiohttp.ClientSession, url: str) -> None:
+        for n in lengths:
+            body = {"model": model, "prompt": [rng.randrange(1, vocab) for _ in range(n)], "max_tokens": 2}
+            async with s.post(url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"warm-up: {url} answered {resp.status}: {(await resp.text())[:200]}")
+                await resp.read()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+        await asyncio.gather(*(one_engine(s, u) for u in urls))
+
+
+def step_analysis(log_dir: Path, profile, contention, window: tuple[float, float]) -> dict[str, float]:
+    """The fleet's real steps (``kvforge serve --step-log``) set against the profile: for each step inside the
+    replay's window (``time.monotonic``), measured / fitted seconds, and how much of it other engines' steps
+    overlapped (``others``: overlap seconds / own seconds, 0 .. engines - 1). Returned: the ratio of summed
+    measured to summed fitted seconds for the steps that ran alone (``others`` < 0.05), for all steps, and what
+    the contention curve predicts for all steps (fitted x slowdown(1 + others), the curve interpolated)."""
+    from kvforge.sim.profile import step_features
+
+    steps = []
+    for i, path in enumerate(sorted(log_dir.glob("steps_*.jsonl"))):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if window[0] <= r["t0"] and r["t1"] <= window[1]:
+                fit = profile.seconds(step_features([tuple(c) for c in r["prefill"]], r["decode_requests"],
+                                                    r["decode_context"]))  # fmt: skip
+                steps.append((i, r["t0"], r["t1"], fit))
+    if not steps:
+        return {}
+
+    def slowdown(k: float) -> float:
+        if contention is None:
+            return 1.0
+        lo = max(1, math.floor(k))
+        return contention.factor(lo) + (k - lo) * (contention.factor(lo + 1) - contention.factor(lo))
+
+    alone_m = alone_f = all_m = all_f = pred = 0.0
+    n_alone = 0
+    for eng, t0, t1, fit in steps:
+        dur = max(t1 - t0, 1e-9)
+        overlap = sum(max(0.0, min(t1, b1) - max(t0, b0)) for e, b0, b1, _ in steps if e != eng)
+        others = overlap / dur
+        all_m += dur
+        all_f += fit
+        pred += fit * slowdown(1 + others)
+        if others < 0.05:
+            n_alone += 1
+            alone_m += dur
+            alone_f += fit
+    return {"steps_logged": len(steps), "steps_alone": n_alone,
+            "steps_alone_measured_over_fit": alone_m / alone_f if alone_f else float("nan"),
+            "steps_measured_over_fit": all_m / all_f, "steps_contention_over_fit": pred / all_f}  # fmt: skip
+
+
 def summarize(reqs, res) -> dict[str, float]:
     bad = [x for x in res if x["error"] or x["tokens"] != reqs[x["id"]]["output"] or x["cached"] is None
            or x["engine_ttft"] is None]  # fmt: skip
@@ -430,6 +492,14 @@ def main() -> None:
         help="simulate shared devices as processor sharing of capacity C instead of the profile's curve",
     )
     ap.add_argument("--probe", type=int, default=20, help="router-overhead probe pairs after each policy's replay")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="1: before each replay, every engine runs 3 fresh prompts up to the slice's longest "
+        "(default 1 on a GPU, 0 on the CPU, where nothing compiles)",
+    )
     ap.add_argument("--serve-arg", action="append", default=[], help="extra kvforge serve flag (repeat)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for fleet.csv, the PNG and the raw JSON")
     ap.add_argument("--log-dir", type=Path, default=None, help="engine and router logs (default: a temp folder)")
@@ -472,6 +542,9 @@ def main() -> None:
     reqs, trace = load_slice(args)
     import torch
 
+    if args.warmup is None:
+        args.warmup = int(torch.cuda.is_available())
+
     machine = (
         torch.cuda.get_device_name()
         if torch.cuda.is_available()
@@ -512,15 +585,23 @@ def main() -> None:
         log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-fleet-"))) / policy
         t0 = time.perf_counter()
         load_start = os.getloadavg()[0]
-        with LocalFleet(args.engines, log_dir, serve, router, policy=policy) as fleet:
+        step_log = ["--step-log", str(log_dir / "steps_{instance}.jsonl")]
+        with LocalFleet(args.engines, log_dir, [*serve, *step_log], router, policy=policy) as fleet:
+            if args.warmup:
+                top = max(len(r["prompt"]) for r in reqs)
+                asyncio.run(warm([e.url for e in fleet.engines], [max(1, top // 8), max(1, top // 2), top],
+                                 args.vocab, args.size))  # fmt: skip
             start = time.perf_counter() - t0
             before = [scrape(e.url) for e in fleet.engines]
+            window = (time.monotonic(), 0.0)
             res = asyncio.run(drive(fleet.router_url, reqs, args.size))
+            window = (window[0], time.monotonic())
             after = [scrape(e.url) for e in fleet.engines]
             probe = (asyncio.run(probe_router(fleet.router_url, {e.name: e.url for e in fleet.engines}, args.probe,
                                               args.vocab, args.size)) if args.probe else {})  # fmt: skip
         m: dict[str, Any] = summarize(reqs, res)
         m.update(probe)
+        m.update(step_analysis(log_dir, profile, contention_for(args, profile), window))
         hits = sum(a["kvforge_serve_prefix_hit_tokens_total"] - b["kvforge_serve_prefix_hit_tokens_total"]
                    for a, b in zip(after, before))  # fmt: skip
         m["engine_hit_rate"] = hits / prompt_tokens
@@ -550,6 +631,11 @@ def main() -> None:
               f"{m.get('probe_router_gap_p50_ms', float('nan')):.2f} ms through the router, "
               f"{m.get('probe_direct_gap_p50_ms', float('nan')):.2f} ms direct: the router adds "
               f"{m.get('router_added_p50_ms', float('nan')):.2f} ms p50", flush=True)  # fmt: skip
+        if "steps_logged" in m:
+            print(f"    steps vs the profile ({policy}): {m['steps_logged']} steps in the replay, measured / fitted "
+                  f"{m['steps_measured_over_fit']:.2f} (the contention curve predicts "
+                  f"{m['steps_contention_over_fit']:.2f}); the {m['steps_alone']} that ran alone: "
+                  f"{m['steps_alone_measured_over_fit']:.2f}", flush=True)  # fmt: skip
         measured[policy] = m
         # Written after every policy, so a later failure keeps the measurements (see --resimulate).
         raw = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keep},
@@ -562,7 +648,9 @@ def main() -> None:
     cols = ["date", "git_rev", "machine", "torch", "size", "engines", "policy", "source", *METRICS, "makespan_s",
             "engine_hit_rate", "requests_per_engine", "engine_ttft_mean_s", "client_ttft_mean_s",
             "engine_ttft_p50_s", "router_gap_p50_ms", "router_gap_p99_ms", "probe_router_gap_p50_ms",
-            "probe_direct_gap_p50_ms", "router_added_p50_ms", "engine_step_mean_s", "engine_steps", "steps",
+            "probe_direct_gap_p50_ms", "router_added_p50_ms", "engine_step_mean_s", "engine_steps",
+            "steps_measured_over_fit", "steps_contention_over_fit", "steps_alone", "steps_alone_measured_over_fit",
+            "steps",
             "step_mean_s", "step_alone_mean_s", "contention", "sim_policy", "requests", "rate_req_s",
             "block_tokens", "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
     old: list[dict[str, str]] = []

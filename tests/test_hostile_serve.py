@@ -347,6 +347,7 @@ BAD_FLAGS = {
     "--instance-name": ["", "a b"],
     "--log-level": ["loud"],
     "--log-format": ["xml"],
+    "--step-log": ["/nonexistent-folder/steps.jsonl"],
 }
 # Flags whose every value is valid at parse time (a string, or a switch): covered by the cases below.
 FREE = {"--kv-topic", "--host", "--no-reuse", "--context-16bit", "--no-warmup", "--help"}
