@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -217,6 +218,30 @@ def test_a_stream_ends_with_the_engines_own_ttft(served):
 
     _run(app, fn)
     _idle(loop)
+
+
+def test_step_log_has_one_line_per_step_with_the_batch():
+    import io
+
+    eng = Engine(HybridModel(tiny(draft_layers=0)), EngineConfig(attention_pages=24, state_pages=8, max_num_requests=2))
+    log = io.StringIO()
+    loop = EngineLoop(eng, None, step_log=log)
+    loop.start()
+
+    async def run() -> None:
+        q = loop.submit("r", list(range(1, 21)), 3)
+        while (await q.get())[0] != "done":
+            pass
+
+    try:
+        asyncio.run(run())
+        lines = [json.loads(x) for x in log.getvalue().splitlines()]
+    finally:
+        loop.stop()
+    assert len(lines) == loop.stats.steps >= 3
+    assert lines[0]["prefill"] == [[0, 20]] and lines[0]["decode_requests"] == 0
+    assert lines[-1]["decode_requests"] == 1 and lines[-1]["prefill"] == []
+    assert all(x["t0"] <= x["t1"] for x in lines) and all(a["t1"] <= b["t0"] for a, b in itertools.pairwise(lines))
 
 
 def test_a_client_that_disconnects_aborts_its_request(served):
