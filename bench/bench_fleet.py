@@ -34,6 +34,13 @@ parsing; then, on the idle fleet after the replay, ``--probe`` pairs of one-toke
 prompts), one through the router and one sent directly to the engine that answered it, one at a time:
 ``router_added_p50_ms`` = p50(gap through the router) - p50(gap direct), which leaves only what the router adds.
 
+Where the step-time model is off: every engine runs with ``--step-log``, and each real step of the replay is set
+against the profile's fit for the same batch (``steps_measured_over_fit``: summed measured / summed fitted
+seconds), next to what the contention curve predicts from how much the other engines' steps overlapped it
+(``steps_contention_over_fit``) and the ratio for the steps that ran with no other engine stepping
+(``steps_alone_measured_over_fit``: what contention between the engines cannot explain). On a GPU (``--warmup``)
+each engine first runs three fresh prompts up to the slice's longest, so compilation stays out of the replay.
+
     python3 bench/bench_fleet.py --size tiny --profile bench/results/step_profile_cpu_tiny.json    # CPU
     python3 bench/bench_fleet.py --resimulate bench/results/fleet_raw_cpu_tiny.json --profile other.json
     python3 bench/bench_fleet.py --size real --profile step_profile_h200_real.json --requests 400 \\
@@ -51,6 +58,7 @@ import math
 import os
 import platform
 import random
+import signal
 import sys
 import tempfile
 import textwrap
@@ -512,6 +520,8 @@ def main() -> None:
         help="no fleet: take the slice and measurements from RAW (fleet_raw_<tag>.json) and simulate",
     )
     args = ap.parse_args()
+    # A timeout's SIGTERM unwinds like Ctrl-C, so the fleet's engines and router are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     from kvforge.sim.profile import load_profile
 

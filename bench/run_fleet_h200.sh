@@ -10,7 +10,8 @@
 #   The trace does not travel with the repository: copy it into a carried, git-ignored folder (e.g. .gpu_data/)
 #   and point KVFORGE_TRACE at it. Wheels in .whl/ (msgspec, pyzmq, fla-core) are installed to /tmp/site first.
 #   Knobs (environment): CONVERSATIONS (30), TURNS (4), RATE (2.5 req/s), MAX_PROMPT (4096), BLOCK_TOKENS (128),
-#   MAX_OUTPUT (32), PROFILE_S (150), FLEET_S (330): the two stages' timeouts in seconds.
+#   MAX_OUTPUT (32), PROFILE_S (180), FLEET_S (290): the two stages' timeouts in seconds; SIZE (real; tiny with
+#   kvforge serve's default budgets checks the plumbing on a CPU, slowly).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-bench/results/gpu_fleet}}
@@ -25,26 +26,28 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 KVFORGE_TRACE
 export KVFORGE_GIT_REV=${KVFORGE_GIT_REV:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}
 CONVERSATIONS=${CONVERSATIONS:-30} TURNS=${TURNS:-4} RATE=${RATE:-2.5} MAX_PROMPT=${MAX_PROMPT:-4096}
-BLOCK_TOKENS=${BLOCK_TOKENS:-128} MAX_OUTPUT=${MAX_OUTPUT:-32} PROFILE_S=${PROFILE_S:-150} FLEET_S=${FLEET_S:-330}
+BLOCK_TOKENS=${BLOCK_TOKENS:-128} MAX_OUTPUT=${MAX_OUTPUT:-32} PROFILE_S=${PROFILE_S:-180} FLEET_S=${FLEET_S:-290}
+SIZE=${SIZE:-real}
 # The engine's budgets: the profile and both fleet engines use the same (bench_fleet reads them from the profile).
 ENGINE=(--attention-pages 16384 --state-pages 256 --max-num-tokens 8192 --max-num-requests 64
         --max-blocks-per-request 512)
-PROFILE="$OUT/step_profile_h200_real.json"
+[ "$SIZE" = real ] || ENGINE=()
+PROFILE="$OUT/step_profile_h200_$SIZE.json"
 status=0
 { date -u; uptime; nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } 2>&1 \
   | tee "$OUT/machine.txt"
 
 echo "== profile (grid on one engine, then k = 1, 2 engines stepping at once on the GPU)"
-timeout "$PROFILE_S" python3 bench/profile_step_time.py --size real "${ENGINE[@]}" --contention 2 \
-  --contention-seconds 12 --out "$PROFILE" 2>&1 | tee "$OUT/profile.log"
+timeout "$PROFILE_S" python3 bench/profile_step_time.py --size "$SIZE" "${ENGINE[@]}" --contention 2 \
+  --contention-seconds 10 --out "$PROFILE" 2>&1 | tee "$OUT/profile.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! profile failed or timed out"; exit 1; }
 
 echo "== fleet: 2 engines on the GPU + router, three policies, then the simulator on the same slice"
-timeout "$FLEET_S" python3 bench/bench_fleet.py --size real --engines 2 --profile "$PROFILE" \
+timeout "$FLEET_S" python3 bench/bench_fleet.py --size "$SIZE" --engines 2 --profile "$PROFILE" \
   --conversations "$CONVERSATIONS" --turns "$TURNS" --block-tokens "$BLOCK_TOKENS" --max-prompt "$MAX_PROMPT" \
   --max-output "$MAX_OUTPUT" --rate "$RATE" --probe 20 --out "$OUT" --log-dir "$OUT/logs" 2>&1 \
   | tee "$OUT/fleet.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! fleet bench failed or timed out (fleet_raw_gpu_real.json keeps the policies that finished)"; status=1; }
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! fleet bench failed or timed out (fleet_raw_*.json keeps the policies that finished)"; status=1; }
 { date -u; uptime; } | tee -a "$OUT/machine.txt"
 exit $status
