@@ -11,7 +11,8 @@
 #   and point KVFORGE_TRACE at it. Wheels in .whl/ (msgspec, pyzmq, fla-core) are installed to /tmp/site first.
 #   Knobs (environment): CONVERSATIONS (30), TURNS (4), RATE (2.5 req/s), MAX_PROMPT (4096), BLOCK_TOKENS (128),
 #   MAX_OUTPUT (32), PROFILE_S (180), FLEET_S (290): the two stages' timeouts in seconds; SIZE (real; tiny with
-#   kvforge serve's default budgets checks the plumbing on a CPU, slowly).
+#   kvforge serve's default budgets checks the plumbing on a CPU), PROFILE_ARGS (extra profile_step_time flags,
+#   e.g. "--max-len 64" for that check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-bench/results/gpu_fleet}}
@@ -40,7 +41,7 @@ status=0
 
 echo "== profile (grid on one engine, then k = 1, 2 engines stepping at once on the GPU)"
 timeout "$PROFILE_S" python3 bench/profile_step_time.py --size "$SIZE" "${ENGINE[@]}" --contention 2 \
-  --contention-seconds 10 --out "$PROFILE" 2>&1 | tee "$OUT/profile.log"
+  --contention-seconds 10 ${PROFILE_ARGS:-} --out "$PROFILE" 2>&1 | tee "$OUT/profile.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! profile failed or timed out"; exit 1; }
 
 echo "== fleet: 2 engines on the GPU + router, three policies, then the simulator on the same slice"
