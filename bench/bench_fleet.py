@@ -526,10 +526,13 @@ def main() -> None:
     from kvforge.sim.profile import load_profile
 
     profile = load_profile(args.profile)
-    fit = json.loads(args.profile.read_text()).get("fit", {})
+    pdata = json.loads(args.profile.read_text())
+    fit, pmeta, pcont = pdata.get("fit", {}), pdata.get("meta", {}), pdata.get("contention", {})
+    curve = [round(x, 3) for x in profile.contention.slowdown] if profile.contention else None
     prof_line = (f"  profile: {args.profile} (fit over {fit.get('samples')} steps: median |rel err| "
-                 f"{fit.get('median_abs_rel_err', float('nan')):.1%}; engine {dict(profile.engine)}; contention "
-                 f"{list(profile.contention.slowdown) if profile.contention else None})")  # fmt: skip
+                 f"{fit.get('median_abs_rel_err', float('nan')):.1%}; engine {dict(profile.engine)}; load avg "
+                 f"{pmeta.get('load_avg_start', ['?'])[0]} -> {pmeta.get('load_avg_end', ['?'])[0]}; contention "
+                 f"slowdown by k {curve}, alone drift {pcont.get('alone_drift', float('nan')):.2f}x)")  # fmt: skip
     if args.resimulate is not None:
         raw = json.loads(args.resimulate.read_text())
         for k in ("engines", "servers_per_device", "shared_device_capacity"):

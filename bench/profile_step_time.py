@@ -11,10 +11,11 @@ two prompts in one step, all within ``--max-len`` tokens.
 
 ``--contention K`` then measures how steps slow down when engines share the device: K engine processes (built
 the same way) each repeat the same cycle of requests (a fresh prompt of 32..160 tokens, x8 on a GPU, and
-``--contention-tokens`` new tokens, stepped to the end), first one engine alone, then 2, ..., K at once, then one
-alone again (the load check). A step counts for k only when it ended before the phase's stop time, while all k
-engines were still stepping; ``slowdown(k)`` is the mean complete-cycle time with k engines over the alone one
-(the mean of both alone phases). The curve goes into the profile's ``contention`` object
+``--contention-tokens`` new tokens, stepped to the end): one engine alone, then 2 at once, one alone, 3 at
+once, ..., one alone (each k between two alone phases). A step counts for k only when it ended before the phase's
+stop time, while all k engines were still stepping; ``slowdown(k)`` is the mean complete-cycle time with k engines
+over the mean of the two alone phases beside it, and ``alone_drift`` (the slowest alone phase over the fastest; a
+warning past 1.25) says whether the machine's load held still. The curve goes into the profile's ``contention`` object
 (:mod:`kvforge.sim.contention`) with each phase's figures; ``--contention-only`` adds it to an existing profile.
 
     python3 bench/profile_step_time.py --size tiny --max-len 256 --contention 3 \
@@ -130,7 +131,10 @@ def measure_contention(args, sa: argparse.Namespace, device: str) -> dict:
             if conn.recv() != "ready":
                 raise RuntimeError("a contention worker failed to start")
         phases = []
-        for k in [*range(1, args.contention + 1), 1]:
+        # Each k between two alone phases (1, 2, 1, 3, 1, ...): its slowdown is against the mean of its neighbours,
+        # so a load that drifts slowly (other processes on the machine) cancels out.
+        order = [1] + [x for k in range(2, args.contention + 1) for x in (k, 1)]
+        for k in order:
             load = os.getloadavg()[0]
             start = time.monotonic() + 0.5
             stop = start + args.contention_seconds
@@ -163,13 +167,17 @@ def measure_contention(args, sa: argparse.Namespace, device: str) -> dict:
             p.join(60)
             if p.is_alive():
                 p.kill()
-    alone = statistics.fmean([phases[0]["cycle_mean_s"], phases[-1]["cycle_mean_s"]])
-    secs = [alone] + [ph["cycle_mean_s"] for ph in phases[1:-1]]
-    curve = Contention.from_samples(secs)
+    alone = [ph["cycle_mean_s"] for ph in phases[0::2]]
+    ratios = [1.0] + [ph["cycle_mean_s"] / statistics.fmean(alone[i : i + 2]) for i, ph in enumerate(phases[1::2])]
+    curve = Contention.from_samples(ratios)
+    drift = max(alone) / min(alone)
+    if drift > 1.25:
+        print(f"WARNING: the alone phases' cycle times differ by {drift:.2f}x: the machine's load changed during "
+              "the measurement, and the curve is not to be trusted; measure again on a quieter machine")  # fmt: skip
     return {
         "slowdown": list(curve.slowdown),
         "capacity": curve.capacity,
-        "alone_drift": phases[-1]["cycle_mean_s"] / phases[0]["cycle_mean_s"],
+        "alone_drift": drift,
         "phases": phases,
         "seconds_per_phase": args.contention_seconds,
         "cycle": f"prompts of {{32, 96, 160}} x{8 if device == 'cuda' else 1} fresh tokens in turn, "

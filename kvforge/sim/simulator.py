@@ -8,7 +8,9 @@ the step-time model for durations.
 Events, in time order: an arrival is routed and queued on its server, which starts a step if idle; a step's
 end reports the batch to the scheduler (finished requests leave the router's load) and starts the next step
 at once while the server has unfinished requests. Ties go to step ends first, so a request that finishes at
-the instant another arrives has already left the router's load.
+the instant another arrives has already left the router's load. Servers declared as sharing a device
+(``SimConfig.servers_per_device``) step through a :class:`~kvforge.sim.contention.SharedDevice`: a step's end
+moves whenever another step on the same device starts or ends.
 """
 
 from __future__ import annotations
