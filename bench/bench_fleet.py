@@ -469,6 +469,32 @@ def run_simulations(reqs, args, profile, policy: str, stamp: dict[str, Any], mea
     return rows
 
 
+def write_csv(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Append ``rows`` to ``out/fleet.csv`` (an older layout is rewritten under the current header)."""
+    path = out / "fleet.csv"
+    cols = ["date", "git_rev", "machine", "torch", "size", "engines", "policy", "source", *METRICS, "makespan_s",
+            "engine_hit_rate", "requests_per_engine", "engine_ttft_mean_s", "client_ttft_mean_s",
+            "engine_ttft_p50_s", "router_gap_p50_ms", "router_gap_p99_ms", "probe_router_gap_p50_ms",
+            "probe_direct_gap_p50_ms", "router_added_p50_ms", "engine_step_mean_s", "engine_steps",
+            "steps_measured_over_fit", "steps_contention_over_fit", "steps_alone", "steps_alone_measured_over_fit",
+            "steps",
+            "step_mean_s", "step_alone_mean_s", "contention", "sim_policy", "requests", "rate_req_s",
+            "block_tokens", "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
+    old: list[dict[str, str]] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames != cols:  # an older layout: rewrite it under the new header (blank new columns)
+                old = list(reader)
+    with path.open("w" if old or not path.exists() else "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        if old or f.tell() == 0:
+            w.writeheader()
+        for r in [*old, *rows]:
+            w.writerow(r)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
@@ -519,6 +545,11 @@ def main() -> None:
         metavar="RAW",
         help="no fleet: take the slice and measurements from RAW (fleet_raw_<tag>.json) and simulate",
     )
+    ap.add_argument(
+        "--resimulate-csv",
+        action="store_true",
+        help="with --resimulate: append the comparison to --out's fleet.csv as a run of its own",
+    )
     args = ap.parse_args()
     # A timeout's SIGTERM unwinds like Ctrl-C, so the fleet's engines and router are stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -543,10 +574,18 @@ def main() -> None:
               f" {stamp['machine']}, {args.engines} engines); simulator at rev {git_rev()}")  # fmt: skip
         print(prof_line)
         rows = []
+        # A re-simulation is a run of its own in fleet.csv: today's date and revision, the slice's measured rows
+        # copied, and the slice column saying which fleet run they are from.
+        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = {**stamp, "date": when, "git_rev": git_rev(),
+                 "slice": f"{stamp['slice']}; re-simulated with {args.profile.name} from the fleet run of "
+                          f"{raw['stamp']['date']} (rev {raw['stamp']['git_rev']})"}  # fmt: skip
         for policy, m in raw["measured"].items():
-            rows.append({"policy": policy, "source": "measured", **m})
+            rows.append({"policy": policy, "source": "measured", **m, **stamp})
             rows += run_simulations(reqs, args, profile, policy, stamp, m)
         compare(rows, list(raw["measured"]))
+        if args.resimulate_csv:
+            print(f"\nwrote {write_csv(rows, args.out)}")
         return
 
     from kvforge.serve.fleet import LocalFleet
@@ -657,27 +696,7 @@ def main() -> None:
         rows.append({"policy": policy, "source": "measured", **stamp, **m})
         rows += run_simulations(reqs, args, profile, policy, stamp, m)
     compare(rows, policies)
-    path = args.out / "fleet.csv"
-    cols = ["date", "git_rev", "machine", "torch", "size", "engines", "policy", "source", *METRICS, "makespan_s",
-            "engine_hit_rate", "requests_per_engine", "engine_ttft_mean_s", "client_ttft_mean_s",
-            "engine_ttft_p50_s", "router_gap_p50_ms", "router_gap_p99_ms", "probe_router_gap_p50_ms",
-            "probe_direct_gap_p50_ms", "router_added_p50_ms", "engine_step_mean_s", "engine_steps",
-            "steps_measured_over_fit", "steps_contention_over_fit", "steps_alone", "steps_alone_measured_over_fit",
-            "steps",
-            "step_mean_s", "step_alone_mean_s", "contention", "sim_policy", "requests", "rate_req_s",
-            "block_tokens", "max_prompt", "max_output", "seed", "offset", "slice", "load_avg_1m"]  # fmt: skip
-    old: list[dict[str, str]] = []
-    if path.exists():
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames != cols:  # an older layout: rewrite it under the new header (blank new columns)
-                old = list(reader)
-    with path.open("w" if old or not path.exists() else "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        if old or f.tell() == 0:
-            w.writeheader()
-        for r in [*old, *rows]:
-            w.writerow(r)
+    path = write_csv(rows, args.out)
     png = args.out / f"fleet_{tag}.png"
     plot(rows, png, f"kvforge serve x{args.engines} ({args.size}) + router on {machine}, rev {git_rev()}: {desc}")
     print(f"\nwrote {path}, {png} and {raw_path}")

@@ -80,7 +80,7 @@ def build_engine(size: str, sa: argparse.Namespace, device: str):
 
 
 def _contention_worker(idx: int, size: str, sa: argparse.Namespace, device: str, new_tokens: int, conn) -> None:
-    """One engine of the contention measurement: builds, says ready, then runs each ("run", start, stop) order
+    """One engine of the contention measurement: builds, says ready, then runs each ("run", start, stop, phase) order
     (``time.monotonic`` is one clock for all processes) and sends back its steps as (start, end, cycle)."""
     import kvforge.kernels  # noqa: F401  (the Triton interpreter without a GPU)
 
@@ -95,8 +95,10 @@ def _contention_worker(idx: int, size: str, sa: argparse.Namespace, device: str,
         msg = conn.recv()
         if msg[0] == "quit":
             return
-        _, start, stop = msg
-        rng = random.Random(1000 + idx)  # the same cycle of prompts in every phase
+        _, start, stop, phase = msg
+        # The same cycle of prompt lengths in every phase, with fresh tokens: a prompt seen in an earlier phase
+        # would be a prefix-cache hit and make that phase's cycles cheaper.
+        rng = random.Random(f"contention/{idx}/{phase}")
         steps: list[tuple[float, float, int]] = []
         while time.monotonic() < start:
             time.sleep(max(0.0, min(0.01, start - time.monotonic())))
@@ -134,12 +136,12 @@ def measure_contention(args, sa: argparse.Namespace, device: str) -> dict:
         # Each k between two alone phases (1, 2, 1, 3, 1, ...): its slowdown is against the mean of its neighbours,
         # so a load that drifts slowly (other processes on the machine) cancels out.
         order = [1] + [x for k in range(2, args.contention + 1) for x in (k, 1)]
-        for k in order:
+        for phase, k in enumerate(order):
             load = os.getloadavg()[0]
             start = time.monotonic() + 0.5
             stop = start + args.contention_seconds
             for _, conn in workers[:k]:
-                conn.send(("run", start, stop))
+                conn.send(("run", start, stop, phase))
             per_worker = [conn.recv() for _, conn in workers[:k]]
             cycles, steps = [], []
             for w in per_worker:
