@@ -43,8 +43,7 @@ each engine first runs three fresh prompts up to the slice's longest, so compila
 
     python3 bench/bench_fleet.py --size tiny --profile bench/results/step_profile_cpu_tiny.json    # CPU
     python3 bench/bench_fleet.py --resimulate bench/results/fleet_raw_cpu_tiny.json --profile other.json
-    python3 bench/bench_fleet.py --size real --profile step_profile_h200_real.json --requests 400 \\
-        --rate 4 --max-prompt 4096 --block-tokens 512 --max-output 64 --out $OUT                    # H200
+    KVFORGE_TRACE=... bash bench/run_fleet_h200.sh $OUT      # H200: profile + this bench, <= 8 minutes
 """
 
 from __future__ import annotations
