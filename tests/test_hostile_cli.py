@@ -27,7 +27,7 @@ from kvforge.sim.workload import SimRequest, SyntheticWorkload, TraceOrderWarnin
 
 SHORT = ["--conversations", "6", "--servers", "2", "--no-progress", "--router", "conversation"]
 INTS = {"--limit", "--conversations", "--seed", "--servers", "--demote", "--max-num-tokens", "--decode-quantum"}
-INTS |= {"--gpus-per-server"}
+INTS |= {"--gpus-per-server", "--servers-per-device"}
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

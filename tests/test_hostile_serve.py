@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -193,6 +194,56 @@ def test_text_without_a_tokenizer_is_refused(served):
     _idle(loop)
 
 
+def test_a_stream_ends_with_the_engines_own_ttft(served):
+    """The SSE comment ``: kvforge {"ttft_s": ...}`` comes after the last data chunk and before ``[DONE]``, and
+    its time to first token is within what the client saw."""
+    loop, app, _ = served
+
+    async def fn(base, s):
+        body = {"prompt": list(range(1, 20)), "max_tokens": 3, "stream": True}
+        sent = time.perf_counter()
+        first = None
+        async with s.post(base + COMP, json=body) as r:
+            assert r.status == 200
+            lines = []
+            async for line in r.content:
+                if line.startswith(b"data: {") and first is None:
+                    first = time.perf_counter()
+                if line.strip():
+                    lines.append(line.strip())
+        comments = [x for x in lines if x.startswith(b": kvforge ")]
+        assert len(comments) == 1 and lines[-1] == b"data: [DONE]" and lines[-2] == comments[0]
+        ttft = json.loads(comments[0][len(b": kvforge ") :])["ttft_s"]
+        assert first is not None and 0 < ttft <= first - sent
+
+    _run(app, fn)
+    _idle(loop)
+
+
+def test_step_log_has_one_line_per_step_with_the_batch():
+    import io
+
+    eng = Engine(HybridModel(tiny(draft_layers=0)), EngineConfig(attention_pages=24, state_pages=8, max_num_requests=2))
+    log = io.StringIO()
+    loop = EngineLoop(eng, None, step_log=log)
+    loop.start()
+
+    async def run() -> None:
+        q = loop.submit("r", list(range(1, 21)), 3)
+        while (await q.get())[0] != "done":
+            pass
+
+    try:
+        asyncio.run(run())
+        lines = [json.loads(x) for x in log.getvalue().splitlines()]
+    finally:
+        loop.stop()
+    assert len(lines) == loop.stats.steps >= 3
+    assert lines[0]["prefill"] == [[0, 20]] and lines[0]["decode_requests"] == 0
+    assert lines[-1]["decode_requests"] == 1 and lines[-1]["prefill"] == []
+    assert all(x["t0"] <= x["t1"] for x in lines) and all(a["t1"] <= b["t0"] for a, b in itertools.pairwise(lines))
+
+
 def test_a_client_that_disconnects_aborts_its_request(served):
     loop, app, _ = served
     aborted = loop.stats.requests_aborted
@@ -321,6 +372,7 @@ BAD_FLAGS = {
     "--instance-name": ["", "a b"],
     "--log-level": ["loud"],
     "--log-format": ["xml"],
+    "--step-log": ["/nonexistent-folder/steps.jsonl"],
 }
 # Flags whose every value is valid at parse time (a string, or a switch): covered by the cases below.
 FREE = {"--kv-topic", "--host", "--no-reuse", "--context-16bit", "--no-warmup", "--help"}

@@ -10,6 +10,9 @@ change the output in ways this engine does not support (``n`` > 1, ``stop``, ``l
 ``best_of`` > 1, batched prompts) are refused. Every choice carries ``token_ids`` (the generated ids);
 ``usage.prompt_tokens_details.cached_tokens`` is the prompt's reused length; ``system_fingerprint`` names the
 server (``--instance-name``, default ``host:port``), so a client behind a router sees which engine answered.
+A streamed response ends with an SSE comment before ``data: [DONE]``, ``: kvforge {"ttft_s": ...}``: this
+server's own time to first token (handler entered -> first token chunk written), which SSE clients ignore and a
+benchmark subtracts from its own to get what the router and the network add.
 
 Every client error is an OpenAI-shaped JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx
 status (404 for an unknown model or route, 405, 413 for a body over ``max_body_bytes``); an unexpected failure is a
@@ -334,6 +337,7 @@ class ServeApp:
             cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             out: list[int] = []
             first_at: float | None = None
+            written_at = t0
             cached = 0
             if not stream:
                 reason = "length"
@@ -398,7 +402,8 @@ class ServeApp:
                 if kind == "cached":
                     cached = payload
                     continue
-                if first_at is None:
+                first = first_at is None
+                if first:
                     first_at = time.perf_counter()
                     self.ttft.observe(first_at - t0)
                 out.extend(payload)
@@ -406,6 +411,8 @@ class ServeApp:
                 delta = full[len(text_sent) :] if full.startswith(text_sent) else full
                 text_sent = full
                 await resp.write(chunk({"content": delta}, delta, list(payload), None))
+                if first:
+                    written_at = time.perf_counter()
             if reason == "error":
                 err = {"error": {"message": "engine: the step running this request failed", "type": "server_error",
                                  "param": None, "code": 500}}  # fmt: skip
@@ -417,6 +424,8 @@ class ServeApp:
                     msg = {"id": cid, "object": obj, "created": created, "model": self.settings.model_name,
                            "choices": [], "usage": self._usage(len(ids), len(out), cached)}  # fmt: skip
                     await resp.write(b"data: " + json.dumps(msg).encode() + b"\n\n")
+            if first_at is not None:
+                await resp.write(b": kvforge " + json.dumps({"ttft_s": written_at - t0}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp

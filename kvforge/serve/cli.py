@@ -7,6 +7,7 @@ config classes check them again and their ``ValueError`` is reported the same wa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -153,6 +154,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="this server's name in each response's system_fingerprint (default HOST:PORT)",
     )
+    g.add_argument(
+        "--step-log",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per engine step (monotonic start/end, prefill chunks, decode rows and context) to "
+        "PATH, '{instance}' replaced by --instance-name; for comparing real steps with a step profile (default off)",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request run before the server listens")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info", help="default info")
     g.add_argument("--log-format", choices=("json", "text"), default="json", help="default json")
@@ -169,6 +177,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if args.kv_replay_endpoint is not None and args.kv_events_endpoint is None:
         raise ValueError("--kv-replay-endpoint: given without --kv-events-endpoint")
+    step_log = None
+    if args.step_log is not None:
+        path = args.step_log.replace("{instance}", args.instance_name or f"{args.host}_{args.port}")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"--step-log: {path!r}: its folder does not exist")
     vocab = args.vocab_size
     if args.tokenizer is not None:
         from tokenizers import Tokenizer
@@ -218,6 +231,12 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
         engine.generate({"kvforge-warmup": [0] * max(1, min(3, args.tokens_per_block - 1))}, 2)
         engine.outputs.clear()
         engine.finished.clear()
+    if args.step_log is not None:
+        try:
+            # Line-buffered: each step's line is on disk at once (a killed server loses none).
+            step_log = open(path, "a", buffering=1)  # noqa: SIM115  (closed by EngineLoop.stop)
+        except OSError as exc:
+            raise ValueError(f"--step-log: cannot open {path!r}: {exc.strerror}") from None
     publisher = None
     if args.kv_events_endpoint is not None:
         from kvforge.service.kv_events import KVEventPublisher
@@ -225,7 +244,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
         publisher = KVEventPublisher(
             args.kv_events_endpoint, args.kv_replay_endpoint, topic=args.kv_topic, buffer_steps=args.kv_buffer_steps
         )
-    loop = EngineLoop(engine, publisher)
+    loop = EngineLoop(engine, publisher, step_log=step_log)
     settings = ServeSettings(
         model_name=args.served_model_name or args.model,
         tokenizer=args.tokenizer,

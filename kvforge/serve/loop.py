@@ -15,12 +15,17 @@ Contract:
   blocks). ``BlockStored`` carries the stored blocks' token ids, looked up from the requests that committed them.
 * A step that raises fails every live request with ``("done", "error")``; if aborting them fails too, the loop
   stops stepping and :attr:`EngineLoop.healthy` turns False (``/health`` answers 503).
+* With ``step_log`` (a writable text file), each step appends one JSON line: ``t0`` / ``t1`` (``time.monotonic``,
+  one clock for every process of the machine), ``prefill`` (the context chunks as ``[start, tokens]``),
+  ``decode_requests`` and ``decode_context`` (the generation rows and their context tokens): what
+  :mod:`kvforge.sim.profile` fits, so a benchmark can set each real step against the profile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -68,8 +73,20 @@ class _Live:
 class EngineLoop:
     """See the module docstring. ``publisher`` is optional (no KV events without one)."""
 
-    def __init__(self, engine: Any, publisher: Any | None = None, *, idle_wait_s: float = 0.005) -> None:
+    def __init__(
+        self, engine: Any, publisher: Any | None = None, *, idle_wait_s: float = 0.005, step_log: Any | None = None
+    ) -> None:
         self.engine = engine
+        self.step_log = step_log
+        self._batch: Any = None
+        if step_log is not None:
+            schedule = engine.scheduler.schedule
+
+            def recorded() -> Any:
+                self._batch = schedule()
+                return self._batch
+
+            engine.scheduler.schedule = recorded
         self.publisher = publisher
         self.idle_wait_s = idle_wait_s
         self.stats = LoopStats()
@@ -100,6 +117,8 @@ class EngineLoop:
         self.engine.manager.block_pool.set_event_sink(None)
         if self.publisher is not None:
             self.publisher.close()
+        if self.step_log is not None:
+            self.step_log.close()
 
     @property
     def alive(self) -> bool:
@@ -169,6 +188,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
+            m0 = time.monotonic()
             try:
                 eng.step()
             except Exception as exc:
@@ -176,9 +196,20 @@ class EngineLoop:
                 continue
             self.stats.step_seconds += time.perf_counter() - t0
             self.stats.steps += 1
+            if self.step_log is not None and self._batch is not None:
+                self._log_step(m0, time.monotonic())
             self._deliver()
             self._flush_events()
             self._reap()
+
+    def _log_step(self, t0: float, t1: float) -> None:
+        b, self._batch = self._batch, None
+        gen = list(b.generation)
+        rec = {"t0": t0, "t1": t1, "prefill": [[c.start, c.num_tokens] for c in b.context],
+               "decode_requests": len(gen), "decode_context": sum(g.start for g in gen)}  # fmt: skip
+        log = self.step_log
+        assert log is not None  # only called with a step log
+        log.write(json.dumps(rec) + "\n")
 
     def _fail_all(self, exc: Exception) -> None:
         logger.exception("engine step failed; failing %d live requests", len(self._live))

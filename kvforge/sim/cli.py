@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from kvforge.sim.contention import Contention
 from kvforge.sim.model import (
     FALLBACK_ATTENTION_TFLOPS,
     FALLBACK_HBM_GBPS,
@@ -70,6 +71,8 @@ LIMITS: dict[str, tuple[float, float]] = {
     "--attention-tflops": (1e-3, 1e6),
     "--hbm-gbps": (1e-3, 1e7),
     "--efficiency": (1e-3, 1.0),
+    "--servers-per-device": (1, 1024),
+    "--shared-device-capacity": (1.0, 1024.0),
 }
 
 LEGEND = """
@@ -242,6 +245,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the profiled engine ran with (--cache-gib / --state-fraction / --max-num-tokens still override), and "
         "--decode-quantum defaults to 1",
     )
+    t.add_argument(
+        "--servers-per-device",
+        type=i("--servers-per-device"),
+        default=1,
+        metavar="N",
+        help="servers 0..N-1, N..2N-1, ... share one device each (engines on one GPU or one CPU); their steps slow "
+        "each other down by --shared-device-capacity or the --profile's measured contention curve (1: none)",
+    )
+    t.add_argument(
+        "--shared-device-capacity",
+        type=f("--shared-device-capacity"),
+        default=None,
+        metavar="C",
+        help="a shared device runs k concurrent steps each max(1, k / C) times slower (processor sharing of C "
+        "servers' worth of compute); default with --servers-per-device: the --profile's measured curve",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, metavar="DIR", help=f"write {', '.join(OUT_FILES)} into DIR")
     o.add_argument(
@@ -378,8 +397,22 @@ def run(args: argparse.Namespace) -> int:
         if args.max_num_tokens == MAX_NUM_TOKENS_DEFAULT:
             max_num_tokens = profile.engine["max_num_tokens"]
         extra_cfg = {"step_profile": profile, "max_num_requests": profile.engine["max_num_requests"]}
+    if args.shared_device_capacity is not None:
+        if args.servers_per_device == 1:
+            raise _arg("--shared-device-capacity", "needs --servers-per-device N > 1 (servers sharing a device)")
+        extra_cfg["contention"] = Contention.from_capacity(args.shared_device_capacity)
+    n_servers = args.servers or (8 if trace else 4)
+    if args.servers_per_device > n_servers:
+        raise _arg("--servers-per-device", f"{args.servers_per_device} is more than --servers {n_servers}")
+    if args.servers_per_device > 1 and "contention" not in extra_cfg and (profile is None or not profile.contention):
+        raise _arg(
+            "--servers-per-device",
+            "servers sharing a device need a slowdown curve: give --shared-device-capacity, or a --profile "
+            "measured with --contention",
+        )
     cfg = SimConfig(
-        servers=args.servers or (8 if trace else 4),
+        servers=n_servers,
+        servers_per_device=args.servers_per_device,
         model=model,
         throughputs=tp,
         cache_gib=cache_gib,
@@ -415,6 +448,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  step time measured profile {args.profile} (engine {dict(profile.engine)}); "
             f"up to {cfg.decode_quantum} real decode steps per simulated step"
+        )
+    if cfg.contention is not None and cfg.servers_per_device > 1:
+        curve = ", ".join(f"{cfg.contention.factor(k):.3g}" for k in range(1, cfg.servers_per_device + 1))
+        print(
+            f"  sharing   {cfg.servers_per_device} servers per device, step slowdown with k = 1.. busy: {curve} "
+            f"({cfg.contention.source})"
         )
     else:
         print(

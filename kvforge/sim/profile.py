@@ -10,6 +10,9 @@ JSON file (``format: kvforge-step-profile/1``) that ``bench/profile_step_time.py
 * ``model``: the profiled model's :class:`~kvforge.sim.model.ModelSpec` fields (its cache layout);
 * ``engine``: the budgets it ran with (``tokens_per_block``, ``attention_pages``, ``state_pages``,
   ``max_num_tokens``, ``max_num_requests``), so a simulated fleet can be sized like the real one;
+* ``contention`` (optional): ``{"slowdown": [1, s2, s3, ...], ...}``, the step-time slowdown measured with
+  k = 1, 2, 3, ... engines stepping at once on the profiled device (:class:`~kvforge.sim.contention.Contention`;
+  the simulator applies it to servers declared as sharing a device); its other fields are the record;
 * ``samples`` / ``fit``: the measurements and the fit's relative errors (kept for the record, not read back).
 
 :class:`ProfiledStepTime` is a :class:`~kvforge.sim.model.StepTimeModel` whose ``step_time`` evaluates the fit
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.kvcache.config import KVCacheConfig, LifeCycleKind, TierConfig
+from kvforge.sim.contention import Contention
 from kvforge.sim.model import ModelSpec, StepTimeModel, Throughputs
 
 __all__ = ["FEATURES", "FORMAT", "ProfiledStepTime", "StepProfile", "fit_step_times", "load_profile", "step_features"]
@@ -77,6 +81,7 @@ class StepProfile:
     engine: Mapping[str, int]
     source: str = ""
     meta: Mapping[str, Any] | None = None
+    contention: Contention | None = None
 
     def __post_init__(self) -> None:
         for name in FEATURES:
@@ -163,6 +168,18 @@ def load_profile(path: str | Path) -> StepProfile:
         raise ValueError(f"{p}: 'coefficients' and 'engine' must be objects")
     model = _model_from(data.get("model"), str(p))
     try:
-        return StepProfile(dict(coef), model, dict(engine), str(p), data.get("meta"))
-    except ValueError as exc:
+        return StepProfile(dict(coef), model, dict(engine), str(p), data.get("meta"), _contention_from(data, p))
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{p}: {exc}") from None
+
+
+def _contention_from(data: dict[str, Any], p: Path) -> Contention | None:
+    c = data.get("contention")
+    if c is None:
+        return None
+    if not isinstance(c, dict) or not isinstance(c.get("slowdown"), list):
+        raise ValueError("contention: expected an object with a 'slowdown' list (k = 1, 2, ...)")
+    try:
+        return Contention(tuple(c["slowdown"]), f"measured ({p.name})")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"contention.{exc}") from None

@@ -152,7 +152,8 @@ def make_cache_manager(
 
 @dataclass
 class ServerStats:
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # single-instance step time (the step-time model's), summed
+    step_s: float = 0.0  # the steps' simulated durations, device sharing included
     steps: int = 0
     first_admission_reused: int = 0
     prompt_tokens: int = 0
@@ -193,6 +194,7 @@ class SimServer:
         self.tokens_per_gen_step = decode_quantum * model.tokens_per_step
         self._carry = 0.0
         self._accept = 1
+        self._itl_rows = 0  # generation rows of the step in progress (0: none)
         self.stats = ServerStats()
         self.busy = False
         self._started: set[Any] = set()
@@ -267,13 +269,20 @@ class SimServer:
             acc = max(1, int(self._carry))
             self._carry -= acc
             self._accept = acc
-            # Every generation request gains ``acc`` tokens in dt (fewer at its end): the per-token latency.
-            st.itl_values.append(dt / acc)
-            st.itl_weights.append(len(gen) * acc)
+        self._itl_rows = len(gen)
         return batch, dt
 
-    def finish_step(self, batch: Any, now: float) -> tuple[Request, ...]:
+    def finish_step(self, batch: Any, now: float, duration: float) -> tuple[Request, ...]:
+        """Report the step started last to the scheduler; ``duration`` is how long it took (its step time, or
+        longer on a shared device: :mod:`kvforge.sim.contention`)."""
         self.now = now
+        st = self.stats
+        st.step_s += duration
+        if self._itl_rows:
+            # Every generation request gained ``acc`` tokens in the step (fewer at its end): the per-token latency.
+            st.itl_values.append(duration / self._accept)
+            st.itl_weights.append(self._itl_rows * self._accept)
+            self._itl_rows = 0
         acc = self._accept
         accepted = (
             {s.request.request_id: min(acc, s.num_tokens) for s in batch.generation} if batch.generation else None

@@ -8,7 +8,9 @@ the step-time model for durations.
 Events, in time order: an arrival is routed and queued on its server, which starts a step if idle; a step's
 end reports the batch to the scheduler (finished requests leave the router's load) and starts the next step
 at once while the server has unfinished requests. Ties go to step ends first, so a request that finishes at
-the instant another arrives has already left the router's load.
+the instant another arrives has already left the router's load. Servers declared as sharing a device
+(``SimConfig.servers_per_device``) step through a :class:`~kvforge.sim.contention.SharedDevice`: a step's end
+moves whenever another step on the same device starts or ends.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kvforge.routing import (
     RouteRequest,
 )
 from kvforge.scheduling import SchedulerConfig
+from kvforge.sim.contention import Contention, SharedDevice
 from kvforge.sim.model import KIMI_K3_LIKE, ModelSpec, StepTimeModel, Throughputs
 from kvforge.sim.profile import ProfiledStepTime, StepProfile
 from kvforge.sim.server import GiB, SimServer, make_cache_manager, plan_cache_layout, snapshot_policies
@@ -126,6 +129,10 @@ class SimConfig:
     load_samples: int = 200
     # Measured step times (kvforge.sim.profile) instead of the roofline; its model must be ``model``.
     step_profile: StepProfile | None = None
+    # Servers 0..k-1, k..2k-1, ... share one device each (kvforge.sim.contention); 1: every server has its own.
+    servers_per_device: int = 1
+    # The shared devices' slowdown curve; None: the profile's measured one (needed when servers_per_device > 1).
+    contention: Contention | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
@@ -160,6 +167,19 @@ class SimConfig:
             raise SimulationError("--exact-demotion needs a demotion threshold (--demote TOKENS)")
         if self.step_profile is not None and self.step_profile.model != self.model:
             raise SimulationError("--profile: the profile's model differs from --model (the profile sets the model)")
+        k = self.servers_per_device
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.servers:
+            raise SimulationError(f"--servers-per-device: expected an int in [1, --servers], got {k!r}")
+        if self.contention is not None and not isinstance(self.contention, Contention):
+            raise TypeError(f"contention: expected a Contention, got {type(self.contention).__name__}")
+        if self.contention is None and k > 1:
+            measured = self.step_profile.contention if self.step_profile is not None else None
+            if measured is None:
+                raise SimulationError(
+                    "--servers-per-device: servers sharing a device need a slowdown curve: give "
+                    "--shared-device-capacity, or a --profile with a measured contention curve"
+                )
+            object.__setattr__(self, "contention", measured)
 
 
 @dataclass
@@ -191,7 +211,8 @@ class RunResult:
     load_series: list[list[int]] = field(default_factory=list, repr=False)
     ttfts: dict[int, float] = field(default_factory=dict, repr=False)  # request id -> time to first token
     steps: int = 0  # simulated steps over all servers (not in the CSV row)
-    busy_s: float = 0.0  # their summed durations
+    busy_s: float = 0.0  # their summed single-instance step times (the step-time model's)
+    step_s: float = 0.0  # their summed simulated durations (longer than busy_s only on shared devices)
 
     def row(self) -> dict[str, Any]:
         """The CSV row (time series left out); every column name carries its unit."""
@@ -361,6 +382,16 @@ def simulate(
 
         bar = tqdm(total=len(requests), desc=desc or policy, unit="req", file=sys.stderr, leave=False, mininterval=0.5)
 
+    per_device = config.servers_per_device
+    contention = config.contention
+    # Servers alone on their device (the default) keep a plain end time; shared ones go through their device.
+    devices: list[SharedDevice | None] = [None] * config.servers
+    if per_device > 1:
+        assert contention is not None  # SimConfig.__post_init__ resolves it
+        for first in range(0, config.servers, per_device):
+            shared = SharedDevice(contention)
+            for s in range(first, min(first + per_device, config.servers)):
+                devices[s] = shared
     t0 = requests[0].arrival_s
     # The load grid starts at the arrival span's resolution and doubles its step (dropping every other point)
     # whenever it holds 2 * load_samples points, so a zero span (one request, equal timestamps) or a long drain
@@ -372,15 +403,45 @@ def simulate(
     load_series: list[list[int]] = []
     ttfts: dict[int, float] = {}
     last_finish = t0
-    # Step ends, as (time, seq, server, batch); seq breaks ties in a stable order.
-    ends: list[tuple[float, int, int, Any]] = []
+    # Step ends, as (time, seq, server). A shared device's step ends move when another step on it starts or
+    # ends: each move pushes a new entry, and only the entry whose seq is the server's ``current`` one is live.
+    ends: list[tuple[float, int, int]] = []
+    current = [0] * config.servers
+    batches: list[Any] = [None] * config.servers
+    step_start = [0.0] * config.servers
+    step_work = [0.0] * config.servers
     seq = 0
     n = len(requests)
     i = 0
     inf = math.inf
     done = 0
+
+    def push(t_end: float, s: int) -> None:
+        nonlocal seq
+        seq += 1
+        current[s] = seq
+        heapq.heappush(ends, (t_end, seq, s))
+
+    def begin(s: int, t: float) -> None:
+        b, dt = servers[s].start_step(t, requests[i].arrival_s if i < n else inf)
+        _check_step(dt)
+        batches[s], step_start[s], step_work[s] = b, t, dt
+        dev = devices[s]
+        if dev is None:
+            push(t + dt, s)
+        else:
+            dev.start(s, dt, t)
+
+    def reschedule(dev: SharedDevice) -> None:
+        for s, t_end in dev.ends().items():
+            push(t_end, s)  # type: ignore[arg-type]  # the device's keys are server indices
+
     try:
-        while i < n or ends:
+        while True:
+            while ends and current[ends[0][2]] != ends[0][1]:
+                heapq.heappop(ends)  # a shared step's end that has moved since
+            if i >= n and not ends:
+                break
             t_arr = requests[i].arrival_s if i < n else inf
             t_end = ends[0][0] if ends else inf
             t = t_end if t_end <= t_arr else t_arr
@@ -400,9 +461,17 @@ def simulate(
                         sample_dt *= 2
                     next_sample = t0 + len(load_times) * sample_dt
             if t_end <= t_arr:
-                _, _, s, batch = heapq.heappop(ends)
+                _, _, s = heapq.heappop(ends)
+                current[s] = 0
                 sv = servers[s]
-                finished = sv.finish_step(batch, t)
+                dev = devices[s]
+                if dev is None:
+                    duration = step_work[s]
+                else:
+                    dev.finish(s, t)
+                    duration = t - step_start[s]
+                batch, batches[s] = batches[s], None
+                finished = sv.finish_step(batch, t, duration)
                 for r in finished:
                     router.finish(r.request_id)
                     ttfts[r.request_id] = r.first_token_time - r.arrival_time  # type: ignore[index,operator]
@@ -412,12 +481,11 @@ def simulate(
                     if bar is not None:
                         bar.update(len(finished))
                 if sv.num_unfinished:
-                    b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
-                    _check_step(dt)
-                    seq += 1
-                    heapq.heappush(ends, (t + dt, seq, s, b))
+                    begin(s, t)
                 else:
                     sv.busy = False
+                if dev is not None:
+                    reschedule(dev)
             else:
                 arriving = requests[i]
                 i += 1
@@ -435,10 +503,10 @@ def simulate(
                 sv.submit(arriving)
                 if not sv.busy:
                     sv.busy = True
-                    b, dt = sv.start_step(t, requests[i].arrival_s if i < n else inf)
-                    _check_step(dt)
-                    seq += 1
-                    heapq.heappush(ends, (t + dt, seq, s, b))
+                    begin(s, t)
+                    dev = devices[s]
+                    if dev is not None:
+                        reschedule(dev)
     except SchedulerDeadlockError as exc:
         raise SimulationError(
             f"--cache-gib: a server deadlocked ({str(exc).split(':', 1)[0]}); raise --cache-gib"
@@ -490,4 +558,5 @@ def simulate(
         ttfts=ttfts,
         steps=sum(sv.stats.steps for sv in servers),
         busy_s=sum(busy),
+        step_s=sum(sv.stats.step_s for sv in servers),
     )
