@@ -58,21 +58,12 @@ def serve_args(size: str, **over: object) -> argparse.Namespace:
 
 def build_engine(size: str, sa: argparse.Namespace, device: str):
     """The engine ``kvforge serve`` would build from ``sa`` (random weights, no drafter), warmed up."""
-    from kvforge.engine import Engine, EngineConfig, HybridModel, real, tiny
+    from kvforge.engine import Engine, HybridModel, real, tiny
+    from kvforge.serve.cli import engine_config
 
     mc = (real if size == "real" else tiny)(draft_layers=0, seed=sa.seed)
     model = HybridModel(mc, device=device)
-    ec = EngineConfig(
-        tokens_per_block=sa.tokens_per_block,
-        attention_pages=sa.attention_pages,
-        draft_pages=sa.draft_pages,
-        state_pages=sa.state_pages,
-        max_num_tokens=sa.max_num_tokens,
-        max_num_requests=sa.max_num_requests,
-        max_blocks_per_request=sa.max_blocks_per_request,
-        snapshot_interval=sa.snapshot_interval,
-        device=device,
-    )
+    ec = engine_config(sa, device)
     eng = Engine(model, ec)
     eng.generate({"warm": [1, 2, 3]}, 2)  # one-time costs out of the samples
     eng.generate({"warm2": [4] * 200}, 2)

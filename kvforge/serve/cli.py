@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.service.cli import _endpoint, _int_at_least, _port
+
+if TYPE_CHECKING:
+    from kvforge.engine import EngineConfig
 
 __all__ = ["DESCRIPTION", "add_arguments", "build", "run"]
 
@@ -171,7 +174,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     import kvforge.kernels  # noqa: F401  (turns on the Triton interpreter without a GPU)
-    from kvforge.engine import Engine, EngineConfig, HybridModel, real, tiny
+    from kvforge.engine import Engine, HybridModel, real, tiny
     from kvforge.serve.app import ServeApp, ServeSettings
     from kvforge.serve.loop import EngineLoop
 
@@ -211,19 +214,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
         kw["draft_layers"] = 0
     mc = (real if args.model == "real" else tiny)(**kw)
     model = HybridModel(mc, device=device)
-    ec = EngineConfig(
-        tokens_per_block=args.tokens_per_block,
-        attention_pages=args.attention_pages,
-        draft_pages=args.draft_pages,
-        state_pages=args.state_pages,
-        max_num_tokens=args.max_num_tokens,
-        max_num_requests=args.max_num_requests,
-        max_blocks_per_request=args.max_blocks_per_request,
-        snapshot_interval=args.snapshot_interval,
-        reuse=not args.no_reuse,
-        context_fp8=not args.context_16bit,
-        device=device,
-    )
+    ec = engine_config(args, device)
     engine = Engine(model, ec, draft_len=args.draft_len)
     if not args.no_warmup:
         # The first steps pay one-time costs (kernel compilation, allocator growth): pay them before /health
@@ -253,6 +244,26 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
         instance=args.instance_name or f"{args.host}:{args.port}",
     )
     return loop, ServeApp(loop, settings)
+
+
+def engine_config(args: argparse.Namespace, device: str) -> EngineConfig:
+    """The ``EngineConfig`` that ``kvforge serve`` runs with these parsed flags (bench/profile_step_time.py
+    profiles the same one)."""
+    from kvforge.engine import EngineConfig
+
+    return EngineConfig(
+        tokens_per_block=args.tokens_per_block,
+        attention_pages=args.attention_pages,
+        draft_pages=args.draft_pages,
+        state_pages=args.state_pages,
+        max_num_tokens=args.max_num_tokens,
+        max_num_requests=args.max_num_requests,
+        max_blocks_per_request=args.max_blocks_per_request,
+        snapshot_interval=args.snapshot_interval,
+        reuse=not args.no_reuse,
+        context_fp8=not args.context_16bit,
+        device=device,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
