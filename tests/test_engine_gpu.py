@@ -180,12 +180,12 @@ def _inject_oracle_drafts(eng: Engine, reqs: dict, want: dict) -> list[int]:
     assert eng.graphs is not None
     run, seen = eng.graphs.run, []
 
-    def spy(slots, state_rows, starts):
+    def spy(slots, state_rows, starts, **kw):
         for rid, req in reqs.items():
             slot, k = eng._slot.get(rid), len(req.output_tokens)
             if slot in slots and k < len(want[rid]):
                 eng.stores.next_new_tokens[1, slot] = want[rid][k]
-        out = run(slots, state_rows, starts)
+        out = run(slots, state_rows, starts, **kw)
         seen.extend(out[:, 2].tolist())
         return out
 

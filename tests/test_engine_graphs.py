@@ -59,7 +59,7 @@ def test_static_decode_is_greedy_exact(model: HybridModel, inject: bool, latent:
     accepted_two = 0
     run = g.run
 
-    def spy(slots, state_rows, starts):
+    def spy(slots, state_rows, starts, **kw):
         nonlocal accepted_two
         if inject:
             for rid, req in reqs.items():
@@ -67,7 +67,7 @@ def test_static_decode_is_greedy_exact(model: HybridModel, inject: bool, latent:
                 k = len(req.output_tokens)
                 if slot in slots and k < n_new:
                     eng.stores.next_new_tokens[1, slot] = want[rid][k]
-        out = run(slots, state_rows, starts)
+        out = run(slots, state_rows, starts, **kw)
         assert out.shape == (len(slots), 4)
         accepted_two += int((out[:, 2] == 2).sum())
         return out

@@ -293,9 +293,9 @@ def test_a_batch_prefilled_in_waves_shrinks_through_new_buckets(model: HybridMod
     used: list[int] = []
     run = g.run
 
-    def spy(slots, state_rows, starts):
+    def spy(slots, state_rows, starts, **kw):
         used.append(g.bucket(len(slots)))  # type: ignore[arg-type]
-        return run(slots, state_rows, starts)
+        return run(slots, state_rows, starts, **kw)
 
     g.run = spy  # type: ignore[method-assign]
     for rid in range(8):

@@ -456,9 +456,8 @@ class Engine:
                 k = slot[rid] = free.pop()
             slots.append(k)
             starts.append(s.start)
-        # Without a timer, the plain three-argument call (what wrappers of DecodeGraphs.run expect).
         g = self.graphs
-        out = (g.run(slots, idx, starts) if prof is None else g.run(slots, idx, starts, phases=prof)).tolist()
+        out = g.run(slots, idx, starts, phases=prof).tolist()
         w = 1 + self.draft_len
         res = StepResult()
         n = len(out)
