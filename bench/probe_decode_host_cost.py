@@ -32,7 +32,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # import kvforge on a CPU-only machine
+# Import kvforge on a CPU-only machine; --device cuda runs the compiled kernels, so no interpreter there.
+if not any(a.endswith("cuda") for a in sys.argv[1:]):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
