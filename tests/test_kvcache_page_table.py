@@ -94,3 +94,26 @@ def test_materialize_block_offsets_through_the_kernel():
     assert torch.equal(out[:, :, 0].cpu().to(torch.int64), plane0)
     assert torch.equal(out[:, :, 1].cpu().to(torch.int64), plane1)
     assert (pages >= 0).sum() > 10 and (pages < 0).sum() > 0  # both real pages and holes were exercised
+
+
+def test_materialize_waits_for_the_last_launch_before_rewriting_the_index():
+    """The pinned row index is read by the kernel after the host moves on: a second materialize with nothing
+    dirty must still wait for the previous launch's event before it rewrites the index."""
+    mgr = _mgr()
+    table = DevicePageTable(mgr, max_rows=4, max_blocks=8)
+    caches = [mgr.create_cache() for _ in range(2)]
+    for c in caches:
+        c.resize(5, 5)
+        c.commit(list(range(5)))
+    table.materialize(caches)
+    log = []
+
+    class PendingEvent:  # stands in for the CUDA event a GPU launch records
+        def synchronize(self) -> None:
+            log.append(list(table._index_np[:2]))
+
+    table._event = PendingEvent()
+    assert not table._dirty
+    table.materialize(caches[::-1])
+    assert log == [[0, 1]]  # waited once, before the index was rewritten to [1, 0]
+    assert list(table._index_np[:2]) == [1, 0]

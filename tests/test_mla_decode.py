@@ -456,3 +456,33 @@ def test_store_then_decode_fp8(gen, device):
     ref_cache.view(P * S, -1)[slots] = rows
     orig, _ = mla_decode_attention_ref(q, ref_cache, bt, sl, softmax_scale=0.3, v_head_dim=DV)
     assert rel_rmse(out.cpu().float(), orig.cpu()) < FP8_BOUND_ORIGINAL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+@pytest.mark.parametrize(("B", "page_size"), [(1, 32), (4, 64)])
+def test_gpu_default_call_and_plan_run_never_sync(gen, device, H, B, page_size):
+    """Once a shape has been planned (its first call tunes and compiles), the default call and
+    ``MLADecodePlan.run`` enqueue without a host sync that torch can see (CUDA's sync debug mode raises on one),
+    on the Triton and the Gluon paths, and their outputs match the reference."""
+    from kvforge.kernels.mla_decode import MLADecodePlan
+
+    lens = [2555] + [700] * (B - 1)
+    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    scale = 576**-0.5
+    plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=scale)
+    out = torch.empty(B, H, 512, dtype=torch.bfloat16, device=device)
+    mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, out=out)
+    plan.run(q, kv, out=out)
+    outs = [poisoned((B, H, 512), torch.bfloat16, q.device) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mla_decode_attention(q, kv, bt, sl, softmax_scale=scale, out=outs[0])
+        plan.run(q, kv, out=outs[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=scale)
+    for got in outs:
+        assert_all_written(got)
+        assert rel_rmse(got.cpu().float(), ref.cpu()) < 8e-3

@@ -194,6 +194,7 @@ class DevicePageTable:
         n = len(rows)
         if out is None:
             out = torch.empty((len(self.groups), n, 2, self.max_blocks), dtype=torch.int32, device=kernel_device())
+        self._wait()  # the last launch may not have read the pinned index yet (sync() waits only when dirty)
         self._index_np[:n] = rows
         copy_block_offsets(self.host, self._index[:n], self.index_scales, self.kv_offsets, out)
         if out.device.type == "cuda":
