@@ -193,6 +193,17 @@ def _inject_oracle_drafts(eng: Engine, reqs: dict, want: dict) -> list[int]:
     return seen
 
 
+def _first_differences(out: dict, want: dict) -> list[tuple]:
+    """Per request that differs: (id, first differing position, got, wanted) - a failure says where it starts."""
+    diffs = []
+    for rid, w in want.items():
+        g = out.get(rid)
+        if g != w:
+            k = next((i for i, (x, y) in enumerate(zip(g or [], w)) if x != y), min(len(g or []), len(w)))
+            diffs.append((rid, k, (g or [])[k : k + 3], w[k : k + 3]))
+    return diffs
+
+
 @pytest.mark.parametrize(("draft_len", "inject"), [(0, False), (1, False), (1, True)])
 def test_real_greedy_identity_with_cuda_graphs(draft_len: int, inject: bool) -> None:
     """The planted model with CUDA-graph decode (the default on CUDA): five requests (bucket 8, three padding
@@ -210,8 +221,8 @@ def test_real_greedy_identity_with_cuda_graphs(draft_len: int, inject: bool) -> 
     reqs = {rid: eng.add_request(rid, p, n_new) for rid, p in prompts.items()}
     seen = _inject_oracle_drafts(eng, reqs, want) if inject else []
     out = eng.run()
-    assert {rid: out[rid] for rid in prompts} == want
-    assert eng.graphs.replays >= n_new // 2 and 8 in eng.graphs._graphs
+    assert {rid: out[rid] for rid in prompts} == want, _first_differences(out, want)
+    assert eng.graphs.replays >= n_new // 2 and 8 in eng.graphs._graphs, (eng.graphs.replays, list(eng.graphs._graphs))
     if inject:
         assert seen.count(2) > len(seen) // 2, seen
     eng.manager.check_invariants()
@@ -258,6 +269,6 @@ def test_real_fp8_latent_greedy_identity_with_cuda_graphs(draft_len: int) -> Non
     for rid, p in prompts.items():
         eng.add_request(rid, p, n_new)
     out = eng.run()
-    assert {rid: out[rid] for rid in prompts} == want
-    assert eng.graphs.replays >= n_new // 2
+    assert {rid: out[rid] for rid in prompts} == want, _first_differences(out, want)
+    assert eng.graphs.replays >= n_new // 2, eng.graphs.replays
     eng.manager.check_invariants()
