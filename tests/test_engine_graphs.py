@@ -83,3 +83,49 @@ def test_static_decode_is_greedy_exact(model: HybridModel, inject: bool, latent:
     # The padding row wrote the trash latent page (the manager's pages are all below it).
     layer = model.config.mla_layers[0]
     assert bool(eng.cache.latent[layer][eng.cache.latent_trash].view(torch.uint8).ne(0).any())
+
+
+def test_last_step_with_fewer_tokens_left_stays_on_the_graph_path(model: HybridModel) -> None:
+    """A row whose last step has one token left while the verify width is two (draft_len 1) still replays the
+    static step: the scheduler reserved room for the draft position, the injected (correct) draft would be
+    accepted, and the device caps acceptance at the one token left, so outputs stop at max_new_tokens, the live
+    state is the one after that token (a follow-up turn reusing the conversation's prefix is still exact), and
+    no page leaks."""
+    rng = random.Random(17)
+    prompts = {i: [rng.randrange(VOCAB) for _ in range(rng.randrange(40, 70))] for i in range(3)}
+    n_new = 6  # prefill emits 1, two accepted-draft steps emit 4, the last step has 1 left
+    want = {i: reference_greedy(model, p, n_new) for i, p in prompts.items()}
+    eng = Engine(model, EngineConfig(max_num_requests=8, tokens_per_block=8), draft_len=1)
+    assert eng.scheduler.config.reserve_verify_width
+    eng.graphs = g = eng.decode_graphs(capture=False)
+    reqs = {i: eng.add_request(i, p, n_new) for i, p in prompts.items()}
+    run, eager, limits_seen = g.run, [], []
+
+    def spy(slots, state_rows, starts, **kw):
+        for rid, req in reqs.items():  # the reference's next token as the draft: every draft is accepted
+            slot, k = eng._slot.get(rid), len(req.output_tokens)
+            if slot in slots and k < n_new:
+                eng.stores.next_new_tokens[1, slot] = want[rid][k]
+        limits_seen.append(list(kw["limits"]))
+        return run(slots, state_rows, starts, **kw)
+
+    g.run = spy  # type: ignore[method-assign]
+    step = eng.runner.step
+
+    def eager_spy(rows, *a, **kw):
+        eager.append([r.gen for r in rows])
+        return step(rows, *a, **kw)
+
+    eng.runner.step = eager_spy  # type: ignore[method-assign]
+    out = eng.run()
+    assert {i: out[i] for i in prompts} == want
+    assert [1, 1, 1] in limits_seen  # the last step ran on the static path with one token left per row
+    assert all(not any(gen) for gen in eager), eager  # eager steps were prefill only
+    eng.manager.check_invariants()
+    # A follow-up turn over the first conversation: its reused prefix (KV and recurrent state) must be exact.
+    follow = prompts[0] + out[0] + [rng.randrange(VOCAB) for _ in range(9)]
+    want2 = reference_greedy(model, follow, 4)
+    eng.add_request("turn2", follow, 4)
+    assert eng.run()["turn2"] == want2
+    assert eng.manager.stats.reused_tokens > 0
+    eng.manager.check_invariants()

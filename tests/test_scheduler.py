@@ -198,6 +198,31 @@ def test_draft_tokens_take_budget_and_accepted_counts_advance():
     assert gen(b) == [("d", 1)]
 
 
+@pytest.mark.parametrize("reserve", [False, True])
+def test_last_step_reserves_the_verify_width_when_asked(reserve):
+    """With ``reserve_verify_width`` a request with fewer tokens left than ``1 + draft_len`` is scheduled for what
+    it has left (the budget and acceptance bound unchanged) while its cache holds room for the full width, which
+    the step's commit gives back; without it the room is what is scheduled."""
+    s, _mgr = make_sched(max_num_tokens=16, reserve_verify_width=reserve)
+    r = mk("d", 4, out=6, draft_len=3)
+    s.add_request(r)
+    step(s)  # prefill: history 4, one token emitted
+    step(s, accepted_tokens={"d": 4})  # 5 generated: 1 left
+    assert r.cache.history == 8
+    b = s.schedule()
+    assert gen(b) == [("d", 1)]
+    assert r.cache.capacity == (12 if reserve else 9)
+    with pytest.raises(ValueError, match="exceeds the 1 tokens scheduled"):
+        s.on_step_done(b, accepted_tokens={"d": 2})
+    assert s.on_step_done(b, accepted_tokens={"d": 1}) == (r,)
+    assert r.num_generated == 6
+
+
+def test_reserve_verify_width_must_be_a_bool():
+    with pytest.raises(TypeError, match="reserve_verify_width"):
+        SchedulerConfig(reserve_verify_width=1)  # type: ignore[arg-type]
+
+
 def test_injected_clock_stamps_requests():
     now = [100.0]
     s, _ = make_sched(clock=lambda: now[0], max_num_tokens=4)

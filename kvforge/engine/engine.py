@@ -159,6 +159,9 @@ class Engine:
                 max_num_tokens=config.max_num_tokens,
                 max_num_requests=config.max_num_requests,
                 prefix_wait=config.prefix_wait,
+                # A request's last step may have fewer tokens left than a verify step's width; room for the
+                # full width keeps that step on the fixed-width (graph) path.
+                reserve_verify_width=draft_len > 0,
             ),
             hooks=hooks,
         )
@@ -361,7 +364,9 @@ class Engine:
         idx, mask = self.manager.step_state_indices(caches)
         width = 1 + self.draft_len
         n_gen = len(gen)
-        if self.graphs is not None and n_gen == n_rows and n_gen and all(s.num_tokens == width for s in gen):
+        # Every generation row fits the graph's width: one with fewer tokens left (its last step) has room
+        # reserved for the rest (reserve_verify_width) and its acceptance is capped on the device.
+        if self.graphs is not None and n_gen == n_rows and n_gen:
             if prof is not None:
                 prof.mark("state_index")
             res, accepted = self._graph_step(gen, idx, prof)
@@ -449,6 +454,7 @@ class Engine:
         slot, free = self._slot, self._free_slots
         slots = []
         starts = []
+        limits = []
         for s in gen:
             rid = s.request.request_id
             k = slot.get(rid)
@@ -456,8 +462,9 @@ class Engine:
                 k = slot[rid] = free.pop()
             slots.append(k)
             starts.append(s.start)
+            limits.append(s.num_tokens)
         g = self.graphs
-        out = g.run(slots, idx, starts, phases=prof).tolist()
+        out = g.run(slots, idx, starts, limits=limits, phases=prof).tolist()
         w = 1 + self.draft_len
         res = StepResult()
         n = len(out)

@@ -1,15 +1,17 @@
 """CUDA-graph decode: the generation-only step captured once per batch bucket and replayed.
 
-A step whose rows are all generation rows verifying the same token count (``1 + draft_len``; the usual decode
-step, draft verification included) runs :meth:`Runner.decode_static <kvforge.engine.runner.Runner.decode_static>`
-padded to the next bucket of :data:`BUCKETS` (capped at ``max_num_requests``, which is itself a bucket). What
-changes between steps lives in persistent device buffers filled before replay: the rows' slots and live state
-rows (uploaded only when they changed), their start positions, and the page table rows the engine's
+A step whose rows are all generation rows (the usual decode step, draft verification included) runs
+:meth:`Runner.decode_static <kvforge.engine.runner.Runner.decode_static>` padded to the next bucket of
+:data:`BUCKETS` (capped at ``max_num_requests``, itself a bucket) at the verify width ``1 + draft_len``; a row
+with fewer tokens left (its last step) computes the full width in room the scheduler reserved
+(``reserve_verify_width``), and its accepted count is capped on the device at what it has left. What changes
+between steps lives in persistent device buffers filled before replay: the rows' slots, live state rows and
+token limits (uploaded only when they changed), their start positions, and the page table rows the engine's
 ``DevicePageTable`` already writes in place; padding rows point at the cache's trash page, trash state row and
 trash slot. The one host read of a step is its ``[rows, t + 2]`` int32 result (greedy tokens, accepted count,
-draft token). Mixed steps (any context row, unequal verify counts), ``record_logits`` and a ``draft_fn`` run
-eagerly. A bucket's graph is captured on its first use (or all at once by :meth:`DecodeGraphs.capture_all`),
-after one eager warm-up run that compiles the kernels; capture and warm-up run on trash inputs only.
+draft token). Mixed steps (any context row), ``record_logits`` and a ``draft_fn`` run eagerly. A bucket's graph
+is captured on its first use (or all at once by :meth:`DecodeGraphs.capture_all`), after one eager warm-up run
+that compiles the kernels; capture and warm-up run on trash inputs only.
 
 With ``capture=False`` (the CPU: no CUDA graphs there) the same padded static step runs eagerly, so the CPU
 tests exercise the path a graph replays.
@@ -59,14 +61,15 @@ class DecodeGraphs:
         self.trash_slot = trash_slot
         t = runner.verify_width
         self.width = t
-        # [slots; live state rows] change only when the batch does; starts change every step.
-        self._host_ids = torch.zeros(2, m, dtype=torch.int32, pin_memory=pin)
+        # [slots; live state rows; token limits] change only when the batch does (or a row reaches its last
+        # step); starts change every step.
+        self._host_ids = torch.zeros(3, m, dtype=torch.int32, pin_memory=pin)
         self._host_starts = torch.zeros(m, dtype=torch.int64, pin_memory=pin)
         self._ids_np, self._starts_np = self._host_ids.numpy(), self._host_starts.numpy()
-        self.ids = torch.zeros(2, m, dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(3, m, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(m, dtype=torch.int64, device=dev)
         self.out = torch.zeros(m, t + 2, dtype=torch.int32, device=dev)
-        self._last_ids: tuple[int, ...] | None = None  # (bucket, *slots, *state rows) last uploaded
+        self._last_ids: tuple[int, ...] | None = None  # (bucket, *slots, *state rows, *limits) last uploaded
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.replays = 0
@@ -82,7 +85,7 @@ class DecodeGraphs:
     def _body(self, b: int) -> None:
         self.runner.decode_static(
             self.ids[0, :b], self.ids[1, :b], self.starts[:b], self.offsets[:, :b, 0], self.stores, self.out[:b],
-            draft=self.draft,
+            draft=self.draft, limits=self.ids[2, :b],
         )  # fmt: skip
 
     def _pad_tables(self, lo: int, hi: int) -> None:
@@ -94,6 +97,7 @@ class DecodeGraphs:
     def _trash_inputs(self, b: int) -> None:
         self.ids[0, :b].fill_(self.trash_slot)
         self.ids[1, :b].fill_(self.cache.state_trash)
+        self.ids[2, :b].fill_(self.width)
         self.starts[:b].zero_()
         self._last_ids = None
 
@@ -127,28 +131,37 @@ class DecodeGraphs:
         state_rows: Sequence[int],
         starts: Sequence[int],
         *,
+        limits: Sequence[int] | None = None,
         phases: PhaseTimer | None = None,
     ) -> torch.Tensor:
         """One generation-only step of ``len(slots)`` rows; returns the host ``[rows, t + 2]`` int32 result.
-        ``phases``: the engine's phase timer (inputs, capture, replay, read are marked)."""
+        ``limits``: per row, the most tokens it may accept (1 .. t: its tokens left; default t). ``phases``: the
+        engine's phase timer (inputs, capture, replay, read are marked)."""
         n = len(slots)
         b = self.bucket(n)
         if b is None or n == 0:
             raise ValueError(f"slots: expected 1 .. {self.buckets[-1]} rows, got {n}")
+        t = self.width
+        if limits is None:
+            limits = (t,) * n
+        elif len(limits) != n or not all(type(x) is int and 1 <= x <= t for x in limits):
+            raise ValueError(f"limits: expected {n} ints in 1 .. {t}, got {limits!r}")
         if self.capture and b not in self._graphs:
             if phases is not None:
                 phases.mark("inputs")
             self._capture(b)
             if phases is not None:
                 phases.mark("capture")
-        key = (b, *slots, *state_rows)
+        key = (b, *slots, *state_rows, *limits)
         if key != self._last_ids:
             # numpy views of the pinned buffers: a list goes in without a temporary tensor.
             ids = self._ids_np
             ids[0, :n] = slots
             ids[1, :n] = state_rows
+            ids[2, :n] = limits
             ids[0, n:b] = self.trash_slot
             ids[1, n:b] = self.cache.state_trash
+            ids[2, n:b] = t
             self.ids[:, :b].copy_(self._host_ids[:, :b], non_blocking=True)
             self._last_ids = key
         else:

@@ -429,11 +429,14 @@ class Runner:
         out: torch.Tensor,
         *,
         draft: bool,
+        limits: torch.Tensor | None = None,
     ) -> None:
         """A generation-only step of ``b`` rows of ``t = verify_width`` tokens with no host data and no host
         read, so it can be captured: ``slots [b]`` int32 (the rows' slot-store slots; padding rows name a trash
         slot), ``state_idx [b]`` int32 live state rows, ``starts [b]`` int64 positions of each row's first
-        token, ``tables [pools, b, max_blocks]`` page ids. Writes ``out [b, t + 2]`` int32: the greedy token at
+        token, ``tables [pools, b, max_blocks]`` page ids, ``limits [b]`` int32 the most tokens each row may
+        accept (a row's last step may have fewer left than ``t``; its other positions are computed in reserved
+        room and dropped; None: ``t``). Writes ``out [b, t + 2]`` int32: the greedy token at
         each position, the accepted count, the drafter's next token (0 without a drafter), and stores the same
         into the slot stores as :class:`~kvforge.engine.engine.Engine` does after an eager step. The drafter
         runs over every position of a row (a rejected position's draft latent row is rewritten by the next
@@ -469,6 +472,8 @@ class Runner:
             best = logits.argmax(-1)
             match = (ids.view(b, t)[:, 1:] == best[:, :-1]).to(torch.int32).cumprod(1)
             acc = (1 + match.sum(1)).to(torch.int32)
+        if limits is not None and t > 1:
+            acc = torch.minimum(acc, limits)
         if t > 1:
             live = state_idx.to(torch.int32).contiguous()
             scratch = self._scratch[:b, : t - 1].contiguous()

@@ -89,7 +89,10 @@ class SchedulerConfig:
     request keeps its place; None reads ``KVFORGE_CTX_DEMOTE_MAX_ITERS`` (unset: 8). ``exact_context_demotion``:
     None takes the model's ``RuntimeHooks.exact_context_demotion``; a bool overrides it. ``prefix_wait``: let
     new requests wait for a prefix in flight, at most ``max_prefix_wait_iters`` iterations, when it saves at
-    least ``min_prefix_wait_tokens`` (None: one block).
+    least ``min_prefix_wait_tokens`` (None: one block). ``reserve_verify_width``: a generation request with
+    fewer tokens left than ``1 + draft_len`` is scheduled for what it has left, as always, but its cache reserves
+    room for all ``1 + draft_len`` positions, so a fixed-width step (a CUDA graph) may compute them; positions past
+    the scheduled count are never committed, and the room is released when the step is done.
     """
 
     max_num_tokens: int = 8192
@@ -100,6 +103,7 @@ class SchedulerConfig:
     prefix_wait: bool = True
     max_prefix_wait_iters: int = 16
     min_prefix_wait_tokens: int | None = None
+    reserve_verify_width: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_tokens", self.max_num_tokens, 1)
@@ -117,6 +121,8 @@ class SchedulerConfig:
         _check_int("max_prefix_wait_iters", self.max_prefix_wait_iters, 0)
         if self.min_prefix_wait_tokens is not None:
             _check_int("min_prefix_wait_tokens", self.min_prefix_wait_tokens, 1)
+        if not isinstance(self.reserve_verify_width, bool):
+            raise TypeError(f"reserve_verify_width: expected a bool, got {type(self.reserve_verify_width).__name__}")
 
 
 def _env_count(name: str) -> int | None:
@@ -563,6 +569,7 @@ class Scheduler:
         ctx: list[ScheduledRequest] = []
         in_flight: list[Request] = []
         now: float | None = None
+        reserve = self.config.reserve_verify_width
 
         for req in tuple(self._running):
             if self._slots <= 0:
@@ -573,15 +580,17 @@ class Scheduler:
                 continue
             if state is not _GENERATION:
                 continue  # preempted earlier in this pass
-            n = 1 + req.draft_len
+            n = room = 1 + req.draft_len
             left = req.max_new_tokens - req.num_generated
             if n > left:
                 n = left
+                if not reserve:
+                    room = n
             if n > self._budget:
                 continue
             cache = req.cache
             hist = cache.history  # type: ignore[union-attr]
-            if not cache.resize(capacity=hist + n) and not self._make_room(req, hist + n, preempted):  # type: ignore[union-attr]
+            if not cache.resize(capacity=hist + room) and not self._make_room(req, hist + room, preempted):  # type: ignore[union-attr]
                 continue
             req._batch_step = step
             gen.append(ScheduledRequest(req, n, hist, False))
