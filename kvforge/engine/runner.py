@@ -182,13 +182,16 @@ class Runner:
     def _mla(self, m: MLAWeights, h: torch.Tensor, pool: torch.Tensor, lay: _Layout) -> torch.Tensor:
         model, mc = self.model, self.model.config
         cache = self.cache
-        q, latent = model.mla_project(m, h, lay.positions, fused=True)
+        # A generation-only step rotates the queries' rope part straight into the absorbed queries.
+        ctx = lay.ctx_kv_rows is not None
+        fused = model.use_kernels and model._rope_table is not None
+        q, latent = model.mla_project(m, h, lay.positions, fused=True, rope_q=ctx or not fused)
         cache.write_latent(pool, lay.write_rows, latent)
         out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
         g = lay.num_gen_tokens
         if g:
             assert lay.gen_table is not None and lay.gen_lens is not None
-            q_abs = model.mla_absorb(m, q[:g])
+            q_abs = model.mla_absorb(m, q[:g], None if ctx or not fused else lay.positions[:g])
             if cache.latent_fp8:  # the kernel reads an e4m3 cache with a 16-bit q (fp16 on the interpreter)
                 q_abs = q_abs.to(self.q_dtype)
             o_lat = decode_attention(
@@ -200,7 +203,7 @@ class Runner:
                 v_head_dim=mc.kv_lora_rank,
                 kv_scale_quant_orig=cache.latent_scale_inv,
             )
-            out[:g] = model.mla_unabsorb(m, o_lat)
+            model.mla_unabsorb(m, o_lat, out=out[:g])
         if lay.ctx_kv_rows is not None:
             k, v = model.mla_up(m, cache.read_latent(pool, lay.ctx_kv_rows, model.dtype))
             q_ctx = q[g:]
@@ -231,7 +234,7 @@ class Runner:
     def _kda(self, layer_id: int, m, h: torch.Tensor, rows: list[Row], state_idx: torch.Tensor) -> torch.Tensor:
         model = self.model
         pool = self.cache.state[layer_id]
-        q, k, v, g, beta = model.kda_project(m, h)
+        q, k, v, g, beta = model.kda_project(m, h, fused=True)
         out = torch.empty_like(v)
         off = 0
         gen = [i for i, r in enumerate(rows) if r.gen]
@@ -344,7 +347,7 @@ class Runner:
             elif r.is_last:
                 want.append(off + r.n - 1)
             off += r.n
-        logits = model.logits(hidden[want]) if want else None
+        logits = model.logits(hidden[want], fused=True) if want else None
         best = logits.argmax(-1).tolist() if logits is not None else []
         accepted, j, off = [], 0, 0
         for r in rows:
@@ -402,7 +405,7 @@ class Runner:
             counts.append(cnt)
             off += r.n
         dev = model.device
-        x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
+        x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev), fused=True)
         lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
         draft_latent = self.cache.draft_latent
         x = self._blocks(x, [blk], lambda j, b, h: self._mla(b.mixer, h, draft_latent, lay), lay)
@@ -410,7 +413,7 @@ class Runner:
         for c in counts:
             off += c
             last.append(off - 1)
-        dl = model.draft_logits(x[torch.tensor(last, device=dev)])
+        dl = model.draft_logits(x[torch.tensor(last, device=dev)], fused=True)
         best = dl.argmax(-1).tolist()
         for i, r in enumerate(rows):
             emits = r.gen or r.is_last
@@ -456,13 +459,15 @@ class Runner:
         def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
             if isinstance(blk.mixer, MLAWeights):
                 return self._mla(blk.mixer, h, self.cache.latent[i], lay)
-            qkv = model.kda_project(blk.mixer, h)
-            o = kda_recurrent_inplace(*(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx)
+            qkv = model.kda_project(blk.mixer, h, fused=True)
+            o = kda_recurrent_inplace(
+                *(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx, use_kernel=model.use_kernels
+            )
             return model.kda_out(blk.mixer, o.view(b * t, *o.shape[2:]))
 
         x = self._blocks(model.embed[ids], model.blocks, mixer, lay)
-        logits = model.logits(x).view(b, t, -1)
-        if logits.is_cuda:  # argmax and acceptance in one kernel
+        logits = model.logits(x, fused=True, fp32=False).view(b, t, -1)
+        if model.use_kernels:  # argmax and acceptance in one kernel
             best32, acc = greedy_accept(logits, ids.view(b, t))
             best = best32.long()
         else:
@@ -478,12 +483,12 @@ class Runner:
         if draft and model.draft_block is not None:
             blk = model.draft_block
             assert isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
-            xd = model.draft_input(x, best.reshape(-1))
+            xd = model.draft_input(x, best.reshape(-1), fused=True)
             dlay = _DecodeLayout(starts, row_of, tok, tables[1], tpb)
             dlat = self.cache.draft_latent
             xd = self._blocks(xd, [blk], lambda j, bk, h: self._mla(bk.mixer, h, dlat, dlay), dlay)
             pick = torch.arange(b, device=dev) * t + (acc - 1).long()
-            drafts = model.draft_logits(xd[pick]).argmax(-1)
+            drafts = model.draft_logits(xd[pick], fused=True, fp32=False).argmax(-1)
         else:
             drafts = torch.zeros(b, dtype=torch.long, device=dev)
         best32 = best.to(torch.int32)
