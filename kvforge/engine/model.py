@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kvforge.engine.config import ModelConfig
 from kvforge.engine.planted import plant_copy_head
 from kvforge.kernels.kda_prep import kda_prepare
+from kvforge.kernels.mla_latent import mla_latent_store
 from kvforge.kernels.rms_norm import rms_norm
 from kvforge.kernels.rotary import rotary, rotary_table
 from kvforge.kernels.swiglu import swiglu
@@ -215,12 +216,21 @@ class HybridModel:
     # --- MLA ---------------------------------------------------------------------------------------------------
 
     def mla_project(
-        self, m: MLAWeights, h: torch.Tensor, positions: torch.Tensor, *, fused: bool = False, rope_q: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        m: MLAWeights,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        fused: bool = False,
+        rope_q: bool = True,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queries ``[T, H, qk_head_dim]`` (rope applied) and latent cache rows ``[T, latent_dim]``. ``fused``
         (kernels on, rope table present): one GEMM for ``q_a`` and ``kv_a``, the norms and the rotary embedding as
         kernels writing in place; ``rope_q=False`` then leaves the queries' rope part unrotated (for
-        :meth:`mla_absorb` with ``positions``, which rotates it into its output)."""
+        :meth:`mla_absorb` with ``positions``, which rotates it into its output); ``store=(pool, rows)`` (a latent
+        pool in the model dtype, flat row indices) writes the latent rows straight into the pool in one kernel
+        (``mla_latent_store``) and returns None for them."""
         c = self.config
         if fused and self.use_kernels and self._rope_table is not None:
             a = h @ m.a
@@ -230,6 +240,9 @@ class HybridModel:
                 q_rope = q[..., c.qk_nope_dim :]
                 rotary(q_rope, positions, self._rope_table, out=q_rope)
             kv = a[:, r:]
+            if store is not None:
+                mla_latent_store(kv, m.kv_a_norm, positions, self._rope_table, *store)
+                return q, None
             latent = torch.empty(kv.shape[0], c.latent_dim, device=h.device, dtype=h.dtype)
             rms_norm(kv[:, : c.kv_lora_rank], m.kv_a_norm, out=latent[:, : c.kv_lora_rank])
             rotary(kv[:, c.kv_lora_rank :], positions, self._rope_table, out=latent[:, c.kv_lora_rank :])
