@@ -12,7 +12,11 @@ Every layer is pre-norm: ``x += mixer(rms(x)); x += mlp(rms(x))`` with a SwiGLU 
 * **Drafter** (MTP style, one MLA layer): from the target's last hidden state at position p and the embedding of
   token p + 1 it predicts token p + 2, sharing the embedding and the LM head.
 
-This module holds weights and the per-token projections; it never touches a cache. The engine
+Projections that read the same input are stored concatenated (``[q_a | kv_a]``, ``[q | k | v | g | b]``,
+``[gate | up]``; the separate weights are column views of them): the engine's kernel path runs one GEMM each.
+The absorbed-MLA products run in the model dtype with fp32 accumulation (one rounding, as the fp32 product
+rounded to the model dtype would be). This module holds weights and the per-token projections; it owns no
+cache (the engine's ``mla_project(store=...)`` writes latent rows into a pool it is handed). The engine
 (:mod:`kvforge.engine.runner`) and the plain reference (:mod:`kvforge.engine.reference`) both call it.
 """
 

@@ -19,8 +19,10 @@ Its tokens are laid out flat in that order. Per layer:
   one into the live row on the device (:meth:`Runner.step`). The rows of one step may verify different counts.
 
 :meth:`Runner.decode_static` is the generation-only step on device tensors alone (no host data, no host read)
-that :mod:`kvforge.engine.graphs` captures per batch bucket. On CUDA the blocks use the fused kernels
-(``rms_norm`` with the residual add, ``swiglu``, ``rotary``, ``greedy_accept``); elsewhere the plain forms.
+that :mod:`kvforge.engine.graphs` captures per batch bucket. With ``HybridModel.use_kernels`` (on CUDA) the
+blocks use the fused projections and kernels (``rms_norm`` with the residual add, ``swiglu``, ``rotary``,
+``kda_prepare``, ``mla_latent_store``, ``greedy_accept``) and the step's bookkeeping is ``decode_inputs`` /
+``decode_finish``; elsewhere the plain forms. ``bench/probe_decode_kernels.py`` counts the step's launches.
 
 The drafter (one MLA layer) runs after acceptance over the accepted positions of every row, writing its own
 latent pages, and proposes the next draft token from the last one.
