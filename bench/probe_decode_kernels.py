@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import sys
 from collections import Counter
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvforge.engine.runner as runner_mod
+from bench._common import env_stamp
 from kvforge.engine import Engine, EngineConfig, HybridModel, real, tiny
 
 KINDS = ("MLA", "KDA", "MLP", "norm", "drafter", "head", "step")
@@ -232,7 +234,8 @@ def main() -> None:
             print(_report(r), flush=True)
             results.append(r)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        stamp = {**env_stamp(), "machine": platform.node(), "load_average": os.getloadavg()}
+        args.json.write_text(json.dumps({"env": stamp, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
