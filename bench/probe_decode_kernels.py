@@ -1,19 +1,20 @@
 """Device kernels one CUDA-graph decode step launches, counted on the CPU, per layer kind (issue 29).
 
-    python3 -m bench.probe_decode_kernels                          # CPU: tiny sizes, tiny and real layer structure
-    python3 -m bench.probe_decode_kernels --device cuda --full-size --structure real   # H200: the real model
+    python3 -m bench.probe_decode_kernels                          # tiny sizes, tiny and real layer structure
+    python3 -m bench.probe_decode_kernels --full-size --structure real --batch 64   # on a GPU: the real model
 
 One :meth:`Runner.decode_static <kvforge.engine.runner.Runner.decode_static>` step (the body
 :class:`~kvforge.engine.graphs.DecodeGraphs` captures) runs on trash inputs, as a capture's warm-up does, once to
 warm up and once counted. The model is built in bf16 with ``HybridModel.use_kernels`` on, so the op sequence is
-the CUDA path's (casts included; on the CPU the Triton kernels run under the interpreter). Counted as one launch
-each: every aten op a ``TorchDispatchMode`` sees that is neither a view nor an allocation (``empty*``), and every
-Triton kernel launch (the ops Triton's launcher itself dispatches are not counted). GPU-only extras are not seen:
-a cuBLAS GEMM may add a split-K reduce kernel. A host read inside the step (``_local_scalar_dense``) is reported
-apart (a captured step must have none). Launches are attributed to the outermost region active: ``MLA`` /
-``KDA`` (a target layer's mixer), ``MLP``, ``norm`` (the residual add + norm between blocks), ``drafter``
-(everything from ``draft_input`` to ``draft_logits``), ``head`` (final norm, LM head, greedy acceptance) and
-``step`` (the rest: embedding, layout, slot stores). ``--json`` writes the counts (and the per-op breakdown).
+the CUDA path's, casts included (without a GPU, ``kvforge.kernels`` runs the Triton kernels in the interpreter).
+Counted as one launch each: every aten op a ``TorchDispatchMode`` sees that is neither a view nor an allocation
+(``empty*``), and every Triton kernel launch (the ops Triton's launcher itself dispatches are not counted).
+GPU-only extras are not seen: a cuBLAS GEMM may add a split-K reduce kernel. A host read inside the step
+(``_local_scalar_dense``) is reported apart (a captured step must have none). Launches are attributed to the
+outermost region active: ``MLA`` / ``KDA`` (a target layer's mixer), ``MLP``, ``norm`` (the residual add + norm
+between blocks), ``drafter`` (everything from ``draft_input`` to ``draft_logits``), ``head`` (final norm, LM
+head, greedy acceptance) and ``step`` (the rest: embedding, layout, slot stores). ``--json`` writes the counts,
+the per-op breakdown and the environment (revision, machine, load average).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-if "cuda" not in sys.argv:  # the CPU run: Triton kernels in the interpreter (set before triton is imported)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
@@ -222,7 +221,7 @@ def main() -> None:
     ap.add_argument("--structure", choices=("tiny", "real", "both"), default="both")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--draft-len", type=int, choices=(0, 1), nargs="*", default=[0, 1])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--full-size", action="store_true", help="the real config's sizes too (a GPU's memory)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

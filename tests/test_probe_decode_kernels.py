@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.probe_decode_kernels import count_step
+from kvforge.kernels._runtime import kernel_device
 
 # Launches per layer (MLA, KDA, MLP, norm) and per step (head, step) with one draft token or none.
 MOST = {"MLA": 9, "KDA": 4, "MLP": 3, "norm": 2}
@@ -17,7 +18,7 @@ MOST = {"MLA": 9, "KDA": 4, "MLP": 3, "norm": 2}
 
 @pytest.mark.parametrize("draft_len", [0, 1])
 def test_decode_step_launches(draft_len: int) -> None:
-    r = count_step("tiny", 2, draft_len, "cpu", False)
+    r = count_step("tiny", 2, draft_len, str(kernel_device()), False)  # the GPU where there is one
     assert r["host_reads"] == 0
     for kind, most in MOST.items():
         assert 0 < r["per_layer"][kind] <= most, (kind, r["ops"][kind])
