@@ -132,6 +132,32 @@ def _patch_triton() -> None:
         cls.run = counted  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _full_launch_path():
+    """On a GPU kvforge's direct launcher (``_runtime.launch_fast``) skips ``JITFunction.run`` unless a launch
+    hook is set (a profiler's): set a no-op one while counting (a chain of hooks from Triton 3.5, one before)."""
+    import triton
+
+    rt = triton.knobs.runtime
+    hook = rt.launch_enter_hook
+
+    def noop(*a, **k) -> None:
+        return None
+
+    if hasattr(hook, "add"):
+        hook.add(noop)
+        try:
+            yield
+        finally:
+            hook.remove(noop)
+    else:
+        rt.launch_enter_hook = noop
+        try:
+            yield
+        finally:
+            rt.launch_enter_hook = hook
+
+
 def _instrument(eng: Engine, counter: KernelCounter) -> None:
     _patch_triton()
     model, runner = eng.model, eng.runner
@@ -178,7 +204,7 @@ def count_step(structure: str, batch: int, draft_len: int, device: str, full_siz
     _instrument(eng, counter)
     _ACTIVE.append(counter)
     try:
-        with counter:
+        with _full_launch_path(), counter:
             graphs._body(batch)
     finally:
         _ACTIVE.remove(counter)
