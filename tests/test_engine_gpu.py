@@ -34,6 +34,7 @@ import torch
 from kvforge.engine import Engine, EngineConfig, HybridModel, real
 from kvforge.engine.numerics import LogitCheck, compare_logits, component_errors
 from tests.helpers import engine_rows_and_reference, multi_turn, random_prompt
+from tests.test_engine_fused_forms import check_absorbed_mla, check_fused_forms
 
 pytestmark = pytest.mark.gpu
 
@@ -264,53 +265,7 @@ def test_real_fp8_latent_greedy_identity_with_cuda_graphs(draft_len: int) -> Non
 
 
 @pytest.mark.parametrize("rows", [1, 64])
-def test_real_absorbed_mla_in_bf16_matches_the_fp32_products(rows: int) -> None:
-    """``mla_absorb`` / ``mla_unabsorb`` run one bf16 batched GEMM per head (fp32 accumulation, one rounding): at
-    the real sizes they match the fp32 products of the same bf16 operands rounded once to bf16 (1 ulp apart at
-    most where the accumulation order differs)."""
-    model = _model("random")
-    c = model.config
-    m = model.blocks[c.mla_layers[0]].mixer
-    gen = torch.Generator(device="cuda").manual_seed(rows)
-    q = torch.randn(rows, c.num_heads, c.qk_head_dim, device="cuda", generator=gen).to(torch.bfloat16)
-    kv_b = m.kv_b.view(c.kv_lora_rank, c.num_heads, c.qk_nope_dim + c.v_head_dim).float()
-    want = torch.einsum("thn,lhn->thl", q[..., : c.qk_nope_dim].float(), kv_b[..., : c.qk_nope_dim])
-    got = model.mla_absorb(m, q)
-    torch.testing.assert_close(got[..., : c.kv_lora_rank].float(), want, atol=1e-2, rtol=1.6e-2)
-    assert torch.equal(got[..., c.kv_lora_rank :], q[..., c.qk_nope_dim :])
-    o_lat = torch.randn(rows, c.num_heads, c.kv_lora_rank, device="cuda", generator=gen).to(torch.bfloat16)
-    want_v = torch.einsum("thl,lhv->thv", o_lat.float(), kv_b[..., c.qk_nope_dim :])
-    torch.testing.assert_close(model.mla_unabsorb(m, o_lat).float(), want_v, atol=1e-2, rtol=1.6e-2)
-
-
-@pytest.mark.parametrize("rows", [1, 64])
-def test_real_kernel_forms_match_the_plain_forms(rows: int) -> None:
-    """One real-size layer of each kind: the fused forms the engine runs (one GEMM per input, ``kda_prepare``,
-    ``mla_latent_store``, fused MLP, the norm kernels of the head and the drafter) against the plain forms the
-    reference runs, at bf16 tolerance."""
-    model = _model("random")
-    c = model.config
-    model.ensure_rope_table(4096)
-    gen = torch.Generator(device="cuda").manual_seed(100 + rows)
-    h = torch.randn(rows, c.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
-    tol = dict(atol=3e-2, rtol=3e-2)  # two bf16 roundings apart at most (GEMM output, then the op)
-    kda = model.blocks[c.linear_layers[0]].mixer
-    fused, plain = model.kda_project(kda, h, fused=True), model.kda_project(kda, h)
-    for name, a, b in zip(["q", "k", "v", "g", "beta"], fused, plain):
-        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
-    mla = model.blocks[c.mla_layers[0]].mixer
-    pos = torch.randint(0, 4096, (rows,), device="cuda", generator=gen)
-    pool = torch.full((rows + 3, 1, c.latent_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
-    slots = torch.randperm(rows + 3, device="cuda", generator=gen)[:rows]
-    q_f, none = model.mla_project(mla, h, pos, fused=True, store=(pool, slots))
-    q_p, latent = model.mla_project(mla, h, pos)
-    assert none is None and latent is not None
-    torch.testing.assert_close(q_f.float(), q_p.float(), **tol)
-    torch.testing.assert_close(pool.view(-1, c.latent_dim)[slots].float(), latent.float(), **tol)
-    blk = model.blocks[0]
-    hn = model.rms(h, blk.norm2)
-    plain = (torch.nn.functional.silu(hn @ blk.gate) * (hn @ blk.up)) @ blk.down  # silu rounded apart: looser
-    torch.testing.assert_close(model.mlp_normed(blk, hn).float(), plain.float(), atol=0.1, rtol=0.05)
-    torch.testing.assert_close(model.logits(h, fused=True), model.logits(h), **tol)
-    ids = torch.randint(0, c.vocab_size, (rows,), device="cuda", generator=gen)
-    torch.testing.assert_close(model.draft_input(h, ids, fused=True).float(), model.draft_input(h, ids).float(), **tol)
+def test_real_fused_forms_match_the_plain_forms(rows: int) -> None:
+    """tests/test_engine_fused_forms.py's checks at the real size in bf16 (one layer of each kind)."""
+    check_absorbed_mla(_model("random"), rows)
+    check_fused_forms(_model("random"), rows)
