@@ -243,7 +243,9 @@ def _report(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--structure", choices=("tiny", "real", "both"), default="both")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--draft-len", type=int, choices=(0, 1), nargs="*", default=[0, 1])
@@ -251,6 +253,8 @@ def main() -> None:
     ap.add_argument("--full-size", action="store_true", help="the real config's sizes too (a GPU's memory)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.batch < 1:
+        ap.error(f"--batch: expected an int >= 1, got {args.batch}")
     structures = ("tiny", "real") if args.structure == "both" else (args.structure,)
     results = []
     for s in structures:
