@@ -3,7 +3,8 @@
 A step is a list of :class:`Row` (generation rows first, then context rows, as the scheduler orders them).
 Its tokens are laid out flat in that order. Per layer:
 
-* **MLA**: the new tokens' latent rows are written into their pages first (:meth:`EngineCache.write_latent`:
+* **MLA**: the new tokens' latent rows are written into their pages first (with kernels on and a 16-bit cache
+  by ``mla_latent_store`` straight from the projection; else :meth:`EngineCache.write_latent`:
   quantised to e4m3 when ``EngineConfig.latent_cache_dtype="fp8_e4m3"``, then dequantised by every reader,
   :meth:`EngineCache.read_latent` and the decode kernel's ``kv_scale_quant_orig``). Context rows then gather their
   whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
