@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvforge.engine import HybridModel, tiny
+from kvforge.kernels._runtime import interpreting
 
 TOL = dict(atol=3e-2, rtol=3e-2)
 
@@ -72,6 +73,7 @@ def bf16_model() -> HybridModel:
     return model
 
 
+@pytest.mark.skipif(not interpreting(), reason="a CPU model's kernels need the interpreter (no GPU here)")
 @pytest.mark.parametrize("rows", [1, 5])
 def test_fused_forms_match_the_plain_forms(bf16_model: HybridModel, rows: int) -> None:
     check_absorbed_mla(bf16_model, rows)

@@ -16,6 +16,7 @@ import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, reference_greedy
 from kvforge.engine.graphs import BUCKETS
+from kvforge.kernels._runtime import interpreting
 from tests.test_engine import PLANTED
 
 VOCAB = PLANTED.vocab_size
@@ -52,6 +53,7 @@ def test_static_decode_is_greedy_exact(model: HybridModel, inject: bool, latent:
     _check_static_decode(model, inject, latent)
 
 
+@pytest.mark.skipif(not interpreting(), reason="a CPU model's kernels need the interpreter (no GPU here)")
 @pytest.mark.parametrize("inject", [False, True])
 def test_static_decode_on_the_kernel_path_is_greedy_exact(inject: bool) -> None:
     """The same with ``use_kernels`` on (the interpreter runs the GPU's op sequence: fused projections,
