@@ -138,6 +138,27 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
         "greedy_accept", {"logits_ptr": "*fp32", "tok_ptr": "*i64", "best_ptr": "*i32", "acc_ptr": "*i32",
                           "V": "i32", "sl_b": "i32", "sl_t": "i32", "st_b": "i32"}, {"T": 2, "BLOCK_V": 2048}, 4,
     ),
+    "_kda_prepare_kernel": (
+        "kda_prep", {"p_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32",
+                     "b_ptr": "*fp32", "sp": "i32", "gate_bias": "fp32"}, {"H": 20, "K": 128, "BLOCK_K": 128}, 1,
+    ),
+    "_mla_latent_kernel": (
+        "mla_latent", {"kv_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "pool_ptr": "*bf16",
+                       "rows_ptr": "*i64", "sk": "i32", "eps": "fp32"},
+        {"R": 512, "HALF": 32, "BLOCK_R": 512, "BLOCK_H": 32}, 2,
+    ),
+    "_decode_inputs_kernel": (
+        "decode_step", {"slots_ptr": "*i32", "starts_ptr": "*i64", "table_ptr": "*i32", "nnt_ptr": "*i32",
+                        "ids_ptr": "*i64", "pos_ptr": "*i64", "rows_ptr": "*i64", "trows_ptr": "*i32",
+                        "lens_ptr": "*i32", "st": "i32", "sn": "i32", "n_blocks": "i32"},
+        {"T": 2, "TPB": 64, "BLOCK_MB": 128}, 1,
+    ),
+    "_decode_finish_kernel": (
+        "decode_step", {"best_ptr": "*i32", "acc_ptr": "*i32", "draft_ptr": "*i64", "slots_ptr": "*i32",
+                        "new_ptr": "*i32", "next_ptr": "*i32", "cnt_ptr": "*i32", "dft_ptr": "*i32", "out_ptr": "*i32",
+                        "s_new": "i32", "s_next": "i32", "s_draft": "i32"},
+        {"T": 2, "BLOCK_T": 2, "HAS_DRAFT": True}, 1,
+    ),
 }  # fmt: skip
 
 _MLA_BASE: dict[str, object] = {

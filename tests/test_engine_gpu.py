@@ -34,6 +34,7 @@ import torch
 from kvforge.engine import Engine, EngineConfig, HybridModel, real
 from kvforge.engine.numerics import LogitCheck, compare_logits, component_errors
 from tests.helpers import engine_rows_and_reference, multi_turn, random_prompt
+from tests.test_engine_fused_forms import check_absorbed_mla, check_fused_forms
 
 pytestmark = pytest.mark.gpu
 
@@ -272,3 +273,10 @@ def test_real_fp8_latent_greedy_identity_with_cuda_graphs(draft_len: int) -> Non
     assert {rid: out[rid] for rid in prompts} == want, _first_differences(out, want)
     assert eng.graphs.replays >= n_new // 2, eng.graphs.replays
     eng.manager.check_invariants()
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_real_fused_forms_match_the_plain_forms(rows: int) -> None:
+    """tests/test_engine_fused_forms.py's checks at the real size in bf16 (one layer of each kind)."""
+    check_absorbed_mla(_model("random"), rows)
+    check_fused_forms(_model("random"), rows)

@@ -16,6 +16,7 @@ import torch
 
 from kvforge.engine import Engine, EngineConfig, HybridModel, reference_greedy
 from kvforge.engine.graphs import BUCKETS
+from kvforge.kernels._runtime import interpreting
 from tests.test_engine import PLANTED
 
 VOCAB = PLANTED.vocab_size
@@ -49,6 +50,20 @@ def test_static_decode_is_greedy_exact(model: HybridModel, inject: bool, latent:
     """Three requests (bucket 4: one padding row), one draft token; with ``inject`` every draft is the reference's
     next token, so rows accept two tokens and the live states come from the scratch rows. ``fp8_e4m3``: the
     static step writes and reads an e4m3 latent cache (the planted model's margins keep greedy identity)."""
+    _check_static_decode(model, inject, latent)
+
+
+@pytest.mark.skipif(not interpreting(), reason="a CPU model's kernels need the interpreter (no GPU here)")
+@pytest.mark.parametrize("inject", [False, True])
+def test_static_decode_on_the_kernel_path_is_greedy_exact(inject: bool) -> None:
+    """The same with ``use_kernels`` on (the interpreter runs the GPU's op sequence: fused projections,
+    ``kda_prepare``, the norm / rotary / swiglu kernels, fla-core's recurrence, ``greedy_accept``)."""
+    fused = HybridModel(PLANTED)
+    fused.use_kernels = True
+    _check_static_decode(fused, inject, "auto")
+
+
+def _check_static_decode(model: HybridModel, inject: bool, latent: str) -> None:
     rng = random.Random(5 + inject)
     prompts = {i: [rng.randrange(VOCAB) for _ in range(rng.randrange(18, 40))] for i in range(3)}
     n_new = 7

@@ -1,8 +1,10 @@
 """The engine's fused elementwise kernels against their plain-torch references.
 
 rms_norm (+ residual add), swiglu, rotary (table, in place and into a strided slice), greedy_accept (argmax +
-draft acceptance). Fresh random data per test, awkward (non power-of-two) sizes, NaN-poisoned outputs (every
-element must be written); the interpreter on CPU at small sizes, the GPU at full sizes (``full_sizes``).
+draft acceptance), kda_prepare (KDA's norms and gates from one fused projection), mla_latent_store (MLA's
+latent rows normed, rotated and stored into their pages). Fresh random data per test,
+awkward (non power-of-two) sizes, NaN-poisoned outputs (every element must be written); the interpreter on CPU
+at small sizes, the GPU at full sizes (``full_sizes``); ``gpu``-marked tests at the real model's sizes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 from kvforge.kernels._runtime import interpreting
 from kvforge.kernels.greedy_accept import greedy_accept, greedy_accept_ref
+from kvforge.kernels.kda_prep import kda_prepare, kda_prepare_ref
+from kvforge.kernels.mla_latent import mla_latent_store, mla_latent_store_ref
 from kvforge.kernels.rms_norm import rms_norm, rms_norm_ref
 from kvforge.kernels.rotary import rotary, rotary_ref, rotary_table
 from kvforge.kernels.swiglu import swiglu, swiglu_ref
@@ -108,6 +112,86 @@ def test_greedy_accept(gen, device, full_sizes, t) -> None:
     assert torch.equal(acc.cpu(), (keep + 1).clamp(max=t).int())
 
 
+def _kda_proj(gen, t: int, h: int, k: int, dtype, device, pad: int = 3) -> torch.Tensor:
+    """A ``[t, 4hk + h]`` projection as a strided view (row stride + pad), with a spread of gate values that
+    crosses softplus's threshold and a zero head (the norm's eps) in row 0."""
+    n = 4 * h * k + h
+    big = torch.randn(t, n + pad, generator=gen) * 3
+    big[:, 1 + 3 * h * k : 1 + 4 * h * k] *= 10  # gates from about -60 to 60: both sides of the threshold
+    big[0, 1 : 1 + k] = 0.0  # q of head 0 at token 0 is zero: F.normalize keeps it zero
+    return big.to(device, dtype)[:, 1 : n + 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_prepare(gen, device, full_sizes, dtype) -> None:
+    t, h, k = (67, 20, 128) if full_sizes else (5, 3, 24)  # 24: not a power of two (masked lanes)
+    proj = _kda_proj(gen, t, h, k, dtype, device)
+    outs = tuple(
+        _nan(s, d, device) for s, d in (((t, h, k), dtype),) * 3 + (((t, h, k), torch.float32), ((t, h), torch.float32))
+    )
+    got = kda_prepare(proj, h, k, -2.0, out=outs)  # type: ignore[arg-type]
+    want = kda_prepare_ref(proj, h, k, -2.0)
+    assert all(a is b for a, b in zip(got, outs))
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, want):
+        assert not bool(a.isnan().any()), name
+        torch.testing.assert_close(a.float(), b.float(), **_tol(a.dtype), msg=name)
+    assert torch.equal(got[2], want[2])  # v is a copy
+    assert bool((got[0][0, 0] == 0).all())
+    # Allocated outputs, another bias: the gate moves with it.
+    q2, _, _, g2, b2 = kda_prepare(proj, h, k, 1.5)
+    torch.testing.assert_close(g2, kda_prepare_ref(proj, h, k, 1.5)[3], **_tol(torch.float32))
+    assert q2.is_contiguous() and g2.dtype == torch.float32 and b2.shape == (t, h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 128])
+def test_kda_prepare_real_sizes_gpu(gen, rows) -> None:
+    """The real model's KDA layer (20 heads x 128) at decode batch sizes, bf16, against the fp32 reference."""
+    proj = _kda_proj(gen, rows, 20, 128, torch.bfloat16, torch.device("cuda"), pad=0)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), kda_prepare(proj, 20, 128), kda_prepare_ref(proj, 20, 128)):
+        torch.testing.assert_close(a.float(), b.float(), **_tol(a.dtype), msg=name)
+
+
+def _latent_case(gen, t: int, r: int, rope: int, pages: int, tpb: int, dtype, device):
+    big = torch.randn(t, 7 + r + rope + 2, generator=gen) * 2
+    kv = big.to(device, dtype)[:, 7 : 7 + r + rope]  # a strided view, as the kv_a columns of a fused GEMM
+    w = (1 + 0.1 * torch.randn(r, generator=gen)).to(device, dtype)
+    inv = (1.0 / (10000.0 ** (torch.arange(rope // 2, dtype=torch.float32) / (rope // 2)))).to(device)
+    table = rotary_table(inv, 4000)
+    pos = torch.randint(0, 4000, (t,), generator=gen).to(device)
+    rows = torch.randperm(pages * tpb, generator=gen)[:t].to(device)  # distinct rows, scattered over the pages
+    pool = _nan((pages, tpb, r + rope), dtype, device)
+    return kv, w, inv, table, pos, rows, pool
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_latent_store(gen, device, full_sizes, dtype) -> None:
+    t, r, rope = (77, 512, 64) if full_sizes else (6, 40, 12)  # 40 and 6 pairs: masked lanes in both parts
+    kv, w, inv, table, pos, rows, pool = _latent_case(gen, t, r, rope, t // 4 + 3, 4, dtype, device)
+    mla_latent_store(kv, w, pos, table, pool, rows.int(), check_values=True)
+    flat = pool.view(-1, r + rope)
+    torch.testing.assert_close(flat[rows].float(), mla_latent_store_ref(kv, w, pos, inv).float(), **_tol(dtype))
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert bool(flat[untouched].isnan().all())  # only the named rows are written
+    # The values the unfused kernels write (rms_norm into the latent columns, rotary into the rope ones); on a GPU
+    # the sum's order and FMA contraction may differ by an ulp, so at the dtype's tolerance.
+    y = rms_norm(kv[:, :r], w)
+    assert isinstance(y, torch.Tensor)
+    torch.testing.assert_close(flat[rows][:, :r], y, **_tol(dtype))
+    torch.testing.assert_close(flat[rows][:, r:], rotary(kv[:, r:], pos, table), **_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 128])
+def test_mla_latent_store_real_sizes_gpu(gen, rows) -> None:
+    """The real model's latent row (512 + 64) in bf16 at decode batch sizes over a 64-token-page pool."""
+    kv, w, inv, table, pos, idx, pool = _latent_case(gen, rows, 512, 64, 300, 64, torch.bfloat16, torch.device("cuda"))
+    mla_latent_store(kv, w, pos, table, pool, idx)
+    got = pool.view(-1, 576)[idx]
+    torch.testing.assert_close(got.float(), mla_latent_store_ref(kv, w, pos, inv).float(), **_tol(torch.bfloat16))
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "match"),
     [
@@ -137,9 +221,57 @@ def test_greedy_accept(gen, device, full_sizes, t) -> None:
         (lambda: greedy_accept(torch.randn(2, 1, 9), torch.zeros(2, 1)), TypeError, "tokens"),
         (lambda: rms_norm(torch.empty(3, 4, device="meta"), torch.randn(4)), ValueError, "meta"),
         (lambda: swiglu(torch.empty(3, 4, device="meta"), torch.empty(3, 4, device="meta")), ValueError, "meta"),
+        (lambda: _latent_bad(w=torch.randn(0)), ValueError, "weight"),
+        (lambda: _latent_bad(kv=torch.randn(3, 11)), ValueError, "kv"),
+        (lambda: _latent_bad(kv=torch.randn(3, 12).half()), TypeError, "pool"),
+        (lambda: _latent_bad(pos=torch.zeros(2, dtype=torch.long)), ValueError, "positions"),
+        (lambda: _latent_bad(pos=torch.zeros(3)), TypeError, "positions"),
+        (lambda: _latent_bad(rows=torch.tensor([0, 1, 99])), ValueError, "rows"),
+        (lambda: _latent_bad(pos=torch.tensor([0, 9, 1])), ValueError, "positions"),
+        (lambda: _latent_bad(table=torch.zeros(9, 6)), ValueError, "cos_sin"),
+        (lambda: _latent_bad(pool=torch.zeros(2, 4, 13)), ValueError, "pool"),
+        (lambda: _latent_bad(eps=-1.0), ValueError, "eps"),
+        (lambda: kda_prepare(torch.randn(3, 17), 2, 2), ValueError, "proj"),
+        (lambda: kda_prepare(torch.randn(3, 18).int(), 2, 2), TypeError, "proj"),
+        (lambda: kda_prepare(torch.randn(3, 18), 2.0, 2), TypeError, "num_heads"),
+        (lambda: kda_prepare(torch.randn(3, 18), 0, 2), ValueError, "num_heads"),
+        (lambda: kda_prepare(torch.randn(3, 4 * 2048 + 1), 1, 2048), ValueError, "head_dim"),
+        (lambda: kda_prepare(torch.randn(3, 18), 2, 2, float("nan")), ValueError, "gate_bias"),
+        (lambda: kda_prepare(torch.randn(3, 18), 2, 2, float("inf")), ValueError, "gate_bias"),
+        (lambda: kda_prepare(torch.randn(3, 18).t(), 2, 2), ValueError, "proj"),
+        (lambda: kda_prepare(torch.randn(3, 18), 2, 2, out=torch.empty(3)), TypeError, "out"),
+        (
+            lambda: kda_prepare(
+                torch.randn(3, 18),
+                2,
+                2,
+                out=(*[torch.empty(3, 2, 2)] * 3, torch.empty(3, 2, 2).half(), torch.empty(3, 2)),
+            ),
+            TypeError,
+            "out \\(g\\)",
+        ),
+        (
+            lambda: (
+                lambda p: kda_prepare(
+                    p, 2, 2, out=(p.view(-1)[:12].view(3, 2, 2), *[torch.empty(3, 2, 2)] * 3, torch.empty(3, 2))
+                )
+            )(torch.randn(3, 18)),
+            ValueError,
+            "overlap",
+        ),
     ],
 )
 @pytest.mark.skipif(not interpreting(), reason="the cases build CPU tensors (interpreter only)")
 def test_bad_input_is_refused(call, exc, match) -> None:
     with pytest.raises(exc, match=match):
         call()
+
+
+def _latent_bad(**kw) -> None:
+    """mla_latent_store on a valid small case (r 8, rope 4, a 2 x 4 pool, rows checked) with ``kw`` replaced."""
+    args = dict(kv=torch.randn(3, 12), w=torch.randn(8), pos=torch.tensor([0, 1, 2]), table=torch.zeros(9, 4))
+    args.update(pool=torch.zeros(2, 4, 12), rows=torch.tensor([0, 5, 7]), eps=1e-6)
+    args.update(kw)
+    mla_latent_store(
+        args["kv"], args["w"], args["pos"], args["table"], args["pool"], args["rows"], args["eps"], check_values=True
+    )

@@ -12,12 +12,17 @@ Every layer is pre-norm: ``x += mixer(rms(x)); x += mlp(rms(x))`` with a SwiGLU 
 * **Drafter** (MTP style, one MLA layer): from the target's last hidden state at position p and the embedding of
   token p + 1 it predicts token p + 2, sharing the embedding and the LM head.
 
-This module holds weights and the per-token projections; it never touches a cache. The engine
+Projections that read the same input are stored concatenated (``[q_a | kv_a]``, ``[q | k | v | g | b]``,
+``[gate | up]``; the separate weights are column views of them): the engine's kernel path runs one GEMM each.
+The absorbed-MLA products run in the model dtype with fp32 accumulation (one rounding, as the fp32 product
+rounded to the model dtype would be). This module holds weights and the per-token projections; it owns no
+cache (the engine's ``mla_project(store=...)`` writes latent rows into a pool it is handed). The engine
 (:mod:`kvforge.engine.runner`) and the plain reference (:mod:`kvforge.engine.reference`) both call it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -26,6 +31,8 @@ import torch.nn.functional as F
 
 from kvforge.engine.config import ModelConfig
 from kvforge.engine.planted import plant_copy_head
+from kvforge.kernels.kda_prep import kda_prepare
+from kvforge.kernels.mla_latent import mla_latent_store
 from kvforge.kernels.rms_norm import rms_norm
 from kvforge.kernels.rotary import rotary, rotary_table
 from kvforge.kernels.swiglu import swiglu
@@ -33,6 +40,8 @@ from kvforge.kvcache.hooks import HybridCachePolicy, RuntimeHooks
 from kvforge.kvcache.hybrid import HybridCacheManager
 
 __all__ = ["HybridModel", "KDAWeights", "MLAWeights"]
+
+KDA_GATE_BIAS = -2.0  # g = -softplus(x + bias): at x = 0 a decay of exp(g) = 0.88 per step
 
 
 @dataclass
@@ -69,7 +78,8 @@ class Block:
 class HybridModel:
     """Random weights (seeded by ``config.seed``) on ``device`` in ``dtype`` (fp32 on CPU, bf16 on a GPU); with
     ``config.copy_offset >= 1`` the first MLA layer is then overwritten by a copy head
-    (:mod:`kvforge.engine.planted`)."""
+    (:mod:`kvforge.engine.planted`). ``use_kernels`` (default: on CUDA) selects the engine's fused Triton forms
+    below; set on a CPU model they run under the Triton interpreter (the kernel-count probe and its tests)."""
 
     runtime_hooks = RuntimeHooks(
         kv_cache_manager_cls=HybridCacheManager,
@@ -129,8 +139,31 @@ class HybridModel:
         self._inv_freq = (1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))).to(self.device)
         self.softmax_scale = 1.0 / math.sqrt(c.qk_head_dim)
         self._rope_table: torch.Tensor | None = None
+        self.use_kernels = self.device.type == "cuda"
         if c.copy_offset:
             plant_copy_head(self)
+        self._fuse_projections()
+
+    def _fuse_projections(self) -> None:
+        """Projections that read the same input, concatenated into one weight each (``Block.gate_up``,
+        ``MLAWeights.a = [q_a | kv_a]``, ``KDAWeights.proj = [q | k | v | g | b]``), so the kernel path runs one
+        GEMM where it ran several. The separate weights become column views of the fused one (same memory, same
+        values): the plain forms and the reference keep using them."""
+        for blk in [*self.blocks, *([self.draft_block] if self.draft_block is not None else [])]:
+            blk.gate_up = torch.cat([blk.gate, blk.up], 1)
+            i = blk.gate.shape[1]
+            blk.gate, blk.up = blk.gate_up[:, :i], blk.gate_up[:, i:]
+            m = blk.mixer
+            if isinstance(m, MLAWeights):
+                m.a = torch.cat([m.q_a, m.kv_a], 1)
+                r = m.q_a.shape[1]
+                m.q_a, m.kv_a = m.a[:, :r], m.a[:, r:]
+            else:
+                m.proj = torch.cat([m.q, m.k, m.v, m.g, m.b], 1)
+                cols = [0]
+                for x in (m.q, m.k, m.v, m.g, m.b):
+                    cols.append(cols[-1] + x.shape[1])
+                m.q, m.k, m.v, m.g, m.b = (m.proj[:, a:b] for a, b in itertools.pairwise(cols))
 
     # --- shared pieces ----------------------------------------------------------------------------------------
 
@@ -156,7 +189,7 @@ class HybridModel:
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """:meth:`rms` in one kernel on CUDA (``kvforge.kernels.rms_norm``)."""
-        if x.is_cuda and x.dim() == 2:
+        if self.use_kernels and x.dim() == 2:
             out = rms_norm(x, weight)
             assert isinstance(out, torch.Tensor)
             return out
@@ -164,37 +197,56 @@ class HybridModel:
 
     def add_norm(self, x: torch.Tensor, mix: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``s = x + mix`` (the residual stream, in the model dtype) and ``rms(s, weight)``: one kernel on CUDA."""
-        if x.is_cuda and x.dim() == 2 and mix.dtype == x.dtype:
+        if self.use_kernels and x.dim() == 2 and mix.dtype == x.dtype:
             y, s = rms_norm(mix, weight, residual=x)  # type: ignore[misc]
             return s, y
         s = x + mix
         return s, self.rms(s, weight)
 
     def mlp_normed(self, blk: Block, h: torch.Tensor) -> torch.Tensor:
-        """The MLP on its already normalised input (``swiglu`` in one kernel on CUDA)."""
-        if h.is_cuda:
-            return swiglu(h @ blk.gate, h @ blk.up) @ blk.down
+        """The MLP on its already normalised input (one GEMM for gate and up, ``swiglu`` in one kernel on CUDA)."""
+        if self.use_kernels:
+            gu = h @ blk.gate_up
+            i = blk.down.shape[0]
+            return swiglu(gu[:, :i], gu[:, i:]) @ blk.down
         return (F.silu(h @ blk.gate) * (h @ blk.up)) @ blk.down
 
     def ensure_rope_table(self, positions: int) -> None:
         """A cos/sin table for positions ``[0, positions)`` (fused rotary on CUDA reads it; it cannot check a
         position on the device, so the engine sizes it for its longest request)."""
-        if self.device.type == "cuda" and (self._rope_table is None or self._rope_table.shape[0] < positions):
+        if self.use_kernels and (self._rope_table is None or self._rope_table.shape[0] < positions):
             self._rope_table = rotary_table(self._inv_freq, positions)
 
     # --- MLA ---------------------------------------------------------------------------------------------------
 
     def mla_project(
-        self, m: MLAWeights, h: torch.Tensor, positions: torch.Tensor, *, fused: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        m: MLAWeights,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        fused: bool = False,
+        rope_q: bool = True,
+        store: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Queries ``[T, H, qk_head_dim]`` (rope applied) and latent cache rows ``[T, latent_dim]``. ``fused``
-        (CUDA, rope table present): the norms and the rotary embedding run as kernels writing in place."""
+        (kernels on, rope table present): one GEMM for ``q_a`` and ``kv_a``, the norms and the rotary embedding as
+        kernels writing in place; ``rope_q=False`` then leaves the queries' rope part unrotated (for
+        :meth:`mla_absorb` with ``positions``, which rotates it into its output); ``store=(pool, rows)`` (a latent
+        pool in the model dtype, flat row indices) writes the latent rows straight into the pool in one kernel
+        (``mla_latent_store``) and returns None for them."""
         c = self.config
-        if fused and h.is_cuda and self._rope_table is not None:
-            q = (self.norm(h @ m.q_a, m.q_a_norm) @ m.q_b).view(-1, c.num_heads, c.qk_head_dim)
-            q_rope = q[..., c.qk_nope_dim :]
-            rotary(q_rope, positions, self._rope_table, out=q_rope)
-            kv = h @ m.kv_a
+        if fused and self.use_kernels and self._rope_table is not None:
+            a = h @ m.a
+            r = c.q_lora_rank
+            q = (self.norm(a[:, :r], m.q_a_norm) @ m.q_b).view(-1, c.num_heads, c.qk_head_dim)
+            if rope_q:
+                q_rope = q[..., c.qk_nope_dim :]
+                rotary(q_rope, positions, self._rope_table, out=q_rope)
+            kv = a[:, r:]
+            if store is not None:
+                mla_latent_store(kv, m.kv_a_norm, positions, self._rope_table, *store)
+                return q, None
             latent = torch.empty(kv.shape[0], c.latent_dim, device=h.device, dtype=h.dtype)
             rms_norm(kv[:, : c.kv_lora_rank], m.kv_a_norm, out=latent[:, : c.kv_lora_rank])
             rotary(kv[:, c.kv_lora_rank :], positions, self._rope_table, out=latent[:, c.kv_lora_rank :])
@@ -214,32 +266,53 @@ class HybridModel:
         k_rope = latent[:, None, c.kv_lora_rank :].expand(-1, c.num_heads, c.qk_rope_dim)
         return torch.cat([kv[..., : c.qk_nope_dim], k_rope], -1), kv[..., c.qk_nope_dim :]
 
-    def mla_absorb(self, m: MLAWeights, q: torch.Tensor) -> torch.Tensor:
-        """Absorbed queries ``[T, H, latent_dim]``: ``q_nope`` moved into the latent space, rope part kept."""
-        c = self.config
-        wk = m.kv_b.view(c.kv_lora_rank, c.num_heads, c.qk_nope_dim + c.v_head_dim)[..., : c.qk_nope_dim]
-        q_lat = torch.einsum("thn,lhn->thl", q[..., : c.qk_nope_dim].float(), wk.float())
-        return torch.cat([q_lat, q[..., c.qk_nope_dim :].float()], -1).to(q.dtype)
+    def mla_absorb(self, m: MLAWeights, q: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Absorbed queries ``[T, H, latent_dim]``: ``q_nope`` moved into the latent space, rope part kept (or,
+        with ``positions``, rotated from the unrotated ``q`` of ``mla_project(rope_q=False)`` by the rotary kernel).
 
-    def mla_unabsorb(self, m: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
-        """Latent attention output ``[T, H, kv_lora_rank]`` -> per-head values ``[T, H, v_head_dim]``."""
+        One batched GEMM per head in the model dtype (fp32 accumulation, one rounding, as the fp32 product rounded
+        to the model dtype), written straight into the output's latent columns, ``kv_b`` read in place: no fp32
+        copy of the weights, no concatenation."""
         c = self.config
-        wv = m.kv_b.view(c.kv_lora_rank, c.num_heads, c.qk_nope_dim + c.v_head_dim)[..., c.qk_nope_dim :]
-        return torch.einsum("thl,lhv->thv", o_lat.float(), wv.float()).to(o_lat.dtype)
+        nope, r = c.qk_nope_dim, c.kv_lora_rank
+        out = torch.empty(q.shape[0], c.num_heads, c.latent_dim, device=q.device, dtype=q.dtype)
+        wk = m.kv_b.view(r, c.num_heads, nope + c.v_head_dim)[..., :nope].permute(1, 2, 0)  # [H, nope, r]
+        torch.bmm(q[..., :nope].transpose(0, 1), wk.to(q.dtype), out=out[..., :r].transpose(0, 1))
+        if positions is None:
+            out[..., r:] = q[..., nope:]
+        else:
+            assert self._rope_table is not None
+            rotary(q[..., nope:], positions, self._rope_table, out=out[..., r:])
+        return out
+
+    def mla_unabsorb(self, m: MLAWeights, o_lat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Latent attention output ``[T, H, kv_lora_rank]`` -> per-head values ``[T, H, v_head_dim]`` in the model
+        dtype (one batched GEMM per head, as :meth:`mla_absorb`; written into ``out`` when given)."""
+        c = self.config
+        nope = c.qk_nope_dim
+        wv = m.kv_b.view(c.kv_lora_rank, c.num_heads, nope + c.v_head_dim)[..., nope:].permute(1, 0, 2)  # [H, r, v]
+        if out is None:
+            out = torch.empty(o_lat.shape[0], c.num_heads, c.v_head_dim, device=o_lat.device, dtype=wv.dtype)
+        torch.bmm(o_lat.to(wv.dtype).transpose(0, 1), wv, out=out.transpose(0, 1))
+        return out
 
     def mla_out(self, m: MLAWeights, o: torch.Tensor) -> torch.Tensor:
         return o.reshape(o.shape[0], -1).to(self.dtype) @ m.o
 
     # --- KDA ---------------------------------------------------------------------------------------------------
 
-    def kda_project(self, m: KDAWeights, h: torch.Tensor):
-        """``q, k [T, HL, dk]`` (L2-normalised), ``v [T, HL, dv]``, ``g [T, HL, dk]`` (log decay), ``beta [T, HL]``."""
+    def kda_project(self, m: KDAWeights, h: torch.Tensor, *, fused: bool = False):
+        """``q, k [T, HL, dk]`` (L2-normalised), ``v [T, HL, dv]``, ``g [T, HL, dk]`` (log decay), ``beta [T, HL]``
+        (``g`` and ``beta`` fp32). ``fused`` (kernels on): one GEMM against ``[q | k | v | g | b]`` and one
+        ``kda_prepare`` kernel for the norms and gates."""
         c = self.config
+        if fused and self.use_kernels and h.dim() == 2:
+            return kda_prepare(h @ m.proj, c.linear_heads, c.linear_head_dim, KDA_GATE_BIAS)
         shape = (-1, c.linear_heads, c.linear_head_dim)
         q = F.normalize((h @ m.q).float().view(shape), dim=-1).to(h.dtype)
         k = F.normalize((h @ m.k).float().view(shape), dim=-1).to(h.dtype)
         v = (h @ m.v).view(shape)
-        g = -F.softplus((h @ m.g).float().view(shape) - 2.0)
+        g = -F.softplus((h @ m.g).float().view(shape) + KDA_GATE_BIAS)
         beta = torch.sigmoid((h @ m.b).float())
         return q, k, v, g, beta
 
@@ -248,16 +321,29 @@ class HybridModel:
 
     # --- heads -------------------------------------------------------------------------------------------------
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.rms(hidden, self.final_norm) @ self.lm_head).float()
+    # ``fused`` (the engine's calls): the norms as kernels when they are on; ``fp32=False`` keeps the logits in the
+    # model dtype (the greedy choice reads them as they are: converting to fp32 changes no order).
 
-    def draft_input(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, *, fused: bool = False, fp32: bool = True) -> torch.Tensor:
+        h = self.norm(hidden, self.final_norm) if fused else self.rms(hidden, self.final_norm)
+        y = h @ self.lm_head
+        return y.float() if fp32 else y
+
+    def draft_input(self, hidden: torch.Tensor, next_ids: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         """The drafter's input at position p: its hidden state and the embedding of token p + 1."""
         assert self.draft_norms is not None and self.draft_fc is not None
+        if fused and self.use_kernels and hidden.dim() == 2:  # both norms straight into the GEMM's input halves
+            d = hidden.shape[1]
+            hin = torch.empty(hidden.shape[0], 2 * d, device=hidden.device, dtype=hidden.dtype)
+            rms_norm(hidden, self.draft_norms[1], out=hin[:, :d])
+            rms_norm(self.embed[next_ids], self.draft_norms[0], out=hin[:, d:])
+            return hin @ self.draft_fc
         e = self.rms(self.embed[next_ids], self.draft_norms[0])
         h = self.rms(hidden, self.draft_norms[1])
         return torch.cat([h, e], -1) @ self.draft_fc
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, *, fused: bool = False, fp32: bool = True) -> torch.Tensor:
         assert self.draft_final_norm is not None
-        return (self.rms(hidden, self.draft_final_norm) @ self.lm_head).float()
+        h = self.norm(hidden, self.draft_final_norm) if fused else self.rms(hidden, self.draft_final_norm)
+        y = h @ self.lm_head
+        return y.float() if fp32 else y

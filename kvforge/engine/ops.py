@@ -180,9 +180,11 @@ def kda_recurrent_inplace(
             _fla_configs_once()
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore[import-untyped]
 
+        # Every row has T tokens, so the kernel writes all of ``out``: no zero fill before it.
         o, _ = fused_recurrent_kda_fwd(
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             initial_state=pool, inplace_final_state=True, ssm_state_indices=state_indices.contiguous(),
+            out=torch.empty(v.shape, dtype=v.dtype, device=v.device),
         )  # fmt: skip
         return o
     from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]

@@ -3,7 +3,8 @@
 A step is a list of :class:`Row` (generation rows first, then context rows, as the scheduler orders them).
 Its tokens are laid out flat in that order. Per layer:
 
-* **MLA**: the new tokens' latent rows are written into their pages first (:meth:`EngineCache.write_latent`:
+* **MLA**: the new tokens' latent rows are written into their pages first (with kernels on and a 16-bit cache
+  by ``mla_latent_store`` straight from the projection; else :meth:`EngineCache.write_latent`:
   quantised to e4m3 when ``EngineConfig.latent_cache_dtype="fp8_e4m3"``, then dequantised by every reader,
   :meth:`EngineCache.read_latent` and the decode kernel's ``kv_scale_quant_orig``). Context rows then gather their
   whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
@@ -19,8 +20,10 @@ Its tokens are laid out flat in that order. Per layer:
   one into the live row on the device (:meth:`Runner.step`). The rows of one step may verify different counts.
 
 :meth:`Runner.decode_static` is the generation-only step on device tensors alone (no host data, no host read)
-that :mod:`kvforge.engine.graphs` captures per batch bucket. On CUDA the blocks use the fused kernels
-(``rms_norm`` with the residual add, ``swiglu``, ``rotary``, ``greedy_accept``); elsewhere the plain forms.
+that :mod:`kvforge.engine.graphs` captures per batch bucket. With ``HybridModel.use_kernels`` (on CUDA) the
+blocks use the fused projections and kernels (``rms_norm`` with the residual add, ``swiglu``, ``rotary``,
+``kda_prepare``, ``mla_latent_store``, ``greedy_accept``) and the step's bookkeeping is ``decode_inputs`` /
+``decode_finish``; elsewhere the plain forms. ``bench/probe_decode_kernels.py`` counts the step's launches.
 
 The drafter (one MLA layer) runs after acceptance over the accepted positions of every row, writing its own
 latent pages, and proposes the next draft token from the last one.
@@ -36,6 +39,13 @@ import torch
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.model import HybridModel, MLAWeights
 from kvforge.engine.ops import decode_attention, kda_recurrent_inplace, kda_segments
+from kvforge.kernels.decode_step import (
+    DecodeInputs,
+    decode_finish,
+    decode_finish_ref,
+    decode_inputs,
+    decode_inputs_ref,
+)
 from kvforge.kernels.greedy_accept import greedy_accept
 from kvforge.kernels.mla_context import mla_context_attention
 from kvforge.kernels.quantize_fp8 import quantize_fp8
@@ -118,18 +128,17 @@ class _Layout:
 
 
 class _DecodeLayout:
-    """The layout of a generation-only step built on the device from per-row starts (no host data): ``rows`` rows
-    of ``t`` tokens each, token ``j`` of row ``i`` at position ``starts[i] + j`` (the CUDA-graph path)."""
+    """The layout of a generation-only step from its :class:`DecodeInputs` (built on the device from per-row starts,
+    no host data: the CUDA-graph path): token ``j`` of row ``i`` at flat index ``i * t + j``."""
 
     ctx_kv_rows = None
 
-    def __init__(self, starts: torch.Tensor, row_of: torch.Tensor, tok: torch.Tensor, table: torch.Tensor, tpb: int):
-        pos = starts[row_of] + tok
-        self.positions = pos
-        self.num_gen_tokens = int(row_of.shape[0])
-        self.write_rows = table[row_of, pos // tpb].long() * tpb + pos % tpb
-        self.gen_table = table[row_of]
-        self.gen_lens = (pos + 1).to(torch.int32)
+    def __init__(self, inp: DecodeInputs):
+        self.positions = inp.positions
+        self.num_gen_tokens = int(inp.positions.shape[0])
+        self.write_rows = inp.write_rows
+        self.gen_table = inp.table_rows
+        self.gen_lens = inp.lens
 
 
 class Runner:
@@ -162,7 +171,7 @@ class Runner:
             model.device
         )
         self._verify: tuple[int, int] | None = None  # (rows, tokens) of this step's verification
-        self._static_idx: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._row_base: dict[tuple[int, int], torch.Tensor] = {}  # (b, t) -> arange(b) * t on the device
 
     def _verify_indices(self, state_idx: torch.Tensor, rows: int, t: int) -> torch.Tensor:
         """``[rows, t]`` int32: the live row, then the row's scratch rows (see :meth:`_kda`)."""
@@ -182,13 +191,18 @@ class Runner:
     def _mla(self, m: MLAWeights, h: torch.Tensor, pool: torch.Tensor, lay: _Layout) -> torch.Tensor:
         model, mc = self.model, self.model.config
         cache = self.cache
-        q, latent = model.mla_project(m, h, lay.positions, fused=True)
-        cache.write_latent(pool, lay.write_rows, latent)
+        # A generation-only step rotates the queries' rope part straight into the absorbed queries.
+        ctx = lay.ctx_kv_rows is not None
+        fused = model.use_kernels and model._rope_table is not None
+        store = (pool, lay.write_rows) if fused and not cache.latent_fp8 else None  # an e4m3 cache quantises
+        q, latent = model.mla_project(m, h, lay.positions, fused=True, rope_q=ctx or not fused, store=store)
+        if latent is not None:
+            cache.write_latent(pool, lay.write_rows, latent)
         out = torch.empty(h.shape[0], mc.num_heads, mc.v_head_dim, device=h.device, dtype=model.dtype)
         g = lay.num_gen_tokens
         if g:
             assert lay.gen_table is not None and lay.gen_lens is not None
-            q_abs = model.mla_absorb(m, q[:g])
+            q_abs = model.mla_absorb(m, q[:g], None if ctx or not fused else lay.positions[:g])
             if cache.latent_fp8:  # the kernel reads an e4m3 cache with a 16-bit q (fp16 on the interpreter)
                 q_abs = q_abs.to(self.q_dtype)
             o_lat = decode_attention(
@@ -200,7 +214,7 @@ class Runner:
                 v_head_dim=mc.kv_lora_rank,
                 kv_scale_quant_orig=cache.latent_scale_inv,
             )
-            out[:g] = model.mla_unabsorb(m, o_lat)
+            model.mla_unabsorb(m, o_lat, out=out[:g])
         if lay.ctx_kv_rows is not None:
             k, v = model.mla_up(m, cache.read_latent(pool, lay.ctx_kv_rows, model.dtype))
             q_ctx = q[g:]
@@ -231,7 +245,7 @@ class Runner:
     def _kda(self, layer_id: int, m, h: torch.Tensor, rows: list[Row], state_idx: torch.Tensor) -> torch.Tensor:
         model = self.model
         pool = self.cache.state[layer_id]
-        q, k, v, g, beta = model.kda_project(m, h)
+        q, k, v, g, beta = model.kda_project(m, h, fused=True)
         out = torch.empty_like(v)
         off = 0
         gen = [i for i, r in enumerate(rows) if r.gen]
@@ -344,7 +358,7 @@ class Runner:
             elif r.is_last:
                 want.append(off + r.n - 1)
             off += r.n
-        logits = model.logits(hidden[want]) if want else None
+        logits = model.logits(hidden[want], fused=True) if want else None
         best = logits.argmax(-1).tolist() if logits is not None else []
         accepted, j, off = [], 0, 0
         for r in rows:
@@ -402,7 +416,7 @@ class Runner:
             counts.append(cnt)
             off += r.n
         dev = model.device
-        x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev))
+        x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev), fused=True)
         lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
         draft_latent = self.cache.draft_latent
         x = self._blocks(x, [blk], lambda j, b, h: self._mla(b.mixer, h, draft_latent, lay), lay)
@@ -410,7 +424,7 @@ class Runner:
         for c in counts:
             off += c
             last.append(off - 1)
-        dl = model.draft_logits(x[torch.tensor(last, device=dev)])
+        dl = model.draft_logits(x[torch.tensor(last, device=dev)], fused=True)
         best = dl.argmax(-1).tolist()
         for i, r in enumerate(rows):
             emits = r.gen or r.is_last
@@ -444,32 +458,29 @@ class Runner:
         model = self.model
         b, t, tpb = slots.shape[0], self.verify_width, self.cache.tokens_per_block
         dev = model.device
-        key = (b, t)
-        if key not in self._static_idx:
-            self._static_idx[key] = (
-                torch.arange(b, device=dev).repeat_interleave(t),
-                torch.arange(t, device=dev).repeat(b),
-            )
-        row_of, tok = self._static_idx[key]
-        sl = slots.long()
-        ids = stores.next_new_tokens[:t, sl].t().reshape(-1).long()
-        lay = _DecodeLayout(starts, row_of, tok, tables[0], tpb)
+        # Inputs and results as one kernel each on the kernel path (a dozen small torch ops each otherwise).
+        inputs = decode_inputs if model.use_kernels else decode_inputs_ref
+        finish = decode_finish if model.use_kernels else decode_finish_ref
+        inp = inputs(slots, starts, tables[0], stores.next_new_tokens, t, tpb)
+        ids = inp.ids
+        lay = _DecodeLayout(inp)
         sidx = self._verify_indices(state_idx, b, t)
 
         def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
             if isinstance(blk.mixer, MLAWeights):
                 return self._mla(blk.mixer, h, self.cache.latent[i], lay)
-            qkv = model.kda_project(blk.mixer, h)
-            o = kda_recurrent_inplace(*(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx)
+            qkv = model.kda_project(blk.mixer, h, fused=True)
+            o = kda_recurrent_inplace(
+                *(y.view(b, t, *y.shape[1:]) for y in qkv), self.cache.state[i], sidx, use_kernel=model.use_kernels
+            )
             return model.kda_out(blk.mixer, o.view(b * t, *o.shape[2:]))
 
         x = self._blocks(model.embed[ids], model.blocks, mixer, lay)
-        logits = model.logits(x).view(b, t, -1)
-        if logits.is_cuda:  # argmax and acceptance in one kernel
-            best32, acc = greedy_accept(logits, ids.view(b, t))
-            best = best32.long()
+        logits = model.logits(x, fused=True, fp32=False).view(b, t, -1)
+        if model.use_kernels:  # argmax and acceptance in one kernel
+            best, acc = greedy_accept(logits, ids.view(b, t))
         else:
-            best = logits.argmax(-1)
+            best = logits.argmax(-1).to(torch.int32)
             match = (ids.view(b, t)[:, 1:] == best[:, :-1]).to(torch.int32).cumprod(1)
             acc = (1 + match.sum(1)).to(torch.int32)
         if limits is not None and t > 1:
@@ -479,28 +490,17 @@ class Runner:
             scratch = self._scratch[:b, : t - 1].contiguous()
             for pool in self.cache.state.values():
                 select_accepted_states(pool, live, scratch, acc, check_values=False)
-        last = best.gather(1, (acc - 1).long()[:, None])[:, 0]
+        drafts = None
         if draft and model.draft_block is not None:
             blk = model.draft_block
             assert isinstance(blk.mixer, MLAWeights) and self.cache.draft_latent is not None
-            xd = model.draft_input(x, best.reshape(-1))
-            dlay = _DecodeLayout(starts, row_of, tok, tables[1], tpb)
+            xd = model.draft_input(x, best.reshape(-1), fused=True)
+            dlay = _DecodeLayout(inputs(slots, starts, tables[1], stores.next_new_tokens, t, tpb))
             dlat = self.cache.draft_latent
             xd = self._blocks(xd, [blk], lambda j, bk, h: self._mla(bk.mixer, h, dlat, dlay), dlay)
-            pick = torch.arange(b, device=dev) * t + (acc - 1).long()
-            drafts = model.draft_logits(xd[pick]).argmax(-1)
-        else:
-            drafts = torch.zeros(b, dtype=torch.long, device=dev)
-        best32 = best.to(torch.int32)
-        new = torch.where(tok.view(b, t) < acc[:, None], best32, 0)
-        nxt = torch.stack([last, drafts], 1)[:, :t].to(torch.int32)
-        # Plain index writes rather than slot_scatter: padding rows all name the trash slot, and duplicates are
-        # harmless there (slot_scatter refuses them on the host path).
-        st = stores
-        st.new_tokens[:t, sl] = new.t().to(st.new_tokens.dtype)
-        st.next_new_tokens[:t, sl] = nxt.t().to(st.next_new_tokens.dtype)
-        st.new_token_counts[sl] = acc.to(st.new_token_counts.dtype)
-        st.next_draft_tokens[sl, :1] = drafts[:, None].to(st.next_draft_tokens.dtype)
-        out[:, :t] = best32
-        out[:, t] = acc
-        out[:, t + 1] = drafts.to(torch.int32)
+            if (b, t) not in self._row_base:
+                self._row_base[(b, t)] = torch.arange(b, device=dev) * t
+            pick = self._row_base[(b, t)] + (acc - 1)
+            drafts = model.draft_logits(xd[pick], fused=True, fp32=False).argmax(-1)
+        # Padding rows all name the trash slot: duplicates there are harmless (slot_scatter would refuse them).
+        finish(best, acc, drafts, slots, stores, out)
