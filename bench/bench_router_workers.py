@@ -383,12 +383,14 @@ def _plot(rows: list[dict[str, Any]], out_dir: Path) -> None:
         print("matplotlib not installed: no figure", flush=True)
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for target in dict.fromkeys(r["target"] for r in rows if r["target"].startswith("kvforge-")):
+    targets = dict.fromkeys(r["target"] for r in rows if r["target"].startswith("kvforge-"))
+    for i, target in enumerate(targets):
         pts = [r for r in rows if r["target"] == target]
         xs = [r["rate"] for r in pts]
-        axes[0].plot(xs, [r["ttfb_p50_added_ms"] for r in pts], "o-", label=f"{target} p50")
-        axes[0].plot(xs, [r["ttfb_p99_added_ms"] for r in pts], "x--", label=f"{target} p99")
-        axes[1].plot(xs, [r["completed_per_s"] for r in pts], "o-", label=target)
+        c = f"C{i}"
+        axes[0].plot(xs, [r["ttfb_p50_added_ms"] for r in pts], "o-", color=c, label=f"{target} p50")
+        axes[0].plot(xs, [r["ttfb_p99_added_ms"] for r in pts], "x--", color=c, label=f"{target} p99")
+        axes[1].plot(xs, [r["completed_per_s"] for r in pts], "o-", color=c, label=target)
     pts = [r for r in rows if r["target"] == "direct"]
     axes[1].plot([r["rate"] for r in pts], [r["completed_per_s"] for r in pts], "k:", label="direct (harness)")
     axes[0].axhline(2.0, color="grey", lw=0.8)
