@@ -175,7 +175,7 @@ def main() -> int:
     ap.add_argument("--turn-chars", type=int, default=200)
     ap.add_argument("--http", default="fast", choices=("fast", "aiohttp"))
     ap.add_argument("--event-loop", default="auto", choices=("auto", "asyncio", "uvloop"))
-    ap.add_argument("--spawn-s", type=float, default=1.0, help="load generators' start-up allowance per window")
+    ap.add_argument("--spawn-s", type=float, default=1.5, help="load generators' start-up allowance per window")
     ap.add_argument("--share-cores", action="store_true", help="pin nothing (a machine with too few cores)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "router_workers"))
     ap.add_argument("--loadgen", help=argparse.SUPPRESS)

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-bench/results/router_workers}}
 mkdir -p "$OUT"
 wheels=()
-for w in httptools uvloop msgspec pyzmq; do
+for w in httptools uvloop msgspec pyzmq xxhash; do
   for f in .whl/"$w"-*.whl; do [ -f "$f" ] && wheels+=("$f"); done
 done
 if [ ${#wheels[@]} -gt 0 ]; then
@@ -31,7 +31,10 @@ export KVFORGE_GIT_REV=${KVFORGE_GIT_REV:-$(git rev-parse --short=12 HEAD 2>/dev
 print("python", sys.version.split()[0], "aiohttp", aiohttp.__version__, "httptools", httptools.__version__,
       "uvloop", uvloop.__version__, "msgspec", msgspec.__version__, "pyzmq", zmq.__version__)'; } 2>&1 \
   | tee "$OUT/machine.txt"
-python3 -c 'import httptools, uvloop' 2>/dev/null || { echo "!! httptools/uvloop missing: bash bench/device_assets.sh, carry .whl"; exit 1; }
+missing=$(python3 -c 'import importlib.util as u
+print(" ".join(m for m in ("httptools", "uvloop", "msgspec", "zmq", "xxhash", "numpy", "aiohttp", "prometheus_client")
+               if u.find_spec(m) is None))')
+[ -z "$missing" ] || { echo "!! missing: $missing (bash bench/device_assets.sh here, then carry .whl)"; exit 1; }
 timeout "${LIMIT_S:-285}" python3 bench/bench_router_workers.py --out "$OUT" --workers "${WORKERS:-1,2,4}" \
   --rates "${RATES:-500,1000,1500,2000,2500,3000,4000,5000,6000,8000}" --window-s "${WINDOW_S:-3}" \
   --backends "${BACKENDS:-5}" --loadgens "${LOADGENS:-6}" ${ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
