@@ -138,7 +138,7 @@ class _Conn(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0  # when ``_timer`` fires (loop time)
-        self._due = 0.0  # the deadline (loop time) and what happens then; None: nothing due
+        self._due = 0.0  # the deadline (loop time), and what happens then (``_on_due`` None: nothing is due)
         self._on_due: Callable[[], None] | None = None
         self._reading = True
         self._write_paused = False
