@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build what a GPU run needs but the H200 machine lacks (it has no network), into git-ignored folders that the
-# device tool carries: .whl/ (cp312 manylinux wheels of fla-core, msgspec, pyzmq) and .flashinfer/ (FlashInfer
+# device tool carries: .whl/ (cp312 manylinux wheels of fla-core, msgspec, pyzmq, and httptools and uvloop for
+# `kvforge router`'s HTTP layer and event loop, which the device lacks) and .flashinfer/ (FlashInfer
 # 0.2.14.post1 from its source distribution, JIT-compiled there on first use, about 36 MB), and .gpu_data/
 # (the serving trace, for the fleet run). Usage: bash bench/device_assets.sh [TRACE_JSONL]
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
@@ -13,7 +14,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
   plat+=(--platform "$p")
 done
 mkdir -p .whl
-for w in fla-core==0.6.0 msgspec==0.23.0 pyzmq==27.3.0; do
+for w in fla-core==0.6.0 msgspec==0.23.0 pyzmq==27.3.0 httptools==0.9.0 uvloop==0.23.0; do
   ls .whl | grep -qi "^$(echo "${w%%==*}" | tr - _)-${w##*==}-" && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
     -d .whl "$w"

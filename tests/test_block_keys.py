@@ -125,6 +125,21 @@ def test_salts_scopes_and_cache_salts_separate_chains() -> None:
     assert a.block_keys(toks, 8, cache_salt="t") == a.block_keys(toks, 8, cache_salt=b"t")
 
 
+def test_remembered_roots_of_flat_scopes_equal_computed_ones() -> None:
+    """root_key remembers the roots of flat tuple scopes: equal tuples whose elements differ in type (("t", 1),
+    ("t", True)) keep their own roots, and every remembered root is the one computed afresh."""
+    h = BlockKeyHasher(SALT)
+    scopes = [("text", None), ("text", 1), ("text", True), ("text", "1"), ("text", b"1"), ("t", 1, 2, 3), ("t", 1.5)]
+    roots = [h.root_key(s) for s in scopes[:-1]]
+    assert len(set(roots)) == len(roots)
+    for _ in range(2):  # first computed, then remembered
+        assert [h.root_key(s) for s in scopes[:-1]] == [BlockKeyHasher(SALT).root_key(s) for s in scopes[:-1]]
+        assert [h.root_key(s) for s in scopes[:-1]] == [h._root(b"T", s, None) for s in scopes[:-1]]
+    with pytest.raises(TypeError, match="scope"):
+        h.root_key(scopes[-1])  # (not flat: checked as before)
+    assert h.root_key(("text", None), "tenant") != h.root_key(("text", None))
+
+
 @pytest.mark.parametrize(
     "kwargs, exc",
     [

@@ -321,3 +321,58 @@ def test_a_client_that_does_not_read_pauses_the_backend(monkeypatch: pytest.Monk
             server.close()
 
     run(main())
+
+
+def test_a_backend_silent_or_trickling_mid_stream_is_cut_at_its_deadlines(no_tracebacks) -> None:
+    """After the response has started: silence past read_timeout_s, or a trickle past request_timeout_s, cuts
+    the client's connection (an error, not a clean end); also on a pooled connection whose deadline timer an
+    earlier request on it had set; the backend stays in rotation (slow is not dead)."""
+    from kvforge.service.proxy import RouterService, ServiceConfig
+    from tests.service_harness import serve_service
+
+    async def main() -> None:
+        mode = {"how": "ok"}
+
+        async def backend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while True:  # keep-alive: several requests per connection
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    m = re.search(rb"(?i)content-length: (\d+)", head)
+                    await reader.readexactly(int(m.group(1)) if m else 0)
+                    if not head.startswith(b"POST"):
+                        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                        continue
+                    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n")
+                    how = mode["how"]
+                    if how == "ok":
+                        writer.write(b"0\r\n\r\n")
+                        continue
+                    for _ in range(100):  # silent: sleeps; trickle: a byte every 0.1 s, past the total
+                        await asyncio.sleep(0.1 if how == "trickle" else 10)
+                        writer.write(b"1\r\nx\r\n")
+                        await writer.drain()
+
+        server = await asyncio.start_server(backend, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        cfg = ServiceConfig(backends=[url], tokens_per_block=64, health_interval_s=5.0, read_timeout_s=0.4,
+                            request_timeout_s=1.2)  # fmt: skip
+        svc = RouterService(cfg)
+        port, close = await serve_service(svc, "fast")
+        base = f"http://127.0.0.1:{port}"
+        loop = asyncio.get_running_loop()
+        try:
+            answer = await exchange(base, post())  # (the pool now holds a kept-alive connection)
+            assert status_of(answer) == 200 and answer.endswith(b"0\r\n\r\n")
+            for how, lo, hi in (("silent", 0.35, 1.0), ("trickle", 1.1, 2.0)):
+                mode["how"] = how
+                t0 = loop.time()
+                answer = await exchange(base, post(), timeout=5.0)
+                took = loop.time() - t0
+                assert status_of(answer) == 200 and b"data:" in answer and not answer.endswith(b"0\r\n\r\n"), how
+                assert lo <= took <= hi, (how, took)
+            assert svc.fleet.backends[url].healthy and svc.fleet.total_backlog() == 0
+        finally:
+            await close()
+            server.close()
+
+    run(main())

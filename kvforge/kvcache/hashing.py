@@ -48,6 +48,8 @@ __all__ = [
 KEY_BYTES = 16
 KEY_LIMIT = 1 << (8 * KEY_BYTES)
 TOKEN_ID_LIMIT = 1 << 32
+# Scope elements whose encoding depends only on their type and value (see BlockKeyHasher.root_key's memo).
+_FLAT_TYPES = frozenset((type(None), bool, int, str, bytes))
 ALGORITHMS = ("xxh3_128", "sha256")
 SALT_ENV = "KVFORGE_BLOCK_KEY_SALT"
 _ID_LIMIT = 1 << 64  # external block ids (a trace's hash_ids) are hashed as 8-byte words
@@ -275,7 +277,16 @@ class BlockKeyHasher:
     ``vocab_size``: token ids must be below it (default and maximum 2**32).
     """
 
-    __slots__ = ("_default_id_root", "_default_root", "_prefix", "_salt", "_seed", "algorithm", "vocab_size")
+    __slots__ = (
+        "_default_id_root",
+        "_default_root",
+        "_flat_roots",
+        "_prefix",
+        "_salt",
+        "_seed",
+        "algorithm",
+        "vocab_size",
+    )
 
     def __init__(
         self, salt: bytes | None = None, *, algorithm: str = "xxh3_128", vocab_size: int = TOKEN_ID_LIMIT
@@ -298,6 +309,9 @@ class BlockKeyHasher:
         # The two roots of a request without scope or salt, computed once (every keys_from_ids call needs one).
         self._default_root = self.root_key()
         self._default_id_root = self._root(b"X", None, None)
+        # Roots of flat scopes (text keys are chained under ("text", scope) on every request), by the scope and
+        # its element types, since equal scopes may encode differently (("t", 1) and ("t", True)).
+        self._flat_roots: dict[tuple[tuple[Any, ...], tuple[type, ...]], int] = {}
 
     @property
     def salt(self) -> bytes:
@@ -322,11 +336,22 @@ class BlockKeyHasher:
     def root_key(self, scope: Hashable | None = None, cache_salt: str | bytes | None = None) -> int:
         """The key every chain under ``scope`` (None, bool, int, str, bytes or nested tuples of those) and
         ``cache_salt`` starts from."""
-        if scope is None and cache_salt is None:
-            try:
-                return self._default_root
-            except AttributeError:  # computing it in __init__
-                pass
+        if cache_salt is None:
+            if scope is None:
+                try:
+                    return self._default_root
+                except AttributeError:  # computing it in __init__
+                    pass
+            elif type(scope) is tuple and len(scope) <= 4:
+                types = tuple(map(type, scope))
+                if _FLAT_TYPES.issuperset(types):
+                    memo = (scope, types)
+                    got = self._flat_roots.get(memo)
+                    if got is None:
+                        if len(self._flat_roots) >= 1024:
+                            self._flat_roots.clear()
+                        got = self._flat_roots[memo] = self._root(b"T", scope, None)
+                    return got
         return self._root(b"T", scope, cache_salt)
 
     def _chain(self, parent: int, data: bytes | memoryview, n_blocks: int, step: int) -> list[int]:

@@ -35,7 +35,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import httptools
 
 from kvforge.service import keys as K
-from kvforge.service.proxy import Reply, RouterService, ServiceConfig, UpstreamError, _error, _forward_headers
+from kvforge.service.proxy import _HOP, Reply, RouterService, ServiceConfig, UpstreamError, _error
 
 __all__ = ["IDLE_S", "MAX_HEADERS", "MAX_HEAD_BYTES", "Pool", "Server", "run", "start"]
 
@@ -49,6 +49,8 @@ _INFLATE_ON_THREAD = 64 * 1024  # compressed bodies at least this big are decode
 _KEYED = frozenset(K.KEYED_PATHS)
 _MODEL_PREFIX = "/v1/models/"
 _NO_BODY = frozenset((204, 304))
+_HOP_BYTES = frozenset(h.encode() for h in _HOP)
+_CONNECTION = (b"Connection: close\r\n", b"Connection: keep-alive\r\n")
 _REASONS = {
     200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
     405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
@@ -106,8 +108,8 @@ class _Request:
         return self.body
 
 
-def _head(status: int, reason: str | None, headers: Any, framing: bytes, keep_alive: bool) -> bytes:
-    lines = [f"HTTP/1.1 {status} {reason or _REASONS.get(status, 'Unknown')}\r\n"]
+def _head(status: int, headers: Any, framing: bytes, keep_alive: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
     lines += [f"{k}: {v}\r\n" for k, v in headers]
     lines.append("Connection: keep-alive\r\n" if keep_alive else "Connection: close\r\n")
     return "".join(lines).encode("latin-1", "replace") + framing + b"\r\n"
@@ -135,6 +137,9 @@ class _Conn(asyncio.Protocol):
         self._cur: _Request | None = None  # the request being answered
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when ``_timer`` fires (loop time)
+        self._due = 0.0  # the deadline (loop time), and what happens then (``_on_due`` None: nothing is due)
+        self._on_due: Callable[[], None] | None = None
         self._reading = True
         self._write_paused = False
         self._relay_up: _UpConn | None = None
@@ -153,7 +158,10 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
         self.server.conns.discard(self)
-        self._disarm()
+        self._on_due = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._task is not None:
             self._task.cancel()  # (a disconnected client cancels its request, as aiohttp's handler_cancellation)
         up = self._relay_up
@@ -270,25 +278,45 @@ class _Conn(asyncio.Protocol):
 
     # ---------------------------------------------------------------- timers
 
+    # One deadline at a time (the body's or the idle connection's), kept by one timer that is not cancelled when
+    # the deadline moves later: it fires at the time it was set for, finds the deadline moved and is set again
+    # for it. A keep-alive connection thus makes a timer about once per deadline period, not two per request.
+
     def _arm(self, after: float, fn: Callable[[], None]) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(after, fn)
+        due = self.loop.time() + after
+        self._due = due
+        self._on_due = fn
+        t = self._timer
+        if t is not None:
+            if self._timer_at <= due:
+                return  # (it fires first and sets itself again for ``due``)
+            t.cancel()
+        self._timer_at = due
+        self._timer = self.loop.call_at(due, self._tick)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._on_due = None  # (a timer still set finds nothing due)
+
+    def _tick(self) -> None:
+        self._timer = None
+        fn = self._on_due
+        if fn is None or self.closed:
+            return
+        due = self._due
+        if self.loop.time() < due:
+            self._timer_at = due
+            self._timer = self.loop.call_at(due, self._tick)
+            return
+        self._on_due = None
+        fn()
 
     def _deadline(self) -> None:
-        self._timer = None
         if self._task is not None:  # answering the request before (pipelined): this one's clock waits
             self._arm(self.service.cfg.body_timeout_s, self._deadline)
             return
         self._refuse(self.service.body_timeout())
 
     def _idle_out(self) -> None:
-        self._timer = None
         if self._task is None and not self._done and self.transport is not None:
             self.transport.close()
 
@@ -373,7 +401,7 @@ class _Conn(asyncio.Protocol):
         if not self._reading:
             self._reading = True
             self.transport.resume_reading()
-        if self._timer is None:
+        if self._on_due is None:
             self._arm(IDLE_S, self._idle_out)
 
     async def _decoded_body(self, req: _Request) -> bytes | None:
@@ -412,7 +440,7 @@ class _Conn(asyncio.Protocol):
 
     def _write_reply(self, r: Reply, head_only: bool, keep_alive: bool) -> None:
         headers = r.headers.items() if r.headers is not None else (("Content-Type", r.content_type),)
-        head = _head(r.status, None, headers, b"Content-Length: %d\r\n" % len(r.body), keep_alive)
+        head = _head(r.status, headers, b"Content-Length: %d\r\n" % len(r.body), keep_alive)
         self.transport.write(head if head_only else head + r.body)
 
     async def relay(self, up: _UpConn) -> tuple[str, str | None]:
@@ -426,7 +454,6 @@ class _Conn(asyncio.Protocol):
         keep = req.keep_alive and not self._closing
         status = up.status
         nobody = req.head or status in _NO_BODY or status < 200
-        headers = _forward_headers(up.headers).items()
         if up.content_length is not None:
             chunked = False
             framing = b"Content-Length: %d\r\n" % up.content_length
@@ -439,7 +466,9 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         # What one read from the backend brings goes out in one write (the head with the first piece, the last
         # piece with the chunked terminator).
-        out = [_head(status, up.reason, headers, framing, keep)]
+        # (The backend's status line and headers pass as they came, less the hop-by-hop ones: never decoded.)
+        reason = up.reason_bytes or _REASONS.get(status, "Unknown").encode()
+        out = [b"HTTP/1.1 %d %b\r\n%b%b%b\r\n" % (status, reason, up.forward_head, _CONNECTION[keep], framing)]
 
         def sink(data: bytes) -> None:
             if data and not nobody:
@@ -502,12 +531,16 @@ class _UpConn(asyncio.Protocol):
         self.used = 0
         self.idle_since = 0.0
         self.active = False  # a request is on it
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
         self.status = 0
-        self.reason: str | None = None
-        self.headers = _Headers([])
+        self.reason_bytes = b""
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.forward_head = b""  # the headers to pass on to the client, as received, hop-by-hop ones left out
+        self._headers: _Headers | None = None
         self.content_length: int | None = None
         self.complete = False
         self.got_bytes = False
@@ -518,11 +551,11 @@ class _UpConn(asyncio.Protocol):
         self._buf: list[bytes] = []
         self._sink: Callable[[bytes], Any] | None = None
         self._flush: Callable[..., Any] | None = None
-        self._end = b""
+        self._tail = b""  # what ``flush`` sends after the body's last piece
         self._error: UpstreamError | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timing = False  # the request's deadlines are watched (see ``_arm``)
         self._last = 0.0
-        self._end = 0.0
+        self._deadline = 0.0
         self._read_s = 0.0
         self._paused = False
 
@@ -550,6 +583,7 @@ class _UpConn(asyncio.Protocol):
             self.on_message_complete()  # (a body without length or chunks ends with the connection)
         if not self.complete:
             self._fail(UpstreamError(type(exc).__name__ if exc else "ServerDisconnectedError", True))
+        self._stop_timer()
 
     def pause_writing(self) -> None:
         pass  # (request bodies are written whole; the transport buffers them)
@@ -558,26 +592,41 @@ class _UpConn(asyncio.Protocol):
         pass
 
     def on_status(self, status: bytes) -> None:
-        self.reason = status.decode("latin-1")
+        self.reason_bytes = status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.raw.append((name.decode("latin-1"), value.decode("latin-1")))
+        self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         if self.status < 200:
+            self.raw_headers = []
             return  # (an informational response: the real one follows)
         self.keep_alive = self.parser.should_keep_alive()
         chunked = False
-        for k, v in self.headers.raw:
-            if len(k) == 14 and k.lower() == "content-length" and v.isdigit():
-                self.content_length = int(v)
-            elif len(k) == 17 and k.lower() == "transfer-encoding":
-                chunked = "chunked" in v.lower()
+        fwd = []
+        for k, v in self.raw_headers:
+            low = k.lower()
+            if low in _HOP_BYTES:
+                if low == b"content-length" and v.isdigit():
+                    self.content_length = int(v)
+                elif low == b"transfer-encoding":
+                    chunked = b"chunked" in v.lower()
+            else:
+                fwd.append(b"%b: %b\r\n" % (k, v))
+        self.forward_head = b"".join(fwd)
         self._eof_ends_body = self.content_length is None and not chunked
         f = self._head_fut
         if f is not None and not f.done():
             f.set_result(None)
+
+    @property
+    def headers(self) -> _Headers:
+        """The response's headers, decoded (read where a response is not relayed as it comes)."""
+        h = self._headers
+        if h is None:
+            h = self._headers = _Headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers])
+        return h
 
     def on_body(self, data: bytes) -> None:
         sink = self._sink
@@ -594,28 +643,48 @@ class _UpConn(asyncio.Protocol):
         flush = self._flush
         if flush is not None:
             self._sink = self._flush = None
-            flush(self._end)
+            flush(self._tail)
         f = self._done_fut
         if f is not None and not f.done():
             f.set_result(None)
 
     # ---------------------------------------------------------------- timeouts
 
+    # As the client side's: one timer per connection, not cancelled when a request ends (a later request on the
+    # kept-alive connection lets it fire, finds its own deadlines later and sets it again for them).
+
     def _arm(self, read_s: float, total_s: float) -> None:
         now = self.loop.time()
         self._last = now
         self._read_s = read_s
-        self._end = now + total_s
-        self._timer = self.loop.call_at(min(now + read_s, self._end), self._on_timer)
+        self._deadline = now + total_s
+        self._timing = True
+        self._set_timer(min(now + read_s, self._deadline))
+
+    def _set_timer(self, due: float) -> None:
+        t = self._timer
+        if t is not None:
+            if self._timer_at <= due:
+                return
+            t.cancel()
+        self._timer_at = due
+        self._timer = self.loop.call_at(due, self._on_timer)
 
     def _disarm(self) -> None:
+        self._timing = False
+
+    def _stop_timer(self) -> None:
+        self._timing = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _on_timer(self) -> None:
+        self._timer = None
+        if not self._timing or self.closed:
+            return
         now = self.loop.time()
-        if now >= self._end:
+        if now >= self._deadline:
             self._fail(UpstreamError("TimeoutError", False))
             return
         if self._paused:  # the client is slow to take what arrived: that is not the backend's silence
@@ -624,7 +693,7 @@ class _UpConn(asyncio.Protocol):
         if now >= due:
             self._fail(UpstreamError("SocketTimeoutError", False))
             return
-        self._timer = self.loop.call_at(min(due, self._end), self._on_timer)
+        self._set_timer(min(due, self._deadline))
 
     def _fail(self, err: UpstreamError) -> None:
         if self._error is not None:
@@ -633,7 +702,7 @@ class _UpConn(asyncio.Protocol):
         if self._flush is not None:  # (what arrived before the cut still goes out)
             self._flush()
             self._sink = self._flush = None
-        self._disarm()
+        self._stop_timer()
         self.keep_alive = False
         for f in (self._head_fut, self._done_fut):
             if f is not None and not f.done():
@@ -667,7 +736,7 @@ class _UpConn(asyncio.Protocol):
         flush()
         if self._error is not None:
             raise self._error
-        self._sink, self._flush, self._end = sink, flush, end
+        self._sink, self._flush, self._tail = sink, flush, end
         return self._wait_done()
 
     def _wait_done(self) -> asyncio.Future[None]:
@@ -702,12 +771,14 @@ class _UpConn(asyncio.Protocol):
         self._sink = self._flush = None  # (status and headers stay readable; cleared at the next request)
         if reusable:
             self.pool.put(self)
-        elif not self.closed:
-            self.transport.close()
+        else:
+            self._stop_timer()
+            if not self.closed:
+                self.transport.close()
 
     def discard(self) -> None:
         self.active = False
-        self._disarm()
+        self._stop_timer()
         self._sink = self._flush = None
         self.keep_alive = False
         if not self.closed and self.transport is not None:

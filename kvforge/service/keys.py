@@ -417,7 +417,7 @@ def make_router(
 
 
 def route(router: Any, request_id: Hashable, keys: Sequence[BlockKey], num_tokens: int, conv: str | None) -> Hashable:
-    from kvforge.routing import RouteRequest
+    from kvforge.routing.request import RouteRequest  # (a module: a package would run _handle_fromlist per call)
 
     req = RouteRequest(request_id, block_keys=keys, num_tokens=num_tokens, conversation_id=conv)  # type: ignore[arg-type]
     return router.route(req)
