@@ -43,7 +43,11 @@ each engine first runs three fresh prompts up to the slice's longest, so compila
 
     python3 bench/bench_fleet.py --size tiny --profile bench/results/step_profile_cpu_tiny.json    # CPU
     python3 bench/bench_fleet.py --resimulate bench/results/fleet_raw_cpu_tiny.json --profile other.json
-    KVFORGE_TRACE=... bash bench/run_fleet_h200.sh $OUT      # H200: profile + this bench, <= 8 minutes
+    STAGE=fleet PROFILE=... KVFORGE_TRACE=... bash bench/run_fleet_h200.sh $OUT     # H200 (after STAGE=profile)
+
+``--budget-s`` bounds the run: a policy that would not finish in what is left (judged by the longest one so far)
+is skipped and named. ``fleet.csv``, the PNG and ``fleet_raw_<tag>.json`` are written after every policy, so a run
+stopped by a timeout keeps the policies it finished.
 """
 
 from __future__ import annotations

@@ -481,13 +481,14 @@ def run(args, sa, device: str, big: bool, deadline: float, stage_s: dict[str, fl
     rng = random.Random(args.seed)
     max_len = args.max_len or (4096 if big else 512)
     grid = workloads(rng, mc.vocab_size, big, max_len, ec.max_num_tokens)
-    # The grid's shapes once, untimed (kernel compilation and autotuning on first use): its longest prompt, two
-    # prompts in one step, a continued one, and a short batch.
+    # The grid's shapes once, untimed (kernel compilation and autotuning on first use; nothing compiles on the CPU):
+    # its longest prompt, two prompts in one step, a continued one, and a short batch.
     warm_rng = random.Random(f"warm/{args.seed}")
-    for prompts in () if args.contention_only else ({"wl": [warm_rng.randrange(mc.vocab_size) for _ in range(max_len)]},
-                    {"w2a": [5] * (max_len // 2), "w2b": [6] * (max_len // 3)},
-                    {"wc": [5] * (max_len // 2) + [7] * 9},
-                    {f"wb{i}": [8 + i] * 24 for i in range(4)}):  # fmt: skip
+    shapes = ({"wl": [warm_rng.randrange(mc.vocab_size) for _ in range(max_len)]},
+              {"w2a": [5] * (max_len // 2), "w2b": [6] * (max_len // 3)},
+              {"wc": [5] * (max_len // 2) + [7] * 9},
+              {f"wb{i}": [8 + i] * 24 for i in range(4)})  # fmt: skip
+    for prompts in shapes if big and not args.contention_only else ():
         eng.generate(prompts, 3)
     _clear(eng)
     stage_s["build_and_warm"] = time.monotonic() - t
@@ -508,22 +509,30 @@ def run(args, sa, device: str, big: bool, deadline: float, stage_s: dict[str, fl
             return 3
         out = json.loads(args.out.read_text())
     else:
-        out = profile_grid(args, eng, grid, deadline, n_phases, stage_s, max_len)
+        out = profile_grid(args, eng, grid, deadline, n_phases, stage_s, max_len, device)
     if workers is None:
         return 3 if args.contention else 0
     t = time.monotonic()
     del grid
+
+    def phase_seconds(spare: float) -> float:
+        # Each phase overruns its window by the cycle in progress at its stop (k engines sharing the device).
+        left = deadline - time.monotonic() - 10.0 - spare
+        return min(args.contention_seconds, left / n_phases - 0.5 - args.contention * cycle_s)
+
+    cycle_s = predict(out.get("coefficients"), cycle_rows(args, big, ec)) or 0.0
+    shortest = max(1.0, 3 * cycle_s)  # at least three cycles per phase
+    if phase_seconds(2 * cycle_s) < shortest:  # the warm-up below runs about two cycles' worth
+        print(f"!! contention skipped: {max(0.0, deadline - time.monotonic()):.0f} s left of the budget, not enough "
+              f"for {n_phases} phases of at least {shortest:.1f} s", flush=True)  # fmt: skip
+        return 3
     own = Cycle(0, eng, args.contention_tokens, 8 if big else 1)
     workers.send(("warm",))
     own.warm()
     workers.expect("warmed", 600.0)
-    # The cycle in progress at a phase's stop runs on: one cycle (k engines sharing) past the window.
-    cycle_s = predict(out.get("coefficients"), cycle_rows(args, big, ec)) or 0.0
-    left = deadline - time.monotonic() - 10.0
-    seconds = min(args.contention_seconds, left / n_phases - 0.5 - args.contention * cycle_s)
-    if seconds < max(1.0, 3 * cycle_s):
-        print(f"!! contention skipped: {max(0.0, left):.0f} s left of the budget for {n_phases} phases of at least "
-              f"{max(1.0, 3 * cycle_s):.1f} s", flush=True)  # fmt: skip
+    seconds = phase_seconds(0.0)
+    if seconds < shortest:
+        print(f"!! contention skipped: the warm-up left too little of the budget ({seconds:.1f} s per phase)")
         return 3
     if seconds < args.contention_seconds:
         print(f"contention phases shortened to {seconds:.1f} s (budget)", flush=True)
@@ -549,7 +558,9 @@ def cycle_rows(args, big: bool, ec) -> list[list[float]]:
     return planned_steps([CYCLE[-1] * s], args.contention_tokens, ec.max_num_tokens, ec.max_num_requests)
 
 
-def profile_grid(args, eng, grid, deadline: float, n_phases: int, stage_s: dict[str, float], max_len: int) -> dict:
+def profile_grid(
+    args, eng, grid, deadline: float, n_phases: int, stage_s: dict[str, float], max_len: int, device: str
+) -> dict:
     """Times the grid within the budget, fits, writes the profile (without contention) and returns it."""
     ec = eng.config
     rec = Recorder(eng)
@@ -563,9 +574,10 @@ def profile_grid(args, eng, grid, deadline: float, n_phases: int, stage_s: dict[
         rows = planned_steps([len(p) for p in prompts.values()], new, ec.max_num_tokens, ec.max_num_requests)
         guess = predict(coef, rows)
         left = deadline - reserve - time.monotonic()
-        if guess is not None and SAFETY * guess > left:
+        if left <= 0 or (guess is not None and SAFETY * guess > left):
             skipped.append(name)
-            print(f"{name:24s} skipped: predicted {guess:.2f} s, {max(0.0, left):.1f} s left of the budget", flush=True)
+            why = f"predicted {guess:.2f} s, " if guess is not None else ""
+            print(f"{name:24s} skipped: {why}{max(0.0, left):.1f} s left of the budget", flush=True)
             continue
         n0 = len(rec.samples)
         w0 = time.monotonic()
@@ -580,6 +592,8 @@ def profile_grid(args, eng, grid, deadline: float, n_phases: int, stage_s: dict[
     stage_s["grid"] = time.monotonic() - t
     if skipped:
         print(f"!! budget: skipped {len(skipped)} of {len(grid)} workloads: {', '.join(skipped)}", flush=True)
+    if len(rec.samples) < 2 * len(FEATURES):
+        raise SystemExit(f"!! {len(rec.samples)} steps timed: too few to fit; raise --budget-s")
     rows = [step_features(s["prefill"], s["decode_requests"], s["decode_context"]) for s in rec.samples]
     secs = [s["seconds"] for s in rec.samples]
     coef = fit_step_times(rows, secs)
@@ -595,7 +609,7 @@ def profile_grid(args, eng, grid, deadline: float, n_phases: int, stage_s: dict[
         "p90_abs_rel_err": errs[int(0.9 * (len(errs) - 1))],
         "max_abs_rel_err": errs[-1],
     }
-    stamp = {**env_stamp(), "device": str(eng.model.device), "size": args.size, "load_avg_start": load0,
+    stamp = {**env_stamp(), "device": device, "size": args.size, "load_avg_start": load0,
              "load_avg_end": os.getloadavg(), "profile_s": time.monotonic() - T0, "max_len": max_len,
              "budget_s": args.budget_s, "workloads": len(grid) - len(skipped), "skipped": skipped,
              "stage_s": stage_s}  # fmt: skip
