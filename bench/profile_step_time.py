@@ -98,12 +98,16 @@ class Cycle:
         self.vocab = eng.model.config.vocab_size
         self.n = 0
 
-    def warm(self) -> None:
-        """The cycle's shapes once, so first-use costs stay out of the phases."""
+    def warm(self) -> float:
+        """The cycle's shapes once, so first-use costs stay out of the phases; returns the longest one's seconds."""
+        longest = 0.0
         for length in CYCLE:
             prompt = [1 + (self.idx + i) % (self.vocab - 1) for i in range(length * self.scale)]
+            t = time.monotonic()
             self.eng.generate({f"w{self.idx}-{length}": prompt}, self.new_tokens)
+            longest = max(longest, time.monotonic() - t)
         _clear(self.eng)
+        return longest
 
     def run(self, start: float, stop: float, phase: int) -> list[tuple[float, float, int]]:
         """Cycles from ``start`` until ``stop`` (``time.monotonic``, one clock for all processes); the steps as
@@ -515,24 +519,25 @@ def run(args, sa, device: str, big: bool, deadline: float, stage_s: dict[str, fl
     t = time.monotonic()
     del grid
 
-    def phase_seconds(spare: float) -> float:
+    def phase_seconds(cycle_s: float) -> float:
         # Each phase overruns its window by the cycle in progress at its stop (k engines sharing the device).
-        left = deadline - time.monotonic() - 10.0 - spare
+        left = deadline - time.monotonic() - 10.0
         return min(args.contention_seconds, left / n_phases - 0.5 - args.contention * cycle_s)
 
-    cycle_s = predict(out.get("coefficients"), cycle_rows(args, big, ec)) or 0.0
-    shortest = max(1.0, 3 * cycle_s)  # at least three cycles per phase
-    if phase_seconds(2 * cycle_s) < shortest:  # the warm-up below runs about two cycles' worth
+    # Not even 1 s per phase left: no warm-up either. (The cycle's length is timed by the warm-up: the fit would
+    # extrapolate past the grid's prompts on a CPU, where the cycle's are longer than --max-len.)
+    if phase_seconds(0.0) < 1.0:
         print(f"!! contention skipped: {max(0.0, deadline - time.monotonic()):.0f} s left of the budget, not enough "
-              f"for {n_phases} phases of at least {shortest:.1f} s", flush=True)  # fmt: skip
+              f"for {n_phases} phases", flush=True)  # fmt: skip
         return 3
     own = Cycle(0, eng, args.contention_tokens, 8 if big else 1)
     workers.send(("warm",))
-    own.warm()
+    cycle_s = own.warm()
     workers.expect("warmed", 600.0)
-    seconds = phase_seconds(0.0)
-    if seconds < shortest:
-        print(f"!! contention skipped: the warm-up left too little of the budget ({seconds:.1f} s per phase)")
+    seconds = phase_seconds(cycle_s)
+    if seconds < max(1.0, 3 * cycle_s):  # at least three cycles per phase
+        print(f"!! contention skipped: {seconds:.1f} s per phase would fit in the budget, under three cycles of "
+              f"{cycle_s:.1f} s", flush=True)  # fmt: skip
         return 3
     if seconds < args.contention_seconds:
         print(f"contention phases shortened to {seconds:.1f} s (budget)", flush=True)
@@ -552,12 +557,6 @@ def run(args, sa, device: str, big: bool, deadline: float, stage_s: dict[str, fl
     return 0
 
 
-def cycle_rows(args, big: bool, ec) -> list[list[float]]:
-    """The feature rows of the contention cycle's longest request (one engine alone)."""
-    s = 8 if big else 1
-    return planned_steps([CYCLE[-1] * s], args.contention_tokens, ec.max_num_tokens, ec.max_num_requests)
-
-
 def profile_grid(
     args, eng, grid, deadline: float, n_phases: int, stage_s: dict[str, float], max_len: int, device: str
 ) -> dict:
@@ -566,8 +565,10 @@ def profile_grid(
     rec = Recorder(eng)
     load0 = os.getloadavg()
     t = time.monotonic()
-    # Kept for the contention phases: their windows, one cycle of overrun each, and the write at the end.
+    # Kept for the contention phases: their windows, one cycle of overrun each, and the write at the end; but the
+    # fit comes first, so at most half of what is left (the phases are shortened, or skipped, to fit the rest).
     reserve = n_phases * (args.contention_seconds + 1.5) + (15.0 if n_phases else 3.0)
+    reserve = min(reserve, max(3.0, (deadline - t) / 2))
     skipped: list[str] = []
     coef = None
     for name, prompts, new in grid:
