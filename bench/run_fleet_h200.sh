@@ -15,8 +15,9 @@
 # it skipped) inside a hard timeout (PROFILE_S, FLEET_S); each writes as it goes (the profile as soon as its fit
 # exists, then with the contention curve; fleet.csv, the PNG and fleet_raw_gpu_real.json after every policy), so a
 # timeout still leaves the log and what finished.
-# OUT (default $OUT, else bench/results/gpu_fleet): the profile or fleet.csv, fleet_gpu_real.png,
-#   fleet_raw_gpu_real.json, engine/router/step logs under logs/, one log per stage, machine.txt.
+# OUT (default $OUT, else bench/results/gpu_fleet): the profile (+ profile.log), or fleet.csv, fleet_gpu_real.png,
+#   fleet_raw_gpu_real.json, fleet.log and fleet_logs.tar.gz (every policy's engine, router and step logs, packed
+#   at the end, timeout or not: a device call brings back at most 8 files from $OUT); machine.txt.
 # The trace does not travel with the repository: copy it into a carried, git-ignored folder (e.g. .gpu_data/)
 #   and point KVFORGE_TRACE at it. Wheels in .whl/ (msgspec, pyzmq, fla-core) are installed to /tmp/site first.
 # Knobs (environment): CONVERSATIONS (30), TURNS (4), RATE (2.5 req/s), MAX_PROMPT (4096), BLOCK_TOKENS (128),
@@ -98,13 +99,15 @@ else
   elif [ "$SIZE" = real ]; then
     echo "set KVFORGE_TRACE to the conversation trace (copied into a carried folder such as .gpu_data/)"; exit 2
   fi
+  LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvforge-fleet-logs.XXXXXX")
   echo "== fleet: 2 engines on one device + router, policies $POLICIES, each then simulated (budget ${FLEET_BUDGET} s)"
   # shellcheck disable=SC2086  # FLEET_ARGS is a list of flags
   timeout -k 20 "$FLEET_S" python3 bench/bench_fleet.py --size "$SIZE" --engines 2 --profile "$PROFILE" \
     --policies "$POLICIES" --conversations "$CONVERSATIONS" --turns "$TURNS" --block-tokens "$BLOCK_TOKENS" \
     --max-prompt "$MAX_PROMPT" --max-output "$MAX_OUTPUT" --rate "$RATE" --probe "$PROBE" \
-    --budget-s "$FLEET_BUDGET" --out "$OUT" --log-dir "$OUT/logs" ${FLEET_ARGS:-} 2>&1 | tee "$OUT/fleet.log"
+    --budget-s "$FLEET_BUDGET" --out "$OUT" --log-dir "$LOGS" ${FLEET_ARGS:-} 2>&1 | tee "$OUT/fleet.log"
   rc=${PIPESTATUS[0]}
+  tar -czf "$OUT/fleet_logs.tar.gz" -C "$LOGS" . && echo "engine, router and step logs: $OUT/fleet_logs.tar.gz"
   if [ "$rc" -ne 0 ]; then
     echo "!! fleet stage failed or timed out (rc $rc): fleet.csv, the PNG and fleet_raw_*.json keep the policies that finished"
     status=1
