@@ -195,7 +195,7 @@ class Workers:
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("quit",))
         for p in self.procs:
-            p.join(20)
+            p.join(5)  # a worker inside a phase reads "quit" only at its end: a timeout's grace is short
             if p.is_alive():
                 p.kill()
                 p.join(5)

@@ -10,7 +10,7 @@
 #       cache-aware, one after the other on fresh fleets, each set against the simulator (`kvforge simulate`'s
 #       engine with the profile, same slice, same arrivals): bench/bench_fleet.py --budget-s.
 #
-# Estimated script time on the H200 (basis in docs/serve.md, "On the H200"): profile ~2 min, fleet ~4.5 min.
+# Estimated script time on the H200 (basis in docs/serve.md, "On the H200"): profile ~1.5 min, fleet ~4-4.5 min.
 # Each stage runs under a budget (PROFILE_BUDGET, FLEET_BUDGET: the bench trims its own work to fit and says what
 # it skipped) inside a hard timeout (PROFILE_S, FLEET_S); each writes as it goes (the profile as soon as its fit
 # exists, then with the contention curve; fleet.csv, the PNG and fleet_raw_gpu_real.json after every policy), so a
