@@ -43,15 +43,21 @@ each engine first runs three fresh prompts up to the slice's longest, so compila
 
     python3 bench/bench_fleet.py --size tiny --profile bench/results/step_profile_cpu_tiny.json    # CPU
     python3 bench/bench_fleet.py --resimulate bench/results/fleet_raw_cpu_tiny.json --profile other.json
-    KVFORGE_TRACE=... bash bench/run_fleet_h200.sh $OUT      # H200: profile + this bench, <= 8 minutes
+    STAGE=fleet PROFILE=... KVFORGE_TRACE=... bash bench/run_fleet_h200.sh $OUT     # H200 (after STAGE=profile)
+
+``--budget-s`` bounds the run: a policy that would not finish in what is left (judged by the longest one so far)
+is skipped and named. ``fleet.csv``, the PNG and ``fleet_raw_<tag>.json`` are written after every policy, so a run
+stopped by a timeout keeps the policies it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import csv
 import datetime as dt
+import itertools
 import json
 import math
 import os
@@ -286,12 +292,26 @@ def step_analysis(log_dir: Path, profile, contention, window: tuple[float, float
         lo = max(1, math.floor(k))
         return contention.factor(lo) + (k - lo) * (contention.factor(lo + 1) - contention.factor(lo))
 
+    # One engine's steps run one after another: sorted by start they are sorted by end too, so the steps of engine
+    # e that overlap [t0, t1] are one run of its list (bisect), all inside but for the first and last.
+    by_engine: dict[int, tuple[list[float], list[float], list[float]]] = {}
+    for e in {x[0] for x in steps}:
+        mine = sorted((b0, b1) for eng, b0, b1, _ in steps if eng == e)
+        starts, ends = [b0 for b0, _ in mine], [b1 for _, b1 in mine]
+        by_engine[e] = (starts, ends, [0.0, *itertools.accumulate(b1 - b0 for b0, b1 in mine)])
+
+    def overlap(e: int, t0: float, t1: float) -> float:
+        starts, ends, cum = by_engine[e]
+        lo, hi = bisect.bisect_right(ends, t0), bisect.bisect_left(starts, t1)
+        if lo >= hi:
+            return 0.0
+        return cum[hi] - cum[lo] - max(0.0, t0 - starts[lo]) - max(0.0, ends[hi - 1] - t1)
+
     alone_m = alone_f = all_m = all_f = pred = 0.0
     n_alone = 0
     for eng, t0, t1, fit in steps:
         dur = max(t1 - t0, 1e-9)
-        overlap = sum(max(0.0, min(t1, b1) - max(t0, b0)) for e, b0, b1, _ in steps if e != eng)
-        others = overlap / dur
+        others = sum(overlap(e, t0, t1) for e in by_engine if e != eng) / dur
         all_m += dur
         all_f += fit
         pred += fit * slowdown(1 + others)
@@ -533,6 +553,13 @@ def main() -> None:
         help="1: before each replay, every engine runs 3 fresh prompts up to the slice's longest "
         "(default 1 on a GPU, 0 on the CPU, where nothing compiles)",
     )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-time budget in seconds: a policy that would not finish in what is left (judged by the longest "
+        "one so far) is skipped and named (default: no budget)",
+    )
     ap.add_argument("--serve-arg", action="append", default=[], help="extra kvforge serve flag (repeat)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder for fleet.csv, the PNG and the raw JSON")
     ap.add_argument("--log-dir", type=Path, default=None, help="engine and router logs (default: a temp folder)")
@@ -550,6 +577,9 @@ def main() -> None:
         help="with --resimulate: append the comparison to --out's fleet.csv as a run of its own",
     )
     args = ap.parse_args()
+    start_time = time.monotonic()
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        ap.error(f"--budget-s: expected a number of seconds > 0, got {args.budget_s}")
     # A timeout's SIGTERM unwinds like Ctrl-C, so the fleet's engines and router are stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -632,7 +662,20 @@ def main() -> None:
     raw_path = args.out / f"fleet_raw_{tag}.json"
     keep = ("engines", "servers_per_device", "shared_device_capacity", "rate", "seed", "profile")
     policies = args.policies.split(",")
+    png = args.out / f"fleet_{tag}.png"
+    title = f"kvforge serve x{args.engines} ({args.size}) + router on {machine}, rev {git_rev()}: {desc}"
+    done: list[str] = []
+    took: list[float] = []
     for policy in policies:
+        if args.budget_s is not None and took:
+            # The policies take about the same time (same slice, fresh fleet each): the longest so far, plus slack.
+            need = 1.15 * max(took) + 15.0
+            left = args.budget_s - (time.monotonic() - start_time)
+            if need > left:
+                skipped = policies[len(done) :]
+                print(f"!! budget: skipped {', '.join(skipped)}: a policy took up to {max(took):.0f} s, "
+                      f"{left:.0f} s left of --budget-s {args.budget_s:g}", flush=True)  # fmt: skip
+                break
         log_dir = (args.log_dir or Path(tempfile.mkdtemp(prefix="kvforge-fleet-"))) / policy
         t0 = time.perf_counter()
         load_start = os.getloadavg()[0]
@@ -692,13 +735,18 @@ def main() -> None:
         raw = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keep},
                "stamp": stamp, "requests": reqs, "measured": measured}  # fmt: skip
         raw_path.write_text(json.dumps(raw) + "\n")
-        rows.append({"policy": policy, "source": "measured", **stamp, **m})
-        rows += run_simulations(reqs, args, profile, policy, stamp, m)
-    compare(rows, policies)
-    path = write_csv(rows, args.out)
-    png = args.out / f"fleet_{tag}.png"
-    plot(rows, png, f"kvforge serve x{args.engines} ({args.size}) + router on {machine}, rev {git_rev()}: {desc}")
-    print(f"\nwrote {path}, {png} and {raw_path}")
+        new = [{"policy": policy, "source": "measured", **stamp, **m}]
+        new += run_simulations(reqs, args, profile, policy, stamp, m)
+        rows += new
+        done.append(policy)
+        took.append(time.perf_counter() - t0)
+        # The CSV and the figure grow policy by policy too: a run stopped by a timeout keeps what it finished.
+        path = write_csv(new, args.out)
+        plot(rows, png, title)
+        print(f"  {policy}: {took[-1]:.0f} s in all; wrote {path}, {png} and {raw_path} ({len(done)} of "
+              f"{len(policies)} policies, {time.monotonic() - start_time:.0f} s since the start)",
+              flush=True)  # fmt: skip
+    compare(rows, done)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ curve (synthetic step logs, no fleet)."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,31 @@ def test_half_overlap_interpolates_the_curve(tmp_path: Path):
 def test_no_steps_in_the_window(tmp_path: Path):
     _log(tmp_path, "engine0", [(0.0, 1.0)])
     assert step_analysis(tmp_path, PROFILE, None, (5.0, 6.0)) == {}
+
+
+def test_overlaps_match_the_pairwise_sum(tmp_path: Path):
+    # Three engines, each stepping one step after another with random gaps: the bisected overlaps must give what
+    # summing every pair of steps gives.
+    rng = random.Random(7)
+    logs = {}
+    for name in ("engine0", "engine1", "engine2"):
+        t, steps = 0.0, []
+        for _ in range(60):
+            t += rng.choice((0.0, rng.uniform(0, 0.3)))
+            d = rng.uniform(0.01, 0.4)
+            steps.append((t, t + d))
+            t += d
+        logs[name] = steps
+        _log(tmp_path, name, steps)
+    window = (1.0, 9.0)
+    curve = Contention((1.0, 1.7, 2.9))
+    out = step_analysis(tmp_path, PROFILE, curve, window)
+    flat = [(e, a, b) for e, st in enumerate(logs.values()) for a, b in st if window[0] <= a and b <= window[1]]
+    pred = alone = 0.0
+    for e, a, b in flat:
+        others = sum(max(0.0, min(b, b1) - max(a, a0)) for f, a0, b1 in flat if f != e) / (b - a)
+        lo = max(1, int(others + 1))
+        pred += 0.1 * (curve.factor(lo) + (others + 1 - lo) * (curve.factor(lo + 1) - curve.factor(lo)))
+        alone += others < 0.05
+    assert out["steps_logged"] == len(flat) and out["steps_alone"] == alone
+    assert out["steps_contention_over_fit"] == pytest.approx(pred / (0.1 * len(flat)))

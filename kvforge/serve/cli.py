@@ -222,6 +222,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
         engine.generate({"kvforge-warmup": [0] * max(1, min(3, args.tokens_per_block - 1))}, 2)
         engine.outputs.clear()
         engine.finished.clear()
+        if engine.graphs is not None:
+            # Every decode batch bucket now: a bucket's first use would capture it inside a live step, far longer
+            # than a step (and than the step-time profile, which captures them all before timing).
+            engine.graphs.capture_all()
     if args.step_log is not None:
         try:
             # Line-buffered: each step's line is on disk at once (a killed server loses none).
