@@ -71,6 +71,9 @@ def run(reqs, mgr: KVCacheManager, sched: Scheduler, rng: random.Random, max_ste
             assert r.cache.capacity >= x.start + x.num_tokens
         for x in b.generation:
             assert 1 <= x.num_tokens <= 1 + x.request.draft_len
+            # A last step with fewer tokens left than the width holds room for the width when asked to.
+            room = 1 + x.request.draft_len if cfg.reserve_verify_width else x.num_tokens
+            assert x.request.cache.capacity >= x.start + room
         for r in b.preempted:
             assert r.state is RequestState.WAITING and r not in [x.request for x in b]
         accepted = {x.request.request_id: rng.randint(1, x.num_tokens) for x in b.generation}
@@ -105,9 +108,10 @@ request_spec = st.tuples(
     layout=st.sampled_from(sorted(LAYOUTS)),
     host=st.sampled_from([0, 8]),
     seed=st.integers(0, 2**16),
+    reserve=st.booleans(),
 )
 def test_every_request_finishes_within_budgets_and_nothing_leaks(
-    specs, tpb, pages, budget, max_requests, thr, max_iters, exact, prefix_wait, key_mode, layout, host, seed
+    specs, tpb, pages, budget, max_requests, thr, max_iters, exact, prefix_wait, key_mode, layout, host, seed, reserve
 ):
     # Each request must fit the pool alone (prompt, outputs and the drafts of one step), else it deadlocks
     # by design; pages >= 14 with tpb >= 2 gives 28 tokens, so cap the sizes to what fits.
@@ -127,6 +131,7 @@ def test_every_request_finishes_within_budgets_and_nothing_leaks(
         exact_context_demotion=exact,
         prefix_wait=prefix_wait,
         max_prefix_wait_iters=3,
+        reserve_verify_width=reserve,
     )
     sched = Scheduler(mgr, cfg)
     reqs = build_requests(specs, tpb, key_mode)
