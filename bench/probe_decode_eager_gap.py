@@ -72,18 +72,20 @@ def bytes_rule_tokens(heads: int, v_head_dim: int = DV, d_qk: int = DV + DR, elt
     return max(128, 1 << max(0, need - 1).bit_length())
 
 
-def share_table(md, w: dict, num_splits: int | None = None) -> dict:
-    """The shipped planner's launch for workload ``w`` (``md`` patched as sm_90 on the CPU, or a real GPU):
-    programs per request, the share grid S, shares per request (``_request_share``'s arithmetic, host side),
-    tiles per share, programs doing work, partial bytes written (and read back by the merge), key bytes."""
+def share_table(md, w: dict, num_splits: int | None = None, dv: int = DV, dr: int = DR,
+                dtype: torch.dtype = torch.bfloat16) -> dict:  # fmt: skip
+    """The shipped planner's launch for workload ``w`` (``md`` patched as sm_90 on the CPU, the interpreter, or a
+    real GPU): programs per request, the share grid S, shares per request (``_request_share``'s arithmetic on the
+    host; ``tests/test_probe_decode_eager_gap.py`` holds it to the kernel's count), keys per share, programs
+    doing work, partial bytes written (and read back by the merge), key bytes."""
     H, B, page, lens = w["H"], w["B"], w["page"], w["lens"]
     dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    n_pages = [-(-n // page) for n in lens]
-    q = torch.zeros(B, H, DV + DR, dtype=torch.bfloat16, device=dev)
-    kv = torch.zeros(sum(n_pages) + 8, page, DV + DR, dtype=torch.bfloat16, device=dev)
+    n_pages = [max(1, -(-n // page)) for n in lens]
+    q = torch.zeros(B, H, dv + dr, dtype=dtype, device=dev)
+    kv = torch.zeros(sum(n_pages) + 8, page, dv + dr, dtype=dtype, device=dev)
     bt = torch.zeros(B, max(n_pages), dtype=torch.int32, device=dev)
     sl = torch.tensor(lens, dtype=torch.int32, device=dev)
-    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.04, num_splits=num_splits)._plan
+    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.04, v_head_dim=dv, num_splits=num_splits)._plan
     hp, _, S = plan.grid
     _, _, _, min_tiles, slots = plan.rt[:5]
     bn = plan.gluon[0] if plan.gluon else int(plan.cfg.kwargs["BLOCK_N"])
@@ -96,11 +98,11 @@ def share_table(md, w: dict, num_splits: int | None = None) -> dict:
     per = [-(-t // n) for t, n in zip(tiles, shares)]
     kernel = f"gluon bn{bn} x{plan.gluon[1]}" if plan.gluon else f"triton bh{plan.cfg.kwargs['BLOCK_H']} bn{bn}"
     return {"kernel": kernel, "head_progs": hp, "S": S, "slots": slots, "min_tiles": min_tiles,
-            "shares": (min(shares), max(shares)), "share_tokens": (min(per) * bn, max(per) * bn),
-            "ctas_working": hp * sum(shares), "ctas_launched": hp * B * S,
-            "partial_bytes": sum(n * H * (DV + 1) * 4 for n in shares if n > 1),
-            "kv_bytes": sum(lens) * (DV + DR) * 2,
-            "merge_programs": B * H * (DV // min(128, DV)) if plan.merge else 0}  # fmt: skip
+            "per_request": shares, "shares": (min(shares), max(shares)),
+            "share_tokens": (min(per) * bn, max(per) * bn), "ctas_working": hp * sum(shares),
+            "ctas_launched": hp * B * S, "partial_bytes": sum(n * H * (dv + 1) * 4 for n in shares if n > 1),
+            "kv_bytes": sum(lens) * (dv + dr) * kv.element_size(),
+            "merge_programs": B * H * (dv // min(128, dv)) if plan.merge else 0}  # fmt: skip
 
 
 def plan_only() -> None:
