@@ -1,8 +1,8 @@
 """Why MLA decode is slower timed eagerly behind an L2 flush than replayed from a CUDA graph (issue 28).
 
 The grid bench (``bench_mla_decode_grid.py``) times each call behind a 256 MB flush with CUDA events, five
-providers interleaved; on small workloads kvforge's default call reads 35-75 µs above its graph replay where
-FlashInfer reads 10-16 µs above its own. This probe separates the candidate causes on the grid's small rows
+providers interleaved; on small workloads kvforge's default call reads up to 75 µs above its graph replay
+where FlashInfer reads 5-16 µs above its own. This probe separates the candidate causes on the grid's small rows
 (``--grid`` seed 0 and ``--random 12 --seed 7`` workloads with batch <= 16 and batch x longest <= 40k keys).
 Per workload, each provider is first checked against ``mla_decode_attention_ref`` (fp32, the grid bench's
 check: every element written and finite, relative RMSE < 1e-2) and is not timed if it fails. Providers:
@@ -25,7 +25,7 @@ many key bytes as their fp32 partial output, rounded up to a power of two; only 
   per call, the span from the first kernel's start to the last's end, and the idle time from the flush's end
   to the first kernel (host lag), medians in µs.
 
-    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/probe_decode_eager_gap.py --out /tmp/gap   # H200, ~3 min
+    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/probe_decode_eager_gap.py --out $OUT/gap   # H200, sized for 3 min
     python3 bench/probe_decode_eager_gap.py --plan-only       # CPU: the planner's shares per workload
 
 Writes ``<out>/decode_eager_gap.csv`` (one row per workload and provider, environment stamped) and
