@@ -136,7 +136,8 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
     ),
     "_greedy_accept_kernel": (
         "greedy_accept", {"logits_ptr": "*fp32", "tok_ptr": "*i64", "best_ptr": "*i32", "acc_ptr": "*i32",
-                          "V": "i32", "sl_b": "i32", "sl_t": "i32", "st_b": "i32"}, {"T": 2, "BLOCK_V": 2048}, 4,
+                          "lim_ptr": "*i32", "V": "i32", "sl_b": "i32", "sl_t": "i32", "st_b": "i32"},
+        {"T": 2, "BLOCK_V": 2048, "LIMITS": True}, 4,
     ),
     "_kda_prepare_kernel": (
         "kda_prep", {"p_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32",

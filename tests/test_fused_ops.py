@@ -110,6 +110,12 @@ def test_greedy_accept(gen, device, full_sizes, t) -> None:
     assert torch.equal(best.cpu(), want_best) and torch.equal(acc.cpu(), want_acc)
     assert int(best[0, 0]) == 5 and int(best[1, 0]) == 17 and int(best[2, -1]) == 0
     assert torch.equal(acc.cpu(), (keep + 1).clamp(max=t).int())
+    # Per-request caps (a last step with fewer tokens left than T): acceptance stops there, the choices do not.
+    limits = torch.randint(1, t + 1, (b,), generator=gen, dtype=torch.int32)
+    best2, acc2 = greedy_accept(logits, tokens, limits=limits.to(device))
+    assert torch.equal(best2.cpu(), want_best)
+    assert torch.equal(acc2.cpu(), torch.minimum(want_acc, limits))
+    assert torch.equal(greedy_accept_ref(logits, tokens, limits)[1], torch.minimum(want_acc, limits))
 
 
 def _kda_proj(gen, t: int, h: int, k: int, dtype, device, pad: int = 3) -> torch.Tensor:

@@ -477,14 +477,15 @@ class Runner:
 
         x = self._blocks(model.embed[ids], model.blocks, mixer, lay)
         logits = model.logits(x, fused=True, fp32=False).view(b, t, -1)
-        if model.use_kernels:  # argmax and acceptance in one kernel
-            best, acc = greedy_accept(logits, ids.view(b, t))
+        lim = limits if t > 1 else None
+        if model.use_kernels:  # argmax, acceptance and its cap in one kernel
+            best, acc = greedy_accept(logits, ids.view(b, t), limits=lim)
         else:
             best = logits.argmax(-1).to(torch.int32)
             match = (ids.view(b, t)[:, 1:] == best[:, :-1]).to(torch.int32).cumprod(1)
             acc = (1 + match.sum(1)).to(torch.int32)
-        if limits is not None and t > 1:
-            acc = torch.minimum(acc, limits)
+            if lim is not None:
+                acc = torch.minimum(acc, lim)
         if t > 1:
             live = state_idx.to(torch.int32).contiguous()
             scratch = self._scratch[:b, : t - 1].contiguous()
