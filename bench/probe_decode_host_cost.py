@@ -171,6 +171,7 @@ def patch_context_as_sm90(set_=setattr) -> None:
     for name in ("_mla_context_fwd_kernel", "_mla_tile_starts_kernel", "_mla_work_items_kernel"):
         set_(mc, name, _StubJIT(getattr(mc, name), name))
     set_(mcg, "_mla_context_gluon_kernel", _StubJIT(mcg._mla_context_gluon_kernel, "context_gluon"))
+    set_(mc, "_CALLS", type(mc._CALLS)(maxsize=256))
 
 
 class OpCounter(TorchDispatchMode):
