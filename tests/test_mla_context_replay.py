@@ -1,9 +1,10 @@
 """MLA context attention: replayed launches (issue 28 item 4, host cost).
 
 A call of ``mla_context_attention`` (device lengths) or of ``MLAContextPlan.run`` with the same tensors (address,
-shape, strides, dtype, device) and scalars as an earlier checked call skips the checks and replays the recorded
-launches. These tests pin what that must keep: the work table rebuilt from the lengths' current values, the device
-error flag, every check for a changed argument (raised before any launch) and no caller tensor kept alive.
+shape, strides, dtype, device) and scalars as two earlier checked calls (the first notes the key, the second
+records) skips the checks and replays the recorded launches. These tests pin what that must keep: the work table
+rebuilt from the lengths' current values, the device error flag, every check for a changed argument (raised
+before any launch) and no caller tensor kept alive.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ def test_one_call_replay_rebuilds_the_table_from_new_lengths(gen, device, monkey
     out = poisoned((*q.shape[:2], 128), torch.bfloat16, device)
     first = mla_context_attention(q, k, v, cu_q, cu_kv, out=out, **kw).clone()
     assert_close(first, mla_context_attention_ref(q, k, v, cu_q, cu_kv)[0], torch.bfloat16)
-    assert c.checked == 1 and len(mc._CALLS) == 1
+    assert torch.equal(mla_context_attention(q, k, v, cu_q, cu_kv, out=out, **kw), first)
+    assert c.checked == 2 and len(mc._CALLS) == 1
     launches = c.launches
     # Same totals, other split: q lens (5, 11, 7) -> (12, 4, 7), kv lens (14, 11, 27) -> (21, 4, 27).
     cu_q.copy_(torch.tensor([0, 12, 16, 23], dtype=torch.int32))
     cu_kv.copy_(torch.tensor([0, 21, 25, 52], dtype=torch.int32))
     again = mla_context_attention(q, k, v, cu_q, cu_kv, out=out, **kw)
-    assert c.checked == 1, "the second call took the checked path"
+    assert c.checked == 2, "the third call took the checked path"
     assert c.launches - launches == 3  # the two table launches and the attention launch
     assert again is out
     assert_close(again, mla_context_attention_ref(q, k, v, cu_q, cu_kv)[0], torch.bfloat16)
@@ -90,8 +92,10 @@ def test_one_call_replay_sets_the_error_flag(gen, device, monkeypatch):
     q, k, v, cu_q, cu_kv = _case(gen, device)
     flag = torch.ones(1, dtype=torch.int32, device=device)
     good = cu_kv.clone()
-    mla_context_attention(q, k, v, cu_q, cu_kv, error_flag=flag)
-    assert int(flag[0]) == 0 and len(mc._CALLS) == 1
+    for _ in range(2):  # noted, then recorded
+        flag.fill_(1)
+        mla_context_attention(q, k, v, cu_q, cu_kv, error_flag=flag)
+        assert int(flag[0]) == 0 and len(mc._CALLS) == 1
     cu_kv[2] = cu_kv[1] + 3  # request 1: kv_len 3 < q_len 11
     out = mla_context_attention(q, k, v, cu_q, cu_kv, error_flag=flag)
     assert int(flag[0]) == 1 and len(mc._CALLS) == 1
@@ -122,7 +126,7 @@ def test_one_call_refuses_changed_arguments_after_a_replay(gen, device, monkeypa
     q, k, v, cu_q, cu_kv = _case(gen, device)
     out = torch.empty(q.shape[0], 2, 128, dtype=torch.bfloat16, device=device)
     base = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_kv, "out": out}
-    for _ in range(2):
+    for _ in range(3):
         mla_context_attention(**base)
     c = _Counter(monkeypatch)
     for name, change, exc, text in _changed_arguments(q, k, v, cu_q, cu_kv, device):
@@ -138,8 +142,9 @@ def test_plan_run_replay_and_changed_arguments(gen, device, monkeypatch):
     plan = MLAContextPlan.plan(cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128)
     c = _Counter(monkeypatch)
     o1, l1 = plan.run(q, k, v, return_lse=True)
+    plan.run(q, k, v, return_lse=True)
     o2, l2 = plan.run(q, k, v, return_lse=True)
-    assert c.checked == 1 and c.launches == 2 and len(plan._runs) == 1
+    assert c.checked == 2 and c.launches == 3 and len(plan._runs) == 1
     assert o2 is not o1 and l2 is not l1
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     assert_close(o2, mla_context_attention_ref(q, k, v, cu_q, cu_kv)[0], torch.bfloat16)
@@ -158,7 +163,7 @@ def test_replay_state_keeps_no_tensor(gen, device):
     out = torch.empty(q.shape[0], 2, 128, dtype=torch.bfloat16, device=device)
     scale = torch.ones(1, dtype=torch.float32, device=device)
     plan = MLAContextPlan.plan(cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128)
-    for _ in range(2):
+    for _ in range(3):
         mla_context_attention(q, k, v, cu_q, cu_kv, out=out, return_lse=True)
         plan.run(q, k, v, out=out, kv_scale_quant_orig=scale)
     assert len(plan._runs) == 1
