@@ -5,7 +5,8 @@
 * ``TunedKernel``: per-SM launch configuration, from the committed ``tuned/sm<XY>.json`` when present, else
   measured once on a GPU; the interpreter uses the table's interpreter config. ``launch_fast`` and
   ``direct(spec)`` / ``DirectLaunch`` skip the per-call binder work after the first call per ``spec``;
-  ``launch_jit`` does the same for a kernel launched as ``fn[grid]``, keyed on what Triton specialises on.
+  ``launch_jit`` does the same for a kernel launched as ``fn[grid]``, keyed on what Triton specialises on;
+  ``RecordedLaunch`` replays one such launch on other tensors laid out alike.
 * ``tensor_key`` / ``PlanCache``: a cache of per-call launch plans keyed by each tensor's address, shape,
   strides, dtype and device, so a changed buffer takes the fully checked path again.
 

@@ -19,7 +19,9 @@ lengths back: it builds the work table on the device, bounded by the row counts 
 lengths there (NaN rows and ``error_flag``; ``strict=True`` checks on the host and raises). ``mla_context_paths``
 says which paths a GPU has; inputs a device cannot run raise ``ValueError`` before any launch. On sm_90 the
 per-GPU table may route a key to the warp-specialised Gluon kernel (``mla_context_gluon``, knob ``GLUON``); else
-the same config runs this module's portable kernel. Notes: docs/mla_context.md, bench/results/mla_context.md.
+the same config runs this module's portable kernel. Calls repeating an earlier call's tensors (address, shape,
+strides, dtype, device) and scalars replay its checked launches (docs/kernels.md, "Context host cost").
+Notes: docs/mla_context.md, bench/results/mla_context.md.
 """
 
 from __future__ import annotations
@@ -1739,8 +1741,8 @@ def mla_context_attention(
             # few µs, wasted on buffers that never come back).
             plan = MLAContextPlan._plan_on_device(sh, cu_q, cu_kv, max_q, max_kv, q.shape[0], kv_rows, error_flag=flag)
             if key is not None and kv_scale_orig_quant is None:
-                res = plan.run(q, k, v, kv_scale_quant_orig=kv_scale_quant_orig, q_scale=q_scale,
-                               softmax_scale=softmax_scale, out=out, return_lse=return_lse)  # fmt: skip
+                res = plan._run_checked(q, k, v, kv_scale_quant_orig, q_scale, softmax_scale, out, None, return_lse,
+                                        None)  # fmt: skip
                 _CALLS.put(key, None)
                 return res
         else:
