@@ -57,7 +57,9 @@ class _Counter:
 
         monkeypatch.setattr(mc, "_check_inputs", check)
         monkeypatch.setattr(mc, "launch_jit", launch)
-        monkeypatch.setattr(rt, "launch_jit", launch)  # RecordedLaunch's fallback in the interpreter
+        monkeypatch.setattr(rt, "launch_jit", launch)  # RecordedLaunch's fallback
+        # On a GPU, launches would go to the compiled kernels' launchers, past the counter: not here.
+        monkeypatch.setattr(rt, "_FAST_LAUNCH", False)
 
 
 @pytest.mark.parametrize("max_seqlen", [False, True], ids=["no max", "max_seqlen"])
