@@ -10,7 +10,9 @@ the driver launch itself (a few µs per kernel on the H200 host), Triton's launc
 TMA descriptor argument it encodes a ``CUtensorMap``) and the CUDA caching allocator (a CPU ``torch.empty`` is
 cheaper than a CUDA one). Timed with ``time.perf_counter`` over many calls with the garbage collector on; the
 torch ops each call issues are counted with a ``TorchDispatchMode``; ``--profile`` prints a cProfile of one
-workload. ``--device cuda`` runs the same calls unpatched on a GPU (kernels included, caches uninitialised):
+workload. Context calls repeat their tensors, so from the third call on they replay recorded launches;
+``--no-replay`` empties those caches before each call (the cost for buffers that never recur). ``--device cuda``
+runs the same calls unpatched on a GPU (kernels included, caches uninitialised):
 the host's whole enqueue time per call, driver launches and the CUDA allocator included.
 
     PYTHONPATH=. python3 bench/probe_decode_host_cost.py [--context] [--calls 200] [--rounds 15] [--profile 3]
@@ -171,6 +173,7 @@ def patch_context_as_sm90(set_=setattr) -> None:
     for name in ("_mla_context_fwd_kernel", "_mla_tile_starts_kernel", "_mla_work_items_kernel"):
         set_(mc, name, _StubJIT(getattr(mc, name), name))
     set_(mcg, "_mla_context_gluon_kernel", _StubJIT(mcg._mla_context_gluon_kernel, "context_gluon"))
+    set_(mc, "_CALLS", type(mc._CALLS)(maxsize=256))
 
 
 class OpCounter(TorchDispatchMode):
@@ -294,8 +297,9 @@ def decode_cases(md, device: str = "cpu") -> list[tuple[str, object]]:
 
 def context_cases(device: str = "cpu") -> list[tuple[str, object]]:
     """bf16 q/k/v, 192 = 128 + 64 wide keys, 128-wide values (DeepSeek's context attention after the
-    up-projections), token-major V; device ``cu_seqlens``: the one call without and with ``max_seqlen_*``, and
-    ``MLAContextPlan.run`` (planned from host lengths outside the timing)."""
+    up-projections), token-major V; device ``cu_seqlens``: the one call without and with ``max_seqlen_*``,
+    ``MLAContextPlan.run`` (planned from host lengths outside the timing) and ``plan`` + ``run`` end to end (what
+    issue 28 holds the one call to: at most 1.1x)."""
     from kvforge.kernels import mla_context as mc
 
     cases = []
@@ -321,8 +325,30 @@ def context_cases(device: str = "cpu") -> list[tuple[str, object]]:
         def planned(q=q, k=k, v=v, out=out, plan=plan) -> None:
             plan.run(q, k, v, out=out)
 
-        cases += [(f"{name} one call", one), (f"{name} one call max_seqlen", one_max), (f"{name} planned run", planned)]
+        def plan_run(q=q, k=k, v=v, cu_q=cu_q, cu_kv=cu_kv, out=out, H=H) -> None:
+            p = mc.MLAContextPlan.plan(cu_q, cu_kv, num_heads=H, num_kv_heads=H, head_dim_qk=192, head_dim_v=128,
+                                       device=q.device)  # fmt: skip
+            p.run(q, k, v, out=out)
+
+        cases += [(f"{name} one call", one), (f"{name} one call max_seqlen", one_max), (f"{name} planned run", planned),
+                  (f"{name} plan + run", plan_run)]  # fmt: skip
     return cases
+
+
+def _no_replay(fn):
+    """``fn`` with ``mla_context``'s replay caches (the one call's ``_CALLS``, the plan's ``_runs``) emptied first:
+    every call takes the checked path, as with buffers that never recur."""
+    from kvforge.kernels import mla_context as mc
+
+    plans = [d for d in fn.__defaults__ or () if isinstance(d, mc.MLAContextPlan)]
+
+    def call() -> None:
+        getattr(mc, "_CALLS", {}).clear()
+        for p in plans:
+            getattr(p, "_runs", {}).clear()
+        fn()
+
+    return call
 
 
 def main() -> None:
@@ -332,6 +358,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=-1, help="cProfile this case index (one round)")
     ap.add_argument("--only", type=str, default="", help="substring of the case names to run")
     ap.add_argument("--context", action="store_true", help="also mla_context_attention's one call and plan.run")
+    ap.add_argument("--no-replay", action="store_true",
+                    help="context: empty the replay caches before each call (tensors that never recur)")  # fmt: skip
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: the real calls on a GPU, kernels included (timing only)")  # fmt: skip
     args = ap.parse_args()
@@ -347,7 +375,10 @@ def main() -> None:
     for _ in range(20000):
         torch.empty(0)
     print(f"reference: CPU torch.empty(0) {(time.perf_counter() - t0) / 20000 * 1e6:.2f} µs")
-    cases = decode_cases(md, args.device) + (context_cases(args.device) if args.context else [])
+    ctx = context_cases(args.device) if args.context else []
+    if args.no_replay:
+        ctx = [(name + " no replay", _no_replay(fn)) for name, fn in ctx]
+    cases = decode_cases(md, args.device) + ctx
     cases = [c for c in cases if args.only in c[0]]
     rows = []
     for i, (name, fn) in enumerate(cases):
@@ -359,7 +390,7 @@ def main() -> None:
         ops, allocs, launches = ops / per, allocs / per, launches / per
         rows.append((name, med, best, ops, allocs, launches, cpu))
         top = ", ".join(f"{k} {v / per:g}" for k, v in by_name.most_common())
-        print(f"{i:2d} {name:>34}: {med:7.2f} µs/call (min {best:6.2f}, CPU {cpu:6.2f}) | torch ops {ops:g} "
+        print(f"{i:2d} {name:>44}: {med:7.2f} µs/call (min {best:6.2f}, CPU {cpu:6.2f}) | torch ops {ops:g} "
               f"(allocations {allocs:g}) | launches {launches:g} | {top}", flush=True)  # fmt: skip
         if i == args.profile:
             pr = cProfile.Profile()
@@ -370,12 +401,13 @@ def main() -> None:
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
     med = statistics.median
     groups = [("decode", t) for t in ("default out=", "fresh out+lse", "planned run")]
-    groups += [("context", t) for t in ("one call", "one call max_seqlen", "planned run")]
+    groups += [("context", t + r) for r in ("", " no replay")
+               for t in ("one call", "one call max_seqlen", "planned run", "plan + run")]  # fmt: skip
     for op, tag in groups:
         sel = [r for r in rows if r[0].endswith(tag) and r[0].startswith("ctx") == (op == "context")
                and "x61" not in r[0]]  # fmt: skip
         if sel:
-            print(f"{op} {tag:>19}: median over {len(sel)} workloads: wall {med(r[1] for r in sel):.2f} µs/call "
+            print(f"{op} {tag:>29}: median over {len(sel)} workloads: wall {med(r[1] for r in sel):.2f} µs/call "
                   f"(max {max(r[1] for r in sel):.2f}), min wall {med(r[2] for r in sel):.2f}, CPU "
                   f"{med(r[6] for r in sel):.2f}; torch ops {min(r[3] for r in sel):g}-{max(r[3] for r in sel):g}, "
                   f"allocations {min(r[4] for r in sel):g}-{max(r[4] for r in sel):g}")  # fmt: skip

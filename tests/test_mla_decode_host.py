@@ -221,7 +221,8 @@ def test_direct_launch_matches_checked_launch(gen, monkeypatch, name, planned):
 @pytest.mark.parametrize("short_q", [False, True], ids=["gluon", "short q portable TMA"])
 def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned, short_q):
     """``mla_context_attention``'s launches (``_runtime.launch_jit``) as on sm_90: the second call's direct launches
-    carry the first call's arguments (the one call's fresh work table aside)."""
+    carry the first call's arguments (the one call's fresh work table aside), and so do the third call's, replayed
+    from the second's recording (``_runtime.RecordedLaunch``)."""
     from kvforge.kernels import mla_context as mc
     from kvforge.kernels import mla_context_gluon as mcg
 
@@ -245,10 +246,14 @@ def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned,
     probe.LAUNCHES.clear()
     call()
     second = list(probe.LAUNCHES)
+    probe.LAUNCHES.clear()
+    call()
+    third = list(probe.LAUNCHES)
     main = "_mla_context_fwd_kernel" if short_q else "context_gluon"
     names = [] if planned else ["_mla_tile_starts_kernel", "_mla_work_items_kernel"]
     assert [e[1] for e in first] == [*names, main] and [e[0] for e in first] == ["jit"] * len(first)
-    assert [e[1] for e in second] == [*names, main] and [e[0] for e in second] == ["direct"] * len(first)
+    for later in (second, third):
+        assert [e[1] for e in later] == [*names, main] and [e[0] for e in later] == ["direct"] * len(first)
     fns = {
         "_mla_tile_starts_kernel": mc._mla_tile_starts_kernel,
         "_mla_work_items_kernel": mc._mla_work_items_kernel,
@@ -258,12 +263,17 @@ def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned,
     # The one call's work table (starts, table, and the flag / scale placeholders that point at it) is new per call.
     skips = {"_mla_tile_starts_kernel": (2, 3), "_mla_work_items_kernel": (2, 3),
              "_mla_context_fwd_kernel": (10, 12, 15), "context_gluon": (6, 8, 11)}  # fmt: skip
-    for a, b in zip(first, second):
-        _check_direct_matches(a, b, [p.name for p in fns[a[1]].params], () if planned else skips[a[1]])
-    if short_q:  # the portable kernel read q, k and v through TMA descriptors over this call's tensors
-        assert [d.base for d in second[-1][2][9 + 5 : 9 + 10]] == [q, q, k, k, v]
-    else:
-        assert [d.base for d in second[-1][2][9 + 3 : 9 + 6]] == [k, k, v]
+    for later in (second, third):
+        for a, b in zip(first, later):
+            _check_direct_matches(a, b, [p.name for p in fns[a[1]].params], () if planned else skips[a[1]])
+        if short_q:  # the portable kernel read q, k and v through TMA descriptors over this call's tensors
+            assert [d.base for d in later[-1][2][9 + 5 : 9 + 10]] == [q, q, k, k, v]
+        else:
+            assert [d.base for d in later[-1][2][9 + 3 : 9 + 6]] == [k, k, v]
+    if not planned:  # the replay's table launches and attention launch share this call's work table
+        w = third[1][2][9 + 3]
+        assert third[0][2][9 + 2].data_ptr() == w.data_ptr() + 4 * w.numel()  # starts follow the table
+        assert third[-1][2][9 + (10 if short_q else 6)] is w
 
 
 @pytest.mark.parametrize("name", ["gluon 64 heads, shares merged", "portable TMA (q not contiguous), shares merged"])

@@ -5,7 +5,8 @@
 * ``TunedKernel``: per-SM launch configuration, from the committed ``tuned/sm<XY>.json`` when present, else
   measured once on a GPU; the interpreter uses the table's interpreter config. ``launch_fast`` and
   ``direct(spec)`` / ``DirectLaunch`` skip the per-call binder work after the first call per ``spec``;
-  ``launch_jit`` does the same for a kernel launched as ``fn[grid]``, keyed on what Triton specialises on.
+  ``launch_jit`` does the same for a kernel launched as ``fn[grid]``, keyed on what Triton specialises on;
+  ``RecordedLaunch`` replays one such launch on other tensors laid out alike.
 * ``tensor_key`` / ``PlanCache``: a cache of per-call launch plans keyed by each tensor's address, shape,
   strides, dtype and device, so a changed buffer takes the fully checked path again.
 
@@ -399,6 +400,76 @@ def launch_jit(fn: Any, grid: tuple[int, ...], args: Sequence[Any], consts: Mapp
         _JIT_FAST[spec] = (kernel, tuple(cvals), active.get_current_device(), active.get_current_device,
                            active.get_current_stream)  # fmt: skip
     return kernel
+
+
+def jit_direct(fn: Any, args: Sequence[Any], consts: Mapping[str, Any], **options: Any) -> tuple[Any, ...] | None:
+    """The compiled kernel's launcher entry ``launch_jit`` registered for these arguments (after a call with
+    them has compiled), else None (interpreter, fast launch off, arguments it cannot key)."""
+    if not _FAST_LAUNCH:
+        return None
+    try:
+        return _JIT_FAST.get((id(fn), tuple(map(_arg_spec, args)), tuple(consts.items()), tuple(options.items())))
+    except TypeError:
+        return None
+
+
+class RecordedLaunch:
+    """A ``launch_jit(fn, grid, args, consts, **options)`` replayed on other tensors laid out alike.
+
+    ``record`` takes a checked call's launch and the tuple of its per-call tensors (``tensors``); each tensor
+    argument, and each host tensor descriptor over one, becomes a slot of that tuple, so the recording holds no
+    caller tensor (a descriptor keeps its fields and gets the new base). It returns None when an argument is a
+    tensor outside ``tensors``. ``launch(tensors)`` hands the arguments to the compiled kernel's launcher when
+    ``launch_jit`` registered one, else calls ``launch_jit``. The caller keys recordings on everything Triton
+    specialises on (``tensor_key`` of each tensor, the scalar arguments), so a replay compiles nothing new.
+    """
+
+    __slots__ = ("base", "consts", "descs", "fast", "fn", "grid", "options", "slots")
+
+    def __init__(self, fn: Any, grid: tuple[int, ...], base: list, slots: tuple, descs: tuple,
+                 consts: Mapping[str, Any], options: Mapping[str, Any], fast: tuple | None) -> None:  # fmt: skip
+        self.fn, self.grid, self.base, self.slots, self.descs = fn, (*grid, 1, 1)[:3], base, slots, descs
+        self.consts, self.options, self.fast = consts, options, fast
+
+    @classmethod
+    def record(cls, fn: Any, grid: tuple[int, ...], args: Sequence[Any], consts: Mapping[str, Any],
+               options: Mapping[str, Any], tensors: Sequence[Any]) -> RecordedLaunch | None:  # fmt: skip
+        where = {id(t): i for i, t in enumerate(tensors) if t is not None}
+        base, slots, descs = list(args), [], []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                j = where.get(id(a))
+                if j is None:
+                    return None
+                slots.append((i, j))
+                base[i] = None
+            elif isinstance(getattr(a, "base", None), torch.Tensor) and hasattr(a, "block_shape"):
+                j, fields = where.get(id(a.base)), getattr(a, "__dict__", None)
+                if j is None or fields is None:
+                    return None
+                descs.append((i, type(a), {n: x for n, x in fields.items() if n != "base"}, j))
+                base[i] = None
+        fast = jit_direct(fn, args, consts, **options)
+        return cls(fn, grid, base, tuple(slots), tuple(descs), dict(consts), dict(options), fast)
+
+    def launch(self, tensors: Sequence[Any]) -> None:
+        args = self.base.copy()
+        for i, j in self.slots:
+            args[i] = tensors[j]
+        for i, kind, fields, j in self.descs:
+            d = kind.__new__(kind)
+            d.__dict__.update(fields)
+            d.base = tensors[j]
+            args[i] = d
+        fast = self.fast
+        if fast is not None and not _hooks_active():
+            kernel, cvals, device, current_device, current_stream = fast
+            if current_device() == device:
+                g = self.grid
+                kernel.run(g[0], g[1], g[2], current_stream(device), kernel.function, kernel.packed_metadata, None,
+                           None, None, *args, *cvals)  # fmt: skip
+                return
+        launch_jit(self.fn, self.grid, args, self.consts, **self.options)
 
 
 def export_tuned(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:

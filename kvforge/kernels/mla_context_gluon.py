@@ -652,12 +652,19 @@ def gluon_supports(q_dtype: torch.dtype, kv_dtype: torch.dtype, dim_major: bool,
     return kv_dtype in wide and q_dtype == kv_dtype and not dim_major and not v_widen
 
 
-def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
-                          softmax_scale, scale_val, scale_ptr, q_scale_val=None, q_scale_ptr=None,
-                          block_n=128, num_stages=2, heads_outer=True,
-                          pingpong=False, key_perm=False, v_widen=False):  # fmt: skip
+def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, **kw):
     """One launch of the Gluon kernel over a planned work table (inputs already checked by the caller, and
-    ``gluon_supports`` true for them)."""
+    ``gluon_supports`` true for them); keyword arguments as ``gluon_launch_args``."""
+    fn, grid, args, consts, options = gluon_launch_args(q, k, v, out, lse, work, n_items, **kw)
+    # Repeat launches go to the compiled kernel's launcher (Triton's own launch path costs tens of µs a call).
+    return launch_jit(fn, grid, args, consts, **options)
+
+
+def gluon_launch_args(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
+                      softmax_scale, scale_val, scale_ptr, q_scale_val=None, q_scale_ptr=None,
+                      block_n=128, num_stages=2, heads_outer=True,
+                      pingpong=False, key_perm=False, v_widen=False):  # fmt: skip
+    """``(kernel, grid, args, consts, options)`` of ``mla_context_gluon_fwd``'s launch, for ``launch_jit``."""
     kv16 = k.dtype != torch.float8_e4m3fn
     q_quant = not kv16 and q.dtype != torch.float8_e4m3fn
     fp8_p = not kv16 and not v_widen
@@ -679,5 +686,4 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, *, num_heads, group,
         HEADS_OUTER=heads_outer, C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, KEY_PERM=key_perm and fp8_p,
         KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16,
     )  # fmt: skip
-    # Repeat launches go to the compiled kernel's launcher (Triton's own launch path costs tens of µs a call).
-    return launch_jit(_mla_context_gluon_kernel, grid, args, consts, num_warps=4, maxnreg=_MAXNREG)
+    return _mla_context_gluon_kernel, grid, args, consts, {"num_warps": 4, "maxnreg": _MAXNREG}
