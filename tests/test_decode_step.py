@@ -91,6 +91,19 @@ def _finish_args(**kw):
     return args
 
 
+def _inputs_args(**kw):
+    args = dict(
+        slots=torch.zeros(2, dtype=torch.int32),
+        starts=torch.zeros(2, dtype=torch.long),
+        table=torch.zeros(2, 4, dtype=torch.int32),
+        next_new_tokens=torch.zeros(2, 5, dtype=torch.int32),
+        width=1,
+        tokens_per_block=4,
+    )
+    args.update(kw)
+    return args
+
+
 @pytest.mark.parametrize(
     ("call", "exc", "match"),
     [
@@ -109,61 +122,15 @@ def _finish_args(**kw):
             ValueError,
             "overlaps slots",
         ),
+        (lambda: decode_inputs(**_inputs_args(starts=torch.zeros(2))), TypeError, "starts"),
+        (lambda: decode_inputs(**_inputs_args(table=torch.zeros(3, 4, dtype=torch.int32))), ValueError, "table"),
         (
-            lambda: decode_inputs(
-                torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.zeros(2, 4), torch.zeros(2, 5), 1, 4
-            ),
-            TypeError,
-            "starts",
-        ),
-        (
-            lambda: decode_inputs(
-                torch.zeros(2, dtype=torch.int32),
-                torch.zeros(2, dtype=torch.long),
-                torch.zeros(3, 4, dtype=torch.int32),
-                torch.zeros(2, 5, dtype=torch.int32),
-                1,
-                4,
-            ),
-            ValueError,
-            "table",
-        ),
-        (
-            lambda: decode_inputs(
-                torch.zeros(2, dtype=torch.int32),
-                torch.zeros(2, dtype=torch.long),
-                torch.zeros(2, 4, dtype=torch.int32),
-                torch.zeros(1, 5, dtype=torch.int32),
-                2,
-                4,
-            ),
+            lambda: decode_inputs(**_inputs_args(next_new_tokens=torch.zeros(1, 5, dtype=torch.int32), width=2)),
             ValueError,
             "next_new_tokens",
         ),
-        (
-            lambda: decode_inputs(
-                torch.zeros(2, dtype=torch.int32),
-                torch.zeros(2, dtype=torch.long),
-                torch.zeros(2, 4, dtype=torch.int32),
-                torch.zeros(2, 5, dtype=torch.int32),
-                0,
-                4,
-            ),
-            ValueError,
-            "width",
-        ),
-        (
-            lambda: decode_inputs(
-                torch.zeros(2, dtype=torch.int32),
-                torch.zeros(2, dtype=torch.long),
-                torch.zeros(2, 4, dtype=torch.int32),
-                torch.zeros(2, 5, dtype=torch.int32),
-                1,
-                0,
-            ),
-            ValueError,
-            "tokens_per_block",
-        ),
+        (lambda: decode_inputs(**_inputs_args(width=0)), ValueError, "width"),
+        (lambda: decode_inputs(**_inputs_args(tokens_per_block=0)), ValueError, "tokens_per_block"),
     ],
 )
 @pytest.mark.skipif(not interpreting(), reason="the cases build CPU tensors (interpreter only)")
