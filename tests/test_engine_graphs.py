@@ -144,3 +144,12 @@ def test_last_step_with_fewer_tokens_left_stays_on_the_graph_path(model: HybridM
     assert eng.run()["turn2"] == want2
     assert eng.manager.stats.reused_tokens > 0
     eng.manager.check_invariants()
+
+
+def test_bad_limits_are_refused_before_the_step_runs(model: HybridModel) -> None:
+    eng = Engine(model, EngineConfig(max_num_requests=4), draft_len=1)
+    g = eng.decode_graphs(capture=False)
+    for bad in ([3], [0], [1, 1], [True], [1.0]):
+        with pytest.raises(ValueError, match="limits"):
+            g.run([0], [0], [0], limits=bad)
+    assert g.replays == 0 and g._last_ids is None

@@ -144,7 +144,9 @@ class DecodeGraphs:
         t = self.width
         if limits is None:
             limits = (t,) * n
-        elif len(limits) != n or not all(type(x) is int and 1 <= x <= t for x in limits):
+        key = (b, *slots, *state_rows, *limits)
+        # Checked when they change, before anything runs: a step with the last one's batch skips the check.
+        if key != self._last_ids and (len(limits) != n or not all(type(x) is int and 1 <= x <= t for x in limits)):
             raise ValueError(f"limits: expected {n} ints in 1 .. {t}, got {limits!r}")
         if self.capture and b not in self._graphs:
             if phases is not None:
@@ -152,7 +154,6 @@ class DecodeGraphs:
             self._capture(b)
             if phases is not None:
                 phases.mark("capture")
-        key = (b, *slots, *state_rows, *limits)
         if key != self._last_ids:
             # numpy views of the pinned buffers: a list goes in without a temporary tensor.
             ids = self._ids_np

@@ -88,7 +88,7 @@ def greedy_accept(
             check_operand(name, buf, dtype=torch.int32, ndim=len(shape), contiguous=True, shape=shape,
                           device=logits.device)  # fmt: skip
         outs[name] = buf
-    check_no_overlap(outs, {"logits": logits, "tokens": tokens, **({"limits": limits} if limits is not None else {})})
+    check_no_overlap(outs, {"logits": logits, "tokens": tokens, "limits": limits})
     if b:
         lim = limits if limits is not None else outs["accepted"]  # a placeholder pointer when there are none
         _greedy_accept_kernel[(b,)](
