@@ -10,6 +10,15 @@ import torch
 FP8 = torch.float8_e4m3fn
 
 
+def check_int(name: str, v: object, lo: int, hi: int | None = None) -> int:
+    """``v`` as an int in ``[lo, hi]`` (no upper bound when ``hi`` is None); a bool is not an int here."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+    return v
+
+
 def check_tensor(
     name: str,
     t: object,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_no_overlap, check_operand, same_device
+from kvforge.kernels._checks import check_int, check_no_overlap, check_operand, same_device
 from kvforge.kernels.slot_ops import SlotStores
 
 __all__ = ["DecodeInputs", "decode_finish", "decode_finish_ref", "decode_inputs", "decode_inputs_ref"]
@@ -91,14 +91,6 @@ def _decode_finish_kernel(
     tl.store(out_ptr + i * (T + 2) + T + 1, draft)
 
 
-def _check_width(width: object) -> int:
-    if isinstance(width, bool) or not isinstance(width, int):
-        raise TypeError(f"width: expected an int, got {type(width).__name__}")
-    if width < 1:
-        raise ValueError(f"width: expected an int >= 1, got {width}")
-    return width
-
-
 def decode_inputs(
     slots: torch.Tensor,
     starts: torch.Tensor,
@@ -110,9 +102,8 @@ def decode_inputs(
     """See the module docstring."""
     check_operand("slots", slots, dtype=_INTS, ndim=1, contiguous=True)
     b, dev = slots.shape[0], slots.device
-    t = _check_width(width)
-    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
-        raise ValueError(f"tokens_per_block: expected an int >= 1, got {tokens_per_block!r}")
+    t = check_int("width", width, 1)
+    tpb = check_int("tokens_per_block", tokens_per_block, 1)
     check_operand("starts", starts, dtype=_INTS, ndim=1, contiguous=True, shape=(b,), device=dev)
     check_operand("table", table, dtype=_INTS, ndim=2, last_dim_contiguous=True, shape=(b, None), device=dev)
     check_operand("next_new_tokens", next_new_tokens, dtype=_INTS, ndim=2, last_dim_contiguous=True, device=dev)
@@ -127,7 +118,7 @@ def decode_inputs(
     if n:
         _decode_inputs_kernel[(n,)](
             slots, starts, table, next_new_tokens, *out, table.stride(0), next_new_tokens.stride(0), mb,
-            T=t, TPB=tokens_per_block, BLOCK_MB=min(1024, triton.next_power_of_2(max(mb, 1))), num_warps=1,
+            T=t, TPB=tpb, BLOCK_MB=min(1024, triton.next_power_of_2(max(mb, 1))), num_warps=1,
         )  # fmt: skip
     return out
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvforge.kernels._checks import check_no_overlap, check_operand
+from kvforge.kernels._checks import check_int, check_no_overlap, check_operand
 
 __all__ = ["kda_prepare", "kda_prepare_ref"]
 
@@ -56,14 +56,6 @@ def _kda_prepare_kernel(
     tl.store(b_ptr + t * H + h, 1.0 / (1.0 + tl.exp(-b)))
 
 
-def _check_int(name: str, v: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-    if v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name}: expected an int in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
-    return v
-
-
 def kda_prepare(
     proj: torch.Tensor,
     num_heads: int,
@@ -74,8 +66,8 @@ def kda_prepare(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module docstring."""
     check_operand("proj", proj, dtype=_FLOAT, ndim=2, last_dim_contiguous=True)
-    h = _check_int("num_heads", num_heads, 1)
-    kd = _check_int("head_dim", head_dim, 1, MAX_K)
+    h = check_int("num_heads", num_heads, 1)
+    kd = check_int("head_dim", head_dim, 1, MAX_K)
     if proj.shape[1] != 4 * h * kd + h:
         raise ValueError(
             f"proj: expected {4 * h * kd + h} columns (q, k, v, g of {h} x {kd}, then {h} beta), got {proj.shape[1]}"
