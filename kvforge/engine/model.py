@@ -324,10 +324,13 @@ class HybridModel:
     # ``fused`` (the engine's calls): the norms as kernels when they are on; ``fp32=False`` keeps the logits in the
     # model dtype (the greedy choice reads them as they are: converting to fp32 changes no order).
 
-    def logits(self, hidden: torch.Tensor, *, fused: bool = False, fp32: bool = True) -> torch.Tensor:
-        h = self.norm(hidden, self.final_norm) if fused else self.rms(hidden, self.final_norm)
+    def _head(self, hidden: torch.Tensor, norm: torch.Tensor, fused: bool, fp32: bool) -> torch.Tensor:
+        h = self.norm(hidden, norm) if fused else self.rms(hidden, norm)
         y = h @ self.lm_head
         return y.float() if fp32 else y
+
+    def logits(self, hidden: torch.Tensor, *, fused: bool = False, fp32: bool = True) -> torch.Tensor:
+        return self._head(hidden, self.final_norm, fused, fp32)
 
     def draft_input(self, hidden: torch.Tensor, next_ids: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
         """The drafter's input at position p: its hidden state and the embedding of token p + 1."""
@@ -344,6 +347,4 @@ class HybridModel:
 
     def draft_logits(self, hidden: torch.Tensor, *, fused: bool = False, fp32: bool = True) -> torch.Tensor:
         assert self.draft_final_norm is not None
-        h = self.norm(hidden, self.draft_final_norm) if fused else self.rms(hidden, self.draft_final_norm)
-        y = h @ self.lm_head
-        return y.float() if fp32 else y
+        return self._head(hidden, self.draft_final_norm, fused, fp32)
