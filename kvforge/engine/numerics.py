@@ -10,7 +10,7 @@
   scales the margins and the errors alike. A model with a planted copy head (``ModelConfig.copy_offset``) has
   peaked logits; for it the check is :attr:`LogitCheck.exact`: no token differs and every row is decisive.
 * :func:`component_errors`: one request (prefill, then decode with a one-token drafter) through an
-  :class:`~kvforge.engine.Engine` with a probe on every layer. For each layer and phase (prompt positions:
+  :class:`~kvforge.engine.Engine` (eager decode: no CUDA graphs) with a probe on every layer. For each layer and phase (prompt positions:
   ``prefill``, generated positions: ``decode``) it reports the mixer's error against the reference mixer fed the
   engine's own inputs (isolates that component: MLA prefill = FP8/16-bit context kernel, MLA decode = the
   Triton decode kernel over the bf16 latent cache, KDA = fla-core, drafter) and the accumulated error of the
@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -140,7 +140,8 @@ def component_errors(
     """One request through a fresh engine (no reuse, so every position is computed); see the module docstring."""
     if type(max_new_tokens) is not int or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens: expected an int >= 2 (at least one decode position), got {max_new_tokens!r}")
-    eng = Engine(model, config, draft_len=draft_len)
+    # The probe is a Python call after every layer: a replayed CUDA graph makes none, so decode runs eager here.
+    eng = Engine(model, replace(config, cuda_graphs=False), draft_len=draft_len)
     # Per layer: position -> (h, mixer, x) of the latest computation of that position (a rejected draft token's
     # position is computed again with the accepted token in the next step).
     seen: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
