@@ -119,10 +119,10 @@ def test_greedy_accept(gen, device, full_sizes, t) -> None:
 
 
 def _kda_proj(gen, t: int, h: int, k: int, dtype, device, pad: int = 3) -> torch.Tensor:
-    """A ``[t, 4hk + h]`` projection as a strided view (row stride + pad), with a spread of gate values that
+    """A ``[t, 4hk + h]`` projection as a strided view (one column in, row stride ``4hk + h + 1 + pad``), with a spread of gate values that
     crosses softplus's threshold and a zero head (the norm's eps) in row 0."""
     n = 4 * h * k + h
-    big = torch.randn(t, n + pad, generator=gen) * 3
+    big = torch.randn(t, n + 1 + pad, generator=gen) * 3
     big[:, 1 + 3 * h * k : 1 + 4 * h * k] *= 10  # gates from about -60 to 60: both sides of the threshold
     big[0, 1 : 1 + k] = 0.0  # q of head 0 at token 0 is zero: F.normalize keeps it zero
     return big.to(device, dtype)[:, 1 : n + 1]
