@@ -574,7 +574,7 @@ def main() -> None:
     ap.add_argument(
         "--resimulate-csv",
         action="store_true",
-        help="with --resimulate: append the comparison to --out's fleet.csv as a run of its own",
+        help="with --resimulate: append the comparison to --out's fleet.csv as a run of its own, and plot it",
     )
     args = ap.parse_args()
     start_time = time.monotonic()
@@ -614,7 +614,11 @@ def main() -> None:
             rows += run_simulations(reqs, args, profile, policy, stamp, m)
         compare(rows, list(raw["measured"]))
         if args.resimulate_csv:
-            print(f"\nwrote {write_csv(rows, args.out)}")
+            args.out.mkdir(parents=True, exist_ok=True)
+            png = args.out / f"{args.resimulate.stem.replace('fleet_raw_', 'fleet_')}_resim.png"
+            plot(rows, png, f"fleet run of {raw['stamp']['date']} (rev {raw['stamp']['git_rev']}, "
+                 f"{raw['stamp']['machine']}) re-simulated at rev {git_rev()} with {args.profile.name}")  # fmt: skip
+            print(f"\nwrote {write_csv(rows, args.out)} and {png}")
         return
 
     from kvforge.serve.fleet import LocalFleet

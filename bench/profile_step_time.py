@@ -20,7 +20,8 @@ or skipped when under three cycles would fit). A step counts for k only when it 
 time; ``slowdown(k)`` is the mean complete-cycle time with k engines over the mean of the two alone phases beside
 it, and ``alone_drift`` (slowest alone phase over fastest; a warning past 1.25) says whether the load held still.
 The profile is written as soon as the fit exists and again with the ``contention`` object
-(:mod:`kvforge.sim.contention`); ``--contention-only`` adds a curve to an existing profile.
+(:mod:`kvforge.sim.contention`); ``--contention-only`` adds a curve to an existing profile, and ``--refit`` fits
+an existing profile's samples again (after the step features change; no engine).
 
     python3 bench/profile_step_time.py --size tiny --max-len 256 --contention 3 \
         --out bench/results/step_profile_cpu_tiny.json                                           # CPU
@@ -400,6 +401,48 @@ def fit(samples: list[dict]) -> dict[str, float] | None:
         return None
 
 
+def fit_samples(samples: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """The fit over timed steps: coefficients and its relative errors; each sample gets its ``fitted`` value."""
+    rows = [step_features(s["prefill"], s["decode_requests"], s["decode_context"]) for s in samples]
+    coef = fit_step_times(rows, [s["seconds"] for s in samples])
+    errs = []
+    for s, r in zip(samples, rows):
+        pred = sum(coef[n] * f for n, f in zip(FEATURES, r))
+        s["fitted"] = pred
+        errs.append(abs(pred - s["seconds"]) / s["seconds"])
+    errs.sort()
+    return coef, {
+        "samples": len(errs),
+        "median_abs_rel_err": errs[len(errs) // 2],
+        "p90_abs_rel_err": errs[int(0.9 * (len(errs) - 1))],
+        "max_abs_rel_err": errs[-1],
+    }
+
+
+def refit(path: Path) -> None:
+    """``--refit``: the fit of an existing profile again, over its own timed samples, with today's features (no
+    engine, no timing); the old coefficients and fit are kept under ``meta.refit``."""
+    data = json.loads(path.read_text())
+    samples = data.get("samples")
+    if not isinstance(samples, list) or len(samples) < 2 * len(FEATURES):
+        raise SystemExit(f"--refit: {path} has {len(samples or [])} samples, need {2 * len(FEATURES)}")
+    old_coef, old_fit = data.get("coefficients"), data.get("fit")
+    coef, fit_stats = fit_samples(samples)
+    data["coefficients"], data["fit"] = coef, fit_stats
+    data.setdefault("meta", {})["refit"] = {
+        **{k: v for k, v in env_stamp().items() if k in ("git_rev", "date")},
+        "features": list(FEATURES),
+        "previous_coefficients": old_coef,
+        "previous_fit": old_fit,
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print("coefficients (s per unit):", {k: f"{v:.3g}" for k, v in coef.items()})
+    print(f"refit over {fit_stats['samples']} steps: median |rel err| {fit_stats['median_abs_rel_err']:.1%}, p90 "
+          f"{fit_stats['p90_abs_rel_err']:.1%}, max {fit_stats['max_abs_rel_err']:.1%} (was "
+          f"{(old_fit or {}).get('median_abs_rel_err', float('nan')):.1%} / "
+          f"{(old_fit or {}).get('p90_abs_rel_err', float('nan')):.1%}); wrote {path}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("tiny", "real"), default="tiny")
@@ -435,7 +478,17 @@ def main() -> None:
         action="store_true",
         help="measure only the contention curve and add it to the existing --out profile",
     )
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="no engine: fit the existing --out profile's samples again (today's step features) and rewrite it",
+    )
     args = ap.parse_args()
+    if args.refit:
+        if not args.out.is_file():
+            ap.error(f"--out: {args.out} does not exist (--refit rewrites an existing profile)")
+        refit(args.out)
+        return
     if args.contention < 0 or (args.contention_only and args.contention < 2) or args.contention == 1:
         ap.error("--contention: expected K >= 2 (0: no contention measurement)")
     if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
@@ -595,21 +648,7 @@ def profile_grid(
         print(f"!! budget: skipped {len(skipped)} of {len(grid)} workloads: {', '.join(skipped)}", flush=True)
     if len(rec.samples) < 2 * len(FEATURES):
         raise SystemExit(f"!! {len(rec.samples)} steps timed: too few to fit; raise --budget-s")
-    rows = [step_features(s["prefill"], s["decode_requests"], s["decode_context"]) for s in rec.samples]
-    secs = [s["seconds"] for s in rec.samples]
-    coef = fit_step_times(rows, secs)
-    errs = []
-    for s, r in zip(rec.samples, rows):
-        pred = sum(coef[n] * f for n, f in zip(FEATURES, r))
-        s["fitted"] = pred
-        errs.append(abs(pred - s["seconds"]) / s["seconds"])
-    errs.sort()
-    fit_stats = {
-        "samples": len(errs),
-        "median_abs_rel_err": errs[len(errs) // 2],
-        "p90_abs_rel_err": errs[int(0.9 * (len(errs) - 1))],
-        "max_abs_rel_err": errs[-1],
-    }
+    coef, fit_stats = fit_samples(rec.samples)
     stamp = {**env_stamp(), "device": device, "size": args.size, "load_avg_start": load0,
              "load_avg_end": os.getloadavg(), "profile_s": time.monotonic() - T0, "max_len": max_len,
              "budget_s": args.budget_s, "workloads": len(grid) - len(skipped), "skipped": skipped,

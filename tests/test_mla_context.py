@@ -588,6 +588,18 @@ def test_gpu_bench_workloads_fp8(device, gen, wl):
         assert rel_rmse(out, ref) < 0.035
 
 
+@pytest.mark.parametrize("mode", ["fp8", "fp8kv"])
+def test_narrow_head_dims_fp8(device, gen, mode):
+    """Head dims whose parts are under 32 (the tiny model's 32 + 16 q/k, 32 v): Hopper's e4m3 MMA needs K >= 32,
+    so such FP8 launches decode the bytes on chip; on the GPU and in the interpreter, against the reference."""
+    q, k, v, cu_q, cu_kv = _make(gen, device, [37, 5], [20, 0], d_qk=48, d_v=32)
+    q8, k8, v8 = _cast(mode, q, k, v, 1.5)
+    out, lse = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=1.5, return_lse=True)
+    ref, ref_lse = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=1.5)
+    assert_close(out, ref.to(out.device), FP8)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.double(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_error_band_vs_full_precision(device, gen):
     """FP8 inputs vs full-precision math on the original data, reported and kept inside a band."""

@@ -34,7 +34,7 @@ TINY = ModelSpec(
 ENGINE = {"tokens_per_block": 16, "attention_pages": 96, "state_pages": 20, "max_num_tokens": 128,
           "max_num_requests": 8}  # fmt: skip
 TRUE = {"intercept": 0.05, "prefill_tokens": 2e-4, "prefill_chunks": 0.01, "prefill_attention": 1e-3,
-        "decode_requests": 0.004, "decode_context": 1e-5}  # fmt: skip
+        "decode_requests": 0.004, "decode_context": 1e-5, "prefill_steps": 0.03}  # fmt: skip
 
 
 def _samples(rng: random.Random, n: int = 200, noise: float = 0.0):
@@ -83,10 +83,23 @@ def test_profiled_step_time_evaluates_the_fit(tmp_path: Path):
     st = ProfiledStepTime(prof)
     f = step_features([(32, 64)], 3, 300)
     assert st.step_time([(32, 64)], 300, 3) == pytest.approx(sum(TRUE[k] * v for k, v in zip(FEATURES, f)))
-    # Two real steps: intercept and decode terms twice, the chunk once.
+    # Two real steps: intercept, decode terms and the prefill step's fixed cost twice, the chunk once.
     two = st.step_time([(32, 64)], 300, 3, real_steps=2)
-    assert two - st.step_time([(32, 64)], 300, 3) == pytest.approx(TRUE["intercept"] + 3 * 0.004 + 300 * 1e-5)
+    per_step = TRUE["intercept"] + 3 * 0.004 + 300 * 1e-5 + TRUE["prefill_steps"]
+    assert two - st.step_time([(32, 64)], 300, 3) == pytest.approx(per_step)
+    # A decode-only step pays no prefill fixed cost.
+    assert st.step_time([], 300, 3) == pytest.approx(TRUE["intercept"] + 3 * 0.004 + 300 * 1e-5)
     assert st.step_time([], 0, 0) == 0.0
+
+
+def test_profile_without_prefill_steps_reads_it_as_zero(tmp_path: Path):
+    """A profile written before ``prefill_steps`` existed loads, with that coefficient 0."""
+    old = {k: v for k, v in TRUE.items() if k != "prefill_steps"}
+    prof = load_profile(_profile(tmp_path, coefficients=old))
+    assert prof.coefficients["prefill_steps"] == 0.0
+    st = ProfiledStepTime(prof)
+    f = step_features([(0, 64)], 0, 0)
+    assert st.step_time([(0, 64)], 0, 0) == pytest.approx(sum(old.get(k, 0.0) * v for k, v in zip(FEATURES, f)))
 
 
 def test_cache_size_reproduces_the_engine_pages(tmp_path: Path):

@@ -1286,7 +1286,10 @@ class MLAContextPlan:
         cap = gpu_capability(self.device) if self.device.type == "cuda" else gpu_capability(None)
         kw = dict(self.config.kwargs)
         q_fp8, kv_fp8 = sh.q_dtype == FP8, sh.kv_dtype == FP8
-        fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma)
+        # An e4m3 x e4m3 tl.dot needs K >= 32 on the GPU (Hopper's FP8 MMA): a head-dim part under 32 (the tiny
+        # model's 32 + 16) takes the byte path, which widens FP8 to 16 bits on chip (any part >= 16).
+        narrow = min(d_a, d_b or d_a) < 32
+        fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma or narrow)
         if kw.pop("GLUON", 0):
             gl_launch = self._launch_gluon(
                 q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr, kw, fp8_bytes

@@ -5,8 +5,10 @@ JSON file (``format: kvforge-step-profile/1``) that ``bench/profile_step_time.py
 
 * ``coefficients``: seconds per unit of each feature of one real step, :data:`FEATURES`: ``intercept`` (1),
   ``prefill_tokens``, ``prefill_chunks`` (context rows), ``prefill_attention`` (query-key pairs of the context
-  rows, ``sum n * (start + (n + 1) / 2)``, in thousands), ``decode_requests`` and ``decode_context`` (the
-  generation rows' context tokens). Non-negative, fitted by least squares with negative terms dropped;
+  rows, ``sum n * (start + (n + 1) / 2)``, in thousands), ``decode_requests``, ``decode_context`` (the
+  generation rows' context tokens) and ``prefill_steps`` (1 for a step with any context row: the eager step's
+  fixed cost, which a captured decode step does not pay; absent in older files, read as 0). Non-negative,
+  fitted by least squares with negative terms dropped;
 * ``model``: the profiled model's :class:`~kvforge.sim.model.ModelSpec` fields (its cache layout);
 * ``engine``: the budgets it ran with (``tokens_per_block``, ``attention_pages``, ``state_pages``,
   ``max_num_tokens``, ``max_num_requests``), so a simulated fleet can be sized like the real one;
@@ -37,7 +39,17 @@ from kvforge.sim.model import ModelSpec, StepTimeModel, Throughputs
 __all__ = ["FEATURES", "FORMAT", "ProfiledStepTime", "StepProfile", "fit_step_times", "load_profile", "step_features"]
 
 FORMAT = "kvforge-step-profile/1"
-FEATURES = ("intercept", "prefill_tokens", "prefill_chunks", "prefill_attention", "decode_requests", "decode_context")
+FEATURES = (
+    "intercept",
+    "prefill_tokens",
+    "prefill_chunks",
+    "prefill_attention",
+    "decode_requests",
+    "decode_context",
+    "prefill_steps",
+)
+# Features a profile written before they existed may lack: read as 0 (that file's fit did not have them).
+_OPTIONAL = ("prefill_steps",)
 ENGINE_FIELDS = ("tokens_per_block", "attention_pages", "state_pages", "max_num_tokens", "max_num_requests")
 _MAX_BYTES = 64 * 2**20
 
@@ -46,7 +58,8 @@ def step_features(prefill: Sequence[tuple[int, int]], decode_requests: float, de
     """The feature vector of one real step (see the module docstring), in :data:`FEATURES` order."""
     tokens = sum(n for _, n in prefill)
     pairs = sum(n * (s + (n + 1) / 2) for s, n in prefill) / 1e3
-    return [1.0, float(tokens), float(len(prefill)), pairs, float(decode_requests), float(decode_context)]
+    has = 1.0 if prefill else 0.0
+    return [1.0, float(tokens), float(len(prefill)), pairs, float(decode_requests), float(decode_context), has]
 
 
 def fit_step_times(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> dict[str, float]:
@@ -84,6 +97,8 @@ class StepProfile:
     contention: Contention | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.coefficients, Mapping) and any(n not in self.coefficients for n in _OPTIONAL):
+            object.__setattr__(self, "coefficients", {**dict.fromkeys(_OPTIONAL, 0.0), **self.coefficients})
         for name in FEATURES:
             v = self.coefficients.get(name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -129,8 +144,10 @@ class ProfiledStepTime(StepTimeModel):
             return 0.0
         c = self.profile.coefficients
         f = step_features(prefill, decode_requests, decode_contexts)
-        # Per real step: the intercept and the decode terms; the context chunks are spread over the real steps.
+        # Per real step: the intercept and the decode terms, and with context rows the prefill step's fixed cost
+        # (the server spreads a prefill over all ``real_steps``); the context tokens and chunks are paid once.
         per_step = c["intercept"] + c["decode_requests"] * decode_requests + c["decode_context"] * decode_contexts
+        per_step += c["prefill_steps"] * f[6]
         once = c["prefill_tokens"] * f[1] + c["prefill_chunks"] * f[2] + c["prefill_attention"] * f[3]
         return real_steps * per_step + once
 
