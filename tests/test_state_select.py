@@ -5,6 +5,8 @@
 * ``kda_recurrent_inplace`` (fla-core's kernel with ``ssm_state_indices`` and ``inplace_final_state``, under the
   interpreter here; and the CPU torch loop) equals ``kda_tokens`` fed gathered states: outputs, the state after
   every token in its row, every other row untouched.
+* ``kda_segments``'s short-prefill path (fla-core's varlen recurrent kernel, interpreter here) equals its torch
+  loop over segments, an empty segment included: outputs and final states, in bf16 as the engine runs it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvforge.engine.ops import kda_recurrent_inplace, kda_tokens
+from kvforge.engine.ops import kda_recurrent_inplace, kda_segments, kda_tokens
 from kvforge.kernels.state_select import select_accepted_states, select_accepted_states_ref
 
 
@@ -108,3 +110,23 @@ def test_inplace_recurrence_refuses_bad_indices() -> None:
         kda_recurrent_inplace(q, q, q, q, q[..., 0], pool, torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(ValueError, match="pool"):
         kda_recurrent_inplace(q, q, q, q, q[..., 0], pool.double(), torch.zeros(2, 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("lens", [[5, 11, 7], [1], [9, 0, 4]])
+def test_short_segments_recurrent_kernel_equals_the_loop(gen, device, lens) -> None:
+    """The varlen recurrent kernel (every segment under ``recurrent_max``) against the CPU torch loop."""
+    h, d = 2, 16
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta = (x[0] for x in _kda_inputs(gen, 1, cu[-1], h, d))
+    s0 = torch.randn(len(lens), h, d, d, generator=gen)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()  # the engine's dtypes: bf16 q/k/v, fp32 g/beta/states
+    want_o, want_s = kda_segments(q, k, v, g, beta, s0, cu, use_kernel=False)
+    dev = [x.to(device) for x in (q, k, v, g, beta, s0)]
+    got_o, got_s = kda_segments(*dev, cu, use_kernel=True)
+    assert got_o.dtype == v.dtype and got_s.dtype == torch.float32 and got_s.shape == s0.shape
+    torch.testing.assert_close(got_o.float().cpu(), want_o.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_s.cpu(), want_s.float(), rtol=1e-3, atol=1e-3)
+    if 0 in lens:  # an empty segment ends where it started
+        assert torch.equal(got_s[lens.index(0)].cpu(), s0[lens.index(0)])

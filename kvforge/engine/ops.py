@@ -7,10 +7,11 @@
   ``kvforge.kernels.mla_decode.mla_decode_attention`` (whose plain-torch reference is
   ``mla_decode_attention_ref``).
 * :func:`kda_segments` runs the KDA (Kimi delta attention) recurrence over varlen segments with initial states
-  and returns every segment's final state: fla-core's ``chunk_kda`` on CUDA, its ``naive_recurrent_kda``
-  reference on CPU. :func:`kda_tokens` does the same one token at a time and returns the state after every
-  token (speculative verification keeps the state after the last accepted token). Before fla-core's first
-  GPU call, its committed launch configs for the GPU are selected (:mod:`kvforge.engine.fla_configs`).
+  and returns every segment's final state: on CUDA fla-core's ``fused_recurrent_kda`` (varlen) when every
+  segment is short, its ``chunk_kda`` otherwise; its ``naive_recurrent_kda`` reference on CPU.
+  :func:`kda_tokens` does the same one token at a time and returns the state after every token (speculative
+  verification keeps the state after the last accepted token). Before fla-core's first GPU call, its committed
+  launch configs for the GPU are selected (:mod:`kvforge.engine.fla_configs`).
 * :func:`kda_recurrent_inplace` is the decode / verify path: ``N`` rows of ``T`` tokens read their initial
   state from ``pool[state_indices[n, 0]]`` and write the state after token ``t`` into
   ``pool[state_indices[n, t]]``, in place (fla-core's ``fused_recurrent_kda`` with ``ssm_state_indices`` and
@@ -19,6 +20,8 @@
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -71,6 +74,12 @@ def _fla_configs_once() -> None:
         use_committed_fla_configs()
 
 
+# Segments up to this many tokens take fla-core's recurrent kernel (one launch; each program walks its segment
+# token by token) instead of the chunked one, whose host side (a dozen autotuned launches and their index
+# preparation) cost ~2.7 ms per call on the H200 at any length: most of a short eager prefill step.
+RECURRENT_PREFILL_MAX_TOKENS = 512
+
+
 def kda_segments(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,17 +88,38 @@ def kda_segments(
     beta: torch.Tensor,
     initial_states: torch.Tensor,
     cu_seqlens: list[int],
+    *,
+    use_kernel: bool | None = None,
+    recurrent_max: int = RECURRENT_PREFILL_MAX_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA over segments ``cu_seqlens`` of the flat ``[T, H, ...]`` inputs, segment i starting from
-    ``initial_states[i]`` (fp32 ``[N, H, K, V]``). Returns (``o [T, H, V]`` in v's dtype, final states fp32)."""
+    ``initial_states[i]`` (fp32 ``[N, H, K, V]``). Returns (``o [T, H, V]`` in v's dtype, final states fp32).
+    ``use_kernel`` None: fla-core's kernels on CUDA (the recurrent one when no segment is longer than
+    ``recurrent_max`` tokens, else the chunked one), the torch loop on CPU."""
     n = len(cu_seqlens) - 1
     if initial_states.shape[0] != n:
         raise ValueError(f"initial_states: expected {n} states (one per segment), got {initial_states.shape[0]}")
-    if _use_fla_kernels(q):
-        _fla_configs_once()
+    if use_kernel is None:
+        use_kernel = _use_fla_kernels(q)
+    if use_kernel:
+        if q.device.type == "cuda":
+            _fla_configs_once()
+        # The host copy goes to fla too: its chunk indices are then built without reading the device's back.
+        cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
+        cu = cu_cpu.to(q.device)
+        if max(b - a for a, b in itertools.pairwise(cu_seqlens)) <= recurrent_max:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore[import-untyped]
+
+            # Every token belongs to a segment, so the kernel writes all of ``out``: no zero fill before it.
+            o, final = fused_recurrent_kda_fwd(
+                q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g[None].float().contiguous(),
+                beta[None].float().contiguous(), initial_state=initial_states.float().contiguous(),
+                output_final_state=True, inplace_final_state=False, cu_seqlens=cu,
+                out=torch.empty((1, *v.shape), dtype=v.dtype, device=v.device),
+            )  # fmt: skip
+            return o[0], final
         from fla.ops.kda import chunk_kda  # type: ignore[import-untyped]
 
-        cu = torch.tensor(cu_seqlens, dtype=torch.long, device=q.device)
         o, final = chunk_kda(
             q[None],
             k[None],
@@ -99,6 +129,7 @@ def kda_segments(
             initial_state=initial_states.float(),
             output_final_state=True,
             cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
         )
         return o[0], final.float()
     from fla.ops.kda.naive import naive_recurrent_kda  # type: ignore[import-untyped]
