@@ -89,5 +89,8 @@ def test_fused_weights_share_memory_with_the_fields() -> None:
         m = blk.mixer
         fused = m.a if hasattr(m, "a") else m.proj
         parts = [m.q_a, m.kv_a] if hasattr(m, "a") else [m.q, m.k, m.v, m.g, m.b]
-        assert torch.equal(torch.cat(parts, 1), fused)
+        n = sum(p.shape[1] for p in parts)
+        assert torch.equal(torch.cat(parts, 1), fused[:, :n])
+        if not hasattr(m, "a"):  # the KDA projection is padded with zero columns to a multiple of 64
+            assert fused.shape[1] % 64 == 0 and fused.shape[1] - n < 64 and not fused[:, n:].any()
         assert all(p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for p in parts)

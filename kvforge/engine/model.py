@@ -146,7 +146,7 @@ class HybridModel:
 
     def _fuse_projections(self) -> None:
         """Projections that read the same input, concatenated into one weight each (``Block.gate_up``,
-        ``MLAWeights.a = [q_a | kv_a]``, ``KDAWeights.proj = [q | k | v | g | b]``), so the kernel path runs one
+        ``MLAWeights.a = [q_a | kv_a]``, ``KDAWeights.proj = [q | k | v | g | b | 0]``), so the kernel path runs one
         GEMM where it ran several. The separate weights become column views of the fused one (same memory, same
         values): the plain forms and the reference keep using them."""
         for blk in [*self.blocks, *([self.draft_block] if self.draft_block is not None else [])]:
@@ -159,10 +159,15 @@ class HybridModel:
                 r = m.q_a.shape[1]
                 m.q_a, m.kv_a = m.a[:, :r], m.a[:, r:]
             else:
-                m.proj = torch.cat([m.q, m.k, m.v, m.g, m.b], 1)
+                parts = (m.q, m.k, m.v, m.g, m.b)
                 cols = [0]
-                for x in (m.q, m.k, m.v, m.g, m.b):
+                for x in parts:
                     cols.append(cols[-1] + x.shape[1])
+                # Zero columns up to a multiple of 64: 4hk + h (10,260 at the real size) leaves the GEMM's output
+                # rows misaligned for Hopper's kernels, and cuBLAS fell back to an sm_80 one (40 ms of a 187 ms
+                # 8 x 1024 prefill on the H200). kda_project reads the first 4hk + h columns.
+                pad = (-cols[-1]) % 64
+                m.proj = torch.cat([*parts, parts[0].new_zeros(parts[0].shape[0], pad)], 1)
                 m.q, m.k, m.v, m.g, m.b = (m.proj[:, a:b] for a, b in itertools.pairwise(cols))
 
     # --- shared pieces ----------------------------------------------------------------------------------------
@@ -307,7 +312,8 @@ class HybridModel:
         ``kda_prepare`` kernel for the norms and gates."""
         c = self.config
         if fused and self.use_kernels and h.dim() == 2:
-            return kda_prepare(h @ m.proj, c.linear_heads, c.linear_head_dim, KDA_GATE_BIAS)
+            n = c.linear_heads * (4 * c.linear_head_dim + 1)  # [q | k | v | g | b] without the padding
+            return kda_prepare((h @ m.proj)[:, :n], c.linear_heads, c.linear_head_dim, KDA_GATE_BIAS)
         shape = (-1, c.linear_heads, c.linear_head_dim)
         q = F.normalize((h @ m.q).float().view(shape), dim=-1).to(h.dtype)
         k = F.normalize((h @ m.k).float().view(shape), dim=-1).to(h.dtype)
