@@ -119,8 +119,8 @@ def test_greedy_accept(gen, device, full_sizes, t) -> None:
 
 
 def _kda_proj(gen, t: int, h: int, k: int, dtype, device, pad: int = 3) -> torch.Tensor:
-    """A ``[t, 4hk + h]`` projection as a strided view (one column in, row stride ``4hk + h + 1 + pad``), with a spread of gate values that
-    crosses softplus's threshold and a zero head (the norm's eps) in row 0."""
+    """A ``[t, 4hk + h]`` projection as a strided view (one column in, row stride ``4hk + h + 1 + pad``), with a
+    spread of gate values that crosses softplus's threshold and a zero head (the norm's eps) in row 0."""
     n = 4 * h * k + h
     big = torch.randn(t, n + 1 + pad, generator=gen) * 3
     big[:, 1 + 3 * h * k : 1 + 4 * h * k] *= 10  # gates from about -60 to 60: both sides of the threshold

@@ -10,11 +10,12 @@
   scales the margins and the errors alike. A model with a planted copy head (``ModelConfig.copy_offset``) has
   peaked logits; for it the check is :attr:`LogitCheck.exact`: no token differs and every row is decisive.
 * :func:`component_errors`: one request (prefill, then decode with a one-token drafter) through an
-  :class:`~kvforge.engine.Engine` (eager decode: no CUDA graphs) with a probe on every layer. For each layer and phase (prompt positions:
-  ``prefill``, generated positions: ``decode``) it reports the mixer's error against the reference mixer fed the
-  engine's own inputs (isolates that component: MLA prefill = FP8/16-bit context kernel, MLA decode = the
-  Triton decode kernel over the bf16 latent cache, KDA = fla-core, drafter) and the accumulated error of the
-  residual stream after that layer against the reference forward pass. Both as relative RMS errors.
+  :class:`~kvforge.engine.Engine` (eager decode: no CUDA graphs) with a probe on every layer. For each layer and
+  phase (prompt positions: ``prefill``, generated positions: ``decode``) it reports the mixer's error against
+  the reference mixer fed the engine's own inputs (isolates that component: MLA prefill = FP8/16-bit context
+  kernel, MLA decode = the Triton decode kernel over the bf16 latent cache, KDA = fla-core, drafter) and the
+  accumulated error of the residual stream after that layer against the reference forward pass. Both as
+  relative RMS errors.
 """
 
 from __future__ import annotations
