@@ -266,7 +266,9 @@ def test_backend_answers_without_length_and_cut_mid_body(no_tracebacks) -> None:
             cut["on"] = True
             answer = await exchange(base, post())
             assert status_of(answer) == 200 and not answer.endswith(b"0\r\n\r\n")
-            assert svc.fleet.total_backlog() == 0 and svc.metrics.requests.labels(url, "upstream_failed")._value.get()
+            exposition = svc.metrics.render().decode()
+            failed = f'kvforge_router_requests_total{{backend="{url}",outcome="upstream_failed"}} 1.0'
+            assert svc.fleet.total_backlog() == 0 and failed in exposition
         finally:
             await close()
             server.close()

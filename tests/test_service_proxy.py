@@ -514,3 +514,93 @@ def test_readme_configuration_sends_a_new_conversation_to_the_backend_announcing
                 assert r["backend"] == announcer.name, (n, r)
 
     run(main())
+
+
+def _samples(exposition: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of one metric's samples in Prometheus text."""
+    out = {}
+    for line in exposition.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            out[labels] = float(value)
+    return out
+
+
+@pytest.mark.usefixtures("http_layer")
+def test_metrics_count_every_request_and_prompt_token_at_each_scrape() -> None:
+    async def main() -> None:
+        async with fleet(2, tokens_per_block=64) as (svc, base, backends, s):
+            texts = [f"conversation {i} " + "y" * (100 * i) for i in range(6)]
+            expect_tokens = sum(
+                svc.keyer.keys_for_body("/v1/chat/completions", {"messages": [{"role": "user", "content": t}]})[1]
+                for t in texts
+            )
+            seen = {"ok": 0.0, "tokens": 0.0}
+            for round_ in range(2):  # the second scrape adds what came after the first, once
+                for i, t in enumerate(texts):
+                    body = {"messages": [{"role": "user", "content": t}], "stream": i % 2 == 0}
+                    assert (await post_chat(s, base, body, f"c{i}"))["done"]
+                async with s.get(base + "/metrics") as m:
+                    exposition = await m.text()
+                ok = _samples(exposition, "kvforge_router_requests_total")
+                tokens = _samples(exposition, "kvforge_router_prompt_tokens_total")
+                assert set(ok) <= {f'{{backend="{b.url}",outcome="ok"}}' for b in backends}
+                assert sum(ok.values()) == 6 * (round_ + 1) == seen["ok"] + 6
+                assert sum(tokens.values()) == expect_tokens * (round_ + 1) == seen["tokens"] + expect_tokens
+                seen = {"ok": sum(ok.values()), "tokens": sum(tokens.values())}
+
+    run(main())
+
+
+@pytest.mark.usefixtures("http_layer")
+def test_request_headers_are_forwarded_less_the_hop_by_hop_ones() -> None:
+    from aiohttp import web
+
+    from kvforge.service.proxy import RouterService, ServiceConfig
+    from tests.service_harness import serve_service
+
+    got: list[list[tuple[bytes, bytes]]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        got.append(list(request.raw_headers))
+        await request.read()
+        return web.json_response({"backend": "cap"})
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        port, close = await serve_service(RouterService(ServiceConfig(backends=[url], tokens_per_block=64)))
+        try:
+            body = b'{"messages": [{"role": "user", "content": "hello"}]}'
+            head = (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nX-Custom: Mixed Case Value\r\n"
+                b"x-lower: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nContent-Type: application/json\r\n"
+                b"X-Conversation-Id: conv-1\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head + body)
+            status = await reader.readline()
+            writer.close()
+            assert status.startswith(b"HTTP/1.1 200"), status
+            assert len(got) == 1
+            names = [k.lower() for k, _ in got[0]]
+            for k, v in ((b"X-Custom", b"Mixed Case Value"), (b"x-lower", b"1"), (b"X-Conversation-Id", b"conv-1")):
+                assert (k, v) in got[0], got[0]
+            for hop in (b"keep-alive", b"te"):
+                assert hop not in names
+            assert names.count(b"host") == 1 and dict(got[0])[b"Host"] == url.split("//")[1].encode()
+            assert dict(got[0])[b"Content-Length"] == str(len(body)).encode()
+        finally:
+            await close()
+            await runner.cleanup()
+
+    run(main())

@@ -67,22 +67,35 @@ class _Refused(Exception):
 
 
 class _Headers:
-    """A request's headers as received (``items()``, in order, original case) with case-insensitive ``get``."""
+    """Headers as received: ``raw`` (name, value) bytes in order, original case; ``items()`` decoded (latin-1),
+    case-insensitive ``get`` (the last of a repeated name), ``wire(drop)`` the lines to forward.
 
-    __slots__ = ("_low", "raw")
+    Decoded only when read, in one pass: the parser's per-header callback just keeps the bytes."""
 
-    def __init__(self, raw: list[tuple[str, str]], low: dict[str, str] | None = None) -> None:
+    __slots__ = ("_items", "_low", "raw")
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
         self.raw = raw
-        self._low = low
+        self._low: dict[str, str] | None = None
+        self._items: list[tuple[str, str]] | None = None
 
     def get(self, name: str, default: Any = None) -> Any:
         low = self._low
         if low is None:
-            low = self._low = {k.lower(): v for k, v in self.raw}
+            low = self._low = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.raw}
         return low.get(name.lower(), default)
 
     def items(self) -> list[tuple[str, str]]:
-        return self.raw
+        it = self._items
+        if it is None:
+            it = self._items = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw]
+        return it
+
+    def wire(self, drop: frozenset[bytes]) -> bytes:
+        """``Name: value\r\n`` lines of the headers whose lower-case name is not in ``drop``, as received; a
+        name repeated in the same case is sent once, with its last value (as a dict of ``items()`` would)."""
+        kept = {k: v for k, v in self.raw if k.lower() not in drop}
+        return b"".join([b"%b: %b\r\n" % kv for kv in kept.items()])
 
 
 class _Request:
@@ -126,8 +139,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.closed = False
         self._url: list[bytes] = []
-        self._headers: list[tuple[str, str]] = []
-        self._low: dict[str, str] = {}
+        self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
         self._head_size = 0
         self._in_head = False
@@ -207,7 +219,6 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = []
         self._headers = []
-        self._low = {}
         self._head_bytes = 0  # received while the head is incomplete (httptools holds a header until it ends)
         self._head_size = 0
         self._in_head = True
@@ -222,11 +233,10 @@ class _Conn(asyncio.Protocol):
             raise _Refused(_error(431, f"request line: over {MAX_HEAD_BYTES} bytes"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        k, v = name.decode("latin-1"), value.decode("latin-1")
-        self._headers.append((k, v))
-        self._low[k.lower()] = v
+        h = self._headers
+        h.append((name, value))
         self._head_size += len(name) + len(value)
-        if len(self._headers) > MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
+        if len(h) > MAX_HEADERS or self._head_size > MAX_HEAD_BYTES:
             raise _Refused(_error(431, f"request headers: over {MAX_HEADERS} or {MAX_HEAD_BYTES} bytes"))
 
     def on_headers_complete(self) -> None:
@@ -239,7 +249,7 @@ class _Conn(asyncio.Protocol):
             spath = unquote(path.decode("utf-8", "replace"))
         if p.should_upgrade():
             raise _Refused(_error(400, "request: protocol upgrades are not supported"))
-        headers = _Headers(self._headers, self._low)
+        headers = _Headers(self._headers)
         req = _Request(
             p.get_method().decode("latin-1"), spath, query.decode("latin-1"), headers, p.should_keep_alive(),
             p.get_http_version(),
@@ -354,9 +364,11 @@ class _Conn(asyncio.Protocol):
                 if method != "POST":
                     self.reply(_error(405, "Method Not Allowed"))
                 else:
-                    raw = await self._decoded_body(req)
+                    # (Most bodies come without a Content-Encoding: no coroutine to decode them.)
+                    headers = req.headers
+                    raw = req.body if headers.get("content-encoding") is None else await self._decoded_body(req)
                     if raw is not None:
-                        await svc.forward(self, path, raw, req.headers)
+                        await svc.forward(self, path, raw, headers)
             else:
                 handler = self.server.routes.get((method if method != "HEAD" else "GET", path))
                 if handler is not None:
@@ -464,26 +476,11 @@ class _Conn(asyncio.Protocol):
         else:
             chunked, framing = True, b"Transfer-Encoding: chunked\r\n"
         t = self.transport
-        # What one read from the backend brings goes out in one write (the head with the first piece, the last
-        # piece with the chunked terminator).
         # (The backend's status line and headers pass as they came, less the hop-by-hop ones: never decoded.)
         reason = up.reason_bytes or _REASONS.get(status, "Unknown").encode()
-        out = [b"HTTP/1.1 %d %b\r\n%b%b%b\r\n" % (status, reason, up.forward_head, _CONNECTION[keep], framing)]
-
-        def sink(data: bytes) -> None:
-            if data and not nobody:
-                out.append(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
-
-        def flush(end: bytes = b"") -> None:
-            if end:
-                out.append(end)
-            if out:
-                if not self.closed:
-                    t.write(out[0] if len(out) == 1 else b"".join(out))
-                out.clear()
-
+        head = b"HTTP/1.1 %d %b\r\n%b%b%b\r\n" % (status, reason, up.forward_head, _CONNECTION[keep], framing)
         try:
-            got = up.take(sink, flush, b"0\r\n\r\n" if chunked else b"")
+            got = up.take(self, head, chunked, nobody, b"0\r\n\r\n" if chunked else b"")
             if got is not None:
                 self._relay_up = up
                 if self._write_paused:
@@ -549,9 +546,13 @@ class _UpConn(asyncio.Protocol):
         self._head_fut: asyncio.Future[None] | None = None
         self._done_fut: asyncio.Future[None] | None = None
         self._buf: list[bytes] = []
-        self._sink: Callable[[bytes], Any] | None = None
-        self._flush: Callable[..., Any] | None = None
-        self._tail = b""  # what ``flush`` sends after the body's last piece
+        # While the body is relayed (``take``): what goes to ``_client`` after this read, each piece as it came
+        # or framed as a chunk; None while the body is kept in ``_buf`` instead.
+        self._out: list[bytes] | None = None
+        self._client: _Conn | None = None
+        self._chunked = False
+        self._nobody = False
+        self._tail = b""  # sent after the body's last piece
         self._error: UpstreamError | None = None
         self._timing = False  # the request's deadlines are watched (see ``_arm``)
         self._last = 0.0
@@ -571,8 +572,14 @@ class _UpConn(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"bad response ({str(exc)[:80]})", True))
-        if self._flush is not None:
-            self._flush()
+        # What one read from the backend brought goes out in one write (the head with the first piece, the
+        # last piece with the chunked terminator).
+        out = self._out
+        if out:
+            c = self._client
+            if not c.closed:  # type: ignore[union-attr]
+                c.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+            out.clear()
 
     def eof_received(self) -> bool:
         return False
@@ -625,25 +632,24 @@ class _UpConn(asyncio.Protocol):
         """The response's headers, decoded (read where a response is not relayed as it comes)."""
         h = self._headers
         if h is None:
-            h = self._headers = _Headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers])
+            h = self._headers = _Headers(self.raw_headers)
         return h
 
     def on_body(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            sink(data)
-        else:
+        out = self._out
+        if out is None:
             self._buf.append(data)
+        elif data and not self._nobody:
+            out.append(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
 
     def on_message_complete(self) -> None:
         if self.status < 200:
             return
         self.complete = True
         self._disarm()
-        flush = self._flush
-        if flush is not None:
-            self._sink = self._flush = None
-            flush(self._tail)
+        if self._out is not None:
+            self._send(self._tail)
+            self._out = None
         f = self._done_fut
         if f is not None and not f.done():
             f.set_result(None)
@@ -699,9 +705,9 @@ class _UpConn(asyncio.Protocol):
         if self._error is not None:
             return
         self._error = err
-        if self._flush is not None:  # (what arrived before the cut still goes out)
-            self._flush()
-            self._sink = self._flush = None
+        if self._out is not None:  # (what arrived before the cut still goes out)
+            self._send()
+            self._out = None
         self._stop_timer()
         self.keep_alive = False
         for f in (self._head_fut, self._done_fut):
@@ -723,21 +729,36 @@ class _UpConn(asyncio.Protocol):
             if not self.closed:
                 self.transport.resume_reading()
 
-    def take(self, sink: Callable[[bytes], Any], flush: Callable[..., Any], end: bytes) -> asyncio.Future[None] | None:
-        """Hand the body to ``sink`` piece by piece, what has arrived now and the rest as it arrives, calling
-        ``flush()`` after each read from the backend and ``flush(end)`` once it is complete; a future for the
-        end (None when it is already complete). Raises :class:`UpstreamError` when it was cut before."""
+    def take(self, client: _Conn, head: bytes, chunked: bool, nobody: bool, end: bytes) -> asyncio.Future[None] | None:
+        """Relay the response to ``client``: ``head``, then the body piece by piece (framed as chunks when
+        ``chunked``; dropped when ``nobody``), what has arrived now and the rest as it arrives, one write per
+        read from the backend, ``end`` after the last piece; a future for the end (None when it is already
+        complete). Raises :class:`UpstreamError` when it was cut before."""
+        self._client, self._chunked, self._nobody, self._tail = client, chunked, nobody, end
+        self._out = [head]
         for piece in self._buf:
-            sink(piece)
+            self.on_body(piece)
         self._buf = []
         if self.complete:
-            flush(end)
+            self._send(end)
+            self._out = None
             return None
-        flush()
+        self._send()
         if self._error is not None:
+            self._out = None
             raise self._error
-        self._sink, self._flush, self._tail = sink, flush, end
         return self._wait_done()
+
+    def _send(self, end: bytes = b"") -> None:
+        out = self._out
+        assert out is not None
+        if end:
+            out.append(end)
+        if out:
+            c = self._client
+            if not c.closed:  # type: ignore[union-attr]
+                c.transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+            out.clear()
 
     def _wait_done(self) -> asyncio.Future[None]:
         f = self._done_fut = self.loop.create_future()
@@ -768,7 +789,7 @@ class _UpConn(asyncio.Protocol):
         reusable = self.complete and self.keep_alive and self._error is None and not self.closed
         if self._paused:
             self.resume()
-        self._sink = self._flush = None  # (status and headers stay readable; cleared at the next request)
+        self._out = self._client = None  # (status and headers stay readable; cleared at the next request)
         if reusable:
             self.pool.put(self)
         else:
@@ -779,7 +800,7 @@ class _UpConn(asyncio.Protocol):
     def discard(self) -> None:
         self.active = False
         self._stop_timer()
-        self._sink = self._flush = None
+        self._out = self._client = None
         self.keep_alive = False
         if not self.closed and self.transport is not None:
             self.transport.close()
@@ -838,18 +859,21 @@ class Pool:
         headers: Any = None,
         total: float | None = None,
     ) -> _UpConn:
-        """Send a request; returns once the response's headers are in (the connection, read on through it)."""
+        """Send a request; returns once the response's headers are in (the connection, read on through it).
+        ``headers``: a mapping, or header lines already in wire form (``_Headers.wire``)."""
         cfg = self.cfg
         key, netloc, prefix = self._base(base)
         total_s = cfg.request_timeout_s if total is None else total
         read_s = cfg.read_timeout_s if total is None else total
-        lines = [f"{method} {prefix}{path} HTTP/1.1\r\nHost: {netloc}\r\n"]
-        if headers:
-            lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}\r\n")
-        lines.append("\r\n")
-        head = "".join(lines).encode("latin-1", "replace")
+        if headers.__class__ is bytes:
+            wire = headers
+        elif headers:
+            wire = "".join([f"{k}: {v}\r\n" for k, v in headers.items()]).encode("latin-1", "replace")
+        else:
+            wire = b""
+        length = b"" if body is None else b"Content-Length: %d\r\n" % len(body)
+        line = f"{method} {prefix}{path} HTTP/1.1\r\nHost: {netloc}\r\n".encode("latin-1", "replace")
+        head = line + wire + length + b"\r\n"
         payload = head + body if body is not None and len(body) < 65536 else head
         idle = self._idle.get(key)
         for _ in range(2):

@@ -104,6 +104,23 @@ class ServiceMetrics:
         )
         r.register(_FleetCollector(snapshot))  # type: ignore[arg-type]
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._pending: dict[tuple[Any, tuple[str, ...]], float] = {}
+
+    def add(self, metric: Any, labels: tuple[str, ...], amount: float = 1) -> None:
+        """``metric.labels(*labels).inc(amount)``, batched: summed here (one dict update) and handed to the
+        counter when the metrics are rendered, not on every request (each ``inc`` there takes a lock and checks
+        its argument). For the event loop's thread only; ``amount`` >= 0 (a counter's rule)."""
+        key = (metric, labels)
+        p = self._pending
+        p[key] = p.get(key, 0) + amount
+
+    def flush(self) -> None:
+        """Hand what :meth:`add` summed to the counters."""
+        p = self._pending
+        if p:
+            self._pending = {}
+            for (metric, labels), amount in p.items():
+                self.child(metric, *labels).inc(amount)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: the per-request counters skip prometheus-client's label
@@ -115,6 +132,7 @@ class ServiceMetrics:
         return c
 
     def render(self) -> bytes:
+        self.flush()
         return generate_latest(self.registry)
 
 

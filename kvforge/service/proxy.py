@@ -85,6 +85,7 @@ _EVENTS_NEED_TOKENIZER = (
 # Request headers that describe the body as the client sent it: a compressed body has been decoded here, and the
 # whole body is in hand (no 100-continue to wait for).
 _REQUEST_HOP = _HOP | {"content-encoding", "expect"}
+_REQUEST_HOP_BYTES = frozenset(h.encode() for h in _REQUEST_HOP)
 
 
 @dataclass
@@ -742,7 +743,9 @@ class RouterService:
             self.metrics.requests.labels("", "bad_request").inc()
             io.reply(_error(400, str(exc)))
             return
-        fwd = _forward_headers(headers, _REQUEST_HOP)
+        # (The fast layer's headers give their forwarded lines as received, never decoded; aiohttp's, a dict.)
+        wire = getattr(headers, "wire", None)
+        fwd = wire(_REQUEST_HOP_BYTES) if wire is not None else _forward_headers(headers, _REQUEST_HOP)
         rid = f"{self._prefix}{next(self._ids)}"
         m = self.metrics
         for attempt_no in range(self.cfg.max_retries + 1):
@@ -757,8 +760,8 @@ class RouterService:
                 return
             if attempt_no == 0:
                 m.routing_seconds.observe(time.perf_counter() - t0)
-            m.child(m.prompt_tokens, b.url).inc(num_tokens)
-            m.child(m.hit_tokens, b.url).inc(self.fleet.estimate_hit(b, keys, num_tokens))
+            m.add(m.prompt_tokens, (b.url,), num_tokens)
+            m.add(m.hit_tokens, (b.url,), self.fleet.estimate_hit(b, keys, num_tokens))
             status = await self._attempt(io, path, raw, fwd, ep, b, rid)
             if status is not None:
                 if logger.isEnabledFor(logging.DEBUG):
@@ -774,7 +777,7 @@ class RouterService:
         io.reply(_error(502, f"request failed on {self.cfg.max_retries + 1} backends before any response"))
 
     async def _attempt(
-        self, io: Any, path: str, raw: bytes, headers: dict[str, str], ep: _Epoch, b: Backend, rid: str
+        self, io: Any, path: str, raw: bytes, headers: dict[str, str] | bytes, ep: _Epoch, b: Backend, rid: str
     ) -> int | None:
         """One forward: the status answered, or None when it failed before the response started (the caller
         retries elsewhere)."""
@@ -820,7 +823,7 @@ class RouterService:
         finally:
             b.attempts.discard(a)
             if answered or outcome == "client_gone":
-                self.metrics.child(self.metrics.requests, b.url, outcome).inc()
+                self.metrics.add(self.metrics.requests, (b.url, outcome))
             self.fleet.finish(ep, rid, success)
 
     # ---------------------------------------------------------------- admin
