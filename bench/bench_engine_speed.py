@@ -26,7 +26,8 @@ Same process, same model, in this order:
    recurrence's own FLOPs are not counted) as a share of the matmul rate;
 5. ``torch.profiler`` top kernels of 5 decode steps at batch 64, context 512, graphs on and eager;
 6. (``--phases prefill_profile``, not in the default list) wall time against summed device time of one prefill
-   of 1 x 300 and of ``--prefill-requests`` x 1024 tokens, with the top kernels and host ops.
+   of 1 x 300 (KDA prefill as the engine runs it, and ``chunk_kda`` only) and of ``--prefill-requests`` x 1024
+   tokens, with the top kernels and host ops.
 
 Rows go to ``bench/results/engine_speed.csv`` (GPU, versions, git revision, date); ``--out`` also gets
 ``engine_speed.json``, the profiler tables and ``engine_speed.png`` (ms/step and floor per grid point).
@@ -351,75 +352,90 @@ def profile(model: HybridModel, args, out_dir: Path | None) -> dict[str, list]:
 
 
 def prefill_profile(model: HybridModel, args, out_dir: Path | None) -> dict[str, dict]:
-    """Where a prefill step's wall time goes: one request of a few hundred tokens (the fleet's common step) and
-    ``--prefill-requests`` x 1024, each a fresh prompt after a warm-up; wall time, the kernels' summed device time,
-    the top kernels and the top host ops (a host-bound step shows wall >> device)."""
+    """Where a prefill step's wall time goes: one request of a few hundred tokens (the fleet's common step), twice
+    (KDA prefill as the engine runs it, then ``chunk_kda`` only: the same run's A/B of the short-segment recurrent
+    path, :data:`kvforge.engine.ops.RECURRENT_PREFILL_MAX_TOKENS`), and ``--prefill-requests`` x 1024, each a fresh
+    prompt after a warm-up; wall time, the kernels' summed device time, the top kernels and the top host ops (a
+    host-bound step shows wall >> device)."""
+    import kvforge.engine.ops as ops
+
+    rng = random.Random(9)
+    short = ops.RECURRENT_PREFILL_MAX_TOKENS
+    cases = [(1, 300, short), (1, 300, 0), (args.prefill_requests, 1024, short)]
+    if args.quick:
+        cases = [(1, 30, short), (1, 30, 0), (2, 64, short)]
+    res: dict[str, dict] = {}
+    for n_req, n_tok, recurrent_max in cases:
+        ops.RECURRENT_PREFILL_MAX_TOKENS = recurrent_max
+        try:
+            label = f"prefill {n_req}x{n_tok}" + (" chunk_kda only" if recurrent_max == 0 else "")
+            res[label] = _prefill_profile_case(model, args, out_dir, rng, n_req, n_tok, label)
+        finally:
+            ops.RECURRENT_PREFILL_MAX_TOKENS = short
+    return res
+
+
+def _prefill_profile_case(model: HybridModel, args, out_dir: Path | None, rng: random.Random, n_req: int,
+                          n_tok: int, label: str) -> dict:  # fmt: skip
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    rng = random.Random(9)
     vocab = model.config.vocab_size
     tpb = args.tokens_per_block
-    cases = [(1, 300), (args.prefill_requests, 1024)] if not args.quick else [(1, 30), (2, 64)]
-    res: dict[str, dict] = {}
-    for n_req, n_tok in cases:
-        pages = 4 * n_req * (n_tok // tpb + 2)
-        cfg = EngineConfig(
-            tokens_per_block=tpb, attention_pages=pages, draft_pages=pages,
-            state_pages=4 * n_req * 8 + 16, max_num_tokens=8192, max_num_requests=max(8, n_req),
-            max_blocks_per_request=n_tok // tpb + 2, snapshot_interval=1024,
-        )  # fmt: skip
-        eng = Engine(model, cfg)
+    pages = 4 * n_req * (n_tok // tpb + 2)
+    cfg = EngineConfig(
+        tokens_per_block=tpb, attention_pages=pages, draft_pages=pages,
+        state_pages=4 * n_req * 8 + 16, max_num_tokens=8192, max_num_requests=max(8, n_req),
+        max_blocks_per_request=n_tok // tpb + 2, snapshot_interval=1024,
+    )  # fmt: skip
+    eng = Engine(model, cfg)
 
-        def prompts(k: int, n_req: int = n_req, n_tok: int = n_tok) -> dict[int, list[int]]:
-            return {100 * k + i: [rng.randrange(vocab) for _ in range(n_tok)] for i in range(n_req)}
+    def prompts(k: int) -> dict[int, list[int]]:
+        return {100 * k + i: [rng.randrange(vocab) for _ in range(n_tok)] for i in range(n_req)}
 
-        for k in range(2):  # warm-up: first-call compiles and plans
-            eng.generate(prompts(k), 1)
+    for k in range(2):  # warm-up: first-call compiles and plans
+        eng.generate(prompts(k), 1)
+    _sync()
+    walls = []
+    for k in range(2, 5):
+        t0 = time.perf_counter()
+        eng.generate(prompts(k), 1)
         _sync()
-        walls = []
-        for k in range(2, 5):
-            t0 = time.perf_counter()
-            eng.generate(prompts(k), 1)
-            _sync()
-            walls.append(time.perf_counter() - t0)
-        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            eng.generate(prompts(9), 1)
-            _sync()
-        ka = prof.key_averages()
+        walls.append(time.perf_counter() - t0)
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.generate(prompts(9), 1)
+        _sync()
+    ka = prof.key_averages()
 
-        def dev_us(e) -> float:
-            return float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
+    def dev_us(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
 
-        dev = sorted((e for e in ka if dev_us(e) > 0), key=lambda e: -dev_us(e))
-        host = sorted(ka, key=lambda e: -float(e.self_cpu_time_total))
-        label = f"prefill {n_req}x{n_tok}"
-        wall = sorted(walls)[1] * 1e3
-        total = sum(dev_us(e) for e in dev) / 1e3
-        syncs = sum(
-            e.count for e in ka if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")
-        )
-        res[label] = {
-            "wall_ms": round(wall, 3), "device_ms": round(total, 3), "kernels": sum(e.count for e in dev),
-            "host_syncs": syncs,
-            "top_device": [[e.key[:90], e.count, round(dev_us(e) / 1e3, 3)] for e in dev[:15]],
-            "top_host": [[e.key[:90], e.count, round(float(e.self_cpu_time_total) / 1e3, 3)] for e in host[:12]],
-        }  # fmt: skip
-        print(f"profiler, {label}: wall {wall:.1f} ms (median of 3), device {total:.1f} ms summed over "
-              f"{res[label]['kernels']} kernels, {syncs} host syncs / item reads")  # fmt: skip
-        print("  kernel | calls | ms")
-        for name, calls, ms in res[label]["top_device"]:
-            print(f"  {name} | {calls} | {ms}")
-        print("  host op | calls | self CPU ms")
-        for name, calls, ms in res[label]["top_host"]:
-            print(f"  {name} | {calls} | {ms}")
-        if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"profile_prefill_{n_req}x{n_tok}.txt").write_text(
-                ka.table(sort_by="self_cpu_time_total", row_limit=40)
-            )
-        del eng
-    return res
+    dev = sorted((e for e in ka if dev_us(e) > 0), key=lambda e: -dev_us(e))
+    host = sorted(ka, key=lambda e: -float(e.self_cpu_time_total))
+    wall = sorted(walls)[1] * 1e3
+    total = sum(dev_us(e) for e in dev) / 1e3
+    reads = ("aten::item", "aten::_local_scalar_dense")
+    syncs = sum(e.count for e in ka if "Synchronize" in e.key or e.key in reads)
+    out = {
+        "wall_ms": round(wall, 3), "device_ms": round(total, 3), "kernels": sum(e.count for e in dev),
+        "host_syncs": syncs,
+        "top_device": [[e.key[:90], e.count, round(dev_us(e) / 1e3, 3)] for e in dev[:15]],
+        "top_host": [[e.key[:90], e.count, round(float(e.self_cpu_time_total) / 1e3, 3)] for e in host[:12]],
+    }  # fmt: skip
+    print(f"profiler, {label}: wall {wall:.1f} ms (median of 3), device {total:.1f} ms summed over "
+          f"{out['kernels']} kernels, {syncs} host syncs / item reads")  # fmt: skip
+    print("  kernel | calls | ms")
+    for name, calls, ms in out["top_device"]:
+        print(f"  {name} | {calls} | {ms}")
+    print("  host op | calls | self CPU ms")
+    for name, calls, ms in out["top_host"]:
+        print(f"  {name} | {calls} | {ms}")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        name = label.removeprefix("prefill ").replace(" ", "_")
+        (out_dir / f"profile_prefill_{name}.txt").write_text(ka.table(sort_by="self_cpu_time_total", row_limit=40))
+    del eng
+    return out
 
 
 def main() -> None:

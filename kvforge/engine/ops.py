@@ -90,12 +90,13 @@ def kda_segments(
     cu_seqlens: list[int],
     *,
     use_kernel: bool | None = None,
-    recurrent_max: int = RECURRENT_PREFILL_MAX_TOKENS,
+    recurrent_max: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KDA over segments ``cu_seqlens`` of the flat ``[T, H, ...]`` inputs, segment i starting from
     ``initial_states[i]`` (fp32 ``[N, H, K, V]``). Returns (``o [T, H, V]`` in v's dtype, final states fp32).
     ``use_kernel`` None: fla-core's kernels on CUDA (the recurrent one when no segment is longer than
-    ``recurrent_max`` tokens, else the chunked one), the torch loop on CPU."""
+    ``recurrent_max`` tokens, default :data:`RECURRENT_PREFILL_MAX_TOKENS` as it is at the call, else the chunked
+    one), the torch loop on CPU."""
     n = len(cu_seqlens) - 1
     if initial_states.shape[0] != n:
         raise ValueError(f"initial_states: expected {n} states (one per segment), got {initial_states.shape[0]}")
@@ -107,7 +108,8 @@ def kda_segments(
         # The host copy goes to fla too: its chunk indices are then built without reading the device's back.
         cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
         cu = cu_cpu.to(q.device)
-        if max(b - a for a, b in itertools.pairwise(cu_seqlens)) <= recurrent_max:
+        limit = RECURRENT_PREFILL_MAX_TOKENS if recurrent_max is None else recurrent_max
+        if max(b - a for a, b in itertools.pairwise(cu_seqlens)) <= limit:
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore[import-untyped]
 
             # Every token belongs to a segment, so the kernel writes all of ``out``: no zero fill before it.
