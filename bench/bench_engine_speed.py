@@ -262,21 +262,33 @@ def engine_steps(model: HybridModel, args, bw: float) -> list[dict]:
     return rows
 
 
+def _prefill_config(tpb: int, n_req: int, n_tok: int, rounds: int = 1) -> EngineConfig:
+    """An engine for ``rounds`` generations of ``n_req`` fresh prompts of ``n_tok`` tokens (pages for all of them:
+    earlier rounds' prefixes stay cached), 8192 tokens per step, a snapshot every 1024 tokens."""
+    pages = rounds * n_req * (n_tok // tpb + 2)
+    return EngineConfig(
+        tokens_per_block=tpb,
+        attention_pages=pages,
+        draft_pages=pages,
+        state_pages=rounds * n_req * 8 + 16,
+        max_num_tokens=8192,
+        max_num_requests=max(8, n_req),
+        max_blocks_per_request=n_tok // tpb + 2,
+        snapshot_interval=1024,
+    )
+
+
+def _device_us(e) -> float:
+    """A profiler event's own device time in µs (the attribute's name differs between torch versions)."""
+    return float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
+
+
 def prefill(model: HybridModel, args, mm: float) -> dict:
     rng = random.Random(5)
     vocab = model.config.vocab_size
     mc = model.config
     prompts = {i: [rng.randrange(vocab) for _ in range(args.prefill_len)] for i in range(args.prefill_requests)}
-    cfg = EngineConfig(
-        tokens_per_block=args.tokens_per_block,
-        attention_pages=args.prefill_requests * (args.prefill_len // args.tokens_per_block + 2),
-        draft_pages=args.prefill_requests * (args.prefill_len // args.tokens_per_block + 2),
-        state_pages=args.prefill_requests * 8 + 16,
-        max_num_tokens=8192,
-        max_num_requests=max(8, args.prefill_requests),
-        max_blocks_per_request=args.prefill_len // args.tokens_per_block + 2,
-        snapshot_interval=1024,
-    )
+    cfg = _prefill_config(args.tokens_per_block, args.prefill_requests, args.prefill_len)
     times = []
     for _ in range(args.prefill_reps):
         eng = Engine(model, cfg)
@@ -331,12 +343,9 @@ def profile(model: HybridModel, args, out_dir: Path | None) -> dict[str, list]:
                 g.run(*ids)
             _sync()
 
-        def dev_us(e) -> float:
-            return float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
-
-        ka = sorted((e for e in prof.key_averages() if dev_us(e) > 0), key=lambda e: -dev_us(e))
-        top = [[e.key[:90], e.count // 5, round(dev_us(e) / 5 / 1e3, 4)] for e in ka[:15]]
-        total = sum(dev_us(e) for e in ka) / 5 / 1e3
+        ka = sorted((e for e in prof.key_averages() if _device_us(e) > 0), key=lambda e: -_device_us(e))
+        top = [[e.key[:90], e.count // 5, round(_device_us(e) / 5 / 1e3, 4)] for e in ka[:15]]
+        total = sum(_device_us(e) for e in ka) / 5 / 1e3
         res[mode] = top
         print(f"profiler, decode batch {batch} ctx {ctx}, {mode}: {total:.2f} device ms/step (sum over kernels), "
               f"{sum(e.count for e in ka) / 5:.0f} kernels/step")  # fmt: skip
@@ -381,14 +390,7 @@ def _prefill_profile_case(model: HybridModel, args, out_dir: Path | None, rng: r
     from torch.profiler import profile as tprofile
 
     vocab = model.config.vocab_size
-    tpb = args.tokens_per_block
-    pages = 4 * n_req * (n_tok // tpb + 2)
-    cfg = EngineConfig(
-        tokens_per_block=tpb, attention_pages=pages, draft_pages=pages,
-        state_pages=4 * n_req * 8 + 16, max_num_tokens=8192, max_num_requests=max(8, n_req),
-        max_blocks_per_request=n_tok // tpb + 2, snapshot_interval=1024,
-    )  # fmt: skip
-    eng = Engine(model, cfg)
+    eng = Engine(model, _prefill_config(args.tokens_per_block, n_req, n_tok, rounds=4))
 
     def prompts(k: int) -> dict[int, list[int]]:
         return {100 * k + i: [rng.randrange(vocab) for _ in range(n_tok)] for i in range(n_req)}
@@ -407,19 +409,16 @@ def _prefill_profile_case(model: HybridModel, args, out_dir: Path | None, rng: r
         _sync()
     ka = prof.key_averages()
 
-    def dev_us(e) -> float:
-        return float(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0))
-
-    dev = sorted((e for e in ka if dev_us(e) > 0), key=lambda e: -dev_us(e))
+    dev = sorted((e for e in ka if _device_us(e) > 0), key=lambda e: -_device_us(e))
     host = sorted(ka, key=lambda e: -float(e.self_cpu_time_total))
     wall = sorted(walls)[1] * 1e3
-    total = sum(dev_us(e) for e in dev) / 1e3
+    total = sum(_device_us(e) for e in dev) / 1e3
     reads = ("aten::item", "aten::_local_scalar_dense")
     syncs = sum(e.count for e in ka if "Synchronize" in e.key or e.key in reads)
     out = {
         "wall_ms": round(wall, 3), "device_ms": round(total, 3), "kernels": sum(e.count for e in dev),
         "host_syncs": syncs,
-        "top_device": [[e.key[:90], e.count, round(dev_us(e) / 1e3, 3)] for e in dev[:15]],
+        "top_device": [[e.key[:90], e.count, round(_device_us(e) / 1e3, 3)] for e in dev[:15]],
         "top_host": [[e.key[:90], e.count, round(float(e.self_cpu_time_total) / 1e3, 3)] for e in host[:12]],
     }  # fmt: skip
     print(f"profiler, {label}: wall {wall:.1f} ms (median of 3), device {total:.1f} ms summed over "
