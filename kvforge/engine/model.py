@@ -44,6 +44,15 @@ __all__ = ["HybridModel", "KDAWeights", "MLAWeights"]
 KDA_GATE_BIAS = -2.0  # g = -softplus(x + bias): at x = 0 a decay of exp(g) = 0.88 per step
 
 
+def _fused(parts: tuple[torch.Tensor, ...], align: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``parts`` (same rows) concatenated along columns, zero columns added up to a multiple of ``align``, and
+    each part as a column view of the result."""
+    cols = [0, *itertools.accumulate(p.shape[1] for p in parts)]
+    pad = parts[0].new_zeros(parts[0].shape[0], (-cols[-1]) % align)
+    whole = torch.cat([*parts, pad], 1)
+    return whole, [whole[:, a:b] for a, b in itertools.pairwise(cols)]
+
+
 @dataclass
 class MLAWeights:
     q_a: torch.Tensor
@@ -150,25 +159,15 @@ class HybridModel:
         GEMM where it ran several. The separate weights become column views of the fused one (same memory, same
         values): the plain forms and the reference keep using them."""
         for blk in [*self.blocks, *([self.draft_block] if self.draft_block is not None else [])]:
-            blk.gate_up = torch.cat([blk.gate, blk.up], 1)
-            i = blk.gate.shape[1]
-            blk.gate, blk.up = blk.gate_up[:, :i], blk.gate_up[:, i:]
+            blk.gate_up, (blk.gate, blk.up) = _fused((blk.gate, blk.up))
             m = blk.mixer
             if isinstance(m, MLAWeights):
-                m.a = torch.cat([m.q_a, m.kv_a], 1)
-                r = m.q_a.shape[1]
-                m.q_a, m.kv_a = m.a[:, :r], m.a[:, r:]
+                m.a, (m.q_a, m.kv_a) = _fused((m.q_a, m.kv_a))
             else:
-                parts = (m.q, m.k, m.v, m.g, m.b)
-                cols = [0]
-                for x in parts:
-                    cols.append(cols[-1] + x.shape[1])
                 # Zero columns up to a multiple of 64: 4hk + h (10,260 at the real size) leaves the GEMM's output
                 # rows misaligned for Hopper's kernels, and cuBLAS fell back to an sm_80 one (40 ms of a 187 ms
                 # 8 x 1024 prefill on the H200). kda_project reads the first 4hk + h columns.
-                pad = (-cols[-1]) % 64
-                m.proj = torch.cat([*parts, parts[0].new_zeros(parts[0].shape[0], pad)], 1)
-                m.q, m.k, m.v, m.g, m.b = (m.proj[:, a:b] for a, b in itertools.pairwise(cols))
+                m.proj, (m.q, m.k, m.v, m.g, m.b) = _fused((m.q, m.k, m.v, m.g, m.b), align=64)
 
     # --- shared pieces ----------------------------------------------------------------------------------------
 
