@@ -221,6 +221,11 @@ class HybridModel:
         if self.use_kernels and (self._rope_table is None or self._rope_table.shape[0] < positions):
             self._rope_table = rotary_table(self._inv_freq, positions)
 
+    @property
+    def rope_kernels(self) -> bool:
+        """The fused MLA projection can run: kernels on and the rope table built (:meth:`ensure_rope_table`)."""
+        return self.use_kernels and self._rope_table is not None
+
     # --- MLA ---------------------------------------------------------------------------------------------------
 
     def mla_project(
@@ -240,7 +245,7 @@ class HybridModel:
         pool in the model dtype, flat row indices) writes the latent rows straight into the pool in one kernel
         (``mla_latent_store``) and returns None for them."""
         c = self.config
-        if fused and self.use_kernels and self._rope_table is not None:
+        if fused and self.rope_kernels:
             a = h @ m.a
             r = c.q_lora_rank
             q = (self.norm(a[:, :r], m.q_a_norm) @ m.q_b).view(-1, c.num_heads, c.qk_head_dim)

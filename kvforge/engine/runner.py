@@ -193,7 +193,7 @@ class Runner:
         cache = self.cache
         # A generation-only step rotates the queries' rope part straight into the absorbed queries.
         ctx = lay.ctx_kv_rows is not None
-        fused = model.use_kernels and model._rope_table is not None
+        fused = model.rope_kernels  # mla_project's fused form runs (the same condition)
         store = (pool, lay.write_rows) if fused and not cache.latent_fp8 else None  # an e4m3 cache quantises
         q, latent = model.mla_project(m, h, lay.positions, fused=True, rope_q=ctx or not fused, store=store)
         if latent is not None:
