@@ -51,6 +51,21 @@ _MODEL_PREFIX = "/v1/models/"
 _NO_BODY = frozenset((204, 304))
 _HOP_BYTES = frozenset(h.encode() for h in _HOP)
 _CONNECTION = (b"Connection: close\r\n", b"Connection: keep-alive\r\n")
+
+
+def _timer_by(conn: Any, due: float, callback: Callable[[], None]) -> None:
+    """Have ``conn._timer`` fire by ``due`` (loop time): a timer already set for no later stays, as the connections'
+    callbacks find a deadline that moved later and set the timer again for it; one set for later is replaced.
+    Both connection kinds keep one timer this way rather than a cancel and a new timer per request."""
+    t = conn._timer
+    if t is not None:
+        if conn._timer_at <= due:
+            return
+        t.cancel()
+    conn._timer_at = due
+    conn._timer = conn.loop.call_at(due, callback)
+
+
 _REASONS = {
     200: "OK", 201: "Created", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
     405: "Method Not Allowed", 408: "Request Timeout", 409: "Conflict", 413: "Payload Too Large",
@@ -296,13 +311,7 @@ class _Conn(asyncio.Protocol):
         due = self.loop.time() + after
         self._due = due
         self._on_due = fn
-        t = self._timer
-        if t is not None:
-            if self._timer_at <= due:
-                return  # (it fires first and sets itself again for ``due``)
-            t.cancel()
-        self._timer_at = due
-        self._timer = self.loop.call_at(due, self._tick)
+        _timer_by(self, due, self._tick)
 
     def _disarm(self) -> None:
         self._on_due = None  # (a timer still set finds nothing due)
@@ -314,8 +323,7 @@ class _Conn(asyncio.Protocol):
             return
         due = self._due
         if self.loop.time() < due:
-            self._timer_at = due
-            self._timer = self.loop.call_at(due, self._tick)
+            _timer_by(self, due, self._tick)
             return
         self._on_due = None
         fn()
@@ -665,16 +673,7 @@ class _UpConn(asyncio.Protocol):
         self._read_s = read_s
         self._deadline = now + total_s
         self._timing = True
-        self._set_timer(min(now + read_s, self._deadline))
-
-    def _set_timer(self, due: float) -> None:
-        t = self._timer
-        if t is not None:
-            if self._timer_at <= due:
-                return
-            t.cancel()
-        self._timer_at = due
-        self._timer = self.loop.call_at(due, self._on_timer)
+        _timer_by(self, min(now + read_s, self._deadline), self._on_timer)
 
     def _disarm(self) -> None:
         self._timing = False
@@ -699,7 +698,7 @@ class _UpConn(asyncio.Protocol):
         if now >= due:
             self._fail(UpstreamError("SocketTimeoutError", False))
             return
-        self._set_timer(min(due, self._deadline))
+        _timer_by(self, min(due, self._deadline), self._on_timer)
 
     def _fail(self, err: UpstreamError) -> None:
         if self._error is not None:
