@@ -130,3 +130,13 @@ def test_short_segments_recurrent_kernel_equals_the_loop(gen, device, lens) -> N
     torch.testing.assert_close(got_s.cpu(), want_s.float(), rtol=1e-3, atol=1e-3)
     if 0 in lens:  # an empty segment ends where it started
         assert torch.equal(got_s[lens.index(0)].cpu(), s0[lens.index(0)])
+
+
+def test_kda_segments_refuses_a_bad_recurrent_max(gen) -> None:
+    q, k, v, g, beta = (x[0] for x in _kda_inputs(gen, 1, 4, 1, 16))
+    s0 = torch.zeros(1, 1, 16, 16)
+    for bad, err in ((1.5, TypeError), (True, TypeError), ("8", TypeError), (-1, ValueError)):
+        with pytest.raises(err, match="recurrent_max"):
+            kda_segments(q, k, v, g, beta, s0, [0, 4], use_kernel=False, recurrent_max=bad)
+    o, _ = kda_segments(q, k, v, g, beta, s0, [0, 4], use_kernel=False, recurrent_max=0)  # 0 is valid
+    assert o.shape == v.shape

@@ -100,6 +100,11 @@ def kda_segments(
     n = len(cu_seqlens) - 1
     if initial_states.shape[0] != n:
         raise ValueError(f"initial_states: expected {n} states (one per segment), got {initial_states.shape[0]}")
+    if recurrent_max is not None:
+        if isinstance(recurrent_max, bool) or not isinstance(recurrent_max, int):
+            raise TypeError(f"recurrent_max: expected an int or None, got {type(recurrent_max).__name__}")
+        if recurrent_max < 0:
+            raise ValueError(f"recurrent_max: expected an int >= 0 (0: chunk_kda only), got {recurrent_max}")
     if use_kernel is None:
         use_kernel = _use_fla_kernels(q)
     if use_kernel:
