@@ -27,7 +27,10 @@ Same process, same model, in this order:
 5. ``torch.profiler`` top kernels of 5 decode steps at batch 64, context 512, graphs on and eager;
 6. (``--phases prefill_profile``, not in the default list) wall time against summed device time of one prefill
    of 1 x 300 (KDA prefill as the engine runs it, and ``chunk_kda`` only) and of ``--prefill-requests`` x 1024
-   tokens, with the top kernels and host ops.
+   tokens, with the top kernels and host ops;
+7. (``--phases prefill_syncs``, not in the default list) where one ``--prefill-requests`` x 1024 prefill reads
+   the device back: the step runs under ``torch.cuda.set_sync_debug_mode("warn")`` and each synchronizing
+   call's Python stack, cut to its innermost kvforge / fla-core frames, is counted.
 
 Rows go to ``bench/results/engine_speed.csv`` (GPU, versions, git revision, date); ``--out`` also gets
 ``engine_speed.json``, the profiler tables and ``engine_speed.png`` (ms/step and floor per grid point).
@@ -437,6 +440,44 @@ def _prefill_profile_case(model: HybridModel, args, out_dir: Path | None, rng: r
     return out
 
 
+def prefill_syncs(model: HybridModel, args) -> dict[str, int]:
+    """Phase 7 (see the module docstring): synchronizing call sites of one prefill, by count."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    rng = random.Random(11)
+    n_req, n_tok = args.prefill_requests, (64 if args.quick else 1024)
+    vocab = model.config.vocab_size
+    eng = Engine(model, _prefill_config(args.tokens_per_block, n_req, n_tok, rounds=2))
+
+    def prompts(k: int) -> dict[int, list[int]]:
+        return {100 * k + i: [rng.randrange(vocab) for _ in range(n_tok)] for i in range(n_req)}
+
+    eng.generate(prompts(0), 1)  # warm-up: compiles, plans, fla-core's config choice
+    _sync()
+    sites: Counter[str] = Counter()
+
+    def hook(message, category, filename, lineno, file=None, line=None) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1] if "/kvforge/" in f.filename or "/fla/" in f.filename]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in ours[-3:][::-1]) or "?"] += 1
+
+    with warnings.catch_warnings():  # restores showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.generate(prompts(1), 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    print(f"prefill {n_req}x{n_tok} synchronizing calls: {sum(sites.values())} at {len(sites)} sites", flush=True)
+    for site, n in sites.most_common(25):
+        print(f"  {n:5d}  {site}")
+    del eng
+    return dict(sites)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--size", choices=("tiny", "real"), default="real")
@@ -478,6 +519,8 @@ def main() -> None:
         out["profile"] = profile(model, args, args.out)
     if "prefill_profile" in args.phases:
         out["prefill_profile"] = prefill_profile(model, args, args.out)
+    if "prefill_syncs" in args.phases:
+        out["prefill_syncs"] = prefill_syncs(model, args)
     out["rows"] = rows
     stamp = {"copy_tb_per_s": bw / 1e12, "matmul_tflops": mm / 1e12, "size": args.size}
     append_csv("engine_speed", [{**stamp, **r} for r in rows])

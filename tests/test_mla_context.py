@@ -597,7 +597,7 @@ def test_narrow_head_dims_fp8(device, gen, mode):
     out, lse = mla_context_attention(q8, k8, v8, cu_q, cu_kv, kv_scale_quant_orig=1.5, return_lse=True)
     ref, ref_lse = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=1.5)
     assert_close(out, ref.to(out.device), FP8)
-    torch.testing.assert_close(lse.double().cpu(), ref_lse.double(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.double().cpu(), atol=LSE_FP8_MMA[0], rtol=LSE_FP8_MMA[1])
 
 
 @pytest.mark.gpu
