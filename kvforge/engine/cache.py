@@ -108,7 +108,7 @@ class EngineCache:
 
     def zero_states(self, pages: torch.Tensor) -> None:
         for pool in self.state.values():
-            pool[pages] = 0.0
+            pool.index_fill_(0, pages, 0.0)  # a scalar fill: ``pool[pages] = 0.0`` uploads the 0 with a sync
 
     @staticmethod
     def slots(block_table: torch.Tensor, positions: torch.Tensor, tokens_per_block: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from kvforge.engine.graphs import DecodeGraphs
 from kvforge.engine.launch import plan_launch
 from kvforge.engine.model import HybridModel
 from kvforge.engine.phases import PhaseTimer
-from kvforge.engine.runner import Row, Runner, StepResult
+from kvforge.engine.runner import Row, Runner, StepResult, host_to_device
 from kvforge.kernels.slot_ops import SlotStores, slot_scatter, step_gather
 from kvforge.kvcache.config import (
     FULL_ATTENTION,
@@ -352,7 +352,7 @@ class Engine:
         if ctx:
             fresh = [s.request.cache.live_page(self.state_group).index for s in ctx if s.start == 0]  # type: ignore[union-attr]
             if fresh:
-                self.cache.zero_states(torch.tensor(fresh, device=self.model.device))
+                self.cache.zero_states(host_to_device(fresh, self.model.device))
         if prof is not None:
             prof.mark("cache_copies")
         sched = (*gen, *ctx)
@@ -418,7 +418,7 @@ class Engine:
         if n_gen:
             slots = tuple(self._slot_of(s.request.request_id) for s in batch.generation)
             if slots != self._slots_up[0]:  # the same rows as last step: their slot ids are on the device
-                dev_slots = torch.tensor(slots, dtype=torch.int32).to(self.stores.device)
+                dev_slots = host_to_device(slots, self.stores.device, torch.int32)
                 self._slots_up = (slots, dev_slots)
             gen_ids = step_gather(self.stores, self._slots_up[1], width).input_ids.tolist()
         rows = []
@@ -509,7 +509,7 @@ class Engine:
                 self.logits[rid].append(res.logits[i])
                 if res.draft_logits[i] is not None:
                     self.draft_logits[rid].append(res.draft_logits[i])
-        dev = host.to(self.stores.device)
+        dev = host_to_device(host, self.stores.device)
         slot_scatter(
             self.stores,
             dev[:, -1],

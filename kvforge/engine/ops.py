@@ -79,6 +79,23 @@ def _fla_configs_once() -> None:
 # preparation) cost ~2.7 ms per call on the H200 at any length: most of a short eager prefill step.
 RECURRENT_PREFILL_MAX_TOKENS = 512
 
+# The last segment boundaries' host and device tensors: a step's KDA layers all pass the same boundaries, so they
+# are uploaded once per step (without waiting for the device) and fla-core's own per-tensor caches, which compare
+# tensors by identity, build its chunk indices once per step too.
+_LAST_CU: tuple[tuple[int, ...], torch.device, torch.Tensor, torch.Tensor] | None = None
+
+
+def _cu_tensors(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    global _LAST_CU
+    key = tuple(cu_seqlens)
+    last = _LAST_CU
+    if last is not None and last[0] == key and last[1] == device:
+        return last[2], last[3]
+    cu_cpu = torch.tensor(key, dtype=torch.long)
+    cu = cu_cpu.to(device, non_blocking=True)  # pageable memory is staged before the call returns
+    _LAST_CU = (key, device, cu_cpu, cu)
+    return cu_cpu, cu
+
 
 def kda_segments(
     q: torch.Tensor,
@@ -111,8 +128,7 @@ def kda_segments(
         if q.device.type == "cuda":
             _fla_configs_once()
         # The host copy goes to fla too: its chunk indices are then built without reading the device's back.
-        cu_cpu = torch.tensor(cu_seqlens, dtype=torch.long)
-        cu = cu_cpu.to(q.device)
+        cu_cpu, cu = _cu_tensors(cu_seqlens, q.device)
         limit = RECURRENT_PREFILL_MAX_TOKENS if recurrent_max is None else recurrent_max
         if max(b - a for a, b in itertools.pairwise(cu_seqlens)) <= limit:
             from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # type: ignore[import-untyped]

@@ -47,12 +47,21 @@ from kvforge.kernels.decode_step import (
     decode_inputs_ref,
 )
 from kvforge.kernels.greedy_accept import greedy_accept
-from kvforge.kernels.mla_context import mla_context_attention
+from kvforge.kernels.mla_context import MLAContextPlan
 from kvforge.kernels.quantize_fp8 import quantize_fp8
 from kvforge.kernels.slot_ops import SlotStores
 from kvforge.kernels.state_select import select_accepted_states
 
 __all__ = ["Row", "Runner", "StepResult"]
+
+
+def host_to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values on ``device`` without the stream sync torch adds after a blocking copy. A host-to-device copy
+    from pageable memory is staged by the driver before the call returns, so the host may drop or change its copy
+    at once; ``non_blocking`` only keeps the host from waiting for the device's queue (which a prefill step would
+    otherwise drain dozens of times, leaving the GPU idle while the host launches the next kernels)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True)
 
 
 @dataclass
@@ -105,7 +114,7 @@ class _Layout:
         kv_first = torch.cumsum(kv_len, 0) - kv_len
         kv_pos = torch.arange(int(kv_len.sum())) - torch.repeat_interleave(kv_first, kv_len)
         host = torch.cat([row_of, pos, kv_row, kv_pos])
-        dev = host.to(device, non_blocking=False)
+        dev = host_to_device(host, device)
         t, k = len(pos), len(kv_pos)
         row_d, pos_d = dev[:t], dev[t : 2 * t]
         self.positions = pos_d
@@ -125,6 +134,35 @@ class _Layout:
             cu_kv.append(cu_kv[-1] + rows[i].start + counts[i])
         self.cu_q = torch.tensor(cu_q, dtype=torch.int32)
         self.cu_kv = torch.tensor(cu_kv, dtype=torch.int32)
+        # Built at a step's first layer that needs them, reused by the others: the context attention's plan per
+        # (q, k/v) dtype, the KDA context rows' segments.
+        self.context_plans: dict[tuple[torch.dtype, torch.dtype], MLAContextPlan] = {}
+        self.kda_segments: _KdaSegments | None = None
+
+
+class _KdaSegments:
+    """The context rows' KDA segments of one step (the same at every layer): segment A of each row runs to its
+    snapshot point (or its end), segment B from the point, for the rows that have one (``split``: their
+    positions among the context rows). Token indices are flat over the step, uploaded once."""
+
+    def __init__(self, rows: list[Row], ctx: list[int], off: int, device: torch.device) -> None:
+        a_tok, b_tok, cu_a, cu_b, split = [], [], [0], [0], []
+        for j, i in enumerate(ctx):
+            r = rows[i]
+            cut = r.n if r.snapshot_point is None else r.snapshot_point - r.start
+            a_tok.append(torch.arange(off, off + cut))
+            cu_a.append(cu_a[-1] + cut)
+            if cut < r.n:
+                b_tok.append(torch.arange(off + cut, off + r.n))
+                cu_b.append(cu_b[-1] + r.n - cut)
+                split.append(j)
+            off += r.n
+        self.cu_a, self.cu_b = cu_a, cu_b
+        self.ta = host_to_device(torch.cat(a_tok), device)
+        self.split = host_to_device(split, device) if split else None
+        if split:
+            self.pending = host_to_device([rows[ctx[j]].pending_page for j in split], device)
+            self.tb = host_to_device(torch.cat(b_tok), device)
 
 
 class _DecodeLayout:
@@ -227,22 +265,25 @@ class Runner:
             else:
                 q_in, k_in, v_in = (x.to(self.q_dtype).contiguous() for x in (q_ctx, k, v))
                 scale = 1.0
-            o = mla_context_attention(  # returns the output alone (return_lse is off)
-                q_in,
-                k_in,
-                v_in,
-                lay.cu_q,
-                lay.cu_kv,
-                kv_scale_quant_orig=scale,
-                softmax_scale=model.softmax_scale,
-            )
+            # One plan per step and dtype pair (every layer has the same lengths): one upload of its work table.
+            plan = lay.context_plans.get((q_in.dtype, k_in.dtype))
+            if plan is None:
+                plan = MLAContextPlan.plan(
+                    lay.cu_q, lay.cu_kv, num_heads=q_in.shape[1], num_kv_heads=k_in.shape[1],
+                    head_dim_qk=q_in.shape[2], head_dim_v=v_in.shape[2], q_dtype=q_in.dtype, kv_dtype=k_in.dtype,
+                    device=q_in.device,
+                )  # fmt: skip
+                lay.context_plans[(q_in.dtype, k_in.dtype)] = plan
+            o = plan.run(q_in, k_in, v_in, kv_scale_quant_orig=scale, softmax_scale=model.softmax_scale)
             assert isinstance(o, torch.Tensor)
             out[g:] = o.to(model.dtype)
         return model.mla_out(m, out)
 
     # --- recurrence ----------------------------------------------------------------------------------------------
 
-    def _kda(self, layer_id: int, m, h: torch.Tensor, rows: list[Row], state_idx: torch.Tensor) -> torch.Tensor:
+    def _kda(
+        self, layer_id: int, m, h: torch.Tensor, rows: list[Row], state_idx: torch.Tensor, lay: _Layout
+    ) -> torch.Tensor:
         model = self.model
         pool = self.cache.state[layer_id]
         q, k, v, g, beta = model.kda_project(m, h, fused=True)
@@ -269,8 +310,8 @@ class Runner:
                     first.append(first[-1] + cnt)
                 pad = [[f + min(t, cnt - 1) for t in range(n)] for f, cnt in zip(first, counts)]
                 keep = [r * n + t for r, cnt in enumerate(counts) for t in range(cnt)]
-                pad_t = torch.tensor(pad, device=h.device)
-                keep_t = torch.tensor(keep, device=h.device)
+                pad_t = host_to_device(pad, h.device)
+                keep_t = host_to_device(keep, h.device)
                 o = kda_recurrent_inplace(q[pad_t], k[pad_t], v[pad_t], g[pad_t], beta[pad_t], pool, sidx)
                 out[:ng] = o.reshape(-1, *o.shape[2:])[keep_t].to(out.dtype)  # the real tokens, in flat order
             if n > 1:
@@ -279,28 +320,18 @@ class Runner:
         ctx = [i for i, r in enumerate(rows) if not r.gen]
         if ctx:
             idx = state_idx[ctx[0] : ctx[-1] + 1].long()
-            # Segment A runs to the snapshot point (or the end); segment B from the point, for rows that have one.
-            a_tok, b_tok, cu_a, cu_b, split = [], [], [0], [0], []
-            for j, i in enumerate(ctx):
-                r = rows[i]
-                cut = r.n if r.snapshot_point is None else r.snapshot_point - r.start
-                a_tok.append(torch.arange(off, off + cut))
-                cu_a.append(cu_a[-1] + cut)
-                if cut < r.n:
-                    b_tok.append(torch.arange(off + cut, off + r.n))
-                    cu_b.append(cu_b[-1] + r.n - cut)
-                    split.append(j)
-                off += r.n
-            ta = torch.cat(a_tok).to(h.device)
-            o_a, fin = kda_segments(q[ta], k[ta], v[ta], g[ta], beta[ta], pool[idx], cu_a)
+            seg = lay.kda_segments
+            if seg is None:
+                seg = lay.kda_segments = _KdaSegments(rows, ctx, off, h.device)
+            ta = seg.ta
+            o_a, fin = kda_segments(q[ta], k[ta], v[ta], g[ta], beta[ta], pool[idx], seg.cu_a)
             out[ta] = o_a.to(out.dtype)
-            if split:
-                pend = torch.tensor([rows[ctx[j]].pending_page for j in split], device=h.device)
-                pool[pend] = fin[split]
-                tb = torch.cat(b_tok).to(h.device)
-                o_b, fin_b = kda_segments(q[tb], k[tb], v[tb], g[tb], beta[tb], fin[split], cu_b)
+            if seg.split is not None:
+                pool[seg.pending] = fin[seg.split]
+                tb = seg.tb
+                o_b, fin_b = kda_segments(q[tb], k[tb], v[tb], g[tb], beta[tb], fin[seg.split], seg.cu_b)
                 out[tb] = o_b.to(out.dtype)
-                fin[split] = fin_b
+                fin[seg.split] = fin_b
             pool[idx] = fin
         return model.kda_out(m, out)
 
@@ -311,14 +342,14 @@ class Runner:
         ``tables [pools, rows, max_blocks]``: page index per block (pool 0: target latent, 1: drafter latent)."""
         model = self.model
         dev = model.device
-        ids = torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=dev)
+        ids = host_to_device([t for r in rows for t in r.tokens], dev)
         lay = _Layout(rows, [r.n for r in rows], tables[0], self.cache.tokens_per_block, dev)
         self._verify = None
 
         def mixer(i: int, blk, h: torch.Tensor) -> torch.Tensor:
             if isinstance(blk.mixer, MLAWeights):
                 return self._mla(blk.mixer, h, self.cache.latent[i], lay)
-            return self._kda(i, blk.mixer, h, rows, state_idx)
+            return self._kda(i, blk.mixer, h, rows, state_idx, lay)
 
         return self._blocks(model.embed[ids], model.blocks, mixer, lay)
 
@@ -358,7 +389,7 @@ class Runner:
             elif r.is_last:
                 want.append(off + r.n - 1)
             off += r.n
-        logits = model.logits(hidden[want], fused=True) if want else None
+        logits = model.logits(hidden[host_to_device(want, hidden.device)], fused=True) if want else None
         best = logits.argmax(-1).tolist() if logits is not None else []
         accepted, j, off = [], 0, 0
         for r in rows:
@@ -381,7 +412,7 @@ class Runner:
             accepted.append(a)
         if self._verify is not None:
             nr, t = self._verify
-            acc = torch.tensor([accepted[i] for i in range(nr)], dtype=torch.int32).to(model.device)
+            acc = host_to_device([accepted[i] for i in range(nr)], model.device, torch.int32)
             self.select_states(state_idx, acc, nr, t)
             self._verify = None
         if draft and model.draft_block is not None:
@@ -416,7 +447,7 @@ class Runner:
             counts.append(cnt)
             off += r.n
         dev = model.device
-        x = model.draft_input(hidden[torch.tensor(sel, device=dev)], torch.tensor(nxt, device=dev), fused=True)
+        x = model.draft_input(hidden[host_to_device(sel, dev)], host_to_device(nxt, dev), fused=True)
         lay = _Layout(rows, counts, table, self.cache.tokens_per_block, dev)
         draft_latent = self.cache.draft_latent
         x = self._blocks(x, [blk], lambda j, b, h: self._mla(b.mixer, h, draft_latent, lay), lay)
@@ -424,7 +455,7 @@ class Runner:
         for c in counts:
             off += c
             last.append(off - 1)
-        dl = model.draft_logits(x[torch.tensor(last, device=dev)], fused=True)
+        dl = model.draft_logits(x[host_to_device(last, dev)], fused=True)
         best = dl.argmax(-1).tolist()
         for i, r in enumerate(rows):
             emits = r.gen or r.is_last

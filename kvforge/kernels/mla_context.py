@@ -1084,7 +1084,8 @@ class MLAContextPlan:
         # Heaviest first (cost = keys swept); the stable sort keeps request order among equals.
         items.sort(key=lambda it: -it[0])
         table = torch.tensor([it[1:] for it in items] or [[0, 0, 0, 0]], dtype=torch.int32)
-        work = table.to(dev, non_blocking=False)
+        # Pageable memory is staged before the copy call returns, so the host need not wait for the device's queue.
+        work = table.to(dev, non_blocking=True)
         return cls(shapes, dev, config, work, len(items), cu_q[-1], cu_kv[-1], cu_q, cu_kv)
 
     @classmethod
