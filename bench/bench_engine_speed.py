@@ -497,6 +497,8 @@ def main() -> None:
     ap.add_argument("--latent", nargs="+", choices=("auto", "fp8_e4m3"), default=["auto", "fp8_e4m3"],
                     help="latent cache dtypes of the decode grid (auto: the model's bf16)")  # fmt: skip
     args = ap.parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)  # every phase that writes a file writes it here
     if not torch.cuda.is_available():
         raise SystemExit("bench_engine_speed: needs a CUDA device (the decode graphs and the ceilings)")
     if args.quick:
