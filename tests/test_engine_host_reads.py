@@ -73,6 +73,12 @@ def _where() -> str:
     return " <- ".join(f"{f.filename.rsplit('/kvforge/', 1)[1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
 
 
+def _number_by_tensor_index(index, value) -> bool:
+    """A Python number stored through a tensor index."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return isinstance(value, (int, float)) and any(isinstance(t, torch.Tensor) for t in parts)
+
+
 class HostTraffic(TorchFunctionMode):
     """Counts reads, uploads and allocations (see the module docstring) while active."""
 
@@ -82,6 +88,7 @@ class HostTraffic(TorchFunctionMode):
         self._host: dict[int, weakref.ref] = {}  # the engine's host buffers
         self.reads: list[str] = []
         self.uploads: list[str] = []
+        self.blocking: list[str] = []  # uploads after which torch waits for the device's queue (on a GPU)
         self.allocs: list[str] = []
         self.in_graph = 0  # inside DecodeGraphs._body (what a replay runs)
         self.allocs_in_graph = 0
@@ -164,6 +171,7 @@ class HostTraffic(TorchFunctionMode):
             src = True
             if func in (torch.tensor, torch.as_tensor):
                 self.uploads.append(f"{func.__name__}: {_where()}")
+                self.blocking.append(f"{func.__name__}: {_where()}")  # a blocking copy inside
         elif to_host and src:
             self.reads.append(f"to(cpu): {_where()}")
             self._dev.pop(id(out), None)
@@ -171,10 +179,21 @@ class HostTraffic(TorchFunctionMode):
         elif to_device and not src:
             src = True
             self.uploads.append(f"to(device): {_where()}")
+            if not kwargs.get("non_blocking"):
+                self.blocking.append(f"to(device): {_where()}")
         elif func is T.copy_ and self._on_device(args[0]) and not self._on_device(args[1]):
             self.uploads.append(f"copy_: {_where()}")
+            # The engine's own host buffers are pinned on a GPU and copied non-blocking there (not on the CPU).
+            pinned_there = self.is_host_buffer(args[1]) or self.is_host_buffer(args[1]._base)
+            if not (kwargs.get("non_blocking") or (len(args) > 2 and args[2]) or pinned_there):
+                self.blocking.append(f"copy_: {_where()}")
         elif func is T.__setitem__ and self._on_device(args[0]) and self._host_value(args[2]):
             self.uploads.append(f"setitem: {_where()}")
+            self.blocking.append(f"setitem: {_where()}")
+        elif func is T.__setitem__ and self._on_device(args[0]) and _number_by_tensor_index(args[1], args[2]):
+            # On the H200 (torch 2.11) ``pool[pages] = 0.0`` synced (bench_engine_speed --phases prefill_syncs);
+            # a slice store is a fill kernel.
+            self.blocking.append(f"setitem of a number: {_where()}")
         if src:
             ins = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs)) if t.device.type != "meta"}
             for t in _tensors(out):
@@ -326,3 +345,40 @@ def test_the_counter_sees_reads(model: HybridModel) -> None:
         torch.tensor([1, 2], device=model.device)
     assert len(mode.reads) == 3, mode.reads
     assert len(mode.uploads) == 1, mode.uploads
+
+
+def test_prefill_steps_upload_without_waiting(model: HybridModel) -> None:
+    """Prefill and extend steps (chunked prompts, rows split at snapshot points, beside generation rows) make no
+    upload after which torch waits for the device: on the H200 each one drained the GPU's queue (111 per
+    8 x 1024 prefill step before, 2 after: bench_engine_speed --phases prefill_syncs), and read back only the
+    greedy tokens."""
+    rng = random.Random(7)
+    eng = Engine(model, EngineConfig(max_num_requests=8, max_num_tokens=40, snapshot_interval=16))
+    for i in range(4):
+        eng.add_request(i, [rng.randrange(VOCAB) for _ in range(rng.randrange(40, 120))], 6)
+    eng.step()  # first use: the page-table kernel's per-pool constants go up once
+    steps = 5
+    mode = _count(eng, steps)
+    _report("prefill steps", mode, steps)
+    assert any(r.num_computed_tokens < len(r.tokens) for r in eng.scheduler.running)  # still prefilling
+    assert len(mode.uploads) >= steps, _summary(mode.uploads)  # the counter saw the step's uploads
+    assert not mode.blocking, "blocking uploads:\n" + _summary(mode.blocking)
+    # Reads: the greedy tokens, and the generation rows' input ids on this eager path.
+    assert all(r.startswith("tolist") and ("runner.py" in r or "_eager_rows" in r) for r in mode.reads), _summary(
+        mode.reads
+    )
+
+
+def test_the_counter_sees_blocking_uploads(model: HybridModel) -> None:
+    eng = Engine(model, EngineConfig(max_num_requests=2))
+    mode = HostTraffic(eng)
+    pool = next(iter(eng.cache.state.values()))
+    with mode:
+        idx = torch.arange(2).to(model.device, non_blocking=True)
+        torch.tensor([1, 2], device=model.device)
+        torch.arange(2).to(model.device)
+        pool[idx] = 0.0
+        pool[:1] = 0.0
+        pool.index_fill_(0, idx, 0.0)
+    assert len(mode.uploads) == 3, mode.uploads
+    assert len(mode.blocking) == 3, mode.blocking
