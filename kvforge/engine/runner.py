@@ -135,8 +135,8 @@ class _Layout:
         self.cu_q = torch.tensor(cu_q, dtype=torch.int32)
         self.cu_kv = torch.tensor(cu_kv, dtype=torch.int32)
         # Built at a step's first layer that needs them, reused by the others: the context attention's plan per
-        # (q, k/v) dtype, the KDA context rows' segments.
-        self.context_plans: dict[tuple[torch.dtype, torch.dtype], MLAContextPlan] = {}
+        # dtypes and head shapes, the KDA context rows' segments.
+        self.context_plans: dict[tuple, MLAContextPlan] = {}
         self.kda_segments: _KdaSegments | None = None
 
 
@@ -265,15 +265,16 @@ class Runner:
             else:
                 q_in, k_in, v_in = (x.to(self.q_dtype).contiguous() for x in (q_ctx, k, v))
                 scale = 1.0
-            # One plan per step and dtype pair (every layer has the same lengths): one upload of its work table.
-            plan = lay.context_plans.get((q_in.dtype, k_in.dtype))
+            # One plan per step, dtypes and head shapes (every layer has the same lengths): one work-table upload.
+            key = (q_in.dtype, k_in.dtype, *q_in.shape[1:], k_in.shape[1], v_in.shape[2])
+            plan = lay.context_plans.get(key)
             if plan is None:
                 plan = MLAContextPlan.plan(
                     lay.cu_q, lay.cu_kv, num_heads=q_in.shape[1], num_kv_heads=k_in.shape[1],
                     head_dim_qk=q_in.shape[2], head_dim_v=v_in.shape[2], q_dtype=q_in.dtype, kv_dtype=k_in.dtype,
                     device=q_in.device,
                 )  # fmt: skip
-                lay.context_plans[(q_in.dtype, k_in.dtype)] = plan
+                lay.context_plans[key] = plan
             o = plan.run(q_in, k_in, v_in, kv_scale_quant_orig=scale, softmax_scale=model.softmax_scale)
             assert isinstance(o, torch.Tensor)
             out[g:] = o.to(model.dtype)
