@@ -34,6 +34,8 @@ from tests.test_mla_decode import check, make_case  # noqa: E402
 
 VARIANTS = md.gluon_variants()  # (block_n, stages, early) of every Gluon candidate, the TRIAL_ENV ones too
 VARIANT_IDS = [f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in VARIANTS]
+# The e4m3-cache form (KV_FP8) of each variant that fits shared memory with it.
+_FP8_VARIANTS = [(32, 2, False), (32, 2, True)]
 
 
 def _gluon_cfg(block_n: int, stages: int, early: bool):
@@ -97,6 +99,23 @@ def test_gluon_candidates_only_for_sm90_bf16_many_heads():
         assert not gluon_kept((9, 0), other), other
 
 
+def test_e4m3_gluon_form_is_a_trial_variant_only(monkeypatch):
+    """The e4m3-cache form of the Gluon kernel (KV_FP8) is a candidate only under TRIAL_ENV, and only as the
+    2-deep ring of 32-token tiles (the one that fits shared memory beside the e4m3 ring)."""
+    key = (512, 64, "bfloat16,e4m3", 128, 64, True)
+
+    def gluon_kept():
+        return [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
+
+    monkeypatch.delenv(md.TRIAL_ENV, raising=False)
+    assert gluon_kept() == []
+    monkeypatch.setenv(md.TRIAL_ENV, "1")
+    assert gluon_kept() == [(32, 2, False), (32, 2, True)]
+    assert mdg.smem_bytes(512, 64, 32, 2, kv_fp8=True) <= 232448
+    assert mdg.smem_bytes(512, 64, 64, 2, kv_fp8=True) > 232448
+    assert mdg.smem_bytes(512, 64, 32, 3, kv_fp8=True) > 232448
+
+
 def test_reason_names_the_obstacle(device, monkeypatch):
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16, device=device)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=device)
@@ -110,6 +129,10 @@ def test_reason_names_the_obstacle(device, monkeypatch):
     assert "bf16" in mdg.gluon_decode_reason(q.half(), kv.half(), 64, 512, 64)
     assert "page size" in mdg.gluon_decode_reason(q, kv.view(8, 32, 576), 32, 512, 64)
     assert "contiguous" in mdg.gluon_decode_reason(q.transpose(0, 1).contiguous().transpose(0, 1), kv, 64, 512, 64)
+    kv8 = kv.to(torch.float8_e4m3fn)
+    assert mdg.gluon_decode_reason(q, kv8, 64, 512, 64, 32, 2) is None
+    assert "device tensor" in mdg.gluon_decode_reason(q, kv8, 64, 512, 64, 32, 2, scale_tensor=True)
+    assert "shared memory" in mdg.gluon_decode_reason(q, kv8, 64, 512, 64, 64, 2)
 
 
 def test_shared_memory_fits_sm90():
@@ -131,7 +154,9 @@ def test_compiles_offline_for_sm90(python):
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["name"] for r in recs] == [f"BN{bn} s{st}{' early' if ea else ''}" for bn, st, ea in
-                                         md.gluon_variants()]  # fmt: skip
+                                         md.gluon_variants()] + [
+        f"BN{bn} s{st}{' early' if ea else ''} e4m3" for bn, st, ea in _FP8_VARIANTS
+    ]  # fmt: skip
     for rec in recs:
         assert rec["ok"], rec
         assert 0 < rec["shared"] <= 232448, rec
@@ -205,6 +230,40 @@ def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", _FP8_VARIANTS, ids=[f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in
+                                                       _FP8_VARIANTS])  # fmt: skip
+@pytest.mark.parametrize("H,B,page_size,lens,splits", GPU_CASES[:6])
+def test_gpu_gluon_e4m3_cache_matches_reference(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
+    """The e4m3-cache form (KV_FP8, a trial variant): bf16 q, the cache widened on chip, scale 1.5; NaN in the rows
+    past each length and in pages no request reads; against fp32 attention over the dequantised cache."""
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*variant))
+    monkeypatch.setenv(md.TRIAL_ENV, "1")
+    calls = _count_gluon_launches(monkeypatch)
+    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    kv8 = (kv.float() / 1.5).to(torch.float8_e4m3fn)
+    used = set()
+    for b, n in enumerate(lens):
+        pages = bt[b, : math.ceil(n / page_size)].tolist()
+        used |= set(pages)
+        if n % page_size:
+            kv8[pages[-1], n % page_size :] = float("nan")
+    for p in range(kv8.shape[0]):
+        if p not in used:
+            kv8[p] = float("nan")
+    got = md.mla_decode_attention(q, kv8, bt, sl, softmax_scale=576**-0.5, num_splits=splits,
+                                  kv_scale_quant_orig=1.5).float()  # fmt: skip
+    assert calls == [1, variant], "the Gluon kernel (this variant) did not run"
+    ref, _ = md.mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=1.5)
+    for b, n in enumerate(lens):
+        if n:
+            err = (got[b] - ref[b].to(got.device)).pow(2).mean().sqrt() / ref[b].pow(2).mean().sqrt()
+            assert float(err) < 1e-2, (b, n, float(err))
+        else:
+            assert (got[b] == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_gpu_gluon_cuda_graph_replay(gen, device, monkeypatch, variant):
     """Captured in a CUDA graph, the Gluon path replays on the buffers' current contents."""
@@ -261,8 +320,9 @@ def test_gpu_gluon_planned_runs_and_replay(gen, device, monkeypatch, variant):
         assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
 
 
-def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) -> dict[str, object]:
-    """Compile one Gluon variant for sm_90 offline; with ``ptxas_v``, also ptxas -v's registers and spills."""
+def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, fp8: bool = False) -> dict[str, object]:
+    """Compile one Gluon variant for sm_90 offline (``fp8``: its e4m3-cache form); with ``ptxas_v``, also
+    ptxas -v's registers and spills."""
     import re
 
     import triton
@@ -272,24 +332,26 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) 
     from kvforge.kernels import mla_decode_gluon as g
 
     dv, dr = 512, 64
-    name = f"BN{block_n} s{stages}{' early' if early else ''}"
+    name = f"BN{block_n} s{stages}{' early' if early else ''}{' e4m3' if fp8 else ''}"
     q_lay_h, q_lay_r = g.descriptor_layouts(dv, dr, g.BLOCK_H)
-    k_lay_h, k_lay_r = g.descriptor_layouts(dv, dr, block_n)
+    k_lay_h, k_lay_r = g.descriptor_layouts(dv, dr, block_n, torch.float8_e4m3fn if fp8 else torch.bfloat16)
 
-    def desc(rows: int, cols: int, lay: object) -> str:
-        return f"tensordesc<bf16[{rows}, {cols}],{lay!r}>"
+    def desc(rows: int, cols: int, lay: object, dt: str = "bf16") -> str:
+        return f"tensordesc<{dt}[{rows}, {cols}],{lay!r}>"
 
+    kt = "fp8e4nv" if fp8 else "bf16"
     types = {"q_desc_h": desc(g.BLOCK_H, dv // 2, q_lay_h), "q_desc_r": desc(g.BLOCK_H, dr, q_lay_r),
-             "k_desc_h": desc(block_n, dv // 2, k_lay_h), "k_desc_r": desc(block_n, dr, k_lay_r), "bt_ptr": "*i32",
-             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-             "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_log2": "fp32"}  # fmt: skip
+             "k_desc_h": desc(block_n, dv // 2, k_lay_h, kt), "k_desc_r": desc(block_n, dr, k_lay_r, kt),
+             "bt_ptr": "*i32", "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16",
+             "lse_ptr": "*fp32", "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_log2": "fp32",
+             "v_scale": "fp32"}  # fmt: skip
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early, "CHECK": True, "BALANCE": True}  # fmt: skip
+              "EARLY": early, "CHECK": True, "BALANCE": True, "KV_FP8": fp8}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,
-                              "estimate": g.smem_bytes(dv, dr, block_n, stages)}  # fmt: skip
+                              "estimate": g.smem_bytes(dv, dr, block_n, stages, fp8)}  # fmt: skip
     try:
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 128),
                            options={"num_warps": 4, "maxnreg": g._MAXNREG})  # fmt: skip
@@ -319,7 +381,9 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False) 
 
 
 def _compile(ptxas_v: bool = False) -> list[dict[str, object]]:
-    return [_compile_one(bn, st, ea, ptxas_v) for bn, st, ea in md.gluon_variants()]
+    return [_compile_one(bn, st, ea, ptxas_v) for bn, st, ea in md.gluon_variants()] + [
+        _compile_one(bn, st, ea, ptxas_v, fp8=True) for bn, st, ea in _FP8_VARIANTS
+    ]
 
 
 if __name__ == "__main__":

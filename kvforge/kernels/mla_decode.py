@@ -382,6 +382,7 @@ def _cfg(
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
+_GLUON_DTYPES = ("bfloat16", "bfloat16,e4m3")  # config keys' dtypes the Gluon kernel takes (q, and the cache)
 TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": every Gluon variant of the sm_90 table is a candidate, not only the first
 _GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes among (block_n, stages, early)
 
@@ -405,7 +406,15 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
         return False
     # The Gluon kernel: bf16 q and cache, 32 or more heads (with 32 the 64-row tile is half empty, but the keys
     # are read once, not once per 16-head tile), a TMA-able cache, key tiles inside a page.
-    if kw.get("GLUON") and not (key[2] == "bfloat16" and key[3] >= 32 and key[5] and key[4] % kw["BLOCK_N"] == 0):
+    if kw.get("GLUON") and not (key[2] in _GLUON_DTYPES and key[3] >= 32 and key[5] and key[4] % kw["BLOCK_N"] == 0):
+        return False
+    # Its e4m3-cache form (KV_FP8: 32-token tiles in a 2-deep ring fit shared memory beside the e4m3 ring) is a
+    # trial variant until the H200 has checked and timed it: never what a key without a committed config runs.
+    if (
+        kw.get("GLUON")
+        and key[2] == "bfloat16,e4m3"
+        and (os.environ.get(TRIAL_ENV) != "1" or _gluon_variant(cfg)[:2] != (32, 2))
+    ):
         return False
     # Beyond the first variant that fits the page, Gluon variants are candidates only where asked for (the bench
     # asks, and checks each against the reference): a key without a committed config autotunes by speed alone.
@@ -431,10 +440,13 @@ _CONFIGS = ConfigTable(
             _cfg(16, 32, 4, 3),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1),
             _cfg(128, 32, 8, 2, split_dv=True, tma=True, per_sm=1),
-            # Trial Gluon variants (TRIAL_ENV): a 3-deep ring of 32-token key tiles, scores issued early.
+            # Trial Gluon variants (TRIAL_ENV): a 3-deep ring of 32-token key tiles, scores issued early, and the
+            # 2-deep ring of 32-token tiles (the only ring the e4m3-cache form fits).
             _cfg(64, 32, 8, 3, tma=True, per_sm=1, gluon=1),
             _cfg(64, 64, 8, 2, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
+            _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1),
+            _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=2),
         ]
     },
     keep=_keep,
@@ -774,9 +786,9 @@ def _launch(
         bn, stages, early = plan.gluon
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
-            scale_log2=plan.scale_log2, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages, early=early,
-            check=plan.check, balance=plan.balance, splits=plan.grid[2], prep=st.gluon if fast else None,
-            direct=ready,
+            scale_log2=plan.scale_log2 * plan.kv_scale, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages,
+            early=early, check=plan.check, balance=plan.balance, splits=plan.grid[2],
+            prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale,
         )  # fmt: skip
     else:
         if plan.cfg.kwargs["USE_TMA"]:
@@ -987,7 +999,8 @@ def _plan_call(
 
             variant = _gluon_variant(cfg)
             bn, stages, _ = variant
-            if gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages) is None:
+            if gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages,
+                                   scale_tensor=scale_t is not None) is None:  # fmt: skip
                 gluon = variant  # its own head tile and key tile, one program per SM
                 kw = {**kw, "BLOCK_H": BLOCK_H, "BLOCK_N": bn, "SPLIT_DV": False, "PER_SM": 1}
         bn = kw["BLOCK_N"]

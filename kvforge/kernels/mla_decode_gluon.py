@@ -3,9 +3,11 @@
 ``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse``
 when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
 sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
-checked every input and ``gluon_decode_reason`` said the layout fits. bf16 only, keys 576 = 512 latent + 64
-rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of the key tile;
-this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
+checked every input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one
+(``KV_FP8``: the loader fills an e4m3 ring, each tile's owner widens it exactly into the bf16 ring before its
+scores; 32-token tiles in 2 slots; a trial variant, offline-compiled but not yet run on the H200); keys 576 =
+512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of
+the key tile; this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
 ``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
 SM: 64 x 2, 32 x 3 and 32 x 4 do), and the score product issued before (``early``) or after taking the other
 warpgroup's tile. Rows of a share's last tile past the request's length are zeroed before P·V (a never-written
@@ -56,6 +58,7 @@ if gluon is not None:
     warpgroup_mma_wait = _mcg.warpgroup_mma_wait
     fence_async_shared = _mcg.fence_async_shared
     _tma_load = _mcg._tma_load
+    _barrier = _mcg._barrier
 
 
 def tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
@@ -73,10 +76,12 @@ def tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
     )
 
 
-def smem_bytes(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES) -> int:
-    """Shared memory of one program: the Q tile, the key-tile ring, P, the max and the two row sums, barriers."""
+def smem_bytes(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES, kv_fp8: bool = False) -> int:
+    """Shared memory of one program: the Q tile, the key-tile ring (and with ``kv_fp8`` the e4m3 ring the loader
+    fills beside it), P, the max and the two row sums, barriers."""
     d = d_v + d_r
-    return 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 2 * stages)
+    ring8 = stages * block_n * d if kv_fp8 else 0
+    return 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + ring8 + 4 * 3 * BLOCK_H + 8 * (3 + 2 * stages)
 
 
 def gluon_decode_reason(
@@ -87,20 +92,28 @@ def gluon_decode_reason(
     d_r: int,
     block_n: int = BLOCK_N,
     stages: int = STAGES,
+    *,
+    scale_tensor: bool = False,
 ) -> str | None:
     """None when the Gluon kernel variant (``block_n``-token key tiles, ``stages`` ring slots) can run this call,
-    else why not (device, dtype, widths, shared memory, layouts)."""
+    else why not (device, dtype, widths, shared memory, layouts). An e4m3 cache with a bf16 q takes the kernel's
+    ``KV_FP8`` form (its scale a float: ``scale_tensor`` says the call's is a device tensor)."""
     why = _mcg.gluon_unavailable_reason(q.device)
     if why is not None:
         return why
-    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        return f"the Gluon decode kernel is bf16 only, got q {q.dtype} and kv_cache {kv_cache.dtype}"
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if q.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return f"the Gluon decode kernel takes a bf16 q and a bf16 or e4m3 cache, got q {q.dtype} and {kv_cache.dtype}"
     half = v_head_dim // 2
     if half % 64 or half > 256 or d_r % 16 or d_r > 256:
         return f"widths {v_head_dim} + {d_r} do not split into TMA boxes of at most 256 columns"
+    if kv_fp8 and (half % 128 or d_r not in (32, 64, 128, 256)):
+        return f"widths {v_head_dim} + {d_r}: the e4m3 cache's widening works in 128-column slices (rope 32..256)"
+    if kv_fp8 and scale_tensor:
+        return "the e4m3 cache's scale is a device tensor; the Gluon kernel takes a float"
     if block_n not in BLOCK_NS or not 2 <= stages <= 8:
         return f"key tiles of {block_n} tokens in {stages} ring slots: expected {BLOCK_NS} and 2..8"
-    need = smem_bytes(v_head_dim, d_r, block_n, stages)
+    need = smem_bytes(v_head_dim, d_r, block_n, stages, kv_fp8)
     if need > _SMEM_LIMIT_SM90:
         return f"widths {v_head_dim} + {d_r} with {stages} x {block_n}-token key tiles need {need} B of shared memory"
     if page_size % block_n:
@@ -119,10 +132,12 @@ if gluon is not None:
     def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                    q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                    po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                   num_pages, err_ptr, W: gl.constexpr, PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr,
-                   D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
-        """One warp: the Q tile once, then key tile t into ring slot t % STAGES once both warpgroups freed it."""
+                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                   D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
+                   KV_FP8: gl.constexpr):  # fmt: skip
+        """One warp: the Q tile once, then key tile t into ring slot t % STAGES once both warpgroups freed it
+        (with KV_FP8 into the e4m3 ring ``k8_*``, which the tile's owner widens into ``k_*``)."""
         mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
         _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
         _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
@@ -136,9 +151,36 @@ if gluon is not None:
             row = page * PAGE_SIZE + tok % PAGE_SIZE
             mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
-            _tma_load(k_desc_h, [row, 0], k_ready.index(s), k_a.index(s))
-            _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k_b.index(s))
-            _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k_r.index(s))
+            if KV_FP8:
+                _tma_load(k_desc_h, [row, 0], k_ready.index(s), k8_a.index(s))
+                _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k8_b.index(s))
+                _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k8_r.index(s))
+            else:
+                _tma_load(k_desc_h, [row, 0], k_ready.index(s), k_a.index(s))
+                _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k_b.index(s))
+                _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k_r.index(s))
+
+    @gluon.jit
+    def _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, i, slot, start, end, BLOCK_N: gl.constexpr,
+                  D_HALF: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        """KV_FP8: tile i's e4m3 rows (ring slot ``slot``) widened into the bf16 slot, exactly (e4m3 has 3
+        mantissa bits, bf16 7); rows at or past ``end`` become 0 (a never-written row may hold NaN, and P·V
+        multiplies every row). 128-column slices: one 128-byte swizzle row of the e4m3 tile at a time."""
+        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        wl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        rows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wl))
+        bad = (rows >= end)[:, None]
+        for c in gl.static_range(D_HALF // 128):
+            xa = k8_a.index(slot).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            k_a.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xa), xa))
+            xb = k8_b.index(slot).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            k_b.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xb), xb))
+        rl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D_R // 16), D_R // 16], [4, 1], [1, 0])
+        rrows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rl))
+        xr = k8_r.index(slot).load(rl).to(gl.bfloat16)
+        k_r.index(slot).store(gl.where((rrows >= end)[:, None], gl.zeros_like(xr), xr))
+        fence_async_shared()
+        _barrier()  # every warp's rows are in shared memory before this warpgroup's wgmma reads them
 
     @gluon.jit
     def _gd_zero_tail(buf, tok0, end, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):
@@ -177,7 +219,8 @@ if gluon is not None:
 
     @gluon.jit
     def _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i, slot, start, end, scale_log2,
-                            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):  # fmt: skip
+                            s_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr,
+                            KV_FP8: gl.constexpr):  # fmt: skip
         """Tile i's online softmax against the running max; P (bf16) and the new max go to shared memory for
         the other warpgroup (and a partial tile's rows past the end are zeroed first). Returns (P, α, m, l)."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -190,7 +233,7 @@ if gluon is not None:
         p = gl.exp2(sc - m_new[:, None])
         alpha = gl.exp2(m_run - m_new)
         l_run = l_run * alpha + gl.sum(p, 1)
-        if partial:  # both latent halves: the other warpgroup reads its half after p_full
+        if partial and not KV_FP8:  # both latent halves (widening zeroed them): the other reads its half after p_full
             _gd_zero_tail(k_a.index(slot), tok0, end, BLOCK_N, D_HALF)
             _gd_zero_tail(k_b.index(slot), tok0, end, BLOCK_N, D_HALF)
         p16 = p.to(gl.bfloat16)
@@ -204,9 +247,10 @@ if gluon is not None:
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                     num_pages, err_ptr, W: gl.constexpr, PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr,
-                     D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
+                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
+                     KV_FP8: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
         columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
         P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
@@ -240,11 +284,13 @@ if gluon is not None:
         mbarrier.wait(q_ready, 0)
         if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
+                if KV_FP8:
+                    _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, 0, 0, start, end, BLOCK_N, D_HALF, D_R, STAGES)
                 sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
                                                                0, 0, start, end, scale_log2, s_layout, BLOCK_N,
-                                                               D_HALF)  # fmt: skip
+                                                               D_HALF, KV_FP8)  # fmt: skip
                 acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(0), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(k_empty.index(0), count=1)
@@ -255,6 +301,8 @@ if gluon is not None:
             else:
                 own = i % STAGES
                 prev = (i - 1) % STAGES
+            if KV_FP8:  # tile i widened before its scores (the other warpgroup's P·V of tile i - 1 may run)
+                _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, i, own, start, end, BLOCK_N, D_HALF, D_R, STAGES)
             if EARLY:
                 # wgmma groups in issue order: scores(i), then P·V(i - 1); wait(1) leaves the second running.
                 sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
@@ -270,7 +318,7 @@ if gluon is not None:
                 sc = warpgroup_mma_wait(0, deps=(sc,))
             p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i,
                                                            own, start, end, scale_log2, s_layout, BLOCK_N,
-                                                           D_HALF)  # fmt: skip
+                                                           D_HALF, KV_FP8)  # fmt: skip
             if EARLY:  # tile i - 1's product, still running under the softmax
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(k_empty.index(prev), count=1)
@@ -293,7 +341,7 @@ if gluon is not None:
         mbarrier.wait(l_ready, 0)
         l_tot = l_run + l_bufs.slice((1 - W) * BLOCK_H, BLOCK_H).load(srow)
         has = l_tot > 0.0
-        inv = 1.0 / gl.where(has, l_tot, 1.0)
+        inv = v_scale / gl.where(has, l_tot, 1.0)  # v_scale: the e4m3 cache's dequantisation (1 for bf16)
         o = acc * gl.convert_layout(inv, orow)[:, None]
         lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
         if CHECK:  # a bad length or page id: NaN output and lse, and the caller's flags
@@ -324,17 +372,19 @@ if gluon is not None:
     def _mla_decode_gluon_kernel(
         q_desc_h, q_desc_r, k_desc_h, k_desc_r, bt_ptr, seq_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, nshare_ptr,
         err_ptr, H, s_btb, s_pob, s_poh, s_pos, B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob,
-        s_oh, s_lb, s_lh, scale_log2,
+        s_oh, s_lb, s_lh, scale_log2, v_scale,
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
-        BALANCE: gl.constexpr = False,
+        BALANCE: gl.constexpr = False, KV_FP8: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
         (``_request_share``: a request with one share writes ``out``/``lse``, the others partials and their
         count). Launched with 4 warps (consumer warpgroup FIRST_W, the default partition); the partitions add
-        4 + 1."""
+        4 + 1. KV_FP8: the cache is e4m3 (its descriptors e4m3 boxes): the loader fills an e4m3 ring, the owner of a
+        tile widens it into the bf16 ring before its scores, ``scale_log2`` carries the dequantisation scale and
+        ``v_scale`` multiplies the output."""
         D_HALF: gl.constexpr = D_V // 2
         pid_h = gl.program_id(0)
         b = gl.program_id(1)
@@ -379,9 +429,22 @@ if gluon is not None:
         q_a = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
         q_b = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
         q_r = gl.allocate_shared_memory(q_desc_r.dtype, [BLOCK_H, D_R], q_desc_r.layout)
-        k_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-        k_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-        k_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
+        if KV_FP8:
+            kh16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], gl.bfloat16)
+            kr16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
+            k_a = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_HALF], kh16)
+            k_b = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_HALF], kh16)
+            k_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], kr16)
+            k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+            k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+            k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
+        else:
+            k_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+            k_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+            k_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
+            k8_a = k_a  # not read: the loader fills k_* directly
+            k8_b = k_b
+            k8_r = k_r
         p_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout_s)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -406,18 +469,18 @@ if gluon is not None:
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R,
-                                BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK)),
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, FIRST_W,
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, 1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R,
-                                BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK)),
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, 1 - FIRST_W,
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                              s_lh, direct, bad_len, num_pages, err_ptr, 0, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H,
-                              BLOCK_N, STAGES, EARLY, CHECK)),
+                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, 0, PAGE_SIZE,
+                              D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
@@ -431,12 +494,13 @@ if gluon is not None:
 
 
 @functools.lru_cache(maxsize=64)  # Gluon's layout helpers cost ~40 µs of host time per call
-def descriptor_layouts(d_v: int, d_r: int, rows: int = BLOCK_N) -> tuple:
-    """The NVMMA shared layouts of ``rows``-row latent-half and rope boxes (a key tile's rows, or BLOCK_H for
-    the Q tile; also what the offline compile test uses)."""
+def descriptor_layouts(d_v: int, d_r: int, rows: int = BLOCK_N, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """The NVMMA shared layouts of ``rows``-row latent-half and rope boxes of ``dtype`` (a key tile's rows, or
+    BLOCK_H for the Q tile; also what the offline compile test uses)."""
+    dt = _mcg._gl_dtype(dtype)
     return (
-        gl.NVMMASharedLayout.get_default_for([rows, d_v // 2], gl.bfloat16),
-        gl.NVMMASharedLayout.get_default_for([rows, d_r], gl.bfloat16),
+        gl.NVMMASharedLayout.get_default_for([rows, d_v // 2], dt),
+        gl.NVMMASharedLayout.get_default_for([rows, d_r], dt),
     )
 
 
@@ -500,6 +564,7 @@ def mla_decode_gluon_split(
     balance: bool = False,
     prep: SplitPrep | None = None,
     direct: bool = False,
+    v_scale: float = 1.0,
 ) -> object:
     """One launch over ``(head tiles, B, splits)``: requests with one share write ``out``/``lse``, the others
     ``partial [B, H, splits, D_V]`` / ``partial_lse [B, H, splits]`` (contiguous, 16-byte aligned) and their share
@@ -507,7 +572,8 @@ def mla_decode_gluon_split(
     and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``. ``prep``: an empty one is filled
     by this call; a filled one skips the per-call work for tensors laid out as that call's were. ``direct``: the
     caller has just seen ``prep.ready()``; only then may the scratch pointers (``partial``, ``partial_lse``,
-    ``nshare``) be raw device addresses."""
+    ``nshare``) be raw device addresses. An e4m3 cache runs the ``KV_FP8`` form: ``scale_log2`` must then include
+    its dequantisation scale, and ``v_scale`` (the same scale) multiplies the output."""
     if prep is not None and prep.spec is not None:
         fast = prep.fast
         if direct or (fast is not None and not _rt.hooks_active()):
@@ -522,7 +588,8 @@ def mla_decode_gluon_split(
                 grid = prep.grid
                 kernel.run(grid[0], grid[1], grid[2], current_stream(device), kernel.function,
                            kernel.packed_metadata, None, None, None, *descs, block_table, seq_lens, partial,
-                           partial_lse, out, lse, nshare, err, *prep.ints, *rt, scale_log2, *cvals)  # fmt: skip
+                           partial_lse, out, lse, nshare, err, *prep.ints, *rt, scale_log2, v_scale,
+                           *cvals)  # fmt: skip
                 return kernel
     if not all(isinstance(t, torch.Tensor) for t in (partial, partial_lse, nshare)):
         raise RuntimeError("mla_decode_gluon_split: raw scratch addresses need a prep that is ready()")
@@ -532,10 +599,11 @@ def mla_decode_gluon_split(
     grid = (-(-H // BLOCK_H), B, splits)
     # rt = (B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob, s_oh, s_lb, s_lh); partials contiguous
     ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
-    args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2)
+    args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
-              "CHECK": bool(check), "BALANCE": bool(balance)}  # fmt: skip
+              "CHECK": bool(check), "BALANCE": bool(balance),
+              "KV_FP8": kv_cache.dtype == torch.float8_e4m3fn}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
     ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
@@ -572,7 +640,7 @@ def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int, block
     P, S, _ = kv_cache.shape
     d_r = D - v_head_dim
     q_lay_h, q_lay_r = descriptor_layouts(v_head_dim, d_r, BLOCK_H)
-    k_lay_h, k_lay_r = descriptor_layouts(v_head_dim, d_r, block_n)
+    k_lay_h, k_lay_r = descriptor_layouts(v_head_dim, d_r, block_n, kv_cache.dtype)
     TD = _mcg.GluonTensorDescriptor
     q2 = [B * H, D]
     k2, ks = [P * S, D], [kv_cache.stride(1), 1]
