@@ -200,15 +200,8 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
-@pytest.mark.parametrize("H,B,page_size,lens,splits", GPU_CASES)
-def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
-    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
-    _only(monkeypatch, _gluon_cfg(*variant))
-    calls = _count_gluon_launches(monkeypatch)
-    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
-    # Rows past each request's length in its last page, and pages no request reads, hold NaN.
+def _nan_outside(kv: torch.Tensor, bt: torch.Tensor, lens: list[int], page_size: int) -> None:
+    """NaN into the rows past each request's length in its last page and into every page no request reads."""
     used = set()
     for b, n in enumerate(lens):
         pages = bt[b, : math.ceil(n / page_size)].tolist()
@@ -218,6 +211,17 @@ def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, 
     for p in range(kv.shape[0]):
         if p not in used:
             kv[p] = float("nan")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("H,B,page_size,lens,splits", GPU_CASES)
+def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*variant))
+    calls = _count_gluon_launches(monkeypatch)
+    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    _nan_outside(kv, bt, lens, page_size)
     check(q, kv, bt, sl, 512, 576**-0.5, torch.bfloat16, num_splits=splits)
     assert calls == [1, variant], "the Gluon kernel (this variant) did not run"
     # Request by request too (a short request's error would hide in the whole batch's RMSE).
@@ -242,15 +246,7 @@ def test_gpu_gluon_e4m3_cache_matches_reference(gen, device, monkeypatch, H, B, 
     calls = _count_gluon_launches(monkeypatch)
     q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
     kv8 = (kv.float() / 1.5).to(torch.float8_e4m3fn)
-    used = set()
-    for b, n in enumerate(lens):
-        pages = bt[b, : math.ceil(n / page_size)].tolist()
-        used |= set(pages)
-        if n % page_size:
-            kv8[pages[-1], n % page_size :] = float("nan")
-    for p in range(kv8.shape[0]):
-        if p not in used:
-            kv8[p] = float("nan")
+    _nan_outside(kv8, bt, lens, page_size)
     got = md.mla_decode_attention(q, kv8, bt, sl, softmax_scale=576**-0.5, num_splits=splits,
                                   kv_scale_quant_orig=1.5).float()  # fmt: skip
     assert calls == [1, variant], "the Gluon kernel (this variant) did not run"
