@@ -9,12 +9,15 @@ requests, and every element for being written and finite, before anything is tim
 and the workload's ratios are not written. Timed, sample by sample in turn behind an L2 flush: kvforge's
 default call (device-side value checks), kvforge with ``check_values=False``, ``MLADecodePlan.run`` (planned
 outside the timing), FlashInfer's ``run`` (its ``plan`` outside the timing), and kvforge over an e4m3 copy of the
-cache (``kv_scale_quant_orig``, same call).
+cache (``kv_scale_quant_orig``, same call); with ``--fp8-gluon``, also that call on the Gluon kernel's e4m3-cache
+form (a trial variant, ``KVFORGE_DECODE_TRIAL``; workloads with 32 or more heads), checked the same way and
+reported as ``fp8_gluon_speedup`` (kvforge bf16 time / this time).
 Then kvforge's default call and FlashInfer replayed from CUDA graphs. Ratios are FlashInfer time / kvforge time
 (above 1: kvforge faster); the FP8 ratio is kvforge bf16 time / kvforge FP8 time.
 
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --grid
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 24 --seed 7
+    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 12 --seed 5 --fp8-gluon
 
 Appends rows to bench/results/mla_decode_grid.csv (GPU, versions, git revision, date) and draws
 bench/results/mla_decode_grid_<tag>.png.
@@ -35,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import RESULTS, append_csv, git_revision, time_graph, time_interleaved
 from kvforge.kernels import mla_decode as md
+from kvforge.kernels import mla_decode_gluon as mdg
 from kvforge.kernels._fp8 import e4m3_ref
+from kvforge.kernels._runtime import ConfigTable, TunedKernel
 
 DV, DR = 512, 64
 HEADS = (16, 32, 64, 128)
@@ -122,7 +127,28 @@ def flashinfer_runner(q, kv, sl, indptr, indices, H, page, scale):
     return lambda: w.run(q_nope, q_pe, ckv, kpe, out=out), out
 
 
-def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
+def _fp8_gluon_split() -> TunedKernel:
+    """The decode kernel with one candidate: the Gluon kernel's 32 x 2 variant (its e4m3-cache form here)."""
+    cfg = md._cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1)
+    return TunedKernel("mla_decode_fp8_gluon_bench", md._mla_decode_split_kernel,
+                       ConfigTable(fallback=[cfg], interpreter=cfg, by_arch={9: [cfg]}))  # fmt: skip
+
+
+def _on_fp8_gluon(split: TunedKernel, fn):
+    """``fn`` with the decode kernel limited to ``split`` (a distinct cache tensor keeps its plans apart)."""
+
+    def call() -> None:
+        saved = md._SPLIT
+        md._SPLIT = split
+        try:
+            fn()
+        finally:
+            md._SPLIT = saved
+
+    return call
+
+
+def run_workload(w: dict, seed: int, fi: bool, fp8: bool, fp8_gluon: TunedKernel | None = None) -> dict:
     q, kv, bt, sl, indptr, indices = build(w, seed)
     scale = 1.0 / math.sqrt(DV + DR)
     B, H = q.shape[:2]
@@ -168,6 +194,23 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
         kv_fp8()
         row["rmse_fp8_vs_dequant"] = check("kvforge fp8", out8, q, kv8, bt, sl, scale, kv_scale_quant_orig=s_q)
         fns["kvforge_fp8"] = kv_fp8
+        if fp8_gluon is not None and H >= 32:
+            kv8g = kv8.clone()
+            out8g = torch.full_like(out, float("nan"))
+            kv_fp8_gluon = _on_fp8_gluon(fp8_gluon, lambda: md.mla_decode_attention(
+                q, kv8g, bt, sl, softmax_scale=scale, out=out8g, kv_scale_quant_orig=s_q))  # fmt: skip
+            launched = []
+            real = mdg.mla_decode_gluon_split
+            mdg.mla_decode_gluon_split = lambda *a, **k: launched.append(1) or real(*a, **k)
+            try:
+                kv_fp8_gluon()
+            finally:
+                mdg.mla_decode_gluon_split = real
+            if not launched:
+                raise RuntimeError("fp8 gluon: the Gluon kernel did not run (gluon_decode_reason refused it)")
+            row["rmse_fp8_gluon_vs_dequant"] = check("kvforge fp8 gluon", out8g, q, kv8g, bt, sl, scale,
+                                                     kv_scale_quant_orig=s_q)  # fmt: skip
+            fns["kvforge_fp8_gluon"] = kv_fp8_gluon
     t = time_interleaved(fns, samples=80)
     for k, v in t.items():
         row[f"{k}_ms"] = v["ms"]
@@ -178,6 +221,9 @@ def run_workload(w: dict, seed: int, fi: bool, fp8: bool) -> dict:
         row["ratio_eager_planned"] = t["flashinfer"]["ms"] / t["kvforge_planned"]["ms"]
     if fp8:
         row["fp8_speedup"] = t["kvforge"]["ms"] / t["kvforge_fp8"]["ms"]
+    if "kvforge_fp8_gluon" in t:
+        row["fp8_gluon_speedup"] = t["kvforge"]["ms"] / t["kvforge_fp8_gluon"]["ms"]
+        check("kvforge fp8 gluon (timed)", out8g, q, kv8g, bt, sl, scale, kv_scale_quant_orig=s_q)
     # The timed calls took the cached launch paths: their last outputs are checked too.
     check("kvforge (timed)", out, q, kv, bt, sl, scale)
     check("kvforge planned (timed)", out_pl, q, kv, bt, sl, scale)
@@ -204,6 +250,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--fp8-gluon", action="store_true",
+                    help="also time the Gluon kernel's e4m3-cache form (trial; 32 or more heads)")  # fmt: skip
     ap.add_argument("--only", type=str, default="", help="comma-separated workload indices (warm-up shards)")
     ap.add_argument("--warm", action="store_true", help="compile only: one call per workload, nothing timed")
     args = ap.parse_args()
@@ -211,6 +259,14 @@ def main() -> None:
         ap.error("give --grid or --random N")
     if args.random < 0 or args.random > 1000:
         ap.error(f"--random: expected 1..1000, got {args.random}")
+    if args.fp8_gluon and args.no_fp8:
+        ap.error("--fp8-gluon times the e4m3 cache: leave out --no-fp8")
+    fp8_gluon = None
+    if args.fp8_gluon:
+        import os
+
+        os.environ[md.TRIAL_ENV] = "1"  # the e4m3 form is a candidate only under the trial switch
+        fp8_gluon = _fp8_gluon_split()
     tag = "grid" if args.grid else f"random{args.random}_seed{args.seed}"
     work = draw(24, 0, True) if args.grid else draw(args.random, args.seed, False)
     picked = range(len(work)) if not args.only else [int(x) for x in args.only.split(",")]
@@ -229,7 +285,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 print(f"warm {i} {w['name']} {time.perf_counter() - t0:.1f}s", flush=True)
                 continue
-            row = run_workload(w, i, not args.no_flashinfer, not args.no_fp8)
+            row = run_workload(w, i, not args.no_flashinfer, not args.no_fp8, fp8_gluon)
         except Exception as exc:  # reported; no ratio is written for a workload that failed its check
             print(f"{i:2d} {w['name']:>40}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
@@ -242,19 +298,20 @@ def main() -> None:
               f"check cost {row['check_cost']:.3f}x, planned {row['kvforge_planned_ms']:.4f}) fi "
               f"{row.get('flashinfer_ms', nan):.4f} ms | ratio eager {row.get('ratio_eager', nan):.3f} planned "
               f"{row.get('ratio_eager_planned', nan):.3f} graph {row.get('ratio_graph', nan):.3f} | fp8 "
-              f"{row.get('kvforge_fp8_ms', nan):.4f} ms x{row.get('fp8_speedup', nan):.2f} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+              f"{row.get('kvforge_fp8_ms', nan):.4f} ms x{row.get('fp8_speedup', nan):.2f}, gluon "
+              f"x{row.get('fp8_gluon_speedup', nan):.2f} ({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
     print("chosen configs:", md._SPLIT.chosen())
     if args.warm or not rows:
         return
     for key in ("ratio_eager", "ratio_eager_nocheck", "ratio_eager_planned", "ratio_graph", "check_cost",
-                "fp8_speedup"):  # fmt: skip
+                "fp8_speedup", "fp8_gluon_speedup"):  # fmt: skip
         vals = [r[key] for r in rows if key in r]
         if vals:
             print(f"{key}: geomean {geomean(vals):.3f}, min {min(vals):.3f}, max {max(vals):.3f} over {len(vals)}")
-    long8 = [r["fp8_speedup"] for r in rows if "fp8_speedup" in r and r["max_len"] >= 8192]
-    if long8:
-        print(f"fp8_speedup at max length >= 8k: geomean {geomean(long8):.3f}, min {min(long8):.3f} ({len(long8)})")
+    for key in ("fp8_speedup", "fp8_gluon_speedup"):
+        long8 = [r[key] for r in rows if key in r and r["max_len"] >= 8192]
+        if long8:
+            print(f"{key} at max length >= 8k: geomean {geomean(long8):.3f}, min {min(long8):.3f} ({len(long8)})")
     print("wrote", append_csv("mla_decode_grid", rows))
     import matplotlib
 
