@@ -236,7 +236,7 @@ def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", _FP8_VARIANTS, ids=[f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in
                                                        _FP8_VARIANTS])  # fmt: skip
-@pytest.mark.parametrize("H,B,page_size,lens,splits", GPU_CASES[:6])
+@pytest.mark.parametrize("H,B,page_size,lens,splits", [*GPU_CASES[:6], (128, 3, 32, [33, 4000, 95], 3)])
 def test_gpu_gluon_e4m3_cache_matches_reference(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
     """The e4m3-cache form (KV_FP8, a trial variant): bf16 q, the cache widened on chip, scale 1.5; NaN in the rows
     past each length and in pages no request reads; against fp32 attention over the dequantised cache."""
@@ -247,10 +247,13 @@ def test_gpu_gluon_e4m3_cache_matches_reference(gen, device, monkeypatch, H, B, 
     q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
     kv8 = (kv.float() / 1.5).to(torch.float8_e4m3fn)
     _nan_outside(kv8, bt, lens, page_size)
-    got = md.mla_decode_attention(q, kv8, bt, sl, softmax_scale=576**-0.5, num_splits=splits,
-                                  kv_scale_quant_orig=1.5).float()  # fmt: skip
+    got, lse = md.mla_decode_attention(q, kv8, bt, sl, softmax_scale=576**-0.5, num_splits=splits,
+                                       kv_scale_quant_orig=1.5, return_lse=True)  # fmt: skip
+    got = got.float()
     assert calls == [1, variant], "the Gluon kernel (this variant) did not run"
-    ref, _ = md.mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=1.5)
+    ref, ref_lse = md.mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=1.5)
+    # The lse of the dequantised scaled scores (the scale folded into the score multiplier), -inf when empty.
+    torch.testing.assert_close(lse.cpu(), ref_lse.cpu(), atol=2e-3, rtol=0)
     for b, n in enumerate(lens):
         if n:
             err = (got[b] - ref[b].to(got.device)).pow(2).mean().sqrt() / ref[b].pow(2).mean().sqrt()

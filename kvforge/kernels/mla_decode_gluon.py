@@ -574,6 +574,7 @@ def mla_decode_gluon_split(
     caller has just seen ``prep.ready()``; only then may the scratch pointers (``partial``, ``partial_lse``,
     ``nshare``) be raw device addresses. An e4m3 cache runs the ``KV_FP8`` form: ``scale_log2`` must then include
     its dequantisation scale, and ``v_scale`` (the same scale) multiplies the output."""
+    v_scale = float(v_scale)  # an int would be specialised (1 becomes a constant) and change the launch signature
     if prep is not None and prep.spec is not None:
         fast = prep.fast
         if direct or (fast is not None and not _rt.hooks_active()):
