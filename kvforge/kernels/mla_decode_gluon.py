@@ -136,8 +136,8 @@ if gluon is not None:
                    D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
                    KV_FP8: gl.constexpr):  # fmt: skip
-        """One warp: the Q tile once, then key tile t into ring slot t % STAGES once both warpgroups freed it
-        (with KV_FP8 into the e4m3 ring ``k8_*``, which the tile's owner widens into ``k_*``)."""
+        """One warp: the Q tile once, then key tile t into slot t % STAGES of the ring ``k8_*`` once both
+        warpgroups freed it (the bf16 ring ``k_*`` itself, or with KV_FP8 the e4m3 ring its owner widens into it)."""
         mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
         _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
         _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
@@ -151,14 +151,9 @@ if gluon is not None:
             row = page * PAGE_SIZE + tok % PAGE_SIZE
             mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
-            if KV_FP8:
-                _tma_load(k_desc_h, [row, 0], k_ready.index(s), k8_a.index(s))
-                _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k8_b.index(s))
-                _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k8_r.index(s))
-            else:
-                _tma_load(k_desc_h, [row, 0], k_ready.index(s), k_a.index(s))
-                _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k_b.index(s))
-                _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k_r.index(s))
+            _tma_load(k_desc_h, [row, 0], k_ready.index(s), k8_a.index(s))
+            _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k8_b.index(s))
+            _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k8_r.index(s))
 
     @gluon.jit
     def _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, i, slot, start, end, BLOCK_N: gl.constexpr,
@@ -429,22 +424,20 @@ if gluon is not None:
         q_a = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
         q_b = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
         q_r = gl.allocate_shared_memory(q_desc_r.dtype, [BLOCK_H, D_R], q_desc_r.layout)
+        # The ring TMA fills, in the cache's dtype; with KV_FP8 a bf16 ring beside it that the scores and P·V read.
+        k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+        k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
+        k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
         if KV_FP8:
             kh16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], gl.bfloat16)
             kr16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
             k_a = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_HALF], kh16)
             k_b = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_HALF], kh16)
             k_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], kr16)
-            k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-            k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-            k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
         else:
-            k_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-            k_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-            k_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
-            k8_a = k_a  # not read: the loader fills k_* directly
-            k8_b = k_b
-            k8_r = k_r
+            k_a = k8_a
+            k_b = k8_b
+            k_r = k8_r
         p_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout_s)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
