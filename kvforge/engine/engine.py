@@ -32,8 +32,9 @@ from kvforge.engine.config import EngineConfig
 from kvforge.engine.graphs import DecodeGraphs
 from kvforge.engine.launch import plan_launch
 from kvforge.engine.model import HybridModel
+from kvforge.engine.ops import host_to_device
 from kvforge.engine.phases import PhaseTimer
-from kvforge.engine.runner import Row, Runner, StepResult, host_to_device
+from kvforge.engine.runner import Row, Runner, StepResult
 from kvforge.kernels.slot_ops import SlotStores, slot_scatter, step_gather
 from kvforge.kvcache.config import (
     FULL_ATTENTION,

@@ -17,6 +17,7 @@
   ``pool[state_indices[n, t]]``, in place (fla-core's ``fused_recurrent_kda`` with ``ssm_state_indices`` and
   ``inplace_final_state``): no gather of the states before, no scatter after. A plain-torch loop with the same
   contract runs on CPU (``use_kernel=False``; the kernel also runs under the Triton interpreter).
+* :func:`host_to_device` is how the engine's step uploads host values: without the stream sync of a blocking copy.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import itertools
 
 import torch
 
-__all__ = ["decode_attention", "kda_recurrent_inplace", "kda_segments", "kda_tokens"]
+__all__ = ["decode_attention", "host_to_device", "kda_recurrent_inplace", "kda_segments", "kda_tokens"]
+
+
+def host_to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values on ``device`` without the stream sync torch adds after a blocking copy. A host-to-device copy
+    from pageable memory is staged by the driver before the call returns, so the host may drop or change its copy
+    at once; ``non_blocking`` only keeps the host from waiting for the device's queue (which a prefill step would
+    otherwise drain dozens of times, leaving the GPU idle while the host launches the next kernels)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True)
 
 
 def decode_attention(
@@ -92,7 +102,7 @@ def _cu_tensors(cu_seqlens: list[int], device: torch.device) -> tuple[torch.Tens
     if last is not None and last[0] == key and last[1] == device:
         return last[2], last[3]
     cu_cpu = torch.tensor(key, dtype=torch.long)
-    cu = cu_cpu.to(device, non_blocking=True)  # pageable memory is staged before the call returns
+    cu = host_to_device(cu_cpu, device)
     _LAST_CU = (key, device, cu_cpu, cu)
     return cu_cpu, cu
 

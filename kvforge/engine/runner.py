@@ -38,7 +38,7 @@ import torch
 
 from kvforge.engine.cache import EngineCache
 from kvforge.engine.model import HybridModel, MLAWeights
-from kvforge.engine.ops import decode_attention, kda_recurrent_inplace, kda_segments
+from kvforge.engine.ops import decode_attention, host_to_device, kda_recurrent_inplace, kda_segments
 from kvforge.kernels.decode_step import (
     DecodeInputs,
     decode_finish,
@@ -53,15 +53,6 @@ from kvforge.kernels.slot_ops import SlotStores
 from kvforge.kernels.state_select import select_accepted_states
 
 __all__ = ["Row", "Runner", "StepResult"]
-
-
-def host_to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host values on ``device`` without the stream sync torch adds after a blocking copy. A host-to-device copy
-    from pageable memory is staged by the driver before the call returns, so the host may drop or change its copy
-    at once; ``non_blocking`` only keeps the host from waiting for the device's queue (which a prefill step would
-    otherwise drain dozens of times, leaving the GPU idle while the host launches the next kernels)."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return t.to(device, non_blocking=True)
 
 
 @dataclass
