@@ -10,6 +10,7 @@ configurations, including every Gluon variant (``md.TRIAL_ENV`` is set here), ar
 is timed) and the fastest correct one is reported next to FlashInfer and written by ``--tuned-out``.
 
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode.py [--quick]
+    python3 bench/bench_mla_decode.py --fp8 [--page 32] [--tuned-out FILE]   # e4m3 cache vs kvforge's bf16 call
 
 Appends rows to bench/results/mla_decode.csv (GPU name, versions, git revision, date). The seeded grid of any
 shape against FlashInfer (``--grid``, ``--random N --seed S``) is bench/bench_mla_decode_grid.py.
@@ -37,28 +38,33 @@ from kvforge.kernels._runtime import arch_name, device_capability
 
 os.environ.setdefault(md.TRIAL_ENV, "1")  # sweep every Gluon variant (each must pass check())
 WORKLOADS = [(16, 64, 8192), (128, 32, 32768)]
+# --fp8: the e4m3 latent cache (issue 28's target: >= 1.6x kvforge's bf16 call at >= 8k keys), one workload per
+# head-count class of the config key, timed against kvforge's own bf16 default call on the same keys.
+FP8_WORKLOADS = [(16, 64, 8192), (32, 16, 16384), (64, 16, 16384), (128, 32, 32768)]
+FP8_SCALE = 0.5  # dequantisation scale: the cache holds e4m3(x / 0.5)
 PAGE = 64
 DV, DR = 512, 64
 
 
-def build(H: int, B: int, L: int, seed: int = 0):
+def build(H: int, B: int, L: int, seed: int = 0, page: int = PAGE):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    pages_per = L // PAGE
+    pages_per = L // page
     num_pages = B * pages_per
     q = torch.randn(B, H, DV + DR, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(num_pages, PAGE, DV + DR, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(num_pages, page, DV + DR, device="cuda", dtype=torch.bfloat16, generator=g)
     perm = torch.randperm(num_pages, device="cuda", generator=g).to(torch.int32)
     bt = perm.view(B, pages_per).contiguous()
     sl = torch.full((B,), L, dtype=torch.int32, device="cuda")
     return q, kv, bt, sl
 
 
-def check(name: str, got: torch.Tensor, q, kv, bt, sl, scale: float, rows: int = 3) -> float:
-    """Relative RMSE of the first ``rows`` requests against the fp32 reference; raises when it is not below
-    1e-2 or when any element of ``got`` (NaN-filled by the caller before the call) is not finite."""
+def check(name: str, got: torch.Tensor, q, kv, bt, sl, scale: float, rows: int = 3, **kw) -> float:
+    """Relative RMSE of the first ``rows`` requests against the fp32 reference (``kw``: its dequantisation
+    scale); raises when it is not below 1e-2 or when any element of ``got`` (NaN-filled by the caller before
+    the call) is not finite."""
     if not bool(torch.isfinite(got).all()):
         raise RuntimeError(f"{name}: {int((~torch.isfinite(got)).sum())} output elements not written or not finite")
-    ref, _ = md.mla_decode_attention_ref(q[:rows], kv, bt[:rows], sl[:rows], softmax_scale=scale)
+    ref, _ = md.mla_decode_attention_ref(q[:rows], kv, bt[:rows], sl[:rows], softmax_scale=scale, **kw)
     err = (got[:rows].float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
     err = float(err)
     if not err < 1e-2:
@@ -74,10 +80,11 @@ def flashinfer_runner(q, kv, bt, sl, H, scale):
     return paged_runner(q, kv, sl, kv_indptr, bt.reshape(-1), H, PAGE, scale)
 
 
-def kvforge_runner(q, kv, bt, sl, scale, out, splits=None):
-    # check_values=False: the table was built valid here, and the check's device->host read is not kernel time.
+def kvforge_runner(q, kv, bt, sl, scale, out, splits=None, **kw):
+    # check_values=False: the table was built valid here (the default call's device-side check is timed by the
+    # grid bench); ``kw``: the e4m3 cache's kv_scale_quant_orig.
     return lambda: md.mla_decode_attention(
-        q, kv, bt, sl, softmax_scale=scale, out=out, check_values=False, num_splits=splits
+        q, kv, bt, sl, softmax_scale=scale, out=out, check_values=False, num_splits=splits, **kw
     )
 
 
@@ -150,6 +157,77 @@ def warm(which: str) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_fp8(page: int, tuned_out: str | None) -> None:
+    """Every launch configuration ``_keep`` admits for the e4m3 cache (Gluon trial variants included), per
+    FP8_WORKLOADS entry, each checked against the fp32 reference over the dequantised cache first; the fastest
+    is timed interleaved against kvforge's bf16 default call on the same keys (ratio: bf16 time / e4m3 time)."""
+    from kvforge.kernels._fp8 import e4m3_ref
+
+    cap = device_capability()
+    arch = arch_name(cap)
+    rows = []
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"SMs {md.num_sms()}; e4m3 cache, page {page}")  # fmt: skip
+    for H, B, L in FP8_WORKLOADS:
+        q, kv, bt, sl = build(H, B, L, page=page)
+        kv8 = e4m3_ref(kv.float() / FP8_SCALE)
+        del kv
+        kv16 = (kv8.float() * FP8_SCALE).to(torch.bfloat16)  # the same keys in bf16 (e4m3 values are exact in bf16)
+        scale = 1.0 / math.sqrt(DV + DR)
+        wl = f"H{H} B{B} L{L} p{page}"
+        out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
+        key = md.config_key(q, kv8, DV)
+        cands = md._CONFIGS.candidates(cap, key)
+        print(f"{wl:>22} key {key}: {len(cands)} candidates")
+        best = None
+        for cfg in cands:
+            md._SPLIT._chosen[(arch, key)] = cfg
+            fn = kvforge_runner(q, kv8, bt, sl, scale, out, kv_scale_quant_orig=FP8_SCALE)
+            try:
+                out.fill_(float("nan"))
+                before = GLUON_LAUNCHES[0]
+                fn()
+                kernel = "gluon" if GLUON_LAUNCHES[0] > before else "portable"
+                err = check("kvforge e4m3", out, q, kv8, bt, sl, scale, kv_scale_quant_orig=FP8_SCALE)
+                t = time_gpu(fn)
+            except Exception as exc:  # a config that does not compile, fit or match is reported and skipped
+                print(f"{wl:>22} {cfg_label(cfg):>48} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            print(f"{wl:>22} {cfg_label(cfg):>48} {kernel:>8} {t['ms']:8.3f} ms rmse {err:.2e}")
+            if best is None or t["ms"] < best[1]["ms"]:
+                best = (cfg, t, err)
+        if best is None:
+            md._SPLIT._chosen.pop((arch, key), None)
+            continue
+        md._SPLIT._chosen[(arch, key)] = best[0]
+        out16 = torch.empty_like(out)
+        fns = {
+            "e4m3": kvforge_runner(q, kv8, bt, sl, scale, out, kv_scale_quant_orig=FP8_SCALE),
+            "bf16": kvforge_runner(q, kv16, bt, sl, scale, out16),
+        }
+        fns["bf16"]()
+        check("kvforge bf16", out16, q, kv16, bt, sl, scale)
+        paired = time_interleaved(fns, samples=300)
+        check("kvforge e4m3 (timed)", out, q, kv8, bt, sl, scale, kv_scale_quant_orig=FP8_SCALE)
+        ratio = paired["bf16"]["ms"] / paired["e4m3"]["ms"]
+        print(f"{wl:>22} best {cfg_label(best[0])}: e4m3 {paired['e4m3']['ms']:.4f} ms, bf16 "
+              f"{paired['bf16']['ms']:.4f} ms: {ratio:.3f}x the bf16 call")  # fmt: skip
+        for name, t in paired.items():
+            rows.append({"workload": wl, "provider": f"kvforge {name}" + (f" {cfg_label(best[0])}" if name == "e4m3"
+                         else " default config"), "ms": t["ms"], "ms_p20": t["ms_p20"], "ms_p80": t["ms_p80"],
+                         "tb_s": B * L * (DV + DR) * (1 if name == "e4m3" else 2) / (t["ms"] * 1e-3) / 1e12,
+                         "rel_rmse": best[2] if name == "e4m3" else float("nan"), "fp8_speedup": ratio,
+                         "timing": "interleaved"})  # fmt: skip
+        del q, kv8, kv16, bt, sl, out, out16
+        torch.cuda.empty_cache()
+    chosen = {k: v for k, v in md._SPLIT.chosen().items() if "e4m3" in k}
+    print("chosen configs (for kvforge/kernels/tuned):", json.dumps(chosen))
+    if tuned_out:
+        write_tuned(Path(tuned_out), arch, chosen)
+    if rows:
+        print("wrote", append_csv("mla_decode", rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -160,7 +238,13 @@ def main() -> None:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--warm", help="compile only: 'flashinfer' or a candidate index")
     ap.add_argument("--tuned-out", help="write the sm<XY>.json tuned table with the winners merged in here")
+    ap.add_argument("--fp8", action="store_true", help="sweep the e4m3-cache configs instead (FP8_WORKLOADS)")
+    ap.add_argument("--page", type=int, choices=(32, 64), default=PAGE, help="page size of --fp8's caches")
     args = ap.parse_args()
+    if args.fp8:
+        count_gluon_launches()
+        sweep_fp8(args.page, args.tuned_out)
+        return
     if args.warm is not None:
         warm(args.warm)
         return
