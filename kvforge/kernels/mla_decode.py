@@ -98,9 +98,26 @@ def _e4m3_bytes_to_f16(b):
 
 
 @triton.jit
+def _e4m3_to_f16_pinned(x):
+    """e4m3 -> fp16 (exact), four values per instruction pair, as an op the compiler does not move: a plain
+    conversion is sunk past the layout change into the dot operands, which then reads the transposed (P.V)
+    operand from shared memory one byte at a time (sm_90 has no 8-bit transposing ldmatrix); converted here, in
+    the load's layout, the tile crosses shared memory as fp16 and reaches both products through ldmatrix."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
 def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
                  sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                 PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False):  # fmt: skip
+                 PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False,
+                 FP8_PIN: tl.constexpr = False):  # fmt: skip
+    if FP8_PIN:
+        k_mine = _e4m3_to_f16_pinned(k_mine)
+        k_other = _e4m3_to_f16_pinned(k_other)
+        k_rope = _e4m3_to_f16_pinned(k_rope)
     if FP8_BYTES:
         k_mine = _e4m3_bytes_to_f16(k_mine)
         k_other = _e4m3_bytes_to_f16(k_other)
@@ -178,7 +195,7 @@ def _mla_decode_split_kernel(
     PAGE_SIZE: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
-    FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False,
+    FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -188,7 +205,8 @@ def _mla_decode_split_kernel(
     count (``nshare``) for ``_decode_merge_kernel``. CHECK: lengths past ``max_len`` and page ids outside
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
-    scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80).
+    scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
+    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+).
     PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
     where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
@@ -258,7 +276,7 @@ def _mla_decode_split_kernel(
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, False, PRECISION, FP8_BYTES)  # fmt: skip
+                                                     SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -278,7 +296,7 @@ def _mla_decode_split_kernel(
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
         acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
                                                      k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                     SPLIT_DV, True, PRECISION, FP8_BYTES)  # fmt: skip
+                                                     SPLIT_DV, True, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero output; a merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
@@ -990,6 +1008,8 @@ def _plan_call(
     # Before sm_89 Triton has no e4m3 type: the kernel decodes the cache's bytes itself.
     cap = device_capability(dev)
     fp8_bytes = kv_cache.dtype == FP8 and not interpreting() and cap is not None and cap < (8, 9)
+    # From sm_89: the e4m3 tile widens where it was loaded (_e4m3_to_f16_pinned), not inside the dot operands.
+    fp8_pin = kv_cache.dtype == FP8 and not interpreting() and cap is not None and cap >= (8, 9)
 
     def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
@@ -1020,7 +1040,7 @@ def _plan_call(
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
-                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes))  # fmt: skip
+                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
