@@ -281,6 +281,30 @@ def test_unaligned_dim_major_repack_and_warning(gen, device, monkeypatch, path):
     assert torch.equal(out, out2)
 
 
+def test_unaligned_dim_major_repack_replays_with_fresh_values(gen, device, monkeypatch):
+    """A repacked V goes into a kept aligned buffer, so repeat calls with the same tensors replay (no checked
+    path per call) and still copy V's current values: V rewritten in place between calls changes the output."""
+    q, k, v, cu_q, cu_kv = _make(gen, device)
+    q, k, v = (quantize_kv_e4m3(t, 1.0) for t in (q, k, v))
+    vd = _unaligned_dim_major(v)
+    monkeypatch.setattr(mc, "_v_path", lambda *a: "repack")
+    monkeypatch.setattr(mc, "_REPACK_BUFFERS", {})
+    checked = []
+    real = MLAContextPlan._run_checked
+    monkeypatch.setattr(MLAContextPlan, "_run_checked", lambda self, *a: checked.append(1) or real(self, *a))
+    outs = [mla_context_attention(q, k, vd, cu_q, cu_kv, v_layout="dim_major") for _ in range(4)]
+    assert len(checked) == 2, "the third and fourth calls should replay the second's launch"
+    assert len(mc._REPACK_BUFFERS) == 1
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    v2 = quantize_kv_e4m3(torch.randn(v.shape, generator=gen, device=device), 1.0)
+    vd.copy_(_unaligned_dim_major(v2))  # same tensor, new values
+    out = mla_context_attention(q, k, vd, cu_q, cu_kv, v_layout="dim_major")
+    assert len(checked) == 2
+    ref, _ = mla_context_attention_ref(q, k, v2, cu_q.cpu(), cu_kv.cpu())
+    assert_close(out, ref, FP8)
+
+
 # ----------------------------------------------------------------------------------------------------- q_scale
 
 

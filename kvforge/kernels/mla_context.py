@@ -879,7 +879,8 @@ def mla_context_paths(device: torch.device | str | None = None) -> dict[str, str
         mixed = f"K/V decoded on chip to bf16/fp16 MMA, {where}"
     if cap.tma:
         unaligned = (
-            "copied per call into a 16-byte-aligned buffer (one read and write of the batch's V rows), then the "
+            "copied per call into a kept 16-byte-aligned buffer (one read and write of the batch's V rows; repeat "
+            "calls replay the copy and the launch), then the "
             f"paths above; over {_REPACK_MAX_BYTES >> 30} GiB: pointer loads (about 3x slower, warns once; build V "
             "with v_to_dim_major)"
         )
@@ -908,6 +909,36 @@ def _v_path(v: torch.Tensor, sh: _Shapes, tma: bool, rows: int) -> str:
     if v.data_ptr() % 16 == 0 and (v.stride(1) * es) % 16 == 0 and v.stride(0) == sh.head_dim_v * v.stride(1):
         return "direct"
     return "repack" if rows * sh.num_kv_heads * sh.head_dim_v * es <= _REPACK_MAX_BYTES else "pointer"
+
+
+# Aligned buffers a "repack" V is copied into, reused by later calls with the same shape, so those calls replay
+# (a new buffer per call would change the launch's arguments every time). Up to _REPACK_KEEP_BYTES each, a few
+# shapes per device; like a plan's work table they assume one stream: a buffer is rewritten by the next call.
+_REPACK_KEEP_BYTES = 256 << 20
+_REPACK_BUFFERS: dict[tuple, torch.Tensor] = {}
+_REPACK_SHAPES = 8
+
+
+def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
+    """``v[:, :, :rows]`` (dim-major ``[H_kv, d_v, T]``) in a 16-byte-aligned buffer: a kept one when small."""
+    h, d = v.shape[0], v.shape[1]
+    per = max(1, 16 // v.element_size())
+    cap = -(-rows // per) * per
+    if h * d * cap * v.element_size() > _REPACK_KEEP_BYTES:
+        return v_to_dim_major(v[:, :, :rows].permute(2, 0, 1))
+    key = (v.device, v.dtype, h, d, rows)
+    buf = _REPACK_BUFFERS.get(key)
+    if buf is None:
+        if len(_REPACK_BUFFERS) >= _REPACK_SHAPES:
+            _REPACK_BUFFERS.pop(next(iter(_REPACK_BUFFERS)))
+        buf = torch.empty((h, d, cap), dtype=v.dtype, device=v.device)[:, :, :rows]
+        _REPACK_BUFFERS[key] = buf
+    buf.copy_(v[:, :, :rows])
+    return buf
+
+
+def _is_repack_buffer(v: torch.Tensor) -> bool:
+    return any(b is v for b in _REPACK_BUFFERS.values())
 
 
 def _warn_unaligned_v(v: torch.Tensor) -> None:
@@ -943,6 +974,7 @@ class _RunFast(NamedTuple):
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     want_lse: bool
+    v_copy: torch.Tensor | None = None  # the aligned buffer a "repack" V is copied into before the launch
 
 
 _RUNS_PER_PLAN = 64  # distinct (q, k, v, out, ...) layouts replayed per plan; more start the set afresh
@@ -972,6 +1004,9 @@ def _replay_run(fast: _RunFast, device, work, q, k, v, out, lse_out, kv_scale_qu
     if lse_out is None and fast.want_lse:
         lse_out = torch.empty(fast.out_shape[:2], dtype=torch.float32, device=device)
     if fast.launch is not None:
+        if fast.v_copy is not None:  # the same copy the recorded call made, into the same buffer
+            fast.v_copy.copy_(v[:, :, : fast.v_copy.shape[2]])
+            v = fast.v_copy
         scale_t = kv_scale_quant_orig if isinstance(kv_scale_quant_orig, torch.Tensor) else None
         q_scale_t = q_scale if isinstance(q_scale, torch.Tensor) else (scale_t if q_scale is None else None)
         fast.launch.launch((q, k, v, out, out if lse_out is None else lse_out, work, scale_t, q_scale_t))
@@ -1235,11 +1270,14 @@ class MLAContextPlan:
         recorded: list | None = [] if key is not None and type(self)._launch is _LAUNCH else None
         env = _env() if recorded is not None else None
         launch = None
+        v_copy = None
         if self.n_items > 0:
             v_in = v
             v = self._v_for_launch(v)
-            if v is not v_in:  # a per-call copy of V: nothing to replay
-                recorded = None
+            if v is not v_in:  # a copy of V: replayed only when it went into a reused buffer
+                v_copy = v if _is_repack_buffer(v) else None
+                if v_copy is None:
+                    recorded = None
             args = (q, k, v, out, lse_out, float(softmax_scale), scale_val, scale_ptr, q_scale_val, q_scale_ptr)
             if recorded is None:
                 self._launch(*args)
@@ -1251,7 +1289,7 @@ class MLAContextPlan:
                 if launch is None:
                     recorded = None
         if recorded is not None:
-            self._note(key, _RunFast(env, launch, out.shape, out.dtype, want_lse))
+            self._note(key, _RunFast(env, launch, out.shape, out.dtype, want_lse, v_copy))
         if want_lse:
             return out, lse_out
         return out
@@ -1265,7 +1303,7 @@ class MLAContextPlan:
         rows = self.total_kv if self.cu_seqlens_kv is not None else v.shape[2]
         path = _v_path(v, self.shapes, cap.tma and not interpreting(), rows)
         if path == "repack":
-            return v_to_dim_major(v[:, :, :rows].permute(2, 0, 1))
+            return _repack_v(v, rows)
         if path == "pointer":
             _warn_unaligned_v(v)
         return v
