@@ -34,8 +34,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-# Import kvforge on a CPU-only machine; --device cuda runs the compiled kernels, so no interpreter there.
-if not any(a.endswith("cuda") for a in sys.argv[1:]):
+# Run as a script without --device cuda: the interpreter, even on a GPU machine (CPU tensors as an sm_90's).
+# Imported (tests): never here, so one test module cannot switch a whole pytest run on the H200 to the
+# interpreter; kvforge.kernels turns it on by itself where torch sees no CUDA device.
+if __name__ == "__main__" and not any(a.endswith("cuda") for a in sys.argv[1:]):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
