@@ -911,9 +911,10 @@ def _v_path(v: torch.Tensor, sh: _Shapes, tma: bool, rows: int) -> str:
     return "repack" if rows * sh.num_kv_heads * sh.head_dim_v * es <= _REPACK_MAX_BYTES else "pointer"
 
 
-# Aligned buffers a "repack" V is copied into, reused by later calls with the same shape, so those calls replay
-# (a new buffer per call would change the launch's arguments every time). Up to _REPACK_KEEP_BYTES each, a few
-# shapes per device; like a plan's work table they assume one stream: a buffer is rewritten by the next call.
+# Aligned buffers a "repack" V is copied into, reused by later calls with the same shape on the same stream, so
+# those calls replay (a new buffer per call would change the launch's arguments every time). Up to
+# _REPACK_KEEP_BYTES each, a few shapes; one per stream, as a buffer is rewritten by the next call that uses it
+# and only the stream orders that call after the last one's kernel.
 _REPACK_KEEP_BYTES = 256 << 20
 _REPACK_BUFFERS: dict[tuple, torch.Tensor] = {}
 _REPACK_SHAPES = 8
@@ -926,7 +927,8 @@ def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
     cap = -(-rows // per) * per
     if h * d * cap * v.element_size() > _REPACK_KEEP_BYTES:
         return v_to_dim_major(v[:, :, :rows].permute(2, 0, 1))
-    key = (v.device, v.dtype, h, d, rows)
+    stream = torch.cuda.current_stream(v.device).cuda_stream if v.device.type == "cuda" else 0
+    key = (v.device, stream, v.dtype, h, d, rows)
     buf = _REPACK_BUFFERS.get(key)
     if buf is None:
         if len(_REPACK_BUFFERS) >= _REPACK_SHAPES:
@@ -974,7 +976,7 @@ class _RunFast(NamedTuple):
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
     want_lse: bool
-    v_copy: torch.Tensor | None = None  # the aligned buffer a "repack" V is copied into before the launch
+    v_rows: int | None = None  # a "repack" V: the token rows copied into an aligned buffer first (_repack_v)
 
 
 _RUNS_PER_PLAN = 64  # distinct (q, k, v, out, ...) layouts replayed per plan; more start the set afresh
@@ -1004,9 +1006,8 @@ def _replay_run(fast: _RunFast, device, work, q, k, v, out, lse_out, kv_scale_qu
     if lse_out is None and fast.want_lse:
         lse_out = torch.empty(fast.out_shape[:2], dtype=torch.float32, device=device)
     if fast.launch is not None:
-        if fast.v_copy is not None:  # the same copy the recorded call made, into the same buffer
-            fast.v_copy.copy_(v[:, :, : fast.v_copy.shape[2]])
-            v = fast.v_copy
+        if fast.v_rows is not None:  # the recorded call's copy, into this stream's kept buffer of that shape
+            v = _repack_v(v, fast.v_rows)
         scale_t = kv_scale_quant_orig if isinstance(kv_scale_quant_orig, torch.Tensor) else None
         q_scale_t = q_scale if isinstance(q_scale, torch.Tensor) else (scale_t if q_scale is None else None)
         fast.launch.launch((q, k, v, out, out if lse_out is None else lse_out, work, scale_t, q_scale_t))
@@ -1270,13 +1271,13 @@ class MLAContextPlan:
         recorded: list | None = [] if key is not None and type(self)._launch is _LAUNCH else None
         env = _env() if recorded is not None else None
         launch = None
-        v_copy = None
+        v_rows = None
         if self.n_items > 0:
             v_in = v
             v = self._v_for_launch(v)
             if v is not v_in:  # a copy of V: replayed only when it went into a reused buffer
-                v_copy = v if _is_repack_buffer(v) else None
-                if v_copy is None:
+                v_rows = v.shape[2] if _is_repack_buffer(v) else None
+                if v_rows is None:
                     recorded = None
             args = (q, k, v, out, lse_out, float(softmax_scale), scale_val, scale_ptr, q_scale_val, q_scale_ptr)
             if recorded is None:
@@ -1289,7 +1290,7 @@ class MLAContextPlan:
                 if launch is None:
                     recorded = None
         if recorded is not None:
-            self._note(key, _RunFast(env, launch, out.shape, out.dtype, want_lse, v_copy))
+            self._note(key, _RunFast(env, launch, out.shape, out.dtype, want_lse, v_rows))
         if want_lse:
             return out, lse_out
         return out
