@@ -119,6 +119,22 @@ def count_gluon_launches() -> None:
     mdg.mla_decode_gluon_split = counted
 
 
+def try_config(
+    fn, out: torch.Tensor, q, kv, bt, sl, scale: float, label: str | None = None, **kw
+) -> tuple[str, dict, float]:
+    """One call of ``fn`` into a NaN-filled ``out``: which kernel ran ("gluon" or "portable"; printed after
+    ``label`` before the check when given), then ``check`` against the fp32 reference (``kw``: the e4m3 cache's
+    dequantisation scale; raises on a mismatch) and ``time_gpu(fn)``. Returns (kernel, timing, rmse)."""
+    out.fill_(float("nan"))
+    before = GLUON_LAUNCHES[0]
+    fn()
+    kernel = "gluon" if GLUON_LAUNCHES[0] > before else "portable"
+    if label is not None:
+        print(f"{label} runs the {kernel} kernel")
+    err = check("kvforge e4m3" if kw else "kvforge", out, q, kv, bt, sl, scale, **kw)
+    return kernel, time_gpu(fn), err
+
+
 def host_us(fn, calls: int = 200) -> float:
     """Host time per call: ``calls`` back-to-back calls without a sync (the launch queue holds them) over the
     wall clock, after a sync; the GPU may still be running when the clock stops."""
@@ -184,12 +200,7 @@ def sweep_fp8(page: int, tuned_out: str | None) -> None:
             md._SPLIT._chosen[(arch, key)] = cfg
             fn = kvforge_runner(q, kv8, bt, sl, scale, out, kv_scale_quant_orig=FP8_SCALE)
             try:
-                out.fill_(float("nan"))
-                before = GLUON_LAUNCHES[0]
-                fn()
-                kernel = "gluon" if GLUON_LAUNCHES[0] > before else "portable"
-                err = check("kvforge e4m3", out, q, kv8, bt, sl, scale, kv_scale_quant_orig=FP8_SCALE)
-                t = time_gpu(fn)
+                kernel, t, err = try_config(fn, out, q, kv8, bt, sl, scale, kv_scale_quant_orig=FP8_SCALE)
             except Exception as exc:  # a config that does not compile, fit or match is reported and skipped
                 print(f"{wl:>22} {cfg_label(cfg):>48} failed: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
@@ -286,13 +297,7 @@ def main() -> None:
             fn = kvforge_runner(q, kv, bt, sl, scale, out)
             splits = default_splits(cfg, B, H, L)
             try:
-                out.fill_(float("nan"))
-                before = GLUON_LAUNCHES[0]
-                fn()
-                kernel = "gluon" if GLUON_LAUNCHES[0] > before else "portable"
-                print(f"{wl:>18} {cfg_label(cfg):>48} runs the {kernel} kernel")
-                err = check("kvforge", out, q, kv, bt, sl, scale)
-                t = time_gpu(fn)
+                _, t, err = try_config(fn, out, q, kv, bt, sl, scale, label=f"{wl:>18} {cfg_label(cfg):>48}")
             except Exception as exc:  # a config that does not compile, fit or match is reported and skipped
                 print(f"{wl:>18} {cfg_label(cfg):>48} failed: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
