@@ -920,12 +920,22 @@ _REPACK_BUFFERS: dict[tuple, torch.Tensor] = {}
 _REPACK_SHAPES = 8
 
 
+def _padded_tokens(t: int, element_size: int, align_bytes: int = 16) -> int:
+    """A dim-major row's token count padded so its stride is a multiple of ``align_bytes``."""
+    per = max(1, align_bytes // element_size)
+    return -(-t // per) * per
+
+
+def _dim_major_empty(h: int, d: int, t: int, dtype: torch.dtype, device, align_bytes: int = 16) -> torch.Tensor:
+    """An uninitialised dim-major ``[h, d, t]`` view whose token stride is padded to ``align_bytes``."""
+    cap = _padded_tokens(t, dtype.itemsize, align_bytes)
+    return torch.empty((h, d, cap), dtype=dtype, device=device)[:, :, :t]
+
+
 def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
     """``v[:, :, :rows]`` (dim-major ``[H_kv, d_v, T]``) in a 16-byte-aligned buffer: a kept one when small."""
     h, d = v.shape[0], v.shape[1]
-    per = max(1, 16 // v.element_size())
-    cap = -(-rows // per) * per
-    if h * d * cap * v.element_size() > _REPACK_KEEP_BYTES:
+    if h * d * _padded_tokens(rows, v.element_size()) * v.element_size() > _REPACK_KEEP_BYTES:
         return v_to_dim_major(v[:, :, :rows].permute(2, 0, 1))
     stream = torch.cuda.current_stream(v.device).cuda_stream if v.device.type == "cuda" else 0
     key = (v.device, stream, v.dtype, h, d, rows)
@@ -933,7 +943,7 @@ def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
     if buf is None:
         if len(_REPACK_BUFFERS) >= _REPACK_SHAPES:
             _REPACK_BUFFERS.pop(next(iter(_REPACK_BUFFERS)))
-        buf = torch.empty((h, d, cap), dtype=v.dtype, device=v.device)[:, :, :rows]
+        buf = _dim_major_empty(h, d, rows, v.dtype, v.device)
         _REPACK_BUFFERS[key] = buf
     buf.copy_(v[:, :, :rows])
     return buf
@@ -1838,10 +1848,7 @@ def v_to_dim_major(v: torch.Tensor, align_bytes: int = 16) -> torch.Tensor:
     """``[T, H_kv, d_v]`` -> ``[H_kv, d_v, T]`` (``v_layout="dim_major"``), tokens contiguous, each row's stride
     padded to ``align_bytes`` so the kernel can read it with tensor descriptors (TMA) at any T."""
     t, h, d = v.shape
-    per = max(1, align_bytes // v.element_size())
-    cap = -(-t // per) * per
-    buf = torch.empty((h, d, cap), dtype=v.dtype, device=v.device)
-    out = buf[:, :, :t]
+    out = _dim_major_empty(h, d, t, v.dtype, v.device, align_bytes)
     out.copy_(v.permute(1, 2, 0))
     return out
 

@@ -1005,11 +1005,12 @@ def _plan_call(
     sms = num_sms(dev)
     check = check_values is True
     max_len = max_pages * page_size
-    # Before sm_89 Triton has no e4m3 type: the kernel decodes the cache's bytes itself.
+    # An e4m3 cache on a GPU: before sm_89 Triton has no e4m3 type, so the kernel decodes the cache's bytes itself;
+    # from sm_89 the tile widens where it was loaded (_e4m3_to_f16_pinned), not inside the dot operands.
     cap = device_capability(dev)
-    fp8_bytes = kv_cache.dtype == FP8 and not interpreting() and cap is not None and cap < (8, 9)
-    # From sm_89: the e4m3 tile widens where it was loaded (_e4m3_to_f16_pinned), not inside the dot operands.
-    fp8_pin = kv_cache.dtype == FP8 and not interpreting() and cap is not None and cap >= (8, 9)
+    fp8_gpu = kv_cache.dtype == FP8 and not interpreting() and cap is not None
+    fp8_bytes = fp8_gpu and cap < (8, 9)
+    fp8_pin = fp8_gpu and not fp8_bytes
 
     def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
