@@ -91,8 +91,8 @@ def share_table(md, w: dict, num_splits: int | None = None, dv: int = DV, dr: in
     bn = plan.gluon[0] if plan.gluon else int(plan.cfg.kwargs["BLOCK_N"])
     tiles = [-(-n // bn) for n in lens]
     if plan.balance:
-        chunk = max(-(-sum(tiles) * hp // slots), min_tiles)
-        shares = [min(max(t // chunk, 1), S) for t in tiles]
+        chunk, floor = md.share_chunk_ref(tiles, S, slots, hp, min_tiles)
+        shares = [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]
     else:
         shares = [min(max(t, 1), S) for t in tiles]
     per = [-(-t // n) for t, n in zip(tiles, shares)]

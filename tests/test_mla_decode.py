@@ -312,6 +312,67 @@ def test_balanced_shares_match_reference(gen, device, lens):
     check(q, kv, bt, sl, 32, 0.3, torch.float32)
 
 
+@pytest.mark.parametrize("lens", [[600, 37, 1100, 0, 5000, 90], [3000, 2500, 1800, 6000], [200] * 6 + [9000]])
+def test_balanced_share_counts_match_host_reference(gen, device, lens):
+    """The share counts each program works out on the device (written to the plan's ``nshare``) are
+    ``share_chunk_ref``'s, and the output still matches the reference."""
+    from kvforge.kernels.mla_decode import MLADecodePlan, share_chunk_ref
+
+    q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
+    plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    p = plan._plan
+    if p.merge is None or not p.balance:
+        pytest.skip("this device's plan does not split these lengths")
+    out = plan.run(q, kv)
+    bn = p.cfg.kwargs["BLOCK_N"] if p.gluon is None else p.gluon[0]
+    _, S, max_len, min_tiles, slots = p.rt[:5]
+    tiles = [-(-min(max(n, 0), max_len) // bn) for n in lens]
+    chunk, floor = share_chunk_ref(tiles, S, slots, p.grid[0], min_tiles)
+    want = [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]
+    assert plan._scratch[0][2].cpu().tolist() == want
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
+
+
+@pytest.mark.parametrize("lens", [[5, 90, 0, 33, 61, 2, 17, 80, 80, 44, 1, 70], [30] * 11 + [200, 0, 7]])
+def test_longest_first_order_covers_every_request(gen, device, lens):
+    """More programs than one wave: grid rows take the requests longest first (``_longest_first``); every
+    request is still written exactly once (poisoned outputs, every row checked against the reference)."""
+    from kvforge.kernels.mla_decode import MLADecodePlan
+
+    q, kv, bt, sl = make_case(gen, len(lens), 3, 32, 16, 4, lens, torch.float32, device)
+    plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    if not plan._plan.order:
+        pytest.skip("this device holds the whole batch in one wave")
+    check(q, kv, bt, sl, 32, 0.3, torch.float32)
+
+
+def test_longest_first_ref():
+    from kvforge.kernels.mla_decode import longest_first_ref
+
+    assert longest_first_ref([3, 64, 0, 64, 10, 63]) == [1, 3, 5, 4, 0, 2]  # bucket width 2: 63 ties with 64's
+    assert sorted(longest_first_ref([7] * 5)) == list(range(5)) == longest_first_ref([7] * 5)
+    assert longest_first_ref([]) == []
+
+
+def test_share_chunk_ref_never_leaves_a_request_twice_as_long():
+    """A mixed batch whose shortest requests hold just under two even shares: rounding the counts down gave
+    them one share of almost twice the others' length (the critical path); the chosen chunk keeps every share
+    within the candidate's size and the programs within a wave."""
+    from kvforge.kernels.mla_decode import share_chunk_ref
+
+    tiles = [79, 620, 350, 200, 400, 500, 300, 610, 150, 450, 520, 380, 79, 78, 77, 420]  # even share: 40
+    chunk, floor = share_chunk_ref(tiles, 64, 132, 1, 4)
+    ns = [min(max(t // chunk if floor else -(-t // chunk), 1), 64) for t in tiles]
+    longest = max(-(-t // n) for t, n in zip(tiles, ns))
+    even = -(-sum(tiles) // 132)
+    assert sum(ns) <= 132
+    assert longest <= even * 5 // 4, (chunk, floor, longest, even)
+    # the rounded-down form at the even share, for contrast: a request of 79 tiles in one share
+    assert max(-(-t // max(t // even, 1)) for t in tiles) == 79
+    assert share_chunk_ref([], 8, 132, 1, 4)[0] == 4  # no requests: the smallest share
+
+
 def _fp8_case(gen, device, B, H, page_size, lens, s):
     """bf16 q; the cache quantised by the repo's int-only e4m3 encoder (quantize_fp8) from fp32 rows: it holds
     e4m3(x / s), so its dequant scale kv_scale_quant_orig is s."""

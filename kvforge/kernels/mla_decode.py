@@ -147,16 +147,89 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
 
 
 @triton.jit
+def _balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr):
+    """(chunk, floor) of ``share_chunk_ref``: the share size whose batch-wide cost estimate is lowest among
+    ``SHARE_STEPS``' candidates (two passes over the lengths, 256 at a time; every program computes the same)."""
+    offs = tl.arange(0, 256)
+    total = tl.zeros((256,), tl.int32)
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        total += (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        i += 256
+    c0 = tl.maximum((tl.sum(total, 0).to(tl.int64) * head_progs + slots - 1) // slots, min_tiles)
+    f = tl.arange(0, 8)
+    step = tl.where(f <= 3, tl.maximum(f - 1, 0), tl.where(f == 4, 4, (f - 4) * 8))  # SHARE_STEPS
+    cand = tl.minimum(tl.maximum(c0 + (c0 * step + 7) // 8, min_tiles), 1 << 30).to(tl.int32)
+    progs = tl.zeros((8,), tl.int64)
+    longest = tl.zeros((8,), tl.int32)
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        t = ((tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)[:, None]
+        c = cand[None, :]
+        n = tl.where(f[None, :] == 0, t // c, (t + c - 1) // c)
+        n = tl.minimum(tl.maximum(n, 1), S)
+        live = (i + offs < B)[:, None]
+        progs += tl.sum(tl.where(live, n, 0), 0).to(tl.int64)
+        longest = tl.maximum(longest, tl.max(tl.where(live, (t + n - 1) // n, 0), 0))
+        i += 256
+    cost = (progs * head_progs + slots - 1) // slots * (longest + min_tiles).to(tl.int64)
+    best = tl.min(cost * 8 + f, 0) % 8
+    return tl.sum(tl.where(f == best, cand, 0), 0), best == 0
+
+
+@triton.jit
+def _longest_first(seq_ptr, j, B, max_len, BLOCK_N: tl.constexpr):
+    """The request that grid row ``j`` runs when the programs spill past one wave (``longest_first_ref``):
+    requests by key tiles, longest first, in 32 buckets of equal width (index order within a bucket), so the
+    last wave holds short requests. A rank needs only the bucket counts and one scan of the lengths."""
+    offs = tl.arange(0, 256)
+    kk = tl.arange(0, 32)
+    top = tl.zeros((256,), tl.int32)
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        top = tl.maximum(top, (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)
+        i += 256
+    width = tl.maximum((tl.max(top, 0) + 31) // 32, 1)
+    hist = tl.zeros((32,), tl.int32)
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        key = tl.where(i + offs < B, tl.minimum(t // width, 31), -1)
+        hist += tl.sum((key[:, None] == kk[None, :]).to(tl.int32), 0)
+        i += 256
+    above = tl.sum(tl.where(kk[None, :] > kk[:, None], hist[None, :], 0), 1)  # requests in higher buckets
+    sel = (above <= j) & (j < above + hist)
+    bucket = tl.sum(tl.where(sel, kk, 0), 0)
+    target = j - tl.sum(tl.where(sel, above, 0), 0)
+    found = j * 0
+    seen = j * 0
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        mine = (i + offs < B) & (tl.minimum(t // width, 31) == bucket)
+        rank = tl.cumsum(mine.to(tl.int32), 0) + seen
+        found += tl.sum(tl.where(mine & (rank == target + 1), i + offs, 0), 0)
+        seen += tl.sum(mine.to(tl.int32), 0)
+        i += 256
+    return found
+
+
+@triton.jit
 def _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr,
                    CHECK: tl.constexpr, BALANCE: tl.constexpr):  # fmt: skip
     """This program's key share of request ``b``: (start, end, shares of the request, length out of range).
 
     A request of ``t`` key tiles is cut into ``n`` shares of ``ceil(t / n)`` tiles. Without BALANCE,
-    ``n = min(S, t)``. With BALANCE the work of the whole batch decides: a share holds at least ``chunk`` tiles,
-    ``chunk = max(min_tiles, ceil(total tiles * head_progs / slots))``, so a long request gets many shares and a
-    short one a single share, and about one wave of ``slots`` programs does real work (the grid's S is an upper
-    bound; programs past a request's ``n`` return at once). A length outside ``[0, max_len]`` counts as 0 keys
-    and is reported (CHECK)."""
+    ``n = min(S, t)``. With BALANCE the work of the whole batch decides (``share_chunk_ref``, computed alike by
+    every program): a share holds about ``chunk`` tiles, chosen so that about one wave of ``slots`` programs
+    does the work with the least critical path, a long request getting many shares and a short one a single
+    share (the grid's S is an upper bound; programs past a request's ``n`` return at once). A length outside
+    ``[0, max_len]`` counts as 0 keys and is reported (CHECK)."""
     seq_len = tl.load(seq_ptr + b)
     bad = seq_len * 0  # int32 0/1 (a tensor, so it can join the page check's flag)
     if CHECK:
@@ -164,17 +237,8 @@ def _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots, head_prog
         seq_len = tl.where(bad != 0, 0, seq_len)
     tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     if BALANCE:
-        offs = tl.arange(0, 1024)
-        total = tl.zeros((1024,), tl.int32)
-        i = 0
-        while i < B:
-            lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-            lens = tl.minimum(tl.maximum(lens, 0), max_len)
-            total += (lens + BLOCK_N - 1) // BLOCK_N
-            i += 1024
-        work = tl.sum(total, 0).to(tl.int64) * head_progs
-        chunk = tl.maximum((work + slots - 1) // slots, min_tiles).to(tl.int32)
-        n = tl.minimum(tl.maximum(tiles // chunk, 1), S)
+        chunk, floor = _balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N)
+        n = tl.minimum(tl.maximum(tl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
     else:
         n = tl.minimum(tl.maximum(tiles, 1), S)
     per = (tiles + n - 1) // n
@@ -196,6 +260,7 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
+    ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -206,12 +271,16 @@ def _mla_decode_split_kernel(
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
     scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
-    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+).
+    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+). ORDER (the programs spill past one wave): grid row j
+    takes request ``_longest_first(j)``, so the last wave holds the short requests.
     PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
     where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    if ORDER:
+        b = _longest_first(seq_ptr, tl.program_id(1), B, max_len, BLOCK_N).to(tl.int64)
+    else:
+        b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     if SPLIT_DV:
         pid_h = pid1 // 2
@@ -600,6 +669,38 @@ def default_num_splits(batch: int, head_tiles: int, max_tiles: int, sms: int, pe
 
 
 MIN_SHARE_TOKENS = 128  # a key share shorter than this costs more in its partial and merge than it saves
+# Candidate share sizes of the balanced split, in eighths added to the even share c0 (the first one rounds the
+# share count down, the rest up): c0 itself, then 1/8, 1/4, 1/2, 1, 2 and 3 times larger.
+SHARE_STEPS = (0, 0, 1, 2, 4, 8, 16, 24)
+
+
+def longest_first_ref(tiles: list[int]) -> list[int]:
+    """Host reference of ``_longest_first``: the order (request indices) in which grid rows take the requests
+    when the programs spill past one wave; 32 buckets of width ``ceil(max(tiles) / 32)``, higher first, index
+    order within one."""
+    width = max(-(-max(tiles, default=0) // 32), 1)
+    return sorted(range(len(tiles)), key=lambda b: (-min(tiles[b] // width, 31), b))
+
+
+def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int) -> tuple[int, bool]:
+    """The balanced split's share size (host reference of ``_balanced_chunk``): ``(chunk, floor)``; request b
+    then takes ``clamp(t_b // chunk if floor else ceil(t_b / chunk), 1, S)`` shares. ``tiles``: key tiles per
+    request; ``slots``: programs resident at once; ``head_progs``: programs per (request, share). The even share
+    ``c0 = max(min_tiles, ceil(sum(tiles) * head_progs / slots))`` rounded down (the split's first form) can
+    leave a request of just under 2 c0 tiles in one share, twice the others' length; rounding up never does,
+    but may spill past one wave. Each candidate is costed as waves x (longest share + ``min_tiles``, a share's
+    fixed cost in tiles) and the cheapest wins (ties: the earlier)."""
+    c0 = max(-(-sum(tiles) * head_progs // slots), min_tiles)
+    best: tuple[int, int, bool] | None = None
+    for k, step in enumerate(SHARE_STEPS):
+        c = min(max(c0 + -(-c0 * step // 8), min_tiles), 1 << 30)
+        ns = [min(max(t // c if k == 0 else -(-t // c), 1), S) for t in tiles]
+        longest = max([-(-t // n) for t, n in zip(tiles, ns)], default=0)
+        cost = -(-sum(ns) * head_progs // slots) * (longest + min_tiles)
+        if best is None or cost < best[0]:
+            best = (cost, c, k == 0)
+    assert best is not None
+    return best[1], best[2]
 
 
 def share_grid(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int, block_n: int) -> int:
@@ -709,6 +810,7 @@ class _Plan(NamedTuple):
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
     check: bool
     balance: bool
+    order: bool  # the programs spill past one wave: grid rows take the requests longest first
     fp8_bytes: bool
     scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
     merge_ints: tuple  # H and the merge kernel's strides, in kernel order
@@ -805,7 +907,7 @@ def _launch(
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
             scale_log2=plan.scale_log2 * plan.kv_scale, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages,
-            early=early, check=plan.check, balance=plan.balance, splits=plan.grid[2],
+            early=early, check=plan.check, balance=plan.balance, order=plan.order, splits=plan.grid[2],
             prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale,
         )  # fmt: skip
     else:
@@ -1033,6 +1135,7 @@ def _plan_call(
             balance = splits > 1
         else:
             splits, balance = min(num_splits, max_tiles), False
+        order = B * programs_per_request > per_sm * sms  # more than one wave: longest requests first
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
         merge_ints = (H, H * splits * v_head_dim, splits * v_head_dim, v_head_dim, H * splits, splits, out.stride(0),
@@ -1041,7 +1144,8 @@ def _plan_call(
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
-                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin))  # fmt: skip
+                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin),
+                  ("ORDER", order))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
@@ -1058,7 +1162,7 @@ def _plan_call(
             (programs_per_request, B, splits), float(softmax_scale) * 1.4426950408889634, kv_scale,
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
-            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, fp8_bytes,
+            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, order, fp8_bytes,
             _scratch_layout(B, H, splits, v_head_dim), merge_ints, _State(SplitPrep() if gluon else None),
         )  # fmt: skip
 

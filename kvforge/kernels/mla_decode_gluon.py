@@ -178,6 +178,72 @@ if gluon is not None:
         _barrier()  # every warp's rows are in shared memory before this warpgroup's wgmma reads them
 
     @gluon.jit
+    def _gd_balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N: gl.constexpr):
+        """``mla_decode._balanced_chunk`` (the balanced split's share size, ``share_chunk_ref``) in Gluon."""
+        l2: gl.constexpr = gl.BlockedLayout([2, 8], [32, 1], [4, 1], [1, 0])
+        offs = gl.arange(0, 256, layout=gl.SliceLayout(1, l2))
+        total = gl.zeros([256], gl.int32, layout=gl.SliceLayout(1, l2))
+        for i in range(0, B, 256):
+            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+            total += (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        c0 = gl.maximum((gl.sum(total, 0).to(gl.int64) * head_progs + slots - 1) // slots, min_tiles)
+        f = gl.arange(0, 8, layout=gl.SliceLayout(0, l2))
+        step = gl.where(f <= 3, gl.maximum(f - 1, 0), gl.where(f == 4, 4, (f - 4) * 8))  # SHARE_STEPS
+        cand = gl.minimum(gl.maximum(c0 + (c0 * step + 7) // 8, min_tiles), 1 << 30).to(gl.int32)
+        progs = gl.zeros([8], gl.int64, layout=gl.SliceLayout(0, l2))
+        longest = gl.zeros([8], gl.int32, layout=gl.SliceLayout(0, l2))
+        for i in range(0, B, 256):
+            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+            t = ((gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)[:, None]
+            c = cand[None, :]
+            n = gl.where(f[None, :] == 0, t // c, (t + c - 1) // c)
+            n = gl.minimum(gl.maximum(n, 1), S)
+            live = (i + offs < B)[:, None]
+            progs += gl.sum(gl.where(live, n, 0), 0).to(gl.int64)
+            longest = gl.maximum(longest, gl.max(gl.where(live, (t + n - 1) // n, 0), 0))
+        cost = (progs * head_progs + slots - 1) // slots * (longest + min_tiles).to(gl.int64)
+        best = gl.min(cost * 8 + f, 0) % 8
+        return gl.sum(gl.where(f == best, cand, 0), 0), best == 0
+
+    @gluon.jit
+    def _gd_longest_first(seq_ptr, j, B, max_len, BLOCK_N: gl.constexpr):
+        """``mla_decode._longest_first`` (grid row j's request, longest first in 32 buckets) in Gluon."""
+        l2: gl.constexpr = gl.BlockedLayout([2, 8], [32, 1], [4, 1], [1, 0])
+        rows: gl.constexpr = gl.SliceLayout(1, l2)
+        cols: gl.constexpr = gl.SliceLayout(0, l2)
+        offs = gl.arange(0, 256, layout=rows)
+        kk = gl.arange(0, 32, layout=cols)
+        kr = gl.arange(0, 32, layout=rows)
+        top = gl.zeros([256], gl.int32, layout=rows)
+        for i in range(0, B, 256):
+            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+            top = gl.maximum(top, (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)
+        width = gl.maximum((gl.max(top, 0) + 31) // 32, 1)
+        hist = gl.zeros([32], gl.int32, layout=cols)
+        for i in range(0, B, 256):
+            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            key = gl.where(i + offs < B, gl.minimum(t // width, 31), -1)
+            hist += gl.sum((key[:, None] == kk[None, :]).to(gl.int32), 0)
+        above = gl.sum(gl.where(kk[None, :] > kr[:, None], hist[None, :], 0), 1)  # requests in higher buckets
+        hist_r = gl.convert_layout(hist, rows)
+        sel = (above <= j) & (j < above + hist_r)
+        bucket = gl.sum(gl.where(sel, kr, 0), 0)
+        target = j - gl.sum(gl.where(sel, above, 0), 0)
+        found = j * 0
+        seen = j * 0
+        l1: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # a scan takes a plain layout, not a slice
+        o1 = gl.arange(0, 256, layout=l1)
+        for i in range(0, B, 256):
+            lens = gl.load(seq_ptr + i + o1, mask=i + o1 < B, other=0)
+            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            mine = (i + o1 < B) & (gl.minimum(t // width, 31) == bucket)
+            rank = gl.cumsum(mine.to(gl.int32), 0) + seen
+            found += gl.sum(gl.where(mine & (rank == target + 1), i + o1, 0), 0)
+            seen += gl.sum(mine.to(gl.int32), 0)
+        return found
+
+    @gluon.jit
     def _gd_zero_tail(buf, tok0, end, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):
         """Zero the rows of one latent half of a key tile whose tokens lie at or past ``end``."""
         zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -371,7 +437,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
-        BALANCE: gl.constexpr = False, KV_FP8: gl.constexpr = False,
+        BALANCE: gl.constexpr = False, KV_FP8: gl.constexpr = False, ORDER: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -382,7 +448,10 @@ if gluon is not None:
         ``v_scale`` multiplies the output."""
         D_HALF: gl.constexpr = D_V // 2
         pid_h = gl.program_id(0)
-        b = gl.program_id(1)
+        if ORDER:  # more than one wave: longest requests first (mla_decode._longest_first)
+            b = _gd_longest_first(seq_ptr, gl.program_id(1), B, max_len, BLOCK_N)
+        else:
+            b = gl.program_id(1)
         split = gl.program_id(2)
         seq_len = gl.load(seq_ptr + b)
         bad_len = seq_len * 0
@@ -391,16 +460,8 @@ if gluon is not None:
             seq_len = gl.where(bad_len != 0, 0, seq_len)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
         if BALANCE:
-            bl: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
-            offs = gl.arange(0, 1024, layout=bl)
-            tot = gl.zeros([1024], gl.int32, layout=bl)
-            for i in range(0, B, 1024):
-                lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-                lens = gl.minimum(gl.maximum(lens, 0), max_len)
-                tot += (lens + BLOCK_N - 1) // BLOCK_N
-            work = gl.sum(tot, 0).to(gl.int64) * gl.num_programs(0)
-            chunk = gl.maximum((work + slots - 1) // slots, min_tiles).to(gl.int32)
-            n_share = gl.minimum(gl.maximum(tiles // chunk, 1), S)
+            chunk, floor = _gd_balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, gl.num_programs(0), BLOCK_N)
+            n_share = gl.minimum(gl.maximum(gl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
         else:
             n_share = gl.minimum(gl.maximum(tiles, 1), S)
         if split >= n_share:
@@ -555,6 +616,7 @@ def mla_decode_gluon_split(
     early: bool = False,
     check: bool = True,
     balance: bool = False,
+    order: bool = False,
     prep: SplitPrep | None = None,
     direct: bool = False,
     v_scale: float = 1.0,
@@ -596,7 +658,7 @@ def mla_decode_gluon_split(
     args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
-              "CHECK": bool(check), "BALANCE": bool(balance),
+              "CHECK": bool(check), "BALANCE": bool(balance), "ORDER": bool(order),
               "KV_FP8": kv_cache.dtype == torch.float8_e4m3fn}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
