@@ -147,51 +147,19 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
 
 
 @triton.jit
-def _balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr):
-    """(chunk, floor) of ``share_chunk_ref``: the share size whose batch-wide cost estimate is lowest among
-    ``SHARE_STEPS``' candidates (two passes over the lengths, 256 at a time; every program computes the same)."""
-    offs = tl.arange(0, 256)
-    total = tl.zeros((256,), tl.int32)
-    i = 0
-    while i < B:
-        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-        total += (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
-        i += 256
-    c0 = tl.maximum((tl.sum(total, 0).to(tl.int64) * head_progs + slots - 1) // slots, min_tiles)
-    f = tl.arange(0, 8)
-    step = tl.where(f <= 3, tl.maximum(f - 1, 0), tl.where(f == 4, 4, (f - 4) * 8))  # SHARE_STEPS
-    cand = tl.minimum(tl.maximum(c0 + (c0 * step + 7) // 8, min_tiles), 1 << 30).to(tl.int32)
-    progs = tl.zeros((8,), tl.int64)
-    longest = tl.zeros((8,), tl.int32)
-    i = 0
-    while i < B:
-        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-        t = ((tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)[:, None]
-        c = cand[None, :]
-        n = tl.where(f[None, :] == 0, t // c, (t + c - 1) // c)
-        n = tl.minimum(tl.maximum(n, 1), S)
-        live = (i + offs < B)[:, None]
-        progs += tl.sum(tl.where(live, n, 0), 0).to(tl.int64)
-        longest = tl.maximum(longest, tl.max(tl.where(live, (t + n - 1) // n, 0), 0))
-        i += 256
-    cost = (progs * head_progs + slots - 1) // slots * (longest + min_tiles).to(tl.int64)
-    best = tl.min(cost * 8 + f, 0) % 8
-    return tl.sum(tl.where(f == best, cand, 0), 0), best == 0
-
-
-@triton.jit
 def _longest_first(seq_ptr, j, B, max_len, BLOCK_N: tl.constexpr):
     """The request that grid row ``j`` runs when the programs spill past one wave (``longest_first_ref``):
     requests by key tiles, longest first, in 32 buckets of equal width (index order within a bucket), so the
-    last wave holds short requests. A rank needs only the bucket counts and one scan of the lengths."""
-    offs = tl.arange(0, 256)
+    last wave holds short requests. A rank needs only the bucket counts and, within the bucket, the count of
+    earlier members (a triangular sum over 64 requests at a time: no scan, which Gluon on Triton 3.6 lacks)."""
+    offs = tl.arange(0, 64)
     kk = tl.arange(0, 32)
-    top = tl.zeros((256,), tl.int32)
+    top = tl.zeros((64,), tl.int32)
     i = 0
     while i < B:
         lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
         top = tl.maximum(top, (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)
-        i += 256
+        i += 64
     width = tl.maximum((tl.max(top, 0) + 31) // 32, 1)
     hist = tl.zeros((32,), tl.int32)
     i = 0
@@ -200,7 +168,7 @@ def _longest_first(seq_ptr, j, B, max_len, BLOCK_N: tl.constexpr):
         t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
         key = tl.where(i + offs < B, tl.minimum(t // width, 31), -1)
         hist += tl.sum((key[:, None] == kk[None, :]).to(tl.int32), 0)
-        i += 256
+        i += 64
     above = tl.sum(tl.where(kk[None, :] > kk[:, None], hist[None, :], 0), 1)  # requests in higher buckets
     sel = (above <= j) & (j < above + hist)
     bucket = tl.sum(tl.where(sel, kk, 0), 0)
@@ -212,11 +180,59 @@ def _longest_first(seq_ptr, j, B, max_len, BLOCK_N: tl.constexpr):
         lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
         t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
         mine = (i + offs < B) & (tl.minimum(t // width, 31) == bucket)
-        rank = tl.cumsum(mine.to(tl.int32), 0) + seen
+        rank = tl.sum(((offs[None, :] <= offs[:, None]) & mine[None, :]).to(tl.int32), 1) + seen
         found += tl.sum(tl.where(mine & (rank == target + 1), i + offs, 0), 0)
         seen += tl.sum(mine.to(tl.int32), 0)
-        i += 256
+        i += 64
     return found
+
+
+@triton.jit
+def _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr):
+    """(c0, longest request) in key tiles: the even share ``max(min_tiles, ceil(total * head_progs / slots))``
+    of the balanced split, and the batch's longest request (one pass over the lengths, 256 at a time)."""
+    offs = tl.arange(0, 256)
+    total = tl.zeros((256,), tl.int32)
+    top = tl.zeros((256,), tl.int32)
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        total += t
+        top = tl.maximum(top, t)
+        i += 256
+    c0 = tl.maximum((tl.sum(total, 0).to(tl.int64) * head_progs + slots - 1) // slots, min_tiles)
+    return tl.minimum(c0, 1 << 20).to(tl.int32), tl.max(top, 0)
+
+
+@triton.jit
+def _share_pick(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, c0, tmax, BLOCK_N: tl.constexpr):
+    """(chunk, floor) of ``share_chunk_ref``: the share size whose batch-wide cost estimate is lowest among
+    ``SHARE_STEPS``' candidates (a second pass over the lengths, 64 at a time; every program computes the
+    same)."""
+    offs = tl.arange(0, 64)
+    f = tl.arange(0, 8)
+    step = tl.where(f <= 3, tl.maximum(f - 1, 0), tl.where(f == 4, 4, (f - 4) * 8))  # SHARE_STEPS
+    cand = tl.minimum(c0 + (c0 * step + 7) // 8, 1 << 20)
+    progs = tl.zeros((8,), tl.int64)
+    longest0 = tl.zeros((64,), tl.int32)
+    i = 0
+    while i < B:
+        live = i + offs < B
+        lens = tl.load(seq_ptr + i + offs, mask=live, other=0)
+        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        n0 = tl.minimum(tl.maximum(t // c0, 1), S)  # the first candidate rounds down: its longest share exactly
+        longest0 = tl.maximum(longest0, tl.where(live, (t + n0 - 1) // n0, 0))
+        n = tl.minimum(tl.maximum((t[:, None] + cand[None, :] - 1) // cand[None, :], 1), S)
+        n = tl.where(f[None, :] == 0, n0[:, None], n)
+        progs += tl.sum(tl.where(live[:, None], n, 0), 0).to(tl.int64)
+        i += 64
+    waves = (tl.minimum(progs * head_progs, 1 << 30).to(tl.int32) + slots - 1) // slots
+    # The others round up: no share is longer than the candidate unless S caps the longest request's count.
+    longest = tl.where(f == 0, tl.max(longest0, 0), tl.maximum(tl.minimum(tmax, cand), (tmax + S - 1) // S))
+    cost = waves.to(tl.int64) * (longest + min_tiles)
+    best = tl.min(cost * 8 + f, 0) % 8
+    return tl.sum(tl.where(f == best, cand, 0), 0), best == 0
 
 
 @triton.jit
@@ -237,8 +253,13 @@ def _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots, head_prog
         seq_len = tl.where(bad != 0, 0, seq_len)
     tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     if BALANCE:
-        chunk, floor = _balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N)
-        n = tl.minimum(tl.maximum(tl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
+        c0, tmax = _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N)
+        # Every candidate share is at least c0 long: past this bound a program has nothing to do and leaves
+        # before the second pass (such programs queue for the few SMs the working ones leave free).
+        n = tl.minimum(tl.maximum((tiles + c0 - 1) // c0, 1), S)
+        if split < n:
+            chunk, floor = _share_pick(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, c0, tmax, BLOCK_N)
+            n = tl.minimum(tl.maximum(tl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
     else:
         n = tl.minimum(tl.maximum(tiles, 1), S)
     per = (tiles + n - 1) // n
@@ -683,20 +704,27 @@ def longest_first_ref(tiles: list[int]) -> list[int]:
 
 
 def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int) -> tuple[int, bool]:
-    """The balanced split's share size (host reference of ``_balanced_chunk``): ``(chunk, floor)``; request b
-    then takes ``clamp(t_b // chunk if floor else ceil(t_b / chunk), 1, S)`` shares. ``tiles``: key tiles per
-    request; ``slots``: programs resident at once; ``head_progs``: programs per (request, share). The even share
-    ``c0 = max(min_tiles, ceil(sum(tiles) * head_progs / slots))`` rounded down (the split's first form) can
-    leave a request of just under 2 c0 tiles in one share, twice the others' length; rounding up never does,
-    but may spill past one wave. Each candidate is costed as waves x (longest share + ``min_tiles``, a share's
-    fixed cost in tiles) and the cheapest wins (ties: the earlier)."""
-    c0 = max(-(-sum(tiles) * head_progs // slots), min_tiles)
+    """The balanced split's share size (host reference of ``_share_even`` + ``_share_pick``): ``(chunk, floor)``;
+    request b then takes ``clamp(t_b // chunk if floor else ceil(t_b / chunk), 1, S)`` shares. ``tiles``: key
+    tiles per request (lengths clamped to ``[0, max_len]``); ``slots``: programs resident at once;
+    ``head_progs``: programs per (request, share). The even share ``c0 = max(min_tiles, ceil(sum(tiles) *
+    head_progs / slots))`` rounded down (the split's first form) can leave a request of just under 2 c0 tiles in
+    one share, twice the others' length; rounding up never does, but may spill past one wave. Each candidate
+    (``SHARE_STEPS``) is costed as waves x (longest share + ``min_tiles``, a share's fixed cost in tiles): the
+    rounded-down one's longest share exactly, a rounded-up one's as its bound ``max(min(longest request, c),
+    ceil(longest request / S))``; the cheapest wins (ties: the earlier)."""
+    c0 = min(max(-(-sum(tiles) * head_progs // slots), min_tiles), 1 << 20)
+    tmax = max(tiles, default=0)
     best: tuple[int, int, bool] | None = None
     for k, step in enumerate(SHARE_STEPS):
-        c = min(max(c0 + -(-c0 * step // 8), min_tiles), 1 << 30)
-        ns = [min(max(t // c if k == 0 else -(-t // c), 1), S) for t in tiles]
-        longest = max([-(-t // n) for t, n in zip(tiles, ns)], default=0)
-        cost = -(-sum(ns) * head_progs // slots) * (longest + min_tiles)
+        c = min(c0 + -(-c0 * step // 8), 1 << 20)
+        if k == 0:
+            ns = [min(max(t // c, 1), S) for t in tiles]
+            longest = max([-(-t // n) for t, n in zip(tiles, ns)], default=0)
+        else:
+            ns = [min(max(-(-t // c), 1), S) for t in tiles]
+            longest = max(min(tmax, c), -(-tmax // S))
+        cost = -(-min(sum(ns) * head_progs, 1 << 30) // slots) * (longest + min_tiles)
         if best is None or cost < best[0]:
             best = (cost, c, k == 0)
     assert best is not None

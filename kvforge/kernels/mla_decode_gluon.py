@@ -178,69 +178,91 @@ if gluon is not None:
         _barrier()  # every warp's rows are in shared memory before this warpgroup's wgmma reads them
 
     @gluon.jit
-    def _gd_balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, BLOCK_N: gl.constexpr):
-        """``mla_decode._balanced_chunk`` (the balanced split's share size, ``share_chunk_ref``) in Gluon."""
-        l2: gl.constexpr = gl.BlockedLayout([2, 8], [32, 1], [4, 1], [1, 0])
-        offs = gl.arange(0, 256, layout=gl.SliceLayout(1, l2))
-        total = gl.zeros([256], gl.int32, layout=gl.SliceLayout(1, l2))
+    def _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: gl.constexpr):
+        """``mla_decode._share_even`` (the even share c0 and the longest request, in key tiles) in Gluon."""
+        l1: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+        offs = gl.arange(0, 256, layout=l1)
+        total = gl.zeros([256], gl.int32, layout=l1)
+        top = gl.zeros([256], gl.int32, layout=l1)
         for i in range(0, B, 256):
             lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-            total += (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            total += t
+            top = gl.maximum(top, t)
         c0 = gl.maximum((gl.sum(total, 0).to(gl.int64) * head_progs + slots - 1) // slots, min_tiles)
-        f = gl.arange(0, 8, layout=gl.SliceLayout(0, l2))
+        return gl.minimum(c0, 1 << 20).to(gl.int32), gl.max(top, 0)
+
+    @gluon.jit
+    def _gd_share_pick(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, c0, tmax, BLOCK_N: gl.constexpr):
+        """``mla_decode._share_pick`` (the balanced split's share size, ``share_chunk_ref``) in Gluon."""
+        l2: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [64, 8]: four per thread
+        rows: gl.constexpr = gl.SliceLayout(1, l2)
+        cols: gl.constexpr = gl.SliceLayout(0, l2)
+        offs = gl.arange(0, 64, layout=rows)
+        f = gl.arange(0, 8, layout=cols)
         step = gl.where(f <= 3, gl.maximum(f - 1, 0), gl.where(f == 4, 4, (f - 4) * 8))  # SHARE_STEPS
-        cand = gl.minimum(gl.maximum(c0 + (c0 * step + 7) // 8, min_tiles), 1 << 30).to(gl.int32)
-        progs = gl.zeros([8], gl.int64, layout=gl.SliceLayout(0, l2))
-        longest = gl.zeros([8], gl.int32, layout=gl.SliceLayout(0, l2))
-        for i in range(0, B, 256):
-            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-            t = ((gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)[:, None]
-            c = cand[None, :]
-            n = gl.where(f[None, :] == 0, t // c, (t + c - 1) // c)
-            n = gl.minimum(gl.maximum(n, 1), S)
-            live = (i + offs < B)[:, None]
-            progs += gl.sum(gl.where(live, n, 0), 0).to(gl.int64)
-            longest = gl.maximum(longest, gl.max(gl.where(live, (t + n - 1) // n, 0), 0))
-        cost = (progs * head_progs + slots - 1) // slots * (longest + min_tiles).to(gl.int64)
+        cand = gl.minimum(c0 + (c0 * step + 7) // 8, 1 << 20)
+        progs = gl.zeros([8], gl.int64, layout=cols)
+        longest0 = gl.zeros([64], gl.int32, layout=rows)
+        for i in range(0, B, 64):
+            live = i + offs < B
+            lens = gl.load(seq_ptr + i + offs, mask=live, other=0)
+            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            n0 = gl.minimum(gl.maximum(t // c0, 1), S)
+            longest0 = gl.maximum(longest0, gl.where(live, (t + n0 - 1) // n0, 0))
+            n = gl.minimum(gl.maximum((t[:, None] + cand[None, :] - 1) // cand[None, :], 1), S)
+            n = gl.where(f[None, :] == 0, n0[:, None], n)
+            progs += gl.sum(gl.where(live[:, None], n, 0), 0).to(gl.int64)
+        waves = (gl.minimum(progs * head_progs, 1 << 30).to(gl.int32) + slots - 1) // slots
+        longest = gl.where(f == 0, gl.max(longest0, 0), gl.maximum(gl.minimum(tmax, cand), (tmax + S - 1) // S))
+        cost = waves.to(gl.int64) * (longest + min_tiles)
         best = gl.min(cost * 8 + f, 0) % 8
         return gl.sum(gl.where(f == best, cand, 0), 0), best == 0
 
     @gluon.jit
+    def _gd_bucket(lens, max_len, width, BLOCK_N: gl.constexpr):
+        """A request's length bucket in ``_gd_longest_first``: key tiles // width, at most 31."""
+        return gl.minimum(((gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N) // width, 31)
+
+    @gluon.jit
     def _gd_longest_first(seq_ptr, j, B, max_len, BLOCK_N: gl.constexpr):
         """``mla_decode._longest_first`` (grid row j's request, longest first in 32 buckets) in Gluon."""
-        l2: gl.constexpr = gl.BlockedLayout([2, 8], [32, 1], [4, 1], [1, 0])
-        rows: gl.constexpr = gl.SliceLayout(1, l2)
-        cols: gl.constexpr = gl.SliceLayout(0, l2)
-        offs = gl.arange(0, 256, layout=rows)
-        kk = gl.arange(0, 32, layout=cols)
-        kr = gl.arange(0, 32, layout=rows)
-        top = gl.zeros([256], gl.int32, layout=rows)
-        for i in range(0, B, 256):
+        lh: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 32] and [32, 32]
+        lt: gl.constexpr = gl.BlockedLayout([2, 16], [16, 2], [2, 2], [1, 0])  # [64, 64]
+        hr: gl.constexpr = gl.SliceLayout(1, lh)
+        hc: gl.constexpr = gl.SliceLayout(0, lh)
+        tr: gl.constexpr = gl.SliceLayout(1, lt)
+        tc: gl.constexpr = gl.SliceLayout(0, lt)
+        offs = gl.arange(0, 64, layout=hr)
+        kk = gl.arange(0, 32, layout=hc)
+        kr = gl.arange(0, 32, layout=hr)
+        top = gl.zeros([64], gl.int32, layout=hr)
+        for i in range(0, B, 64):
             lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
             top = gl.maximum(top, (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)
         width = gl.maximum((gl.max(top, 0) + 31) // 32, 1)
-        hist = gl.zeros([32], gl.int32, layout=cols)
-        for i in range(0, B, 256):
+        hist = gl.zeros([32], gl.int32, layout=hc)
+        for i in range(0, B, 64):
             lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
-            key = gl.where(i + offs < B, gl.minimum(t // width, 31), -1)
+            key = gl.where(i + offs < B, _gd_bucket(lens, max_len, width, BLOCK_N), -1)
             hist += gl.sum((key[:, None] == kk[None, :]).to(gl.int32), 0)
         above = gl.sum(gl.where(kk[None, :] > kr[:, None], hist[None, :], 0), 1)  # requests in higher buckets
-        hist_r = gl.convert_layout(hist, rows)
+        hist_r = gl.convert_layout(hist, hr)
         sel = (above <= j) & (j < above + hist_r)
         bucket = gl.sum(gl.where(sel, kr, 0), 0)
         target = j - gl.sum(gl.where(sel, above, 0), 0)
         found = j * 0
         seen = j * 0
-        l1: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])  # a scan takes a plain layout, not a slice
-        o1 = gl.arange(0, 256, layout=l1)
-        for i in range(0, B, 256):
-            lens = gl.load(seq_ptr + i + o1, mask=i + o1 < B, other=0)
-            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
-            mine = (i + o1 < B) & (gl.minimum(t // width, 31) == bucket)
-            rank = gl.cumsum(mine.to(gl.int32), 0) + seen
-            found += gl.sum(gl.where(mine & (rank == target + 1), i + o1, 0), 0)
-            seen += gl.sum(mine.to(gl.int32), 0)
+        o_r = gl.arange(0, 64, layout=tr)
+        o_c = gl.arange(0, 64, layout=tc)
+        for i in range(0, B, 64):  # rank within the bucket: earlier members counted by a triangular sum
+            l_r = gl.load(seq_ptr + i + o_r, mask=i + o_r < B, other=0)
+            l_c = gl.load(seq_ptr + i + o_c, mask=i + o_c < B, other=0)
+            m_r = (i + o_r < B) & (_gd_bucket(l_r, max_len, width, BLOCK_N) == bucket)
+            m_c = (i + o_c < B) & (_gd_bucket(l_c, max_len, width, BLOCK_N) == bucket)
+            rank = gl.sum(((o_c[None, :] <= o_r[:, None]) & m_c[None, :]).to(gl.int32), 1) + seen
+            found += gl.sum(gl.where(m_r & (rank == target + 1), i + o_r, 0), 0)
+            seen += gl.sum(m_c.to(gl.int32), 0)
         return found
 
     @gluon.jit
@@ -459,9 +481,13 @@ if gluon is not None:
             bad_len = ((seq_len < 0) | (seq_len > max_len)).to(gl.int32)
             seq_len = gl.where(bad_len != 0, 0, seq_len)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        if BALANCE:
-            chunk, floor = _gd_balanced_chunk(seq_ptr, B, S, max_len, min_tiles, slots, gl.num_programs(0), BLOCK_N)
-            n_share = gl.minimum(gl.maximum(gl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
+        if BALANCE:  # as mla_decode._request_share: past the c0 bound a program leaves before the second pass
+            hp = gl.num_programs(0)
+            c0, tmax = _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, hp, BLOCK_N)
+            n_share = gl.minimum(gl.maximum((tiles + c0 - 1) // c0, 1), S)
+            if split < n_share:
+                chunk, floor = _gd_share_pick(seq_ptr, B, S, max_len, min_tiles, slots, hp, c0, tmax, BLOCK_N)
+                n_share = gl.minimum(gl.maximum(gl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
         else:
             n_share = gl.minimum(gl.maximum(tiles, 1), S)
         if split >= n_share:
