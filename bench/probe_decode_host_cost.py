@@ -172,7 +172,12 @@ def patch_context_as_sm90(set_=setattr) -> None:
     set_(mc, "interpreting", lambda: False)
     set_(mc, "check_launch_device", md.check_launch_device)
     set_(mc, "gpu_capability", lambda device=None: capability_for((9, 0)))
-    for name in ("_mla_context_fwd_kernel", "_mla_tile_starts_kernel", "_mla_work_items_kernel"):
+    for name in (
+        "_mla_context_fwd_kernel",
+        "_mla_tile_starts_kernel",
+        "_mla_work_items_kernel",
+        "_mla_work_table_kernel",
+    ):
         set_(mc, name, _StubJIT(getattr(mc, name), name))
     set_(mcg, "_mla_context_gluon_kernel", _StubJIT(mcg._mla_context_gluon_kernel, "context_gluon"))
     set_(mc, "_CALLS", type(mc._CALLS)(maxsize=256))

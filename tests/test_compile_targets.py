@@ -116,6 +116,12 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
          **{n: "i32" for n in ("n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv")}},
         {"BLOCK_M": 128, "N_PAD": 64, "SORT": True}, 4,
     ),
+    "_mla_work_table_kernel": (
+        "mla_context",
+        {"CuQ": "*i32", "CuKV": "*i32", "Starts": "*i32", "Flag": "*i32", "Work": "*i32",
+         **{n: "i32" for n in ("n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv")}},
+        {"BLOCK_M": 128, "R_BLOCK": 256, "SET_FLAG": True, "N_PAD": 64}, 4,
+    ),
     "_mla_context_fwd_kernel": ("mla_context", {}, {}, 4),  # variants below
     # the engine's fused ops and the accepted-state select
     "_state_select_kernel": (

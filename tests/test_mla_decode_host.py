@@ -254,18 +254,17 @@ def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned,
     call()
     third = list(probe.LAUNCHES)
     main = "_mla_context_fwd_kernel" if short_q else "context_gluon"
-    names = [] if planned else ["_mla_tile_starts_kernel", "_mla_work_items_kernel"]
+    names = [] if planned else ["_mla_work_table_kernel"]
     assert [e[1] for e in first] == [*names, main] and [e[0] for e in first] == ["jit"] * len(first)
     for later in (second, third):
         assert [e[1] for e in later] == [*names, main] and [e[0] for e in later] == ["direct"] * len(first)
     fns = {
-        "_mla_tile_starts_kernel": mc._mla_tile_starts_kernel,
-        "_mla_work_items_kernel": mc._mla_work_items_kernel,
+        "_mla_work_table_kernel": mc._mla_work_table_kernel,
         "_mla_context_fwd_kernel": mc._mla_context_fwd_kernel,
         "context_gluon": mcg._mla_context_gluon_kernel,
     }
     # The one call's work table (starts, table, and the flag / scale placeholders that point at it) is new per call.
-    skips = {"_mla_tile_starts_kernel": (2, 3), "_mla_work_items_kernel": (2, 3),
+    skips = {"_mla_work_table_kernel": (2, 3, 4),
              "_mla_context_fwd_kernel": (10, 12, 15), "context_gluon": (6, 8, 11)}  # fmt: skip
     for later in (second, third):
         for a, b in zip(first, later):
@@ -275,7 +274,7 @@ def test_context_direct_launch_matches_checked_launch(gen, monkeypatch, planned,
         else:
             assert [d.base for d in later[-1][2][9 + 3 : 9 + 6]] == [k, k, v]
     if not planned:  # the replay's table launches and attention launch share this call's work table
-        w = third[1][2][9 + 3]
+        w = third[0][2][9 + 4]
         assert third[0][2][9 + 2].data_ptr() == w.data_ptr() + 4 * w.numel()  # starts follow the table
         assert third[-1][2][9 + (10 if short_q else 6)] is w
 

@@ -552,9 +552,9 @@ def _work_item(CuQ, CuKV, r, t, live, total_q, kv_rows, max_q, max_kv, BLOCK_M: 
     return q_row0, n_rows, kv_row0, diag0
 
 
-@triton.jit(do_not_specialize=["n_req", "total_q", "kv_rows", "max_q", "max_kv"])
-def _mla_tile_starts_kernel(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr,
-                            R_BLOCK: tl.constexpr, SET_FLAG: tl.constexpr):  # fmt: skip
+@triton.jit
+def _tile_starts(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr,
+                 R_BLOCK: tl.constexpr, SET_FLAG: tl.constexpr):  # fmt: skip
     """First pass of the device-built work table (one program): ``Starts[r]`` = index of request r's first
     (request, query-tile) item, ``Starts[n_req]`` = the number of items, and with ``SET_FLAG`` ``Flag[0]`` = 1 when
     any request breaks the contract (``cu_seqlens_q[0] != 0``, decreasing entries, q_len > kv_len, past
@@ -576,6 +576,13 @@ def _mla_tile_starts_kernel(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, ma
         tl.store(Flag, bad_any)
 
 
+@triton.jit(do_not_specialize=["n_req", "total_q", "kv_rows", "max_q", "max_kv"])
+def _mla_tile_starts_kernel(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M: tl.constexpr,
+                            R_BLOCK: tl.constexpr, SET_FLAG: tl.constexpr):  # fmt: skip
+    """The first pass (``_tile_starts``) alone, before a table too large for one sorting program."""
+    _tile_starts(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M, R_BLOCK, SET_FLAG)
+
+
 @triton.jit
 def _locate(Starts, i, n_req, n_iter, live):
     """(request, tile) of item ``i``: the last request whose first item is <= i (binary search over ``Starts``,
@@ -593,16 +600,16 @@ def _locate(Starts, i, n_req, n_iter, live):
     return lo, t
 
 
-@triton.jit(do_not_specialize=["n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv"])
-def _mla_work_items_kernel(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv,
-                           BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
+@triton.jit
+def _work_items(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv, pid,
+                BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
     """Second pass: the ``n_slots`` rows of the work table (``n_slots`` >= the item count, a bound the host knows
     without reading the lengths; slots past the last item are empty). Item i is tile i - Starts[r] of the request
     r that ``_locate`` finds. ``SORT`` (one program, ``N_PAD`` >= n_slots): heaviest first by keys swept, ties in
     item order, empty items last, as the host plan orders them; else (one program per ``N_PAD`` slots) each
     request's last tile first. A request whose lengths break the contract gets items with no keys to sweep (NaN
     rows, see ``_work_item``) where its query rows exist, else none."""
-    i = tl.program_id(0) * N_PAD + tl.arange(0, N_PAD)
+    i = pid * N_PAD + tl.arange(0, N_PAD)
     total = tl.load(Starts + n_req)
     live = i < tl.minimum(total, n_slots)
     if SORT:
@@ -625,6 +632,26 @@ def _mla_work_items_kernel(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, tota
     tl.store(w + 1, n_rows, mask=st)
     tl.store(w + 2, kv_row0, mask=st)
     tl.store(w + 3, diag0, mask=st)
+
+
+@triton.jit(do_not_specialize=["n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv"])
+def _mla_work_items_kernel(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv,
+                           BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, SORT: tl.constexpr):  # fmt: skip
+    """The second pass (``_work_items``), one program per ``N_PAD`` slots (after ``_mla_tile_starts_kernel``)."""
+    _work_items(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv, tl.program_id(0),
+                BLOCK_M, N_PAD, SORT)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n_req", "n_slots", "n_iter", "total_q", "kv_rows", "max_q", "max_kv"])
+def _mla_work_table_kernel(CuQ, CuKV, Starts, Flag, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv,
+                           BLOCK_M: tl.constexpr, R_BLOCK: tl.constexpr, SET_FLAG: tl.constexpr,
+                           N_PAD: tl.constexpr):  # fmt: skip
+    """Both passes in one program (a table that one sorting program orders): one launch, not two, on the one
+    call's path. The barrier makes the first pass's ``Starts`` visible to every thread of the second."""
+    _tile_starts(CuQ, CuKV, Starts, Flag, n_req, total_q, kv_rows, max_q, max_kv, BLOCK_M, R_BLOCK, SET_FLAG)
+    tl.debug_barrier()
+    _work_items(CuQ, CuKV, Starts, Work, n_req, n_slots, n_iter, total_q, kv_rows, max_q, max_kv, 0, BLOCK_M, N_PAD,
+                True)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------- configs
@@ -1003,8 +1030,8 @@ def _env() -> tuple:
     cost probe swap them) and the chosen configs."""
     mg = sys.modules.get("kvforge.kernels.mla_context_gluon")
     return (interpreting, gpu_capability, check_launch_device, native_fp8_cast, _mla_context_fwd_kernel,
-            _mla_tile_starts_kernel, _mla_work_items_kernel, MLAContextPlan._launch, MLAContextPlan._launch_gluon,
-            _descriptors, _v_path, _WARNED, _DEVICE_TABLE_SLOTS, _KERNEL._chosen,
+            _mla_tile_starts_kernel, _mla_work_items_kernel, _mla_work_table_kernel, MLAContextPlan._launch,
+            MLAContextPlan._launch_gluon, _descriptors, _v_path, _WARNED, _DEVICE_TABLE_SLOTS, _KERNEL._chosen,
             _KERNEL.__dict__.get("config_for"), _rt.device_capability, mg and mg._mla_context_gluon_kernel,
             mg and mg.gluon_unavailable_reason, mg and mg.gluon_available)  # fmt: skip
 
@@ -1148,7 +1175,8 @@ class MLAContextPlan:
         error_flag: torch.Tensor | None = None,
         record: list | None = None,
     ) -> MLAContextPlan:
-        """The plan with its table built on the device (``_mla_tile_starts_kernel`` + ``_mla_work_items_kernel``):
+        """The plan with its table built on the device (``_mla_work_table_kernel``, or for a table past one sorting
+        program ``_mla_tile_starts_kernel`` + ``_mla_work_items_kernel``):
         no host read. The table has a slot for every item a valid batch can have, a bound known from shapes alone
         (``total_q`` rows split at ``n_req`` request boundaries, and ``n_req`` times the tiles of ``max_seqlen_q``
         when given); missing ``max_seqlen_*`` default to ``total_q`` / ``kv_rows``, which no valid request
@@ -1171,24 +1199,27 @@ class MLAContextPlan:
         work, starts = buf[: max(n_slots, 1) * 4].view(-1, 4), buf[max(n_slots, 1) * 4 :]
         flag = error_flag if error_flag is not None else buf
         launches = []
-        if n_req > 0:
-            consts = {"BLOCK_M": bm, "R_BLOCK": 256, "SET_FLAG": error_flag is not None}
+        starts_consts = {"BLOCK_M": bm, "R_BLOCK": 256, "SET_FLAG": error_flag is not None}
+        sort = 0 < n_slots <= _DEVICE_TABLE_SLOTS
+        n_pad = 1024
+        if sort:  # powers of 4: at most six compiled variants of the sorting program
+            n_pad = 16
+            while n_pad < n_slots:
+                n_pad *= 4
+        options = {"num_warps": 4 if n_pad <= 1024 else 16}
+        table_ints = (n_req, n_slots, n_req.bit_length(), total_q, kv_rows, max_q, max_kv)
+        if n_req > 0 and sort:  # both passes in one program
+            launches.append((_mla_work_table_kernel, (1,), (cu_q, cu_kv, starts, flag, work, *table_ints),
+                             {**starts_consts, "N_PAD": n_pad}, options))  # fmt: skip
+        elif n_req > 0:
             launches.append((_mla_tile_starts_kernel, (1,), (cu_q, cu_kv, starts, flag, n_req, total_q, kv_rows,
-                             max_q, max_kv), consts, {"num_warps": 4}))  # fmt: skip
+                             max_q, max_kv), starts_consts, {"num_warps": 4}))  # fmt: skip
+            if n_slots > 0:
+                launches.append((_mla_work_items_kernel, (triton.cdiv(n_slots, n_pad),),
+                                 (cu_q, cu_kv, starts, work, *table_ints),
+                                 {"BLOCK_M": bm, "N_PAD": n_pad, "SORT": False}, options))  # fmt: skip
         elif error_flag is not None:
             error_flag.zero_()
-        if n_slots > 0:
-            sort = n_slots <= _DEVICE_TABLE_SLOTS
-            n_pad = 1024
-            if sort:  # powers of 4: at most six compiled variants of the sorting program
-                n_pad = 16
-                while n_pad < n_slots:
-                    n_pad *= 4
-            grid = (1,) if sort else (triton.cdiv(n_slots, n_pad),)
-            launches.append((_mla_work_items_kernel, grid, (cu_q, cu_kv, starts, work, n_req, n_slots,
-                             n_req.bit_length(), total_q, kv_rows, max_q, max_kv),
-                             {"BLOCK_M": bm, "N_PAD": n_pad, "SORT": sort},
-                             {"num_warps": 4 if n_pad <= 1024 else 16}))  # fmt: skip
         for fn, grid, args, consts, options in launches:
             launch_jit(fn, grid, args, consts, **options)
         if record is not None:
