@@ -334,27 +334,6 @@ def test_balanced_share_counts_match_host_reference(gen, device, lens):
     assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
 
 
-@pytest.mark.parametrize("lens", [[5, 90, 0, 33, 61, 2, 17, 80, 80, 44, 1, 70], [30] * 11 + [200, 0, 7]])
-def test_longest_first_order_covers_every_request(gen, device, lens):
-    """More programs than one wave: grid rows take the requests longest first (``_longest_first``); every
-    request is still written exactly once (poisoned outputs, every row checked against the reference)."""
-    from kvforge.kernels.mla_decode import MLADecodePlan
-
-    q, kv, bt, sl = make_case(gen, len(lens), 3, 32, 16, 4, lens, torch.float32, device)
-    plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
-    if not plan._plan.order:
-        pytest.skip("this device holds the whole batch in one wave")
-    check(q, kv, bt, sl, 32, 0.3, torch.float32)
-
-
-def test_longest_first_ref():
-    from kvforge.kernels.mla_decode import longest_first_ref
-
-    assert longest_first_ref([3, 64, 0, 64, 10, 63]) == [1, 3, 5, 4, 0, 2]  # bucket width 2: 63 ties with 64's
-    assert sorted(longest_first_ref([7] * 5)) == list(range(5)) == longest_first_ref([7] * 5)
-    assert longest_first_ref([]) == []
-
-
 def test_share_chunk_ref_never_leaves_a_request_twice_as_long():
     """A mixed batch whose shortest requests hold just under two even shares: rounding the counts down gave
     them one share of almost twice the others' length (the critical path); the chosen chunk keeps every share

@@ -147,47 +147,6 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
 
 
 @triton.jit
-def _longest_first(seq_ptr, j, B, max_len, BLOCK_N: tl.constexpr):
-    """The request that grid row ``j`` runs when the programs spill past one wave (``longest_first_ref``):
-    requests by key tiles, longest first, in 32 buckets of equal width (index order within a bucket), so the
-    last wave holds short requests. A rank needs only the bucket counts and, within the bucket, the count of
-    earlier members (a triangular sum over 64 requests at a time: no scan, which Gluon on Triton 3.6 lacks)."""
-    offs = tl.arange(0, 64)
-    kk = tl.arange(0, 32)
-    top = tl.zeros((64,), tl.int32)
-    i = 0
-    while i < B:
-        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-        top = tl.maximum(top, (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)
-        i += 64
-    width = tl.maximum((tl.max(top, 0) + 31) // 32, 1)
-    hist = tl.zeros((32,), tl.int32)
-    i = 0
-    while i < B:
-        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
-        key = tl.where(i + offs < B, tl.minimum(t // width, 31), -1)
-        hist += tl.sum((key[:, None] == kk[None, :]).to(tl.int32), 0)
-        i += 64
-    above = tl.sum(tl.where(kk[None, :] > kk[:, None], hist[None, :], 0), 1)  # requests in higher buckets
-    sel = (above <= j) & (j < above + hist)
-    bucket = tl.sum(tl.where(sel, kk, 0), 0)
-    target = j - tl.sum(tl.where(sel, above, 0), 0)
-    found = j * 0
-    seen = j * 0
-    i = 0
-    while i < B:
-        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
-        mine = (i + offs < B) & (tl.minimum(t // width, 31) == bucket)
-        rank = tl.sum(((offs[None, :] <= offs[:, None]) & mine[None, :]).to(tl.int32), 1) + seen
-        found += tl.sum(tl.where(mine & (rank == target + 1), i + offs, 0), 0)
-        seen += tl.sum(mine.to(tl.int32), 0)
-        i += 64
-    return found
-
-
-@triton.jit
 def _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr):
     """(c0, longest request) in key tiles: the even share ``max(min_tiles, ceil(total * head_progs / slots))``
     of the balanced split, and the batch's longest request (one pass over the lengths, 256 at a time)."""
@@ -281,7 +240,6 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
-    ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -292,16 +250,12 @@ def _mla_decode_split_kernel(
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
     scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
-    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+). ORDER (the programs spill past one wave): grid row j
-    takes request ``_longest_first(j)``, so the last wave holds the short requests.
+    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+).
     PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
     where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
-    if ORDER:
-        b = _longest_first(seq_ptr, tl.program_id(1), B, max_len, BLOCK_N).to(tl.int64)
-    else:
-        b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     if SPLIT_DV:
         pid_h = pid1 // 2
@@ -695,14 +649,6 @@ MIN_SHARE_TOKENS = 128  # a key share shorter than this costs more in its partia
 SHARE_STEPS = (0, 0, 1, 2, 4, 8, 16, 24)
 
 
-def longest_first_ref(tiles: list[int]) -> list[int]:
-    """Host reference of ``_longest_first``: the order (request indices) in which grid rows take the requests
-    when the programs spill past one wave; 32 buckets of width ``ceil(max(tiles) / 32)``, higher first, index
-    order within one."""
-    width = max(-(-max(tiles, default=0) // 32), 1)
-    return sorted(range(len(tiles)), key=lambda b: (-min(tiles[b] // width, 31), b))
-
-
 def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int) -> tuple[int, bool]:
     """The balanced split's share size (host reference of ``_share_even`` + ``_share_pick``): ``(chunk, floor)``;
     request b then takes ``clamp(t_b // chunk if floor else ceil(t_b / chunk), 1, S)`` shares. ``tiles``: key
@@ -838,7 +784,6 @@ class _Plan(NamedTuple):
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
     check: bool
     balance: bool
-    order: bool  # the programs spill past one wave: grid rows take the requests longest first
     fp8_bytes: bool
     scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
     merge_ints: tuple  # H and the merge kernel's strides, in kernel order
@@ -935,7 +880,7 @@ def _launch(
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
             scale_log2=plan.scale_log2 * plan.kv_scale, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages,
-            early=early, check=plan.check, balance=plan.balance, order=plan.order, splits=plan.grid[2],
+            early=early, check=plan.check, balance=plan.balance, splits=plan.grid[2],
             prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale,
         )  # fmt: skip
     else:
@@ -1163,7 +1108,6 @@ def _plan_call(
             balance = splits > 1
         else:
             splits, balance = min(num_splits, max_tiles), False
-        order = B * programs_per_request > per_sm * sms  # more than one wave: longest requests first
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
         merge_ints = (H, H * splits * v_head_dim, splits * v_head_dim, v_head_dim, H * splits, splits, out.stride(0),
@@ -1172,8 +1116,7 @@ def _plan_call(
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
-                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin),
-                  ("ORDER", order))  # fmt: skip
+                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
@@ -1190,7 +1133,7 @@ def _plan_call(
             (programs_per_request, B, splits), float(softmax_scale) * 1.4426950408889634, kv_scale,
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
-            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, order, fp8_bytes,
+            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, fp8_bytes,
             _scratch_layout(B, H, splits, v_head_dim), merge_ints, _State(SplitPrep() if gluon else None),
         )  # fmt: skip
 

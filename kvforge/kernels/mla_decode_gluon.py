@@ -136,12 +136,9 @@ if gluon is not None:
                    D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
                    KV_FP8: gl.constexpr):  # fmt: skip
-        """One warp: the Q tile once, then key tile t into slot t % STAGES of the ring ``k8_*`` once both
-        warpgroups freed it (the bf16 ring ``k_*`` itself, or with KV_FP8 the e4m3 ring its owner widens into it)."""
-        mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
-        _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
-        _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
-        _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
+        """One warp: key tile t into slot t % STAGES of the ring ``k8_*`` once both warpgroups freed it (the bf16
+        ring ``k_*`` itself, or with KV_FP8 the e4m3 ring its owner widens into it); the kernel body issued the Q
+        tile's copy."""
         for t in range(n_tiles):
             s = t % STAGES
             tok = start + t * BLOCK_N
@@ -218,52 +215,6 @@ if gluon is not None:
         cost = waves.to(gl.int64) * (longest + min_tiles)
         best = gl.min(cost * 8 + f, 0) % 8
         return gl.sum(gl.where(f == best, cand, 0), 0), best == 0
-
-    @gluon.jit
-    def _gd_bucket(lens, max_len, width, BLOCK_N: gl.constexpr):
-        """A request's length bucket in ``_gd_longest_first``: key tiles // width, at most 31."""
-        return gl.minimum(((gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N) // width, 31)
-
-    @gluon.jit
-    def _gd_longest_first(seq_ptr, j, B, max_len, BLOCK_N: gl.constexpr):
-        """``mla_decode._longest_first`` (grid row j's request, longest first in 32 buckets) in Gluon."""
-        lh: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 32] and [32, 32]
-        lt: gl.constexpr = gl.BlockedLayout([2, 16], [16, 2], [2, 2], [1, 0])  # [64, 64]
-        hr: gl.constexpr = gl.SliceLayout(1, lh)
-        hc: gl.constexpr = gl.SliceLayout(0, lh)
-        tr: gl.constexpr = gl.SliceLayout(1, lt)
-        tc: gl.constexpr = gl.SliceLayout(0, lt)
-        offs = gl.arange(0, 64, layout=hr)
-        kk = gl.arange(0, 32, layout=hc)
-        kr = gl.arange(0, 32, layout=hr)
-        top = gl.zeros([64], gl.int32, layout=hr)
-        for i in range(0, B, 64):
-            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-            top = gl.maximum(top, (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N)
-        width = gl.maximum((gl.max(top, 0) + 31) // 32, 1)
-        hist = gl.zeros([32], gl.int32, layout=hc)
-        for i in range(0, B, 64):
-            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
-            key = gl.where(i + offs < B, _gd_bucket(lens, max_len, width, BLOCK_N), -1)
-            hist += gl.sum((key[:, None] == kk[None, :]).to(gl.int32), 0)
-        above = gl.sum(gl.where(kk[None, :] > kr[:, None], hist[None, :], 0), 1)  # requests in higher buckets
-        hist_r = gl.convert_layout(hist, hr)
-        sel = (above <= j) & (j < above + hist_r)
-        bucket = gl.sum(gl.where(sel, kr, 0), 0)
-        target = j - gl.sum(gl.where(sel, above, 0), 0)
-        found = j * 0
-        seen = j * 0
-        o_r = gl.arange(0, 64, layout=tr)
-        o_c = gl.arange(0, 64, layout=tc)
-        for i in range(0, B, 64):  # rank within the bucket: earlier members counted by a triangular sum
-            l_r = gl.load(seq_ptr + i + o_r, mask=i + o_r < B, other=0)
-            l_c = gl.load(seq_ptr + i + o_c, mask=i + o_c < B, other=0)
-            m_r = (i + o_r < B) & (_gd_bucket(l_r, max_len, width, BLOCK_N) == bucket)
-            m_c = (i + o_c < B) & (_gd_bucket(l_c, max_len, width, BLOCK_N) == bucket)
-            rank = gl.sum(((o_c[None, :] <= o_r[:, None]) & m_c[None, :]).to(gl.int32), 1) + seen
-            found += gl.sum(gl.where(m_r & (rank == target + 1), i + o_r, 0), 0)
-            seen += gl.sum(m_c.to(gl.int32), 0)
-        return found
 
     @gluon.jit
     def _gd_zero_tail(buf, tok0, end, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr):
@@ -459,7 +410,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
-        BALANCE: gl.constexpr = False, KV_FP8: gl.constexpr = False, ORDER: gl.constexpr = False,
+        BALANCE: gl.constexpr = False, KV_FP8: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -470,10 +421,7 @@ if gluon is not None:
         ``v_scale`` multiplies the output."""
         D_HALF: gl.constexpr = D_V // 2
         pid_h = gl.program_id(0)
-        if ORDER:  # more than one wave: longest requests first (mla_decode._longest_first)
-            b = _gd_longest_first(seq_ptr, gl.program_id(1), B, max_len, BLOCK_N)
-        else:
-            b = gl.program_id(1)
+        b = gl.program_id(1)
         split = gl.program_id(2)
         seq_len = gl.load(seq_ptr + b)
         bad_len = seq_len * 0
@@ -485,33 +433,45 @@ if gluon is not None:
             hp = gl.num_programs(0)
             c0, tmax = _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, hp, BLOCK_N)
             n_share = gl.minimum(gl.maximum((tiles + c0 - 1) // c0, 1), S)
-            if split < n_share:
-                chunk, floor = _gd_share_pick(seq_ptr, B, S, max_len, min_tiles, slots, hp, c0, tmax, BLOCK_N)
-                n_share = gl.minimum(gl.maximum(gl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
         else:
             n_share = gl.minimum(gl.maximum(tiles, 1), S)
         if split >= n_share:
             return
+        h0 = pid_h * BLOCK_H
+        q_row = b * H + h0
+        q_a = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
+        q_b = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
+        q_r = gl.allocate_shared_memory(q_desc_r.dtype, [BLOCK_H, D_R], q_desc_r.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        fence_async_shared()
+        # The Q tile's copy does not depend on the share: it is issued here, under the balanced split's second
+        # pass over the lengths (the loader partition starts with the key tiles).
+        mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
+        _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
+        _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
+        _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
+        if BALANCE:
+            chunk, floor = _gd_share_pick(seq_ptr, B, S, max_len, min_tiles, slots, hp, c0, tmax, BLOCK_N)
+            n_share = gl.minimum(gl.maximum(gl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
+            if split >= n_share:  # the bound was loose for this program: its Q copy lands before it leaves
+                mbarrier.wait(q_ready, 0)
+                mbarrier.invalidate(q_ready)
+                return
         if (S > 1) & (pid_h == 0) & (split == 0):
             gl.store(nshare_ptr + b, n_share)
         per = (tiles + n_share - 1) // n_share
-        h0 = pid_h * BLOCK_H
         start = split * per * BLOCK_N
         end = gl.minimum(start + per * BLOCK_N, seq_len)
         n_tiles = gl.maximum(end - start, 0)
         n_tiles = (n_tiles + BLOCK_N - 1) // BLOCK_N
         bt_row = bt_ptr + b.to(gl.int64) * s_btb
-        q_row = b * H + h0
         po_base = po_ptr + b.to(gl.int64) * s_pob + split.to(gl.int64) * s_pos
         plse_base = plse_ptr + b.to(gl.int64) * s_plb + split
         ob_base = out_ptr + b.to(gl.int64) * s_ob
         lb_base = lse_ptr + b.to(gl.int64) * s_lb
         direct = n_share == 1
 
-        q_a = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
-        q_b = gl.allocate_shared_memory(q_desc_h.dtype, [BLOCK_H, D_HALF], q_desc_h.layout)
-        q_r = gl.allocate_shared_memory(q_desc_r.dtype, [BLOCK_H, D_R], q_desc_r.layout)
-        # The ring TMA fills, in the cache's dtype; with KV_FP8 a bf16 ring beside it that the scores and P·V read.
         k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
         k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
         k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
@@ -530,12 +490,10 @@ if gluon is not None:
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
         l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
         mbarrier.init(p_full, count=1)
         mbarrier.init(l_ready, count=2)
         for i in gl.static_range(STAGES):
@@ -642,7 +600,6 @@ def mla_decode_gluon_split(
     early: bool = False,
     check: bool = True,
     balance: bool = False,
-    order: bool = False,
     prep: SplitPrep | None = None,
     direct: bool = False,
     v_scale: float = 1.0,
@@ -684,7 +641,7 @@ def mla_decode_gluon_split(
     args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
-              "CHECK": bool(check), "BALANCE": bool(balance), "ORDER": bool(order),
+              "CHECK": bool(check), "BALANCE": bool(balance),
               "KV_FP8": kv_cache.dtype == torch.float8_e4m3fn}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
