@@ -90,11 +90,7 @@ def share_table(md, w: dict, num_splits: int | None = None, dv: int = DV, dr: in
     _, _, _, min_tiles, slots = plan.rt[:5]
     bn = plan.gluon[0] if plan.gluon else int(plan.cfg.kwargs["BLOCK_N"])
     tiles = [-(-n // bn) for n in lens]
-    if plan.balance:
-        chunk, floor = md.share_chunk_ref(tiles, S, slots, hp, min_tiles)
-        shares = [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]
-    else:
-        shares = [min(max(t, 1), S) for t in tiles]
+    shares = md.share_counts_ref(tiles, S, slots, hp, min_tiles, plan.balance)
     per = [-(-t // n) for t, n in zip(tiles, shares)]
     kernel = f"gluon bn{bn} x{plan.gluon[1]}" if plan.gluon else f"triton bh{plan.cfg.kwargs['BLOCK_H']} bn{bn}"
     return {"kernel": kernel, "head_progs": hp, "S": S, "slots": slots, "min_tiles": min_tiles,

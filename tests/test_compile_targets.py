@@ -88,7 +88,7 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
                                "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb",
                                "s_lh")}},
         {"PAGE_SIZE": 32, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": 16, "BLOCK_N": 64, "SPLIT_DV": False,
-         "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": True, "SCALE_MODE": 0, "FP8_BYTES": False},
+         "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2, "SCALE_MODE": 0, "FP8_BYTES": False},
         4,
     ),
     "_decode_merge_kernel": (

@@ -312,23 +312,26 @@ def test_balanced_shares_match_reference(gen, device, lens):
     check(q, kv, bt, sl, 32, 0.3, torch.float32)
 
 
-@pytest.mark.parametrize("lens", [[600, 37, 1100, 0, 5000, 90], [3000, 2500, 1800, 6000], [200] * 6 + [9000]])
+@pytest.mark.parametrize(
+    "lens", [[600, 37, 1100, 0, 5000, 90, 700, 2000], [3000, 2500, 1800, 6000], [200] * 8 + [9000], [9, 3000, 77]]
+)
 def test_balanced_share_counts_match_host_reference(gen, device, lens):
     """The share counts each program works out on the device (written to the plan's ``nshare``) are
-    ``share_chunk_ref``'s, and the output still matches the reference."""
-    from kvforge.kernels.mla_decode import MLADecodePlan, share_chunk_ref
+    ``share_counts_ref``'s (costed share sizes from PICK_MIN_BATCH requests, rounded-down even shares below),
+    and the output still matches the reference."""
+    from kvforge.kernels.mla_decode import PICK_MIN_BATCH, MLADecodePlan, share_counts_ref
 
     q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
     plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
     p = plan._plan
     if p.merge is None or not p.balance:
         pytest.skip("this device's plan does not split these lengths")
+    assert p.balance == (2 if len(lens) >= PICK_MIN_BATCH else 1)
     out = plan.run(q, kv)
     bn = p.cfg.kwargs["BLOCK_N"] if p.gluon is None else p.gluon[0]
     _, S, max_len, min_tiles, slots = p.rt[:5]
     tiles = [-(-min(max(n, 0), max_len) // bn) for n in lens]
-    chunk, floor = share_chunk_ref(tiles, S, slots, p.grid[0], min_tiles)
-    want = [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]
+    want = share_counts_ref(tiles, S, slots, p.grid[0], min_tiles, p.balance)
     assert plan._scratch[0][2].cpu().tolist() == want
     ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
     assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5

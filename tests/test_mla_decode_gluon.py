@@ -347,7 +347,7 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, 
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early, "CHECK": True, "BALANCE": True, "KV_FP8": fp8}  # fmt: skip
+              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,
                               "estimate": g.smem_bytes(dv, dr, block_n, stages, fp8)}  # fmt: skip

@@ -199,19 +199,20 @@ def _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots, head_prog
                    CHECK: tl.constexpr, BALANCE: tl.constexpr):  # fmt: skip
     """This program's key share of request ``b``: (start, end, shares of the request, length out of range).
 
-    A request of ``t`` key tiles is cut into ``n`` shares of ``ceil(t / n)`` tiles. Without BALANCE,
-    ``n = min(S, t)``. With BALANCE the work of the whole batch decides (``share_chunk_ref``, computed alike by
-    every program): a share holds about ``chunk`` tiles, chosen so that about one wave of ``slots`` programs
-    does the work with the least critical path, a long request getting many shares and a short one a single
-    share (the grid's S is an upper bound; programs past a request's ``n`` return at once). A length outside
-    ``[0, max_len]`` counts as 0 keys and is reported (CHECK)."""
+    A request of ``t`` key tiles is cut into ``n`` shares of ``ceil(t / n)`` tiles. BALANCE 0: ``n = min(S, t)``.
+    Otherwise the work of the whole batch decides (``share_counts_ref``, computed alike by every program), so
+    that about one wave of ``slots`` programs does the work, a long request getting many shares and a short one
+    a single share: BALANCE 1 rounds the counts at the even share down (one pass over the lengths); BALANCE 2
+    costs eight share sizes (``share_chunk_ref``) and takes the least critical path (the grid's S is an upper
+    bound; programs past a request's ``n`` return at once). A length outside ``[0, max_len]`` counts as 0 keys
+    and is reported (CHECK)."""
     seq_len = tl.load(seq_ptr + b)
     bad = seq_len * 0  # int32 0/1 (a tensor, so it can join the page check's flag)
     if CHECK:
         bad = ((seq_len < 0) | (seq_len > max_len)).to(tl.int32)
         seq_len = tl.where(bad != 0, 0, seq_len)
     tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    if BALANCE:
+    if BALANCE == 2:
         c0, tmax = _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N)
         # Every candidate share is at least c0 long: past this bound a program has nothing to do and leaves
         # before the second pass (such programs queue for the few SMs the working ones leave free).
@@ -219,6 +220,9 @@ def _request_share(seq_ptr, b, split, B, S, max_len, min_tiles, slots, head_prog
         if split < n:
             chunk, floor = _share_pick(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, c0, tmax, BLOCK_N)
             n = tl.minimum(tl.maximum(tl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
+    elif BALANCE == 1:  # the even share, counts rounded down (one pass)
+        c0, _ = _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N)
+        n = tl.minimum(tl.maximum(tiles // c0, 1), S)
     else:
         n = tl.minimum(tl.maximum(tiles, 1), S)
     per = (tiles + n - 1) // n
@@ -677,6 +681,21 @@ def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_t
     return best[1], best[2]
 
 
+PICK_MIN_BATCH = 8  # batches this large cost the share sizes (BALANCE 2); smaller ones round down (BALANCE 1)
+
+
+def share_counts_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int, mode: int) -> list[int]:
+    """Key shares per request of the split kernels' ``BALANCE`` ``mode`` (host reference of ``_request_share``;
+    ``tiles`` from lengths clamped to ``[0, max_len]``)."""
+    if mode == 0:
+        return [min(max(t, 1), S) for t in tiles]
+    if mode == 1:
+        c0 = min(max(-(-sum(tiles) * head_progs // slots), min_tiles), 1 << 20)
+        return [min(max(t // c0, 1), S) for t in tiles]
+    chunk, floor = share_chunk_ref(tiles, S, slots, head_progs, min_tiles)
+    return [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]
+
+
 def share_grid(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int, block_n: int) -> int:
     """The grid's share axis S when the shares are balanced on the device (``_request_share``): room for the
     longest request of a mixed batch to take several shares, about two waves of programs at most. 1 (every
@@ -783,7 +802,7 @@ class _Plan(NamedTuple):
     strict: bool
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
     check: bool
-    balance: bool
+    balance: int  # the split kernels' BALANCE (0 none, 1 even share rounded down, 2 costed share sizes)
     fp8_bytes: bool
     scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
     merge_ints: tuple  # H and the merge kernel's strides, in kernel order
@@ -1105,9 +1124,11 @@ def _plan_call(
         per_sm = int(kw.get("PER_SM", 2))
         if num_splits is None:
             splits = share_grid(B, programs_per_request, max_tiles, sms, per_sm, bn)
-            balance = splits > 1
+            # Costing the share sizes pays where a mixed batch can leave one request of just under two even
+            # shares in one; on small batches its second pass measured slower than it saves (docs/kernels.md).
+            balance = (2 if B >= PICK_MIN_BATCH else 1) if splits > 1 else 0
         else:
-            splits, balance = min(num_splits, max_tiles), False
+            splits, balance = min(num_splits, max_tiles), 0
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
         merge_ints = (H, H * splits * v_head_dim, splits * v_head_dim, v_head_dim, H * splits, splits, out.stride(0),

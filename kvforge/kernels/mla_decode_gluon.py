@@ -135,10 +135,15 @@ if gluon is not None:
                    num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
                    D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
-                   KV_FP8: gl.constexpr):  # fmt: skip
+                   KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr):  # fmt: skip
         """One warp: key tile t into slot t % STAGES of the ring ``k8_*`` once both warpgroups freed it (the bf16
-        ring ``k_*`` itself, or with KV_FP8 the e4m3 ring its owner widens into it); the kernel body issued the Q
-        tile's copy."""
+        ring ``k_*`` itself, or with KV_FP8 the e4m3 ring its owner widens into it), after the Q tile's copy
+        (unless the kernel body issued it: Q_EARLY)."""
+        if not Q_EARLY:
+            mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
+            _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
+            _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
+            _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
         for t in range(n_tiles):
             s = t % STAGES
             tok = start + t * BLOCK_N
@@ -284,7 +289,7 @@ if gluon is not None:
                      num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
                      D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
-                     KV_FP8: gl.constexpr):  # fmt: skip
+                     KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
         columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
         P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
@@ -410,7 +415,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
-        BALANCE: gl.constexpr = False, KV_FP8: gl.constexpr = False,
+        BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -420,6 +425,7 @@ if gluon is not None:
         tile widens it into the bf16 ring before its scores, ``scale_log2`` carries the dequantisation scale and
         ``v_scale`` multiplies the output."""
         D_HALF: gl.constexpr = D_V // 2
+        Q_EARLY: gl.constexpr = BALANCE == 2
         pid_h = gl.program_id(0)
         b = gl.program_id(1)
         split = gl.program_id(2)
@@ -429,10 +435,21 @@ if gluon is not None:
             bad_len = ((seq_len < 0) | (seq_len > max_len)).to(gl.int32)
             seq_len = gl.where(bad_len != 0, 0, seq_len)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        if BALANCE:  # as mla_decode._request_share: past the c0 bound a program leaves before the second pass
+        if BALANCE == 2:  # as mla_decode._request_share: past the c0 bound a program leaves before the second pass
             hp = gl.num_programs(0)
             c0, tmax = _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, hp, BLOCK_N)
             n_share = gl.minimum(gl.maximum((tiles + c0 - 1) // c0, 1), S)
+        elif BALANCE == 1:  # the even share, share counts rounded down (one pass)
+            bl: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+            offs = gl.arange(0, 1024, layout=bl)
+            tot = gl.zeros([1024], gl.int32, layout=bl)
+            for i in range(0, B, 1024):
+                lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+                lens = gl.minimum(gl.maximum(lens, 0), max_len)
+                tot += (lens + BLOCK_N - 1) // BLOCK_N
+            work = gl.sum(tot, 0).to(gl.int64) * gl.num_programs(0)
+            chunk = gl.maximum((work + slots - 1) // slots, min_tiles).to(gl.int32)
+            n_share = gl.minimum(gl.maximum(tiles // chunk, 1), S)
         else:
             n_share = gl.minimum(gl.maximum(tiles, 1), S)
         if split >= n_share:
@@ -445,13 +462,13 @@ if gluon is not None:
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         fence_async_shared()
-        # The Q tile's copy does not depend on the share: it is issued here, under the balanced split's second
-        # pass over the lengths (the loader partition starts with the key tiles).
-        mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
-        _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
-        _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
-        _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
-        if BALANCE:
+        if BALANCE == 2:
+            # The Q tile's copy does not depend on the share: it is issued here, under the second pass over the
+            # lengths (the loader partition then starts with the key tiles).
+            mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
+            _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
+            _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
+            _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
             chunk, floor = _gd_share_pick(seq_ptr, B, S, max_len, min_tiles, slots, hp, c0, tmax, BLOCK_N)
             n_share = gl.minimum(gl.maximum(gl.where(floor, tiles // chunk, (tiles + chunk - 1) // chunk), 1), S)
             if split >= n_share:  # the bound was loose for this program: its Q copy lands before it leaves
@@ -508,17 +525,17 @@ if gluon is not None:
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
                                 s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, FIRST_W,
-                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8)),
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
                                 s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, 1 - FIRST_W,
-                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8)),
+                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
                               s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, 0, PAGE_SIZE,
-                              D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8)),
+                              D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
@@ -599,7 +616,7 @@ def mla_decode_gluon_split(
     stages: int = STAGES,
     early: bool = False,
     check: bool = True,
-    balance: bool = False,
+    balance: int = 0,
     prep: SplitPrep | None = None,
     direct: bool = False,
     v_scale: float = 1.0,
@@ -641,7 +658,7 @@ def mla_decode_gluon_split(
     args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
-              "CHECK": bool(check), "BALANCE": bool(balance),
+              "CHECK": bool(check), "BALANCE": int(balance),
               "KV_FP8": kv_cache.dtype == torch.float8_e4m3fn}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
