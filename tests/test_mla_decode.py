@@ -315,18 +315,23 @@ def test_balanced_shares_match_reference(gen, device, lens):
 @pytest.mark.parametrize(
     "lens", [[600, 37, 1100, 0, 5000, 90, 700, 2000], [3000, 2500, 1800, 6000], [200] * 8 + [9000], [9, 3000, 77]]
 )
-def test_balanced_share_counts_match_host_reference(gen, device, lens):
+@pytest.mark.parametrize("sms", [None, 66])
+def test_balanced_share_counts_match_host_reference(gen, device, monkeypatch, lens, sms):
     """The share counts each program works out on the device (written to the plan's ``nshare``) are
-    ``share_counts_ref``'s (costed share sizes from PICK_MIN_BATCH requests, rounded-down even shares below),
-    and the output still matches the reference."""
-    from kvforge.kernels.mla_decode import PICK_MIN_BATCH, MLADecodePlan, share_counts_ref
+    ``share_counts_ref``'s in the mode ``balance_mode`` picks (costed share sizes for 8+ requests in half a
+    wave, rounded-down even shares otherwise; ``sms`` poses as a device that many SMs wide, so that both modes
+    run here), and the output still matches the reference."""
+    import kvforge.kernels.mla_decode as md
+    from kvforge.kernels.mla_decode import MLADecodePlan, balance_mode, share_counts_ref
 
+    if sms is not None:
+        monkeypatch.setattr(md, "num_sms", lambda dev: sms)
     q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
     plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
     p = plan._plan
     if p.merge is None or not p.balance:
         pytest.skip("this device's plan does not split these lengths")
-    assert p.balance == (2 if len(lens) >= PICK_MIN_BATCH else 1)
+    assert p.balance == balance_mode(len(lens), p.grid[0], p.rt[4])
     out = plan.run(q, kv)
     bn = p.cfg.kwargs["BLOCK_N"] if p.gluon is None else p.gluon[0]
     _, S, max_len, min_tiles, slots = p.rt[:5]
@@ -335,6 +340,14 @@ def test_balanced_share_counts_match_host_reference(gen, device, lens):
     assert plan._scratch[0][2].cpu().tolist() == want
     ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
     assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
+
+
+def test_balance_mode():
+    from kvforge.kernels.mla_decode import balance_mode
+
+    assert [balance_mode(b, 1, 132) for b in (1, 4, 7, 8, 16, 64, 66, 67, 256)] == [1, 1, 1, 2, 2, 2, 2, 1, 1]
+    assert balance_mode(40, 2, 132) == 1 and balance_mode(33, 2, 132) == 2  # head programs count too
+    assert balance_mode(128, 1, 264) == 2 and balance_mode(256, 1, 264) == 1  # two programs per SM
 
 
 def test_share_chunk_ref_never_leaves_a_request_twice_as_long():

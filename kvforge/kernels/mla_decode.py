@@ -684,6 +684,14 @@ def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_t
 PICK_MIN_BATCH = 8  # batches this large cost the share sizes (BALANCE 2); smaller ones round down (BALANCE 1)
 
 
+def balance_mode(batch: int, head_progs: int, slots: int) -> int:
+    """The split kernels' BALANCE for a split grid: 2 (cost the share sizes) from ``PICK_MIN_BATCH`` requests
+    while the requests fill at most half a wave of ``slots`` programs, else 1 (the even share rounded down).
+    Measured on the H200 (docs/kernels.md): the second pass pays on 16-64 mixed requests and costs 5-12% on
+    1-4 requests and 3-9% on 256."""
+    return 2 if batch >= PICK_MIN_BATCH and 2 * batch * head_progs <= slots else 1
+
+
 def share_counts_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int, mode: int) -> list[int]:
     """Key shares per request of the split kernels' ``BALANCE`` ``mode`` (host reference of ``_request_share``;
     ``tiles`` from lengths clamped to ``[0, max_len]``)."""
@@ -1125,8 +1133,8 @@ def _plan_call(
         if num_splits is None:
             splits = share_grid(B, programs_per_request, max_tiles, sms, per_sm, bn)
             # Costing the share sizes pays where a mixed batch can leave one request of just under two even
-            # shares in one; on small batches its second pass measured slower than it saves (docs/kernels.md).
-            balance = (2 if B >= PICK_MIN_BATCH else 1) if splits > 1 else 0
+            # shares in one; on small and large batches its second pass measured slower than it saves.
+            balance = balance_mode(B, programs_per_request, per_sm * sms) if splits > 1 else 0
         else:
             splits, balance = min(num_splits, max_tiles), 0
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
