@@ -354,17 +354,16 @@ def test_share_chunk_ref_never_leaves_a_request_twice_as_long():
     """A mixed batch whose shortest requests hold just under two even shares: rounding the counts down gave
     them one share of almost twice the others' length (the critical path); the chosen chunk keeps every share
     within the candidate's size and the programs within a wave."""
-    from kvforge.kernels.mla_decode import share_chunk_ref
+    from kvforge.kernels.mla_decode import share_chunk_ref, share_counts_ref
 
     tiles = [79, 620, 350, 200, 400, 500, 300, 610, 150, 450, 520, 380, 79, 78, 77, 420]  # even share: 40
-    chunk, floor = share_chunk_ref(tiles, 64, 132, 1, 4)
-    ns = [min(max(t // chunk if floor else -(-t // chunk), 1), 64) for t in tiles]
+    ns = share_counts_ref(tiles, 64, 132, 1, 4, 2)
     longest = max(-(-t // n) for t, n in zip(tiles, ns))
     even = -(-sum(tiles) // 132)
     assert sum(ns) <= 132
-    assert longest <= even * 5 // 4, (chunk, floor, longest, even)
-    # the rounded-down form at the even share, for contrast: a request of 79 tiles in one share
-    assert max(-(-t // max(t // even, 1)) for t in tiles) == 79
+    assert longest <= even * 5 // 4, (share_chunk_ref(tiles, 64, 132, 1, 4), longest, even)
+    # the rounded-down form at the even share (mode 1), for contrast: a request of 79 tiles in one share
+    assert max(-(-t // n) for t, n in zip(tiles, share_counts_ref(tiles, 64, 132, 1, 4, 1))) == 79
     assert share_chunk_ref([], 8, 132, 1, 4)[0] == 4  # no requests: the smallest share
 
 

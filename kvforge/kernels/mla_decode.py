@@ -653,6 +653,11 @@ MIN_SHARE_TOKENS = 128  # a key share shorter than this costs more in its partia
 SHARE_STEPS = (0, 0, 1, 2, 4, 8, 16, 24)
 
 
+def _even_share_ref(tiles: list[int], slots: int, head_progs: int, min_tiles: int) -> int:
+    """``_share_even``'s c0: ``max(min_tiles, ceil(sum(tiles) * head_progs / slots))``, at most 2**20."""
+    return min(max(-(-sum(tiles) * head_progs // slots), min_tiles), 1 << 20)
+
+
 def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int) -> tuple[int, bool]:
     """The balanced split's share size (host reference of ``_share_even`` + ``_share_pick``): ``(chunk, floor)``;
     request b then takes ``clamp(t_b // chunk if floor else ceil(t_b / chunk), 1, S)`` shares. ``tiles``: key
@@ -663,7 +668,7 @@ def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_t
     (``SHARE_STEPS``) is costed as waves x (longest share + ``min_tiles``, a share's fixed cost in tiles): the
     rounded-down one's longest share exactly, a rounded-up one's as its bound ``max(min(longest request, c),
     ceil(longest request / S))``; the cheapest wins (ties: the earlier)."""
-    c0 = min(max(-(-sum(tiles) * head_progs // slots), min_tiles), 1 << 20)
+    c0 = _even_share_ref(tiles, slots, head_progs, min_tiles)
     tmax = max(tiles, default=0)
     best: tuple[int, int, bool] | None = None
     for k, step in enumerate(SHARE_STEPS):
@@ -698,7 +703,7 @@ def share_counts_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_
     if mode == 0:
         return [min(max(t, 1), S) for t in tiles]
     if mode == 1:
-        c0 = min(max(-(-sum(tiles) * head_progs // slots), min_tiles), 1 << 20)
+        c0 = _even_share_ref(tiles, slots, head_progs, min_tiles)
         return [min(max(t // c0, 1), S) for t in tiles]
     chunk, floor = share_chunk_ref(tiles, S, slots, head_progs, min_tiles)
     return [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]

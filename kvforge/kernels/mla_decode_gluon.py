@@ -489,6 +489,7 @@ if gluon is not None:
         lb_base = lse_ptr + b.to(gl.int64) * s_lb
         direct = n_share == 1
 
+        # The ring TMA fills, in the cache's dtype; with KV_FP8 a bf16 ring beside it that the scores and P·V read.
         k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
         k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
         k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
