@@ -114,6 +114,9 @@ def test_e4m3_gluon_form_is_a_trial_variant_only(monkeypatch):
     assert mdg.smem_bytes(512, 64, 32, 2, kv_fp8=True) <= 232448
     assert mdg.smem_bytes(512, 64, 64, 2, kv_fp8=True) > 232448
     assert mdg.smem_bytes(512, 64, 32, 3, kv_fp8=True) > 232448
+    # The e4m3 ring is deeper than the bf16 one (its slots go back to the loader once widened).
+    assert mdg.fp8_ring_slots(512, 64, 32, 2) == 4
+    assert mdg.smem_bytes(512, 64, 32, 2, kv_fp8=True, stages8=5) > 232448
 
 
 def test_reason_names_the_obstacle(device, monkeypatch):
@@ -347,7 +350,8 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, 
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8}  # fmt: skip
+              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8,
+              "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages) if fp8 else stages}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,
                               "estimate": g.smem_bytes(dv, dr, block_n, stages, fp8)}  # fmt: skip

@@ -33,6 +33,7 @@ __all__ = [
     "BLOCK_NS",
     "STAGES",
     "SplitPrep",
+    "fp8_ring_slots",
     "gluon_decode_reason",
     "mla_decode_gluon_split",
     "smem_bytes",
@@ -76,12 +77,27 @@ def tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
     )
 
 
-def smem_bytes(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES, kv_fp8: bool = False) -> int:
-    """Shared memory of one program: the Q tile, the key-tile ring (and with ``kv_fp8`` the e4m3 ring the loader
-    fills beside it), P, the max and the two row sums, barriers."""
+def smem_bytes(
+    d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES, kv_fp8: bool = False, stages8: int | None = None
+) -> int:
+    """Shared memory of one program: the Q tile, the key-tile ring (and with ``kv_fp8`` the e4m3 ring of
+    ``stages8`` slots, default ``fp8_ring_slots``, that the loader fills beside it), P, the max and the two row
+    sums, barriers."""
     d = d_v + d_r
-    ring8 = stages * block_n * d if kv_fp8 else 0
-    return 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + ring8 + 4 * 3 * BLOCK_H + 8 * (3 + 2 * stages)
+    base = 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 3 * stages)
+    if not kv_fp8:
+        return base
+    s8 = fp8_ring_slots(d_v, d_r, block_n, stages) if stages8 is None else stages8
+    return base + s8 * (block_n * d + 16)
+
+
+def fp8_ring_slots(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES) -> int:
+    """Slots of the e4m3 ring beside a bf16 ring of ``stages`` slots: as many as fit the SM (at most 8, at least
+    ``stages``; the caller checks ``smem_bytes`` with them). The e4m3 ring is what keeps copies in flight: a
+    slot is free again once its tile is widened, not once both warpgroups' products are done."""
+    base = smem_bytes(d_v, d_r, block_n, stages)
+    fit = (_SMEM_LIMIT_SM90 - base) // (block_n * (d_v + d_r) + 16)
+    return int(min(8, max(stages, fit)))
 
 
 def gluon_decode_reason(
@@ -132,52 +148,62 @@ if gluon is not None:
     def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                    q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                    po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                   D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
-                   KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr):  # fmt: skip
-        """One warp: key tile t into slot t % STAGES of the ring ``k8_*`` once both warpgroups freed it (the bf16
-        ring ``k_*`` itself, or with KV_FP8 the e4m3 ring its owner widens into it), after the Q tile's copy
-        (unless the kernel body issued it: Q_EARLY)."""
+                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
+                   PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
+                   CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
+                   STAGES8: gl.constexpr):  # fmt: skip
+        """One warp: key tile t into slot t % STAGES8 of the ring ``k8_*`` once it is free (the bf16 ring ``k_*``
+        itself, freed by both warpgroups' arrivals on ``k_empty``; or with KV_FP8 the e4m3 ring, freed on
+        ``k8_empty`` once the tile's owner has widened it), after the Q tile's copy (unless the kernel body issued
+        it: Q_EARLY)."""
         if not Q_EARLY:
             mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
             _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
             _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
             _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
         for t in range(n_tiles):
-            s = t % STAGES
+            s = t % STAGES8
             tok = start + t * BLOCK_N
             page = gl.load(bt_row + tok // PAGE_SIZE)
             if CHECK:  # a page id out of range reads page 0 (the consumers poison the output)
                 page = gl.where((page < 0) | (page >= num_pages), 0, page)
             row = page * PAGE_SIZE + tok % PAGE_SIZE
-            mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
+            if KV_FP8:
+                mbarrier.wait(k8_empty.index(s), ((t // STAGES8) & 1) ^ 1)
+            else:
+                mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
             _tma_load(k_desc_h, [row, 0], k_ready.index(s), k8_a.index(s))
             _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k8_b.index(s))
             _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k8_r.index(s))
 
     @gluon.jit
-    def _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, i, slot, start, end, BLOCK_N: gl.constexpr,
-                  D_HALF: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """KV_FP8: tile i's e4m3 rows (ring slot ``slot``) widened into the bf16 slot, exactly (e4m3 has 3
-        mantissa bits, bf16 7); rows at or past ``end`` become 0 (a never-written row may hold NaN, and P·V
-        multiplies every row). 128-column slices: one 128-byte swizzle row of the e4m3 tile at a time."""
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+    def _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, k_empty, k8_empty, i, slot, start, end,
+                  BLOCK_N: gl.constexpr, D_HALF: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
+                  STAGES8: gl.constexpr):  # fmt: skip
+        """KV_FP8: tile i's e4m3 rows (e4m3 slot i % STAGES8) widened into bf16 slot ``slot``, exactly (e4m3 has 3
+        mantissa bits, bf16 7), once both warpgroups are done with that slot's last tile (i - STAGES); rows at or
+        past ``end`` become 0 (a never-written row may hold NaN, and P·V multiplies every row). 128-column
+        slices: one 128-byte swizzle row of the e4m3 tile at a time. Then the e4m3 slot goes back to the loader."""
+        s8 = i % STAGES8
+        mbarrier.wait(k_ready.index(s8), (i // STAGES8) & 1)
+        mbarrier.wait(k_empty.index(slot), ((i // STAGES) & 1) ^ 1)
         wl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         rows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wl))
         bad = (rows >= end)[:, None]
         for c in gl.static_range(D_HALF // 128):
-            xa = k8_a.index(slot).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            xa = k8_a.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
             k_a.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xa), xa))
-            xb = k8_b.index(slot).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            xb = k8_b.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
             k_b.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xb), xb))
         rl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D_R // 16), D_R // 16], [4, 1], [1, 0])
         rrows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rl))
-        xr = k8_r.index(slot).load(rl).to(gl.bfloat16)
+        xr = k8_r.index(s8).load(rl).to(gl.bfloat16)
         k_r.index(slot).store(gl.where((rrows >= end)[:, None], gl.zeros_like(xr), xr))
         fence_async_shared()
         _barrier()  # every warp's rows are in shared memory before this warpgroup's wgmma reads them
+        mbarrier.arrive(k8_empty.index(s8), count=1)  # every warp has read the e4m3 slot (the barrier above)
 
     @gluon.jit
     def _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: gl.constexpr):
@@ -248,9 +274,11 @@ if gluon is not None:
 
     @gluon.jit
     def _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, slot, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Issue tile i's scores from its ring slot (i % STAGES) once it is loaded (no wait)."""
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr):  # fmt: skip
+        """Issue tile i's scores from its ring slot (i % STAGES) once it is loaded (no wait); with KV_FP8 this
+        warpgroup has just widened it there."""
+        if not KV_FP8:
+            mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
         sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         sc = warpgroup_mma(q_a, k_a.index(slot).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_b, k_b.index(slot).permute((1, 0)), sc, is_async=True)
@@ -286,10 +314,11 @@ if gluon is not None:
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, W: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                     D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr, CHECK: gl.constexpr,
-                     KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr):  # fmt: skip
+                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
+                     PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+                     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
+                     CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
+                     STAGES8: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
         columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
         P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
@@ -324,8 +353,27 @@ if gluon is not None:
         if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
                 if KV_FP8:
-                    _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, 0, 0, start, end, BLOCK_N, D_HALF, D_R, STAGES)
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                    _gd_widen(
+                        k8_a,
+                        k8_b,
+                        k8_r,
+                        k_a,
+                        k_b,
+                        k_r,
+                        k_ready,
+                        k_empty,
+                        k8_empty,
+                        0,
+                        0,
+                        start,
+                        end,
+                        BLOCK_N,
+                        D_HALF,
+                        D_R,
+                        STAGES,
+                        STAGES8,
+                    )
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
                                                                0, 0, start, end, scale_log2, s_layout, BLOCK_N,
@@ -341,17 +389,40 @@ if gluon is not None:
                 own = i % STAGES
                 prev = (i - 1) % STAGES
             if KV_FP8:  # tile i widened before its scores (the other warpgroup's P·V of tile i - 1 may run)
-                _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, i, own, start, end, BLOCK_N, D_HALF, D_R, STAGES)
+                _gd_widen(
+                    k8_a,
+                    k8_b,
+                    k8_r,
+                    k_a,
+                    k_b,
+                    k_r,
+                    k_ready,
+                    k_empty,
+                    k8_empty,
+                    i,
+                    own,
+                    start,
+                    end,
+                    BLOCK_N,
+                    D_HALF,
+                    D_R,
+                    STAGES,
+                    STAGES8,
+                )
             if EARLY:
                 # wgmma groups in issue order: scores(i), then P·V(i - 1); wait(1) leaves the second running.
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(
+                    q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8
+                )
                 acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
                                                    i - 1, s_layout, p_layout)  # fmt: skip
                 sc = warpgroup_mma_wait(1, deps=(sc,))
             else:
                 acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
                                                    i - 1, s_layout, p_layout)  # fmt: skip
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(
+                    q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8
+                )
                 acc = warpgroup_mma_wait(1, deps=(acc,))  # tile i - 1's product is done; the scores may still run
                 mbarrier.arrive(k_empty.index(prev), count=1)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
@@ -415,7 +486,7 @@ if gluon is not None:
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr, BLOCK_H: gl.constexpr,
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
-        BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False,
+        BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False, STAGES8: gl.constexpr = 2,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -489,10 +560,11 @@ if gluon is not None:
         lb_base = lse_ptr + b.to(gl.int64) * s_lb
         direct = n_share == 1
 
-        # The ring TMA fills, in the cache's dtype; with KV_FP8 a bf16 ring beside it that the scores and P·V read.
-        k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-        k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES, BLOCK_N, D_HALF], k_desc_h.layout)
-        k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES, BLOCK_N, D_R], k_desc_r.layout)
+        # The ring TMA fills, in the cache's dtype; with KV_FP8 a bf16 ring beside it that the scores and P·V read
+        # (and STAGES8 e4m3 slots, so copies stay in flight while the bf16 slots wait for both warpgroups).
+        k8_a = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES8, BLOCK_N, D_HALF], k_desc_h.layout)
+        k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES8, BLOCK_N, D_HALF], k_desc_h.layout)
+        k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES8, BLOCK_N, D_R], k_desc_r.layout)
         if KV_FP8:
             kh16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], gl.bfloat16)
             kr16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
@@ -510,12 +582,15 @@ if gluon is not None:
         l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
         p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k8_empty = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
         mbarrier.init(p_full, count=1)
         mbarrier.init(l_ready, count=2)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES8):
             mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k8_empty.index(i), count=1)  # the tile's owner, once widened (unused without KV_FP8)
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
 
         # The argument tuples are written out in the call (see mla_context_gluon: a tuple held in a variable
@@ -525,18 +600,21 @@ if gluon is not None:
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, FIRST_W,
-                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY)),
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
+                                FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8,
+                                Q_EARLY, STAGES8)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, 1 - FIRST_W,
-                                PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY)),
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
+                                1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK,
+                                KV_FP8, Q_EARLY, STAGES8)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, 0, PAGE_SIZE,
-                              D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY)),
+                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, 0,
+                              PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY,
+                              STAGES8)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
@@ -544,8 +622,10 @@ if gluon is not None:
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(p_full)
         mbarrier.invalidate(l_ready)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES8):
             mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(k8_empty.index(i))
+        for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_empty.index(i))
 
 
@@ -654,13 +734,14 @@ def mla_decode_gluon_split(
     d_r = D - v_head_dim
     descs = _descriptors(q, kv_cache, v_head_dim, block_n)
     grid = (-(-H // BLOCK_H), B, splits)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     # rt = (B, S, max_len, min_tiles, slots, num_pages, s_plb, s_plh, s_ob, s_oh, s_lb, s_lh); partials contiguous
     ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
     args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
-              "CHECK": bool(check), "BALANCE": int(balance),
-              "KV_FP8": kv_cache.dtype == torch.float8_e4m3fn}  # fmt: skip
+              "CHECK": bool(check), "BALANCE": int(balance), "KV_FP8": fp8,
+              "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages) if fp8 else stages}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
     ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
