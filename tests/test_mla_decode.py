@@ -350,6 +350,29 @@ def test_balance_mode():
     assert balance_mode(128, 1, 264) == 2 and balance_mode(256, 1, 264) == 1  # two programs per SM
 
 
+@pytest.mark.parametrize(
+    "call,exc,name",
+    [
+        (lambda f: f.share_chunk_ref([4, 5], 4, 0, 1, 1), ValueError, "slots"),
+        (lambda f: f.share_chunk_ref([4, -1], 4, 132, 1, 1), ValueError, "tiles"),
+        (lambda f: f.share_chunk_ref("ab", 4, 132, 1, 1), TypeError, "tiles"),
+        (lambda f: f.share_chunk_ref([4, 5], 0, 132, 1, 1), ValueError, "S"),
+        (lambda f: f.share_chunk_ref([4, 5.0], 4, 132, 1, 1), TypeError, "tiles"),
+        (lambda f: f.share_counts_ref([4], 4, 132, 0, 1, 2), ValueError, "head_progs"),
+        (lambda f: f.share_counts_ref([4], 4, 132, 1, -1, 1), ValueError, "min_tiles"),
+        (lambda f: f.share_counts_ref([4], 4, 132, 1, 1, 3), ValueError, "mode"),
+        (lambda f: f.balance_mode(8, 1, 0), ValueError, "slots"),
+        (lambda f: f.balance_mode(-1, 1, 132), ValueError, "batch"),
+        (lambda f: f.balance_mode(True, 1, 132), TypeError, "batch"),
+    ],
+)
+def test_share_helpers_reject_bad_arguments(call, exc, name):
+    from kvforge.kernels import mla_decode
+
+    with pytest.raises(exc, match=name):
+        call(mla_decode)
+
+
 def test_share_chunk_ref_never_leaves_a_request_twice_as_long():
     """A mixed batch whose shortest requests hold just under two even shares: rounding the counts down gave
     them one share of almost twice the others' length (the critical path); the chosen chunk keeps every share

@@ -653,6 +653,25 @@ MIN_SHARE_TOKENS = 128  # a key share shorter than this costs more in its partia
 SHARE_STEPS = (0, 0, 1, 2, 4, 8, 16, 24)
 
 
+def _share_args(tiles: object, slots: object, head_progs: object, min_tiles: object, S: object = 1) -> list[int]:
+    """Checks the share helpers' arguments (before any arithmetic): ``tiles`` a sequence of ints >= 0, the
+    others ints, ``slots`` / ``head_progs`` / ``S`` >= 1, ``min_tiles`` >= 0. Returns ``tiles`` as a list."""
+    for name, v, lo in (("slots", slots, 1), ("head_progs", head_progs, 1), ("min_tiles", min_tiles, 0), ("S", S, 1)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v}")
+    if isinstance(tiles, (str, bytes)) or not hasattr(tiles, "__iter__"):
+        raise TypeError(f"tiles: expected a sequence of ints, got {type(tiles).__name__}")
+    out = list(tiles)  # type: ignore[call-overload]
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"tiles: expected ints, got a {type(t).__name__}")
+        if t < 0:
+            raise ValueError(f"tiles: expected key-tile counts >= 0, got {t}")
+    return out
+
+
 def _even_share_ref(tiles: list[int], slots: int, head_progs: int, min_tiles: int) -> int:
     """``_share_even``'s c0: ``max(min_tiles, ceil(sum(tiles) * head_progs / slots))``, at most 2**20."""
     return min(max(-(-sum(tiles) * head_progs // slots), min_tiles), 1 << 20)
@@ -667,7 +686,9 @@ def share_chunk_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_t
     one share, twice the others' length; rounding up never does, but may spill past one wave. Each candidate
     (``SHARE_STEPS``) is costed as waves x (longest share + ``min_tiles``, a share's fixed cost in tiles): the
     rounded-down one's longest share exactly, a rounded-up one's as its bound ``max(min(longest request, c),
-    ceil(longest request / S))``; the cheapest wins (ties: the earlier)."""
+    ceil(longest request / S))``; the cheapest wins (ties: the earlier). Bad arguments raise ``TypeError`` /
+    ``ValueError`` naming them."""
+    tiles = _share_args(tiles, slots, head_progs, min_tiles, S)
     c0 = _even_share_ref(tiles, slots, head_progs, min_tiles)
     tmax = max(tiles, default=0)
     best: tuple[int, int, bool] | None = None
@@ -694,12 +715,20 @@ def balance_mode(batch: int, head_progs: int, slots: int) -> int:
     while the requests fill at most half a wave of ``slots`` programs, else 1 (the even share rounded down).
     Measured on the H200 (docs/kernels.md): the second pass pays on 16-64 mixed requests and costs 5-12% on
     1-4 requests and 3-9% on 256."""
+    _share_args([], slots, head_progs, 0, 1)
+    if isinstance(batch, bool) or not isinstance(batch, int):
+        raise TypeError(f"batch: expected an int, got {type(batch).__name__}")
+    if batch < 0:
+        raise ValueError(f"batch: expected an int >= 0, got {batch}")
     return 2 if batch >= PICK_MIN_BATCH and 2 * batch * head_progs <= slots else 1
 
 
 def share_counts_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_tiles: int, mode: int) -> list[int]:
     """Key shares per request of the split kernels' ``BALANCE`` ``mode`` (host reference of ``_request_share``;
     ``tiles`` from lengths clamped to ``[0, max_len]``)."""
+    tiles = _share_args(tiles, slots, head_progs, min_tiles, S)
+    if isinstance(mode, bool) or mode not in (0, 1, 2):
+        raise ValueError(f"mode: expected BALANCE 0, 1 or 2, got {mode!r}")
     if mode == 0:
         return [min(max(t, 1), S) for t in tiles]
     if mode == 1:

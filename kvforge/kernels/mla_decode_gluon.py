@@ -4,8 +4,8 @@
 when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
 sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
 checked every input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one
-(``KV_FP8``: the loader fills an e4m3 ring, each tile's owner widens it exactly into the bf16 ring before its
-scores; 32-token tiles in 2 slots; a trial variant, offline-compiled but not yet run on the H200); keys 576 =
+(``KV_FP8``: the loader fills an e4m3 ring of ``fp8_ring_slots`` slots, each tile's owner widens it exactly into
+the 2-slot bf16 ring before its scores and hands the e4m3 slot straight back; 32-token tiles); keys 576 =
 512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of
 the key tile; this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
 ``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
@@ -519,7 +519,7 @@ if gluon is not None:
                 lens = gl.minimum(gl.maximum(lens, 0), max_len)
                 tot += (lens + BLOCK_N - 1) // BLOCK_N
             work = gl.sum(tot, 0).to(gl.int64) * gl.num_programs(0)
-            chunk = gl.maximum((work + slots - 1) // slots, min_tiles).to(gl.int32)
+            chunk = gl.minimum(gl.maximum((work + slots - 1) // slots, min_tiles), 1 << 20).to(gl.int32)
             n_share = gl.minimum(gl.maximum(tiles // chunk, 1), S)
         else:
             n_share = gl.minimum(gl.maximum(tiles, 1), S)
