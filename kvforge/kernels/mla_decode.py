@@ -12,9 +12,9 @@ no device→host read (bad requests get NaN and set an error flag; ``check_value
 and raises), so the default call is graph-capturable. Key shares are sized on the device from the batch's total
 work (a long request of a mixed batch gets many, a short one a single share written straight to ``out``); a
 repeat call with the same tensors and arguments reuses its checked launch plan. ``MLADecodePlan`` does the host
-work once per batch and ``run(q, kv_cache)`` per layer. On sm_90 with bf16 and 32 or more heads the
-warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel. Layout, shares,
-launch variants and host cost: ``docs/kernels.md``.
+work once per batch and ``run(q, kv_cache)`` per layer. On sm_90 with a bf16 q (bf16 or e4m3 cache) and 32 or
+more heads the warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel. Layout,
+shares, launch variants and host cost: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def smem_bytes(
     ``stages8`` slots, default ``fp8_ring_slots``, that the loader fills beside it), P, the max and the two row
     sums, barriers."""
     d = d_v + d_r
-    base = 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 3 * stages)
+    base = 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 2 * stages)
     if not kv_fp8:
         return base
     s8 = fp8_ring_slots(d_v, d_r, block_n, stages) if stages8 is None else stages8
@@ -190,12 +190,19 @@ if gluon is not None:
                     _gd_copy(k_desc_h, k_desc_r, k8_a.index(s8), k8_b.index(s8), k8_r.index(s8),
                              k8_ready.index(s8), bt_row, start, t + STAGES8, num_pages, PAGE_SIZE, D_HALF, D_V,
                              BLOCK_N, CHECK)  # fmt: skip
-        else:
+        else:  # (written out rather than through _gd_copy: the H200-measured bf16 kernel's exact code)
             for t in range(n_tiles):
                 s = t % STAGES
+                tok = start + t * BLOCK_N
+                page = gl.load(bt_row + tok // PAGE_SIZE)
+                if CHECK:  # a page id out of range reads page 0 (the consumers poison the output)
+                    page = gl.where((page < 0) | (page >= num_pages), 0, page)
+                row = page * PAGE_SIZE + tok % PAGE_SIZE
                 mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
-                _gd_copy(k_desc_h, k_desc_r, k_a.index(s), k_b.index(s), k_r.index(s), k_ready.index(s), bt_row,
-                         start, t, num_pages, PAGE_SIZE, D_HALF, D_V, BLOCK_N, CHECK)  # fmt: skip
+                mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
+                _tma_load(k_desc_h, [row, 0], k_ready.index(s), k_a.index(s))
+                _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k_b.index(s))
+                _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k_r.index(s))
 
     @gluon.jit
     def _gd_copy(k_desc_h, k_desc_r, dst_a, dst_b, dst_r, bar, bt_row, start, t, num_pages, PAGE_SIZE: gl.constexpr,
@@ -566,14 +573,17 @@ if gluon is not None:
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k8_ready = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
         mbarrier.init(p_full, count=1)
         mbarrier.init(l_ready, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
-        for i in gl.static_range(STAGES8):
-            mbarrier.init(k8_ready.index(i), count=1)  # TMA's bytes into an e4m3 slot (unused without KV_FP8)
+        if KV_FP8:
+            k8_ready = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES8):
+                mbarrier.init(k8_ready.index(i), count=1)  # TMA's bytes into an e4m3 slot
+        else:
+            k8_ready = k_ready  # unused: TMA fills the bf16 ring itself
 
         # The argument tuples are written out in the call (see mla_context_gluon: a tuple held in a variable
         # turns its constexprs into tensors).
@@ -607,8 +617,9 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
-        for i in gl.static_range(STAGES8):
-            mbarrier.invalidate(k8_ready.index(i))
+        if KV_FP8:
+            for i in gl.static_range(STAGES8):
+                mbarrier.invalidate(k8_ready.index(i))
 
 
 @functools.lru_cache(maxsize=64)  # Gluon's layout helpers cost ~40 µs of host time per call
