@@ -90,27 +90,25 @@ def test_gluon_candidates_only_for_sm90_bf16_many_heads():
         assert not gluon_kept(arch, key), arch
     assert gluon_kept((9, 0), (512, 64, "bfloat16", 32, 64, True))
     assert [md._gluon_variant(c) for c in gluon_kept((9, 0), (512, 64, "bfloat16", 128, 32, True))] == [(32, 4, False)]
-    e4m3 = (512, 64, "bfloat16,e4m3", 128, 32, True)
-    assert [md._gluon_variant(c) for c in gluon_kept((9, 0), e4m3)] == [(32, 2, False)]
     for other in (
         (512, 64, "float16", 128, 64, True),  # bf16 only
-        (512, 64, "bfloat16,e4m3", 16, 64, True),  # an e4m3 cache with 16 heads takes the portable kernel
+        (512, 64, "bfloat16,e4m3", 128, 64, True),  # an e4m3 cache takes the portable kernel
         (512, 64, "bfloat16", 16, 64, True),  # 16 heads: memory-bound, the portable kernel
         (512, 64, "bfloat16", 128, 64, False),  # no TMA-able layout
     ):
         assert not gluon_kept((9, 0), other), other
 
 
-def test_e4m3_gluon_form_is_the_32_token_two_slot_ring(monkeypatch):
-    """The e4m3-cache form of the Gluon kernel (KV_FP8) is a candidate only as the 2-deep ring of 32-token tiles
-    (the one that fits shared memory beside the e4m3 ring); its scores issued early only under TRIAL_ENV."""
+def test_e4m3_gluon_form_is_a_trial_variant_only(monkeypatch):
+    """The e4m3-cache form of the Gluon kernel (KV_FP8) is a candidate only under TRIAL_ENV, and only as the
+    2-deep ring of 32-token tiles (the one that fits shared memory beside the e4m3 ring)."""
     key = (512, 64, "bfloat16,e4m3", 128, 64, True)
 
     def gluon_kept():
         return [md._gluon_variant(c) for c in md._CONFIGS.candidates((9, 0), key) if c.kwargs.get("GLUON")]
 
     monkeypatch.delenv(md.TRIAL_ENV, raising=False)
-    assert gluon_kept() == [(32, 2, False)]
+    assert gluon_kept() == []
     monkeypatch.setenv(md.TRIAL_ENV, "1")
     assert gluon_kept() == [(32, 2, False), (32, 2, True)]
     assert mdg.smem_bytes(512, 64, 32, 2, kv_fp8=True) <= 232448
@@ -351,7 +349,7 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, 
              "v_scale": "fp32"}  # fmt: skip
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
-              **g.partition_consts(fp8), "FIRST_W": g._FIRST_W, "STAGES": stages,
+              "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
               "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8,
               "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages) if fp8 else stages}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}

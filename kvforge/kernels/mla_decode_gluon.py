@@ -4,8 +4,8 @@
 when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
 sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
 checked every input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one
-(``KV_FP8``: TMA fills an e4m3 ring of ``fp8_ring_slots`` slots and the loader partition, a warpgroup there,
-widens each tile exactly into the 2-slot bf16 ring the consumers read; 32-token tiles); keys 576 =
+(``KV_FP8``: the loader fills an e4m3 ring of ``fp8_ring_slots`` slots, each tile's owner widens it exactly into
+the 2-slot bf16 ring before its scores and hands the e4m3 slot straight back; 32-token tiles); keys 576 =
 512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of
 the key tile; this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
 ``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
@@ -46,9 +46,6 @@ BLOCK_NS = (32, 64)  # key tiles the kernel supports (wgmma N of the score produ
 # Registers per thread: 9 warps are padded to 12 (three warpgroups) and 65536 / (12 * 32) = 170 -> 168 at launch;
 # setmaxnreg then gives each consumer warpgroup 240 and the loader warp 24.
 _MAXNREG, _C_REGS, _L_REGS = 168, 240, 24
-# With an e4m3 cache the loader partition is a warpgroup that widens every tile: it gets 32 registers a thread
-# (the consumers keep 240: 2 x 240 + 32 = 512 per lane across the three warpgroups).
-_C_REGS8, _L_REGS8 = 240, 32
 # Which consumer warpgroup runs as the default partition: the one that spills less on this Triton (ptxas -v,
 # sm_90a: warpgroup 1 there leaves 264 B of spills on Triton 3.6 against 492 B; on 3.9, 660 B against 8 B).
 _FIRST_W = 1 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7) else 0
@@ -87,18 +84,11 @@ def smem_bytes(
     ``stages8`` slots, default ``fp8_ring_slots``, that the loader fills beside it), P, the max and the two row
     sums, barriers."""
     d = d_v + d_r
-    base = 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 2 * stages)
+    base = 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 3 * stages)
     if not kv_fp8:
         return base
     s8 = fp8_ring_slots(d_v, d_r, block_n, stages) if stages8 is None else stages8
     return base + s8 * (block_n * d + 16)
-
-
-def partition_consts(kv_fp8: bool) -> dict[str, int]:
-    """The partitions' launch constexprs: consumer and loader registers (``setmaxnreg``) and loader warps."""
-    if kv_fp8:
-        return {"C_REGS": _C_REGS8, "L_REGS": _L_REGS8, "L_WARPS": 4}
-    return {"C_REGS": _C_REGS, "L_REGS": _L_REGS, "L_WARPS": 1}
 
 
 def fp8_ring_slots(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES) -> int:
@@ -158,87 +148,62 @@ if gluon is not None:
     def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                    q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                    po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_ready, W: gl.constexpr,
+                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
                    PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                    CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
                    STAGES8: gl.constexpr):  # fmt: skip
-        """The loader partition: the Q tile's copy (unless the kernel body issued it: Q_EARLY), then key tile t
-        into slot t % STAGES of the bf16 ring ``k_*`` once both consumer warpgroups freed it (``k_empty``), ready
-        on ``k_ready``. One warp copies the bf16 cache's tiles there by TMA. With KV_FP8 a warpgroup: TMA fills
-        the e4m3 ring ``k8_*`` (STAGES8 slots, ready on ``k8_ready``) and the warpgroup widens each tile into the
-        bf16 ring, so the widening runs beside the consumers' chain of softmaxes, not on it."""
+        """One warp: key tile t into slot t % STAGES8 of the ring ``k8_*`` once it is free (the bf16 ring ``k_*``
+        itself, freed by both warpgroups' arrivals on ``k_empty``; or with KV_FP8 the e4m3 ring, freed on
+        ``k8_empty`` once the tile's owner has widened it), after the Q tile's copy (unless the kernel body issued
+        it: Q_EARLY)."""
         if not Q_EARLY:
             mbarrier.expect(q_ready, 2 * q_desc_h.block_type.nbytes + q_desc_r.block_type.nbytes)
             _tma_load(q_desc_h, [q_row, 0], q_ready, q_a)
             _tma_load(q_desc_h, [q_row, D_HALF], q_ready, q_b)
             _tma_load(q_desc_r, [q_row, D_V], q_ready, q_r)
-        if KV_FP8:
-            for t in range(gl.minimum(n_tiles, STAGES8)):  # the e4m3 ring's slots start free
-                s8 = t % STAGES8
-                _gd_copy(k_desc_h, k_desc_r, k8_a.index(s8), k8_b.index(s8), k8_r.index(s8), k8_ready.index(s8),
-                         bt_row, start, t, num_pages, PAGE_SIZE, D_HALF, D_V, BLOCK_N, CHECK)  # fmt: skip
-            for t in range(n_tiles):
-                s8 = t % STAGES8
-                s = t % STAGES
-                mbarrier.wait(k8_ready.index(s8), (t // STAGES8) & 1)
+        for t in range(n_tiles):
+            s = t % STAGES8
+            tok = start + t * BLOCK_N
+            page = gl.load(bt_row + tok // PAGE_SIZE)
+            if CHECK:  # a page id out of range reads page 0 (the consumers poison the output)
+                page = gl.where((page < 0) | (page >= num_pages), 0, page)
+            row = page * PAGE_SIZE + tok % PAGE_SIZE
+            if KV_FP8:
+                mbarrier.wait(k8_empty.index(s), ((t // STAGES8) & 1) ^ 1)
+            else:
                 mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
-                _gd_widen(k8_a.index(s8), k8_b.index(s8), k8_r.index(s8), k_a.index(s), k_b.index(s),
-                          k_r.index(s), start + t * BLOCK_N, end, BLOCK_N, D_HALF, D_R)  # fmt: skip
-                mbarrier.arrive(k_ready.index(s), count=1)
-                if t + STAGES8 < n_tiles:  # every warp has read slot s8 (the barrier in _gd_widen): refill it
-                    _gd_copy(k_desc_h, k_desc_r, k8_a.index(s8), k8_b.index(s8), k8_r.index(s8),
-                             k8_ready.index(s8), bt_row, start, t + STAGES8, num_pages, PAGE_SIZE, D_HALF, D_V,
-                             BLOCK_N, CHECK)  # fmt: skip
-        else:  # (written out rather than through _gd_copy: the H200-measured bf16 kernel's exact code)
-            for t in range(n_tiles):
-                s = t % STAGES
-                tok = start + t * BLOCK_N
-                page = gl.load(bt_row + tok // PAGE_SIZE)
-                if CHECK:  # a page id out of range reads page 0 (the consumers poison the output)
-                    page = gl.where((page < 0) | (page >= num_pages), 0, page)
-                row = page * PAGE_SIZE + tok % PAGE_SIZE
-                mbarrier.wait(k_empty.index(s), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
-                _tma_load(k_desc_h, [row, 0], k_ready.index(s), k_a.index(s))
-                _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k_b.index(s))
-                _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k_r.index(s))
+            mbarrier.expect(k_ready.index(s), 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
+            _tma_load(k_desc_h, [row, 0], k_ready.index(s), k8_a.index(s))
+            _tma_load(k_desc_h, [row, D_HALF], k_ready.index(s), k8_b.index(s))
+            _tma_load(k_desc_r, [row, D_V], k_ready.index(s), k8_r.index(s))
 
     @gluon.jit
-    def _gd_copy(k_desc_h, k_desc_r, dst_a, dst_b, dst_r, bar, bt_row, start, t, num_pages, PAGE_SIZE: gl.constexpr,
-                 D_HALF: gl.constexpr, D_V: gl.constexpr, BLOCK_N: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
-        """Key tile t of the share (its page looked up in the block table) into one ring slot, ready on ``bar``."""
-        tok = start + t * BLOCK_N
-        page = gl.load(bt_row + tok // PAGE_SIZE)
-        if CHECK:  # a page id out of range reads page 0 (the consumers poison the output)
-            page = gl.where((page < 0) | (page >= num_pages), 0, page)
-        row = page * PAGE_SIZE + tok % PAGE_SIZE
-        mbarrier.expect(bar, 2 * k_desc_h.block_type.nbytes + k_desc_r.block_type.nbytes)
-        _tma_load(k_desc_h, [row, 0], bar, dst_a)
-        _tma_load(k_desc_h, [row, D_HALF], bar, dst_b)
-        _tma_load(k_desc_r, [row, D_V], bar, dst_r)
-
-    @gluon.jit
-    def _gd_widen(src_a, src_b, src_r, k_a, k_b, k_r, tok0, end, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr,
-                  D_R: gl.constexpr):  # fmt: skip
-        """KV_FP8: one tile's e4m3 rows (one e4m3 ring slot) widened into one bf16 slot, exactly (e4m3 has 3
-        mantissa bits, bf16 7); rows at or past ``end`` become 0 (a never-written row may hold NaN, and P·V
-        multiplies every row). 128-column slices: one 128-byte swizzle row of the e4m3 tile at a time. Ends with
-        every warp past its reads and writes, the writes visible to wgmma."""
+    def _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, k_empty, k8_empty, i, slot, start, end,
+                  BLOCK_N: gl.constexpr, D_HALF: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
+                  STAGES8: gl.constexpr):  # fmt: skip
+        """KV_FP8: tile i's e4m3 rows (e4m3 slot i % STAGES8) widened into bf16 slot ``slot``, exactly (e4m3 has 3
+        mantissa bits, bf16 7), once both warpgroups are done with that slot's last tile (i - STAGES); rows at or
+        past ``end`` become 0 (a never-written row may hold NaN, and P·V multiplies every row). 128-column
+        slices: one 128-byte swizzle row of the e4m3 tile at a time. Then the e4m3 slot goes back to the loader."""
+        s8 = i % STAGES8
+        mbarrier.wait(k_ready.index(s8), (i // STAGES8) & 1)
+        mbarrier.wait(k_empty.index(slot), ((i // STAGES) & 1) ^ 1)
         wl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        rows = tok0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wl))
+        rows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wl))
         bad = (rows >= end)[:, None]
         for c in gl.static_range(D_HALF // 128):
-            xa = src_a.slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
-            k_a.slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xa), xa))
-            xb = src_b.slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
-            k_b.slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xb), xb))
+            xa = k8_a.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            k_a.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xa), xa))
+            xb = k8_b.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            k_b.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xb), xb))
         rl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D_R // 16), D_R // 16], [4, 1], [1, 0])
-        rrows = tok0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rl))
-        xr = src_r.load(rl).to(gl.bfloat16)
-        k_r.store(gl.where((rrows >= end)[:, None], gl.zeros_like(xr), xr))
+        rrows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rl))
+        xr = k8_r.index(s8).load(rl).to(gl.bfloat16)
+        k_r.index(slot).store(gl.where((rrows >= end)[:, None], gl.zeros_like(xr), xr))
         fence_async_shared()
-        _barrier()  # every warp's rows are in shared memory before the consumers' wgmma reads them
+        _barrier()  # every warp's rows are in shared memory before this warpgroup's wgmma reads them
+        mbarrier.arrive(k8_empty.index(s8), count=1)  # every warp has read the e4m3 slot (the barrier above)
 
     @gluon.jit
     def _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: gl.constexpr):
@@ -309,10 +274,11 @@ if gluon is not None:
 
     @gluon.jit
     def _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, slot, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-        """Issue tile i's scores from its ring slot (i % STAGES) once it is loaded (no wait): copied there by TMA,
-        or with KV_FP8 widened there by the loader partition."""
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr):  # fmt: skip
+        """Issue tile i's scores from its ring slot (i % STAGES) once it is loaded (no wait); with KV_FP8 this
+        warpgroup has just widened it there."""
+        if not KV_FP8:
+            mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
         sc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
         sc = warpgroup_mma(q_a, k_a.index(slot).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_b, k_b.index(slot).permute((1, 0)), sc, is_async=True)
@@ -348,7 +314,7 @@ if gluon is not None:
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_ready, W: gl.constexpr,
+                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
                      PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                      BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                      CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
@@ -386,7 +352,28 @@ if gluon is not None:
         mbarrier.wait(q_ready, 0)
         if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                if KV_FP8:
+                    _gd_widen(
+                        k8_a,
+                        k8_b,
+                        k8_r,
+                        k_a,
+                        k_b,
+                        k_r,
+                        k_ready,
+                        k_empty,
+                        k8_empty,
+                        0,
+                        0,
+                        start,
+                        end,
+                        BLOCK_N,
+                        D_HALF,
+                        D_R,
+                        STAGES,
+                        STAGES8,
+                    )
+                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
                                                                0, 0, start, end, scale_log2, s_layout, BLOCK_N,
@@ -401,16 +388,41 @@ if gluon is not None:
             else:
                 own = i % STAGES
                 prev = (i - 1) % STAGES
+            if KV_FP8:  # tile i widened before its scores (the other warpgroup's P·V of tile i - 1 may run)
+                _gd_widen(
+                    k8_a,
+                    k8_b,
+                    k8_r,
+                    k_a,
+                    k_b,
+                    k_r,
+                    k_ready,
+                    k_empty,
+                    k8_empty,
+                    i,
+                    own,
+                    start,
+                    end,
+                    BLOCK_N,
+                    D_HALF,
+                    D_R,
+                    STAGES,
+                    STAGES8,
+                )
             if EARLY:
                 # wgmma groups in issue order: scores(i), then P·V(i - 1); wait(1) leaves the second running.
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(
+                    q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8
+                )
                 acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
                                                    i - 1, s_layout, p_layout)  # fmt: skip
                 sc = warpgroup_mma_wait(1, deps=(sc,))
             else:
                 acc, m_run, l_run = _gd_take_other(acc, m_run, l_run, p_smem, m_smem, p_full, v_bufs.index(prev),
                                                    i - 1, s_layout, p_layout)  # fmt: skip
-                sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES)
+                sc = _gd_scores(
+                    q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8
+                )
                 acc = warpgroup_mma_wait(1, deps=(acc,))  # tile i - 1's product is done; the scores may still run
                 mbarrier.arrive(k_empty.index(prev), count=1)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
@@ -475,15 +487,14 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
         BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False, STAGES8: gl.constexpr = 2,
-        L_WARPS: gl.constexpr = 1,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
         (``_request_share``: a request with one share writes ``out``/``lse``, the others partials and their
         count). Launched with 4 warps (consumer warpgroup FIRST_W, the default partition); the partitions add
-        4 + 1 (4 + 4 with KV_FP8). KV_FP8: the cache is e4m3 (its descriptors e4m3 boxes): TMA fills an e4m3 ring
-        of STAGES8 slots, the loader warpgroup widens each tile into the bf16 ring, ``scale_log2`` carries the
-        dequantisation scale and ``v_scale`` multiplies the output."""
+        4 + 1. KV_FP8: the cache is e4m3 (its descriptors e4m3 boxes): the loader fills an e4m3 ring, the owner of a
+        tile widens it into the bf16 ring before its scores, ``scale_log2`` carries the dequantisation scale and
+        ``v_scale`` multiplies the output."""
         D_HALF: gl.constexpr = D_V // 2
         Q_EARLY: gl.constexpr = BALANCE == 2
         pid_h = gl.program_id(0)
@@ -571,19 +582,16 @@ if gluon is not None:
         l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
         p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k8_empty = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
         mbarrier.init(p_full, count=1)
         mbarrier.init(l_ready, count=2)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES8):
             mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k8_empty.index(i), count=1)  # the tile's owner, once widened (unused without KV_FP8)
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_empty.index(i), count=2)  # each consumer warpgroup frees a slot by its own arrival
-        if KV_FP8:
-            k8_ready = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES8):
-                mbarrier.init(k8_ready.index(i), count=1)  # TMA's bytes into an e4m3 slot
-        else:
-            k8_ready = k_ready  # unused: TMA fills the bf16 ring itself
 
         # The argument tuples are written out in the call (see mla_context_gluon: a tuple held in a variable
         # turns its constexprs into tensors).
@@ -592,34 +600,33 @@ if gluon is not None:
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_ready,
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
                                 FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8,
                                 Q_EARLY, STAGES8)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_ready,
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
                                 1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK,
                                 KV_FP8, Q_EARLY, STAGES8)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_ready, 0,
+                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, 0,
                               PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY,
                               STAGES8)),
             ],
-            [4, L_WARPS],
+            [4, 1],
             [C_REGS, L_REGS],
         )  # fmt: skip
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(p_full)
         mbarrier.invalidate(l_ready)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(STAGES8):
             mbarrier.invalidate(k_ready.index(i))
+            mbarrier.invalidate(k8_empty.index(i))
+        for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_empty.index(i))
-        if KV_FP8:
-            for i in gl.static_range(STAGES8):
-                mbarrier.invalidate(k8_ready.index(i))
 
 
 @functools.lru_cache(maxsize=64)  # Gluon's layout helpers cost ~40 µs of host time per call
@@ -732,7 +739,7 @@ def mla_decode_gluon_split(
     ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
     args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
-              **partition_consts(fp8), "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
+              "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
               "CHECK": bool(check), "BALANCE": int(balance), "KV_FP8": fp8,
               "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages) if fp8 else stages}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
