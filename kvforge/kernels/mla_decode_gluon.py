@@ -353,26 +353,8 @@ if gluon is not None:
         if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
                 if KV_FP8:
-                    _gd_widen(
-                        k8_a,
-                        k8_b,
-                        k8_r,
-                        k_a,
-                        k_b,
-                        k_r,
-                        k_ready,
-                        k_empty,
-                        k8_empty,
-                        0,
-                        0,
-                        start,
-                        end,
-                        BLOCK_N,
-                        D_HALF,
-                        D_R,
-                        STAGES,
-                        STAGES8,
-                    )
+                    _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, k_empty, k8_empty, 0,
+                              0, start, end, BLOCK_N, D_HALF, D_R, STAGES, STAGES8)  # fmt: skip
                 sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, 0, 0, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8)
                 sc = warpgroup_mma_wait(0, deps=(sc,))
                 p16, alpha, m_run, l_run = _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full,
@@ -389,26 +371,8 @@ if gluon is not None:
                 own = i % STAGES
                 prev = (i - 1) % STAGES
             if KV_FP8:  # tile i widened before its scores (the other warpgroup's P·V of tile i - 1 may run)
-                _gd_widen(
-                    k8_a,
-                    k8_b,
-                    k8_r,
-                    k_a,
-                    k_b,
-                    k_r,
-                    k_ready,
-                    k_empty,
-                    k8_empty,
-                    i,
-                    own,
-                    start,
-                    end,
-                    BLOCK_N,
-                    D_HALF,
-                    D_R,
-                    STAGES,
-                    STAGES8,
-                )
+                _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, k_empty, k8_empty, i,
+                          own, start, end, BLOCK_N, D_HALF, D_R, STAGES, STAGES8)  # fmt: skip
             if EARLY:
                 # wgmma groups in issue order: scores(i), then P·V(i - 1); wait(1) leaves the second running.
                 sc = _gd_scores(
