@@ -661,7 +661,7 @@ def _share_args(tiles: object, slots: object, head_progs: object, min_tiles: obj
         check_int(name, v, lo)
     if isinstance(tiles, (str, bytes)) or not hasattr(tiles, "__iter__"):
         raise TypeError(f"tiles: expected a sequence of ints, got {type(tiles).__name__}")
-    return [check_int("tiles", t, 0) for t in tiles]  # type: ignore[attr-defined]
+    return [check_int("tiles", t, 0) for t in tiles]
 
 
 def _even_share_ref(tiles: list[int], slots: int, head_progs: int, min_tiles: int) -> int:
