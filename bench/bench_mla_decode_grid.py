@@ -275,6 +275,8 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="compile only: one call per workload, nothing timed")
     ap.add_argument("--variant", default="", help="block_n,stages,schedule: the Gluon variant 32+ bf16 heads run "
                     "(a trial variant of the sm_90 table; the tag and each row name it)")  # fmt: skip
+    ap.add_argument("--no-order", action="store_true",
+                    help="ablation: never run a batch longest first (ORDER off; the tag says so)")  # fmt: skip
     args = ap.parse_args()
     if not args.grid and args.random <= 0:
         ap.error("give --grid or --random N")
@@ -295,6 +297,9 @@ def main() -> None:
         os.environ[md.TRIAL_ENV] = "1"  # a variant past the first is a candidate only under the trial switch
         md._SPLIT = _variant_split(args.variant)
         tag += "_v" + args.variant.replace(",", "-")
+    if args.no_order:
+        md.order_requests = lambda batch, head_progs, slots: False
+        tag += "_noorder"
     work = draw(24, 0, True) if args.grid else draw(args.random, args.seed, False)
     picked = range(len(work)) if not args.only else [int(x) for x in args.only.split(",")]
     gpu = torch.cuda.get_device_name()

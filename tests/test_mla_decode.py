@@ -10,8 +10,10 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kvforge.kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref
+from kvforge.kernels.mla_decode import _longest_first, mla_decode_attention, mla_decode_attention_ref
 from tests.helpers import assert_all_written, poisoned
 from tests.tolerances import rel_rmse
 
@@ -342,6 +344,58 @@ def test_balanced_share_counts_match_host_reference(gen, device, monkeypatch, le
     assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
 
 
+@triton.jit
+def _places_kernel(seq_ptr, ys_ptr, out_ptr, B, max_len, BLOCK_N: tl.constexpr):
+    """The request an ORDER grid's program at place ``ys[i]`` works on (``_longest_first``), into ``out[i]``."""
+    i = tl.program_id(0)
+    tl.store(out_ptr + i, _longest_first(seq_ptr, tl.load(ys_ptr + i), B, max_len, BLOCK_N))
+
+
+@pytest.mark.parametrize("B,seed", [(1, 0), (5, 1), (37, 2), (300, 3)])
+def test_longest_first_is_the_host_order(device, B, seed):
+    """``_longest_first`` (every program of an ORDER grid computes its request from its place) gives
+    ``longest_first_ref``'s permutation: most key tiles first, ties by index, lengths clamped to [0, max_len]
+    (negative and too-long ones included; more than one 256-wide pass over the lengths at 300)."""
+    import kvforge.kernels.mla_decode as md
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(-5, 700, (B,), generator=g, dtype=torch.int32)
+    lens[torch.randperm(B, generator=g)[: B // 3]] = 64  # ties
+    max_len, bn = 600, 32
+    # every place of a small batch; of 300, the ends and a random dozen (each place is a bisection)
+    ys = list(range(B)) if B <= 40 else sorted({0, B - 1, *torch.randperm(B, generator=g)[:12].tolist()})
+    got = torch.full((len(ys),), -1, dtype=torch.int32, device=device)
+    _places_kernel[(len(ys),)](lens.to(device), torch.tensor(ys, dtype=torch.int32, device=device), got, B, max_len,
+                               BLOCK_N=bn)  # fmt: skip
+    tiles = [-(-min(max(int(n), 0), max_len) // bn) for n in lens]
+    want = md.longest_first_ref(tiles)
+    assert got.cpu().tolist() == [want[y] for y in ys]
+
+
+def test_longest_first_grid_matches_reference(gen, device, monkeypatch):
+    """A batch of more requests than programs fit at once runs longest first (ORDER) and still writes every
+    request's own output: mixed lengths, one of 0, split and unsplit requests."""
+    import kvforge.kernels.mla_decode as md
+
+    monkeypatch.setattr(md, "num_sms", lambda dev: 2)
+    lens = [5, 900, 37, 0, 1200, 64, 64, 300, 1, 700, 33, 450]
+    q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
+    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    assert plan._plan.order
+    out = plan.run(q, kv)
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
+    check(q, kv, bt, sl, 32, 0.3, torch.float32)
+
+
+def test_order_requests():
+    from kvforge.kernels.mla_decode import longest_first_ref, order_requests
+
+    assert [order_requests(b, 1, 132) for b in (1, 132, 133, 256)] == [False, False, True, True]
+    assert order_requests(67, 2, 132) and not order_requests(66, 2, 132)
+    assert longest_first_ref([3, 9, 3, 0, 9]) == [1, 4, 0, 2, 3]
+
+
 def test_balance_mode():
     from kvforge.kernels.mla_decode import balance_mode
 
@@ -364,6 +418,9 @@ def test_balance_mode():
         (lambda f: f.balance_mode(8, 1, 0), ValueError, "slots"),
         (lambda f: f.balance_mode(-1, 1, 132), ValueError, "batch"),
         (lambda f: f.balance_mode(True, 1, 132), TypeError, "batch"),
+        (lambda f: f.order_requests(8, 1, 0), ValueError, "slots"),
+        (lambda f: f.order_requests(8.0, 1, 132), TypeError, "batch"),
+        (lambda f: f.longest_first_ref([3, -1]), ValueError, "tiles"),
     ],
 )
 def test_share_helpers_reject_bad_arguments(call, exc, name):

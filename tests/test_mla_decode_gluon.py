@@ -356,7 +356,7 @@ def _compile_one(block_n: int, stages: int, sched: int, ptxas_v: bool = False, f
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": sched == 1, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "SOLO": sched == 2,
+              "EARLY": sched == 1, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "SOLO": sched == 2, "ORDER": True,
               "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages, sched == 2) if fp8 else stages}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,

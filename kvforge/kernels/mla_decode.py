@@ -166,6 +166,59 @@ def _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.c
 
 
 @triton.jit
+def _count_tiles(seq_ptr, B, max_len, lo_t, hi_t, last, BLOCK_N: tl.constexpr):
+    """Requests ``i <= last`` whose key tiles (lengths clamped to ``[0, max_len]``) lie in ``[lo_t, hi_t)``."""
+    offs = tl.arange(0, 256)
+    cnt = tl.zeros((256,), tl.int32)
+    i = 0
+    while i < B:
+        idx = i + offs
+        lens = tl.load(seq_ptr + idx, mask=idx < B, other=0)
+        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        cnt += ((idx < B) & (idx <= last) & (t >= lo_t) & (t < hi_t)).to(tl.int32)
+        i += 256
+    return tl.sum(cnt, 0)
+
+
+@triton.jit
+def _longest_first(seq_ptr, y, B, max_len, BLOCK_N: tl.constexpr):
+    """The request at place ``y`` of the batch ordered by key tiles, most first, ties by index
+    (``longest_first_ref``): every program computes the same order, so the grid's request axis is a permutation.
+    A uniform batch is the identity after one pass; otherwise a bisection on the tile count, then one on the
+    index among equals (about log2(longest) + log2(B) passes over the lengths)."""
+    offs = tl.arange(0, 256)
+    lo_v = tl.full((256,), 1 << 30, tl.int32)
+    hi_v = tl.zeros((256,), tl.int32)
+    i = 0
+    while i < B:
+        lens = tl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+        t = (tl.minimum(tl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+        lo_v = tl.minimum(lo_v, tl.where(i + offs < B, t, 1 << 30))
+        hi_v = tl.maximum(hi_v, t)
+        i += 256
+    lo = tl.min(lo_v, 0)
+    hi = tl.max(hi_v, 0) + 1
+    b = y
+    if hi - lo > 1:
+        # count(t >= lo) > y >= count(t >= hi): the place's tile count v is lo at the end
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            more = _count_tiles(seq_ptr, B, max_len, mid, 1 << 30, B, BLOCK_N) > y
+            lo = tl.where(more, mid, lo)
+            hi = tl.where(more, hi, mid)
+        r = y - _count_tiles(seq_ptr, B, max_len, lo + 1, 1 << 30, B, BLOCK_N)  # its place among t == v
+        a = y * 0 - 1
+        z = y * 0 + B - 1
+        while z - a > 1:
+            mid = (a + z) // 2
+            hit = _count_tiles(seq_ptr, B, max_len, lo, lo + 1, mid, BLOCK_N) > r
+            z = tl.where(hit, mid, z)
+            a = tl.where(hit, a, mid)
+        b = z
+    return b
+
+
+@triton.jit
 def _share_pick(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, c0, tmax, BLOCK_N: tl.constexpr):
     """(chunk, floor) of ``share_chunk_ref``: the share size whose batch-wide cost estimate is lowest among
     ``SHARE_STEPS``' candidates (a second pass over the lengths, 64 at a time; every program computes the
@@ -245,6 +298,7 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
+    ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -255,12 +309,16 @@ def _mla_decode_split_kernel(
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
     scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
-    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+).
+    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+). ORDER: the request axis runs the batch longest
+    first (``_longest_first``), so a batch of more programs than fit at once starts its long requests first.
     PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
     where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
     pid1 = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(1)
+    if ORDER:
+        b = _longest_first(seq_ptr, b, B, max_len, BLOCK_N)
+    b = b.to(tl.int64)
     split = tl.program_id(2)
     if SPLIT_DV:
         pid_h = pid1 // 2
@@ -732,6 +790,22 @@ def share_counts_ref(tiles: list[int], S: int, slots: int, head_progs: int, min_
     return [min(max(t // chunk if floor else -(-t // chunk), 1), S) for t in tiles]
 
 
+def longest_first_ref(tiles: list[int]) -> list[int]:
+    """The order ``_longest_first`` gives the split grid's request axis (ORDER): request indices by key tiles
+    (lengths clamped to ``[0, max_len]``, then rounded up to tiles), most first, ties by index."""
+    tiles = _share_args(tiles, 1, 1, 0)
+    return sorted(range(len(tiles)), key=lambda b: (-tiles[b], b))
+
+
+def order_requests(batch: int, head_progs: int, slots: int) -> bool:
+    """Whether the split grid runs the batch longest first (ORDER): when its requests' first shares alone are
+    more programs than ``slots`` run at once, the order the rest start in decides the critical path (a long
+    request started last ends last); on fewer, every program starts at once and the ordering pass is waste."""
+    _share_args([], slots, head_progs, 0, 1)
+    check_int("batch", batch, 0)
+    return batch * head_progs > slots
+
+
 def share_grid(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int, block_n: int) -> int:
     """The grid's share axis S when the shares are balanced on the device (``_request_share``): room for the
     longest request of a mixed batch to take several shares, about two waves of programs at most. 1 (every
@@ -839,6 +913,7 @@ class _Plan(NamedTuple):
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
     check: bool
     balance: int  # the split kernels' BALANCE (0 none, 1 even share rounded down, 2 costed share sizes)
+    order: bool  # the split kernels' ORDER (the request axis runs the batch longest first)
     fp8_bytes: bool
     scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
     merge_ints: tuple  # H and the merge kernel's strides, in kernel order
@@ -935,7 +1010,7 @@ def _launch(
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
             scale_log2=plan.scale_log2 * plan.kv_scale, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages,
-            early=sched, check=plan.check, balance=plan.balance, splits=plan.grid[2],
+            early=sched, check=plan.check, balance=plan.balance, splits=plan.grid[2], order=plan.order,
             prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale,
         )  # fmt: skip
     else:
@@ -1165,6 +1240,7 @@ def _plan_call(
             balance = balance_mode(B, programs_per_request, per_sm * sms) if splits > 1 else 0
         else:
             splits, balance = min(num_splits, max_tiles), 0
+        order = order_requests(B, programs_per_request, per_sm * sms)
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
         merge_ints = (H, H * splits * v_head_dim, splits * v_head_dim, v_head_dim, H * splits, splits, out.stride(0),
@@ -1173,7 +1249,8 @@ def _plan_call(
               out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))  # fmt: skip
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
-                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin))  # fmt: skip
+                  ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin),
+                  ("ORDER", order))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
@@ -1190,7 +1267,7 @@ def _plan_call(
             (programs_per_request, B, splits), float(softmax_scale) * 1.4426950408889634, kv_scale,
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
-            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, fp8_bytes,
+            "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, order, fp8_bytes,
             _scratch_layout(B, H, splits, v_head_dim), merge_ints, _State(SplitPrep() if gluon else None),
         )  # fmt: skip
 

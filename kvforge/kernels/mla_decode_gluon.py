@@ -233,6 +233,51 @@ if gluon is not None:
         return gl.minimum(c0, 1 << 20).to(gl.int32), gl.max(top, 0)
 
     @gluon.jit
+    def _gd_count_tiles(seq_ptr, B, max_len, lo_t, hi_t, last, BLOCK_N: gl.constexpr):
+        """``mla_decode._count_tiles`` in Gluon: requests ``i <= last`` with key tiles in ``[lo_t, hi_t)``."""
+        l1: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+        offs = gl.arange(0, 256, layout=l1)
+        cnt = gl.zeros([256], gl.int32, layout=l1)
+        for i in range(0, B, 256):
+            idx = i + offs
+            lens = gl.load(seq_ptr + idx, mask=idx < B, other=0)
+            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            cnt += ((idx < B) & (idx <= last) & (t >= lo_t) & (t < hi_t)).to(gl.int32)
+        return gl.sum(cnt, 0)
+
+    @gluon.jit
+    def _gd_longest_first(seq_ptr, y, B, max_len, BLOCK_N: gl.constexpr):
+        """``mla_decode._longest_first`` in Gluon: the request at place ``y`` of the batch, most key tiles first."""
+        l1: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+        offs = gl.arange(0, 256, layout=l1)
+        lo_v = gl.full([256], 1 << 30, gl.int32, layout=l1)
+        hi_v = gl.zeros([256], gl.int32, layout=l1)
+        for i in range(0, B, 256):
+            lens = gl.load(seq_ptr + i + offs, mask=i + offs < B, other=0)
+            t = (gl.minimum(gl.maximum(lens, 0), max_len) + BLOCK_N - 1) // BLOCK_N
+            lo_v = gl.minimum(lo_v, gl.where(i + offs < B, t, 1 << 30))
+            hi_v = gl.maximum(hi_v, t)
+        lo = gl.min(lo_v, 0)
+        hi = gl.max(hi_v, 0) + 1
+        b = y
+        if hi - lo > 1:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                more = _gd_count_tiles(seq_ptr, B, max_len, mid, 1 << 30, B, BLOCK_N) > y
+                lo = gl.where(more, mid, lo)
+                hi = gl.where(more, hi, mid)
+            r = y - _gd_count_tiles(seq_ptr, B, max_len, lo + 1, 1 << 30, B, BLOCK_N)
+            a = y * 0 - 1
+            z = y * 0 + B - 1
+            while z - a > 1:
+                mid = (a + z) // 2
+                hit = _gd_count_tiles(seq_ptr, B, max_len, lo, lo + 1, mid, BLOCK_N) > r
+                z = gl.where(hit, mid, z)
+                a = gl.where(hit, a, mid)
+            b = z
+        return b
+
+    @gluon.jit
     def _gd_share_pick(seq_ptr, B, S, max_len, min_tiles, slots, head_progs, c0, tmax, BLOCK_N: gl.constexpr):
         """``mla_decode._share_pick`` (the balanced split's share size, ``share_chunk_ref``) in Gluon."""
         l2: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])  # [64, 8]: four per thread
@@ -599,7 +644,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
         BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False, STAGES8: gl.constexpr = 2,
-        SOLO: gl.constexpr = False,
+        SOLO: gl.constexpr = False, ORDER: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -612,6 +657,8 @@ if gluon is not None:
         Q_EARLY: gl.constexpr = BALANCE == 2
         pid_h = gl.program_id(0)
         b = gl.program_id(1)
+        if ORDER:  # the request axis runs the batch longest first
+            b = _gd_longest_first(seq_ptr, b, B, max_len, BLOCK_N)
         split = gl.program_id(2)
         seq_len = gl.load(seq_ptr + b)
         bad_len = seq_len * 0
@@ -827,6 +874,7 @@ def mla_decode_gluon_split(
     early: int = 0,
     check: bool = True,
     balance: int = 0,
+    order: bool = False,
     prep: SplitPrep | None = None,
     direct: bool = False,
     v_scale: float = 1.0,
@@ -874,7 +922,7 @@ def mla_decode_gluon_split(
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": int(early) == 1,
               "CHECK": bool(check), "BALANCE": int(balance), "KV_FP8": fp8,
               "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages, int(early) == 2) if fp8 else stages,
-              "SOLO": int(early) == 2}  # fmt: skip
+              "SOLO": int(early) == 2, "ORDER": bool(order)}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
     ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
