@@ -18,9 +18,9 @@ Then kvforge's default call and FlashInfer replayed from CUDA graphs. Ratios are
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --grid
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 24 --seed 7
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 12 --seed 5 --fp8-gluon
-    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 12 --seed 5 --variant 32,4,2
+    PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 12 --seed 5 --variant 32,4,1
 
-``--variant block_n,stages,schedule`` runs one Gluon variant of the sm_90 table (trial ones included) wherever
+``--variant block_n,stages,early`` runs one Gluon variant of the sm_90 table (trial ones included) wherever
 the Gluon kernel takes the call, instead of the committed configs; the tag names it.
 
 Appends rows to bench/results/mla_decode_grid.csv (GPU, versions, git revision, date) and draws
@@ -132,17 +132,17 @@ def flashinfer_runner(q, kv, sl, indptr, indices, H, page, scale):
 
 
 def _variant_split(spec: str) -> TunedKernel:
-    """The decode kernel with the Gluon variant ``spec`` ("block_n,stages,schedule") as the only Gluon candidate,
+    """The decode kernel with the Gluon variant ``spec`` ("block_n,stages,early") as the only Gluon candidate,
     ahead of the sm_90 table's portable configs (16 heads and e4m3 caches keep what they run by default)."""
     try:
-        bn, st, sched = (int(x) for x in spec.split(","))
+        bn, st, early = (int(x) for x in spec.split(","))
     except ValueError:
-        raise SystemExit(f"--variant: expected block_n,stages,schedule (e.g. 32,4,2), got {spec!r}") from None
-    cfg = md._cfg(64, bn, 8, st, tma=True, per_sm=1, gluon=1 + sched)
+        raise SystemExit(f"--variant: expected block_n,stages,early (e.g. 32,4,1), got {spec!r}") from None
+    cfg = md._cfg(64, bn, 8, st, tma=True, per_sm=1, gluon=2 if early else 1)
     if md._gluon_variant(cfg) not in md.gluon_variants():
         raise SystemExit(f"--variant: {spec} is not one of the sm_90 table's {md.gluon_variants()}")
     table = [cfg] + [c for c in md._CONFIGS.by_arch[9] if not c.kwargs.get("GLUON")]
-    return TunedKernel(f"mla_decode_split_v{bn}_{st}_{sched}", md._mla_decode_split_kernel,
+    return TunedKernel(f"mla_decode_split_v{bn}_{st}_{early}", md._mla_decode_split_kernel,
                        ConfigTable(fallback=[cfg], interpreter=cfg, by_arch={9: table}), tune_first=1)  # fmt: skip
 
 
@@ -273,7 +273,7 @@ def main() -> None:
                     help="also time the Gluon kernel's e4m3-cache form (trial; 32 or more heads)")  # fmt: skip
     ap.add_argument("--only", type=str, default="", help="comma-separated workload indices (warm-up shards)")
     ap.add_argument("--warm", action="store_true", help="compile only: one call per workload, nothing timed")
-    ap.add_argument("--variant", default="", help="block_n,stages,schedule: the Gluon variant 32+ bf16 heads run "
+    ap.add_argument("--variant", default="", help="block_n,stages,early: the Gluon variant 32+ bf16 heads run "
                     "(a trial variant of the sm_90 table; the tag and each row name it)")  # fmt: skip
     ap.add_argument("--no-order", action="store_true",
                     help="ablation: never run a batch longest first (ORDER off; the tag says so)")  # fmt: skip

@@ -32,23 +32,16 @@ from kvforge.kernels import _runtime  # noqa: E402
 from kvforge.kernels._runtime import ConfigTable, TunedKernel  # noqa: E402
 from tests.test_mla_decode import check, make_case  # noqa: E402
 
-VARIANTS = md.gluon_variants()  # (block_n, stages, schedule) of every Gluon candidate, the TRIAL_ENV ones too
-_SCHED = ("", " early", " solo")  # the schedules' names: ping-pong, scores issued early, decoupled
-
-
-def _name(bn: int, st: int, sched: int, sep: str = " ") -> str:
-    return f"BN{bn}{sep}s{st}{_SCHED[sched].replace(' ', sep)}"
-
-
-VARIANT_IDS = [_name(*v, sep="-").lower() for v in VARIANTS]
+VARIANTS = md.gluon_variants()  # (block_n, stages, early) of every Gluon candidate, the TRIAL_ENV ones too
+VARIANT_IDS = [f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in VARIANTS]
 # The e4m3-cache form (KV_FP8) of each variant that fits shared memory with it.
-_FP8_VARIANTS = [(32, 2, 0), (32, 2, 1), (32, 2, 2)]
+_FP8_VARIANTS = [(32, 2, False), (32, 2, True)]
 
 
-def _gluon_cfg(block_n: int, stages: int, sched: int):
+def _gluon_cfg(block_n: int, stages: int, early: bool):
     """The sm_90 table's config of this Gluon variant."""
-    cfg = md._cfg(64, block_n, 8, stages, tma=True, per_sm=1, gluon=1 + sched)
-    assert md._gluon_variant(cfg) == (block_n, stages, sched)
+    cfg = md._cfg(64, block_n, 8, stages, tma=True, per_sm=1, gluon=2 if early else 1)
+    assert md._gluon_variant(cfg) == (block_n, stages, early)
     return cfg
 
 
@@ -60,13 +53,13 @@ def _only(monkeypatch, cfg) -> None:
 
 
 def _count_gluon_launches(monkeypatch) -> list:
-    """[launch count, the variant (block_n, stages, schedule) of the last launch]."""
+    """[launch count, the variant (block_n, stages, early) of the last launch]."""
     calls: list = [0, None]
     real = mdg.mla_decode_gluon_split
 
     def counted(*args, **kwargs):
         calls[0] += 1
-        calls[1] = (kwargs.get("block_n", mdg.BLOCK_N), kwargs.get("stages", mdg.STAGES), kwargs.get("early", 0))
+        calls[1] = (kwargs.get("block_n", mdg.BLOCK_N), kwargs.get("stages", mdg.STAGES), kwargs.get("early", False))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mdg, "mla_decode_gluon_split", counted)
@@ -117,9 +110,8 @@ def test_e4m3_gluon_form_is_a_trial_variant_only(monkeypatch):
     monkeypatch.delenv(md.TRIAL_ENV, raising=False)
     assert gluon_kept() == []
     monkeypatch.setenv(md.TRIAL_ENV, "1")
-    assert gluon_kept() == [(32, 2, 0), (32, 2, 1), (32, 2, 2)]
+    assert gluon_kept() == [(32, 2, False), (32, 2, True)]
     assert mdg.smem_bytes(512, 64, 32, 2, kv_fp8=True) <= 232448
-    assert mdg.smem_bytes(512, 64, 32, 2, kv_fp8=True, solo=True) <= 232448
     assert mdg.smem_bytes(512, 64, 64, 2, kv_fp8=True) > 232448
     assert mdg.smem_bytes(512, 64, 32, 3, kv_fp8=True) > 232448
     # The e4m3 ring is deeper than the bf16 one (its slots go back to the loader once widened).
@@ -164,9 +156,10 @@ def test_compiles_offline_for_sm90(python):
     proc = subprocess.run([python, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert [r["name"] for r in recs] == [_name(*v) for v in md.gluon_variants()] + [
-        _name(*v) + " e4m3" for v in _FP8_VARIANTS
-    ]
+    assert [r["name"] for r in recs] == [f"BN{bn} s{st}{' early' if ea else ''}" for bn, st, ea in
+                                         md.gluon_variants()] + [
+        f"BN{bn} s{st}{' early' if ea else ''} e4m3" for bn, st, ea in _FP8_VARIANTS
+    ]  # fmt: skip
     for rec in recs:
         assert rec["ok"], rec
         assert 0 < rec["shared"] <= 232448, rec
@@ -244,7 +237,8 @@ def test_gpu_gluon_matches_reference(gen, device, monkeypatch, H, B, page_size, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", _FP8_VARIANTS, ids=[_name(*v, sep="-").lower() for v in _FP8_VARIANTS])
+@pytest.mark.parametrize("variant", _FP8_VARIANTS, ids=[f"bn{bn}-s{st}{'-early' if ea else ''}" for bn, st, ea in
+                                                       _FP8_VARIANTS])  # fmt: skip
 @pytest.mark.parametrize("H,B,page_size,lens,splits", [*GPU_CASES[:6], (128, 3, 32, [33, 4000, 95], 3)])
 def test_gpu_gluon_e4m3_cache_matches_reference(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
     """The e4m3-cache form (KV_FP8, a trial variant): bf16 q, the cache widened on chip, scale 1.5; NaN in the rows
@@ -328,7 +322,7 @@ def test_gpu_gluon_planned_runs_and_replay(gen, device, monkeypatch, variant):
         assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
 
 
-def _compile_one(block_n: int, stages: int, sched: int, ptxas_v: bool = False, fp8: bool = False) -> dict[str, object]:
+def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, fp8: bool = False) -> dict[str, object]:
     """Compile one Gluon variant for sm_90 offline (``fp8``: its e4m3-cache form); with ``ptxas_v``, also
     ptxas -v's registers and spills."""
     import re
@@ -340,7 +334,7 @@ def _compile_one(block_n: int, stages: int, sched: int, ptxas_v: bool = False, f
     from kvforge.kernels import mla_decode_gluon as g
 
     dv, dr = 512, 64
-    name = _name(block_n, stages, sched) + (" e4m3" if fp8 else "")
+    name = f"BN{block_n} s{stages}{' early' if early else ''}{' e4m3' if fp8 else ''}"
     q_lay_h, q_lay_r = g.descriptor_layouts(dv, dr, g.BLOCK_H)
     k_lay_h, k_lay_r = g.descriptor_layouts(dv, dr, block_n, torch.float8_e4m3fn if fp8 else torch.bfloat16)
 
@@ -356,11 +350,11 @@ def _compile_one(block_n: int, stages: int, sched: int, ptxas_v: bool = False, f
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": sched == 1, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "SOLO": sched == 2, "ORDER": True,
-              "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages, sched == 2) if fp8 else stages}  # fmt: skip
+              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "ORDER": True,
+              "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages) if fp8 else stages}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,
-                              "estimate": g.smem_bytes(dv, dr, block_n, stages, fp8, solo=sched == 2)}  # fmt: skip
+                              "estimate": g.smem_bytes(dv, dr, block_n, stages, fp8)}  # fmt: skip
     try:
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 128),
                            options={"num_warps": 4, "maxnreg": g._MAXNREG})  # fmt: skip

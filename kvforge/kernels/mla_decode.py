@@ -502,8 +502,7 @@ def _cfg(
     """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares.
     ``gluon``: launch ``mla_decode_gluon``'s warp-specialised kernel where ``gluon_decode_reason`` allows (64-head
     tiles, its own warps; ``bn``-token key tiles in a ring of ``stages``; 1: the score product issued after taking
-    the other warpgroup's tile, 2: before it, 3: the decoupled schedule, each warpgroup's softmax at its own
-    max); elsewhere this config's portable kernel runs."""
+    the other warpgroup's tile, 2: before it); elsewhere this config's portable kernel runs."""
     kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm, "GLUON": gluon}
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
@@ -513,10 +512,9 @@ TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": every Gluon variant of the sm_90 tabl
 _GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes among (block_n, stages, early)
 
 
-def _gluon_variant(cfg: triton.Config) -> tuple[int, int, int]:
-    """A Gluon config's (key tile, ring stages, schedule): the schedule is ``GLUON - 1``, 0 (False) the ping-pong
-    with the scores issued after taking the other warpgroup's tile, 1 (True) before it, 2 the decoupled one."""
-    return (int(cfg.kwargs["BLOCK_N"]), int(cfg.num_stages), max(0, int(cfg.kwargs.get("GLUON") or 0) - 1))
+def _gluon_variant(cfg: triton.Config) -> tuple[int, int, bool]:
+    """A Gluon config's (key tile, ring stages, scores issued early)."""
+    return (int(cfg.kwargs["BLOCK_N"]), int(cfg.num_stages), int(cfg.kwargs.get("GLUON") or 0) == 2)
 
 
 def _gluon_first(page_size: int) -> tuple[int, int, bool]:
@@ -574,9 +572,6 @@ _CONFIGS = ConfigTable(
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=2),
-            # The decoupled schedule (two P buffers: 32-token tiles only), in the 4-deep ring and the 2-deep one.
-            _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=3),
-            _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=3),
         ]
     },
     keep=_keep,
@@ -585,7 +580,7 @@ _SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS, tun
 
 
 def gluon_variants(trial: bool = True) -> list[tuple[int, int, bool]]:
-    """``(block_n, stages, schedule)`` of the sm_90 table's Gluon configs (with ``trial``, also those kept only
+    """``(block_n, stages, early)`` of the sm_90 table's Gluon configs (with ``trial``, also those kept only
     under ``TRIAL_ENV``), in table order: what the tests compile and run and the bench sweeps."""
     seen: list[tuple[int, int, bool]] = []
     for cfg in _CONFIGS.by_arch[9]:
@@ -907,7 +902,7 @@ class _Plan(NamedTuple):
     num_pages: int
     page_size: int
     direct: bool
-    gluon: tuple | None  # mla_decode_gluon's (block_n, stages, schedule) instead of the portable split kernel
+    gluon: tuple | None  # mla_decode_gluon's (block_n, stages, early) instead of the portable split kernel
     merge: tuple | None  # (grid, spec, consts) of the share merge when S > 1
     strict: bool
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
@@ -1006,11 +1001,11 @@ def _launch(
     if plan.gluon is not None:
         from kvforge.kernels import mla_decode_gluon
 
-        bn, stages, sched = plan.gluon
+        bn, stages, early = plan.gluon
         mla_decode_gluon.mla_decode_gluon_split(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
             scale_log2=plan.scale_log2 * plan.kv_scale, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages,
-            early=sched, check=plan.check, balance=plan.balance, splits=plan.grid[2], order=plan.order,
+            early=early, check=plan.check, balance=plan.balance, splits=plan.grid[2], order=plan.order,
             prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale,
         )  # fmt: skip
     else:
@@ -1224,9 +1219,9 @@ def _plan_call(
             from kvforge.kernels.mla_decode_gluon import BLOCK_H, SplitPrep, gluon_decode_reason
 
             variant = _gluon_variant(cfg)
-            bn, stages, sched = variant
+            bn, stages, _ = variant
             if gluon_decode_reason(q, kv_cache, page_size, v_head_dim, d_r, bn, stages,
-                                   scale_tensor=scale_t is not None, solo=sched == 2) is None:  # fmt: skip
+                                   scale_tensor=scale_t is not None) is None:  # fmt: skip
                 gluon = variant  # its own head tile and key tile, one program per SM
                 kw = {**kw, "BLOCK_H": BLOCK_H, "BLOCK_N": bn, "SPLIT_DV": False, "PER_SM": 1}
         bn = kw["BLOCK_N"]

@@ -1,21 +1,20 @@
 """Warp-specialised sm_90 split kernel of MLA decode attention (Gluon), same contract as ``mla_decode``'s.
 
-``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse`` when
-it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares sized on
-the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has checked every
-input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one (``KV_FP8``: the loader
-fills an e4m3 ring of ``fp8_ring_slots`` slots, each tile's owner widens it exactly into the 2-slot bf16 ring before
-its scores and hands the e4m3 slot straight back; 32-token tiles); keys 576 = 512 latent + 64 rope (any ``D_V / 2 <=
-256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of the key tile; this module does not import
-``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``, schedule): key tiles of ``block_n``
-(32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the SM: 64 x 2, 32 x 3 and 32 x 4 do), and
-the schedule: ping-pong, each tile's softmax at the max the other warpgroup passed on, with the score product issued
-after (0) or before (1) taking the other's tile, or decoupled (2, ``SOLO``, 32-token tiles), each warpgroup's
-softmax at its own max and the two folded at a common one. Rows of a share's last tile past the request's length are
-zeroed before P·V (a never-written cache row may hold NaN). Used only where ``gluon_decode_reason`` returns None;
-everything else takes the portable kernel. Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9
-bridges. The partitions (a TMA loader warp, two consumer warpgroups taking turns) and their schedule:
-``docs/kernels.md``, "The sm_90 Gluon kernel".
+``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse``
+when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
+sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
+checked every input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one
+(``KV_FP8``: the loader fills an e4m3 ring of ``fp8_ring_slots`` slots, each tile's owner widens it exactly into
+the 2-slot bf16 ring before its scores and hands the e4m3 slot straight back; 32-token tiles); keys 576 =
+512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of
+the key tile; this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
+``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
+SM: 64 x 2, 32 x 3 and 32 x 4 do), and the score product issued before (``early``) or after taking the other
+warpgroup's tile. Rows of a share's last tile past the request's length are zeroed before P·V (a never-written
+cache row may hold NaN). Used only where ``gluon_decode_reason`` returns None; everything else takes the portable
+kernel. Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9 bridges. The partitions (a TMA
+loader warp, two consumer warpgroups taking turns) and their schedule: ``docs/kernels.md``, "The sm_90 Gluon
+kernel".
 """
 
 from __future__ import annotations
@@ -79,32 +78,24 @@ def tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
 
 
 def smem_bytes(
-    d_v: int,
-    d_r: int,
-    block_n: int = BLOCK_N,
-    stages: int = STAGES,
-    kv_fp8: bool = False,
-    stages8: int | None = None,
-    solo: bool = False,
+    d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES, kv_fp8: bool = False, stages8: int | None = None
 ) -> int:
     """Shared memory of one program: the Q tile, the key-tile ring (and with ``kv_fp8`` the e4m3 ring of
     ``stages8`` slots, default ``fp8_ring_slots``, that the loader fills beside it), P, the max and the two row
-    sums, barriers; ``solo``: the decoupled schedule's second P buffer and max, and its four barriers."""
+    sums, barriers."""
     d = d_v + d_r
     base = 2 * (BLOCK_H * d + stages * block_n * d + BLOCK_H * block_n) + 4 * 3 * BLOCK_H + 8 * (3 + 3 * stages)
-    if solo:
-        base += 2 * BLOCK_H * block_n + 4 * 3 * BLOCK_H + 8 * 3
     if not kv_fp8:
         return base
-    s8 = fp8_ring_slots(d_v, d_r, block_n, stages, solo) if stages8 is None else stages8
+    s8 = fp8_ring_slots(d_v, d_r, block_n, stages) if stages8 is None else stages8
     return base + s8 * (block_n * d + 16)
 
 
-def fp8_ring_slots(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES, solo: bool = False) -> int:
+def fp8_ring_slots(d_v: int, d_r: int, block_n: int = BLOCK_N, stages: int = STAGES) -> int:
     """Slots of the e4m3 ring beside a bf16 ring of ``stages`` slots: as many as fit the SM (at most 8, at least
     ``stages``; the caller checks ``smem_bytes`` with them). The e4m3 ring is what keeps copies in flight: a
     slot is free again once its tile is widened, not once both warpgroups' products are done."""
-    base = smem_bytes(d_v, d_r, block_n, stages, solo=solo)
+    base = smem_bytes(d_v, d_r, block_n, stages)
     fit = (_SMEM_LIMIT_SM90 - base) // (block_n * (d_v + d_r) + 16)
     return int(min(8, max(stages, fit)))
 
@@ -119,12 +110,10 @@ def gluon_decode_reason(
     stages: int = STAGES,
     *,
     scale_tensor: bool = False,
-    solo: bool = False,
 ) -> str | None:
-    """None when the Gluon kernel variant (``block_n``-token key tiles, ``stages`` ring slots, ``solo``: the
-    decoupled schedule) can run this call, else why not (device, dtype, widths, shared memory, layouts). An e4m3
-    cache with a bf16 q takes the kernel's ``KV_FP8`` form (its scale a float: ``scale_tensor`` says the call's
-    is a device tensor)."""
+    """None when the Gluon kernel variant (``block_n``-token key tiles, ``stages`` ring slots) can run this call,
+    else why not (device, dtype, widths, shared memory, layouts). An e4m3 cache with a bf16 q takes the kernel's
+    ``KV_FP8`` form (its scale a float: ``scale_tensor`` says the call's is a device tensor)."""
     why = _mcg.gluon_unavailable_reason(q.device)
     if why is not None:
         return why
@@ -140,10 +129,9 @@ def gluon_decode_reason(
         return "the e4m3 cache's scale is a device tensor; the Gluon kernel takes a float"
     if block_n not in BLOCK_NS or not 2 <= stages <= 8:
         return f"key tiles of {block_n} tokens in {stages} ring slots: expected {BLOCK_NS} and 2..8"
-    need = smem_bytes(v_head_dim, d_r, block_n, stages, kv_fp8, solo=solo)
+    need = smem_bytes(v_head_dim, d_r, block_n, stages, kv_fp8)
     if need > _SMEM_LIMIT_SM90:
-        return (f"widths {v_head_dim} + {d_r} with {stages} x {block_n}-token key tiles"
-                f"{' (decoupled schedule)' if solo else ''} need {need} B of shared memory")  # fmt: skip
+        return f"widths {v_head_dim} + {d_r} with {stages} x {block_n}-token key tiles need {need} B of shared memory"
     if page_size % block_n:
         return f"page size {page_size} is not a multiple of the {block_n}-token key tile"
     B, H, D = q.shape
@@ -160,11 +148,11 @@ if gluon is not None:
     def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                    q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                    po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, p_free, W: gl.constexpr,
+                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
                    PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                    CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
-                   STAGES8: gl.constexpr, SOLO: gl.constexpr):  # fmt: skip
+                   STAGES8: gl.constexpr):  # fmt: skip
         """One warp: key tile t into slot t % STAGES8 of the ring ``k8_*`` once it is free (the bf16 ring ``k_*``
         itself, freed by both warpgroups' arrivals on ``k_empty``; or with KV_FP8 the e4m3 ring, freed on
         ``k8_empty`` once the tile's owner has widened it), after the Q tile's copy (unless the kernel body issued
@@ -368,11 +356,33 @@ if gluon is not None:
         return p16, alpha, m_new, l_run
 
     @gluon.jit
-    def _gd_bad_pages(bt_row, start, end, num_pages, bad_len, PAGE_SIZE: gl.constexpr, CHECK: gl.constexpr):
-        """1 where one of the share's page ids is out of range (checked while the loader's first copies are in
-        flight), else 0; always 0 without CHECK."""
+    def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
+                     q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
+                     po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
+                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
+                     PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
+                     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
+                     CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
+                     STAGES8: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
+        columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
+        P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
+        loader refills it while tile i's softmax runs), then tile i's softmax and P·V. Tile i's scores are
+        issued after taking tile i - 1, or before it with EARLY (they need only Q and tile i's keys). Every
+        iteration ends with its products done, so nobody waits on work this warpgroup has not issued."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D_HALF, 16])  # fmt: skip
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow: gl.constexpr = gl.SliceLayout(1, o_layout)
+        if W == 0:
+            v_bufs = k_a
+        else:
+            v_bufs = k_b
         bad_page = bad_len * 0
-        if CHECK:
+        if CHECK:  # the share's page ids, checked while the loader's first copies are in flight
             vl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
             offs = gl.arange(0, 128, layout=vl)
             p1 = (end + PAGE_SIZE - 1) // PAGE_SIZE
@@ -381,55 +391,6 @@ if gluon is not None:
                 ids = gl.load(bt_row + c + offs, mask=c + offs < p1, other=0)
                 wrong = wrong | ((ids < 0) | (ids >= num_pages)).to(gl.int32)
             bad_page = gl.max(wrong, 0)
-        return bad_page
-
-    @gluon.jit
-    def _gd_finish(acc, m_run, l_tot, v_scale, bad_len, bad_page, err_ptr, h0, H, direct, ob_base, lb_base, s_oh,
-                   s_lh, po_base, plse_base, s_poh, s_plh, W: gl.constexpr, o_layout: gl.constexpr,
-                   srow: gl.constexpr, D_HALF: gl.constexpr, BLOCK_H: gl.constexpr,
-                   CHECK: gl.constexpr):  # fmt: skip
-        """Warpgroup W's output columns: ``acc`` (relative to the max ``m_run``) over the row sums ``l_tot``, and
-        the lse; NaN where a length or page id was bad (and the caller's flags); the request's ``out``/``lse``
-        when ``direct``, else the share's partials."""
-        orow: gl.constexpr = gl.SliceLayout(1, o_layout)
-        has = l_tot > 0.0
-        inv = v_scale / gl.where(has, l_tot, 1.0)  # v_scale: the e4m3 cache's dequantisation (1 for bf16)
-        o = acc * gl.convert_layout(inv, orow)[:, None]
-        lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
-        if CHECK:  # a bad length or page id: NaN output and lse, and the caller's flags
-            poison = gl.where((bad_len | bad_page) != 0, float("nan"), 0.0)
-            o = o + poison
-            lse = lse + poison
-            if W == 0:
-                if bad_len != 0:
-                    gl.store(err_ptr, 1)
-                if bad_page != 0:
-                    gl.store(err_ptr + 1, 1)
-        heads = (h0 + gl.arange(0, BLOCK_H, layout=orow)).to(gl.int64)
-        cols = W * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_layout))
-        hr = (h0 + gl.arange(0, BLOCK_H, layout=srow)).to(gl.int64)
-        if direct:  # the request's only share: the final output in out's dtype
-            optrs = ob_base + heads[:, None] * s_oh + cols[None, :]
-            gl.store(optrs, o.to(ob_base.dtype.element_ty), mask=(heads < H)[:, None])
-            if W == 0:
-                gl.store(lb_base + hr * s_lh, lse, mask=hr < H)
-        else:
-            pptrs = po_base + heads[:, None] * s_poh + cols[None, :]
-            gl.store(pptrs, o, mask=(heads < H)[:, None])
-            if W == 0:
-                gl.store(plse_base + hr * s_plh, lse, mask=hr < H)
-
-    @gluon.jit
-    def _gd_loop_pp(q_a, q_b, q_r, k_a, k_b, k_r, k8_a, k8_b, k8_r, v_bufs, p_smem, m_smem, l_bufs, q_ready, k_ready,
-                    k_empty, k8_empty, p_full, p_free, l_ready, start, end, n_tiles, scale_log2, W: gl.constexpr,
-                    D_HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    STAGES8: gl.constexpr, EARLY: gl.constexpr, KV_FP8: gl.constexpr, D_R: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        """The ping-pong schedule (``_gd_consumer``'s docstring): every tile's softmax waits for the previous
-        tile's max from the other warpgroup. Returns (acc, its max, both warpgroups' row sums at that max)."""
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
-        orow: gl.constexpr = gl.SliceLayout(1, o_layout)
         m_run = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
         l_run = gl.zeros([BLOCK_H], gl.float32, layout=srow)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
@@ -498,141 +459,32 @@ if gluon is not None:
         mbarrier.arrive(l_ready, count=1)
         mbarrier.wait(l_ready, 0)
         l_tot = l_run + l_bufs.slice((1 - W) * BLOCK_H, BLOCK_H).load(srow)
-        return acc, m_run, l_tot
-
-    @gluon.jit
-    def _gd_loop_solo(q_a, q_b, q_r, k_a, k_b, k_r, k8_a, k8_b, k8_r, v_bufs, p_smem, m_smem, l_bufs, q_ready, k_ready,
-                      k_empty, k8_empty, p_full, p_free, l_ready, start, end, n_tiles, scale_log2, W: gl.constexpr,
-                      D_HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                      STAGES8: gl.constexpr, EARLY: gl.constexpr, KV_FP8: gl.constexpr, D_R: gl.constexpr,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-        """The decoupled schedule (SOLO): warpgroup W runs the online softmax of its own tiles W, W + 2, ... against
-        its own running max only, so the two warpgroups' softmaxes run side by side instead of handing the max
-        back and forth every tile. Own tile i's P and max go to this warpgroup's P buffer (once the other has
-        read the one before); then tile i and the other's latest tile i - 1 are folded into the accumulator at
-        one common max ``m_acc``: acc·α + (P_i·β_i)·V_i + (P_j·β_j)·V_j, the two products issued back to back.
-        The row sums stay per warpgroup at its own max and are added at the end. Returns (acc, m_acc, both
-        warpgroups' row sums at m_acc)."""
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
-        orow: gl.constexpr = gl.SliceLayout(1, o_layout)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_own = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
-        l_own = gl.zeros([BLOCK_H], gl.float32, layout=srow)
-        m_acc = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
-        acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
-        p_mine = p_smem.index(W)
-        p_theirs = p_smem.index(1 - W)
-        m_mine = m_smem.slice(W * BLOCK_H, BLOCK_H)
-        m_theirs = m_smem.slice((1 - W) * BLOCK_H, BLOCK_H)
-        mbarrier.wait(q_ready, 0)
-        for i in range(W, n_tiles, 2):
-            own = i % STAGES
-            if KV_FP8:
-                _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, k_empty, k8_empty, i,
-                          own, start, end, BLOCK_N, D_HALF, D_R, STAGES, STAGES8)  # fmt: skip
-            sc = _gd_scores(q_a, q_b, q_r, k_a, k_b, k_r, k_ready, i, own, s_layout, BLOCK_H, BLOCK_N, STAGES, KV_FP8)
-            sc = warpgroup_mma_wait(0, deps=(sc,))
-            sc = sc * scale_log2
-            tok0 = start + i * BLOCK_N
-            partial = tok0 + BLOCK_N > end
-            if partial:
-                sc = gl.where((tok0 + offs_n < end)[None, :], sc, float("-inf"))
-            m_new = gl.maximum(m_own, gl.max(sc, 1))
-            p = gl.exp2(sc - m_new[:, None])
-            l_own = l_own * gl.exp2(m_own - m_new) + gl.sum(p, 1)
-            m_own = m_new
-            if partial and not KV_FP8:  # both latent halves (widening zeroed them): the other reads after p_full
-                _gd_zero_tail(k_a.index(own), tok0, end, BLOCK_N, D_HALF)
-                _gd_zero_tail(k_b.index(own), tok0, end, BLOCK_N, D_HALF)
-            mbarrier.wait(p_free.index(W), ((i // 2) & 1) ^ 1)  # the other has read this buffer's last P
-            p_mine.store(p.to(gl.bfloat16))
-            m_mine.store(m_own)
-            fence_async_shared()
-            _barrier()  # every warp's part of P and the max is written before the arrival (one thread's)
-            mbarrier.arrive(p_full.index(W), count=1)
-            j = i - 1
-            if j >= 0:  # the other's tile i - 1, folded with tile i at one max
-                mbarrier.wait(p_full.index(1 - W), (j // 2) & 1)
-                p_o = p_theirs.load(s_layout).to(gl.float32)
-                m_o = m_theirs.load(srow)
-                _barrier()  # every warp has read the other's P and max: its buffer may take the next
-                mbarrier.arrive(p_free.index(1 - W), count=1)
-            else:  # tile 0 has no predecessor (its product is not issued: an unwritten slot may hold NaN)
-                p_o = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
-                m_o = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=srow)
-            m_top = gl.maximum(m_acc, gl.maximum(m_own, m_o))
-            p_o16 = (p_o * gl.exp2(m_o - m_top)[:, None]).to(gl.bfloat16)
-            acc = acc * gl.convert_layout(gl.exp2(m_acc - m_top), orow)[:, None]
-            p16 = (p * gl.exp2(m_own - m_top)[:, None]).to(gl.bfloat16)
-            acc = warpgroup_mma(gl.convert_layout(p16, p_layout), v_bufs.index(own), acc, is_async=True)
-            if j >= 0:
-                acc = warpgroup_mma(gl.convert_layout(p_o16, p_layout), v_bufs.index(j % STAGES), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            if j >= 0:
-                mbarrier.arrive(k_empty.index(j % STAGES), count=1)
-            mbarrier.arrive(k_empty.index(own), count=1)
-            m_acc = m_top
-        last = n_tiles - 1
-        if last >= 0 and last % 2 != W:  # the other's last tile, not taken above (its slot is not refilled)
-            mbarrier.wait(p_full.index(1 - W), (last // 2) & 1)
-            p_o = p_theirs.load(s_layout).to(gl.float32)
-            m_o = m_theirs.load(srow)
-            m_top = gl.maximum(m_acc, m_o)
-            acc = acc * gl.convert_layout(gl.exp2(m_acc - m_top), orow)[:, None]
-            p_o16 = (p_o * gl.exp2(m_o - m_top)[:, None]).to(gl.bfloat16)
-            acc = warpgroup_mma(gl.convert_layout(p_o16, p_layout), v_bufs.index(last % STAGES), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            m_acc = m_top
-        # Row sums: each warpgroup's own tiles at its own max; both brought to m_acc (every tile's max is in it).
-        l_bufs.slice(W * BLOCK_H, BLOCK_H).store(l_own)
-        l_bufs.slice((2 + W) * BLOCK_H, BLOCK_H).store(m_own)
-        _barrier()
-        mbarrier.arrive(l_ready, count=1)
-        mbarrier.wait(l_ready, 0)
-        l_o = l_bufs.slice((1 - W) * BLOCK_H, BLOCK_H).load(srow)
-        m_o = l_bufs.slice((3 - W) * BLOCK_H, BLOCK_H).load(srow)
-        m_ref = gl.where(m_acc == float("-inf"), 0.0, m_acc)  # no tile at all: both sums are 0
-        l_tot = l_own * gl.exp2(m_own - m_ref) + l_o * gl.exp2(m_o - m_ref)
-        return acc, m_acc, l_tot
-
-    @gluon.jit
-    def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
-                     q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
-                     po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, p_free, W: gl.constexpr,
-                     PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
-                     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
-                     CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
-                     STAGES8: gl.constexpr, SOLO: gl.constexpr):  # fmt: skip
-        """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
-        columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
-        P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
-        loader refills it while tile i's softmax runs), then tile i's softmax and P·V. Tile i's scores are
-        issued after taking tile i - 1, or before it with EARLY (they need only Q and tile i's keys). Every
-        iteration ends with its products done, so nobody waits on work this warpgroup has not issued."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D_HALF, 16])  # fmt: skip
-        srow: gl.constexpr = gl.SliceLayout(1, s_layout)
-        if W == 0:
-            v_bufs = k_a
+        has = l_tot > 0.0
+        inv = v_scale / gl.where(has, l_tot, 1.0)  # v_scale: the e4m3 cache's dequantisation (1 for bf16)
+        o = acc * gl.convert_layout(inv, orow)[:, None]
+        lse = gl.where(has, (m_run + gl.log2(gl.where(has, l_tot, 1.0))) * 0.6931471805599453, float("-inf"))
+        if CHECK:  # a bad length or page id: NaN output and lse, and the caller's flags
+            poison = gl.where((bad_len | bad_page) != 0, float("nan"), 0.0)
+            o = o + poison
+            lse = lse + poison
+            if W == 0:
+                if bad_len != 0:
+                    gl.store(err_ptr, 1)
+                if bad_page != 0:
+                    gl.store(err_ptr + 1, 1)
+        heads = (h0 + gl.arange(0, BLOCK_H, layout=orow)).to(gl.int64)
+        cols = W * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_layout))
+        hr = (h0 + gl.arange(0, BLOCK_H, layout=srow)).to(gl.int64)
+        if direct:  # the request's only share: the final output in out's dtype
+            optrs = ob_base + heads[:, None] * s_oh + cols[None, :]
+            gl.store(optrs, o.to(ob_base.dtype.element_ty), mask=(heads < H)[:, None])
+            if W == 0:
+                gl.store(lb_base + hr * s_lh, lse, mask=hr < H)
         else:
-            v_bufs = k_b
-        bad_page = _gd_bad_pages(bt_row, start, end, num_pages, bad_len, PAGE_SIZE, CHECK)
-        if SOLO:
-            acc, m_run, l_tot = _gd_loop_solo(q_a, q_b, q_r, k_a, k_b, k_r, k8_a, k8_b, k8_r, v_bufs, p_smem, m_smem,
-                                            l_bufs, q_ready, k_ready, k_empty, k8_empty, p_full, p_free, l_ready,
-                                            start, end, n_tiles, scale_log2, W, D_HALF, BLOCK_H, BLOCK_N, STAGES,
-                                            STAGES8, EARLY, KV_FP8, D_R, s_layout, o_layout)  # fmt: skip
-        else:
-            acc, m_run, l_tot = _gd_loop_pp(q_a, q_b, q_r, k_a, k_b, k_r, k8_a, k8_b, k8_r, v_bufs, p_smem, m_smem,
-                                          l_bufs, q_ready, k_ready, k_empty, k8_empty, p_full, p_free, l_ready,
-                                          start, end, n_tiles, scale_log2, W, D_HALF, BLOCK_H, BLOCK_N, STAGES,
-                                          STAGES8, EARLY, KV_FP8, D_R, s_layout, o_layout)  # fmt: skip
-        _gd_finish(acc, m_run, l_tot, v_scale, bad_len, bad_page, err_ptr, h0, H, direct, ob_base, lb_base, s_oh,
-                   s_lh, po_base, plse_base, s_poh, s_plh, W, o_layout, srow, D_HALF, BLOCK_H, CHECK)  # fmt: skip
+            pptrs = po_base + heads[:, None] * s_poh + cols[None, :]
+            gl.store(pptrs, o, mask=(heads < H)[:, None])
+            if W == 0:
+                gl.store(plse_base + hr * s_plh, lse, mask=hr < H)
 
     @gluon.jit(do_not_specialize=["B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh",
                                   "s_ob", "s_oh", "s_lb", "s_lh"])  # fmt: skip
@@ -644,7 +496,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
         BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False, STAGES8: gl.constexpr = 2,
-        SOLO: gl.constexpr = False, ORDER: gl.constexpr = False,
+        ORDER: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -652,7 +504,8 @@ if gluon is not None:
         count). Launched with 4 warps (consumer warpgroup FIRST_W, the default partition); the partitions add
         4 + 1. KV_FP8: the cache is e4m3 (its descriptors e4m3 boxes): the loader fills an e4m3 ring, the owner of a
         tile widens it into the bf16 ring before its scores, ``scale_log2`` carries the dequantisation scale and
-        ``v_scale`` multiplies the output."""
+        ``v_scale`` multiplies the output. ORDER: the request axis runs the batch longest first, as the portable
+        kernel's."""
         D_HALF: gl.constexpr = D_V // 2
         Q_EARLY: gl.constexpr = BALANCE == 2
         pid_h = gl.program_id(0)
@@ -736,27 +589,16 @@ if gluon is not None:
             k_b = k8_b
             k_r = k8_r
         p_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout_s)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        if SOLO:  # a P buffer, a max and its full / free barriers per warpgroup; the sums and maxes at the end
-            p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_N], p_layout_s)
-            m_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
-            l_bufs = gl.allocate_shared_memory(gl.float32, [4 * BLOCK_H], vec_layout)
-            p_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for w in gl.static_range(2):
-                mbarrier.init(p_full.index(w), count=1)
-                mbarrier.init(p_free.index(w), count=1)
-        else:
-            p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout_s)
-            m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
-            l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
-            p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(p_full, count=1)
-            p_free = p_full  # unused by the ping-pong schedule
+        m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
+        l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
+        p_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k8_empty = gl.allocate_shared_memory(gl.int64, [STAGES8, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(p_full, count=1)
         mbarrier.init(l_ready, count=2)
         for i in gl.static_range(STAGES8):
             mbarrier.init(k_ready.index(i), count=1)
@@ -771,32 +613,27 @@ if gluon is not None:
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, p_free,
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
                                 FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8,
-                                Q_EARLY, STAGES8, SOLO)),
+                                Q_EARLY, STAGES8)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, p_free,
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
                                 1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK,
-                                KV_FP8, Q_EARLY, STAGES8, SOLO)),
+                                KV_FP8, Q_EARLY, STAGES8)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, p_free, 0,
+                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, 0,
                               PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY,
-                              STAGES8, SOLO)),
+                              STAGES8)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
         )  # fmt: skip
         mbarrier.invalidate(q_ready)
-        if SOLO:
-            for w in gl.static_range(2):
-                mbarrier.invalidate(p_full.index(w))
-                mbarrier.invalidate(p_free.index(w))
-        else:
-            mbarrier.invalidate(p_full)
+        mbarrier.invalidate(p_full)
         mbarrier.invalidate(l_ready)
         for i in gl.static_range(STAGES8):
             mbarrier.invalidate(k_ready.index(i))
@@ -871,7 +708,7 @@ def mla_decode_gluon_split(
     splits: int,
     block_n: int = BLOCK_N,
     stages: int = STAGES,
-    early: int = 0,
+    early: bool = False,
     check: bool = True,
     balance: int = 0,
     order: bool = False,
@@ -882,14 +719,12 @@ def mla_decode_gluon_split(
     """One launch over ``(head tiles, B, splits)``: requests with one share write ``out``/``lse``, the others
     ``partial [B, H, splits, D_V]`` / ``partial_lse [B, H, splits]`` (contiguous, 16-byte aligned) and their share
     count in ``nshare``; ``rt`` is ``mla_decode``'s plan's do_not_specialize ints. Inputs checked by the caller
-    and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``. ``early``: the schedule, 0 the
-    ping-pong with the scores issued after taking the other's tile, 1 before it, 2 the decoupled one (SOLO).
-    ``prep``: an empty one is filled by this call; a filled one skips the per-call work for tensors laid out as that
-    call's were. ``direct``: the caller has just seen ``prep.ready()``; only then may the scratch pointers
-    (``partial``, ``partial_lse``, ``nshare``) be raw device addresses. An e4m3 cache runs the ``KV_FP8`` form:
-    ``scale_log2`` must then include its dequantisation scale, and ``v_scale`` (the same scale) multiplies the
-    output.
-    """
+    and accepted by ``gluon_decode_reason`` for this ``block_n`` and ``stages``. ``prep``: an empty one is filled
+    by this call; a filled one skips the per-call work for tensors laid out as that call's were. ``direct``: the
+    caller has just seen ``prep.ready()``; only then may the scratch pointers (``partial``, ``partial_lse``,
+    ``nshare``) be raw device addresses. An e4m3 cache runs the ``KV_FP8`` form: ``scale_log2`` must then include
+    its dequantisation scale, and ``v_scale`` (the same scale) multiplies the output. ``order``: the request axis
+    runs the batch longest first (``mla_decode.order_requests`` decides)."""
     v_scale = float(v_scale)  # an int would be specialised (1 becomes a constant) and change the launch signature
     if prep is not None and prep.spec is not None:
         fast = prep.fast
@@ -919,10 +754,10 @@ def mla_decode_gluon_split(
     ints = (H, block_table.stride(0), H * splits * v_head_dim, splits * v_head_dim, v_head_dim)
     args = (*descs, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, *ints, *rt, scale_log2, v_scale)
     consts = {"PAGE_SIZE": kv_cache.shape[1], "D_V": v_head_dim, "D_R": d_r, "BLOCK_H": BLOCK_H, "BLOCK_N": block_n,
-              "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": int(early) == 1,
+              "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
               "CHECK": bool(check), "BALANCE": int(balance), "KV_FP8": fp8,
-              "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages, int(early) == 2) if fp8 else stages,
-              "SOLO": int(early) == 2, "ORDER": bool(order)}  # fmt: skip
+              "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages) if fp8 else stages,
+              "ORDER": bool(order)}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
     ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
