@@ -388,6 +388,34 @@ def test_longest_first_grid_matches_reference(gen, device, monkeypatch):
     check(q, kv, bt, sl, 32, 0.3, torch.float32)
 
 
+def test_merge_takes_several_heads_a_program(gen, device, monkeypatch):
+    """Past ``MERGE_PROGRAMS`` merge programs, each takes HB heads (5 heads, HB 4: a partial head block), and
+    split and unsplit requests still match the reference."""
+    import kvforge.kernels.mla_decode as md
+
+    monkeypatch.setattr(md, "MERGE_PROGRAMS", 8)
+    lens = [900, 37, 1500, 5]
+    q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
+    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    if plan._plan.merge is None:
+        pytest.skip("this device's plan does not split these lengths")
+    assert dict(plan._plan.merge[2])["HB"] == 4
+    out = plan.run(q, kv)
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
+
+
+def test_merge_heads():
+    from kvforge.kernels.mla_decode import MERGE_PROGRAMS, merge_heads
+
+    assert merge_heads(4, 16, 4) == 1 and merge_heads(16, 128, 4) == 1
+    assert merge_heads(256, 64, 4) == 8 and merge_heads(64, 64, 4) == 2
+    assert merge_heads(4096, 16, 4) == 16  # never more than the heads
+    for b, h in ((256, 64), (64, 64), (300, 48)):
+        hb = merge_heads(b, h, 4)
+        assert b * -(-h // hb) * 4 <= MERGE_PROGRAMS < b * -(-h // (hb // 2 or 1)) * 4 or hb == 1
+
+
 def test_order_requests():
     from kvforge.kernels.mla_decode import longest_first_ref, order_requests
 
@@ -421,6 +449,8 @@ def test_balance_mode():
         (lambda f: f.order_requests(8, 1, 0), ValueError, "slots"),
         (lambda f: f.order_requests(8.0, 1, 132), TypeError, "batch"),
         (lambda f: f.longest_first_ref([3, -1]), ValueError, "tiles"),
+        (lambda f: f.merge_heads(0, 16, 4), ValueError, "batch"),
+        (lambda f: f.merge_heads(4, 16.0, 4), TypeError, "heads"),
     ],
 )
 def test_share_helpers_reject_bad_arguments(call, exc, name):

@@ -50,7 +50,7 @@ def _compile_all() -> list[dict[str, object]]:
         tma = tma is True
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
                   "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2,
-                  "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89}  # fmt: skip
+                  "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89, "ORDER": True}  # fmt: skip
         name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
         tsig = sig
         if fp8:  # an e4m3 cache: the e4m3 type from sm_89, its bytes before

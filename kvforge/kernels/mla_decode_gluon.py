@@ -519,11 +519,17 @@ if gluon is not None:
             bad_len = ((seq_len < 0) | (seq_len > max_len)).to(gl.int32)
             seq_len = gl.where(bad_len != 0, 0, seq_len)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        if BALANCE == 2:  # as mla_decode._request_share: past the c0 bound a program leaves before the second pass
+        # As mla_decode._request_share: past the min_tiles bound a program leaves before any pass over the
+        # lengths, and (BALANCE 2) past the c0 bound before the second.
+        if BALANCE == 2:
+            if split >= gl.minimum(gl.maximum((tiles + min_tiles - 1) // min_tiles, 1), S):
+                return
             hp = gl.num_programs(0)
             c0, tmax = _gd_share_even(seq_ptr, B, max_len, min_tiles, slots, hp, BLOCK_N)
             n_share = gl.minimum(gl.maximum((tiles + c0 - 1) // c0, 1), S)
         elif BALANCE == 1:  # the even share, share counts rounded down (one pass)
+            if split >= gl.minimum(gl.maximum(tiles // min_tiles, 1), S):
+                return
             bl: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
             offs = gl.arange(0, 1024, layout=bl)
             tot = gl.zeros([1024], gl.int32, layout=bl)
