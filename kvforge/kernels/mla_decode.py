@@ -10,8 +10,9 @@ output is within relative RMSE 1e-2 of fp32 attention over the dequantised cache
 types, dtypes, shapes, devices, overlaps. Values (lengths, page ids) are checked on the device by default with
 no device→host read (bad requests get NaN and set an error flag; ``check_values="strict"`` checks on the host
 and raises), so the default call is graph-capturable. Key shares are sized on the device from the batch's total
-work (a long request of a mixed batch gets many, a short one a single share written straight to ``out``); a
-repeat call with the same tensors and arguments reuses its checked launch plan. ``MLADecodePlan`` does the host
+work (a long request of a mixed batch gets many, a short one a single share written straight to ``out``; a batch
+of more programs than run at once starts its longest requests first); a repeat call with the same tensors and
+arguments reuses its checked launch plan. ``MLADecodePlan`` does the host
 work once per batch and ``run(q, kv_cache)`` per layer. On sm_90 with bf16 and 32 or more heads the
 warp-specialised Gluon kernel of ``mla_decode_gluon`` runs; elsewhere the portable kernel. Layout, shares,
 launch variants and host cost: ``docs/kernels.md``.
