@@ -88,14 +88,15 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
                                "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb",
                                "s_lh")}},
         {"PAGE_SIZE": 32, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": 16, "BLOCK_N": 64, "SPLIT_DV": False,
-         "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2, "SCALE_MODE": 0, "FP8_BYTES": False},
+         "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2, "SCALE_MODE": 0, "FP8_BYTES": False,
+         "ORDER": True},
         4,
     ),
     "_decode_merge_kernel": (
         "mla_decode",
         {"po_ptr": "*fp32", "plse_ptr": "*fp32", "nshare_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
          **{n: "i32" for n in ("H", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh")}},
-        {"BLOCK_S": 64, "BLOCK_D": 128, "CH": 8}, 2,
+        {"BLOCK_S": 64, "BLOCK_D": 128, "CH": 8, "HB": 4}, 2,
     ),
     "_store_latent_kernel": (
         "mla_decode",
