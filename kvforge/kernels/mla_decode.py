@@ -824,9 +824,10 @@ MERGE_PROGRAMS = 8192  # the merge grid's size past which a program takes severa
 
 def merge_heads(batch: int, heads: int, col_blocks: int) -> int:
     """Heads per program of the share merge (HB): 1 while ``batch x heads x col_blocks`` programs stay within
-    ``MERGE_PROGRAMS``, else the power of two (at most ``heads``'s) that brings them there. Every request has its
-    programs, and those of a request with one share only read its count and leave: measured on the H200, the
-    65,536 programs of 256 requests x 64 heads cost about 40 us when no request was split at all."""
+    ``MERGE_PROGRAMS``, else the smallest power of two that brings them there (at most the first one >= ``heads``).
+    Every request has its programs, and those of a request with one share only read its count and leave, yet
+    each still costs its launch: on a large batch of unsplit requests they were most of the call (the H200
+    figures: docs/kernels.md, "One program's fixed cost")."""
     for name, v in (("batch", batch), ("heads", heads), ("col_blocks", col_blocks)):
         check_int(name, v, 1)
     hb = 1
