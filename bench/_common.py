@@ -23,6 +23,28 @@ class ReferenceMismatch(RuntimeError):
     """A provider's output disagreed with the reference: its timing must not be reported."""
 
 
+def load_source_copy(name: str, text: str, filename: str) -> Any:
+    """Import ``text`` (a patched copy of library module ``name``'s source) as ``name`` for every later import:
+    written to ``$TMPDIR/filename`` (tracebacks point at it), registered in ``sys.modules`` and on the parent
+    package, so both ``import a.b.c`` and ``from a.b import c`` find the copy."""
+    import importlib
+    import importlib.util
+    import sys
+
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / filename
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path} as {name}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    parent, _, leaf = name.rpartition(".")
+    if parent:
+        setattr(importlib.import_module(parent), leaf, mod)
+    return mod
+
+
 def git_revision() -> str:
     rev = os.environ.get("KVFORGE_GIT_REV")
     if rev:

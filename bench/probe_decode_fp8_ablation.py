@@ -14,7 +14,6 @@ they no longer match fails loudly.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +21,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import load_source_copy  # noqa: E402
+
 SRC = ROOT / "kvforge" / "kernels" / "mla_decode_gluon.py"
 WIDEN = (
     "        for c in gl.static_range(D_HALF // 128):\n            xa = k8_a.index(s8)",
@@ -61,12 +64,7 @@ def _load_ablated(code: int) -> None:
     if text.count(anchor) != 1:
         raise SystemExit(f"ablation anchor not found once in {SRC.name}")
     text = text.replace(anchor, f"{anchor}    ABLATE = gl.constexpr({code})\n")
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"mla_decode_gluon_ablate{code}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("kvforge.kernels.mla_decode_gluon", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvforge.kernels.mla_decode_gluon"] = mod
-    spec.loader.exec_module(mod)
+    load_source_copy("kvforge.kernels.mla_decode_gluon", text, f"mla_decode_gluon_ablate{code}.py")
 
 
 def _child(variant: str, H: int, B: int, page: int, n: int) -> dict:

@@ -16,12 +16,15 @@ What the 22 us fixed cost of a short program (``probe_decode_fixed_cost.py``) is
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import load_source_copy  # noqa: E402
+
 SRC = ROOT / "kvforge" / "kernels" / "mla_decode_gluon.py"
 SLOTS = 16
 STAMP_DEF = '''    TRACE_ADDR = gl.constexpr({addr})
@@ -69,16 +72,7 @@ def patched_source(addr: int) -> str:
 
 
 def load_patched(addr: int) -> object:
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / "mla_decode_gluon_timeline.py"
-    path.write_text(patched_source(addr))
-    spec = importlib.util.spec_from_file_location("kvforge.kernels.mla_decode_gluon", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvforge.kernels.mla_decode_gluon"] = mod
-    spec.loader.exec_module(mod)
-    import kvforge.kernels as pkg
-
-    pkg.mla_decode_gluon = mod  # `from kvforge.kernels import mla_decode_gluon` finds this copy
-    return mod
+    return load_source_copy("kvforge.kernels.mla_decode_gluon", patched_source(addr), "mla_decode_gluon_timeline.py")
 
 
 def _quantiles(xs: list[float]) -> tuple[float, float, float]:
