@@ -266,6 +266,32 @@ def test_gpu_gluon_e4m3_cache_matches_reference(gen, device, monkeypatch, H, B, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pad", [3, 8, 0])
+def test_gpu_gluon_out_view(gen, device, monkeypatch, pad):
+    """``out`` a view into a wider buffer (row stride 515: no 16-byte stores; 520: 16-byte stores; 0: a fresh
+    tensor) or starting 2 bytes in: right values, and nothing written past a row's 512 columns, for a request
+    with one share (the output staged and stored by the kernel) and split ones (partials staged, then merged)."""
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*VARIANTS[0]))
+    lens = [40, 5000, 1, 700]
+    q, kv, bt, sl = make_case(gen, 4, 96, 512, 64, 64, lens, torch.bfloat16, device)
+    ref, _ = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.05)
+    for shift in (0, 1):
+        calls = _count_gluon_launches(monkeypatch)
+        buf = torch.full((4 * 96 * (512 + pad) + 1,), 7.0, dtype=torch.bfloat16, device=device)
+        out = buf[shift : shift + 4 * 96 * (512 + pad)].view(4, 96, 512 + pad)[..., :512]
+        for splits in (1, 4):
+            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, out=out, num_splits=splits)
+            assert calls[0] >= 1, "the Gluon kernel did not run"
+            for b in range(4):
+                err = (out[b].float() - ref[b]).pow(2).mean().sqrt() / ref[b].pow(2).mean().sqrt()
+                assert float(err) < 8e-3, (pad, shift, splits, b, float(err))
+            rest = buf.clone()
+            rest[shift : shift + 4 * 96 * (512 + pad)].view(4, 96, 512 + pad)[..., :512] = 7.0
+            assert (rest == 7.0).all(), (pad, shift, splits)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 def test_gpu_gluon_cuda_graph_replay(gen, device, monkeypatch, variant):
     """Captured in a CUDA graph, the Gluon path replays on the buffers' current contents."""
@@ -350,7 +376,7 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, 
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "ORDER": True,
+              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "ORDER": True, "OUT_VEC": 8,
               "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages) if fp8 else stages}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,

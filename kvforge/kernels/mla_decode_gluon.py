@@ -60,6 +60,8 @@ if gluon is not None:
     fence_async_shared = _mcg.fence_async_shared
     _tma_load = _mcg._tma_load
     _barrier = _mcg._barrier
+    # A shared-memory view's reinterpret is _reinterpret in Triton 3.6 (same arguments).
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
 def tma_layout_ok(kv_cache: torch.Tensor, d_v: int) -> bool:
@@ -152,7 +154,7 @@ if gluon is not None:
                    PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                    CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
-                   STAGES8: gl.constexpr):  # fmt: skip
+                   STAGES8: gl.constexpr, OUT_VEC: gl.constexpr):  # fmt: skip
         """One warp: key tile t into slot t % STAGES8 of the ring ``k8_*`` once it is free (the bf16 ring ``k_*``
         itself, freed by both warpgroups' arrivals on ``k_empty``; or with KV_FP8 the e4m3 ring, freed on
         ``k8_empty`` once the tile's owner has widened it), after the Q tile's copy (unless the kernel body issued
@@ -356,6 +358,40 @@ if gluon is not None:
         return p16, alpha, m_new, l_run
 
     @gluon.jit
+    def _gd_store_half(x, ring, base, s_row, h0, H, col0, VEC: gl.constexpr, BLOCK_H: gl.constexpr,
+                       D_HALF: gl.constexpr, RING_ROWS: gl.constexpr):  # fmt: skip
+        """x ([BLOCK_H, D_HALF], the accumulator's layout) to rows h0 + i < H, columns col0 + j of ``base`` (row
+        stride ``s_row``; with VEC > 1 a multiple of VEC, ``base`` VEC-element aligned). Staged through this
+        warpgroup's own key ring, free once both warpgroups' products are done: from the accumulator layout a
+        warp instruction writes 8 rows x 16 bytes (8 memory transactions for 128 bytes, the bulk of a short
+        program's time on the H200); read back row-wise, a warp writes 32 x VEC contiguous elements. A ring
+        smaller than the tile (a 2 x 32 ring holds a bf16 tile but not an fp32 one) stores directly."""
+        bits: gl.constexpr = x.dtype.primitive_bitwidth
+        if BLOCK_H * bits <= RING_ROWS * 16:  # the ring's bf16 [RING_ROWS, D_HALF] holds the tile
+            UNIT: gl.constexpr = 128 // bits  # 16-byte units: the swizzle keeps both the writes and reads whole
+            sl: gl.constexpr = gl.SwizzledSharedLayout(UNIT, 1, 8, order=[1, 0])
+            if _NEW_REINTERPRET:
+                stage = ring.reinterpret(x.dtype, [BLOCK_H, D_HALF], sl)
+            else:
+                stage = ring._reinterpret(x.dtype, [BLOCK_H, D_HALF], sl)
+            stage.store(x)
+            _barrier()  # every thread's part is in shared memory before any reads a row
+            TC: gl.constexpr = D_HALF // UNIT if D_HALF // UNIT < 32 else 32
+            bl: gl.constexpr = gl.BlockedLayout([1, UNIT], [32 // TC, TC], [4, 1], [1, 0])
+            y = stage.load(bl)
+            rows = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, bl))
+            cols = col0 + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, bl))
+            ptrs = base + (rows.to(gl.int64)[:, None] * s_row + cols[None, :])
+            if VEC > 1:  # (a partition's pointer arguments carry no alignment: the caller vouches for it)
+                ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [1, VEC * bits // 8]), [1, VEC])
+            gl.store(ptrs, y, mask=(rows < H)[:, None])
+        else:
+            lay: gl.constexpr = x.type.layout
+            rows = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
+            cols = col0 + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, lay))
+            gl.store(base + rows.to(gl.int64)[:, None] * s_row + cols[None, :], x, mask=(rows < H)[:, None])
+
+    @gluon.jit
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
@@ -363,7 +399,7 @@ if gluon is not None:
                      PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                      BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                      CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
-                     STAGES8: gl.constexpr):  # fmt: skip
+                     STAGES8: gl.constexpr, OUT_VEC: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
         columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
         P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
@@ -472,17 +508,16 @@ if gluon is not None:
                     gl.store(err_ptr, 1)
                 if bad_page != 0:
                     gl.store(err_ptr + 1, 1)
-        heads = (h0 + gl.arange(0, BLOCK_H, layout=orow)).to(gl.int64)
-        cols = W * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_layout))
+        PART_VEC: gl.constexpr = 4 if D_HALF % 4 == 0 else 1  # the partials: contiguous fp32, 16-byte aligned
         hr = (h0 + gl.arange(0, BLOCK_H, layout=srow)).to(gl.int64)
         if direct:  # the request's only share: the final output in out's dtype
-            optrs = ob_base + heads[:, None] * s_oh + cols[None, :]
-            gl.store(optrs, o.to(ob_base.dtype.element_ty), mask=(heads < H)[:, None])
+            _gd_store_half(o.to(ob_base.dtype.element_ty), v_bufs, ob_base, s_oh, h0, H, W * D_HALF, OUT_VEC,
+                           BLOCK_H, D_HALF, STAGES * BLOCK_N)  # fmt: skip
             if W == 0:
                 gl.store(lb_base + hr * s_lh, lse, mask=hr < H)
         else:
-            pptrs = po_base + heads[:, None] * s_poh + cols[None, :]
-            gl.store(pptrs, o, mask=(heads < H)[:, None])
+            _gd_store_half(o, v_bufs, po_base, s_poh, h0, H, W * D_HALF, PART_VEC, BLOCK_H, D_HALF,
+                           STAGES * BLOCK_N)  # fmt: skip
             if W == 0:
                 gl.store(plse_base + hr * s_plh, lse, mask=hr < H)
 
@@ -496,7 +531,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
         BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False, STAGES8: gl.constexpr = 2,
-        ORDER: gl.constexpr = False,
+        ORDER: gl.constexpr = False, OUT_VEC: gl.constexpr = 1,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -505,7 +540,7 @@ if gluon is not None:
         4 + 1. KV_FP8: the cache is e4m3 (its descriptors e4m3 boxes): the loader fills an e4m3 ring, the owner of a
         tile widens it into the bf16 ring before its scores, ``scale_log2`` carries the dequantisation scale and
         ``v_scale`` multiplies the output. ORDER: the request axis runs the batch longest first, as the portable
-        kernel's."""
+        kernel's. OUT_VEC: elements of ``out`` a 16-byte store holds when its rows allow (``_out_vec``), else 1."""
         D_HALF: gl.constexpr = D_V // 2
         Q_EARLY: gl.constexpr = BALANCE == 2
         pid_h = gl.program_id(0)
@@ -621,19 +656,19 @@ if gluon is not None:
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
                                 s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
                                 FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8,
-                                Q_EARLY, STAGES8)),
+                                Q_EARLY, STAGES8, OUT_VEC)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
                                 s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
                                 1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK,
-                                KV_FP8, Q_EARLY, STAGES8)),
+                                KV_FP8, Q_EARLY, STAGES8, OUT_VEC)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
                               s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, 0,
                               PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY,
-                              STAGES8)),
+                              STAGES8, OUT_VEC)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
@@ -763,7 +798,7 @@ def mla_decode_gluon_split(
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
               "CHECK": bool(check), "BALANCE": int(balance), "KV_FP8": fp8,
               "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages) if fp8 else stages,
-              "ORDER": bool(order)}  # fmt: skip
+              "ORDER": bool(order), "OUT_VEC": _out_vec(out, v_head_dim)}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
     ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
@@ -792,6 +827,14 @@ def mla_decode_gluon_split(
         if prep is not None:
             _fill(prep, descs, grid, ints, spec, fast)
     return kernel
+
+
+def _out_vec(out: torch.Tensor, d_v: int) -> int:
+    """Elements a 16-byte store of ``out`` holds when every row of a head tile's half starts 16-byte aligned
+    (the epilogue's vector stores), else 1."""
+    vec = 16 // out.element_size()
+    aligned = out.data_ptr() % 16 == 0 and out.stride(0) % vec == 0 and out.stride(1) % vec == 0
+    return vec if aligned and (d_v // 2) % vec == 0 else 1
 
 
 def _descriptors(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int, block_n: int) -> tuple:
