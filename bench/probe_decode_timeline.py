@@ -5,11 +5,13 @@ The probe loads a copy of ``kvforge.kernels.mla_decode_gluon`` with stamp calls 
 one call, and reports per program the time from its first stamp to each later one (median, p10 and p90 over
 the programs) and the spread of the programs' starts. Points: 0 entry; 1 share worked out (past the early
 exits); 2 loader: Q copy issued; 3 loader: first key tile's copy issued; 4/5 consumer warpgroup 0/1: Q landed;
-6/7 its key loop done; 8/9 the row sums exchanged; 10/11 its output stored; 12 the partitions joined. Each
-workload runs ``num_splits=1`` on equal lengths, so a program is one request (64 heads: one program per SM).
-What the 22 us fixed cost of a short program (``probe_decode_fixed_cost.py``) is made of.
+6/7 its key loop done; 8/9 the row sums exchanged; 10/11 its output stored; 12 the partitions joined. A
+workload is equal lengths, ``num_splits=1`` (a program is one request; 64 heads: one program per SM) unless a
+fifth field gives the splits (0: the default call's choice); programs that leave early (past their share) are
+counted, not timed. Also the whole call (kernel and merge) replayed in a CUDA graph, for the time outside the
+stamps. Made to find what the 22 us fixed cost of a short program (``probe_decode_fixed_cost.py``) was made of.
 
-    python3 bench/probe_decode_timeline.py [--workload 64,132,32,32] [--workload 64,132,32,512]
+    python3 bench/probe_decode_timeline.py [--workload 64,132,32,32] [--workload 64,64,64,1973,0]
     python3 bench/probe_decode_timeline.py --compile-only   # no GPU: the stamped kernel compiles for sm_90
 """
 
@@ -84,13 +86,15 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
 def run(workloads: list[tuple[int, int, int, int]]) -> None:
     import torch
 
-    n_max = max(B * -(-H // 64) for H, B, _, _ in workloads)
+    # Trace rows: every program of the grid (head tiles, requests, splits); a share holds at least one 32-key tile.
+    n_max = max(w[1] * -(-w[0] // 64) * max(w[4], -(-w[3] // 32)) for w in workloads)
     trace = torch.zeros(n_max, SLOTS, dtype=torch.int64, device="cuda")
     load_patched(trace.data_ptr())
     import kvforge.kernels.mla_decode as md
 
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; us from each program's entry stamp")
-    for H, B, page, n in workloads:
+    for H, B, page, n, splits in workloads:
+        ns = None if splits == 0 else splits
         g = torch.Generator().manual_seed(0)
         pages = B * -(-n // page)
         kv = (torch.randn(pages, page, 576, generator=g) * 0.5).to("cuda", torch.bfloat16)
@@ -100,15 +104,31 @@ def run(workloads: list[tuple[int, int, int, int]]) -> None:
         out = torch.empty(B, H, 512, dtype=torch.bfloat16, device="cuda")
         for _ in range(3):  # compile, warm, then the traced call
             trace.zero_()
-            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, out=out, num_splits=1)
+            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, out=out, num_splits=ns)
             torch.cuda.synchronize()
-        rows = trace[: B * -(-H // 64)].cpu()
-        if int((rows[:, 0] == 0).sum()):
-            raise SystemExit(f"H{H} B{B}: {int((rows[:, 0] == 0).sum())} programs left no entry stamp")
+        rows = trace.cpu()
+        entered = rows[:, 0] != 0
+        if not bool(entered.any()):
+            raise SystemExit(f"H{H} B{B}: no program left an entry stamp")
+        tmin = rows[entered, 0].min()
+        rows = rows[rows[:, 12] != 0]  # the programs that ran a share
         t0 = rows[:, 0]
-        starts = (t0 - t0.min()).double() / 1e3
-        span = (rows[:, 12].max() - t0.min()).item() / 1e3
-        print(f"H{H} B{B} page {page} keys {n}: call span {span:.1f} us; program starts spread "
+        starts = (t0 - tmin).double() / 1e3
+        span = (rows[:, 12].max() - tmin).item() / 1e3
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, out=out, num_splits=ns)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        graph.replay()
+        ev[0].record()
+        for _ in range(20):
+            graph.replay()
+        ev[1].record()
+        torch.cuda.synchronize()
+        whole = ev[0].elapsed_time(ev[1]) / 20 * 1e3
+        print(f"H{H} B{B} page {page} keys {n} splits {splits or 'default'}: {len(rows)} programs ran a share, "
+              f"{int(entered.sum()) - len(rows)} left early; kernel span {span:.1f} us, whole call in a graph "
+              f"{whole:.1f} us; program starts spread "
               f"p10/p50/p90 {_quantiles(starts.tolist())[0]:.1f}/{starts.median().item():.1f}/"
               f"{_quantiles(starts.tolist())[2]:.1f} us")  # fmt: skip
         for k in range(1, 13):
@@ -131,7 +151,8 @@ def compile_only() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", action="append", default=[], help="H,B,page,keys (equal lengths)")
+    ap.add_argument("--workload", action="append", default=[],
+                    help="H,B,page,keys[,splits] (equal lengths; splits 0: the default call's)")  # fmt: skip
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     if args.compile_only:
@@ -143,8 +164,9 @@ def main() -> None:
         workloads = [tuple(int(x) for x in w.split(",")) for w in specs]
     except ValueError:
         raise SystemExit(f"--workload: expected H,B,page,keys, got {specs}") from None
-    if any(len(w) != 4 or min(w) < 1 for w in workloads):
-        raise SystemExit(f"--workload: four positive ints each, got {specs}")
+    if any(len(w) not in (4, 5) or min(w[:4]) < 1 or (w[4:5] and w[4] < 0) for w in workloads):
+        raise SystemExit(f"--workload: H,B,page,keys positive, splits >= 0, got {specs}")
+    workloads = [(*w[:4], w[4] if len(w) == 5 else 1) for w in workloads]
     run(workloads)  # type: ignore[arg-type]
 
 
