@@ -21,7 +21,8 @@ Then kvforge's default call and FlashInfer replayed from CUDA graphs. Ratios are
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode_grid.py --random 12 --seed 5 --variant 32,4,1
 
 ``--variant block_n,stages,early`` runs one Gluon variant of the sm_90 table (trial ones included) wherever
-the Gluon kernel takes the call, instead of the committed configs; the tag names it.
+the Gluon kernel takes the call, instead of the committed configs; the tag names it. ``--gluon-min-heads 16``
+lets bf16 keys with fewer heads than ``GLUON_MIN_HEADS`` run the Gluon kernel (a trial; the tag names it).
 
 Appends rows to bench/results/mla_decode_grid.csv (GPU, versions, git revision, date) and draws
 bench/results/mla_decode_grid_<tag>.png.
@@ -277,6 +278,9 @@ def main() -> None:
                     "(a trial variant of the sm_90 table; the tag and each row name it)")  # fmt: skip
     ap.add_argument("--no-order", action="store_true",
                     help="ablation: never run a batch longest first (ORDER off; the tag says so)")  # fmt: skip
+    ap.add_argument("--gluon-min-heads", type=int, default=0, choices=[0, 16, 32, 64, 128],
+                    help="trial: the fewest heads a bf16 key runs the Gluon kernel with (default: the library's "
+                    "GLUON_MIN_HEADS; the tag says so)")  # fmt: skip
     args = ap.parse_args()
     if not args.grid and args.random <= 0:
         ap.error("give --grid or --random N")
@@ -300,6 +304,9 @@ def main() -> None:
     if args.no_order:
         md.order_requests = lambda batch, head_progs, slots: False
         tag += "_noorder"
+    if args.gluon_min_heads:
+        md.GLUON_MIN_HEADS = args.gluon_min_heads
+        tag += f"_gmh{args.gluon_min_heads}"
     work = draw(24, 0, True) if args.grid else draw(args.random, args.seed, False)
     picked = range(len(work)) if not args.only else [int(x) for x in args.only.split(",")]
     gpu = torch.cuda.get_device_name()

@@ -528,6 +528,7 @@ def _cfg(
 _GLUON_DTYPES = ("bfloat16", "bfloat16,e4m3")  # config keys' dtypes the Gluon kernel takes (q, and the cache)
 TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": every Gluon variant of the sm_90 table is a candidate, not only the first
 _GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes among (block_n, stages, early)
+GLUON_MIN_HEADS = 32  # fewest heads (rounded up to a power of two >= 16) a key runs the Gluon kernel with
 
 
 def _gluon_variant(cfg: triton.Config) -> tuple[int, int, bool]:
@@ -547,9 +548,11 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
         return False
     if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
         return False
-    # The Gluon kernel: bf16 q and cache, 32 or more heads (with 32 the 64-row tile is half empty, but the keys
-    # are read once, not once per 16-head tile), a TMA-able cache, key tiles inside a page.
-    if kw.get("GLUON") and not (key[2] in _GLUON_DTYPES and key[3] >= 32 and key[5] and key[4] % kw["BLOCK_N"] == 0):
+    # The Gluon kernel: bf16 q and cache, GLUON_MIN_HEADS or more heads (with 32 the 64-row tile is half empty,
+    # but the keys are read once, not once per 16-head tile), a TMA-able cache, key tiles inside a page.
+    if kw.get("GLUON") and not (
+        key[2] in _GLUON_DTYPES and key[3] >= GLUON_MIN_HEADS and key[5] and key[4] % kw["BLOCK_N"] == 0
+    ):
         return False
     # Its e4m3-cache form (KV_FP8: 32-token tiles in a 2-deep ring fit shared memory beside the e4m3 ring) is a
     # trial variant until the H200 has checked and timed it: never what a key without a committed config runs.
