@@ -456,46 +456,55 @@ def _decode_merge_kernel(po_ptr, plse_ptr, nshare_ptr, out_ptr, lse_ptr, H, s_po
                          s_ob, s_oh, s_lb, s_lh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                          CH: tl.constexpr, HB: tl.constexpr = 1):  # fmt: skip
     """Grid (requests, head blocks of ``HB``, column blocks): the log-sum-exp merge of a request's shares, only for
-    requests with more than one share (the others wrote ``out`` themselves; their programs leave at once). A
-    program's ``HB`` heads go as one tile, so each of its dependent steps (share count, share lses, outputs,
-    store) is paid once, not once a head: a merge of short requests is a chain of memory latencies, not of
-    bandwidth. ``BLOCK_S`` >= the grid's share count: the share lses load as one tile; the outputs in chunks of
-    ``CH`` shares, an empty share's (weight 0) not read. A NaN share lse (a poisoned share) makes the row NaN."""
+    requests with more than one share (the others wrote ``out`` themselves; their programs leave at once, so a
+    large batch takes ``HB`` heads a program: an empty program still costs its launch). ``BLOCK_S`` >= the
+    grid's share count: the share lses load as one vector; the outputs in chunks of ``CH`` shares, an empty
+    share's (weight 0) not read. A NaN share lse (a poisoned share) makes the row NaN."""
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(nshare_ptr + b)
     if n <= 1:
         return
-    hs = tl.program_id(1).to(tl.int64) * HB + tl.arange(0, HB)
-    live = hs < H
-    pl = plse_ptr + b * s_plb + hs * s_plh  # [HB]
+    for hh in tl.static_range(HB):
+        h = tl.program_id(1).to(tl.int64) * HB + hh
+        if h < H:
+            _merge_head(po_ptr, plse_ptr, out_ptr, lse_ptr, b, h, n, s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh,
+                        s_lb, s_lh, BLOCK_S, BLOCK_D, CH)  # fmt: skip
+
+
+@triton.jit
+def _merge_head(po_ptr, plse_ptr, out_ptr, lse_ptr, b, h, n, s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh, s_lb,
+                s_lh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):  # fmt: skip
+    """Head ``h`` of request ``b`` (``n`` shares): this program's column block of the merged output, and the lse
+    from column block 0."""
+    pl = plse_ptr + b * s_plb + h * s_plh
     offs_s = tl.arange(0, BLOCK_S)
-    x = tl.load(pl[:, None] + offs_s[None, :], mask=live[:, None] & (offs_s < n)[None, :], other=float("-inf"))
+    x = tl.load(pl + offs_s, mask=offs_s < n, other=float("-inf"))
     nan = x != x
-    bad = tl.max(nan.to(tl.int32), 1)
-    m = tl.max(tl.where(nan, float("-inf"), x), 1)
+    bad = tl.max(nan.to(tl.int32), 0)
+    m = tl.max(tl.where(nan, float("-inf"), x), 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.sum(tl.exp(tl.where(nan, float("-inf"), x) - m_safe[:, None]), 1)
+    w_all = tl.exp(tl.where(nan, float("-inf"), x) - m_safe)
+    den = tl.sum(w_all, 0)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    po = po_ptr + b * s_pob + hs[:, None] * s_poh + cols[None, :]  # [HB, BLOCK_D]
+    po = po_ptr + b * s_pob + h * s_poh + cols
     offs_c = tl.arange(0, CH)
-    acc = tl.zeros((HB, BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
     s0 = 0
     while s0 < n:
         ss = s0 + offs_c
-        w = tl.exp(tl.load(pl[:, None] + ss[None, :], mask=live[:, None] & (ss < n)[None, :], other=float("-inf"))
-                   - m_safe[:, None])  # fmt: skip
+        w = tl.exp(tl.load(pl + ss, mask=ss < n, other=float("-inf")) - m_safe)
         use = w > 0.0  # False for NaN too: a poisoned share's row is set below
-        o = tl.load(po[:, None, :] + ss.to(tl.int64)[None, :, None] * s_pos, mask=use[:, :, None], other=0.0)
-        acc += tl.sum(tl.where(use[:, :, None], w[:, :, None] * o, 0.0), 1)
+        o = tl.load(po[None, :] + ss.to(tl.int64)[:, None] * s_pos, mask=use[:, None], other=0.0)
+        acc += tl.sum(tl.where(use[:, None], w[:, None] * o, 0.0), 0)
         s0 += CH
-    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    o = tl.where((bad != 0)[:, None], float("nan"), o)
-    optr = out_ptr + b * s_ob + hs[:, None] * s_oh + cols[None, :]
-    tl.store(optr, o.to(optr.dtype.element_ty), mask=live[:, None])
+    o = acc / tl.where(den > 0.0, den, 1.0)
+    o = tl.where(bad != 0, float("nan"), o)
+    optr = out_ptr + b * s_ob + h * s_oh + cols
+    tl.store(optr, o.to(optr.dtype.element_ty))
     if tl.program_id(2) == 0:
         lse = tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf"))
         lse = tl.where(bad != 0, float("nan"), lse)
-        tl.store(lse_ptr + b * s_lb + hs * s_lh, lse, mask=live)
+        tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
 
 
 def _cfg(
@@ -813,7 +822,7 @@ def order_requests(batch: int, head_progs: int, slots: int) -> bool:
     return batch * head_progs > slots
 
 
-MERGE_PROGRAMS = 2048  # the merge grid's size past which a program takes several heads
+MERGE_PROGRAMS = 8192  # the merge grid's size past which a program takes several heads
 
 
 def merge_heads(batch: int, heads: int, col_blocks: int) -> int:
@@ -828,13 +837,6 @@ def merge_heads(batch: int, heads: int, col_blocks: int) -> int:
     while batch * -(-heads // hb) * col_blocks > MERGE_PROGRAMS and hb < heads:
         hb *= 2
     return hb
-
-
-def merge_chunk(hb: int) -> int:
-    """Shares a merge program reads at once (CH): 8, fewer for wide head blocks so that a chunk's tile
-    ``hb x CH x BLOCK_D`` stays at most 32 x 128 elements (32 registers a thread on 4 warps)."""
-    check_int("hb", hb, 1)
-    return max(1, min(8, 32 // hb))
 
 
 def share_grid(batch: int, head_tiles: int, max_tiles: int, sms: int, per_sm: int, block_n: int) -> int:
@@ -862,7 +864,7 @@ def _int_spec(ints: tuple[int, ...]) -> tuple[tuple[bool, bool, bool], ...]:
     return tuple((v == 1, v % 16 == 0, not -(2**31) <= v < 2**31) for v in ints)
 
 
-_MERGE_CFG = triton.Config({}, num_warps=4, num_stages=1)
+_MERGE_CFG = triton.Config({"CH": 8}, num_warps=2, num_stages=1)
 _DMERGE = TunedKernel("mla_decode_merge", _decode_merge_kernel,
                       ConfigTable(fallback=[_MERGE_CFG], interpreter=_MERGE_CFG))  # fmt: skip
 
@@ -1291,7 +1293,7 @@ def _plan_call(
             bs = 1 << max(0, splits - 1).bit_length()
             bd = min(128, v_head_dim)  # a power of two
             hb = merge_heads(B, H, v_head_dim // bd)
-            mconsts = (("BLOCK_S", bs), ("BLOCK_D", bd), ("HB", hb), ("CH", merge_chunk(hb)))
+            mconsts = (("BLOCK_S", bs), ("BLOCK_D", bd), ("HB", hb))
             mgrid = (B, -(-H // hb), v_head_dim // bd)
             merge = (mgrid, (v_head_dim, out.dtype, _aligned(out, lse), bs, bd, hb), mconsts)
         return _Plan(
