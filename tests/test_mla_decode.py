@@ -405,6 +405,42 @@ def test_merge_takes_several_heads_a_program(gen, device, monkeypatch):
     assert rel_rmse(out.cpu(), ref.cpu()) < 1e-5
 
 
+@pytest.mark.parametrize("HB,CH", [(1, 8), (4, 2), (8, 1)])
+def test_merge_kernel_against_torch(gen, device, HB, CH):
+    """The share merge alone, on fresh random partials: head blocks of HB over 6 heads (a partial block), share
+    counts 0, 1, 2, 5 and 7 (several CH-share chunks), an empty share (lse -inf) inside a request and a NaN share
+    lse (that row NaN, the others untouched); rows of requests with one share or none are left as they were."""
+    import kvforge.kernels.mla_decode as md
+
+    B, H, S, D, BD = 5, 6, 8, 32, 16
+    ns = torch.tensor([2, 1, 7, 0, 5], dtype=torch.int32)
+    po = torch.randn(B, H, S, D, generator=gen)
+    plse = torch.randn(B, H, S, generator=gen) * 3
+    plse[2, 1, 3] = float("-inf")
+    plse[4, 5, 2] = float("nan")
+    out = torch.full((B, H, D), 7.0)
+    lse = torch.full((B, H), 7.0)
+    args = [t.to(device) for t in (po, plse, ns, out, lse)]
+    grid = (B, -(-H // HB), D // BD)
+    md._decode_merge_kernel[grid](*args, H, H * S * D, S * D, D, H * S, S, H * D, D, H, 1, BLOCK_S=8, BLOCK_D=BD,
+                                  CH=CH, HB=HB, num_warps=4)  # fmt: skip
+    got_o, got_l = args[3].cpu(), args[4].cpu()
+    for b in range(B):
+        n = int(ns[b])
+        if n <= 1:
+            assert (got_o[b] == 7).all() and (got_l[b] == 7).all()
+            continue
+        x = plse[b, :, :n].double()
+        ref_l = torch.logsumexp(x, 1)
+        ref_o = (torch.softmax(x, 1)[..., None] * po[b, :, :n].double()).sum(1)
+        for h in range(H):
+            if torch.isnan(x[h]).any():
+                assert torch.isnan(got_o[b, h]).all() and torch.isnan(got_l[b, h])
+            else:
+                torch.testing.assert_close(got_o[b, h].double(), ref_o[h], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got_l[b, h].double(), ref_l[h], atol=1e-5, rtol=1e-5)
+
+
 def test_merge_heads():
     from kvforge.kernels.mla_decode import MERGE_PROGRAMS, merge_heads
 
