@@ -138,6 +138,19 @@ def test_reason_names_the_obstacle(device, monkeypatch):
     assert "shared memory" in mdg.gluon_decode_reason(q, kv8, 64, 512, 64, 64, 2)
 
 
+def test_out_vec_only_where_every_row_is_16_byte_aligned():
+    """The epilogue's 16-byte stores (OUT_VEC > 1) only when out's pointer and batch/head strides allow them."""
+    buf = torch.empty(4 * 8 * 520 + 8, dtype=torch.bfloat16)
+    base = (-buf.data_ptr() % 16) // 2  # the first 16-byte aligned element
+    dense = buf[base : base + 4 * 8 * 512].view(4, 8, 512)
+    assert mdg._out_vec(dense, 512) == 8
+    assert mdg._out_vec(buf[base : base + 4 * 8 * 520].view(4, 8, 520)[..., :512], 512) == 8  # row stride 520
+    assert mdg._out_vec(buf[base : base + 4 * 8 * 515].view(4, 8, 515)[..., :512], 512) == 1  # row stride 515
+    assert mdg._out_vec(buf[base + 1 : base + 1 + 4 * 8 * 512].view(4, 8, 512), 512) == 1  # 2 bytes off
+    assert mdg._out_vec(torch.empty(4, 8, 512, dtype=torch.float32), 512) == 4
+    assert mdg._out_vec(dense, 40) == 1  # a half of 20 bf16 columns is not whole 16-byte pieces
+
+
 def test_shared_memory_fits_sm90():
     assert mdg.smem_bytes(512, 64) <= 232448  # sm_90's opt-in limit per block
     assert mdg.smem_bytes(512, 128) > 232448  # wider rows take the portable kernel
