@@ -4,9 +4,10 @@ The probe loads a copy of ``kvforge.kernels.mla_decode_gluon`` with stamp calls 
 (the library's kernel is untouched; a change to its source that the anchors no longer match fails loudly), runs
 one call, and reports per program the time from its first stamp to each later one (median, p10 and p90 over
 the programs) and the spread of the programs' starts. Points: 0 entry; 1 share worked out (past the early
-exits); 2 loader: Q copy issued; 3 loader: first key tile's copy issued; 4/5 consumer warpgroup 0/1: Q landed;
-6/7 its key loop done; 8/9 the row sums exchanged; 10/11 its output stored; 12 the partitions joined. A
-workload is equal lengths, ``num_splits=1`` (a program is one request; 64 heads: one program per SM) unless a
+exits); 2 loader: Q copy issued (with the balanced split, where the body issued it: the loader's start); 3
+loader: first key tile's copy issued; 4/5 consumer warpgroup 0/1: Q landed; 6/7 its key loop done; 8/9 the row
+sums exchanged; 10/11 its output stored; 12 the partitions joined; 13 (balanced split only) the share size
+picked. A workload is equal lengths, ``num_splits=1`` (a program is one request; 64 heads: one program per SM) unless a
 fifth field gives the splits (0: the default call's choice); programs that leave early (past their share) are
 counted, not timed. Also the whole call (kernel and merge) replayed in a CUDA graph, for the time outside the
 stamps. Made to find what the 22 us fixed cost of a short program (``probe_decode_fixed_cost.py``) was made of.
@@ -56,9 +57,14 @@ POINTS = [
     ("        mbarrier.wait(l_ready, 0)\n", "", "        _tl_stamp(8 + W)\n"),
     ("                gl.store(plse_base + hr * s_plh, lse, mask=hr < H)\n\n", "", "        _tl_stamp(10 + W)\n"),
     ("\n", "        mbarrier.invalidate(q_ready)\n        mbarrier.invalidate(p_full)", "        _tl_stamp(12)\n"),
+    (
+        "",
+        "        if (S > 1) & (pid_h == 0) & (split == 0):\n            gl.store(nshare_ptr + b, n_share)\n",
+        "        _tl_stamp(13)\n",
+    ),
 ]
 NAMES = ["entry", "share", "Q issued", "tile 0 issued", "Q landed w0", "Q landed w1", "loop done w0",
-         "loop done w1", "sums w0", "sums w1", "stored w0", "stored w1", "joined"]  # fmt: skip
+         "loop done w1", "sums w0", "sums w1", "stored w0", "stored w1", "joined", "share picked"]  # fmt: skip
 
 
 def patched_source(addr: int) -> str:
@@ -131,7 +137,9 @@ def run(workloads: list[tuple[int, int, int, int]]) -> None:
               f"{whole:.1f} us; program starts spread "
               f"p10/p50/p90 {_quantiles(starts.tolist())[0]:.1f}/{starts.median().item():.1f}/"
               f"{_quantiles(starts.tolist())[2]:.1f} us")  # fmt: skip
-        for k in range(1, 13):
+        for k in range(1, len(NAMES)):
+            if not bool((rows[:, k] != 0).all()):  # a point this call's programs do not pass (no balanced split)
+                continue
             d = ((rows[:, k] - t0).double() / 1e3).tolist()
             p10, p50, p90 = _quantiles(d)
             print(f"  {k:2d} {NAMES[k]:>14}: p10 {p10:7.2f}  median {p50:7.2f}  p90 {p90:7.2f}")
