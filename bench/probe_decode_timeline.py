@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import load_source_copy  # noqa: E402
+from bench._common import load_source_copy, time_graph  # noqa: E402
 
 SRC = ROOT / "kvforge" / "kernels" / "mla_decode_gluon.py"
 SLOTS = 16
@@ -108,9 +108,13 @@ def run(workloads: list[tuple[int, int, int, int]]) -> None:
         q = torch.randn(B, H, 576, generator=g).to("cuda", torch.bfloat16)
         sl = torch.full((B,), n, dtype=torch.int32, device="cuda")
         out = torch.empty(B, H, 512, dtype=torch.bfloat16, device="cuda")
+
+        def call(q=q, kv=kv, bt=bt, sl=sl, out=out, ns=ns) -> None:
+            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, out=out, num_splits=ns)
+
         for _ in range(3):  # compile, warm, then the traced call
             trace.zero_()
-            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, out=out, num_splits=ns)
+            call()
             torch.cuda.synchronize()
         rows = trace.cpu()
         entered = rows[:, 0] != 0
@@ -121,17 +125,7 @@ def run(workloads: list[tuple[int, int, int, int]]) -> None:
         t0 = rows[:, 0]
         starts = (t0 - tmin).double() / 1e3
         span = (rows[:, 12].max() - tmin).item() / 1e3
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            md.mla_decode_attention(q, kv, bt, sl, softmax_scale=576**-0.5, out=out, num_splits=ns)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        graph.replay()
-        ev[0].record()
-        for _ in range(20):
-            graph.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        whole = ev[0].elapsed_time(ev[1]) / 20 * 1e3
+        whole = time_graph(call)["ms"] * 1e3
         print(f"H{H} B{B} page {page} keys {n} splits {splits or 'default'}: {len(rows)} programs ran a share, "
               f"{int(entered.sum()) - len(rows)} left early; kernel span {span:.1f} us, whole call in a graph "
               f"{whole:.1f} us; program starts spread "
