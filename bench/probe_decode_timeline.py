@@ -6,7 +6,7 @@ one call, and reports per program the time from its first stamp to each later on
 the programs) and the spread of the programs' starts. Points: 0 entry; 1 share worked out (past the early
 exits); 2 loader: Q copy issued (with the balanced split, where the body issued it: the loader's start); 3
 loader: first key tile's copy issued; 4/5 consumer warpgroup 0/1: Q landed; 6/7 its key loop done; 8/9 the row
-sums exchanged; 10/11 its output stored; 12 the partitions joined; 13 (balanced split only) the share size
+sums exchanged; 10/11 its output stored (merged too, by a split request's last share); 12 the partitions joined; 13 (balanced split only) the share size
 picked. A workload is equal lengths, ``num_splits=1`` (a program is one request; 64 heads: one program per SM) unless a
 fifth field gives the splits (0: the default call's choice); programs that leave early (past their share) are
 counted, not timed. Also the whole call (kernel and merge) replayed in a CUDA graph, for the time outside the
@@ -59,7 +59,7 @@ POINTS = [
     ("\n", "        mbarrier.invalidate(q_ready)\n        mbarrier.invalidate(p_full)", "        _tl_stamp(12)\n"),
     (
         "",
-        "        if (S > 1) & (pid_h == 0) & (split == 0):\n            gl.store(nshare_ptr + b, n_share)\n",
+        "        if MERGE:  # nshare_ptr: the arrival counters, [B, head tiles, 2] int32\n",
         "        _tl_stamp(13)\n",
     ),
 ]

@@ -364,6 +364,81 @@ def test_gpu_gluon_planned_runs_and_replay(gen, device, monkeypatch, variant):
         assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [VARIANTS[0], (32, 2, False)], ids=["default", "bn32-s2"])
+@pytest.mark.parametrize("H,B,page_size,lens,splits", [GPU_CASES[0], GPU_CASES[3], GPU_CASES[8], GPU_CASES[10],
+                                                       (64, 64, 64, [1973] * 64, None)])  # fmt: skip
+def test_gpu_gluon_fused_merge(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
+    """The in-kernel merge (``GLUON_MERGE``: a split request's last share to finish merges it) against the
+    reference and against the merge kernel's result on the same shares; out and lse NaN-poisoned first; the
+    arrival counters are zero after each call (a counter left at one would make the next call merge early)."""
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*variant))
+    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
+    _nan_outside(kv, bt, lens, page_size)
+    ref, ref_lse = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=576**-0.5)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(md, "GLUON_MERGE", fused)
+        plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=576**-0.5, num_splits=splits)
+        assert plan._plan.gluon is not None and plan._plan.fused == (fused and plan._plan.grid[2] > 1)
+        for _ in range(2):  # a second run finds the counters the first left
+            out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
+            lse = torch.full((B, H), float("nan"), dtype=torch.float32, device=device)
+            plan.run(q, kv, out=out, lse=lse)
+            if plan._plan.fused:
+                assert int(plan._scratch[0][2].abs().sum()) == 0
+        got[fused] = (out.float(), lse)
+        for b, n in enumerate(lens):
+            if n:
+                err = (out[b].float() - ref[b]).pow(2).mean().sqrt() / ref[b].pow(2).mean().sqrt()
+                assert float(err) < 8e-3, (fused, b, n, float(err))
+        torch.testing.assert_close(lse.cpu(), ref_lse.cpu(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(got[True][0], got[False][0], atol=8e-3, rtol=8e-3)
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_fused_merge_poison_and_streams(gen, device, monkeypatch):
+    """A bad page id in one share of a split request makes that request's merged rows and lse NaN (and sets the
+    flag) and no other request's; the one call run on two streams at once (each stream its own counters) and
+    in a CUDA graph replayed twice gives the reference's result."""
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*VARIANTS[0]))
+    lens = [6000, 3000, 90, 4500]
+    q, kv, bt, sl = make_case(gen, 4, 128, 512, 64, 64, lens, torch.bfloat16, device)
+    ref, _ = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.05)
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    bad = bt.clone()
+    bad[1, 40] = kv.shape[0] + 7  # in request 1's last share
+    out, lse = md.mla_decode_attention(q, kv, bad, sl, softmax_scale=0.05, num_splits=4, error_flag=flags,
+                                       return_lse=True)  # fmt: skip
+    assert flags.tolist() == [0, 1]
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    for b in (0, 2, 3):
+        err = (out[b].float() - ref[b]).pow(2).mean().sqrt() / ref[b].pow(2).mean().sqrt()
+        assert float(err) < 8e-3, b
+    outs = [torch.empty(4, 128, 512, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        for o, st in zip(outs, streams):
+            with torch.cuda.stream(st):
+                md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, num_splits=4, out=o)
+    torch.cuda.synchronize()
+    for o in outs:
+        assert float((o.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
+    out = torch.empty(4, 128, 512, dtype=torch.bfloat16, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        md.mla_decode_attention(q, kv, bt, sl, softmax_scale=0.05, num_splits=4, out=out, check_values=False)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
+
+
 def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, fp8: bool = False) -> dict[str, object]:
     """Compile one Gluon variant for sm_90 offline (``fp8``: its e4m3-cache form); with ``ptxas_v``, also
     ptxas -v's registers and spills."""
@@ -392,7 +467,7 @@ def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, 
     fn = g._mla_decode_gluon_kernel
     consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "BLOCK_H": g.BLOCK_H, "BLOCK_N": block_n,
               "C_REGS": g._C_REGS, "L_REGS": g._L_REGS, "FIRST_W": g._FIRST_W, "STAGES": stages,
-              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "ORDER": True, "OUT_VEC": 8,
+              "EARLY": early, "CHECK": True, "BALANCE": 2, "KV_FP8": fp8, "ORDER": True, "OUT_VEC": 8, "MERGE": True,
               "STAGES8": g.fp8_ring_slots(dv, dr, block_n, stages) if fp8 else stages}  # fmt: skip
     sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
     rec: dict[str, object] = {"name": name, "triton": triton.__version__,

@@ -528,6 +528,7 @@ def _cfg(
 _GLUON_DTYPES = ("bfloat16", "bfloat16,e4m3")  # config keys' dtypes the Gluon kernel takes (q, and the cache)
 TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": every Gluon variant of the sm_90 table is a candidate, not only the first
 _GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes among (block_n, stages, early)
+GLUON_MERGE = True  # the Gluon kernel merges split requests itself (its last share to finish), no merge launch
 GLUON_MIN_HEADS = 32  # fewest heads (rounded up to a power of two >= 16) a key runs the Gluon kernel with
 
 
@@ -910,9 +911,10 @@ class _State:
     direct launchers, the Gluon call's prep (``mla_decode_gluon.SplitPrep``), and the fields of the portable
     kernel's TMA descriptors (checked once; a later call's cache has the plan's shape, strides and alignment)."""
 
-    __slots__ = ("gluon", "merge", "split", "tma")
+    __slots__ = ("counters", "gluon", "merge", "split", "tma")
 
     def __init__(self, gluon_prep: object | None) -> None:
+        self.counters: dict[int, torch.Tensor] = {}  # per stream: the fused merge's arrival counters (zero)
         self.split: DirectLaunch | None = None
         self.merge: DirectLaunch | None = None
         self.gluon = gluon_prep
@@ -941,7 +943,7 @@ class _Plan(NamedTuple):
     page_size: int
     direct: bool
     gluon: tuple | None  # mla_decode_gluon's (block_n, stages, early) instead of the portable split kernel
-    merge: tuple | None  # (grid, spec, consts) of the share merge when S > 1
+    merge: tuple | None  # (grid, spec, consts) of the share merge when S > 1 and the split kernel does not merge
     strict: bool
     flags: torch.Tensor  # the module's per-device error flags (not a caller tensor)
     check: bool
@@ -950,6 +952,7 @@ class _Plan(NamedTuple):
     fp8_bytes: bool
     scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
     merge_ints: tuple  # H and the merge kernel's strides, in kernel order
+    fused: bool  # S > 1 and the Gluon kernel merges (GLUON_MERGE): the scratch's nshare is its arrival counters
     state: _State
 
 
@@ -1023,7 +1026,7 @@ def _launch(
     kernels' launchers are known they are launched directly, the scratch passed as raw addresses."""
     st = plan.state
     ready = fast and _ready(plan)
-    if plan.merge is not None:
+    if plan.scratch[0]:
         if scratch is not None:
             partial, partial_lse, nshare = scratch[1] if ready else scratch[0]
         else:
@@ -1033,6 +1036,8 @@ def _launch(
                 partial, partial_lse, nshare = p, p + 4 * plan.scratch[1], p + 4 * plan.scratch[2]
             else:
                 partial, partial_lse, nshare = _scratch_views(buf, plan)
+            if plan.fused:
+                nshare = _counters(plan, q.device)
     else:  # never written (every request has one share): placeholders of the same dtypes
         partial, partial_lse, nshare = lse, lse, seq_lens
     scale_ptr = scale_t if scale_t is not None else lse
@@ -1044,7 +1049,7 @@ def _launch(
             q, kv_cache, block_table, seq_lens, partial, partial_lse, out, lse, nshare, err, rt=plan.rt,
             scale_log2=plan.scale_log2 * plan.kv_scale, v_head_dim=plan.v_head_dim, block_n=bn, stages=stages,
             early=early, check=plan.check, balance=plan.balance, splits=plan.grid[2], order=plan.order,
-            prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale,
+            prep=st.gluon if fast else None, direct=ready, v_scale=plan.kv_scale, merge=plan.fused,
         )  # fmt: skip
     else:
         if plan.cfg.kwargs["USE_TMA"]:
@@ -1080,6 +1085,18 @@ def _launch(
             _DMERGE.launch_fast(lambda meta: mgrid, ("merge",), mspec, margs, **dict(mconsts))
             if fast and st.merge is None:
                 st.merge = _DMERGE.direct(mspec)
+
+
+def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """The fused merge's arrival counters for the current stream (zeroed once; each launch leaves them zero), so
+    launches on different streams never share a set."""
+    st = plan.state
+    f = st.gluon.fast if st.gluon is not None else None
+    stream = f[4](f[2]) if f is not None else torch.cuda.current_stream(device).cuda_stream
+    c = st.counters.get(stream)
+    if c is None:
+        c = st.counters.setdefault(stream, torch.zeros(2 * plan.grid[0] * plan.B, dtype=torch.int32, device=device))
+    return c
 
 
 def _check_scale(kv_scale_quant_orig: object, kv_cache: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
@@ -1289,7 +1306,8 @@ def _plan_call(
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
         spec = (key, _cfg_id(cfg), q.dtype, kv_cache.dtype, _aligned(*ptrs), _int_spec(ints), consts, splits > 1)
         merge = None
-        if splits > 1:
+        fused = splits > 1 and gluon is not None and GLUON_MERGE
+        if splits > 1 and not fused:
             bs = 1 << max(0, splits - 1).bit_length()
             bd = min(128, v_head_dim)  # a power of two
             hb = merge_heads(B, H, v_head_dim // bd)
@@ -1302,7 +1320,7 @@ def _plan_call(
             B, H, v_head_dim, d_r, num_pages, page_size,
             # a config naming every constexpr (what the direct launch passes); an older table's may not
             "PER_SM" in kw and "GLUON" in kw, gluon, merge, strict, flags, check, balance, order, fp8_bytes,
-            _scratch_layout(B, H, splits, v_head_dim), merge_ints, _State(SplitPrep() if gluon else None),
+            _scratch_layout(B, H, splits, v_head_dim), merge_ints, fused, _State(SplitPrep() if gluon else None),
         )  # fmt: skip
 
     # Tuned once per key on a GPU without a committed config (idempotent: it writes only out, lse and partials).
@@ -1359,10 +1377,15 @@ class MLADecodePlan:
         self._err = err
         self._scale_t = scale_t
         self._scratch: tuple | None = None
-        if plan is not None and plan.merge is not None:
+        if plan is not None and plan.scratch[0]:
             buf = torch.empty(plan.scratch[0], dtype=torch.float32, device=q.device)
             p = buf.data_ptr()
-            self._scratch = (_scratch_views(buf, plan), (p, p + 4 * plan.scratch[1], p + 4 * plan.scratch[2]))
+            views = _scratch_views(buf, plan)
+            addrs = (p, p + 4 * plan.scratch[1], p + 4 * plan.scratch[2])
+            if plan.fused:  # the plan's own arrival counters (its runs stay on one stream)
+                cnt = torch.zeros(2 * plan.grid[0] * plan.B, dtype=torch.int32, device=q.device)
+                views, addrs = (*views[:2], cnt), (*addrs[:2], cnt.data_ptr())
+            self._scratch = (views, addrs)
 
     def run(
         self,

@@ -150,11 +150,12 @@ if gluon is not None:
     def _gd_loader(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                    q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                    po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
+                   num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, n_share, split, s_pos, cnt_base,
+                   W: gl.constexpr,
                    PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                    CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
-                   STAGES8: gl.constexpr, OUT_VEC: gl.constexpr):  # fmt: skip
+                   STAGES8: gl.constexpr, OUT_VEC: gl.constexpr, MERGE: gl.constexpr):  # fmt: skip
         """One warp: key tile t into slot t % STAGES8 of the ring ``k8_*`` once it is free (the bf16 ring ``k_*``
         itself, freed by both warpgroups' arrivals on ``k_empty``; or with KV_FP8 the e4m3 ring, freed on
         ``k8_empty`` once the tile's owner has widened it), after the Q tile's copy (unless the kernel body issued
@@ -392,14 +393,60 @@ if gluon is not None:
             gl.store(base + rows.to(gl.int64)[:, None] * s_row + cols[None, :], x, mask=(rows < H)[:, None])
 
     @gluon.jit
+    def _gd_merge_half(po_req, pl_req, s_pos, s_poh, s_plh, n, ob_base, s_oh, lb_base, s_lh, h0, H, W: gl.constexpr,
+                       OUT_VEC: gl.constexpr, BLOCK_H: gl.constexpr, D_HALF: gl.constexpr):  # fmt: skip
+        """Columns [W * D_HALF, (W + 1) * D_HALF) of rows h0 + i < H of a request's output, and (W 0) its lse:
+        the log-sum-exp merge of its ``n`` shares' fp32 partials (``po_req`` / ``pl_req`` at share 0, share
+        stride ``s_pos`` / 1), as ``mla_decode._merge_head``: a share of lse -inf weighs 0 and is not read, a NaN
+        share lse makes the row NaN. Partials are read from L2 (``.cg``): other programs wrote them."""
+        UNIT: gl.constexpr = 8
+        TC: gl.constexpr = D_HALF // UNIT if D_HALF // UNIT < 32 else 32
+        bl: gl.constexpr = gl.BlockedLayout([1, UNIT], [32 // TC, TC], [4, 1], [1, 0])
+        RB: gl.constexpr = 16
+        rl: gl.constexpr = gl.SliceLayout(1, bl)
+        cols = W * D_HALF + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, bl))
+        for r0 in range(0, BLOCK_H, RB):
+            rows = h0 + r0 + gl.arange(0, RB, layout=rl)
+            live = rows < H
+            rows = rows.to(gl.int64)
+            pl = pl_req + rows * s_plh
+            m = gl.full([RB], float("-inf"), gl.float32, layout=rl)
+            bad = gl.zeros([RB], gl.int32, layout=rl)
+            for sh in range(n):
+                x = gl.load(pl + sh, mask=live, other=float("-inf"), cache_modifier=".cg")
+                bad = bad | (x != x).to(gl.int32)
+                m = gl.maximum(m, gl.where(x != x, float("-inf"), x))
+            m_safe = gl.where(m == float("-inf"), 0.0, m)
+            den = gl.zeros([RB], gl.float32, layout=rl)
+            acc = gl.zeros([RB, D_HALF], gl.float32, layout=bl)
+            for sh in range(n):
+                x = gl.load(pl + sh, mask=live, other=float("-inf"), cache_modifier=".cg")
+                w = gl.exp(gl.where(x != x, float("-inf"), x) - m_safe)
+                den += w
+                ptrs = po_req + sh * s_pos + rows[:, None] * s_poh + cols[None, :]
+                ptrs = gl.max_contiguous(gl.multiple_of(ptrs, [1, 16]), [1, UNIT])  # partial rows: 16-byte aligned
+                o = gl.load(ptrs, mask=(w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
+                acc += w[:, None] * o
+            o = acc / gl.where(den > 0.0, den, 1.0)[:, None]
+            o = gl.where((bad != 0)[:, None], float("nan"), o)
+            optrs = ob_base + rows[:, None] * s_oh + cols[None, :]
+            if OUT_VEC > 1:
+                optrs = gl.max_contiguous(gl.multiple_of(optrs, [1, 16]), [1, OUT_VEC])
+            gl.store(optrs, o.to(ob_base.dtype.element_ty), mask=live[:, None])
+            if W == 0:
+                lse = gl.where(den > 0.0, m_safe + gl.log(gl.where(den > 0.0, den, 1.0)), float("-inf"))
+                gl.store(lb_base + rows * s_lh, gl.where(bad != 0, float("nan"), lse), mask=live)
+
+    @gluon.jit
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
-                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, W: gl.constexpr,
+                     num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, n_share, split, s_pos, cnt_base,
+                     W: gl.constexpr,
                      PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, D_V: gl.constexpr, D_R: gl.constexpr,
                      BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EARLY: gl.constexpr,
                      CHECK: gl.constexpr, KV_FP8: gl.constexpr, Q_EARLY: gl.constexpr,
-                     STAGES8: gl.constexpr, OUT_VEC: gl.constexpr):  # fmt: skip
+                     STAGES8: gl.constexpr, OUT_VEC: gl.constexpr, MERGE: gl.constexpr):  # fmt: skip
         """Consumer warpgroup W: the scores and softmax of tiles W, W + 2, ...; P·V of every tile into output
         columns [W * D_HALF, (W + 1) * D_HALF). Per own tile i: the other's tile i - 1 is taken first (its
         P·V issued ahead of tile i's softmax, and its ring slot freed as soon as that product is done, so the
@@ -518,7 +565,20 @@ if gluon is not None:
         else:
             _gd_store_half(o, v_bufs, po_base, s_poh, h0, H, W * D_HALF, PART_VEC, BLOCK_H, D_HALF,
                            STAGES * BLOCK_N)  # fmt: skip
-            if W == 0:
+            if MERGE:  # both warpgroups write the (identical) lse: each half's merge reads it
+                gl.store(plse_base + hr * s_plh, lse, mask=hr < H)
+                # Every thread's stores are issued before one thread's release (the pattern of a grid barrier):
+                # the share to arrive last for this half of the head tile merges that half.
+                _barrier()
+                al: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+                lane = gl.arange(0, 128, layout=al)
+                first = lane == 0
+                old = gl.atomic_add(cnt_base + W + lane * 0, lane * 0 + 1, mask=first, sem="acq_rel", scope="gpu")
+                if gl.max(gl.where(first, old, -1), 0) == n_share - 1:
+                    gl.store(cnt_base + W + lane * 0, lane * 0, mask=first)  # zero again for the next call
+                    _gd_merge_half(po_base - split * s_pos, plse_base - split, s_pos, s_poh, s_plh, n_share, ob_base,
+                                   s_oh, lb_base, s_lh, h0, H, W, OUT_VEC, BLOCK_H, D_HALF)  # fmt: skip
+            elif W == 0:
                 gl.store(plse_base + hr * s_plh, lse, mask=hr < H)
 
     @gluon.jit(do_not_specialize=["B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh",
@@ -531,7 +591,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, C_REGS: gl.constexpr, L_REGS: gl.constexpr, FIRST_W: gl.constexpr,
         STAGES: gl.constexpr = 2, EARLY: gl.constexpr = False, CHECK: gl.constexpr = True,
         BALANCE: gl.constexpr = 0, KV_FP8: gl.constexpr = False, STAGES8: gl.constexpr = 2,
-        ORDER: gl.constexpr = False, OUT_VEC: gl.constexpr = 1,
+        ORDER: gl.constexpr = False, OUT_VEC: gl.constexpr = 1, MERGE: gl.constexpr = False,
     ):  # fmt: skip
         """Grid (head tiles, requests, S): a request's head tiles are neighbours in launch order, so the second
         reads the key tiles from L2. Shares, checks and outputs as ``mla_decode._mla_decode_split_kernel``'s
@@ -540,7 +600,10 @@ if gluon is not None:
         4 + 1. KV_FP8: the cache is e4m3 (its descriptors e4m3 boxes): the loader fills an e4m3 ring, the owner of a
         tile widens it into the bf16 ring before its scores, ``scale_log2`` carries the dequantisation scale and
         ``v_scale`` multiplies the output. ORDER: the request axis runs the batch longest first, as the portable
-        kernel's. OUT_VEC: elements of ``out`` a 16-byte store holds when its rows allow (``_out_vec``), else 1."""
+        kernel's. OUT_VEC: elements of ``out`` a 16-byte store holds when its rows allow (``_out_vec``), else 1.
+        MERGE: a split request's last share to finish merges it (each consumer warpgroup its column half, counted
+        on its own arrival counter at ``nshare_ptr``, which must be zero and is left zero); else its share count
+        goes to ``nshare_ptr`` for ``mla_decode``'s merge kernel."""
         D_HALF: gl.constexpr = D_V // 2
         Q_EARLY: gl.constexpr = BALANCE == 2
         pid_h = gl.program_id(0)
@@ -600,8 +663,12 @@ if gluon is not None:
                 mbarrier.wait(q_ready, 0)
                 mbarrier.invalidate(q_ready)
                 return
-        if (S > 1) & (pid_h == 0) & (split == 0):
-            gl.store(nshare_ptr + b, n_share)
+        if MERGE:  # nshare_ptr: the arrival counters, [B, head tiles, 2] int32
+            cnt_base = nshare_ptr + (b * gl.num_programs(0) + pid_h) * 2
+        else:
+            cnt_base = nshare_ptr
+            if (S > 1) & (pid_h == 0) & (split == 0):
+                gl.store(nshare_ptr + b, n_share)
         per = (tiles + n_share - 1) // n_share
         start = split * per * BLOCK_N
         end = gl.minimum(start + per * BLOCK_N, seq_len)
@@ -654,21 +721,24 @@ if gluon is not None:
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, n_share,
+                                split, s_pos, cnt_base,
                                 FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8,
-                                Q_EARLY, STAGES8, OUT_VEC)),
+                                Q_EARLY, STAGES8, OUT_VEC, MERGE)),
                 (_gd_consumer, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                                 l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                                 n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty,
+                                s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, n_share,
+                                split, s_pos, cnt_base,
                                 1 - FIRST_W, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK,
-                                KV_FP8, Q_EARLY, STAGES8, OUT_VEC)),
+                                KV_FP8, Q_EARLY, STAGES8, OUT_VEC, MERGE)),
                 (_gd_loader, (q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem,
                               l_bufs, q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end,
                               n_tiles, H, h0, po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh,
-                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, 0,
+                              s_lh, direct, bad_len, num_pages, err_ptr, k8_a, k8_b, k8_r, v_scale, k8_empty, n_share,
+                                split, s_pos, cnt_base, 0,
                               PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_H, BLOCK_N, STAGES, EARLY, CHECK, KV_FP8, Q_EARLY,
-                              STAGES8, OUT_VEC)),
+                              STAGES8, OUT_VEC, MERGE)),
             ],
             [4, 1],
             [C_REGS, L_REGS],
@@ -756,6 +826,7 @@ def mla_decode_gluon_split(
     prep: SplitPrep | None = None,
     direct: bool = False,
     v_scale: float = 1.0,
+    merge: bool = False,
 ) -> object:
     """One launch over ``(head tiles, B, splits)``: requests with one share write ``out``/``lse``, the others
     ``partial [B, H, splits, D_V]`` / ``partial_lse [B, H, splits]`` (contiguous, 16-byte aligned) and their share
@@ -765,7 +836,9 @@ def mla_decode_gluon_split(
     caller has just seen ``prep.ready()``; only then may the scratch pointers (``partial``, ``partial_lse``,
     ``nshare``) be raw device addresses. An e4m3 cache runs the ``KV_FP8`` form: ``scale_log2`` must then include
     its dequantisation scale, and ``v_scale`` (the same scale) multiplies the output. ``order``: the request axis
-    runs the batch longest first (``mla_decode.order_requests`` decides)."""
+    runs the batch longest first (``mla_decode.order_requests`` decides). ``merge``: split requests are merged
+    in this launch (the ``MERGE`` form); ``nshare`` is then ``[B, head tiles, 2]`` int32 arrival counters, zero
+    before the launch and zero after it (so one set serves the launches of one stream in turn)."""
     v_scale = float(v_scale)  # an int would be specialised (1 becomes a constant) and change the launch signature
     if prep is not None and prep.spec is not None:
         fast = prep.fast
@@ -798,7 +871,7 @@ def mla_decode_gluon_split(
               "C_REGS": _C_REGS, "L_REGS": _L_REGS, "FIRST_W": _FIRST_W, "STAGES": stages, "EARLY": bool(early),
               "CHECK": bool(check), "BALANCE": int(balance), "KV_FP8": fp8,
               "STAGES8": fp8_ring_slots(v_head_dim, d_r, block_n, stages) if fp8 else stages,
-              "ORDER": bool(order), "OUT_VEC": _out_vec(out, v_head_dim)}  # fmt: skip
+              "ORDER": bool(order), "OUT_VEC": _out_vec(out, v_head_dim), "MERGE": bool(merge)}  # fmt: skip
     # What Triton specialises the compiled kernel on besides the descriptors' types: the constexprs, the
     # specialised ints (1, multiple of 16, 64-bit) and the pointers' dtypes and 16-byte alignment.
     ptrs = (block_table, seq_lens, partial, partial_lse, out, lse, nshare, err)
