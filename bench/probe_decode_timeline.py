@@ -1,15 +1,15 @@
 """Where a Gluon decode program's time goes: ``%globaltimer`` stamps at fixed points of every program.
 
-The probe loads a copy of ``kvforge.kernels.mla_decode_gluon`` with stamp calls inserted at the points below
-(the library's kernel is untouched; a change to its source that the anchors no longer match fails loudly), runs
-one call, and reports per program the time from its first stamp to each later one (median, p10 and p90 over
-the programs) and the spread of the programs' starts. Points: 0 entry; 1 share worked out (past the early
-exits); 2 loader: Q copy issued (with the balanced split, where the body issued it: the loader's start); 3
-loader: first key tile's copy issued; 4/5 consumer warpgroup 0/1: Q landed; 6/7 its key loop done; 8/9 the row
-sums exchanged; 10/11 its output stored (merged too, by a split request's last share); 12 the partitions joined; 13 (balanced split only) the share size
-picked. A workload is equal lengths, ``num_splits=1`` (a program is one request; 64 heads: one program per SM) unless a
-fifth field gives the splits (0: the default call's choice); programs that leave early (past their share) are
-counted, not timed. Also the whole call (kernel and merge) replayed in a CUDA graph, for the time outside the
+The probe loads a copy of ``kvforge.kernels.mla_decode_gluon`` with stamp calls inserted at the points below (the
+library's kernel is untouched; a change to its source that the anchors no longer match fails loudly), runs one call,
+and reports per program the time from its first stamp to each later one (median, p10 and p90 over the programs) and
+the spread of the programs' starts. Points: 0 entry; 1 share worked out (past the early exits); 2 loader: Q copy
+issued (with the balanced split, where the body issued it: the loader's start); 3 loader: first key tile's copy
+issued; 4/5 consumer warpgroup 0/1: Q landed; 6/7 its key loop done; 8/9 the row sums exchanged; 10/11 its output
+stored (and merged, by a split request's last share); 12 the partitions joined; 13 (balanced split only) the share
+size picked. A workload is equal lengths, ``num_splits=1`` (a program is one request; 64 heads: one program per SM)
+unless a fifth field gives the splits (0: the default call's choice); programs that leave early (past their share)
+are counted, not timed. Also the whole call (kernel and merge) replayed in a CUDA graph, for the time outside the
 stamps. Made to find what the 22 us fixed cost of a short program (``probe_decode_fixed_cost.py``) was made of.
 
     python3 bench/probe_decode_timeline.py [--workload 64,132,32,32] [--workload 64,64,64,1973,0]
