@@ -328,6 +328,7 @@ def test_balanced_share_counts_match_host_reference(gen, device, monkeypatch, le
 
     if sms is not None:
         monkeypatch.setattr(md, "num_sms", lambda dev: sms)
+    monkeypatch.setattr(md, "FUSED_MERGE", False)  # share counts go to nshare only for the merge kernel
     q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
     plan = MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
     p = plan._plan
@@ -394,6 +395,7 @@ def test_merge_takes_several_heads_a_program(gen, device, monkeypatch):
     import kvforge.kernels.mla_decode as md
 
     monkeypatch.setattr(md, "MERGE_PROGRAMS", 8)
+    monkeypatch.setattr(md, "FUSED_MERGE", False)
     lens = [900, 37, 1500, 5]
     q, kv, bt, sl = make_case(gen, len(lens), 5, 32, 16, 16, lens, torch.float32, device)
     plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
@@ -439,6 +441,61 @@ def test_merge_kernel_against_torch(gen, device, HB, CH):
             else:
                 torch.testing.assert_close(got_o[b, h].double(), ref_o[h], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(got_l[b, h].double(), ref_l[h], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split_dv,balance_sms", [(False, None), (True, None), (False, 66)])
+def test_fused_merge_matches_reference_and_merge_kernel(gen, device, monkeypatch, split_dv, balance_sms):
+    """``FUSED_MERGE``: a split request's last share to finish merges it (no merge launch): against the reference
+    and the merge kernel's result, out and lse NaN-poisoned first, both SPLIT_DV halves, the balanced split, a
+    poisoned share (a page id out of range in one share) making only its request NaN; the arrival counters are
+    zero after every call, over a random sequence of length changes on one plan."""
+    import kvforge.kernels.mla_decode as md
+    from kvforge.kernels._runtime import ConfigTable, TunedKernel
+
+    if device.type != "cpu":
+        pytest.skip("the GPU runs the fused merge in every split test (tests/test_mla_decode_gluon.py too)")
+    if balance_sms is not None:
+        monkeypatch.setattr(md, "num_sms", lambda dev: balance_sms)
+    cfg = md._cfg(8, 16, 1, 1, split_dv=split_dv)
+    monkeypatch.setattr(md, "_SPLIT", TunedKernel(f"mla_decode_fused_test_{split_dv}", md._mla_decode_split_kernel,
+                                                  ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
+    lens = [150, 3, 0, 97, 64] if balance_sms is None else [900, 3, 0, 400, 260]  # the balanced split: long keys
+    q, kv, bt, sl = make_case(gen, len(lens), 11, 32, 16, 16, lens, torch.float32, device)
+    got = {}
+    for fused in (False, True):
+        monkeypatch.setattr(md, "FUSED_MERGE", fused)
+        plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, num_splits=None if balance_sms
+                                else 4)  # fmt: skip
+        assert plan._plan.grid[2] > 1 and plan._plan.fused == fused and (plan._plan.merge is None) == fused
+        assert balance_sms is None or plan._plan.balance > 0
+        out = poisoned((len(lens), 11, 32), torch.float32, device)
+        lse = poisoned((len(lens), 11), torch.float32, device)
+        plan.run(q, kv, out=out, lse=lse)
+        ref, ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+        assert rel_rmse(out, ref) < 1e-5
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+        got[fused] = (out, lse)
+        if fused:
+            cnt = plan._scratch[0][2]
+            assert cnt.numel() == 2 * plan._plan.grid[0] * len(lens) and int(cnt.abs().sum()) == 0
+            rng = torch.Generator().manual_seed(5)
+            for _ in range(4):  # new lengths in place: each run's shares and counts differ
+                sl.copy_(torch.randint(0, 16 * bt.shape[1] + 1, (len(lens),), generator=rng).to(sl))
+                out = plan.run(q, kv)
+                ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+                assert rel_rmse(out, ref) < 1e-5 and int(cnt.abs().sum()) == 0
+            sl.copy_(torch.tensor(lens).to(sl))
+    torch.testing.assert_close(got[True][0], got[False][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-6, rtol=1e-5)
+    bad = bt.clone()
+    bad[0, 8] = kv.shape[0] + 3  # request 0's page 8: tokens 128-143, in its last share
+    flags = _flags(device)
+    out, lse = mla_decode_attention(q, kv, bad, sl, softmax_scale=0.3, v_head_dim=32, num_splits=4, error_flag=flags,
+                                    return_lse=True)  # fmt: skip
+    assert flags.tolist() == [0, 1, 0, 0]
+    assert bool(out[0].isnan().all()) and bool(lse[0].isnan().all())
+    ref, _ = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)
+    assert rel_rmse(out[1:], ref[1:]) < 1e-5
 
 
 def test_merge_heads():

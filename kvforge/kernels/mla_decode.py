@@ -304,14 +304,16 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
-    ORDER: tl.constexpr = False,
+    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
     columns are handled as two halves (a TMA box is at most 256 wide): with SPLIT_DV a program writes only its
     half of the output (half the accumulator registers, the scores computed by both programs of the pair).
-    A request with one share writes ``out``/``lse`` itself; one with several writes fp32 partials and its share
-    count (``nshare``) for ``_decode_merge_kernel``. CHECK: lengths past ``max_len`` and page ids outside
+    A request with one share writes ``out``/``lse`` itself; one with several writes fp32 partials and then, with
+    MERGE, the last of its shares to finish (counted per program column on ``nshare_ptr``, ``[B, programs, 2]``
+    int32 arrival counters, zero before and after) merges them (``_merge_rows``); without, its share count goes
+    to ``nshare`` for ``_decode_merge_kernel``. CHECK: lengths past ``max_len`` and page ids outside
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
     scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
@@ -336,7 +338,7 @@ def _mla_decode_split_kernel(
                                               tl.num_programs(0), BLOCK_N, CHECK, BALANCE)  # fmt: skip
     if split >= n_share:
         return
-    if (S > 1) & (pid1 == 0) & (split == 0):
+    if not MERGE and (S > 1) & (pid1 == 0) & (split == 0):
         tl.store(nshare_ptr + b, n_share)
     if SCALE_MODE == 2:
         kv_scale = tl.load(scale_ptr)
@@ -434,9 +436,24 @@ def _mla_decode_split_kernel(
         _store_share(out_ptr + b * s_ob + rows[:, None] * s_oh, lse_ptr + b * s_lb + rows * s_lh, o_mine, o_other,
                      lse, col_mine, col_other, hmask, half, D_HALF, SPLIT_DV)  # fmt: skip
     else:
-        _store_share(po_ptr + b * s_pob + split.to(tl.int64) * s_pos + rows[:, None] * s_poh,
-                     plse_ptr + b * s_plb + rows * s_plh + split, o_mine, o_other, lse, col_mine, col_other, hmask,
-                     half, D_HALF, SPLIT_DV)  # fmt: skip
+        po_req = po_ptr + b * s_pob
+        pl_req = plse_ptr + b * s_plb
+        # With MERGE both programs of a SPLIT_DV pair write the (identical) lse: each half's merge reads it.
+        lse_half = half
+        if MERGE:
+            lse_half = 0
+        _store_share(po_req + split.to(tl.int64) * s_pos + rows[:, None] * s_poh, pl_req + rows * s_plh + split,
+                     o_mine, o_other, lse, col_mine, col_other, hmask, lse_half, D_HALF, SPLIT_DV)  # fmt: skip
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores are issued before the release (a grid barrier's pattern)
+            cnt = nshare_ptr + (b * tl.num_programs(0) + pid1) * 2
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_share - 1:
+                tl.store(cnt, 0)  # zero again for the next call
+                _merge_rows(po_req, pl_req, s_pos, s_poh, s_plh, n_share, out_ptr + b * s_ob, lse_ptr + b * s_lb,
+                            s_oh, s_lh, rows, hmask, col_mine, half == 0, D_HALF)  # fmt: skip
+                if not SPLIT_DV:
+                    _merge_rows(po_req, pl_req, s_pos, s_poh, s_plh, n_share, out_ptr + b * s_ob,
+                                lse_ptr + b * s_lb, s_oh, s_lh, rows, hmask, col_other, False, D_HALF)  # fmt: skip
 
 
 @triton.jit
@@ -449,6 +466,40 @@ def _store_share(po, pl, o_mine, o_other, lse, col_mine, col_other, hmask, half,
         tl.store(po + col_other + dh[None, :], o_other.to(ty), mask=hmask[:, None])
     if half == 0:
         tl.store(pl, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_rows(po_req, pl_req, s_pos, s_poh, s_plh, n, ob, lb, s_oh, s_lh, rows, hmask, col0, with_lse,
+                D_HALF: tl.constexpr):  # fmt: skip
+    """Columns [col0, col0 + D_HALF) of a request's output rows ``rows`` (and, ``with_lse``, their lse): the
+    log-sum-exp merge of its ``n`` shares' fp32 partials (``po_req`` / ``pl_req`` at share 0, share stride
+    ``s_pos`` / 1), as ``_merge_head``: a share of lse -inf weighs 0 and is not read, a NaN lse makes the row
+    NaN. Loads go to L2 (``.cg``): other programs wrote the partials."""
+    pl = pl_req + rows * s_plh
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    bad = tl.zeros(rows.shape, tl.int32)
+    for sh in range(n):
+        x = tl.load(pl + sh, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+        bad = bad | (x != x).to(tl.int32)
+        m = tl.maximum(m, tl.where(x != x, float("-inf"), x))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    cols = col0 + tl.arange(0, D_HALF)
+    den = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros((rows.shape[0], D_HALF), tl.float32)
+    for sh in range(n):
+        x = tl.load(pl + sh, mask=hmask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp(tl.where(x != x, float("-inf"), x) - m_safe)
+        den += w
+        o = tl.load(po_req + sh * s_pos + rows[:, None] * s_poh + cols[None, :], mask=(w > 0.0)[:, None], other=0.0,
+                    cache_modifier=".cg")  # fmt: skip
+        acc += w[:, None] * o
+    o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    o = tl.where((bad != 0)[:, None], float("nan"), o)
+    optr = ob + rows[:, None] * s_oh + cols[None, :]
+    tl.store(optr, o.to(optr.dtype.element_ty), mask=hmask[:, None])
+    if with_lse:
+        lse = tl.where(den > 0.0, m_safe + tl.log(tl.where(den > 0.0, den, 1.0)), float("-inf"))
+        tl.store(lb + rows * s_lh, tl.where(bad != 0, float("nan"), lse), mask=hmask)
 
 
 @triton.jit(do_not_specialize=["H", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh"])
@@ -528,7 +579,9 @@ def _cfg(
 _GLUON_DTYPES = ("bfloat16", "bfloat16,e4m3")  # config keys' dtypes the Gluon kernel takes (q, and the cache)
 TRIAL_ENV = "KVFORGE_DECODE_TRIAL"  # "1": every Gluon variant of the sm_90 table is a candidate, not only the first
 _GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes among (block_n, stages, early)
-GLUON_MERGE = True  # the Gluon kernel merges split requests itself (its last share to finish), no merge launch
+# The split kernels merge a split request themselves (its last share to finish): no merge launch. The merge
+# kernel instead with KVFORGE_DECODE_FUSED_MERGE=0 (read at import; for comparisons).
+FUSED_MERGE = os.environ.get("KVFORGE_DECODE_FUSED_MERGE", "1") != "0"
 GLUON_MIN_HEADS = 32  # fewest heads (rounded up to a power of two >= 16) a key runs the Gluon kernel with
 
 
@@ -952,7 +1005,7 @@ class _Plan(NamedTuple):
     fp8_bytes: bool
     scratch: tuple[int, int, int]  # fp32 elements of the one scratch buffer; offsets of partial_lse and nshare
     merge_ints: tuple  # H and the merge kernel's strides, in kernel order
-    fused: bool  # S > 1 and the Gluon kernel merges (GLUON_MERGE): the scratch's nshare is its arrival counters
+    fused: bool  # S > 1 and the split kernel merges (FUSED_MERGE): the scratch's nshare is its arrival counters
     state: _State
 
 
@@ -1092,7 +1145,10 @@ def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
     launches on different streams never share a set."""
     st = plan.state
     f = st.gluon.fast if st.gluon is not None else None
-    stream = f[4](f[2]) if f is not None else torch.cuda.current_stream(device).cuda_stream
+    if f is not None:
+        stream = f[4](f[2])
+    else:
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     c = st.counters.get(stream)
     if c is None:
         c = st.counters.setdefault(stream, torch.zeros(2 * plan.grid[0] * plan.B, dtype=torch.int32, device=device))
@@ -1300,13 +1356,13 @@ def _plan_call(
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
                   ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin),
-                  ("ORDER", order))  # fmt: skip
+                  ("ORDER", order), ("MERGE", splits > 1 and FUSED_MERGE))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
         spec = (key, _cfg_id(cfg), q.dtype, kv_cache.dtype, _aligned(*ptrs), _int_spec(ints), consts, splits > 1)
         merge = None
-        fused = splits > 1 and gluon is not None and GLUON_MERGE
+        fused = splits > 1 and FUSED_MERGE
         if splits > 1 and not fused:
             bs = 1 << max(0, splits - 1).bit_length()
             bd = min(128, v_head_dim)  # a power of two
