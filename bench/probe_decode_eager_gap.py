@@ -98,7 +98,7 @@ def share_table(md, w: dict, num_splits: int | None = None, dv: int = DV, dr: in
             "share_tokens": (min(per) * bn, max(per) * bn), "ctas_working": hp * sum(shares),
             "ctas_launched": hp * B * S, "partial_bytes": sum(n * H * (dv + 1) * 4 for n in shares if n > 1),
             "kv_bytes": sum(lens) * (dv + dr) * kv.element_size(),
-            "merge_programs": B * H * (dv // min(128, dv)) if plan.merge else 0}  # fmt: skip
+            "merge_programs": B * H * (dv // min(md.MERGE_BLOCK_D, dv)) if plan.merge else 0}  # fmt: skip
 
 
 def plan_only() -> None:

@@ -5,7 +5,7 @@ On H64 B64 with two shares a request the merge and the gap before it took 17 us 
 H200 timeline, docs/kernels.md, session 18), far above the 12 MB it moves; and a merge taking all of a
 program's heads as one tile was slower still (reverted). This probe sweeps the library kernel's launch
 parameters (heads a program ``HB``, columns a program ``BLOCK_D``, warps, shares a chunk ``CH``) and reports
-each against what the decode plan launches (``merge_heads``, BLOCK_D 128, 2 warps, CH 8). Every request has
+each against what the decode plan launches (``merge_heads``, ``MERGE_BLOCK_D``, 2 warps, CH 8). Every request has
 ``--shares`` live shares out of the grid's ``--splits`` (the rest are never read); partials and lses random.
 Rows go to bench/results/mla_decode_merge.csv.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import append_csv, time_graph
 from kvforge.kernels import mla_decode as md
 
-PLAN_WARPS, PLAN_CH, PLAN_BLOCK_D = 2, 8, 128  # what mla_decode's plan launches (its _MERGE_CFG and BLOCK_D)
+PLAN_WARPS, PLAN_CH, PLAN_BLOCK_D = 2, 8, md.MERGE_BLOCK_D  # what mla_decode's plan launches (_MERGE_CFG, BLOCK_D)
 
 
 def _ints(text: str, name: str) -> list[int]:

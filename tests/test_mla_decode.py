@@ -459,6 +459,7 @@ def test_fused_merge_matches_reference_and_merge_kernel(gen, device, monkeypatch
     cfg = md._cfg(8, 16, 1, 1, split_dv=split_dv)
     monkeypatch.setattr(md, "_SPLIT", TunedKernel(f"mla_decode_fused_test_{split_dv}", md._mla_decode_split_kernel,
                                                   ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
+    monkeypatch.setattr(md, "FUSED_MAX_SHARES", 65535)  # the fused merge at every share count, not only the default's
     lens = [150, 3, 0, 97, 64] if balance_sms is None else [900, 3, 0, 400, 260]  # the balanced split: long keys
     q, kv, bt, sl = make_case(gen, len(lens), 11, 32, 16, 16, lens, torch.float32, device)
     got = {}

@@ -369,17 +369,19 @@ def test_gpu_gluon_planned_runs_and_replay(gen, device, monkeypatch, variant):
 @pytest.mark.parametrize("H,B,page_size,lens,splits", [GPU_CASES[0], GPU_CASES[3], GPU_CASES[8], GPU_CASES[10],
                                                        (64, 64, 64, [1973] * 64, None)])  # fmt: skip
 def test_gpu_gluon_fused_merge(gen, device, monkeypatch, H, B, page_size, lens, splits, variant):
-    """The in-kernel merge (``GLUON_MERGE``: a split request's last share to finish merges it) against the
-    reference and against the merge kernel's result on the same shares; out and lse NaN-poisoned first; the
-    arrival counters are zero after each call (a counter left at one would make the next call merge early)."""
+    """The in-kernel merge (``FUSED_MERGE``: a split request's last share to finish merges it; here at any share
+    count) against the reference and against the merge kernel's result on the same shares; out and lse
+    NaN-poisoned first; the arrival counters are zero after each call (a counter left at one would make the next
+    call merge early)."""
     assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    monkeypatch.setattr(md, "FUSED_MAX_SHARES", 65535)  # the fused merge at every share count, not only the default's
     _only(monkeypatch, _gluon_cfg(*variant))
     q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
     _nan_outside(kv, bt, lens, page_size)
     ref, ref_lse = md.mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=576**-0.5)
     got = {}
     for fused in (True, False):
-        monkeypatch.setattr(md, "GLUON_MERGE", fused)
+        monkeypatch.setattr(md, "FUSED_MERGE", fused)
         plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=576**-0.5, num_splits=splits)
         assert plan._plan.gluon is not None and plan._plan.fused == (fused and plan._plan.grid[2] > 1)
         for _ in range(2):  # a second run finds the counters the first left

@@ -582,6 +582,11 @@ _GLUON_FIRST = (64, 2, False)  # the one Gluon variant an untuned key autotunes 
 # The split kernels merge a split request themselves (its last share to finish): no merge launch. The merge
 # kernel instead with KVFORGE_DECODE_FUSED_MERGE=0 (read at import; for comparisons).
 FUSED_MERGE = os.environ.get("KVFORGE_DECODE_FUSED_MERGE", "1") != "0"
+# Only up to this many shares a request: the merging program reads every share's partial in turn, so past a few
+# the merge kernel (spread over the whole GPU) is faster; below it the merge launch and its mostly empty programs
+# on a large batch cost more (H200: docs/kernels.md, "The merge inside the split kernel").
+FUSED_MAX_SHARES = 2
+MERGE_BLOCK_D = 256  # output columns a merge program takes (bench/probe_decode_merge.py: 1.3-1.5x against 128)
 GLUON_MIN_HEADS = 32  # fewest heads (rounded up to a power of two >= 16) a key runs the Gluon kernel with
 
 
@@ -1347,6 +1352,7 @@ def _plan_call(
         else:
             splits, balance = min(num_splits, max_tiles), 0
         order = order_requests(B, programs_per_request, per_sm * sms)
+        fused = 1 < splits <= FUSED_MAX_SHARES and FUSED_MERGE
         ints = (H, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
                 H * splits * v_head_dim, splits * v_head_dim, v_head_dim)  # fmt: skip
         merge_ints = (H, H * splits * v_head_dim, splits * v_head_dim, v_head_dim, H * splits, splits, out.stride(0),
@@ -1356,16 +1362,15 @@ def _plan_call(
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
                   ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin),
-                  ("ORDER", order), ("MERGE", splits > 1 and FUSED_MERGE))  # fmt: skip
+                  ("ORDER", order), ("MERGE", fused))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
         spec = (key, _cfg_id(cfg), q.dtype, kv_cache.dtype, _aligned(*ptrs), _int_spec(ints), consts, splits > 1)
         merge = None
-        fused = splits > 1 and FUSED_MERGE
         if splits > 1 and not fused:
             bs = 1 << max(0, splits - 1).bit_length()
-            bd = min(128, v_head_dim)  # a power of two
+            bd = min(MERGE_BLOCK_D, v_head_dim)  # a power of two
             hb = merge_heads(B, H, v_head_dim // bd)
             mconsts = (("BLOCK_S", bs), ("BLOCK_D", bd), ("HB", hb))
             mgrid = (B, -(-H // hb), v_head_dim // bd)
