@@ -89,7 +89,7 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
                                "s_lh")}},
         {"PAGE_SIZE": 32, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": 16, "BLOCK_N": 64, "SPLIT_DV": False,
          "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2, "SCALE_MODE": 0, "FP8_BYTES": False,
-         "ORDER": True},
+         "ORDER": True, "MERGE": True},
         4,
     ),
     "_decode_merge_kernel": (

@@ -1,11 +1,11 @@
 """The decode kernel's launch variants compile offline for every target architecture (no GPU).
 
-tests/test_compile_targets.py compiles the kernel once per architecture with its default variant; this file adds
-the SPLIT_DV variant (two programs per head tile, each with half the value columns) at narrow widths (64 + 16,
-bf16) on every architecture and at DeepSeek's real widths (512 + 64) on sm_90, where it is launched, and the
-portable TMA kernel a 32-token, 4-stage Gluon config falls back to on sm_90 (within the SM's shared memory),
-so a variant that stops compiling on one architecture fails here rather than at a user's first launch. The compiles
-run in a subprocess with the interpreter off (this file is also the script: ``python
+tests/test_compile_targets.py compiles the kernel once per architecture with its default variant; this file adds the
+SPLIT_DV variant (two programs per head tile, each with half the value columns; with the fused merge, ``MERGE``) at
+narrow widths (64 + 16, bf16) on every architecture and at DeepSeek's real widths (512 + 64) on sm_90, where it is
+launched, and the portable TMA kernel a 32-token, 4-stage Gluon config falls back to on sm_90 (within the SM's
+shared memory), so a variant that stops compiling on one architecture fails here rather than at a user's first
+launch. The compiles run in a subprocess with the interpreter off (this file is also the script: ``python
 tests/test_mla_decode_compile.py``).
 """
 
@@ -50,7 +50,8 @@ def _compile_all() -> list[dict[str, object]]:
         tma = tma is True
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
                   "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2,
-                  "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89, "ORDER": True}  # fmt: skip
+                  "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89, "ORDER": True,
+                  "MERGE": split_dv}  # fmt: skip
         name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
         tsig = sig
         if fp8:  # an e4m3 cache: the e4m3 type from sm_89, its bytes before
