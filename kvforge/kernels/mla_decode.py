@@ -1145,6 +1145,12 @@ def _launch(
                 st.merge = _DMERGE.direct(mspec)
 
 
+def _new_counters(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """A zeroed set of the fused merge's arrival counters: the split kernels index them
+    ``(request * programs per request + program column) * 2 + half``."""
+    return torch.zeros(2 * plan.grid[0] * plan.B, dtype=torch.int32, device=device)
+
+
 def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
     """The fused merge's arrival counters for the current stream (zeroed once; each launch leaves them zero), so
     launches on different streams never share a set."""
@@ -1156,7 +1162,7 @@ def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     c = st.counters.get(stream)
     if c is None:
-        c = st.counters.setdefault(stream, torch.zeros(2 * plan.grid[0] * plan.B, dtype=torch.int32, device=device))
+        c = st.counters.setdefault(stream, _new_counters(plan, device))
     return c
 
 
@@ -1444,7 +1450,7 @@ class MLADecodePlan:
             views = _scratch_views(buf, plan)
             addrs = (p, p + 4 * plan.scratch[1], p + 4 * plan.scratch[2])
             if plan.fused:  # the plan's own arrival counters (its runs stay on one stream)
-                cnt = torch.zeros(2 * plan.grid[0] * plan.B, dtype=torch.int32, device=q.device)
+                cnt = _new_counters(plan, q.device)
                 views, addrs = (*views[:2], cnt), (*addrs[:2], cnt.data_ptr())
             self._scratch = (views, addrs)
 
