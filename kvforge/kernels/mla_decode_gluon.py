@@ -1,20 +1,19 @@
 """Warp-specialised sm_90 split kernel of MLA decode attention (Gluon), same contract as ``mla_decode``'s.
 
-``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse``
-when it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares
-sized on the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has
-checked every input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one
-(``KV_FP8``: the loader fills an e4m3 ring of ``fp8_ring_slots`` slots, each tile's owner widens it exactly into
-the 2-slot bf16 ring before its scores and hands the e4m3 slot straight back; 32-token tiles); keys 576 =
-512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of
-the key tile; this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
+``mla_decode_gluon_split`` writes, for each (request, 64-head tile, key share), the request's ``out``/``lse`` when
+it has one share, else the fp32 partial output and lse that ``kvforge.kernels.mla_decode`` merges (shares sized on
+the device, value checks poisoning the output, as ``mla_decode``'s portable kernel); the caller has checked every
+input and ``gluon_decode_reason`` said the layout fits. bf16 q; a bf16 cache, or an e4m3 one (``KV_FP8``: the loader
+fills an e4m3 ring of ``fp8_ring_slots`` slots, each tile's owner widens it exactly into a 2-slot fp16 ring before
+its scores, Q rewritten as fp16 (fp16 products), and hands the e4m3 slot straight back; 32-token tiles); keys 576 =
+512 latent + 64 rope (any ``D_V / 2 <= 256`` and ``D_R <= 256`` that fit shared memory), page size a multiple of the
+key tile; this module does not import ``mla_decode`` (one import direction). A variant is (``block_n``, ``stages``,
 ``early``): key tiles of ``block_n`` (32 or 64) tokens in a ring of ``stages`` slots (``smem_bytes`` must fit the
 SM: 64 x 2, 32 x 3 and 32 x 4 do), and the score product issued before (``early``) or after taking the other
-warpgroup's tile. Rows of a share's last tile past the request's length are zeroed before P·V (a never-written
-cache row may hold NaN). Used only where ``gluon_decode_reason`` returns None; everything else takes the portable
-kernel. Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9 bridges. The partitions (a TMA
-loader warp, two consumer warpgroups taking turns) and their schedule: ``docs/kernels.md``, "The sm_90 Gluon
-kernel".
+warpgroup's tile. Rows of a share's last tile past the request's length are zeroed before P·V (a never-written cache
+row may hold NaN). Used only where ``gluon_decode_reason`` returns None; everything else takes the portable kernel.
+Built on ``mla_context_gluon``'s Gluon imports and Triton 3.6 / 3.9 bridges. The partitions (a TMA loader warp, two
+consumer warpgroups taking turns) and their schedule: ``docs/kernels.md``, "The sm_90 Gluon kernel".
 """
 
 from __future__ import annotations
@@ -185,10 +184,11 @@ if gluon is not None:
     def _gd_widen(k8_a, k8_b, k8_r, k_a, k_b, k_r, k_ready, k_empty, k8_empty, i, slot, start, end,
                   BLOCK_N: gl.constexpr, D_HALF: gl.constexpr, D_R: gl.constexpr, STAGES: gl.constexpr,
                   STAGES8: gl.constexpr):  # fmt: skip
-        """KV_FP8: tile i's e4m3 rows (e4m3 slot i % STAGES8) widened into bf16 slot ``slot``, exactly (e4m3 has 3
-        mantissa bits, bf16 7), once both warpgroups are done with that slot's last tile (i - STAGES); rows at or
-        past ``end`` become 0 (a never-written row may hold NaN, and P·V multiplies every row). 128-column
-        slices: one 128-byte swizzle row of the e4m3 tile at a time. Then the e4m3 slot goes back to the loader."""
+        """KV_FP8: tile i's e4m3 rows (e4m3 slot i % STAGES8) widened into fp16 slot ``slot``, exactly (e4m3 values
+        are fp16 values; one conversion a pair, where bf16 takes three), once both warpgroups are done with that
+        slot's last tile (i - STAGES); rows at or past ``end`` become 0 (a never-written row may hold NaN, and P·V
+        multiplies every row). 128-column slices: one 128-byte swizzle row of the e4m3 tile at a time. Then the
+        e4m3 slot goes back to the loader."""
         s8 = i % STAGES8
         mbarrier.wait(k_ready.index(s8), (i // STAGES8) & 1)
         mbarrier.wait(k_empty.index(slot), ((i // STAGES) & 1) ^ 1)
@@ -196,13 +196,13 @@ if gluon is not None:
         rows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, wl))
         bad = (rows >= end)[:, None]
         for c in gl.static_range(D_HALF // 128):
-            xa = k8_a.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            xa = k8_a.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.float16)
             k_a.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xa), xa))
-            xb = k8_b.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.bfloat16)
+            xb = k8_b.index(s8).slice(c * 128, 128, dim=1).load(wl).to(gl.float16)
             k_b.index(slot).slice(c * 128, 128, dim=1).store(gl.where(bad, gl.zeros_like(xb), xb))
         rl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D_R // 16), D_R // 16], [4, 1], [1, 0])
         rrows = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rl))
-        xr = k8_r.index(s8).load(rl).to(gl.bfloat16)
+        xr = k8_r.index(s8).load(rl).to(gl.float16)
         k_r.index(slot).store(gl.where((rrows >= end)[:, None], gl.zeros_like(xr), xr))
         fence_async_shared()
         _barrier()  # every warp's rows are in shared memory before this warpgroup's wgmma reads them
@@ -336,8 +336,9 @@ if gluon is not None:
     def _gd_softmax_publish(sc, m_run, l_run, k_a, k_b, p_smem, m_smem, p_full, i, slot, start, end, scale_log2,
                             s_layout: gl.constexpr, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr,
                             KV_FP8: gl.constexpr):  # fmt: skip
-        """Tile i's online softmax against the running max; P (bf16) and the new max go to shared memory for
-        the other warpgroup (and a partial tile's rows past the end are zeroed first). Returns (P, α, m, l)."""
+        """Tile i's online softmax against the running max; P (bf16, or fp16 with KV_FP8) and the new max go to
+        shared memory for the other warpgroup (and a partial tile's rows past the end are zeroed first). Returns
+        (P, α, m, l)."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         sc = sc * scale_log2
         tok0 = start + i * BLOCK_N
@@ -351,7 +352,7 @@ if gluon is not None:
         if partial and not KV_FP8:  # both latent halves (widening zeroed them): the other reads its half after p_full
             _gd_zero_tail(k_a.index(slot), tok0, end, BLOCK_N, D_HALF)
             _gd_zero_tail(k_b.index(slot), tok0, end, BLOCK_N, D_HALF)
-        p16 = p.to(gl.bfloat16)
+        p16 = p.to(p_smem.dtype)
         p_smem.store(p16)
         m_smem.store(m_new)
         fence_async_shared()
@@ -438,6 +439,35 @@ if gluon is not None:
                 gl.store(lb_base + rows * s_lh, gl.where(bad != 0, float("nan"), lse), mask=live)
 
     @gluon.jit
+    def _gd_q_to_f16(q_a, q_b, q_r, l_ready, W: gl.constexpr, BLOCK_H: gl.constexpr, D_HALF: gl.constexpr,
+                     D_R: gl.constexpr):  # fmt: skip
+        """KV_FP8: the Q tile (bf16, as TMA wrote it) rewritten as fp16 in place, rows [W * BLOCK_H / 2, ...) by
+        warpgroup W (each thread writes back the elements it read); returns the fp16 views once both halves
+        are done. A bf16 value beyond fp16's range becomes inf (as the portable kernel's fp16 products)."""
+        R: gl.constexpr = BLOCK_H // 2
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        h16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], gl.float16)
+        r16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_R], gl.float16)
+        if _NEW_REINTERPRET:
+            a16 = q_a.reinterpret(gl.float16, [BLOCK_H, D_HALF], h16)
+            b16 = q_b.reinterpret(gl.float16, [BLOCK_H, D_HALF], h16)
+            r16v = q_r.reinterpret(gl.float16, [BLOCK_H, D_R], r16)
+        else:
+            a16 = q_a._reinterpret(gl.float16, [BLOCK_H, D_HALF], h16)
+            b16 = q_b._reinterpret(gl.float16, [BLOCK_H, D_HALF], h16)
+            r16v = q_r._reinterpret(gl.float16, [BLOCK_H, D_R], r16)
+        x = q_a.slice(W * R, R).load(ql)
+        a16.slice(W * R, R).store(x.to(gl.float16))
+        x = q_b.slice(W * R, R).load(ql)
+        b16.slice(W * R, R).store(x.to(gl.float16))
+        x = q_r.slice(W * R, R).load(ql)
+        r16v.slice(W * R, R).store(x.to(gl.float16))
+        fence_async_shared()
+        mbarrier.arrive(l_ready, count=1)
+        mbarrier.wait(l_ready, 0)
+        return a16, b16, r16v
+
+    @gluon.jit
     def _gd_consumer(q_desc_h, q_desc_r, k_desc_h, k_desc_r, q_a, q_b, q_r, k_a, k_b, k_r, p_smem, m_smem, l_bufs,
                      q_ready, k_ready, k_empty, p_full, l_ready, bt_row, q_row, start, end, n_tiles, H, h0,
                      po_base, plse_base, s_poh, s_plh, scale_log2, ob_base, lb_base, s_oh, s_lh, direct, bad_len,
@@ -478,6 +508,8 @@ if gluon is not None:
         l_run = gl.zeros([BLOCK_H], gl.float32, layout=srow)
         acc = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
         mbarrier.wait(q_ready, 0)
+        if KV_FP8:  # fp16 products: Q to fp16 in place, each warpgroup half its rows (l_ready's phase 0)
+            q_a, q_b, q_r = _gd_q_to_f16(q_a, q_b, q_r, l_ready, W, BLOCK_H, D_HALF, D_R)
         if W == 0:  # noqa: SIM102 (a constexpr test, then a runtime one: Gluon does not mix them in one `and`)
             if n_tiles > 0:  # tile 0 has no predecessor
                 if KV_FP8:
@@ -540,7 +572,7 @@ if gluon is not None:
         # Row sums: each warpgroup summed its own tiles' P, both rescaled to the same final max.
         l_bufs.slice(W * BLOCK_H, BLOCK_H).store(l_run)
         mbarrier.arrive(l_ready, count=1)
-        mbarrier.wait(l_ready, 0)
+        mbarrier.wait(l_ready, 1 if KV_FP8 else 0)  # (KV_FP8: phase 0 was Q's conversion)
         l_tot = l_run + l_bufs.slice((1 - W) * BLOCK_H, BLOCK_H).load(srow)
         has = l_tot > 0.0
         inv = v_scale / gl.where(has, l_tot, 1.0)  # v_scale: the e4m3 cache's dequantisation (1 for bf16)
@@ -687,17 +719,19 @@ if gluon is not None:
         k8_b = gl.allocate_shared_memory(k_desc_h.dtype, [STAGES8, BLOCK_N, D_HALF], k_desc_h.layout)
         k8_r = gl.allocate_shared_memory(k_desc_r.dtype, [STAGES8, BLOCK_N, D_R], k_desc_r.layout)
         if KV_FP8:
-            kh16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], gl.bfloat16)
-            kr16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.bfloat16)
-            k_a = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_HALF], kh16)
-            k_b = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_HALF], kh16)
-            k_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D_R], kr16)
+            kh16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], gl.float16)
+            kr16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_R], gl.float16)
+            k_a = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D_HALF], kh16)
+            k_b = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D_HALF], kh16)
+            k_r = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, D_R], kr16)
         else:
             k_a = k8_a
             k_b = k8_b
             k_r = k8_r
-        p_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout_s)
+        # P in the products' 16-bit type: bf16, or fp16 with an e4m3 cache (P <= 1: fp16 holds it more exactly)
+        P_DT: gl.constexpr = gl.float16 if KV_FP8 else gl.bfloat16
+        p_layout_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], P_DT)
+        p_smem = gl.allocate_shared_memory(P_DT, [BLOCK_H, BLOCK_N], p_layout_s)
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], vec_layout)
         l_bufs = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], vec_layout)
