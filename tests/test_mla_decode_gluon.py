@@ -441,6 +441,61 @@ def test_gpu_gluon_fused_merge_poison_and_streams(gen, device, monkeypatch):
         assert float((out.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
 
 
+def test_raw_launch_only_for_the_checked_launcher(monkeypatch):
+    """The split kernel's launcher is called past its Python layers only where it has the checked shape (the C
+    function in the descriptor wrapper's closure, no scratch buffers, four descriptors) on the checked Triton."""
+    import triton
+
+    def launch(*args):  # stands in for the C launch function
+        return args
+
+    def make(scratch=0, metas=4, fn=launch):
+        def wrapper(*args):  # the shape of Triton's descriptor wrapper: the C function in its closure
+            return fn(*args)
+
+        launcher = type("L", (), {"launch": staticmethod(wrapper), "global_scratch_size": scratch,
+                                  "profile_scratch_size": 0, "launch_cooperative_grid": False,
+                                  "launch_pdl": False})()  # fmt: skip
+        meta = type("M", (), {"tensordesc_meta": [{"swizzle": 3}] * metas})()
+        return type("K", (), {"run": launcher, "metadata": meta})()
+
+    monkeypatch.setattr(mdg, "_RAW_VERSIONS", ("0.0.",))
+    assert mdg._raw_launch(make()) is None  # another Triton: the launcher object as before
+    monkeypatch.setattr(mdg, "_RAW_VERSIONS", (triton.__version__,))
+    raw = mdg._raw_launch(make())
+    assert raw is not None and raw[0] is launch and raw[1:3] == (False, False) and len(raw[3]) == 4
+    assert mdg._raw_launch(make(scratch=128)) is None
+    assert mdg._raw_launch(make(metas=3)) is None
+    assert mdg._raw_launch(make(fn=print)) is None  # no function named launch in the closure
+    assert mdg._raw_launch(object()) is None
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_raw_launch(gen, device, monkeypatch):
+    """Repeat calls and ``MLADecodePlan.run`` over two caches in turn take the raw launch on the checked Triton
+    (the descriptors encoded once per address pair) and match the reference each time, the default call too."""
+    import triton
+
+    assert mdg._mcg.gluon_available(device), mdg._mcg.gluon_unavailable_reason(device)
+    _only(monkeypatch, _gluon_cfg(*VARIANTS[0]))
+    lens = [300, 5000, 1, 77]
+    q, kv, bt, sl = make_case(gen, 4, 64, 512, 64, 64, lens, torch.bfloat16, device)
+    kv2 = torch.randn_like(kv)
+    refs = [md.mla_decode_attention_ref(q, c, bt, sl, softmax_scale=0.05)[0] for c in (kv, kv2)]
+
+    def close(got, ref):
+        return float((got.float() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()) < 8e-3
+
+    plan = md.MLADecodePlan(q, kv, bt, sl, softmax_scale=0.05)
+    for i in range(6):
+        assert close(plan.run(q, (kv, kv2)[i % 2]), refs[i % 2]), i
+    for _ in range(3):
+        assert close(md.mla_decode_attention(q, kv2, bt, sl, softmax_scale=0.05), refs[1])
+    prep = plan._plan.state.gluon
+    if triton.__version__.startswith(mdg._RAW_VERSIONS) and mdg.RAW_LAUNCH:
+        assert prep.raw is not None and len(prep.expanded) == 2
+
+
 def _compile_one(block_n: int, stages: int, early: bool, ptxas_v: bool = False, fp8: bool = False) -> dict[str, object]:
     """Compile one Gluon variant for sm_90 offline (``fp8``: its e4m3-cache form); with ``ptxas_v``, also
     ptxas -v's registers and spills."""

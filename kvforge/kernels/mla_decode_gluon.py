@@ -19,6 +19,7 @@ consumer warpgroups taking turns) and their schedule: ``docs/kernels.md``, "The 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -804,7 +805,7 @@ class SplitPrep:
     descriptors' fields (checked by the descriptor class once; no tensor kept), the grid, the integer arguments,
     the launch spec and, once compiled, the direct launcher. Filled by the first call given an empty one."""
 
-    __slots__ = ("desc", "fast", "grid", "ints", "spec")
+    __slots__ = ("desc", "expanded", "fast", "grid", "ints", "raw", "spec")
 
     def __init__(self) -> None:
         self.desc: tuple | None = None  # per descriptor: its fields without ``base``, or None (built per call)
@@ -812,6 +813,9 @@ class SplitPrep:
         self.ints: tuple = ()
         self.spec: tuple | None = None
         self.fast: tuple | None = None  # _FAST's entry for spec once compiled
+        self.raw: tuple | None = None  # _raw_launch's entry for the compiled kernel, or None
+        # (q, cache) addresses -> the four descriptors as the raw launcher takes them (CUtensorMaps encoded once)
+        self.expanded: dict[tuple[int, int], tuple] = {}
 
     def ready(self) -> bool:
         """True when a call with this prep launches the compiled kernel directly (so scratch pointers may be raw
@@ -878,6 +882,16 @@ def mla_decode_gluon_split(
         fast = prep.fast
         if direct or (fast is not None and not _rt.hooks_active()):
             kernel, cvals, device, current_device, current_stream = fast
+            raw = prep.raw
+            if raw is not None and (direct or current_device() == device):
+                exp = prep.expanded.get((q.data_ptr(), kv_cache.data_ptr()))
+                if exp is None:
+                    exp = _expand(prep, raw, q, kv_cache, v_head_dim, block_n)
+                grid = prep.grid
+                raw[0](grid[0], grid[1], grid[2], current_stream(device), kernel.function, raw[1], raw[2], None, None,
+                       kernel.packed_metadata, None, None, None, *exp, block_table, seq_lens, partial, partial_lse, out,
+                       lse, nshare, err, *prep.ints, *rt, scale_log2, v_scale, *cvals)  # fmt: skip
+                return kernel
             if direct or current_device() == device:
                 desc = prep.desc
                 if desc is not None:
@@ -966,6 +980,62 @@ def _fill(prep: SplitPrep, descs: tuple, grid: tuple, ints: tuple, spec: tuple, 
     fields = tuple(_fields(d) for d in descs)
     prep.desc = None if any(f is None for f in fields) else fields
     prep.grid, prep.ints, prep.spec, prep.fast = grid, ints, spec, fast
+    prep.raw = _raw_launch(fast[0]) if prep.desc is not None and RAW_LAUNCH else None
+    prep.expanded = {}
+
+
+# Triton 3.6's launcher, called past its Python layers: the compiled kernel's launcher object wraps a C function
+# in a closure that turns each tensor-descriptor argument into a CUtensorMap plus its shape and strides, at every
+# launch (four here: about 20 us of the H200 host's 50 us per call; docs/kernels.md, session 20). A SplitPrep
+# encodes them once per (q, cache) address pair and calls the C function with the same arguments the closure
+# would pass. Only on the Triton this was checked on (3.6, the H200's), only with no scratch buffers and no launch
+# hooks; KVFORGE_DECODE_RAW_LAUNCH=0 turns it off. Anything else takes the launcher object as before.
+RAW_LAUNCH = os.environ.get("KVFORGE_DECODE_RAW_LAUNCH", "1") != "0"
+_RAW_VERSIONS = ("3.6.",)
+_EXPANDED_MAX = 64  # (q, cache) address pairs a SplitPrep keeps encoded (one per layer of an engine step)
+
+
+def _raw_launch(kernel: object) -> tuple | None:
+    """(the C launch function, cooperative flag, PDL flag, the four descriptors' metadata, Triton's encoder) for
+    a compiled Gluon split kernel whose launcher has the checked shape, else None."""
+    if not triton.__version__.startswith(_RAW_VERSIONS):
+        return None
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:
+        return None
+    launcher = getattr(kernel, "run", None)
+    wrapper = getattr(launcher, "launch", None)
+    metas = getattr(getattr(kernel, "metadata", None), "tensordesc_meta", None)
+    if launcher is None or wrapper is None or not metas or len(metas) != 4 or any(m is None for m in metas):
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    cells = [c.cell_contents for c in (getattr(wrapper, "__closure__", None) or ())]
+    fns = [c for c in cells if callable(c) and getattr(c, "__name__", "") == "launch"]
+    if len(fns) != 1:
+        return None
+    coop, pdl = getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None)
+    if coop is None or pdl is None:
+        return None
+    return fns[0], coop, pdl, tuple(metas), make_tensordesc_arg
+
+
+def _expand(
+    prep: SplitPrep, raw: tuple, q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int, block_n: int
+) -> tuple:
+    """The four descriptors over q and the cache, each as the raw launcher takes it (Triton's own encoder),
+    kept in ``prep.expanded`` under the pair of addresses."""
+    desc = prep.desc
+    if desc is not None:
+        descs = (_clone(desc[0], q), _clone(desc[1], q), _clone(desc[2], kv_cache), _clone(desc[3], kv_cache))
+    else:
+        descs = _descriptors(q, kv_cache, v_head_dim, block_n)
+    exp = tuple(x for d, m in zip(descs, raw[3], strict=True) for x in raw[4](d, m))
+    if len(prep.expanded) >= _EXPANDED_MAX:
+        prep.expanded.clear()
+    prep.expanded[(q.data_ptr(), kv_cache.data_ptr())] = exp
+    return exp
 
 
 _FAST: dict = {}  # launch spec -> (compiled kernel, constexpr values, device, current_device, current_stream)
