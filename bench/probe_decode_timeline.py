@@ -52,7 +52,7 @@ POINTS = [
         "",
         "            if t == 0:\n                _tl_stamp(3)\n",
     ),
-    ("\n        mbarrier.wait(q_ready, 0)\n", "        if W == 0:", "        _tl_stamp(4 + W)\n"),
+    ("\n        mbarrier.wait(q_ready, 0)\n", "        if KV_FP8:  # fp16 products", "        _tl_stamp(4 + W)\n"),
     ("", "        last = n_tiles - 1\n        if last >= 0 and last % 2 != W:", "        _tl_stamp(6 + W)\n"),
     ("        mbarrier.wait(l_ready, 0)\n", "", "        _tl_stamp(8 + W)\n"),
     ("                gl.store(plse_base + hr * s_plh, lse, mask=hr < H)\n\n", "", "        _tl_stamp(10 + W)\n"),
