@@ -317,8 +317,12 @@ class TunedKernel:
         from triton.runtime import driver
 
         meta = {**kwargs, **cfg.kwargs}
-        names = [p.name for p in self.fn.params]
-        consts = tuple(meta[name] for name in names[len(args) :])
+        # The constexprs in signature order; a parameter neither the call nor the config names takes its default
+        # (a config committed before the parameter existed does not name it).
+        values = [meta.get(p.name, getattr(p, "default", inspect.Parameter.empty)) for p in self.fn.params[len(args) :]]
+        if any(v is inspect.Parameter.empty for v in values):
+            return
+        consts = tuple(values)
         active = driver.active
         device = active.get_current_device()
         with self._lock:
