@@ -87,7 +87,9 @@ def test_decode_variants_compile_offline():
     assert not failed, "\n".join(failed)
     assert len(records) == len(ARCHS) * (len(VARIANTS) + len(FP8_VARIANTS) + len(FP8_PREFETCH_VARIANTS)) + len(
         REAL_WIDTH_SM90
-    ) + len(GLUON_FALLBACK_SM90)
+    ) + len(
+        GLUON_FALLBACK_SM90
+    )
 
 
 if __name__ == "__main__":
