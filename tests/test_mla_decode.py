@@ -85,53 +85,6 @@ def test_split_value_halves(gen, device, monkeypatch, page_size, dtype):
     check(q, kv, bt, sl, 32, 0.25, dtype, num_splits=2)
 
 
-@pytest.mark.parametrize("page_size", [4, 16, 32])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_prefetch_loop(gen, device, monkeypatch, page_size, fp8):
-    """PREFETCH (the next full key tile loaded into registers during this one's products): tiles inside one page
-    and across pages, shares with no full tile, several shares, an e4m3 cache, and its page checks: a bad page
-    id in a full tile and in the prefetched tile past a share's end (never read: no flag)."""
-    import kvforge.kernels.mla_decode as md
-    from kvforge.kernels._runtime import ConfigTable, TunedKernel
-
-    if device.type != "cpu":
-        pytest.skip("the GPU sweeps every configuration in bench/bench_mla_decode.py")
-    cfg = md._cfg(16, 16, 1, 1, prefetch=True)
-    assert cfg.kwargs["PREFETCH"] is True
-    monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_prefetch_test", md._mla_decode_split_kernel,
-                                                  ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
-    lens = [0, 37, 70, 15, 16]
-    if fp8:
-        q, _, kv, bt, sl = _fp8_case(gen, device, 5, 5, page_size, lens, 1.5)
-        kw = {"kv_scale_quant_orig": 1.5}
-    else:
-        q, kv, bt, sl = make_case(gen, 5, 5, 32, 16, page_size, lens, torch.float32, device)
-        kw = {}
-    ref, ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, **kw)
-    tol = FP8_BOUND_DEQUANT if fp8 else 1e-5
-    for splits in (None, 1, 3):
-        out = poisoned((5, 5, 32), q.dtype, device)
-        lse = poisoned((5, 5), torch.float32, device)
-        mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, lse=lse, num_splits=splits,
-                             **kw)  # fmt: skip
-        assert_all_written(out)
-        assert bool((out[0] == 0).all()) and bool(lse[0].isneginf().all())
-        assert rel_rmse(out.cpu()[1:].float(), ref.cpu()[1:]) < tol
-        torch.testing.assert_close(lse.cpu()[1:], ref_lse.cpu()[1:], atol=2e-2 if fp8 else 1e-4, rtol=1e-3)
-    bad = bt.clone()
-    bad[2, 0] = kv.shape[0]  # request 2's first page: a full tile
-    unread = bt.clone()
-    unread[4, -(-16 // page_size)] = 10**6  # past request 4's 16 keys: the prefetch after its last tile
-    for table, who in ((bad, 2), (unread, None)):
-        flags = _flags(device)
-        out = mla_decode_attention(q, kv, table, sl, softmax_scale=0.3, v_head_dim=32, error_flag=flags, **kw)
-        assert flags.tolist() == [0, int(who is not None), 0, 0]
-        good = [b for b in range(5) if b != who]
-        assert rel_rmse(out.cpu()[good].float(), ref.cpu()[good]) < tol
-        if who is not None:
-            assert bool(out[who].isnan().all())
-
-
 def test_default_num_splits_fills_the_wave():
     from kvforge.kernels.mla_decode import default_num_splits
 

@@ -27,8 +27,6 @@ REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
 GLUON_FALLBACK_SM90 = [(512, 64, 64, 32, 8, 4)]
 # An e4m3 latent cache (bf16 q, fp16 products), on every architecture: the configs an e4m3 key runs.
 FP8_VARIANTS = [(512, 64, 16, 64, 4, 2, False), (512, 64, 64, 64, 8, 2, False)]
-# The same with the next key tile prefetched into registers (PREFETCH), the sm_90 table's prefetch tiles.
-FP8_PREFETCH_VARIANTS = [(512, 64, 16, 32, 4, 1, False), (512, 64, 64, 32, 8, 1, False)]
 
 
 def _compile_all() -> list[dict[str, object]]:
@@ -47,17 +45,14 @@ def _compile_all() -> list[dict[str, object]]:
     jobs = [(arch, v, False) for arch in ARCHS for v in VARIANTS] + [(90, v, False) for v in REAL_WIDTH_SM90]
     jobs += [(90, (*v, False), True) for v in GLUON_FALLBACK_SM90]
     jobs += [(arch, v, "fp8") for arch in ARCHS for v in FP8_VARIANTS]
-    jobs += [(arch, v, "fp8 prefetch") for arch in ARCHS for v in FP8_PREFETCH_VARIANTS]
     for arch, (dv, dr, bh, bn, warps, stages, split_dv), tma in jobs:
-        prefetch = tma == "fp8 prefetch"
-        fp8 = tma in ("fp8", "fp8 prefetch")
+        fp8 = tma == "fp8"
         tma = tma is True
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
                   "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2,
                   "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89, "ORDER": True,
-                  "MERGE": split_dv, "PREFETCH": prefetch}  # fmt: skip
-        name = (f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
-                f" prefetch={prefetch}")  # fmt: skip
+                  "MERGE": split_dv}  # fmt: skip
+        name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
         tsig = sig
         if fp8:  # an e4m3 cache: the e4m3 type from sm_89, its bytes before
             kv_t = "*fp8e4nv" if arch >= 89 else "*u8"
@@ -85,9 +80,7 @@ def test_decode_variants_compile_offline():
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, "\n".join(failed)
-    assert len(records) == len(ARCHS) * (len(VARIANTS) + len(FP8_VARIANTS) + len(FP8_PREFETCH_VARIANTS)) + len(
-        REAL_WIDTH_SM90
-    ) + len(
+    assert len(records) == len(ARCHS) * (len(VARIANTS) + len(FP8_VARIANTS)) + len(REAL_WIDTH_SM90) + len(
         GLUON_FALLBACK_SM90
     )
 

@@ -149,31 +149,6 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
 
 
 @triton.jit
-def _next_tile(kv_ptr, desc_h, desc_r, bt_row, n0, full_end, offs_n, bad_page, bad_tok, num_pages, s_kp, s_kr,
-               col_mine, col_other, PAGE_SIZE: tl.constexpr, D_HALF: tl.constexpr, D_V: tl.constexpr,
-               D_R: tl.constexpr, BLOCK_N: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
-    """The full key tile at ``n0`` (pointer loads; rows zero and nothing read when ``n0 >= full_end``) and the
-    page checks' flags updated with its page ids (PREFETCH's loop)."""
-    tok = n0 + offs_n
-    live = tok < full_end  # all or none of a full tile's rows
-    if PAGE_SIZE % BLOCK_N == 0:
-        page = tl.load(bt_row + n0 // PAGE_SIZE, mask=n0 < full_end, other=0).to(tl.int64)
-        if CHECK:
-            wrong = (n0 < full_end) & ((page < 0) | (page >= num_pages))
-            bad_page = bad_page | wrong.to(tl.int32)
-            page = tl.where(wrong, 0, page)
-    else:
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=live, other=0).to(tl.int64)
-        if CHECK:
-            wrong = live & ((page < 0) | (page >= num_pages))
-            bad_tok = bad_tok | wrong.to(tl.int32)
-            page = tl.where(wrong, 0, page)
-    k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, live, page, s_kp, s_kr, col_mine, col_other,
-                                       PAGE_SIZE, D_HALF, D_V, D_R, False, True, BLOCK_N)  # fmt: skip
-    return k_mine, k_other, k_rope, bad_page, bad_tok
-
-
-@triton.jit
 def _share_even(seq_ptr, B, max_len, min_tiles, slots, head_progs, BLOCK_N: tl.constexpr):
     """(c0, longest request) in key tiles: the even share ``max(min_tiles, ceil(total * head_progs / slots))``
     of the balanced split, and the batch's longest request (one pass over the lengths, 256 at a time)."""
@@ -329,7 +304,7 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
-    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -398,44 +373,25 @@ def _mla_decode_split_kernel(
     bt_row = bt_ptr + b * s_btb
     bad_page = bad * 0
     bad_tok = tl.zeros((BLOCK_N,), tl.int32)
-    if PREFETCH:
-        # The next full tile is loaded into registers while this one is multiplied: an e4m3 tile widens between
-        # its load and its products, and Triton's pipeliner stages only loads that feed a product directly, so
-        # without this every tile waits out the whole memory latency. A tile past the loop is masked (no read).
-        nk_mine, nk_other, nk_rope, bad_page, bad_tok = _next_tile(
-            kv_ptr, desc_h, desc_r, bt_row, start, full_end, offs_n, bad_page, bad_tok, num_pages, s_kp, s_kr,
-            col_mine, col_other, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_N, CHECK)  # fmt: skip
-        for n0 in tl.range(start, full_end, BLOCK_N, num_stages=1):
-            k_mine = nk_mine
-            k_other = nk_other
-            k_rope = nk_rope
-            nk_mine, nk_other, nk_rope, bad_page, bad_tok = _next_tile(
-                kv_ptr, desc_h, desc_r, bt_row, n0 + BLOCK_N, full_end, offs_n, bad_page, bad_tok, num_pages,
-                s_kp, s_kr, col_mine, col_other, PAGE_SIZE, D_HALF, D_V, D_R, BLOCK_N, CHECK)  # fmt: skip
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
-    else:
-        for n0 in tl.range(start, full_end, BLOCK_N):
-            tok = n0 + offs_n
-            if PAGE_SIZE % BLOCK_N == 0:
-                page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
-                if CHECK:
-                    wrong = (page < 0) | (page >= num_pages)
-                    bad_page = bad_page | wrong.to(tl.int32)
-                    page = tl.where(wrong, 0, page)
-            else:
-                page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
-                if CHECK:  # per token: or-ed into a vector, reduced once after the loop (no reduction per tile)
-                    wrong = (page < 0) | (page >= num_pages)
-                    bad_tok = bad_tok | wrong.to(tl.int32)
-                    page = tl.where(wrong, 0, page)
-            k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
-                                               col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False,
-                                               BLOCK_N)  # fmt: skip
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
+    for n0 in tl.range(start, full_end, BLOCK_N):
+        tok = n0 + offs_n
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            if CHECK:
+                wrong = (page < 0) | (page >= num_pages)
+                bad_page = bad_page | wrong.to(tl.int32)
+                page = tl.where(wrong, 0, page)
+        else:
+            page = tl.load(bt_row + tok // PAGE_SIZE).to(tl.int64)
+            if CHECK:  # per token: or-ed into a vector, reduced once after the loop (no reduction per tile)
+                wrong = (page < 0) | (page >= num_pages)
+                bad_tok = bad_tok | wrong.to(tl.int32)
+                page = tl.where(wrong, 0, page)
+        k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
+                                           col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -611,15 +567,12 @@ def _cfg(
     tma: bool = False,
     per_sm: int = 2,
     gluon: int = 0,
-    prefetch: bool = False,
 ) -> triton.Config:
     """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares.
     ``gluon``: launch ``mla_decode_gluon``'s warp-specialised kernel where ``gluon_decode_reason`` allows (64-head
     tiles, its own warps; ``bn``-token key tiles in a ring of ``stages``; 1: the score product issued after taking
     the other warpgroup's tile, 2: before it); elsewhere this config's portable kernel runs."""
     kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm, "GLUON": gluon}
-    if prefetch:  # the portable kernel's register prefetch of the next key tile (pointer loads, no TMA)
-        kw["PREFETCH"] = True
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
@@ -672,8 +625,6 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     # asks, and checks each against the reference): a key without a committed config autotunes by speed alone.
     if kw.get("GLUON") and _gluon_variant(cfg) != _gluon_first(key[4]) and os.environ.get(TRIAL_ENV) != "1":
         return False
-    if kw.get("PREFETCH") and (kw["USE_TMA"] or kw.get("GLUON")):  # the prefetch loop reads through pointers
-        return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
 
@@ -701,14 +652,6 @@ _CONFIGS = ConfigTable(
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=2),
-            # The portable kernel with the next key tile prefetched into registers (PREFETCH; the pipeliner
-            # does not stage an e4m3 tile, which widens between its load and its products).
-            _cfg(16, 32, 4, 1, prefetch=True),
-            _cfg(16, 64, 4, 1, prefetch=True),
-            _cfg(16, 64, 8, 1, prefetch=True),
-            _cfg(32, 32, 4, 1, prefetch=True),
-            _cfg(64, 32, 8, 1, per_sm=1, prefetch=True),
-            _cfg(64, 64, 8, 1, per_sm=1, prefetch=True),
         ]
     },
     keep=_keep,
