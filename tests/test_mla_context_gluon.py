@@ -249,3 +249,33 @@ def test_gpu_gluon_cuda_graph_replay(gen, device):
     torch.cuda.synchronize()
     ref, _ = mla_context_attention_ref(q8, k8, v8, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)
     assert rel_rmse(out, ref) < 0.035
+
+
+@pytest.mark.gpu
+def test_gpu_context_raw_launch(gen, device):
+    """Replays of ``MLAContextPlan.run`` and of the one call over two K/V buffers in turn take the C launch past
+    Triton's launcher object on the checked Triton (a recording per buffer pair, its descriptors encoded once)
+    and match the reference each time."""
+    import triton
+
+    import kvforge.kernels._runtime as rt
+
+    assert mg.gluon_available(device), mg.gluon_unavailable_reason(device)
+    q, k, v, cu_q, cu_kv = _make(gen, device, [700, 5, 130], [300, 0, 2000], heads=16, extra_rows=0)
+    q8, k8, v8 = _cast("fp8", q, k, v, 2.0)
+    k2, v2 = _cast("fp8", q, torch.randn_like(k), torch.randn_like(v), 2.0)[1:]
+    refs = [mla_context_attention_ref(q8, kk, vv, cu_q.cpu(), cu_kv.cpu(), kv_scale_quant_orig=2.0, head_chunk=4)[0]
+            for kk, vv in ((k8, v8), (k2, v2))]  # fmt: skip
+    plan = _plan(cu_q, cu_kv, 16, 16, q8, k8, "token_major", GLUON_CFG)
+    for i in range(6):
+        kk, vv = ((k8, v8), (k2, v2))[i % 2]
+        assert rel_rmse(plan.run(q8, kk, vv, kv_scale_quant_orig=2.0), refs[i % 2]) < 0.035, i
+    for i in range(4):
+        kk, vv = ((k8, v8), (k2, v2))[i % 2]
+        got = mc.mla_context_attention(q8, kk, vv, cu_q, cu_kv, kv_scale_quant_orig=2.0)
+        assert rel_rmse(got, refs[i % 2]) < 0.035, i
+    launches = [f.launch for f in plan._runs.values() if f is not None and f.launch is not None]
+    assert launches
+    if triton.__version__.startswith(rt.RAW_VERSIONS) and rt.RAW_LAUNCH:
+        assert all(rec.raw is not None for rec in launches if rec.descs)
+        assert all(len(rec.expanded) == 1 for rec in launches if rec.descs)

@@ -459,9 +459,10 @@ def test_raw_launch_only_for_the_checked_launcher(monkeypatch):
         meta = type("M", (), {"tensordesc_meta": [{"swizzle": 3}] * metas})()
         return type("K", (), {"run": launcher, "metadata": meta})()
 
-    monkeypatch.setattr(mdg, "_RAW_VERSIONS", ("0.0.",))
+    monkeypatch.setattr(mdg._rt, "RAW_VERSIONS", ("0.0.",))
     assert mdg._raw_launch(make()) is None  # another Triton: the launcher object as before
-    monkeypatch.setattr(mdg, "_RAW_VERSIONS", (triton.__version__,))
+    monkeypatch.setattr(mdg._rt, "RAW_VERSIONS", (triton.__version__,))
+    monkeypatch.setattr(mdg._rt, "RAW_LAUNCH", True)
     raw = mdg._raw_launch(make())
     assert raw is not None and raw[0] is launch and raw[1:3] == (False, False) and len(raw[3]) == 4
     assert mdg._raw_launch(make(scratch=128)) is None
@@ -492,7 +493,7 @@ def test_gpu_gluon_raw_launch(gen, device, monkeypatch):
     for _ in range(3):
         assert close(md.mla_decode_attention(q, kv2, bt, sl, softmax_scale=0.05), refs[1])
     prep = plan._plan.state.gluon
-    if triton.__version__.startswith(mdg._RAW_VERSIONS) and mdg.RAW_LAUNCH:
+    if triton.__version__.startswith(mdg._rt.RAW_VERSIONS) and mdg.RAW_LAUNCH and mdg._rt.RAW_LAUNCH:
         assert prep.raw is not None and len(prep.expanded) == 2
 
 

@@ -417,6 +417,43 @@ def jit_direct(fn: Any, args: Sequence[Any], consts: Mapping[str, Any], **option
         return None
 
 
+# Triton 3.6's launcher, called past its Python layers: the compiled kernel's launcher object wraps a C function in
+# a closure that turns each tensor-descriptor argument into a CUtensorMap plus its shape and strides, at every
+# launch (about 5 us of host time each on the H200's host; docs/kernels.md, session 20). A replay that keeps the
+# encoded descriptors per base address calls the C function with the arguments the closure would pass. Only on the
+# Triton this was checked on (3.6, the H200's), with no scratch buffers and no launch hooks; KVFORGE_RAW_LAUNCH=0
+# turns it off. Anything else takes the launcher object.
+RAW_LAUNCH = os.environ.get("KVFORGE_RAW_LAUNCH", "1") != "0"
+RAW_VERSIONS = ("3.6.",)
+RAW_EXPANDED_MAX = 64  # base-address tuples a replay keeps encoded (an engine step's layers each have their own)
+
+
+def raw_launcher(kernel: object, n_desc: int) -> tuple | None:
+    """(the C launch function, cooperative flag, PDL flag, the descriptors' metadata, Triton's encoder) for a
+    compiled kernel with ``n_desc`` tensor-descriptor arguments whose launcher has the checked shape, else None."""
+    if not RAW_LAUNCH or not triton.__version__.startswith(RAW_VERSIONS):
+        return None
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:
+        return None
+    launcher = getattr(kernel, "run", None)
+    wrapper = getattr(launcher, "launch", None)
+    metas = getattr(getattr(kernel, "metadata", None), "tensordesc_meta", None)
+    if launcher is None or wrapper is None or not metas or len(metas) != n_desc or any(m is None for m in metas):
+        return None
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    cells = [c.cell_contents for c in (getattr(wrapper, "__closure__", None) or ())]
+    fns = [c for c in cells if callable(c) and getattr(c, "__name__", "") == "launch"]
+    if len(fns) != 1:
+        return None
+    coop, pdl = getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None)
+    if coop is None or pdl is None:
+        return None
+    return fns[0], coop, pdl, tuple(metas), make_tensordesc_arg
+
+
 class RecordedLaunch:
     """A ``launch_jit(fn, grid, args, consts, **options)`` replayed on other tensors laid out alike.
 
@@ -428,12 +465,16 @@ class RecordedLaunch:
     specialises on (``tensor_key`` of each tensor, the scalar arguments), so a replay compiles nothing new.
     """
 
-    __slots__ = ("base", "consts", "descs", "fast", "fn", "grid", "options", "slots")
+    __slots__ = ("base", "consts", "descs", "expanded", "fast", "fn", "grid", "options", "raw", "slots")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], base: list, slots: tuple, descs: tuple,
                  consts: Mapping[str, Any], options: Mapping[str, Any], fast: tuple | None) -> None:  # fmt: skip
         self.fn, self.grid, self.base, self.slots, self.descs = fn, (*grid, 1, 1)[:3], base, slots, descs
         self.consts, self.options, self.fast = consts, options, fast
+        # With descriptors, the C launch past Triton's launcher object (raw_launcher), and per tuple of the
+        # descriptors' base addresses their encoded arguments, spliced in from the last position back.
+        self.raw = raw_launcher(fast[0], len(descs)) if fast is not None and descs else None
+        self.expanded: dict[tuple[int, ...], tuple] = {}
 
     @classmethod
     def record(cls, fn: Any, grid: tuple[int, ...], args: Sequence[Any], consts: Mapping[str, Any],
@@ -460,12 +501,25 @@ class RecordedLaunch:
         args = self.base.copy()
         for i, j in self.slots:
             args[i] = tensors[j]
+        fast, raw = self.fast, self.raw
+        if raw is not None and not _hooks_active():
+            kernel, cvals, device, current_device, current_stream = fast  # type: ignore[misc]
+            if current_device() == device:
+                key = tuple(tensors[d[3]].data_ptr() for d in self.descs)
+                exp = self.expanded.get(key)
+                if exp is None:
+                    exp = self._expand(tensors, key)
+                for (i, _, _, _), e in zip(reversed(self.descs), exp, strict=True):
+                    args[i : i + 1] = e
+                g = self.grid
+                raw[0](g[0], g[1], g[2], current_stream(device), kernel.function, raw[1], raw[2], None, None,
+                       kernel.packed_metadata, None, None, None, *args, *cvals)  # fmt: skip
+                return
         for i, kind, fields, j in self.descs:
             d = kind.__new__(kind)
             d.__dict__.update(fields)
             d.base = tensors[j]
             args[i] = d
-        fast = self.fast
         if fast is not None and not _hooks_active():
             kernel, cvals, device, current_device, current_stream = fast
             if current_device() == device:
@@ -474,6 +528,21 @@ class RecordedLaunch:
                            None, None, *args, *cvals)  # fmt: skip
                 return
         launch_jit(self.fn, self.grid, args, self.consts, **self.options)
+
+    def _expand(self, tensors: Sequence[Any], key: tuple[int, ...]) -> tuple:
+        """The descriptors over ``tensors`` as the raw launcher takes them (Triton's own encoder), last argument
+        first, kept under their base addresses."""
+        raw, out = self.raw, []
+        for (_, kind, fields, j), meta in zip(self.descs, raw[3], strict=True):  # type: ignore[index]
+            d = kind.__new__(kind)
+            d.__dict__.update(fields)
+            d.base = tensors[j]
+            out.append(tuple(raw[4](d, meta)))  # type: ignore[index]
+        exp = tuple(reversed(out))
+        if len(self.expanded) >= RAW_EXPANDED_MAX:
+            self.expanded.clear()
+        self.expanded[key] = exp
+        return exp
 
 
 def export_tuned(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:

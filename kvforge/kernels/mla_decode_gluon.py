@@ -984,41 +984,15 @@ def _fill(prep: SplitPrep, descs: tuple, grid: tuple, ints: tuple, spec: tuple, 
     prep.expanded = {}
 
 
-# Triton 3.6's launcher, called past its Python layers: the compiled kernel's launcher object wraps a C function
-# in a closure that turns each tensor-descriptor argument into a CUtensorMap plus its shape and strides, at every
-# launch (four here: about 20 us of the H200 host's 50 us per call; docs/kernels.md, session 20). A SplitPrep
-# encodes them once per (q, cache) address pair and calls the C function with the same arguments the closure
-# would pass. Only on the Triton this was checked on (3.6, the H200's), only with no scratch buffers and no launch
-# hooks; KVFORGE_DECODE_RAW_LAUNCH=0 turns it off. Anything else takes the launcher object as before.
+# The launch past Triton's launcher object (_runtime.raw_launcher: Triton 3.6 only, no scratch buffers, no launch
+# hooks): the four descriptors encoded once per (q, cache) address pair. KVFORGE_DECODE_RAW_LAUNCH=0 (or
+# KVFORGE_RAW_LAUNCH=0) turns it off.
 RAW_LAUNCH = os.environ.get("KVFORGE_DECODE_RAW_LAUNCH", "1") != "0"
-_RAW_VERSIONS = ("3.6.",)
-_EXPANDED_MAX = 64  # (q, cache) address pairs a SplitPrep keeps encoded (one per layer of an engine step)
 
 
 def _raw_launch(kernel: object) -> tuple | None:
-    """(the C launch function, cooperative flag, PDL flag, the four descriptors' metadata, Triton's encoder) for
-    a compiled Gluon split kernel whose launcher has the checked shape, else None."""
-    if not triton.__version__.startswith(_RAW_VERSIONS):
-        return None
-    try:
-        from triton.backends.nvidia.driver import make_tensordesc_arg
-    except ImportError:
-        return None
-    launcher = getattr(kernel, "run", None)
-    wrapper = getattr(launcher, "launch", None)
-    metas = getattr(getattr(kernel, "metadata", None), "tensordesc_meta", None)
-    if launcher is None or wrapper is None or not metas or len(metas) != 4 or any(m is None for m in metas):
-        return None
-    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
-        return None
-    cells = [c.cell_contents for c in (getattr(wrapper, "__closure__", None) or ())]
-    fns = [c for c in cells if callable(c) and getattr(c, "__name__", "") == "launch"]
-    if len(fns) != 1:
-        return None
-    coop, pdl = getattr(launcher, "launch_cooperative_grid", None), getattr(launcher, "launch_pdl", None)
-    if coop is None or pdl is None:
-        return None
-    return fns[0], coop, pdl, tuple(metas), make_tensordesc_arg
+    """``_runtime.raw_launcher`` for a compiled Gluon split kernel (four descriptors)."""
+    return _rt.raw_launcher(kernel, 4)
 
 
 def _expand(
@@ -1032,7 +1006,7 @@ def _expand(
     else:
         descs = _descriptors(q, kv_cache, v_head_dim, block_n)
     exp = tuple(x for d, m in zip(descs, raw[3], strict=True) for x in raw[4](d, m))
-    if len(prep.expanded) >= _EXPANDED_MAX:
+    if len(prep.expanded) >= _rt.RAW_EXPANDED_MAX:
         prep.expanded.clear()
     prep.expanded[(q.data_ptr(), kv_cache.data_ptr())] = exp
     return exp
