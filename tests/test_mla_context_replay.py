@@ -89,6 +89,12 @@ def test_one_call_replay_rebuilds_the_table_from_new_lengths(gen, device, monkey
     assert again is out
     assert_close(again, mla_context_attention_ref(q, k, v, cu_q, cu_kv)[0], torch.bfloat16)
     assert not torch.equal(again, first)
+    # The replays wrote their table into one kept buffer (this stream's), allocated once.
+    ((_, one),) = [e for e in mc._CALLS._plans.values() if e is not None]
+    assert len(one.kept) == 1
+    ptr = next(iter(one.kept.values()))[0].data_ptr()
+    mla_context_attention(q, k, v, cu_q, cu_kv, out=out, **kw)
+    assert len(one.kept) == 1 and next(iter(one.kept.values()))[0].data_ptr() == ptr
 
 
 def test_one_call_replay_sets_the_error_flag(gen, device, monkeypatch):

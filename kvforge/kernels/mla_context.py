@@ -1054,13 +1054,40 @@ def _replay_run(fast: _RunFast, device, work, q, k, v, out, lse_out, kv_scale_qu
 class _OneCall(NamedTuple):
     """A checked ``mla_context_attention`` call with device lengths, replayed by calls with the same metadata:
     the work-table buffer's size, the table launches (``RecordedLaunch`` over ``(cu_q, cu_kv, starts, flag,
-    work)``) and ``run``'s launch."""
+    work)``) and ``run``'s launch; ``kept``: per CUDA stream, the table buffer and its two views, so a replay
+    allocates and slices nothing (calls on one stream run in order: a call's table launch writes the buffer after
+    the previous call's attention launch has read it)."""
 
     buf_len: int
     n_work: int  # int32 entries of the table at the buffer's start; the per-request starts follow
     tables: tuple[RecordedLaunch, ...]
     zero_flag: bool  # an empty batch: the flag is cleared on the host side of the stream, nothing launched
     run: _RunFast
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+_KEPT_STREAMS = 8  # streams a one-call recording keeps a table buffer for; more start the set afresh
+
+
+def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(buffer, work view, starts view) of ``one``'s table for the current stream, made on first use; None while
+    a CUDA graph is being captured (a buffer from the graph's pool is not kept past it) or when the fresh buffer
+    is not 16-byte aligned as the recording's was."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        stream = torch.cuda.current_stream(device).cuda_stream
+    else:
+        stream = 0
+    kept = one.kept.get(stream)
+    if kept is None:
+        buf = torch.empty((one.buf_len,), dtype=torch.int32, device=device)
+        if buf.data_ptr() % 16 != 0:
+            return None
+        if len(one.kept) >= _KEPT_STREAMS:
+            one.kept.clear()
+        kept = one.kept.setdefault(stream, (buf, buf[: one.n_work].view(-1, 4), buf[one.n_work :]))
+    return kept
 
 
 _CALLS = PlanCache(maxsize=256)  # an engine step calls once per layer, each with its own q/k/v buffers
@@ -1774,10 +1801,13 @@ def mla_context_attention(
         # The same tensors (address, shape, strides, dtype, device) and scalars as an earlier checked call: its
         # checks read only that metadata. The lengths' values are never read on the host, so nothing else differs.
         one: _OneCall = hit[1]
-        buf = torch.empty((one.buf_len,), dtype=torch.int32, device=q.device)
-        if buf.data_ptr() % 16 == 0:  # as recorded (the table launches were specialised on it)
-            work = buf[: one.n_work].view(-1, 4)
-            tensors = (cu_seqlens_q, cu_seqlens_kv, buf[one.n_work :], buf if error_flag is None else error_flag, work)
+        kept = _kept_table(one, q.device)
+        if kept is None:
+            buf = torch.empty((one.buf_len,), dtype=torch.int32, device=q.device)
+            kept = (buf, buf[: one.n_work].view(-1, 4), buf[one.n_work :]) if buf.data_ptr() % 16 == 0 else None
+        if kept is not None:  # aligned as recorded (the table launches were specialised on it)
+            buf, work, starts = kept
+            tensors = (cu_seqlens_q, cu_seqlens_kv, starts, buf if error_flag is None else error_flag, work)
             for table in one.tables:
                 table.launch(tensors)
             if one.zero_flag:
@@ -1843,7 +1873,7 @@ def mla_context_attention(
             buf = plan.work if plan.work._base is None else plan.work._base
             if run is not None and all(r is not None for r in recs) and buf.data_ptr() % 16 == 0:
                 n_work = plan.work.numel()
-                one = _OneCall(buf.numel(), n_work, tuple(recs), flag is not None and not tables, run)
+                one = _OneCall(buf.numel(), n_work, tuple(recs), flag is not None and not tables, run, {})
                 _CALLS.put(key, (env, one))
             return res
     else:
