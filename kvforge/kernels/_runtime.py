@@ -6,7 +6,8 @@
   measured once on a GPU; the interpreter uses the table's interpreter config. ``launch_fast`` and
   ``direct(spec)`` / ``DirectLaunch`` skip the per-call binder work after the first call per ``spec``;
   ``launch_jit`` does the same for a kernel launched as ``fn[grid]``, keyed on what Triton specialises on;
-  ``RecordedLaunch`` replays one such launch on other tensors laid out alike.
+  ``RecordedLaunch`` replays one such launch on other tensors laid out alike (on Triton 3.6, with tensor
+  descriptors, past the launcher object: ``raw_launcher``, descriptors encoded once per base address).
 * ``tensor_key`` / ``PlanCache``: a cache of per-call launch plans keyed by each tensor's address, shape,
   strides, dtype and device, so a changed buffer takes the fully checked path again.
 
