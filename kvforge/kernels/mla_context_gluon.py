@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from kvforge.kernels._runtime import launch_jit
+from kvforge.kernels._runtime import clone_descriptor, launch_jit
 
 try:  # Gluon ships with Triton >= 3.5; its API moves between releases, so every name is checked here
     from triton.experimental import gluon
@@ -615,10 +615,7 @@ _DESC_FIELDS: dict = {}  # layout key -> each descriptor's fields without its ba
 
 
 def _clone_desc(fields: dict, base: torch.Tensor) -> object:
-    d = GluonTensorDescriptor.__new__(GluonTensorDescriptor)
-    d.__dict__.update(fields)
-    d.base = base
-    return d
+    return clone_descriptor(GluonTensorDescriptor, fields, base)
 
 
 def _build_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, dv: int, num_kv_heads: int,

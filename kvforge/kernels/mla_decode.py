@@ -45,6 +45,7 @@ from kvforge.kernels._runtime import (
     PlanCache,
     TunedKernel,
     arch_name,
+    clone_descriptor,
     device_capability,
     hooks_active,
     interpreting,
@@ -1053,13 +1054,7 @@ def _ready(plan: _Plan) -> bool:
 def _tma_descs(plan: _Plan, kv_cache: torch.Tensor) -> tuple:
     st = plan.state
     if st.tma is not None:
-        out = []
-        for cls, fields in st.tma:
-            d = cls.__new__(cls)
-            d.__dict__.update(fields)
-            d.base = kv_cache
-            out.append(d)
-        return tuple(out)
+        return tuple(clone_descriptor(cls, fields, kv_cache) for cls, fields in st.tma)
     kw = plan.cfg.kwargs
     descs = _descriptors(kv_cache, kw["BLOCK_N"], plan.v_head_dim, plan.d_r)
     if descs is None:

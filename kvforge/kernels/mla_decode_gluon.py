@@ -831,12 +831,8 @@ def _fields(desc: object) -> dict | None:
 
 
 def _clone(fields: dict, base: torch.Tensor) -> object:
-    """A descriptor equal to the one ``fields`` came from, over ``base`` (same shape, strides, dtype and alignment
-    as that one's base): the fields were checked when it was built; the check costs ~10 µs of host time a call."""
-    d = _mcg.GluonTensorDescriptor.__new__(_mcg.GluonTensorDescriptor)
-    d.__dict__.update(fields)
-    d.base = base
-    return d
+    """The Gluon descriptor ``fields`` came from, over ``base`` (``_runtime.clone_descriptor``)."""
+    return _rt.clone_descriptor(_mcg.GluonTensorDescriptor, fields, base)
 
 
 def mla_decode_gluon_split(
