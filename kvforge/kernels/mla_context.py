@@ -1076,7 +1076,10 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return None
-        stream = torch.cuda.current_stream(device).cuda_stream
+        # The table launch's own stream query (Triton's driver: an int, no torch Stream object), as _counters in
+        # mla_decode does.
+        f = one.tables[0].fast if one.tables else None
+        stream = f[4](f[2]) if f is not None else torch.cuda.current_stream(device).cuda_stream
     else:
         stream = 0
     kept = one.kept.get(stream)
