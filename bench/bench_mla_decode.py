@@ -10,6 +10,7 @@ configurations, including every Gluon variant (``md.TRIAL_ENV`` is set here), ar
 is timed) and the fastest correct one is reported next to FlashInfer and written by ``--tuned-out``.
 
     PYTHONPATH=$PWD:$PWD/.flashinfer python3 bench/bench_mla_decode.py [--quick]
+    python3 bench/bench_mla_decode.py --page 32 --all-heads [--tuned-out FILE]   # bf16, 32-token pages, 4 head classes
     python3 bench/bench_mla_decode.py --fp8 [--page 32] [--tuned-out FILE]   # e4m3 cache vs kvforge's bf16 call
 
 Appends rows to bench/results/mla_decode.csv (GPU name, versions, git revision, date). The seeded grid of any
@@ -77,7 +78,7 @@ def flashinfer_runner(q, kv, bt, sl, H, scale):
     from bench.bench_mla_decode_grid import flashinfer_runner as paged_runner
 
     kv_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device="cuda") * bt.shape[1]
-    return paged_runner(q, kv, sl, kv_indptr, bt.reshape(-1), H, PAGE, scale)
+    return paged_runner(q, kv, sl, kv_indptr, bt.reshape(-1), H, kv.shape[1], scale)
 
 
 def kvforge_runner(q, kv, bt, sl, scale, out, splits=None, **kw):
@@ -250,7 +251,12 @@ def main() -> None:
     ap.add_argument("--warm", help="compile only: 'flashinfer' or a candidate index")
     ap.add_argument("--tuned-out", help="write the sm<XY>.json tuned table with the winners merged in here")
     ap.add_argument("--fp8", action="store_true", help="sweep the e4m3-cache configs instead (FP8_WORKLOADS)")
-    ap.add_argument("--page", type=int, choices=(32, 64), default=PAGE, help="page size of --fp8's caches")
+    ap.add_argument("--page", type=int, choices=(32, 64), default=PAGE, help="page size of the caches")
+    ap.add_argument(
+        "--all-heads",
+        action="store_true",
+        help="sweep one workload per head-count class of the config key (FP8_WORKLOADS' shapes), not WORKLOADS",
+    )
     args = ap.parse_args()
     if args.fp8:
         count_gluon_launches()
@@ -268,12 +274,14 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, SMs {md.num_sms()}")
     print(f"{'workload':>18} {'provider':>48} {'splits':>6} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>7}  check")
-    for H, B, L in WORKLOADS:
-        q, kv, bt, sl = build(H, B, L)
+    workloads = FP8_WORKLOADS if args.all_heads else WORKLOADS
+    suffix = "" if args.page == PAGE else f" p{args.page}"
+    for H, B, L in workloads:
+        q, kv, bt, sl = build(H, B, L, page=args.page)
         scale = 1.0 / math.sqrt(DV + DR)
         nbytes = B * L * (DV + DR) * 2
         flops = 2 * B * H * L * (DV + DR + DV)
-        wl = f"H{H} B{B} L{L}"
+        wl = f"H{H} B{B} L{L}{suffix}"
         out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
         key = md.config_key(q, kv, DV)
         cands = md._CONFIGS.candidates(cap, key)
@@ -376,15 +384,15 @@ def main() -> None:
         write_tuned(Path(args.tuned_out), arch, chosen)
     if rows:
         print("wrote", append_csv("mla_decode", rows))
-        groups = sorted({r["workload"] for r in rows}, key=[f"H{h} B{b} L{n}" for h, b, n in WORKLOADS].index)
+        groups = sorted({r["workload"] for r in rows}, key=[f"H{h} B{b} L{n}{suffix}" for h, b, n in workloads].index)
         series = {
             prov: [next((r["tb_s"] for r in rows if r["workload"] == g and r["provider"].startswith(prov)), 0.0)
                    for g in groups]
             for prov in ("kvforge", "flashinfer")
         }  # fmt: skip
         png = bar_plot(
-            RESULTS / "mla_decode.png",
-            f"MLA decode, bf16, 576/512, page 64 ({torch.cuda.get_device_name()}, rev {git_revision()})",
+            RESULTS / f"mla_decode{suffix.replace(' ', '_')}{'_heads' if args.all_heads else ''}.png",
+            f"MLA decode, bf16, 576/512, page {args.page} ({torch.cuda.get_device_name()}, rev {git_revision()})",
             groups,
             series,
             "latent cache read, TB/s (higher is better)",

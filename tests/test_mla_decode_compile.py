@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHS = [80, 89, 90, 100, 120]
 # (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages, SPLIT_DV)
 VARIANTS = [(64, 16, 16, 32, 4, 2, True)]
-REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True), (512, 64, 16, 32, 8, 3, False), (512, 64, 16, 64, 8, 2, False)]
+REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
 # What a Gluon config runs where the Gluon kernel cannot (the portable kernel with its tiles, TMA): the sm_90
 # table's deepest 32-token ring, (D_V, D_R, BLOCK_H, BLOCK_N, num_warps, num_stages).
 GLUON_FALLBACK_SM90 = [(512, 64, 64, 32, 8, 4)]

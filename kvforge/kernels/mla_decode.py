@@ -653,10 +653,6 @@ _CONFIGS = ConfigTable(
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=2),
-            # 16-head tiles on 8 warps: half the accumulator a thread, so the offline sm_90 compile keeps 8-64 B
-            # of stack where 4 warps spill 192-528 B (bench/probe_decode_sass.py); candidates for the sweep.
-            _cfg(16, 32, 8, 3),
-            _cfg(16, 64, 8, 2),
         ]
     },
     keep=_keep,
