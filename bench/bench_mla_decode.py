@@ -92,7 +92,8 @@ def kvforge_runner(q, kv, bt, sl, scale, out, splits=None, **kw):
 def cfg_label(cfg) -> str:
     kw = cfg.kwargs
     gl = kw.get("GLUON")
-    named = (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]), ("gluon", gl), ("early", gl == 2))
+    named = (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]), ("gluon", gl), ("early", gl == 2),
+             ("swap", kw.get("SWAP_AB")))  # fmt: skip
     flags = "".join(f" {name}" for name, on in named if on)
     return f"kvforge BH{kw['BLOCK_H']} BN{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 
@@ -257,6 +258,7 @@ def main() -> None:
         action="store_true",
         help="sweep one workload per head-count class of the config key (FP8_WORKLOADS' shapes), not WORKLOADS",
     )
+    ap.add_argument("--heads", help="comma-separated head counts: only the workloads with these")
     args = ap.parse_args()
     if args.fp8:
         count_gluon_launches()
@@ -275,6 +277,8 @@ def main() -> None:
     print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, SMs {md.num_sms()}")
     print(f"{'workload':>18} {'provider':>48} {'splits':>6} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>7}  check")
     workloads = FP8_WORKLOADS if args.all_heads else WORKLOADS
+    if args.heads:
+        workloads = [w for w in workloads if str(w[0]) in args.heads.split(",")]
     suffix = "" if args.page == PAGE else f" p{args.page}"
     for H, B, L in workloads:
         q, kv, bt, sl = build(H, B, L, page=args.page)

@@ -35,24 +35,26 @@ TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf1
          "kv_scale": "fp32"}  # fmt: skip
 PER_CALL = {"B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh"}
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")  # an instruction's opcode
-OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDSM", "F2FP", "HMMA", "BAR", "LDL", "STL"]
-# (e4m3 cache, BLOCK_N, stages): the committed 16-head e4m3 config, and the bf16 ones at both tile sizes.
-VARIANTS = [(True, 32, 3), (False, 32, 3), (False, 64, 2)]
+OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDSM", "F2FP", "HMMA", "HGMMA", "BAR", "LDL", "STL"]
+# (e4m3 cache, BLOCK_N, stages, SWAP_AB): the committed 16-head e4m3 config, the bf16 ones at both tile sizes,
+# and the transposed products (64-token tiles: the warpgroup product's 64 rows).
+VARIANTS = [(True, 32, 3, False), (False, 32, 3, False), (False, 64, 2, False), (False, 64, 2, True),
+            (False, 64, 3, True), (True, 64, 2, True), (False, 64, 2, True, 32, 4), (False, 64, 2, True, 64, 8)]  # fmt: skip
 
 
-def compile_one(fp8: bool, block_n: int, stages: int) -> str:
+def compile_one(fp8: bool, block_n: int, stages: int, swap: bool = False, block_h: int = 16, warps: int = 4) -> str:
     sig = {p.name: ("constexpr" if p.is_constexpr else TYPES.get(p.name, "i32")) for p in fn.params}
     if fp8:
         sig.update(kv_ptr="*fp8e4nv", desc_h="*fp8e4nv", desc_r="*fp8e4nv")
     fixed = [i for i, p in enumerate(fn.params) if not p.is_constexpr and (sig[p.name].startswith("*") or p.name == "H"
              or (p.name.startswith("s_") and p.name not in PER_CALL))]  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in fixed}
-    consts = {"PAGE_SIZE": 64, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": 16, "BLOCK_N": block_n,
+    consts = {"PAGE_SIZE": 64, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": block_h, "BLOCK_N": block_n,
               "SPLIT_DV": False, "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2,
               "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": False, "FP8_PIN": fp8, "ORDER": True,
-              "MERGE": True}  # fmt: skip
+              "MERGE": True, "SWAP_AB": swap}  # fmt: skip
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": stages})  # fmt: skip
+                       options={"num_warps": warps, "num_stages": stages})  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
@@ -62,7 +64,8 @@ def compile_one(fp8: bool, block_n: int, stages: int) -> str:
     usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
     cache = "e4m3" if fp8 else "bf16"
     counts = ", ".join(f"{op} {ops.get(op, 0)}" for op in OPS)
-    return f"{cache} cache BH16 BN{block_n} w4 s{stages}: {usage}, shared {k.metadata.shared} B | {counts}"
+    tag = " swap" if swap else ""
+    return f"{cache} cache BH{block_h} BN{block_n} w{warps} s{stages}{tag}: {usage}, shared {k.metadata.shared} B | {counts}"
 
 
 def main() -> None:
