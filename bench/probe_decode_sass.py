@@ -36,10 +36,11 @@ TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf1
 PER_CALL = {"B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh"}
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")  # an instruction's opcode
 OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDSM", "F2FP", "HMMA", "HGMMA", "BAR", "LDL", "STL"]
-# (e4m3 cache, BLOCK_N, stages, SWAP_AB): the committed 16-head e4m3 config, the bf16 ones at both tile sizes,
-# and the transposed products (64-token tiles: the warpgroup product's 64 rows).
+# (e4m3 cache, BLOCK_N, stages, SWAP_AB[, BLOCK_H, warps]): the committed 16-head e4m3 config, the bf16 ones at
+# both tile sizes, and the transposed products (64-token tiles: the warpgroup product's 64 rows).
 VARIANTS = [(True, 32, 3, False), (False, 32, 3, False), (False, 64, 2, False), (False, 64, 2, True),
-            (False, 64, 3, True), (True, 64, 2, True), (False, 64, 2, True, 32, 4), (False, 64, 2, True, 64, 8)]  # fmt: skip
+            (False, 64, 3, True), (True, 64, 2, True), (False, 64, 2, True, 32, 4),
+            (False, 64, 2, True, 64, 8)]  # fmt: skip
 
 
 def compile_one(fp8: bool, block_n: int, stages: int, swap: bool = False, block_h: int = 16, warps: int = 4) -> str:
@@ -65,7 +66,8 @@ def compile_one(fp8: bool, block_n: int, stages: int, swap: bool = False, block_
     cache = "e4m3" if fp8 else "bf16"
     counts = ", ".join(f"{op} {ops.get(op, 0)}" for op in OPS)
     tag = " swap" if swap else ""
-    return f"{cache} cache BH{block_h} BN{block_n} w{warps} s{stages}{tag}: {usage}, shared {k.metadata.shared} B | {counts}"
+    head = f"{cache} cache BH{block_h} BN{block_n} w{warps} s{stages}{tag}"
+    return f"{head}: {usage}, shared {k.metadata.shared} B | {counts}"
 
 
 def main() -> None:
