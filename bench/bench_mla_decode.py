@@ -92,8 +92,7 @@ def kvforge_runner(q, kv, bt, sl, scale, out, splits=None, **kw):
 def cfg_label(cfg) -> str:
     kw = cfg.kwargs
     gl = kw.get("GLUON")
-    named = (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]), ("gluon", gl), ("early", gl == 2),
-             ("swap", kw.get("SWAP_AB")))  # fmt: skip
+    named = (("tma", kw["USE_TMA"]), ("split_dv", kw["SPLIT_DV"]), ("gluon", gl), ("early", gl == 2))
     flags = "".join(f" {name}" for name, on in named if on)
     return f"kvforge BH{kw['BLOCK_H']} BN{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}{flags}"
 

@@ -1,6 +1,6 @@
-"""Offline sm_90 compile of the portable decode kernel's 16-head configs, bf16 against e4m3 cache: SASS
-instruction counts and resource usage, no GPU (what the e4m3 form adds per kernel: shared-memory loads of the
-staged e4m3 tile, the widening, the widened tile's stores).
+"""Offline sm_90 compile of the portable decode kernel's 16-head configs (and its 64-head tile on 8 warps), bf16
+against e4m3 cache: SASS instruction counts and resource usage, no GPU (what the e4m3 form adds per kernel:
+shared-memory loads of the staged e4m3 tile, the widening, the widened tile's stores).
 
 Compiled as the launcher specialises it (pointers and the fixed strides 16-divisible; the per-call ints not), with
 the Triton found first on ``PYTHONPATH`` (the H200 runs 3.6.0: install that wheel into a folder and put it first).
@@ -36,14 +36,12 @@ TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf1
 PER_CALL = {"B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh"}
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")  # an instruction's opcode
 OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDSM", "F2FP", "HMMA", "HGMMA", "BAR", "LDL", "STL"]
-# (e4m3 cache, BLOCK_N, stages, SWAP_AB[, BLOCK_H, warps]): the committed 16-head e4m3 config, the bf16 ones at
-# both tile sizes, and the transposed products (64-token tiles: the warpgroup product's 64 rows).
-VARIANTS = [(True, 32, 3, False), (False, 32, 3, False), (False, 64, 2, False), (False, 64, 2, True),
-            (False, 64, 3, True), (True, 64, 2, True), (False, 64, 2, True, 32, 4),
-            (False, 64, 2, True, 64, 8)]  # fmt: skip
+# (e4m3 cache, BLOCK_N, stages[, BLOCK_H, warps]): the committed 16-head e4m3 config, the bf16 ones at both tile
+# sizes, and the table's portable 64-head tile on 8 warps (warpgroup products).
+VARIANTS = [(True, 32, 3), (False, 32, 3), (False, 64, 2), (False, 64, 2, 64, 8)]
 
 
-def compile_one(fp8: bool, block_n: int, stages: int, swap: bool = False, block_h: int = 16, warps: int = 4) -> str:
+def compile_one(fp8: bool, block_n: int, stages: int, block_h: int = 16, warps: int = 4) -> str:
     sig = {p.name: ("constexpr" if p.is_constexpr else TYPES.get(p.name, "i32")) for p in fn.params}
     if fp8:
         sig.update(kv_ptr="*fp8e4nv", desc_h="*fp8e4nv", desc_r="*fp8e4nv")
@@ -53,7 +51,7 @@ def compile_one(fp8: bool, block_n: int, stages: int, swap: bool = False, block_
     consts = {"PAGE_SIZE": 64, "D_V": 512, "D_R": 64, "UPCAST": False, "BLOCK_H": block_h, "BLOCK_N": block_n,
               "SPLIT_DV": False, "USE_TMA": False, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2,
               "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": False, "FP8_PIN": fp8, "ORDER": True,
-              "MERGE": True, "SWAP_AB": swap}  # fmt: skip
+              "MERGE": True}  # fmt: skip
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -65,8 +63,7 @@ def compile_one(fp8: bool, block_n: int, stages: int, swap: bool = False, block_
     usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
     cache = "e4m3" if fp8 else "bf16"
     counts = ", ".join(f"{op} {ops.get(op, 0)}" for op in OPS)
-    tag = " swap" if swap else ""
-    head = f"{cache} cache BH{block_h} BN{block_n} w{warps} s{stages}{tag}"
+    head = f"{cache} cache BH{block_h} BN{block_n} w{warps} s{stages}"
     return f"{head}: {usage}, shared {k.metadata.shared} B | {counts}"
 
 

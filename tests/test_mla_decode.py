@@ -85,23 +85,6 @@ def test_split_value_halves(gen, device, monkeypatch, page_size, dtype):
     check(q, kv, bt, sl, 32, 0.25, dtype, num_splits=2)
 
 
-@pytest.mark.parametrize("page_size,lens", [(4, [0, 37, 70]), (16, [5, 16, 33])])
-def test_swapped_products(gen, device, monkeypatch, page_size, lens):
-    """SWAP_AB (scores K.Q^T, accumulators transposed): tiles across pages (4) and inside one (16), several key
-    shares per request, an empty request, a partial last tile."""
-    import kvforge.kernels.mla_decode as md
-    from kvforge.kernels._runtime import ConfigTable, TunedKernel
-
-    if device.type != "cpu":
-        pytest.skip("the GPU sweeps every configuration in bench/bench_mla_decode.py")
-    cfg = md._cfg(16, 16, 1, 1, swap=True)
-    monkeypatch.setattr(md, "_SPLIT", TunedKernel("mla_decode_swap_test", md._mla_decode_split_kernel,
-                                                  ConfigTable(fallback=[cfg], interpreter=cfg)))  # fmt: skip
-    q, kv, bt, sl = make_case(gen, 3, 5, 32, 16, page_size, lens, torch.float32, device)
-    check(q, kv, bt, sl, 32, 0.25, torch.float32, num_splits=2)
-    check(q, kv, bt, sl, 32, 0.25, torch.float32, num_splits=1)
-
-
 def test_default_num_splits_fills_the_wave():
     from kvforge.kernels.mla_decode import default_num_splits
 

@@ -27,9 +27,6 @@ REAL_WIDTH_SM90 = [(512, 64, 64, 64, 4, 2, True)]
 GLUON_FALLBACK_SM90 = [(512, 64, 64, 32, 8, 4)]
 # An e4m3 latent cache (bf16 q, fp16 products), on every architecture: the configs an e4m3 key runs.
 FP8_VARIANTS = [(512, 64, 16, 64, 4, 2, False), (512, 64, 64, 64, 8, 2, False)]
-# The transposed products (SWAP_AB), 64-token tiles: narrow on every architecture, the real width on sm_90.
-SWAP_VARIANTS = [(64, 16, 16, 64, 4, 2, False)]
-SWAP_REAL_WIDTH_SM90 = [(512, 64, 16, 64, 4, 2, False), (512, 64, 16, 64, 4, 3, False)]
 
 
 def _compile_all() -> list[dict[str, object]]:
@@ -48,18 +45,14 @@ def _compile_all() -> list[dict[str, object]]:
     jobs = [(arch, v, False) for arch in ARCHS for v in VARIANTS] + [(90, v, False) for v in REAL_WIDTH_SM90]
     jobs += [(90, (*v, False), True) for v in GLUON_FALLBACK_SM90]
     jobs += [(arch, v, "fp8") for arch in ARCHS for v in FP8_VARIANTS]
-    jobs += [(arch, v, "swap") for arch in ARCHS for v in SWAP_VARIANTS]
-    jobs += [(90, v, "swap") for v in SWAP_REAL_WIDTH_SM90]
     for arch, (dv, dr, bh, bn, warps, stages, split_dv), tma in jobs:
         fp8 = tma == "fp8"
-        swap = tma == "swap"
         tma = tma is True
         consts = {"PAGE_SIZE": 64, "D_V": dv, "D_R": dr, "UPCAST": False, "BLOCK_H": bh, "BLOCK_N": bn,
                   "SPLIT_DV": split_dv, "USE_TMA": tma, "PRECISION": "tf32", "CHECK": True, "BALANCE": 2,
                   "SCALE_MODE": 2 if fp8 else 0, "FP8_BYTES": fp8 and arch < 89, "ORDER": True,
-                  "MERGE": split_dv, "SWAP_AB": swap}  # fmt: skip
+                  "MERGE": split_dv}  # fmt: skip
         name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
-        name += " swap" if swap else ""
         tsig = sig
         if fp8:  # an e4m3 cache: the e4m3 type from sm_89, its bytes before
             kv_t = "*fp8e4nv" if arch >= 89 else "*u8"
@@ -87,9 +80,9 @@ def test_decode_variants_compile_offline():
     records = json.loads(proc.stdout.strip().splitlines()[-1])
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, "\n".join(failed)
-    per_arch = len(VARIANTS) + len(FP8_VARIANTS) + len(SWAP_VARIANTS)
-    sm90_only = len(REAL_WIDTH_SM90) + len(GLUON_FALLBACK_SM90) + len(SWAP_REAL_WIDTH_SM90)
-    assert len(records) == len(ARCHS) * per_arch + sm90_only
+    assert len(records) == len(ARCHS) * (len(VARIANTS) + len(FP8_VARIANTS)) + len(REAL_WIDTH_SM90) + len(
+        GLUON_FALLBACK_SM90
+    )
 
 
 if __name__ == "__main__":

@@ -113,9 +113,10 @@ def _e4m3_to_f16_pinned(x):
 
 
 @triton.jit
-def _widen(k_mine, k_other, k_rope, q_dtype, UPCAST: tl.constexpr, FP8_BYTES: tl.constexpr,
-           FP8_PIN: tl.constexpr):  # fmt: skip
-    """A key tile in the products' type: e4m3 widened (pinned or from bytes), fp32 under the interpreter."""
+def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
+                 sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
+                 PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False,
+                 FP8_PIN: tl.constexpr = False):  # fmt: skip
     if FP8_PIN:
         k_mine = _e4m3_to_f16_pinned(k_mine)
         k_other = _e4m3_to_f16_pinned(k_other)
@@ -129,44 +130,9 @@ def _widen(k_mine, k_other, k_rope, q_dtype, UPCAST: tl.constexpr, FP8_BYTES: tl
         k_other = k_other.to(tl.float32)
         k_rope = k_rope.to(tl.float32)
     else:  # an e4m3 cache widens to q's 16-bit type exactly (no-op when the cache already has q's dtype)
-        k_mine = k_mine.to(q_dtype)
-        k_other = k_other.to(q_dtype)
-        k_rope = k_rope.to(q_dtype)
-    return k_mine, k_other, k_rope
-
-
-@triton.jit
-def _decode_step_t(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
-                   sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                   PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False,
-                   FP8_PIN: tl.constexpr = False):  # fmt: skip
-    """``_decode_step`` with both products transposed (SWAP_AB): scores ``[BLOCK_N, BLOCK_H]`` = K.Q^T and the
-    accumulators ``[D_HALF, BLOCK_H]`` += K^T.P^T, so the key tile is the products' row operand (64 token rows
-    fill sm_90's 64-row warpgroup product, read from shared memory) and the heads are its narrow side; ``q_*``
-    come transposed (``[D, BLOCK_H]``)."""
-    k_mine, k_other, k_rope = _widen(k_mine, k_other, k_rope, q_mine.dtype, UPCAST, FP8_BYTES, FP8_PIN)
-    s = tl.dot(k_mine, q_mine, input_precision=PRECISION)
-    s = tl.dot(k_other, q_other, s, input_precision=PRECISION)
-    s = tl.dot(k_rope, q_rope, s, input_precision=PRECISION) * sm_scale_log2
-    if MASKED:
-        s = tl.where(nmask[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 0))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[None, :])
-    l_sum = l_sum * alpha + tl.sum(p, 0)
-    pc = p.to(k_mine.dtype)
-    acc_mine = tl.dot(tl.trans(k_mine), pc, acc_mine * alpha[None, :], input_precision=PRECISION)
-    if not SPLIT_DV:
-        acc_other = tl.dot(tl.trans(k_other), pc, acc_other * alpha[None, :], input_precision=PRECISION)
-    return acc_mine, acc_other, m_new, l_sum
-
-
-@triton.jit
-def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine, k_other, k_rope, nmask,
-                 sm_scale_log2, UPCAST: tl.constexpr, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                 PRECISION: tl.constexpr, FP8_BYTES: tl.constexpr = False,
-                 FP8_PIN: tl.constexpr = False):  # fmt: skip
-    k_mine, k_other, k_rope = _widen(k_mine, k_other, k_rope, q_mine.dtype, UPCAST, FP8_BYTES, FP8_PIN)
+        k_mine = k_mine.to(q_mine.dtype)
+        k_other = k_other.to(q_mine.dtype)
+        k_rope = k_rope.to(q_mine.dtype)
     s = tl.dot(q_mine, tl.trans(k_mine), input_precision=PRECISION)
     s = tl.dot(q_other, tl.trans(k_other), s, input_precision=PRECISION)
     s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=PRECISION) * sm_scale_log2
@@ -339,7 +305,7 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
-    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -354,7 +320,6 @@ def _mla_decode_split_kernel(
     scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
     FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+). ORDER: the request axis runs the batch longest
     first (``_longest_first``), so a batch of more programs than fit at once starts its long requests first.
-    SWAP_AB: both products transposed (``_decode_step_t``), the accumulators transposed back once at the end.
     PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
     where it can run), parameters so that a config's kwargs launch as they are."""
     D_HALF: tl.constexpr = D_V // 2
@@ -403,15 +368,8 @@ def _mla_decode_split_kernel(
     full_end = tl.maximum(start, start + ((end - start) // BLOCK_N) * BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_sum = tl.zeros((BLOCK_H,), tl.float32)
-    if SWAP_AB:
-        q_mine = tl.trans(q_mine)
-        q_other = tl.trans(q_other)
-        q_rope = tl.trans(q_rope)
-        acc_mine = tl.zeros((D_HALF, BLOCK_H), tl.float32)
-        acc_other = tl.zeros((D_HALF, BLOCK_H), tl.float32)
-    else:
-        acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
-        acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+    acc_mine = tl.zeros((BLOCK_H, D_HALF), tl.float32)
+    acc_other = tl.zeros((BLOCK_H, D_HALF), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b * s_btb
     bad_page = bad * 0
@@ -432,14 +390,9 @@ def _mla_decode_split_kernel(
                 page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
-        if SWAP_AB:
-            acc_mine, acc_other, m, l_sum = _decode_step_t(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                           k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                           SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
-        else:
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -457,23 +410,15 @@ def _mla_decode_split_kernel(
                 page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
-        if SWAP_AB:
-            acc_mine, acc_other, m, l_sum = _decode_step_t(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                           k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                           SPLIT_DV, True, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
-        else:
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, True, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, True, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero output; a merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
     if SCALE_MODE != 0:
         inv = inv * kv_scale
     lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
-    if SWAP_AB:
-        acc_mine = tl.trans(acc_mine)
-        acc_other = tl.trans(acc_other)
     o_mine = acc_mine * inv[:, None]
     o_other = acc_other * inv[:, None]
     if CHECK:
@@ -623,16 +568,12 @@ def _cfg(
     tma: bool = False,
     per_sm: int = 2,
     gluon: int = 0,
-    swap: bool = False,
 ) -> triton.Config:
     """``per_sm``: programs of this config resident on one SM (its shared memory), used to size the key shares.
     ``gluon``: launch ``mla_decode_gluon``'s warp-specialised kernel where ``gluon_decode_reason`` allows (64-head
     tiles, its own warps; ``bn``-token key tiles in a ring of ``stages``; 1: the score product issued after taking
-    the other warpgroup's tile, 2: before it); elsewhere this config's portable kernel runs. ``swap``: the portable
-    kernel's transposed products (SWAP_AB); a key without it launches as before (the kwarg is only set when on)."""
+    the other warpgroup's tile, 2: before it); elsewhere this config's portable kernel runs."""
     kw = {"BLOCK_H": bh, "BLOCK_N": bn, "SPLIT_DV": split_dv, "USE_TMA": tma, "PER_SM": per_sm, "GLUON": gluon}
-    if swap:
-        kw["SWAP_AB"] = True
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
@@ -685,10 +626,6 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     # asks, and checks each against the reference): a key without a committed config autotunes by speed alone.
     if kw.get("GLUON") and _gluon_variant(cfg) != _gluon_first(key[4]) and os.environ.get(TRIAL_ENV) != "1":
         return False
-    # The transposed products: the key tile is the score product's row operand (64 rows on sm_90), a 16-bit cache
-    # (the e4m3 tile would be widened into registers and spill).
-    if kw.get("SWAP_AB") and (kw["BLOCK_N"] != 64 or kw.get("GLUON") or "e4m3" in key[2]):
-        return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
 
@@ -716,12 +653,6 @@ _CONFIGS = ConfigTable(
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=2),
-            # 16-head tiles with the transposed products (SWAP_AB): sm_90 warpgroup products from shared memory
-            # instead of register-fed mma.sync (offline: no spill, against 192-528 B), ~164 KB of shared memory,
-            # so one program an SM; candidates for the sweep.
-            _cfg(16, 64, 4, 2, per_sm=1, swap=True),
-            _cfg(16, 64, 4, 3, per_sm=1, swap=True),
-            _cfg(32, 64, 4, 2, per_sm=1, swap=True),
         ]
     },
     keep=_keep,
