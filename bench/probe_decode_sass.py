@@ -27,12 +27,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvforge.kernels.mla_decode import _mla_decode_split_kernel as fn
+from kvforge.kernels.mla_decode import _split_kernel_signature
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf16", "bt_ptr": "*i32",
-         "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-         "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32",
-         "kv_scale": "fp32"}  # fmt: skip
 PER_CALL = {"B", "S", "max_len", "min_tiles", "slots", "num_pages", "s_plb", "s_plh", "s_ob", "s_oh", "s_lb", "s_lh"}
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)")  # an instruction's opcode
 OPS = ["LDG", "LDGSTS", "LDS", "STS", "LDSM", "F2FP", "HMMA", "HGMMA", "BAR", "LDL", "STL"]
@@ -42,9 +39,7 @@ VARIANTS = [(True, 32, 3), (False, 32, 3), (False, 64, 2), (False, 64, 2, 64, 8)
 
 
 def compile_one(fp8: bool, block_n: int, stages: int, block_h: int = 16, warps: int = 4) -> str:
-    sig = {p.name: ("constexpr" if p.is_constexpr else TYPES.get(p.name, "i32")) for p in fn.params}
-    if fp8:
-        sig.update(kv_ptr="*fp8e4nv", desc_h="*fp8e4nv", desc_r="*fp8e4nv")
+    sig = _split_kernel_signature("fp8e4nv" if fp8 else "bf16")
     fixed = [i for i, p in enumerate(fn.params) if not p.is_constexpr and (sig[p.name].startswith("*") or p.name == "H"
              or (p.name.startswith("s_") and p.name not in PER_CALL))]  # fmt: skip
     attrs = {(i,): [["tt.divisibility", 16]] for i in fixed}

@@ -35,12 +35,9 @@ def _compile_all() -> list[dict[str, object]]:
     from triton.compiler import ASTSource
 
     from kvforge.kernels.mla_decode import _mla_decode_split_kernel as fn
+    from kvforge.kernels.mla_decode import _split_kernel_signature
 
-    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "desc_h": "*bf16", "desc_r": "*bf16", "bt_ptr": "*i32",
-             "seq_ptr": "*i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-             "nshare_ptr": "*i32", "err_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32",
-             "kv_scale": "fp32"}  # fmt: skip
-    sig = {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+    sig = _split_kernel_signature()
     records = []
     jobs = [(arch, v, False) for arch in ARCHS for v in VARIANTS] + [(90, v, False) for v in REAL_WIDTH_SM90]
     jobs += [(90, (*v, False), True) for v in GLUON_FALLBACK_SM90]
@@ -55,8 +52,7 @@ def _compile_all() -> list[dict[str, object]]:
         name = f"sm_{arch} {dv}+{dr} BH{bh} BN{bn} w{warps} s{stages} split_dv={split_dv} tma={tma} fp8={fp8}"
         tsig = sig
         if fp8:  # an e4m3 cache: the e4m3 type from sm_89, its bytes before
-            kv_t = "*fp8e4nv" if arch >= 89 else "*u8"
-            tsig = {**sig, "kv_ptr": kv_t, "desc_h": kv_t, "desc_r": kv_t}
+            tsig = _split_kernel_signature("fp8e4nv" if arch >= 89 else "u8")
         if tma:  # host descriptors of one key tile's latent half and rope part
             tsig = {**sig, "desc_h": f"tensordesc<bf16[{bn}, {dv // 2}]>", "desc_r": f"tensordesc<bf16[{bn}, {dr}]>"}
         try:

@@ -559,6 +559,18 @@ def _merge_head(po_ptr, plse_ptr, out_ptr, lse_ptr, b, h, n, s_pob, s_poh, s_pos
         tl.store(lse_ptr + b * s_lb + h * s_lh, lse)
 
 
+def _split_kernel_signature(cache: str = "bf16") -> dict[str, str]:
+    """The split kernel's argument types for an offline ``triton.compile`` (bf16 q, ``cache`` the latent cache's
+    Triton type: ``bf16``, ``fp8e4nv`` or ``u8``): the one table the offline compile test and
+    ``bench/probe_decode_sass.py`` build their signatures from."""
+    ptrs = {"q_ptr": "bf16", "kv_ptr": cache, "desc_h": cache, "desc_r": cache, "bt_ptr": "i32", "seq_ptr": "i32",
+            "po_ptr": "fp32", "plse_ptr": "fp32", "out_ptr": "bf16", "lse_ptr": "fp32", "nshare_ptr": "i32",
+            "err_ptr": "i32", "scale_ptr": "fp32"}  # fmt: skip
+    types = {name: "*" + t for name, t in ptrs.items()} | {"sm_scale_log2": "fp32", "kv_scale": "fp32"}
+    fn = _mla_decode_split_kernel
+    return {p.name: ("constexpr" if p.is_constexpr else types.get(p.name, "i32")) for p in fn.params}
+
+
 def _cfg(
     bh: int,
     bn: int,
