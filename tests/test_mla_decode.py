@@ -220,11 +220,24 @@ def test_repeat_calls_reuse_the_checked_plan(gen, device, monkeypatch):
         assert_all_written(out)
         assert rel_rmse(out.cpu()[1:], ref.cpu()[1:]) < 1e-5 and bool((out[0] == 0).all())
 
+    md._PLANS.clear()  # plans of earlier tests (other tensors) are not this one's
     call()
     plans = len(md._PLANS)
     for _ in range(2):
         call()
     assert len(md._PLANS) == plans  # the same plan, used again
+    # Replayed without return_lse, the lse goes to the plan's own sink (allocated once); asked for, it is fresh.
+    (plan,) = [p for p in md._PLANS._plans.values() if p.state.lse_sink is not None and p.B == 3 and p.H == 5]
+    sink = plan.state.lse_sink
+    assert sink is not None and sink.shape == (3, 5) and sink.dtype == torch.float32
+    call()
+    assert plan.state.lse_sink is sink
+    ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)[1]
+    lses = [mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, return_lse=True)[1]
+            for _ in range(2)]  # fmt: skip
+    assert lses[0].data_ptr() != sink.data_ptr() and lses[0].data_ptr() != lses[1].data_ptr()
+    for got in lses:
+        torch.testing.assert_close(got.cpu()[1:], ref_lse.cpu()[1:], atol=1e-4, rtol=1e-4)
     good = sl.clone()
     sl.copy_(torch.tensor([0, 23, 13 * 4], dtype=torch.int32))  # past the block table: refused on a reused plan
     with pytest.raises(ValueError, match=r"seq_lens\[2\]"):

@@ -980,9 +980,10 @@ def raise_decode_errors(error_flag: torch.Tensor | torch.device | str | None = N
 class _State:
     """A plan's launch state, filled by its first launches; holds no caller tensor: the split and merge kernels'
     direct launchers, the Gluon call's prep (``mla_decode_gluon.SplitPrep``), and the fields of the portable
-    kernel's TMA descriptors (checked once; a later call's cache has the plan's shape, strides and alignment)."""
+    kernel's TMA descriptors (checked once; a later call's cache has the plan's shape, strides and alignment),
+    and the lse sink a replayed call not asked for its lse writes into."""
 
-    __slots__ = ("counters", "gluon", "merge", "split", "tma")
+    __slots__ = ("counters", "gluon", "lse_sink", "merge", "split", "tma")
 
     def __init__(self, gluon_prep: object | None) -> None:
         self.counters: dict[int, torch.Tensor] = {}  # per stream: the fused merge's arrival counters (zero)
@@ -990,6 +991,16 @@ class _State:
         self.merge: DirectLaunch | None = None
         self.gluon = gluon_prep
         self.tma: tuple | None = None
+        self.lse_sink: torch.Tensor | None = None
+
+
+def _lse_sink(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """``[B, H]`` fp32 that the plan's replayed calls without ``return_lse`` pass as ``lse``: the kernels only
+    write it and nothing reads it, so calls on any stream may share it (an allocation fewer per call)."""
+    sink = plan.state.lse_sink
+    if sink is None:
+        sink = plan.state.lse_sink = torch.empty((plan.B, plan.H), dtype=torch.float32, device=device)
+    return sink
 
 
 class _Plan(NamedTuple):
@@ -1244,7 +1255,8 @@ def mla_decode_attention(
         if out is None:
             out = torch.empty((plan.B, plan.H, plan.v_head_dim), dtype=q.dtype, device=q.device)
         if lse is None:
-            lse = torch.empty((plan.B, plan.H), dtype=torch.float32, device=q.device)
+            lse = _lse_sink(plan, q.device) if not return_lse else torch.empty(
+                (plan.B, plan.H), dtype=torch.float32, device=q.device)  # fmt: skip
         scale_t = kv_scale_quant_orig if isinstance(kv_scale_quant_orig, torch.Tensor) else None
         _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, plan.flags if error_flag is None else error_flag,
                 scale_t)  # fmt: skip
