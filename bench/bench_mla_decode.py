@@ -174,7 +174,12 @@ def warm(which: str) -> None:
         torch.cuda.empty_cache()
 
 
-def sweep_fp8(page: int, tuned_out: str | None) -> None:
+def select_heads(workloads: list, heads: str | None) -> list:
+    """The workloads whose head count is in ``heads`` (comma-separated), or all of them."""
+    return workloads if not heads else [w for w in workloads if str(w[0]) in heads.split(",")]
+
+
+def sweep_fp8(page: int, tuned_out: str | None, heads: str | None = None) -> None:
     """Every launch configuration ``_keep`` admits for the e4m3 cache (Gluon trial variants included), per
     FP8_WORKLOADS entry, each checked against the fp32 reference over the dequantised cache first; the fastest
     is timed interleaved against kvforge's bf16 default call on the same keys (ratio: bf16 time / e4m3 time)."""
@@ -185,7 +190,7 @@ def sweep_fp8(page: int, tuned_out: str | None) -> None:
     rows = []
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"SMs {md.num_sms()}; e4m3 cache, page {page}")  # fmt: skip
-    for H, B, L in FP8_WORKLOADS:
+    for H, B, L in select_heads(FP8_WORKLOADS, heads):
         q, kv, bt, sl = build(H, B, L, page=page)
         kv8 = e4m3_ref(kv.float() / FP8_SCALE)
         del kv
@@ -261,7 +266,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.fp8:
         count_gluon_launches()
-        sweep_fp8(args.page, args.tuned_out)
+        sweep_fp8(args.page, args.tuned_out, args.heads)
         return
     if args.warm is not None:
         warm(args.warm)
@@ -275,9 +280,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     print(f"GPU {gpu}, torch {torch.__version__}, triton {triton.__version__}, SMs {md.num_sms()}")
     print(f"{'workload':>18} {'provider':>48} {'splits':>6} {'ms':>8} {'TB/s':>6} {'TFLOP/s':>7}  check")
-    workloads = FP8_WORKLOADS if args.all_heads else WORKLOADS
-    if args.heads:
-        workloads = [w for w in workloads if str(w[0]) in args.heads.split(",")]
+    workloads = select_heads(FP8_WORKLOADS if args.all_heads else WORKLOADS, args.heads)
     suffix = "" if args.page == PAGE else f" p{args.page}"
     for H, B, L in workloads:
         q, kv, bt, sl = build(H, B, L, page=args.page)

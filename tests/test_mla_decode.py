@@ -230,8 +230,15 @@ def test_repeat_calls_reuse_the_checked_plan(gen, device, monkeypatch):
     (plan,) = [p for p in md._PLANS._plans.values() if p.state.lse_sink is not None and p.B == 3 and p.H == 5]
     sink = plan.state.lse_sink
     assert sink is not None and sink.shape == (3, 5) and sink.dtype == torch.float32
+    sink.fill_(float("nan"))  # a kernel that read the sink would carry the NaN into out
     call()
-    assert plan.state.lse_sink is sink
+    assert plan.state.lse_sink is sink and not bool(sink[1:].isnan().any())  # written again
+    # The sink outlives its plan (a captured graph keeps its address): it comes from the never-freed buffers.
+    base = md._KEPT[(sink.device, 0, "lse")]
+    assert sink.data_ptr() == base.data_ptr()
+    md._PLANS.clear()
+    call()
+    assert md._KEPT[(sink.device, 0, "lse")] is base
     ref_lse = mla_decode_attention_ref(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32)[1]
     lses = [mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, return_lse=True)[1]
             for _ in range(2)]  # fmt: skip

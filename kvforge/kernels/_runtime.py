@@ -149,7 +149,7 @@ def tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
 class PlanCache:
     """A bounded map from argument keys (built from ``tensor_key``) to launch plans; oldest entry evicted first.
 
-    A plan must hold no tensors (only addresses and sizes), so the cache keeps no caller buffer alive. Lookups
+    A plan must hold no caller tensor (only addresses and sizes), so the cache keeps no caller buffer alive. Lookups
     take no lock (a dict read is atomic); inserts do.
     """
 

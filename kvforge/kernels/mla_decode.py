@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -979,9 +980,10 @@ def raise_decode_errors(error_flag: torch.Tensor | torch.device | str | None = N
 
 class _State:
     """A plan's launch state, filled by its first launches; holds no caller tensor: the split and merge kernels'
-    direct launchers, the Gluon call's prep (``mla_decode_gluon.SplitPrep``), and the fields of the portable
+    direct launchers, the Gluon call's prep (``mla_decode_gluon.SplitPrep``), the fields of the portable
     kernel's TMA descriptors (checked once; a later call's cache has the plan's shape, strides and alignment),
-    and the lse sink a replayed call not asked for its lse writes into."""
+    and views of the device buffers (``_kept``) its launches use: per stream the fused merge's arrival
+    counters, and the lse sink a replayed call not asked for its lse writes into."""
 
     __slots__ = ("counters", "gluon", "lse_sink", "merge", "split", "tma")
 
@@ -994,12 +996,36 @@ class _State:
         self.lse_sink: torch.Tensor | None = None
 
 
+# Device buffers a CUDA graph may have captured: never freed (a plan is dropped from ``_PLANS`` while a graph
+# that captured its launch still writes these addresses). One per (device, stream, use), grown by replacing it
+# with one twice as large; the outgrown ones stay in ``_KEPT_OLD``. Bounded by the largest batch seen.
+_KEPT: dict[tuple, torch.Tensor] = {}
+_KEPT_OLD: list[torch.Tensor] = []
+_KEPT_LOCK = threading.Lock()
+
+
+def _kept(device: torch.device, stream: int, use: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` elements of the never-freed, zero-initialised buffer for (device, stream, use)."""
+    key = (device, stream, use)
+    buf = _KEPT.get(key)
+    if buf is None or buf.numel() < n:
+        with _KEPT_LOCK:
+            buf = _KEPT.get(key)
+            if buf is None or buf.numel() < n:
+                grown = torch.zeros(max(n, 2 * buf.numel() if buf is not None else 0), dtype=dtype, device=device)
+                if buf is not None:
+                    _KEPT_OLD.append(buf)
+                _KEPT[key] = buf = grown
+    return buf[:n]
+
+
 def _lse_sink(plan: _Plan, device: torch.device) -> torch.Tensor:
     """``[B, H]`` fp32 that the plan's replayed calls without ``return_lse`` pass as ``lse``: the kernels only
-    write it and nothing reads it, so calls on any stream may share it (an allocation fewer per call)."""
+    write it and nothing reads it, so every plan and stream on a device shares one (an allocation fewer per
+    call)."""
     sink = plan.state.lse_sink
     if sink is None:
-        sink = plan.state.lse_sink = torch.empty((plan.B, plan.H), dtype=torch.float32, device=device)
+        sink = plan.state.lse_sink = _kept(device, 0, "lse", plan.B * plan.H, torch.float32).view(plan.B, plan.H)
     return sink
 
 
@@ -1170,8 +1196,8 @@ def _new_counters(plan: _Plan, device: torch.device) -> torch.Tensor:
 
 
 def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """The fused merge's arrival counters for the current stream (zeroed once; each launch leaves them zero), so
-    launches on different streams never share a set."""
+    """The fused merge's arrival counters for the current stream: zero before and after each launch, so the
+    plans whose launches a stream orders share one set (``_kept``); launches on different streams never do."""
     st = plan.state
     f = st.gluon.fast if st.gluon is not None else None
     if f is not None:
@@ -1180,7 +1206,7 @@ def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     c = st.counters.get(stream)
     if c is None:
-        c = st.counters.setdefault(stream, _new_counters(plan, device))
+        c = st.counters.setdefault(stream, _kept(device, stream, "counters", 2 * plan.grid[0] * plan.B, torch.int32))
     return c
 
 
