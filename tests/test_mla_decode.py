@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels.mla_decode import MLADecodePlan, _longest_first, mla_decode_attention, mla_decode_attention_ref
+from kvforge.kernels.mla_decode import _longest_first, mla_decode_attention, mla_decode_attention_ref
 from tests.helpers import assert_all_written, poisoned
 from tests.tolerances import rel_rmse
 
@@ -344,7 +344,7 @@ def test_balanced_share_counts_match_host_reference(gen, device, monkeypatch, le
     wave, rounded-down even shares otherwise; ``sms`` poses as a device that many SMs wide, so that both modes
     run here), and the output still matches the reference."""
     import kvforge.kernels.mla_decode as md
-    from kvforge.kernels.mla_decode import balance_mode, share_counts_ref
+    from kvforge.kernels.mla_decode import MLADecodePlan, balance_mode, share_counts_ref
 
     if sms is not None:
         monkeypatch.setattr(md, "num_sms", lambda dev: sms)
@@ -644,64 +644,6 @@ def test_fp8_cache_refusals(gen, device):
                              kv_scale_quant_orig=torch.ones(2, device=device))  # fmt: skip
     with pytest.raises(TypeError, match="kv_cache: expected dtype"):  # an fp32 q takes an fp32 cache only
         mla_decode_attention(q.float(), kv8, bt, sl, softmax_scale=0.3, v_head_dim=32)
-
-
-# e4m3 products (``e4m3_products=True``): q and P quantised as well, so the bound against the dequantised cache
-# is the docstring's 4e-2 (the rounding of q's and P's 3 mantissa bits), not the widened path's 1e-2.
-FP8_PRODUCTS_BOUND = 4e-2
-
-
-@pytest.mark.parametrize("s", [1.0, 2.0])
-@pytest.mark.parametrize("as_tensor", [False, True])
-def test_fp8_products_match_reference(gen, device, s, as_tensor):
-    q, _kv32, kv8, bt, sl = _fp8_case(gen, device, 4, 5, 4, [0, 23, 70, 9], s)
-    q[3, 2] = 0.0  # an all-zero q row: its scale must not divide by zero
-    scale = torch.tensor([s], dtype=torch.float32, device=device) if as_tensor else s
-    out = poisoned((4, 5, 32), torch.bfloat16, device)
-    lse = poisoned((4, 5), torch.float32, device)
-    mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, out=out, lse=lse,
-                         kv_scale_quant_orig=scale, e4m3_products=True)  # fmt: skip
-    assert_all_written(out)
-    ref, ref_lse = mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=s)
-    assert bool((out[0] == 0).all()) and bool(lse[0].isneginf().all())
-    err = rel_rmse(out.cpu()[1:].float(), ref.cpu()[1:])
-    assert err < FP8_PRODUCTS_BOUND, err
-    # The quantisation really happened (the widened path is ~10x closer), and the lse is the reference's.
-    widened = mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=scale)
-    assert rel_rmse(widened.cpu()[1:].float(), ref.cpu()[1:]) < err
-    torch.testing.assert_close(lse.cpu()[1:], ref_lse.cpu()[1:], atol=5e-2, rtol=1e-2)
-    # Planned, the same launch.
-    plan = MLADecodePlan(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, kv_scale_quant_orig=scale,
-                         e4m3_products=True)  # fmt: skip
-    torch.testing.assert_close(plan.run(q, kv8), out)
-
-
-def test_fp8_products_refusals(gen, device):
-    q, kv32, kv8, bt, sl = _fp8_case(gen, device, 2, 3, 4, [5, 9], 1.0)
-    with pytest.raises(ValueError, match="e4m3_products: needs an e4m3 kv_cache"):
-        mla_decode_attention(q, kv32.bfloat16(), bt, sl, softmax_scale=0.3, v_head_dim=32, e4m3_products=True)
-    with pytest.raises(TypeError, match="e4m3_products: expected a bool"):
-        mla_decode_attention(q, kv8, bt, sl, softmax_scale=0.3, v_head_dim=32, e4m3_products=1)
-    with pytest.raises(ValueError, match="e4m3_products"):
-        MLADecodePlan(q, kv32.bfloat16(), bt, sl, softmax_scale=0.3, v_head_dim=32, e4m3_products=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H,B,lens", [(16, 5, [1, 700, 8192, 0, 30000]), (64, 4, [8192, 5, 3000, 65]),
-                                      (128, 3, [8192, 5, 3000])])  # fmt: skip
-@pytest.mark.parametrize("page_size", [32, 64])
-def test_gpu_fp8_products_deepseek_sizes(gen, device, H, B, lens, page_size):
-    from kvforge.kernels._fp8 import e4m3_ref
-
-    q, kv, bt, sl = make_case(gen, B, H, 512, 64, page_size, lens, torch.bfloat16, device)
-    kv8 = e4m3_ref(kv.float() / 0.5)
-    out = poisoned((B, H, 512), torch.bfloat16, device)
-    mla_decode_attention(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=0.5, e4m3_products=True,
-                         out=out)  # fmt: skip
-    ref, _ = mla_decode_attention_ref(q, kv8, bt, sl, softmax_scale=576**-0.5, kv_scale_quant_orig=0.5)
-    full = sl.cpu() > 0
-    assert_all_written(out[full.to(out.device)])
-    assert rel_rmse(out.cpu()[full].float(), ref.cpu()[full]) < FP8_PRODUCTS_BOUND
 
 
 @pytest.mark.gpu

@@ -39,7 +39,7 @@ from kvforge.kernels._checks import (
     check_tensor,
     same_device,
 )
-from kvforge.kernels._fp8 import fp32_to_e4m3, fp32_to_e4m3_bits
+from kvforge.kernels._fp8 import fp32_to_e4m3_bits
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
@@ -148,56 +148,6 @@ def _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, k_mine,
     if not SPLIT_DV:
         acc_other = tl.dot(pc, k_other, acc_other * alpha[:, None], input_precision=PRECISION)
     return acc_mine, acc_other, m_new, l_sum
-
-
-@triton.jit
-def _decode_step_e4m3(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope, ql_mine, ql_other, ql_rope, k_mine,
-                      k_other, k_rope, nmask, qk_scale, SPLIT_DV: tl.constexpr, MASKED: tl.constexpr,
-                      NATIVE: tl.constexpr, Q_SPLIT: tl.constexpr):  # fmt: skip
-    """One key tile with e4m3 products: q already e4m3 (``qk_scale [BLOCK_H]`` carries its row scales; with
-    Q_SPLIT ``ql_*`` its residual, ``_e4m3_hi_lo``), the cache tile as stored, P as e4m3 in ``[0, 256]`` (``2**8``
-    above the row max: P's small values stay normal; the sums take the same factor, so it cancels in ``out`` and
-    moves ``lse`` by 8 in log2)."""
-    if Q_SPLIT:
-        s = tl.dot(ql_mine, tl.trans(k_mine))
-        s = tl.dot(ql_other, tl.trans(k_other), s)
-        s = tl.dot(ql_rope, tl.trans(k_rope), s) * 0.0625
-        s = tl.dot(q_mine, tl.trans(k_mine), s)
-    else:
-        s = tl.dot(q_mine, tl.trans(k_mine))
-    s = tl.dot(q_other, tl.trans(k_other), s)
-    s = tl.dot(q_rope, tl.trans(k_rope), s) * qk_scale[:, None]
-    if MASKED:
-        s = tl.where(nmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - (m_new - 8.0)[:, None])
-    l_sum = l_sum * alpha + tl.sum(p, 1)
-    pc = fp32_to_e4m3(p, NATIVE)  # p <= 256: the saturating cast needs no clamp
-    acc_mine = tl.dot(pc, k_mine, acc_mine * alpha[:, None])
-    if not SPLIT_DV:
-        acc_other = tl.dot(pc, k_other, acc_other * alpha[:, None])
-    return acc_mine, acc_other, m_new, l_sum
-
-
-@triton.jit
-def _quantise_q_rows(q_mine, q_other, q_rope, NATIVE: tl.constexpr):
-    """q's three column blocks in units of one scale per head row, ``s_q = amax(|row|) / 448`` over all of its
-    columns: returns (the three blocks as fp32 in those units, ``s_q``)."""
-    amax = tl.maximum(tl.max(tl.abs(q_mine.to(tl.float32)), 1), tl.max(tl.abs(q_other.to(tl.float32)), 1))
-    amax = tl.maximum(amax, tl.max(tl.abs(q_rope.to(tl.float32)), 1))
-    s_q = tl.where(amax > 0, amax / 448.0, 1.0)
-    inv = (1.0 / s_q)[:, None]
-    return q_mine.to(tl.float32) * inv, q_other.to(tl.float32) * inv, q_rope.to(tl.float32) * inv, s_q
-
-
-@triton.jit
-def _e4m3_hi_lo(x, NATIVE: tl.constexpr):
-    """(hi, lo) e4m3 with ``x ~ hi + lo / 16`` for ``|x| <= 448``: hi = e4m3(x) keeps 3 mantissa bits, lo the
-    rounding residual times 16 (``|x - hi| <= 16``, so ``lo`` stays within 256); together about 7 bits."""
-    hi = fp32_to_e4m3(x, NATIVE)
-    lo = fp32_to_e4m3((x - hi.to(tl.float32)) * 16.0, NATIVE)
-    return hi, lo
 
 
 @triton.jit
@@ -356,8 +306,7 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_DV: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, CHECK: tl.constexpr, BALANCE: tl.constexpr, SCALE_MODE: tl.constexpr,
     FP8_BYTES: tl.constexpr, PER_SM: tl.constexpr = 2, GLUON: tl.constexpr = False, FP8_PIN: tl.constexpr = False,
-    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False, FP8_MMA: tl.constexpr = 0,
-    Q_SPLIT: tl.constexpr = False,
+    ORDER: tl.constexpr = False, MERGE: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (head tiles x (2 if SPLIT_DV else 1), requests, S): the programs that read the same keys are
     neighbours in launch order, so they run together and a key tile's second read comes from L2. The latent
@@ -370,9 +319,7 @@ def _mla_decode_split_kernel(
     ``[0, num_pages)`` are read as length 0 / page 0, the request's output and lse become NaN and
     ``err[0]`` / ``err[1]`` are set to 1. SCALE_MODE: 0 none, 1 ``kv_scale``, 2 ``*scale_ptr`` multiplies the
     scores and the output (an e4m3 cache's dequantisation); FP8_BYTES reads that cache as bytes (sm_80);
-    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+); FP8_MMA instead keeps it e4m3 and quantises q
-    (``_quantise_q_rows``) and P, for e4m3 products (``_decode_step_e4m3``; 1: the int-only encoder, exact in the
-    interpreter; 2: the hardware cast). ORDER: the request axis runs the batch longest
+    FP8_PIN widens it with ``_e4m3_to_f16_pinned`` (sm_89+). ORDER: the request axis runs the batch longest
     first (``_longest_first``), so a batch of more programs than fit at once starts its long requests first.
     PER_SM and GLUON are the launcher's (programs resident per SM; the sm_90 Gluon kernel instead of this one
     where it can run), parameters so that a config's kwargs launch as they are."""
@@ -411,19 +358,7 @@ def _mla_decode_split_kernel(
     q_mine = tl.load(q_rows + col_mine + dh[None, :], mask=hmask[:, None], other=0.0)
     q_other = tl.load(q_rows + col_other + dh[None, :], mask=hmask[:, None], other=0.0)
     q_rope = tl.load(q_rows + D_V + dr[None, :], mask=hmask[:, None], other=0.0)
-    if FP8_MMA:
-        q_mine, q_other, q_rope, s_q = _quantise_q_rows(q_mine, q_other, q_rope, FP8_MMA == 2)
-        sm_scale_log2 = sm_scale_log2 * s_q
-        if Q_SPLIT:  # q = hi + lo / 16: the score product runs twice, with about 7 of q's mantissa bits
-            q_mine, ql_mine = _e4m3_hi_lo(q_mine, FP8_MMA == 2)
-            q_other, ql_other = _e4m3_hi_lo(q_other, FP8_MMA == 2)
-            q_rope, ql_rope = _e4m3_hi_lo(q_rope, FP8_MMA == 2)
-        else:
-            q_mine = fp32_to_e4m3(q_mine, FP8_MMA == 2)
-            q_other = fp32_to_e4m3(q_other, FP8_MMA == 2)
-            q_rope = fp32_to_e4m3(q_rope, FP8_MMA == 2)
-            ql_mine, ql_other, ql_rope = q_mine, q_other, q_rope
-    elif UPCAST:
+    if UPCAST:
         q_mine = q_mine.to(tl.float32)
         q_other = q_other.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
@@ -456,16 +391,9 @@ def _mla_decode_split_kernel(
                 page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, n0, tok, None, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, False, BLOCK_N)  # fmt: skip
-        if FP8_MMA:
-            acc_mine, acc_other, m, l_sum = _decode_step_e4m3(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                              ql_mine, ql_other, ql_rope, k_mine, k_other, k_rope,
-                                                              None, sm_scale_log2, SPLIT_DV, False, FP8_MMA == 2,
-                                                              Q_SPLIT)  # fmt: skip
-        else:
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, False, PRECISION, FP8_BYTES,
-                                                         FP8_PIN)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, None, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, False, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     if full_end < end:  # the share's last, partial tile
         tok = full_end + offs_n
         nmask = tok < end
@@ -483,25 +411,15 @@ def _mla_decode_split_kernel(
                 page = tl.where(wrong, 0, page)
         k_mine, k_other, k_rope = _kv_tile(kv_ptr, desc_h, desc_r, full_end, tok, nmask, page, s_kp, s_kr, col_mine,
                                            col_other, PAGE_SIZE, D_HALF, D_V, D_R, USE_TMA, True, BLOCK_N)  # fmt: skip
-        if FP8_MMA:
-            acc_mine, acc_other, m, l_sum = _decode_step_e4m3(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                              ql_mine, ql_other, ql_rope, k_mine, k_other, k_rope,
-                                                              nmask, sm_scale_log2, SPLIT_DV, True, FP8_MMA == 2,
-                                                              Q_SPLIT)  # fmt: skip
-        else:
-            acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
-                                                         k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
-                                                         SPLIT_DV, True, PRECISION, FP8_BYTES,
-                                                         FP8_PIN)  # fmt: skip
+        acc_mine, acc_other, m, l_sum = _decode_step(acc_mine, acc_other, m, l_sum, q_mine, q_other, q_rope,
+                                                     k_mine, k_other, k_rope, nmask, sm_scale_log2, UPCAST,
+                                                     SPLIT_DV, True, PRECISION, FP8_BYTES, FP8_PIN)  # fmt: skip
     # Empty share (no keys): lse = -inf and a zero output; a merge gives it weight 0.
     has = l_sum > 0.0
     inv = 1.0 / tl.where(has, l_sum, 1.0)
     if SCALE_MODE != 0:
         inv = inv * kv_scale
-    m_out = m
-    if FP8_MMA:  # P (and its sums) ran 2**8 above the row max
-        m_out = m - 8.0
-    lse = tl.where(has, (m_out + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l_sum, 1.0))) * 0.6931471805599453, float("-inf"))
     o_mine = acc_mine * inv[:, None]
     o_other = acc_other * inv[:, None]
     if CHECK:
@@ -699,8 +617,7 @@ def _gluon_first(page_size: int) -> tuple[int, int, bool]:
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # key = (D_V, D_R, dtype, heads rounded to a power of two >= 16, page size, TMA-able layout)
     kw = cfg.kwargs
-    # No portable head tile wider than the heads, but with e4m3 products (their warpgroup form needs 64 rows).
-    if kw["BLOCK_H"] > max(16, key[3]) and not kw.get("GLUON") and not key[2].endswith(",q8"):
+    if kw["BLOCK_H"] > max(16, key[3]) and not kw.get("GLUON"):  # no portable head tile wider than the heads
         return False
     if key[3] >= 64 and kw["BLOCK_H"] < 64:  # many heads: small head tiles re-read the cache per tile
         return False
@@ -721,8 +638,6 @@ def _keep(cfg: triton.Config, key: tuple) -> bool:
     # Beyond the first variant that fits the page, Gluon variants are candidates only where asked for (the bench
     # asks, and checks each against the reference): a key without a committed config autotunes by speed alone.
     if kw.get("GLUON") and _gluon_variant(cfg) != _gluon_first(key[4]) and os.environ.get(TRIAL_ENV) != "1":
-        return False
-    if not key[2].endswith(",q8") and cfg in _Q8_ONLY:
         return False
     # A TMA tile must lie inside one page.
     return not (kw["USE_TMA"] and not (key[5] and key[4] % kw["BLOCK_N"] == 0))
@@ -751,16 +666,10 @@ _CONFIGS = ConfigTable(
             _cfg(64, 32, 8, 4, tma=True, per_sm=1, gluon=2),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=1),
             _cfg(64, 32, 8, 2, tma=True, per_sm=1, gluon=2),
-            # e4m3 products only (``,q8`` keys): 64-head tiles with the columns split over a program pair (half
-            # the accumulator: the 8-warp tile's stack 424 -> 144 B offline), 64- and 32-token key tiles.
-            _cfg(64, 64, 8, 2, split_dv=True, per_sm=1),
-            _cfg(64, 32, 8, 3, split_dv=True, per_sm=1),
-            _cfg(64, 32, 8, 2),
         ]
     },
     keep=_keep,
 )
-_Q8_ONLY = _CONFIGS.by_arch[9][-3:]
 _SPLIT = TunedKernel("mla_decode_split", _mla_decode_split_kernel, _CONFIGS, tune_first=1)
 
 
@@ -864,13 +773,13 @@ def _check_values(block_table: torch.Tensor, seq_lens: torch.Tensor, num_pages: 
         )
 
 
-def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512, e4m3_products: bool = False) -> tuple:
-    """What the best launch configuration depends on: widths, dtypes (q's, and ``,e4m3`` for an FP8 cache, then
-    ``,q8`` with ``e4m3_products``), heads (rounded up to a power of two), page size and whether the cache layout
-    allows TMA. Never batch size or lengths."""
+def config_key(q: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int = 512) -> tuple:
+    """What the best launch configuration depends on: widths, dtypes (q's, and ``,e4m3`` for an FP8 cache), heads
+    (rounded up to a power of two), page size and whether the cache layout allows TMA. Never batch size or
+    lengths."""
     tma_ok = not interpreting() and _tma_layout_ok(kv_cache, v_head_dim)
     heads = max(16, 1 << max(0, q.shape[1] - 1).bit_length())  # host int math: triton.* helpers cost µs
-    dtype = str(q.dtype).split(".")[-1] + (",e4m3" if kv_cache.dtype == FP8 else "") + (",q8" if e4m3_products else "")
+    dtype = str(q.dtype).split(".")[-1] + (",e4m3" if kv_cache.dtype == FP8 else "")
     return (v_head_dim, q.shape[-1] - v_head_dim, dtype, heads, kv_cache.shape[1], tma_ok)
 
 
@@ -1301,27 +1210,6 @@ def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
     return c
 
 
-E4M3_PRODUCTS_BOUND = 4e-2  # relative RMSE against fp32 over the dequantised cache (the docstring's; tests)
-Q_SPLIT_ENV = "KVFORGE_DECODE_Q_SPLIT"  # trial: e4m3 products with q as two e4m3 terms (read when planning)
-
-
-def _check_e4m3_products(e4m3_products: object, kv_cache: torch.Tensor) -> int:
-    """The split kernel's FP8_MMA for ``e4m3_products``: 0 off, 1 the interpreter's int-only encoder, 2 native."""
-    if not isinstance(e4m3_products, bool):
-        raise TypeError(f"e4m3_products: expected a bool, got {type(e4m3_products).__name__}")
-    if not e4m3_products:
-        return 0
-    if kv_cache.dtype != FP8:
-        raise ValueError(f"e4m3_products: needs an e4m3 kv_cache, got a {kv_cache.dtype} cache")
-    if interpreting():
-        return 1
-    cap = device_capability(kv_cache.device)
-    if cap is None or cap < (8, 9):
-        raise ValueError(f"e4m3_products: needs e4m3 products (sm_89 or newer), got a cache on {kv_cache.device}"
-                         f" (capability {cap})")  # fmt: skip
-    return 2
-
-
 def _check_scale(kv_scale_quant_orig: object, kv_cache: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
     """(SCALE_MODE, float scale, device scale tensor) for the cache's dequantisation."""
     sc = kv_scale_quant_orig
@@ -1362,7 +1250,6 @@ def mla_decode_attention(
     check_values: bool | str = True,
     error_flag: torch.Tensor | None = None,
     kv_scale_quant_orig: float | torch.Tensor | None = None,
-    e4m3_products: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of ``q [B, H, D_qk]`` over the paged latent cache; returns ``out [B, H, v_head_dim]``
     (q's dtype) and, with ``return_lse``, ``lse [B, H]`` fp32. ``out``/``lse`` buffers are written when given.
@@ -1373,11 +1260,7 @@ def mla_decode_attention(
     (length) or 1 (page id) of ``error_flag`` (int32, >= 2 elements; default ``decode_error_flags(device)``) is
     set to 1; ``raise_decode_errors`` reads, clears and raises. ``"strict"`` checks on the host first (one
     device->host read) and raises ValueError naming the argument and the first bad entry. False: no check.
-    ``kv_scale_quant_orig`` (float or 1-element fp32 device tensor, default 1.0) dequantises an e4m3 cache.
-    ``e4m3_products`` (an e4m3 cache, sm_89+ or the interpreter): both products in e4m3, q quantised per head row
-    (``amax / 448``) and P per element, instead of widening every key tile to fp16; its output is within
-    relative RMSE 4e-2 of fp32 attention over the dequantised cache (the tests' bound; e4m3 keeps 3 mantissa
-    bits of q and of P)."""
+    ``kv_scale_quant_orig`` (float or 1-element fp32 device tensor, default 1.0) dequantises an e4m3 cache."""
     try:
         pkey = (
             tensor_key(q), tensor_key(kv_cache), tensor_key(block_table), tensor_key(seq_lens),
@@ -1386,7 +1269,7 @@ def mla_decode_attention(
             type(return_lse), type(check_values), check_values,
             None if error_flag is None else tensor_key(error_flag),
             tensor_key(kv_scale_quant_orig) if isinstance(kv_scale_quant_orig, torch.Tensor)
-            else (type(kv_scale_quant_orig), kv_scale_quant_orig), type(e4m3_products), e4m3_products,
+            else (type(kv_scale_quant_orig), kv_scale_quant_orig),
         )  # fmt: skip
         plan = _PLANS.get(pkey)
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checked path says which
@@ -1406,7 +1289,7 @@ def mla_decode_attention(
         return (out, lse) if return_lse else out
     plan, out, lse, err, scale_t = _plan_call(q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim, out,
                                               lse, return_lse, num_splits, check_values, error_flag,
-                                              kv_scale_quant_orig, e4m3_products)  # fmt: skip
+                                              kv_scale_quant_orig)  # fmt: skip
     if plan is not None:
         _launch(plan, q, kv_cache, block_table, seq_lens, out, lse, err, scale_t)
         if pkey is not None:
@@ -1428,7 +1311,6 @@ def _plan_call(
     check_values: object,
     error_flag: object,
     kv_scale_quant_orig: object,
-    e4m3_products: object = False,
 ) -> tuple[_Plan | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Every host check of ``mla_decode_attention`` (raising before anything launches), ``out``/``lse`` allocated
     when not given, the launch configuration chosen: ``(plan or None when B == 0, out, lse, error flag, device
@@ -1446,7 +1328,6 @@ def _plan_call(
     if num_splits is not None and not 1 <= num_splits <= 65535:
         raise ValueError(f"num_splits: expected a value in [1, 65535], got {num_splits}")
     scale_mode, kv_scale, scale_t = _check_scale(kv_scale_quant_orig, kv_cache)
-    fp8_mma = _check_e4m3_products(e4m3_products, kv_cache)
     if out is None:
         out = torch.empty((B, H, v_head_dim), dtype=q.dtype, device=dev)
     else:
@@ -1484,7 +1365,7 @@ def _plan_call(
     flags = decode_error_flags(dev)
     err = flags if error_flag is None else error_flag
     d_r = D - v_head_dim
-    key = config_key(q, kv_cache, v_head_dim, fp8_mma != 0)
+    key = config_key(q, kv_cache, v_head_dim)
     upcast = interpreting() and q.dtype == torch.bfloat16
     # fp32 inputs get fp32 products (a GPU's default for fp32 tl.dot is TF32, about 1e-3 relative error).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -1496,7 +1377,7 @@ def _plan_call(
     cap = device_capability(dev)
     fp8_gpu = kv_cache.dtype == FP8 and not interpreting() and cap is not None
     fp8_bytes = fp8_gpu and cap < (8, 9)
-    fp8_pin = fp8_gpu and not fp8_bytes and not fp8_mma
+    fp8_pin = fp8_gpu and not fp8_bytes
 
     def make_plan(cfg: triton.Config) -> _Plan:
         kw = cfg.kwargs
@@ -1532,8 +1413,7 @@ def _plan_call(
         consts = (("PAGE_SIZE", page_size), ("D_V", v_head_dim), ("D_R", d_r), ("UPCAST", upcast),
                   ("PRECISION", precision), ("CHECK", check), ("BALANCE", balance),
                   ("SCALE_MODE", scale_mode), ("FP8_BYTES", fp8_bytes), ("FP8_PIN", fp8_pin),
-                  ("ORDER", order), ("MERGE", fused), ("FP8_MMA", fp8_mma),
-                  ("Q_SPLIT", fp8_mma != 0 and os.environ.get(Q_SPLIT_ENV) == "1"))  # fmt: skip
+                  ("ORDER", order), ("MERGE", fused))  # fmt: skip
         # Everything Triton specialises the compiled kernel on (the rt ints are do_not_specialize): a repeat
         # call launches the cached kernel directly.
         ptrs = (q, kv_cache, block_table, seq_lens, out, lse, err, lse if scale_t is None else scale_t)
@@ -1575,8 +1455,7 @@ class MLADecodePlan:
     planned shape, strides, dtype, device and 16-byte alignment (ValueError naming the argument otherwise),
     checks ``out``/``lse`` when given (contiguous, not overlapping an input), and launches; it does not
     synchronise and is graph-capturable. ``check_values`` and ``error_flag`` as in ``mla_decode_attention``;
-    ``"strict"`` checks the lengths and page ids on the host at every run; ``kv_scale_quant_orig`` and
-    ``e4m3_products`` as there.
+    ``"strict"`` checks the lengths and page ids on the host at every run.
     """
 
     def __init__(
@@ -1592,11 +1471,10 @@ class MLADecodePlan:
         check_values: bool | str = True,
         error_flag: torch.Tensor | None = None,
         kv_scale_quant_orig: float | torch.Tensor | None = None,
-        e4m3_products: bool = False,
     ) -> None:
         plan, out, lse, err, scale_t = _plan_call(q, kv_cache, block_table, seq_lens, softmax_scale, v_head_dim, None,
                                                   None, False, num_splits, check_values, error_flag,
-                                                  kv_scale_quant_orig, e4m3_products)  # fmt: skip
+                                                  kv_scale_quant_orig)  # fmt: skip
         self._plan = plan
         self._meta = (_layout(q), _layout(kv_cache))
         self._out = (tuple(out.shape), out.stride(), out.dtype)
