@@ -321,8 +321,15 @@ def test_device_flags_default_and_strict(gen, device):
         mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, error_flag=_flags(device)[:1])
     with pytest.raises(TypeError, match="error_flag"):
         mla_decode_attention(q, kv, bt, sl, softmax_scale=0.3, v_head_dim=32, error_flag=_flags(device).long())
+    # Unchecked, a page id past the cache is read as it is: the cache here is a view of a larger buffer, so the
+    # read stays in allocated memory (a negative id, as above, would read before it: undefined on a GPU).
+    spare = torch.cat([kv, kv[:2]])
+    kv_view = spare[: kv.shape[0]]
+    past = bt.clone()
+    past[1, 0] = kv.shape[0]
     flags = _flags(device)
-    mla_decode_attention(q, kv, bad, sl, softmax_scale=0.3, v_head_dim=32, check_values=False, error_flag=flags)
+    mla_decode_attention(q, kv_view, past, sl, softmax_scale=0.3, v_head_dim=32, check_values=False,
+                         error_flag=flags)  # fmt: skip
     assert flags.tolist() == [0, 0, 0, 0]
 
 
