@@ -19,7 +19,8 @@ lengths back: it builds the work table on the device, bounded by the row counts 
 lengths there (NaN rows and ``error_flag``; ``strict=True`` checks on the host and raises). ``mla_context_paths``
 says which paths a GPU has; inputs a device cannot run raise ``ValueError`` before any launch. On sm_90 the
 per-GPU table may route a key to the warp-specialised Gluon kernel (``mla_context_gluon``, knob ``GLUON``); else
-the same config runs this module's portable kernel. Calls repeating an earlier call's tensors (address, shape,
+the same config runs this module's portable kernel; a key the table lacks times its first candidates once per
+process on its own data (a synchronising first call). Calls repeating an earlier call's tensors (address, shape,
 strides, dtype, device) and scalars replay its checked launches (docs/kernels.md, "Context host cost").
 Notes: docs/mla_context.md, bench/results/mla_context.md.
 """
