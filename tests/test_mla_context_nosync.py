@@ -126,7 +126,10 @@ def test_one_call_reads_nothing_back(gen, device, monkeypatch, mode, max_seqlen)
     fp8 = mode != "bf16"
     assert_close(got, ref, FP8 if fp8 else torch.bfloat16)
     assert rel_rmse(got, ref) < (0.03 if mode == "fp8kv-tensor-scale" else 0.02)
-    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-2 if fp8 else 1e-3, rtol=1e-3)
+    # bf16 q over FP8 K/V may be quantised on chip (Q_QUANT, the H200's table): its scores carry q's e4m3 rounding
+    # (0.039 measured against fp32 there).
+    atol = 6e-2 if mode == "fp8kv-tensor-scale" else 2e-2 if fp8 else 1e-3
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=atol, rtol=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8-dim"])
@@ -304,7 +307,7 @@ def test_unaligned_dim_major_repack_replays_with_fresh_values(gen, device, monke
     assert len(mc._REPACK_BUFFERS) == 1
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
-    v2 = quantize_kv_e4m3(torch.randn(v.shape, generator=gen, device=device), 1.0)
+    v2 = quantize_kv_e4m3(torch.randn(v.shape, generator=gen).to(device), 1.0)  # gen is a CPU generator
     vd.copy_(_unaligned_dim_major(v2))  # same tensor, new values
     out = mla_context_attention(q, k, vd, cu_q, cu_kv, v_layout="dim_major")
     assert len(checked) == 2
