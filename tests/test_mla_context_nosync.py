@@ -315,6 +315,23 @@ def test_unaligned_dim_major_repack_replays_with_fresh_values(gen, device, monke
     assert_close(out, ref, FP8)
 
 
+def test_repack_buffer_a_capture_used_outlives_eviction(gen, device, monkeypatch):
+    """A kept repack buffer used while a CUDA graph was captured stays allocated after its shape is evicted (the
+    graph rewrites and reads it on every replay); buffers only eager calls used are freed with their shape."""
+    monkeypatch.setattr(mc, "_REPACK_BUFFERS", {})
+    monkeypatch.setattr(mc, "_REPACK_CAPTURED", {})
+    v = torch.randn((2, 16, 40), generator=gen).to(device)
+    monkeypatch.setattr(mc, "_capturing", lambda dev: True)
+    captured = mc._repack_v(v, 33)
+    monkeypatch.setattr(mc, "_capturing", lambda dev: False)
+    eager = mc._repack_v(v, 34)
+    for rows in range(1, mc._REPACK_SHAPES + 1):  # evicts the two above, oldest first
+        mc._repack_v(v, rows)
+    assert not mc._is_repack_buffer(captured) and not mc._is_repack_buffer(eager)
+    assert list(mc._REPACK_CAPTURED.values()) == [captured]
+    assert torch.equal(captured[:, :, :33], v[:, :, :33]) and captured.stride(1) * captured.element_size() % 16 == 0
+
+
 # ----------------------------------------------------------------------------------------------------- q_scale
 
 

@@ -942,10 +942,13 @@ def _v_path(v: torch.Tensor, sh: _Shapes, tma: bool, rows: int) -> str:
 # Aligned buffers a "repack" V is copied into, reused by later calls with the same shape on the same stream, so
 # those calls replay (a new buffer per call would change the launch's arguments every time). Up to
 # _REPACK_KEEP_BYTES each, a few shapes; one per stream, as a buffer is rewritten by the next call that uses it
-# and only the stream orders that call after the last one's kernel.
+# and only the stream orders that call after the last one's kernel. A buffer a CUDA graph captured is never
+# freed: the graph writes and reads it on every replay, long after the shape left the dict, so an evicted one
+# moves to _REPACK_CAPTURED (bounded by the shapes ever captured).
 _REPACK_KEEP_BYTES = 256 << 20
 _REPACK_BUFFERS: dict[tuple, torch.Tensor] = {}
 _REPACK_SHAPES = 8
+_REPACK_CAPTURED: dict[int, torch.Tensor] = {}
 
 
 def _padded_tokens(t: int, element_size: int, align_bytes: int = 16) -> int:
@@ -958,6 +961,10 @@ def _dim_major_empty(h: int, d: int, t: int, dtype: torch.dtype, device, align_b
     """An uninitialised dim-major ``[h, d, t]`` view whose token stride is padded to ``align_bytes``."""
     cap = _padded_tokens(t, dtype.itemsize, align_bytes)
     return torch.empty((h, d, cap), dtype=dtype, device=device)[:, :, :t]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
@@ -973,6 +980,8 @@ def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
             _REPACK_BUFFERS.pop(next(iter(_REPACK_BUFFERS)))
         buf = _dim_major_empty(h, d, rows, v.dtype, v.device)
         _REPACK_BUFFERS[key] = buf
+    if _capturing(v.device):
+        _REPACK_CAPTURED[id(buf)] = buf
     buf.copy_(v[:, :, :rows])
     return buf
 
