@@ -315,6 +315,23 @@ def test_unaligned_dim_major_repack_replays_with_fresh_values(gen, device, monke
     assert_close(out, ref, FP8)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "e4m3"])
+def test_copy_dim_major_rows_any_strides(gen, device, dtype):
+    """The repack's byte copy: unaligned token strides, heads apart, a slice of the tokens, both element sizes;
+    bit-exact, and nothing outside the destination's rows is written."""
+    base = torch.randint(0, 120, (3, 40, 78 if dtype == torch.bfloat16 else 77), generator=gen, dtype=torch.uint8)
+    base = base.to(device)
+    src = base.view(dtype)  # [3, 40, 77 e4m3 or 39 bf16: odd strides]
+    src = src[:, 3:35, :29]  # 32 rows a head, heads apart, 29 tokens of an odd stride
+    dst_full = torch.full((3, 32, 48 * dtype.itemsize), 0x55, dtype=torch.uint8, device=device).view(dtype)
+    dst = dst_full[:, :, :29]
+    mc.copy_dim_major_rows(dst, src)
+    assert torch.equal(dst.view(torch.uint8), src.contiguous().view(torch.uint8))
+    assert (dst_full[:, :, 29:].view(torch.uint8) == 0x55).all()
+    with pytest.raises(ValueError, match="dst/src"):
+        mc.copy_dim_major_rows(dst_full, src)
+
+
 def test_repack_buffer_a_capture_used_outlives_eviction(gen, device, monkeypatch):
     """A kept repack buffer used while a CUDA graph was captured stays allocated after its shape is evicted (the
     graph rewrites and reads it on every replay); buffers only eager calls used are freed with their shape."""
@@ -490,3 +507,35 @@ def test_gpu_op_quantised_and_q_scale(device, gen, s):
     # values among e4m3's subnormals); the interpreter test's bound.
     full, _ = mla_context_attention_ref(q[:, :2], k[:, :2], v[:, :2], cu_q, cu_kv, head_chunk=1)
     assert rel_rmse(out[:, :2], full) < 0.08
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_outlives_repack_eviction(device, gen):
+    """A CUDA graph that captured a one call over an unaligned dim-major V (the repack copy and the kernel that
+    reads the kept buffer) replays correctly after the buffer's shape left the kept set and the memory allocator
+    was churned: the captured buffer was never freed."""
+    q, k, v, cu_q, cu_kv = _gpu_batch(device, gen, heads=16, q_lens=(300, 77), cached=(1001, 13))
+    q8, k8, v8 = (quantize_kv_e4m3(t, 1.0) for t in (q, k, v))
+    vd = _unaligned_dim_major(v8)
+    out = torch.empty(q.shape[0], q.shape[1], 128, dtype=torch.bfloat16, device=device)
+    kw = dict(v_layout="dim_major", out=out, max_seqlen_q=300, max_seqlen_kv=1301)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # compile, tune and record on the capture stream
+            mla_context_attention(q8, k8, vd, cu_q, cu_kv, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_context_attention(q8, k8, vd, cu_q, cu_kv, **kw)
+    expect = mla_context_attention(q8, k8, v_to_dim_major(v8), cu_q, cu_kv, v_layout="dim_major")
+    src = torch.zeros((2, 16, 40), dtype=FP8, device=device)
+    for rows in range(1, mc._REPACK_SHAPES + 2):  # every earlier shape evicted
+        mc._repack_v(src, rows)
+    churn = [torch.full((1 << 20,), 7, dtype=torch.uint8, device=device) for _ in range(64)]
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+    del churn

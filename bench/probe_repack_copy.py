@@ -1,0 +1,93 @@
+"""The unaligned dim-major V's repack copy (``mla_context._repack_v``) on the GPU: torch's ``copy_`` against
+``copy_dim_major_rows`` (one byte-copy launch), bit-exact first, then CUDA-event timing (median of 50, warm L2
+flushed by a 256 MB write before each). Shapes: the context grid's unaligned rows ``[H, 128, T]`` e4m3 with T not
+a multiple of 16, and a bf16 one.
+
+    PYTHONPATH=$PWD python3 bench/probe_repack_copy.py --out $OUT     # H200, well under a minute
+
+Prints one line per shape (µs, GB/s of bytes read + written, ratio) and writes ``repack_copy.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import triton
+
+from kvforge.kernels import mla_context as mc
+
+SHAPES = [(32, 13475, torch.float8_e4m3fn), (32, 26934, torch.float8_e4m3fn), (128, 4108, torch.float8_e4m3fn),
+          (16, 92192, torch.float8_e4m3fn), (64, 58339, torch.float8_e4m3fn), (32, 13475, torch.bfloat16)]  # fmt: skip
+
+
+CONFIGS = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (8, 1024, 8), (1, 4096, 8), (2, 2048, 4), (32, 512, 8)]
+
+
+def _time(fn, flush: torch.Tensor, n: int = 50) -> float:
+    ts = []
+    for _ in range(n):
+        flush.fill_(1)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    lines = [f"# {torch.cuda.get_device_name()} torch {torch.__version__} rev {os.environ.get('KVFORGE_GIT_REV', '?')}"]
+    for h, t, dt in SHAPES:
+        v = torch.randn(h, 128, t, device=dev).to(dt)  # packed: token stride t, not 16-byte aligned
+        a = mc._dim_major_empty(h, 128, t, dt, dev)
+        b = mc._dim_major_empty(h, 128, t, dt, dev)
+        a.copy_(v)
+        mc.copy_dim_major_rows(b, v)
+        if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+            lines.append(f"H{h} T{t} {dt}: MISMATCH, not timed")
+            continue
+        ta = _time(lambda a=a, v=v: a.copy_(v), flush)
+        tb = _time(lambda b=b, v=v: mc.copy_dim_major_rows(b, v), flush)
+        nb = 2 * v.numel() * v.element_size()
+        name = f"H{h} x 128 x T{t} {str(dt).split('.')[-1]}"
+        lines.append(f"{name}: torch copy_ {ta:.1f} us ({nb / ta / 1e3:.0f} GB/s), copy_dim_major_rows {tb:.1f} us "
+                     f"({nb / tb / 1e3:.0f} GB/s), x{ta / tb:.2f}")  # fmt: skip
+        print(lines[-1], flush=True)
+        sb, db = v.view(torch.uint8), b.view(torch.uint8)
+        for br, bc, w in CONFIGS:  # the kernel's tile and warps
+            grid = (triton.cdiv(h * 128, br), triton.cdiv(t * v.element_size(), bc))
+            es = v.element_size()
+            kargs = (
+                sb,
+                db,
+                h * 128,
+                128,
+                t * es,
+                *(x * es for x in (v.stride(0), v.stride(1), b.stride(0), b.stride(1))),
+            )
+
+            def run(grid=grid, kargs=kargs, br=br, bc=bc, w=w):
+                mc._rows_copy_kernel[grid](*kargs, BLOCK_R=br, BLOCK_C=bc, num_warps=w)
+
+            run()
+            ok = torch.equal(a.view(torch.uint8), db)
+            tc = _time(run, flush) if ok else float("nan")
+            lines.append(
+                f"  BLOCK_R {br} BLOCK_C {bc} w{w}: {tc:.1f} us ({nb / tc / 1e3:.0f} GB/s){'' if ok else ' WRONG'}"
+            )
+            print(lines[-1], flush=True)
+    with open(os.path.join(args.out, "repack_copy.log"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
