@@ -963,27 +963,54 @@ def _dim_major_empty(h: int, d: int, t: int, dtype: torch.dtype, device, align_b
     return torch.empty((h, d, cap), dtype=dtype, device=device)[:, :, :t]
 
 
-@triton.jit(do_not_specialize=["n_rows", "d", "cols", "s_h", "s_d"])  # t_h, t_d: multiples of 16, stores vectorise
-def _rows_copy_kernel(src, dst, n_rows, d, cols, s_h, s_d, t_h, t_d, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Bytes ``[h, dd, :cols]`` of a ``[H, d, *]`` byte view to the same place in another (rows ``h * d + dd``).
-    The source rows are not 16-byte aligned (why it is copied), so its loads are bytes; Triton's own strided
-    copy of these views ran at about a third of the H200's bandwidth."""
+@triton.jit(do_not_specialize=["n_rows", "d", "cols", "s_h", "s_d", "s_base"])
+def _rows_copy_kernel(src_b, src_w, dst_b, dst_w, n_rows, d, cols, s_h, s_d, s_base, t_h, t_d, d_base,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    """Bytes ``[h, dd, :cols]`` of one ``[H, d, *]`` byte view to the same place in another (rows ``h * d + dd``,
+    byte strides ``s_*`` / ``t_*``). The source rows are not 4-byte aligned (why they are copied), so each output
+    word is two aligned source words funnel-shifted: ``src_w`` / ``dst_w`` are int32 views of the storages,
+    ``s_base`` / ``d_base`` the byte offsets of ``src_b`` / ``dst_b`` in them (``d_base`` and ``t_*`` multiples of
+    4). The row's last ``cols % 4`` bytes go byte by byte in the last column block."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
     h = (r // d).to(tl.int64)
     dd = (r % d).to(tl.int64)
-    m = (r < n_rows)[:, None] & (c < cols)[None, :]
-    x = tl.load(src + (h * s_h + dd * s_d)[:, None] + c[None, :], mask=m)
-    tl.store(dst + (h * t_h + dd * t_d)[:, None] + c[None, :], x, mask=m)
+    rs = h * s_h + dd * s_d  # the row's byte offset in src_b
+    rd = h * t_h + dd * t_d
+    a = s_base + rs
+    sh = (a % 4).to(tl.uint32) * 8
+    live = r < n_rows
+    m = live[:, None] & (j * 4 + 4 <= cols)[None, :]
+    w = (a // 4)[:, None] + j[None, :]
+    lo = tl.load(src_w + w, mask=m, other=0).to(tl.uint32, bitcast=True)
+    # The next word only where the row is shifted (there it holds bytes of this one, so it is in the storage).
+    hi = tl.load(src_w + w + 1, mask=m & (sh > 0)[:, None], other=0).to(tl.uint32, bitcast=True)
+    x = (lo >> sh[:, None]) | (hi << (32 - sh)[:, None])  # hi is 0 where sh is 0
+    tl.store(dst_w + ((d_base + rd) // 4)[:, None] + j[None, :], x.to(tl.int32, bitcast=True), mask=m)
+    if tl.program_id(1) == tl.num_programs(1) - 1:
+        b = (cols // 4) * 4 + tl.arange(0, 4)
+        mt = live[:, None] & (b < cols)[None, :]
+        y = tl.load(src_b + rs[:, None] + b[None, :], mask=mt)
+        tl.store(dst_b + rd[:, None] + b[None, :], y, mask=mt)
 
 
-_COPY_ROWS, _COPY_COLS = 8, 512
+_COPY_ROWS, _COPY_WORDS = 2, 512
+
+
+def _words(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(int32 view of ``t``'s whole storage, ``t``'s byte offset in it), or None if the storage is not whole
+    4-byte words from a 4-byte-aligned start."""
+    st = t.untyped_storage()
+    if st.data_ptr() % 4 or st.nbytes() % 4:
+        return None
+    w = torch.empty(0, dtype=torch.int32, device=t.device).set_(st, 0, (st.nbytes() // 4,), (1,))
+    return w, t.data_ptr() - st.data_ptr()
 
 
 def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` for two ``[H, d, T]`` views whose last dimension is contiguous (a dim-major V and its
-    aligned buffer), as one byte-copy launch; plain ``copy_`` on a device without Triton (the CPU, not
-    interpreting)."""
+    aligned buffer), as one word-copy launch when ``dst``'s rows are 4-byte aligned (else, and on the CPU without
+    the interpreter, plain ``copy_``)."""
     if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() != 3:
         raise ValueError(f"dst/src: expected equal [H, d, T] shapes and dtypes, got {dst.shape} {dst.dtype} and "
                          f"{src.shape} {src.dtype}")  # fmt: skip
@@ -992,13 +1019,17 @@ def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     h, d, t = src.shape
     if h * d * t == 0:
         return dst
-    if src.device.type != "cuda" and not interpreting():
-        return dst.copy_(src)
     es = src.element_size()
-    sb, db = src.view(torch.uint8), dst.view(torch.uint8)
-    grid = (triton.cdiv(h * d, _COPY_ROWS), triton.cdiv(t * es, _COPY_COLS))
-    args = (sb, db, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, dst.stride(0) * es, dst.stride(1) * es)
-    launch_jit(_rows_copy_kernel, grid, args, {"BLOCK_R": _COPY_ROWS, "BLOCK_C": _COPY_COLS})
+    sw, dw = _words(src), _words(dst)
+    if (src.device.type != "cuda" and not interpreting()) or sw is None or dw is None:
+        return dst.copy_(src)
+    t_h, t_d = dst.stride(0) * es, dst.stride(1) * es
+    if dw[1] % 4 or t_h % 4 or t_d % 4:
+        return dst.copy_(src)
+    grid = (triton.cdiv(h * d, _COPY_ROWS), max(1, triton.cdiv(t * es // 4, _COPY_WORDS)))
+    args = (src.view(torch.uint8), sw[0], dst.view(torch.uint8), dw[0], h * d, d, t * es, src.stride(0) * es,
+            src.stride(1) * es, sw[1], t_h, t_d, dw[1])  # fmt: skip
+    launch_jit(_rows_copy_kernel, grid, args, {"BLOCK_R": _COPY_ROWS, "BLOCK_W": _COPY_WORDS})
     return dst
 
 
