@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import triton
@@ -42,11 +43,12 @@ def _time(fn, flush: torch.Tensor, n: int = 50) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--host-only", action="store_true", help="only the host time per call")
     args = ap.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     lines = [f"# {torch.cuda.get_device_name()} torch {torch.__version__} rev {os.environ.get('KVFORGE_GIT_REV', '?')}"]
-    for h, t, dt in SHAPES:
+    for h, t, dt in SHAPES if not args.host_only else []:
         v = torch.randn(h, 128, t, device=dev).to(dt)  # packed: token stride t, not 16-byte aligned
         a = mc._dim_major_empty(h, 128, t, dt, dev)
         b = mc._dim_major_empty(h, 128, t, dt, dev)
@@ -81,6 +83,40 @@ def main() -> None:
                 f"  BLOCK_R {br} BLOCK_W {bw} w{w}: {tc:.1f} us ({nb / tc / 1e3:.0f} GB/s){'' if ok else ' WRONG'}"
             )
             print(lines[-1], flush=True)
+    lines.append("host time per call (us, mean of 300 back-to-back calls, GC on), small shapes:")
+    for h, t in ((16, 669), (32, 653)):
+        v = torch.randn(h, 128, t, device=dev).to(torch.float8_e4m3fn)
+        b = mc._dim_major_empty(h, 128, t, v.dtype, dev)
+        for name, fn in (("torch copy_", lambda b=b, v=v: b.copy_(v)),
+                         ("copy_dim_major_rows", lambda b=b, v=v: mc.copy_dim_major_rows(b, v)),
+                         ("_words x2", lambda b=b, v=v: (mc._words(v), mc._words(b))),
+                         ("_repack_v", lambda v=v, t=t: mc._repack_v(v, t))):  # fmt: skip
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(300):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            lines.append(f"  H{h} T{t} {name}: {(t1 - t0) / 300 * 1e6:.1f}")
+            print(lines[-1], flush=True)
+    t = 669
+    q, k, vt = (torch.randn(t, 16, d, device=dev).to(torch.float8_e4m3fn) for d in (192, 192, 128))
+    cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
+    for name, v in (("aligned", mc.v_to_dim_major(vt)), ("unaligned", vt.permute(1, 2, 0).contiguous())):
+        fn = lambda v=v: mc.mla_context_attention(q, k, v, cu, cu, v_layout="dim_major")
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(300):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        lines.append(f"  one call H16 q669 c0 dim-major {name}: host {(t1 - t0) / 300 * 1e6:.1f} us, "
+                     f"with the GPU {(t2 - t0) / 300 * 1e6:.1f} us")  # fmt: skip
+        print(lines[-1], flush=True)
     with open(os.path.join(args.out, "repack_copy.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

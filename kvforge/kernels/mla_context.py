@@ -994,7 +994,7 @@ def _rows_copy_kernel(src_b, src_w, dst_b, dst_w, n_rows, d, cols, s_h, s_d, s_b
         tl.store(dst_b + rd[:, None] + b[None, :], y, mask=mt)
 
 
-_COPY_ROWS, _COPY_WORDS = 2, 512
+_COPY_ROWS, _COPY_WORDS = 4, 256  # the best of seven tiles on the H200 (bench/probe_repack_copy.py)
 
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
