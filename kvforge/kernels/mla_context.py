@@ -963,48 +963,41 @@ def _dim_major_empty(h: int, d: int, t: int, dtype: torch.dtype, device, align_b
     return torch.empty((h, d, cap), dtype=dtype, device=device)[:, :, :t]
 
 
-@triton.jit(do_not_specialize=["n_rows", "d", "cols", "s_h", "s_d", "s_base"])
-def _rows_copy_kernel(src_b, src_w, dst_b, dst_w, n_rows, d, cols, s_h, s_d, s_base, t_h, t_d, d_base,
+@triton.jit(do_not_specialize=["n_rows", "d", "cols", "s_h", "s_d", "s_mis"])
+def _rows_copy_kernel(src, dst, n_rows, d, cols, s_h, s_d, s_mis, t_h, t_d,
                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
-    """Bytes ``[h, dd, :cols]`` of one ``[H, d, *]`` byte view to the same place in another (rows ``h * d + dd``,
-    byte strides ``s_*`` / ``t_*``). The source rows are not 4-byte aligned (why they are copied), so each output
-    word is two aligned source words funnel-shifted: ``src_w`` / ``dst_w`` are int32 views of the storages,
-    ``s_base`` / ``d_base`` the byte offsets of ``src_b`` / ``dst_b`` in them (``d_base`` and ``t_*`` multiples of
-    4). The row's last ``cols % 4`` bytes go byte by byte in the last column block."""
+    """Bytes ``[h, dd, :cols]`` of one ``[H, d, *]`` tensor to the same place in another (rows ``h * d + dd``,
+    byte strides ``s_*`` / ``t_*``; ``dst`` and ``t_*`` 4-byte aligned, ``s_mis`` = ``src``'s address mod 4). The
+    source rows are not 4-byte aligned (why they are copied), so each output word is two aligned source words
+    funnel-shifted: the loads read whole words around the row's bytes (never past the 4-byte words that hold
+    them). The row's last ``cols % 4`` bytes go byte by byte in the last column block."""
+    sb = src.to(tl.pointer_type(tl.uint8), bitcast=True)
+    db = dst.to(tl.pointer_type(tl.uint8), bitcast=True)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.program_id(1).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
     h = (r // d).to(tl.int64)
     dd = (r % d).to(tl.int64)
-    rs = h * s_h + dd * s_d  # the row's byte offset in src_b
+    rs = h * s_h + dd * s_d  # the row's byte offset from src
     rd = h * t_h + dd * t_d
-    a = s_base + rs
-    sh = (a % 4).to(tl.uint32) * 8
+    mis = (s_mis + rs) % 4
+    sh = mis.to(tl.uint32) * 8
     live = r < n_rows
     m = live[:, None] & (j * 4 + 4 <= cols)[None, :]
-    w = (a // 4)[:, None] + j[None, :]
-    lo = tl.load(src_w + w, mask=m, other=0).to(tl.uint32, bitcast=True)
-    # The next word only where the row is shifted (there it holds bytes of this one, so it is in the storage).
-    hi = tl.load(src_w + w + 1, mask=m & (sh > 0)[:, None], other=0).to(tl.uint32, bitcast=True)
+    w = (sb + (rs - mis)[:, None] + 4 * j[None, :]).to(tl.pointer_type(tl.int32), bitcast=True)
+    lo = tl.load(w, mask=m, other=0).to(tl.uint32, bitcast=True)
+    # The next word only where the row is shifted (there it holds bytes of this one).
+    hi = tl.load(w + 1, mask=m & (sh > 0)[:, None], other=0).to(tl.uint32, bitcast=True)
     x = (lo >> sh[:, None]) | (hi << (32 - sh)[:, None])  # hi is 0 where sh is 0
-    tl.store(dst_w + ((d_base + rd) // 4)[:, None] + j[None, :], x.to(tl.int32, bitcast=True), mask=m)
+    dw = (db + rd[:, None] + 4 * j[None, :]).to(tl.pointer_type(tl.int32), bitcast=True)
+    tl.store(dw, x.to(tl.int32, bitcast=True), mask=m)
     if tl.program_id(1) == tl.num_programs(1) - 1:
         b = (cols // 4) * 4 + tl.arange(0, 4)
         mt = live[:, None] & (b < cols)[None, :]
-        y = tl.load(src_b + rs[:, None] + b[None, :], mask=mt)
-        tl.store(dst_b + rd[:, None] + b[None, :], y, mask=mt)
+        y = tl.load(sb + rs[:, None] + b[None, :], mask=mt)
+        tl.store(db + rd[:, None] + b[None, :], y, mask=mt)
 
 
 _COPY_ROWS, _COPY_WORDS = 4, 256  # the best of seven tiles on the H200 (bench/probe_repack_copy.py)
-
-
-def _words(t: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(int32 view of ``t``'s whole storage, ``t``'s byte offset in it), or None if the storage is not whole
-    4-byte words from a 4-byte-aligned start."""
-    st = t.untyped_storage()
-    if st.data_ptr() % 4 or st.nbytes() % 4:
-        return None
-    w = torch.empty(0, dtype=torch.int32, device=t.device).set_(st, 0, (st.nbytes() // 4,), (1,))
-    return w, t.data_ptr() - st.data_ptr()
 
 
 def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -1020,15 +1013,11 @@ def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if h * d * t == 0:
         return dst
     es = src.element_size()
-    sw, dw = _words(src), _words(dst)
-    if (src.device.type != "cuda" and not interpreting()) or sw is None or dw is None:
-        return dst.copy_(src)
     t_h, t_d = dst.stride(0) * es, dst.stride(1) * es
-    if dw[1] % 4 or t_h % 4 or t_d % 4:
+    if (src.device.type != "cuda" and not interpreting()) or dst.data_ptr() % 4 or t_h % 4 or t_d % 4:
         return dst.copy_(src)
     grid = (triton.cdiv(h * d, _COPY_ROWS), max(1, triton.cdiv(t * es // 4, _COPY_WORDS)))
-    args = (src.view(torch.uint8), sw[0], dst.view(torch.uint8), dw[0], h * d, d, t * es, src.stride(0) * es,
-            src.stride(1) * es, sw[1], t_h, t_d, dw[1])  # fmt: skip
+    args = (src, dst, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, src.data_ptr() % 4, t_h, t_d)
     launch_jit(_rows_copy_kernel, grid, args, {"BLOCK_R": _COPY_ROWS, "BLOCK_W": _COPY_WORDS})
     return dst
 
