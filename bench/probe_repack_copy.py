@@ -64,12 +64,11 @@ def main() -> None:
         lines.append(f"{name}: torch copy_ {ta:.1f} us ({nb / ta / 1e3:.0f} GB/s), copy_dim_major_rows {tb:.1f} us "
                      f"({nb / tb / 1e3:.0f} GB/s), x{ta / tb:.2f}")  # fmt: skip
         print(lines[-1], flush=True)
-        sw, dw = mc._words(v), mc._words(b)
         for br, bw, w in CONFIGS:  # the kernel's tile and warps
             es = v.element_size()
             grid = (triton.cdiv(h * 128, br), triton.cdiv(t * es // 4, bw))
-            kargs = (v.view(torch.uint8), sw[0], b.view(torch.uint8), dw[0], h * 128, 128, t * es, v.stride(0) * es,
-                     v.stride(1) * es, sw[1], b.stride(0) * es, b.stride(1) * es, dw[1])  # fmt: skip
+            kargs = (v, b, h * 128, 128, t * es, v.stride(0) * es, v.stride(1) * es, v.data_ptr() % 4,
+                     b.stride(0) * es, b.stride(1) * es)  # fmt: skip
 
             def run(grid=grid, kargs=kargs, br=br, bw=bw, w=w):
                 mc._rows_copy_kernel[grid](*kargs, BLOCK_R=br, BLOCK_W=bw, num_warps=w)
