@@ -88,7 +88,6 @@ def main() -> None:
         b = mc._dim_major_empty(h, 128, t, v.dtype, dev)
         for name, fn in (("torch copy_", lambda b=b, v=v: b.copy_(v)),
                          ("copy_dim_major_rows", lambda b=b, v=v: mc.copy_dim_major_rows(b, v)),
-                         ("_words x2", lambda b=b, v=v: (mc._words(v), mc._words(b))),
                          ("_repack_v", lambda v=v, t=t: mc._repack_v(v, t))):  # fmt: skip
             fn()
             torch.cuda.synchronize()

@@ -997,7 +997,7 @@ def _rows_copy_kernel(src, dst, n_rows, d, cols, s_h, s_d, s_mis, t_h, t_d,
         tl.store(db + rd[:, None] + b[None, :], y, mask=mt)
 
 
-_COPY_ROWS, _COPY_WORDS = 4, 256  # the best of seven tiles on the H200 (bench/probe_repack_copy.py)
+_COPY_ROWS, _COPY_WORDS = 1, 512  # the best of seven tiles on the H200 (bench/probe_repack_copy.py)
 
 
 def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
