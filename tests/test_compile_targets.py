@@ -123,6 +123,12 @@ SPECS: dict[str, tuple[str, dict[str, str], dict[str, object], int]] = {
         {"BLOCK_M": 128, "R_BLOCK": 256, "SET_FLAG": True, "N_PAD": 64}, 4,
     ),
     "_mla_context_fwd_kernel": ("mla_context", {}, {}, 4),  # variants below
+    "_rows_copy_kernel": (
+        "mla_context",
+        {"src": "*u8", "dst": "*u8",
+         **{n: "i32" for n in ("n_rows", "d", "cols", "s_h", "s_d", "s_mis", "t_h", "t_d")}},
+        {"BLOCK_R": 1, "BLOCK_W": 512}, 4,
+    ),
     # the engine's fused ops and the accepted-state select
     "_state_select_kernel": (
         "state_select", {"pool_ptr": "*fp32", "live_ptr": "*i32", "scratch_ptr": "*i32", "accepted_ptr": "*i32",

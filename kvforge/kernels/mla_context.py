@@ -1010,6 +1010,7 @@ def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if dst.stride(2) != 1 or src.stride(2) != 1:
         raise ValueError("dst/src: expected the token dimension contiguous (stride 1)")
     h, d, t = src.shape
+    dst_in = dst
     if h * d * t == 0:
         return dst
     es = src.element_size()
@@ -1017,9 +1018,11 @@ def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     if (src.device.type != "cuda" and not interpreting()) or dst.data_ptr() % 4 or t_h % 4 or t_d % 4:
         return dst.copy_(src)
     grid = (triton.cdiv(h * d, _COPY_ROWS), max(1, triton.cdiv(t * es // 4, _COPY_WORDS)))
+    if es == 1:  # an e4m3 pointer does not compile before sm_89; the kernel reads bytes anyway
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     args = (src, dst, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, src.data_ptr() % 4, t_h, t_d)
     launch_jit(_rows_copy_kernel, grid, args, {"BLOCK_R": _COPY_ROWS, "BLOCK_W": _COPY_WORDS})
-    return dst
+    return dst_in
 
 
 def _capturing(device: torch.device) -> bool:
