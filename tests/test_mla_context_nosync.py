@@ -297,6 +297,7 @@ def test_unaligned_dim_major_repack_replays_with_fresh_values(gen, device, monke
     vd = _unaligned_dim_major(v)
     monkeypatch.setattr(mc, "_v_path", lambda *a: "repack")
     monkeypatch.setattr(mc, "_REPACK_BUFFERS", {})
+    monkeypatch.setattr(mc, "_REPACK_FAST", {})
     # A fresh call cache: an earlier test's tensors may have had these addresses (a GPU's caching allocator).
     monkeypatch.setattr(mc, "_CALLS", mc.PlanCache(maxsize=256))
     checked = []
@@ -336,10 +337,34 @@ def test_copy_dim_major_rows_any_strides(gen, device, dtype, t, monkeypatch):
         mc.copy_dim_major_rows(dst_full, src)
 
 
+def test_repack_repeat_replays_the_recorded_copy(gen, device, monkeypatch):
+    """A repeat repack of the same V (metadata, rows, stream) replays its recorded copy into the kept buffer
+    without the checked copy path, and still copies V's current values; evicting a buffer drops the replays."""
+    monkeypatch.setattr(mc, "_REPACK_BUFFERS", {})
+    monkeypatch.setattr(mc, "_REPACK_FAST", {})
+    v = torch.randn((2, 16, 41), generator=gen).to(device).to(FP8)
+    first = mc._repack_v(v, 37)
+    assert len(mc._REPACK_FAST) == 1
+    calls = []
+    monkeypatch.setattr(mc, "_copy_launch", lambda *a: calls.append(1))
+    v.copy_(torch.randn((2, 16, 41), generator=gen).to(device).to(FP8))  # same tensor, new values
+    again = mc._repack_v(v, 37)
+    assert again is first and not calls
+    assert torch.equal(again.view(torch.uint8), v[:, :, :37].contiguous().view(torch.uint8))
+    monkeypatch.undo()
+    monkeypatch.setattr(mc, "_REPACK_BUFFERS", {})
+    monkeypatch.setattr(mc, "_REPACK_FAST", {})
+    mc._repack_v(v, 37)
+    for rows in range(1, mc._REPACK_SHAPES + 1):
+        mc._repack_v(v, rows)
+    assert all(k[1] != 37 for k in mc._REPACK_FAST)
+
+
 def test_repack_buffer_a_capture_used_outlives_eviction(gen, device, monkeypatch):
     """A kept repack buffer used while a CUDA graph was captured stays allocated after its shape is evicted (the
     graph rewrites and reads it on every replay); buffers only eager calls used are freed with their shape."""
     monkeypatch.setattr(mc, "_REPACK_BUFFERS", {})
+    monkeypatch.setattr(mc, "_REPACK_FAST", {})
     monkeypatch.setattr(mc, "_REPACK_CAPTURED", {})
     v = torch.randn((2, 16, 40), generator=gen).to(device)
     monkeypatch.setattr(mc, "_capturing", lambda dev: True)

@@ -366,6 +366,16 @@ def _arg_spec(a: Any) -> Any:
 _JIT_FAST: dict[Any, tuple[Any, ...]] = {}
 
 
+def current_stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (Triton's driver query: no torch Stream object); 0 for
+    a non-CUDA device."""
+    if device.type != "cuda":
+        return 0
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device.index)
+
+
 def launch_jit(fn: Any, grid: tuple[int, ...], args: Sequence[Any], consts: Mapping[str, Any], **options: Any) -> Any:
     """``fn[grid](*args, **consts, **options)``; once that has compiled, later calls whose arguments Triton would
     specialise alike (tensor dtypes and 16-byte alignment, ints equal to 1 / multiples of 16 / 32 or 64 bits,

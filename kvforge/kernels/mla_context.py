@@ -1009,42 +1009,75 @@ def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
                          f"{src.shape} {src.dtype}")  # fmt: skip
     if dst.stride(2) != 1 or src.stride(2) != 1:
         raise ValueError("dst/src: expected the token dimension contiguous (stride 1)")
+    launch = _copy_launch(dst, src)
+    if launch is None:
+        return dst.copy_(src)
+    launch_jit(_rows_copy_kernel, launch[0], launch[1], _COPY_CONSTS)
+    return dst
+
+
+_COPY_CONSTS = {"BLOCK_R": _COPY_ROWS, "BLOCK_W": _COPY_WORDS}
+
+
+def _copy_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int], tuple] | None:
+    """(grid, arguments) of ``_rows_copy_kernel`` for two checked ``[H, d, T]`` views, or None where plain
+    ``copy_`` does it (nothing to copy, the CPU without the interpreter, ``dst`` rows not 4-byte aligned)."""
     h, d, t = src.shape
-    dst_in = dst
-    if h * d * t == 0:
-        return dst
     es = src.element_size()
     t_h, t_d = dst.stride(0) * es, dst.stride(1) * es
-    if (src.device.type != "cuda" and not interpreting()) or dst.data_ptr() % 4 or t_h % 4 or t_d % 4:
-        return dst.copy_(src)
+    if h * d * t == 0 or (src.device.type != "cuda" and not interpreting()) or dst.data_ptr() % 4 or t_h % 4 or t_d % 4:
+        return None
     grid = (triton.cdiv(h * d, _COPY_ROWS), max(1, triton.cdiv(t * es // 4, _COPY_WORDS)))
     if es == 1:  # an e4m3 pointer does not compile before sm_89; the kernel reads bytes anyway
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-    args = (src, dst, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, src.data_ptr() % 4, t_h, t_d)
-    launch_jit(_rows_copy_kernel, grid, args, {"BLOCK_R": _COPY_ROWS, "BLOCK_W": _COPY_WORDS})
-    return dst_in
+    return grid, (src, dst, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, src.data_ptr() % 4, t_h, t_d)
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# A repeat copy (same V tensor metadata, rows and stream) replays its recorded launch into the kept buffer:
+# (buffer, the buffer as the kernel takes it, RecordedLaunch or None). Cleared when a buffer is evicted.
+_REPACK_FAST: dict[tuple, tuple] = {}
+
+
 def _repack_v(v: torch.Tensor, rows: int) -> torch.Tensor:
     """``v[:, :, :rows]`` (dim-major ``[H_kv, d_v, T]``) in a 16-byte-aligned buffer: a kept one when small."""
+    stream = _rt.current_stream_handle(v.device)
+    fk = (tensor_key(v), rows, stream)
+    hit = _REPACK_FAST.get(fk)
+    if hit is not None:
+        buf, dst_arg, launch = hit
+        if _capturing(v.device):
+            _REPACK_CAPTURED[id(buf)] = buf
+        launch.launch((v.view(torch.uint8) if v.element_size() == 1 else v, dst_arg))
+        return buf
     h, d = v.shape[0], v.shape[1]
     if h * d * _padded_tokens(rows, v.element_size()) * v.element_size() > _REPACK_KEEP_BYTES:
         return v_to_dim_major(v[:, :, :rows].permute(2, 0, 1))
-    stream = torch.cuda.current_stream(v.device).cuda_stream if v.device.type == "cuda" else 0
     key = (v.device, stream, v.dtype, h, d, rows)
     buf = _REPACK_BUFFERS.get(key)
     if buf is None:
         if len(_REPACK_BUFFERS) >= _REPACK_SHAPES:
             _REPACK_BUFFERS.pop(next(iter(_REPACK_BUFFERS)))
+            _REPACK_FAST.clear()
         buf = _dim_major_empty(h, d, rows, v.dtype, v.device)
         _REPACK_BUFFERS[key] = buf
     if _capturing(v.device):
         _REPACK_CAPTURED[id(buf)] = buf
-    copy_dim_major_rows(buf, v[:, :, :rows])
+    src = v[:, :, :rows]
+    launch = _copy_launch(buf, src)
+    if launch is None:
+        buf.copy_(src)
+        return buf
+    grid, args = launch
+    launch_jit(_rows_copy_kernel, grid, args, _COPY_CONSTS)
+    rec = RecordedLaunch.record(_rows_copy_kernel, grid, args, _COPY_CONSTS, {}, (args[0], args[1]))
+    if rec is not None:
+        if len(_REPACK_FAST) >= 4 * _REPACK_SHAPES:
+            _REPACK_FAST.clear()
+        _REPACK_FAST[fk] = (buf, args[1], rec)
     return buf
 
 
