@@ -40,6 +40,19 @@ def _time(fn, flush: torch.Tensor, n: int = 50) -> float:
     return statistics.median(ts)
 
 
+def _host_time(fn, warm: int = 1, n: int = 300) -> tuple[float, float]:
+    """(host µs per call over ``n`` back-to-back calls, µs per call until the GPU finished them)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -89,31 +102,16 @@ def main() -> None:
         for name, fn in (("torch copy_", lambda b=b, v=v: b.copy_(v)),
                          ("copy_dim_major_rows", lambda b=b, v=v: mc.copy_dim_major_rows(b, v)),
                          ("_repack_v", lambda v=v, t=t: mc._repack_v(v, t))):  # fmt: skip
-            fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(300):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            lines.append(f"  H{h} T{t} {name}: {(t1 - t0) / 300 * 1e6:.1f}")
+            host, _ = _host_time(fn)
+            lines.append(f"  H{h} T{t} {name}: {host:.1f}")
             print(lines[-1], flush=True)
     t = 669
     q, k, vt = (torch.randn(t, 16, d, device=dev).to(torch.float8_e4m3fn) for d in (192, 192, 128))
     cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
     for name, v in (("aligned", mc.v_to_dim_major(vt)), ("unaligned", vt.permute(1, 2, 0).contiguous())):
         fn = lambda v=v: mc.mla_context_attention(q, k, v, cu, cu, v_layout="dim_major")
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(300):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        lines.append(f"  one call H16 q669 c0 dim-major {name}: host {(t1 - t0) / 300 * 1e6:.1f} us, "
-                     f"with the GPU {(t2 - t0) / 300 * 1e6:.1f} us")  # fmt: skip
+        host, total = _host_time(fn, warm=3)
+        lines.append(f"  one call H16 q669 c0 dim-major {name}: host {host:.1f} us, with the GPU {total:.1f} us")
         print(lines[-1], flush=True)
     with open(os.path.join(args.out, "repack_copy.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
