@@ -124,12 +124,17 @@ def test_one_call_reads_nothing_back(gen, device, monkeypatch, mode, max_seqlen)
     assert_all_written(got)
     ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
     fp8 = mode != "bf16"
-    assert_close(got, ref, FP8 if fp8 else torch.bfloat16)
-    assert rel_rmse(got, ref) < (0.03 if mode == "fp8kv-tensor-scale" else 0.02)
     # bf16 q over FP8 K/V may be quantised on chip (Q_QUANT, chosen by first-call timing on a GPU): its scores
-    # carry q's per-row e4m3 rounding. An fp32 emulation of it on these shapes over 200 seeds moved the lse by up
-    # to 0.080 (0.039 measured on the H200 in one run; a cold H200 run at 5c83049 failed the old 0.06 bound).
-    atol = 0.12 if mode == "fp8kv-tensor-scale" else 2e-2 if fp8 else 1e-3
+    # carry q's per-row e4m3 rounding. An fp32 emulation of it on these shapes over 200 seeds: rel-RMSE up to
+    # 0.022, elementwise up to 0.027 past the FP8 bound (0.07 + 0.07 |ref|), lse moved by up to 0.080 (0.039
+    # measured on the H200 in one run; a cold H200 run at 5c83049 failed the bounds this replaced).
+    qq = mode == "fp8kv-tensor-scale"
+    if qq:
+        torch.testing.assert_close(got.double(), ref.double(), atol=0.12, rtol=0.07)
+    else:
+        assert_close(got, ref, FP8 if fp8 else torch.bfloat16)
+    assert rel_rmse(got, ref) < (0.03 if qq else 0.02)
+    atol = 0.12 if qq else 2e-2 if fp8 else 1e-3
     torch.testing.assert_close(lse.double(), ref_lse.double(), atol=atol, rtol=1e-3)
 
 
