@@ -980,14 +980,15 @@ def _rows_copy_kernel(src, dst, n_rows, d, cols, s_h, s_d, s_mis, t_h, t_d,
     rs = h * s_h + dd * s_d  # the row's byte offset from src
     rd = h * t_h + dd * t_d
     mis = (s_mis + rs) % 4
-    sh = mis.to(tl.uint32) * 8
+    sh = mis.to(tl.uint64) * 8
     live = r < n_rows
     m = live[:, None] & (j * 4 + 4 <= cols)[None, :]
     w = (sb + (rs - mis)[:, None] + 4 * j[None, :]).to(tl.pointer_type(tl.int32), bitcast=True)
     lo = tl.load(w, mask=m, other=0).to(tl.uint32, bitcast=True)
     # The next word only where the row is shifted (there it holds bytes of this one).
     hi = tl.load(w + 1, mask=m & (sh > 0)[:, None], other=0).to(tl.uint32, bitcast=True)
-    x = (lo >> sh[:, None]) | (hi << (32 - sh)[:, None])  # hi is 0 where sh is 0
+    # Shifted as one 64-bit value: a 32-bit shift by 32 (an aligned row) is undefined in LLVM.
+    x = (((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) >> sh[:, None]).to(tl.uint32)
     dw = (db + rd[:, None] + 4 * j[None, :]).to(tl.pointer_type(tl.int32), bitcast=True)
     tl.store(dw, x.to(tl.int32, bitcast=True), mask=m)
     if tl.program_id(1) == tl.num_programs(1) - 1:
