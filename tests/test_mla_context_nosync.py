@@ -343,6 +343,28 @@ def test_copy_dim_major_rows_any_strides(gen, device, dtype, t, monkeypatch):
         mc.copy_dim_major_rows(dst_full, src)
 
 
+def test_copy_dim_major_rows_refuses_bad_input(device):
+    """Each class of bad input to the copy is refused before anything is written: not a tensor, a meta tensor,
+    wrong rank, a token dimension not contiguous, shapes/dtypes/devices that differ, dst overlapping src."""
+    src = torch.arange(2 * 8 * 9, dtype=torch.float32, device=device).view(2, 8, 9)
+    dst = mc._dim_major_empty(2, 8, 9, torch.float32, device)
+    dst.fill_(-1.0)
+    cases = [
+        (TypeError, "dst", lambda: mc.copy_dim_major_rows(dst.tolist(), src)),
+        (ValueError, "src: expected a tensor with storage", lambda: mc.copy_dim_major_rows(dst, src.to("meta"))),
+        (ValueError, "src: expected 3 dimensions", lambda: mc.copy_dim_major_rows(dst, src[0])),
+        (ValueError, "src: expected the token dimension contiguous",
+         lambda: mc.copy_dim_major_rows(dst, src.transpose(1, 2).contiguous().transpose(1, 2))),
+        (ValueError, "dst/src", lambda: mc.copy_dim_major_rows(dst, src[:, :, :8])),
+        (ValueError, "dst/src", lambda: mc.copy_dim_major_rows(dst, src.double())),
+        (ValueError, "dst", lambda: mc.copy_dim_major_rows(src, src)),
+    ]  # fmt: skip
+    for err, match, call in cases:
+        with pytest.raises(err, match=match):
+            call()
+    assert (dst == -1.0).all()
+
+
 def test_repack_repeat_replays_the_recorded_copy(gen, device, monkeypatch):
     """A repeat repack of the same V (metadata, rows, stream) replays its recorded copy into the kept buffer
     without the checked copy path, and still copies V's current values; evicting a buffer drops the replays."""

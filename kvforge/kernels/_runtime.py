@@ -373,7 +373,8 @@ def current_stream_handle(device: torch.device) -> int:
         return 0
     from triton.runtime import driver
 
-    return driver.active.get_current_stream(device.index)
+    active = driver.active
+    return active.get_current_stream(device.index if device.index is not None else active.get_current_device())
 
 
 def launch_jit(fn: Any, grid: tuple[int, ...], args: Sequence[Any], consts: Mapping[str, Any], **options: Any) -> Any:

@@ -1004,12 +1004,19 @@ _COPY_ROWS, _COPY_WORDS = 1, 512  # the best of seven tiles on the H200 (bench/p
 def copy_dim_major_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` for two ``[H, d, T]`` views whose last dimension is contiguous (a dim-major V and its
     aligned buffer), as one word-copy launch when ``dst``'s rows are 4-byte aligned (else, and on the CPU without
-    the interpreter, plain ``copy_``)."""
-    if dst.shape != src.shape or dst.dtype != src.dtype or dst.dim() != 3:
-        raise ValueError(f"dst/src: expected equal [H, d, T] shapes and dtypes, got {dst.shape} {dst.dtype} and "
-                         f"{src.shape} {src.dtype}")  # fmt: skip
-    if dst.stride(2) != 1 or src.stride(2) != 1:
-        raise ValueError("dst/src: expected the token dimension contiguous (stride 1)")
+    the interpreter, plain ``copy_``). Refused before anything is written: non-tensors, meta tensors, other than
+    3 dimensions, a token dimension not contiguous, shapes, dtypes or devices that differ, ``dst`` overlapping
+    itself or ``src``."""
+    for name, t in (("dst", dst), ("src", src)):
+        check_tensor(name, t, ndim=3)
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor with storage, got a meta tensor")
+        if t.stride(2) != 1:
+            raise ValueError(f"{name}: expected the token dimension contiguous (stride 1), got strides {t.stride()}")
+    if dst.shape != src.shape or dst.dtype != src.dtype or not same_device(dst.device, src.device):
+        raise ValueError(f"dst/src: expected equal [H, d, T] shapes, dtypes and devices, got {tuple(dst.shape)} "
+                         f"{dst.dtype} {dst.device} and {tuple(src.shape)} {src.dtype} {src.device}")  # fmt: skip
+    check_no_overlap({"dst": dst}, {"src": src})
     launch = _copy_launch(dst, src)
     if launch is None:
         return dst.copy_(src)
@@ -1039,7 +1046,7 @@ def _capturing(device: torch.device) -> bool:
 
 
 # A repeat copy (same V tensor metadata, rows and stream) replays its recorded launch into the kept buffer:
-# (buffer, the buffer as the kernel takes it, RecordedLaunch or None). Cleared when a buffer is evicted.
+# (buffer, the buffer as the kernel takes it, RecordedLaunch). Cleared when a buffer is evicted.
 _REPACK_FAST: dict[tuple, tuple] = {}
 
 
@@ -1179,15 +1186,12 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     """(buffer, work view, starts view) of ``one``'s table for the current stream, made on first use; None while
     a CUDA graph is being captured (a buffer from the graph's pool is not kept past it) or when the fresh buffer
     is not 16-byte aligned as the recording's was."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        # The table launch's own stream query (Triton's driver: an int, no torch Stream object), as _counters in
-        # mla_decode does.
-        f = one.tables[0].fast if one.tables else None
-        stream = f[4](f[2]) if f is not None else torch.cuda.current_stream(device).cuda_stream
-    else:
-        stream = 0
+    if _capturing(device):
+        return None
+    # The table launch's own stream query (Triton's driver: an int, no torch Stream object), as _counters in
+    # mla_decode does.
+    f = one.tables[0].fast if one.tables and device.type == "cuda" else None
+    stream = f[4](f[2]) if f is not None else _rt.current_stream_handle(device)
     kept = one.kept.get(stream)
     if kept is None:
         buf = torch.empty((one.buf_len,), dtype=torch.int32, device=device)
@@ -2020,7 +2024,7 @@ def v_to_dim_major(v: torch.Tensor, align_bytes: int = 16) -> torch.Tensor:
     t, h, d = v.shape
     out = _dim_major_empty(h, d, t, v.dtype, v.device, align_bytes)
     src = v.permute(1, 2, 0)
-    if src.stride(2) == 1:  # already dim-major (a re-alignment): the byte-copy kernel
+    if src.stride(2) == 1:  # already dim-major (a re-alignment): the word-copy kernel
         return copy_dim_major_rows(out, src)
     out.copy_(src)
     return out

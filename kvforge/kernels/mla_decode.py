@@ -47,6 +47,7 @@ from kvforge.kernels._runtime import (
     TunedKernel,
     arch_name,
     clone_descriptor,
+    current_stream_handle,
     device_capability,
     hooks_active,
     interpreting,
@@ -1203,7 +1204,7 @@ def _counters(plan: _Plan, device: torch.device) -> torch.Tensor:
     if f is not None:
         stream = f[4](f[2])
     else:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = current_stream_handle(device)
     c = st.counters.get(stream)
     if c is None:
         c = st.counters.setdefault(stream, _kept(device, stream, "counters", 2 * plan.grid[0] * plan.B, torch.int32))
