@@ -99,6 +99,23 @@ def time_gpu(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> dict
     return _stats(list(raw))
 
 
+def host_time(fn: Callable[[], Any], *, calls: int = 200, warm: int = 1) -> tuple[float, float]:
+    """(host µs per call, µs per call until the GPU finished): ``calls`` back-to-back calls without a sync (the
+    launch queue holds them) after ``warm`` untimed ones and a sync; the first clock stops when the host is done,
+    the second after a final sync. The garbage collector stays on."""
+    import time
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6, (time.perf_counter() - t0) / calls * 1e6
+
+
 def _stats(samples_ms: list[float]) -> dict[str, float]:
     samples = torch.tensor(samples_ms, dtype=torch.float64)
     p20, p50, p80 = torch.quantile(samples, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, append_csv, bar_plot, git_revision, time_gpu, time_graph, time_interleaved
+from bench._common import RESULTS, append_csv, bar_plot, git_revision, host_time, time_gpu, time_graph, time_interleaved
 from kvforge.kernels import mla_decode as md
 from kvforge.kernels import mla_decode_gluon as mdg
 from kvforge.kernels._runtime import arch_name, device_capability
@@ -137,16 +136,8 @@ def try_config(
 
 
 def host_us(fn, calls: int = 200) -> float:
-    """Host time per call: ``calls`` back-to-back calls without a sync (the launch queue holds them) over the
-    wall clock, after a sync; the GPU may still be running when the clock stops."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    """Host time per call (``bench._common.host_time``); the GPU may still be running when the clock stops."""
+    return host_time(fn, calls=calls)[0]
 
 
 def warm(which: str) -> None:

@@ -1,7 +1,9 @@
 """The unaligned dim-major V's repack copy (``mla_context._repack_v``) on the GPU: torch's ``copy_`` against
-``copy_dim_major_rows`` (one byte-copy launch), bit-exact first, then CUDA-event timing (median of 50, warm L2
-flushed by a 256 MB write before each). Shapes: the context grid's unaligned rows ``[H, 128, T]`` e4m3 with T not
-a multiple of 16, and a bf16 one.
+``copy_dim_major_rows`` (one word-copy launch), bit-exact first, then ``bench._common.time_gpu`` (median, L2
+flushed before each call; the logs in bench/results up to rev 5c83049 timed the median of 50 calls behind a 256 MB
+write instead).
+Shapes: the context grid's unaligned rows ``[H, 128, T]`` e4m3 with T not a multiple of 16, and a bf16 one; then
+the kernel's tile candidates, and the host time per call (``bench._common.host_time``, GC on).
 
     PYTHONPATH=$PWD python3 bench/probe_repack_copy.py --out $OUT     # H200, well under a minute
 
@@ -12,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import host_time, time_gpu
 from kvforge.kernels import mla_context as mc
 
 SHAPES = [(32, 13475, torch.float8_e4m3fn), (32, 26934, torch.float8_e4m3fn), (128, 4108, torch.float8_e4m3fn),
@@ -27,30 +32,9 @@ SHAPES = [(32, 13475, torch.float8_e4m3fn), (32, 26934, torch.float8_e4m3fn), (1
 CONFIGS = [(2, 512, 4), (1, 1024, 4), (4, 256, 4), (4, 512, 8), (1, 512, 4), (8, 128, 4), (2, 1024, 8)]
 
 
-def _time(fn, flush: torch.Tensor, n: int = 50) -> float:
-    ts = []
-    for _ in range(n):
-        flush.fill_(1)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
-
-
-def _host_time(fn, warm: int = 1, n: int = 300) -> tuple[float, float]:
-    """(host µs per call over ``n`` back-to-back calls, µs per call until the GPU finished them)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6, (time.perf_counter() - t0) / n * 1e6
+def _time(fn) -> float:
+    """Median µs of ``fn`` (``time_gpu``)."""
+    return time_gpu(fn)["ms"] * 1e3
 
 
 def main() -> None:
@@ -59,7 +43,6 @@ def main() -> None:
     ap.add_argument("--host-only", action="store_true", help="only the host time per call")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     lines = [f"# {torch.cuda.get_device_name()} torch {torch.__version__} rev {os.environ.get('KVFORGE_GIT_REV', '?')}"]
     for h, t, dt in SHAPES if not args.host_only else []:
         v = torch.randn(h, 128, t, device=dev).to(dt)  # packed: token stride t, not 16-byte aligned
@@ -70,8 +53,8 @@ def main() -> None:
         if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
             lines.append(f"H{h} T{t} {dt}: MISMATCH, not timed")
             continue
-        ta = _time(lambda a=a, v=v: a.copy_(v), flush)
-        tb = _time(lambda b=b, v=v: mc.copy_dim_major_rows(b, v), flush)
+        ta = _time(lambda a=a, v=v: a.copy_(v))
+        tb = _time(lambda b=b, v=v: mc.copy_dim_major_rows(b, v))
         nb = 2 * v.numel() * v.element_size()
         name = f"H{h} x 128 x T{t} {str(dt).split('.')[-1]}"
         lines.append(f"{name}: torch copy_ {ta:.1f} us ({nb / ta / 1e3:.0f} GB/s), copy_dim_major_rows {tb:.1f} us "
@@ -90,7 +73,7 @@ def main() -> None:
             b.view(torch.uint8).zero_()
             run()
             ok = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-            tc = _time(run, flush) if ok else float("nan")
+            tc = _time(run) if ok else float("nan")
             lines.append(
                 f"  BLOCK_R {br} BLOCK_W {bw} w{w}: {tc:.1f} us ({nb / tc / 1e3:.0f} GB/s){'' if ok else ' WRONG'}"
             )
@@ -102,7 +85,7 @@ def main() -> None:
         for name, fn in (("torch copy_", lambda b=b, v=v: b.copy_(v)),
                          ("copy_dim_major_rows", lambda b=b, v=v: mc.copy_dim_major_rows(b, v)),
                          ("_repack_v", lambda v=v, t=t: mc._repack_v(v, t))):  # fmt: skip
-            host, _ = _host_time(fn)
+            host, _ = host_time(fn, calls=300)
             lines.append(f"  H{h} T{t} {name}: {host:.1f}")
             print(lines[-1], flush=True)
     t = 669
@@ -110,7 +93,7 @@ def main() -> None:
     cu = torch.tensor([0, t], dtype=torch.int32, device=dev)
     for name, v in (("aligned", mc.v_to_dim_major(vt)), ("unaligned", vt.permute(1, 2, 0).contiguous())):
         fn = lambda v=v: mc.mla_context_attention(q, k, v, cu, cu, v_layout="dim_major")
-        host, total = _host_time(fn, warm=3)
+        host, total = host_time(fn, calls=300, warm=3)
         lines.append(f"  one call H16 q669 c0 dim-major {name}: host {host:.1f} us, with the GPU {total:.1f} us")
         print(lines[-1], flush=True)
     with open(os.path.join(args.out, "repack_copy.log"), "w") as f:
