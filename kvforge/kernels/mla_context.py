@@ -49,6 +49,7 @@ from kvforge.kernels._runtime import (
     TunedKernel,
     interpreting,
     launch_jit,
+    num_sms,
     tensor_key,
 )
 from kvforge.kernels._selfcheck import CheckRow, timed_check
@@ -396,14 +397,19 @@ def _mla_context_fwd_kernel(
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     NATIVE_FP8: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, KV_ALIGN: tl.constexpr, PIPE_QK: tl.constexpr,
-    HEADS_OUTER: tl.constexpr,
+    HEADS_OUTER: tl.constexpr, SPLIT_KV: tl.constexpr = False,
 ):  # fmt: skip
     """One (query tile, head) per program. With ``USE_TMA`` the ``*d_*`` arguments are 2-D tensor descriptors
     (rows = tokens, columns = head x dim; V dim-major: rows = head x dim) and ``Q``/``K``/``V`` are unused.
     ``QK_MODE`` / ``PV_MODE``: the products' operand types (``_QK_*`` / ``_PV_*``); with the byte modes FP8
     tensors arrive as uint8 and are decoded on chip. A work item is (first query row, rows, first KV row of the
     request, keys every row sees - 1): 0 rows is an empty item; rows with no keys to sweep (an invalid request of
-    a device-built table: ``diag0 = -rows``) come out as NaN (0 / 0), never as another request's data."""
+    a device-built table: ``diag0 = -rows``) come out as NaN (0 / 0), never as another request's data.
+
+    ``SPLIT_KV``: items of 8 ints, (the four above, output row, first block, end block, 0): the item sweeps only
+    key blocks [first, end) (block positions, multiples of BLOCK_N) and writes its partial output and lse to row
+    ``output row`` of ``O`` / ``LSE`` (fp32 scratch); a share with no keys writes 0 and lse -inf, so that
+    ``merge_attention_states`` drops it."""
     pid = tl.program_id(0)
     if HEADS_OUTER:
         # Consecutive programs are tiles of one head: the programs resident at once read the same few heads'
@@ -413,7 +419,13 @@ def _mla_context_fwd_kernel(
     else:
         item = pid // H
         head = pid % H
-    w = Work + item.to(tl.int64) * 4
+    if SPLIT_KV:
+        w = Work + item.to(tl.int64) * 8
+        out_row0 = tl.load(w + 4)
+        blk_lo = tl.load(w + 5)
+        blk_hi = tl.load(w + 6)
+    else:
+        w = Work + item.to(tl.int64) * 4
     q_row0 = tl.load(w)
     n_rows = tl.load(w + 1)
     kv_row0 = tl.load(w + 2)
@@ -494,15 +506,26 @@ def _mla_context_fwd_kernel(
     diag_lo = tl.maximum(n_full, head_end)
     in_end = ((n_end + shift) // BLOCK_N) * BLOCK_N
     tail_lo = tl.maximum(diag_lo, in_end)
+    head_lo = 0
+    full_lo = head_end
+    if SPLIT_KV:  # this share's blocks only: every sweep clipped to [blk_lo, blk_hi), its masks unchanged
+        head_lo = blk_lo
+        full_lo = tl.maximum(head_end, blk_lo)
+        diag_lo = tl.maximum(diag_lo, blk_lo)
+        tail_lo = tl.maximum(tail_lo, blk_lo)
+        head_end = tl.minimum(head_end, blk_hi)
+        n_full = tl.minimum(n_full, blk_hi)
+        in_end = tl.minimum(in_end, blk_hi)
+        pos_end = tl.minimum(pos_end, blk_hi)
     CARRIED: tl.constexpr = PIPE_QK == 2
     # The four sweeps, as (lo, hi, CAUSAL, BOUNDS, CARRIED); the rest of the arguments are the same.
     acc, m_i, l_i = _sweep(
-        acc, m_i, l_i, 0, head_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col, v_col,
-        key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, True, False, D_A, D_B, QK_MODE, PV_MODE,
-        V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
+        acc, m_i, l_i, head_lo, head_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, True, False, D_A, D_B, QK_MODE,
+        PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     acc, m_i, l_i = _sweep(
-        acc, m_i, l_i, head_end, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        acc, m_i, l_i, full_lo, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
         v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, False, CARRIED, D_A, D_B, QK_MODE,
         PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
@@ -517,12 +540,19 @@ def _mla_context_fwd_kernel(
         PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
-    o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
-    o_ptrs = O + q_rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + offs_v[None, :]
+    if SPLIT_KV:  # a share may hold no keys for some rows: 0 with lse -inf, which the merge drops
+        o = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+        o_rows = (out_row0 + offs_m).to(tl.int64)
+        empty = float("-inf")
+    else:
+        o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+        o_rows = q_rows
+        empty = float("nan")
+    o_ptrs = O + o_rows[:, None] * stride_ot + head.to(tl.int64) * stride_oh + offs_v[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
-        lse = tl.where(l_i > 0, (m_i - P_OFFSET + tl.math.log2(l_i)) * LN2, float("nan"))
-        tl.store(LSE + q_rows * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
+        lse = tl.where(l_i > 0, (m_i - P_OFFSET + tl.math.log2(l_i)) * LN2, empty)
+        tl.store(LSE + o_rows * stride_lt + head.to(tl.int64) * stride_lh, lse, mask=row_ok)
 
 
 @triton.jit
@@ -716,6 +746,38 @@ def _smem_estimate(cfg: triton.Config, key: tuple) -> int:
 # 128-row tiles would leave half their rows idle (64 new rows over a long cached prefix, e.g. decode-like
 # extends), so that key keeps only 64-row tiles that leave room for two programs per SM.
 SHORT_Q_ROWS = 64
+# Key shares (split-KV) of a host-planned batch whose (item, head) programs are too few to fill the GPU: a few
+# short query tiles over a long cached prefix (a chunk of a long prompt, a new turn of a long conversation) would
+# otherwise run one program per SM, each sweeping every key alone. Each share writes an fp32 partial output and
+# lse; ``merge_attention_states`` merges them. Shares are for the portable kernel (the Gluon kernel has no share
+# form: a Gluon config plans one share).
+KV_SPLIT_MAX_PROGRAMS = 2  # split only below this many programs per SM
+KV_SPLIT_TARGET = 4  # programs per SM the shares aim for
+KV_SPLIT_MIN_BLOCKS = 8  # key blocks a share sweeps at least
+KV_SPLIT_MAX = 16
+KV_SPLIT_SCRATCH_BYTES = 1 << 29  # the partials' scratch stays under this
+
+
+def context_kv_splits(
+    n_items: int, num_heads: int, longest_blocks: int, sms: int, scratch_bytes_per_split: int = 0
+) -> int:
+    """Key shares per work item for a host-planned batch: 1 when ``n_items x num_heads`` programs reach
+    ``KV_SPLIT_MAX_PROGRAMS`` per SM, else enough shares for ``KV_SPLIT_TARGET`` programs per SM, each share at
+    least ``KV_SPLIT_MIN_BLOCKS`` key blocks of the longest item, at most ``KV_SPLIT_MAX``, and the fp32 partials
+    (``scratch_bytes_per_split`` each) under ``KV_SPLIT_SCRATCH_BYTES``."""
+    for name, v, lo in (("n_items", n_items, 0), ("num_heads", num_heads, 1), ("longest_blocks", longest_blocks, 0),
+                        ("sms", sms, 1), ("scratch_bytes_per_split", scratch_bytes_per_split, 0)):  # fmt: skip
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    programs = n_items * num_heads
+    if programs == 0 or programs >= KV_SPLIT_MAX_PROGRAMS * sms:
+        return 1
+    want = -(-KV_SPLIT_TARGET * sms // programs)
+    by_keys = longest_blocks // KV_SPLIT_MIN_BLOCKS
+    by_scratch = KV_SPLIT_SCRATCH_BYTES // scratch_bytes_per_split if scratch_bytes_per_split else KV_SPLIT_MAX
+    return max(1, min(want, by_keys, by_scratch, KV_SPLIT_MAX))
+
+
 _SHORT_Q = "short_q"
 
 
@@ -1203,6 +1265,22 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     return kept
 
 
+def _share_items(items: list[tuple[int, ...]], splits: int, bn: int, align: int, total_q: int) -> list[tuple[int, ...]]:
+    """``splits`` key shares of every (cost, q_row0, n_rows, kv_row0, diag0) item, as (cost, the four, output
+    row, first block, end block, 0): share c sweeps key blocks [c * per, (c + 1) * per) (block positions, the
+    last open-ended), ``per`` the item's blocks / ``splits`` rounded up, and writes partial row
+    ``c * total_q + q_row0``. An item shorter than ``splits`` blocks leaves its last shares empty."""
+    out: list[tuple[int, ...]] = []
+    for _cost, q0, n, k0, d0 in items:
+        blocks = -(-(d0 + n + k0 % align) // bn)
+        per = max(1, -(-blocks // splits))
+        for c in range(splits):
+            lo, hi = c * per, (c + 1) * per
+            keys = max(0, min(hi, blocks) - lo) * bn
+            out.append((keys, q0, n, k0, d0, c * total_q + q0, lo * bn, hi * bn if c < splits - 1 else 1 << 30, 0))
+    return out
+
+
 _CALLS = PlanCache(maxsize=256)  # an engine step calls once per layer, each with its own q/k/v buffers
 
 
@@ -1227,6 +1305,7 @@ class MLAContextPlan:
         total_kv: int,
         cu_seqlens_q: list[int] | None = None,
         cu_seqlens_kv: list[int] | None = None,
+        kv_splits: int = 1,
     ) -> None:
         self.shapes = shapes
         self.device = device
@@ -1239,6 +1318,18 @@ class MLAContextPlan:
         self.cu_seqlens_q = cu_seqlens_q
         self.cu_seqlens_kv = cu_seqlens_kv
         self._runs: dict[tuple, _RunFast | None] = {}  # checked calls' launches (None: seen once), for ``run``
+        # Key shares per item (``context_kv_splits``); with more than one, ``work`` has 8-int share items and the
+        # shares' fp32 partials (output, lse) and the merged lse's sink live as long as the plan (graph-safe).
+        self.kv_splits = kv_splits
+        self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if kv_splits > 1:
+            rows = kv_splits * total_q
+            h, dv = shapes.num_heads, shapes.head_dim_v
+            self._partials = (
+                torch.empty((rows, h, dv), dtype=torch.float32, device=device),
+                torch.empty((rows, h), dtype=torch.float32, device=device),
+                torch.empty((total_q, h), dtype=torch.float32, device=device),
+            )
 
     @classmethod
     def plan(
@@ -1257,10 +1348,13 @@ class MLAContextPlan:
         max_seqlen_q: int | None = None,
         max_seqlen_kv: int | None = None,
         config: triton.Config | None = None,
+        kv_splits: int | None = None,
     ) -> MLAContextPlan:
         """Validate one batch's lengths and build its work table (heaviest (request, q-tile) first).
 
         ``device`` defaults to that of ``cu_seqlens_q``; ``config`` overrides the per-SM table (tests, sweeps).
+        ``kv_splits``: key shares per item (None: ``context_kv_splits`` decides; more than 1 runs the portable
+        kernel and merges the shares).
         """
         dev = torch.device(device) if device is not None else _tensor_device("cu_seqlens_q", cu_seqlens_q)
         if dev.type == "meta":
@@ -1285,6 +1379,9 @@ class MLAContextPlan:
             raise ValueError(f"max_seqlen_q: {max_seqlen_q} is below the longest query length {max(q_lens)}")
         if max_seqlen_kv is not None and kv_lens and max(kv_lens) > max_seqlen_kv:
             raise ValueError(f"max_seqlen_kv: {max_seqlen_kv} is below the longest KV length {max(kv_lens)}")
+        if kv_splits is not None and (isinstance(kv_splits, bool) or not isinstance(kv_splits, int)
+                                      or not 1 <= kv_splits <= KV_SPLIT_MAX):  # fmt: skip
+            raise ValueError(f"kv_splits: expected None or an int in [1, {KV_SPLIT_MAX}], got {kv_splits!r}")
         if config is None:
             config = _choose_config(shapes, dev, bool(q_lens) and 0 < max(q_lens) <= SHORT_Q_ROWS)
         bm = int(config.kwargs["BLOCK_M"])
@@ -1294,12 +1391,24 @@ class MLAContextPlan:
             for m0 in range(0, ql, bm):
                 n_rows = min(bm, ql - m0)
                 items.append((prefix + m0 + n_rows, cu_q[r] + m0, n_rows, cu_kv[r], prefix + m0))
+        bn = int(config.kwargs["BLOCK_N"])
+        # Dim-major V's blocks start up to KV_ALIGN - 1 keys before the request (the kernel's ``shift``).
+        align = max(1, 16 // shapes.kv_dtype.itemsize) if shapes.v_layout == "dim_major" else 1
+        if kv_splits is None:
+            longest = max((-(-(it[0] + it[3] % align) // bn) for it in items), default=0)
+            gluon = bool(config.kwargs.get("GLUON", 0))
+            sms = num_sms(dev) if dev.type == "cuda" else 132
+            per_split = cu_q[-1] * num_heads * (head_dim_v + 1) * 4
+            kv_splits = 1 if gluon else context_kv_splits(len(items), num_heads, longest, sms, per_split)
+        if kv_splits > 1:
+            items = _share_items(items, kv_splits, bn, align, cu_q[-1])
         # Heaviest first (cost = keys swept); the stable sort keeps request order among equals.
         items.sort(key=lambda it: -it[0])
-        table = torch.tensor([it[1:] for it in items] or [[0, 0, 0, 0]], dtype=torch.int32)
+        width = 8 if kv_splits > 1 else 4
+        table = torch.tensor([it[1:] for it in items] or [[0] * width], dtype=torch.int32)
         # Pageable memory is staged before the copy call returns, so the host need not wait for the device's queue.
         work = table.to(dev, non_blocking=True)
-        return cls(shapes, dev, config, work, len(items), cu_q[-1], cu_kv[-1], cu_q, cu_kv)
+        return cls(shapes, dev, config, work, len(items), cu_q[-1], cu_kv[-1], cu_q, cu_kv, kv_splits)
 
     @classmethod
     def _plan_on_device(
@@ -1449,7 +1558,9 @@ class MLAContextPlan:
             check_no_overlap({"out": out if out_given else None, "lse_out": lse_out}, {"q": q, "k": k, "v": v})
         if lse_out is None and want_lse:
             lse_out = torch.empty((self.total_q, sh.num_heads), dtype=torch.float32, device=self.device)
-        recorded: list | None = [] if key is not None and type(self)._launch is _LAUNCH else None
+        recorded: list | None = (
+            [] if key is not None and type(self)._launch is _LAUNCH and self._partials is None else None
+        )
         env = _env() if recorded is not None else None
         launch = None
         v_rows = None
@@ -1496,6 +1607,21 @@ class MLAContextPlan:
         ``record``: a list that gets the launch's ``(kernel, grid, args, consts, options)``."""
         if q_scale_val is None and q_scale_ptr is None:
             q_scale_val, q_scale_ptr = scale_val, scale_ptr
+        if self._partials is not None:  # key shares: the kernel writes fp32 partials, then one merge launch
+            part_o, part_lse, sink = self._partials
+            handle = self._launch_kernel(q, k, v, part_o, part_lse, softmax_scale, scale_val, scale_ptr, q_scale_val,
+                                         q_scale_ptr, record)  # fmt: skip
+            from kvforge.kernels.merge_states import merge_attention_states
+
+            s_, t_ = self.kv_splits, self.total_q
+            merge_attention_states(part_o.view(s_, t_, *part_o.shape[1:]), part_lse.view(s_, t_, -1), out=out,
+                                   out_lse=lse if lse is not None else sink)  # fmt: skip
+            return handle
+        return self._launch_kernel(q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr,
+                                   record)  # fmt: skip
+
+    def _launch_kernel(self, q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr,
+                       record):  # fmt: skip
         sh = self.shapes
         d_a, d_b = _split_head_dim(sh.head_dim_qk)
         if sh.v_layout == "dim_major":
@@ -1511,7 +1637,7 @@ class MLAContextPlan:
         # model's 32 + 16) takes the byte path, which widens FP8 to 16 bits on chip (any part >= 16).
         narrow = min(d_a, d_b or d_a) < 32
         fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma or narrow)
-        if kw.pop("GLUON", 0):
+        if kw.pop("GLUON", 0) and self._partials is None:
             gl_launch = self._launch_gluon(
                 q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr, kw, fp8_bytes
             )
@@ -1520,8 +1646,10 @@ class MLAContextPlan:
                     record.append(gl_launch)
                 fn, grid, args, consts, options = gl_launch
                 return launch_jit(fn, grid, args, consts, **options)
-            # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
-            # portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V widened.
+        if self.config.kwargs.get("GLUON", 0):
+            # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read, key
+            # shares): the portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V
+            # widened.
             kw.pop("GLUON_PP", None)
             kw.pop("GLUON_KP", None)
             kw.setdefault("Q_QUANT", 1)
@@ -1563,6 +1691,7 @@ class MLAContextPlan:
             NATIVE_FP8=native_fp8_cast(),
             P_OFFSET=_FP8_P_OFFSET if kv_fp8 else 0.0,
             KV_ALIGN=max(1, 16 // k.element_size()) if sh.v_layout == "dim_major" else 1,
+            SPLIT_KV=self._partials is not None,
             **kw,
         )
         grid = (self.n_items * sh.num_heads,)

@@ -1,0 +1,207 @@
+"""MLA context attention with key shares (split-KV): few (query tile, head) programs over a long cached prefix.
+
+``MLAContextPlan.plan`` splits each work item's keys into ``kv_splits`` shares when its programs are too few for
+the GPU (``context_kv_splits``); the portable kernel writes fp32 partials and ``merge_attention_states`` merges
+them. CPU (interpreter) cases check the share table, the rule and the merged output against the plain-torch
+reference on awkward lengths (items shorter than their shares, an empty request, dim-major V's aligned head);
+the ``gpu`` cases repeat them at serving sizes and inside a CUDA graph on the H200.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import kvforge.kernels.mla_context as mc
+from kvforge.kernels.mla_context import (
+    MLAContextPlan,
+    context_kv_splits,
+    mla_context_attention_ref,
+    quantize_kv_e4m3,
+    v_to_dim_major,
+)
+from tests.helpers import assert_all_written, poisoned
+from tests.test_mla_context_nosync import _cu
+from tests.tolerances import assert_close, rel_rmse
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # 0 / 0 and log(0) of empty shares
+
+# A short tile over a long prefix, a request shorter than its shares, an empty request, no prefix at all.
+Q_LENS, CACHED = [3, 0, 21, 1], [150, 9, 0, 11]
+MODES = ["bf16", "fp8", "fp8-dim-major", "fp8kv"]
+
+
+def _inputs(gen, device, mode, q_lens=Q_LENS, cached=CACHED, heads=2, dqk=192, dv=128, s=1.5):
+    kv_lens = [a + b for a, b in zip(q_lens, cached)]
+    cu_q, cu_kv = _cu(q_lens), _cu(kv_lens)
+    g = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(int(torch.randint(1 << 30, (1,))))
+    q = torch.randn(int(cu_q[-1]), heads, dqk, generator=g, device=device)
+    k = torch.randn(int(cu_kv[-1]), heads, dqk, generator=g, device=device)
+    v = torch.randn(int(cu_kv[-1]), heads, dv, generator=g, device=device)
+    kw: dict = {}
+    ref_kw: dict = {}
+    if mode == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    else:
+        q = quantize_kv_e4m3(q, 1.0 / s) if mode.startswith("fp8") and mode != "fp8kv" else q.bfloat16()
+        k, v = quantize_kv_e4m3(k, 1.0 / s), quantize_kv_e4m3(v, 1.0 / s)
+        kw = ref_kw = {"kv_scale_quant_orig": s}
+    return q, k, v, cu_q.to(device), cu_kv.to(device), kw, ref_kw
+
+
+def _plan(q, k, v, cu_q, cu_kv, mode, **kw):
+    return MLAContextPlan.plan(
+        cu_q, cu_kv, num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim_qk=q.shape[2],
+        head_dim_v=v.shape[1] if mode == "fp8-dim-major" else v.shape[-1], q_dtype=q.dtype, kv_dtype=k.dtype,
+        v_layout="dim_major" if mode == "fp8-dim-major" else "token_major", **kw,
+    )  # fmt: skip
+
+
+def _check(got, lse, ref, ref_lse, mode):
+    assert_all_written(got)
+    fp8 = mode != "bf16"
+    if mode == "fp8kv":  # a bf16 q quantised on chip: see test_one_call_reads_nothing_back's bounds
+        torch.testing.assert_close(got.double(), ref.double(), atol=0.12, rtol=0.07)
+    else:
+        assert_close(got, ref, mc.FP8 if fp8 else torch.bfloat16)
+    assert rel_rmse(got, ref) < (0.03 if fp8 else 0.02)
+    if lse is not None:
+        atol = 0.12 if mode == "fp8kv" else 2e-2 if fp8 else 1e-3
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=atol, rtol=1e-3)
+
+
+def test_rule_splits_only_few_programs():
+    assert context_kv_splits(200, 128, 400, 132) == 1  # 25600 programs: the GPU is full
+    assert context_kv_splits(3, 128, 400, 132) == 1  # 384 programs: more than two per SM already
+    assert context_kv_splits(2, 128, 400, 132) == 3  # 256: ceil(528 / 256)
+    assert context_kv_splits(1, 128, 400, 132) == 5  # 128 programs: 4 per SM wanted, ceil(528 / 128)
+    assert context_kv_splits(1, 128, 20, 132) == 2  # 20 blocks: shares of at least 8
+    assert context_kv_splits(1, 128, 7, 132) == 1
+    assert context_kv_splits(1, 16, 10_000, 132) == mc.KV_SPLIT_MAX
+    assert context_kv_splits(1, 16, 10_000, 132, mc.KV_SPLIT_SCRATCH_BYTES // 3) == 3
+    assert context_kv_splits(0, 16, 0, 132) == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(-1, 2, 3, 4), (1, 0, 3, 4), (1, 2, -3, 4), (1, 2, 3, 0), (1.0, 2, 3, 4), (True, 2, 3, 4), (1, 2, 3, 4, -1)],
+)
+def test_rule_refuses_bad_arguments(args):
+    with pytest.raises(ValueError, match=r"expected an int"):
+        context_kv_splits(*args)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shares_cover_every_block_once(seed):
+    """Random items: the shares of an item partition its key blocks [0, blocks) in order, the last one open-ended,
+    each writing its own partial rows."""
+    rng = random.Random(seed)
+    bn, align, total_q = rng.choice([16, 64, 128]), rng.choice([1, 8, 16]), 500
+    items = []
+    for _ in range(rng.randint(1, 6)):
+        n, d0, k0 = rng.randint(1, 128), rng.randint(0, 5000), rng.randint(0, 10_000)
+        items.append((d0 + n, rng.randint(0, total_q - n), n, k0, d0))
+    splits = rng.randint(2, 16)
+    shares = mc._share_items(items, splits, bn, align, total_q)
+    assert len(shares) == splits * len(items)
+    for i, (_c, q0, n, k0, d0) in enumerate(items):
+        mine = shares[i * splits : (i + 1) * splits]
+        blocks = -(-(d0 + n + k0 % align) // bn)
+        assert [s[1:5] for s in mine] == [(q0, n, k0, d0)] * splits
+        assert [s[5] for s in mine] == [c * total_q + q0 for c in range(splits)]
+        assert mine[0][6] == 0 and mine[-1][7] >= blocks * bn
+        for a, b in itertools.pairwise(mine):
+            assert a[7] == b[6] and a[6] <= a[7] and a[6] % bn == 0
+        assert sum(s[0] for s in mine) == blocks * bn  # the costs: keys swept, every block once
+
+
+def test_bad_kv_splits_refused(gen, device):
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16")
+    for bad in (0, mc.KV_SPLIT_MAX + 1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="kv_splits"):
+            _plan(q, k, v, cu_q, cu_kv, "bf16", kv_splits=bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_plan_equals_reference(gen, device, mode, splits):
+    """Forced shares, every input mode: the merged output and lse equal the reference (an item with fewer key
+    blocks than shares leaves empty shares, which the merge drops), and the planned run without ``lse`` writes
+    the same output through the plan's own lse sink."""
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
+    if mode == "fp8-dim-major":
+        v = v_to_dim_major(v)
+    plan = _plan(q, k, v, cu_q, cu_kv, mode, kv_splits=splits)
+    items = _plan(q, k, v, cu_q, cu_kv, mode, kv_splits=1).n_items
+    assert plan.kv_splits == splits and plan.n_items == splits * items and plan.work.shape == (splits * items, 8)
+    out = poisoned((q.shape[0], q.shape[1], 128), torch.bfloat16, device)
+    lse = poisoned((q.shape[0], q.shape[1]), torch.float32, device)
+    got, got_lse = plan.run(q, k, v, out=out, lse_out=lse, **kw)
+    assert got is out and got_lse is lse
+    _check(got, got_lse, ref, ref_lse, mode)
+    again = plan.run(q, k, v, **kw)
+    torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):
+    """Automatic: one 3-row request over 2000 cached keys on 2 heads is 2 programs, far below the GPU; the plan
+    takes ``context_kv_splits``'s shares and still equals the reference. A Gluon config plans one share."""
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[2000])
+    plan = _plan(q, k, v, cu_q, cu_kv, "bf16")
+    bn = int(plan.config.kwargs["BLOCK_N"])
+    sms = mc.num_sms(device) if device.type == "cuda" else 132
+    want = context_kv_splits(1, 2, -(-2003 // bn), sms, 3 * 2 * 129 * 4)
+    assert want > 1 and plan.kv_splits == want
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    _check(plan.run(q, k, v), None, ref, None, "bf16")
+    gl = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True)
+    assert _plan(q, k, v, cu_q, cu_kv, "bf16", config=gl).kv_splits == 1
+
+
+# ----------------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_split_plan_serving_size(gen, device, mode):
+    """A 50-row chunk over 21,850 cached keys on 128 heads (the context grid's weakest kind of row): shares
+    chosen by the rule, output and lse against the reference."""
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode, q_lens=[50], cached=[21850], heads=128)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), head_chunk=16, **ref_kw)
+    if mode == "fp8-dim-major":
+        v = v_to_dim_major(v)
+    plan = _plan(q, k, v, cu_q, cu_kv, mode)
+    assert plan.kv_splits > 1, plan.config
+    got, lse = plan.run(q, k, v, return_lse=True, **kw)
+    _check(got, lse, ref.to(device), ref_lse.to(device), mode)
+
+
+@pytest.mark.gpu
+def test_gpu_split_plan_in_a_cuda_graph(gen, device):
+    """Shares and merge captured in a CUDA graph: replays on new inputs (same buffers) equal eager runs."""
+    q, k, v, cu_q, cu_kv, kw, _ = _inputs(gen, device, "fp8", q_lens=[40, 7], cached=[9000, 3000], heads=32)
+    plan = _plan(q, k, v, cu_q, cu_kv, "fp8")
+    assert plan.kv_splits > 1
+    out = torch.empty(q.shape[0], 32, 128, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(q.shape[0], 32, dtype=torch.float32, device=device)
+    plan.run(q, k, v, out=out, lse_out=lse, **kw)  # compile outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan.run(q, k, v, out=out, lse_out=lse, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, k, v, out=out, lse_out=lse, **kw)
+    for _ in range(2):
+        q2, k2, v2, *_ = _inputs(gen, device, "fp8", q_lens=[40, 7], cached=[9000, 3000], heads=32)
+        q.copy_(q2), k.copy_(k2), v.copy_(v2)
+        graph.replay()
+        want, want_lse = plan.run(q, k, v, return_lse=True, **kw)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
