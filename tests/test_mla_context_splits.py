@@ -162,19 +162,31 @@ def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):
     assert _plan(q, k, v, cu_q, cu_kv, "bf16", config=gl).kv_splits == 1
 
 
+@pytest.mark.parametrize("mode,split", [("bf16", True), ("fp8", True), ("fp8-dim-major", False), ("fp8kv", False)])
+def test_rule_only_where_shares_paid(gen, device, mode, split):
+    """The paths whose unsplit kernel already reads the cache at bandwidth with one program per SM (FP8 with
+    dim-major V, a 16-bit q over FP8 K/V) plan one share; bf16 and FP8 token-major take the rule's shares."""
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, mode, q_lens=[3], cached=[2000])
+    if mode == "fp8-dim-major":
+        v = v_to_dim_major(v)
+    plan = _plan(q, k, v, cu_q, cu_kv, mode)
+    assert (plan.kv_splits > 1) == split, plan.kv_splits
+
+
 # ----------------------------------------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_gpu_split_plan_serving_size(gen, device, mode):
-    """A 50-row chunk over 21,850 cached keys on 128 heads (the context grid's weakest kind of row): shares
-    chosen by the rule, output and lse against the reference."""
+    """A 50-row chunk over 21,850 cached keys on 128 heads (the context grid's weakest kind of row): output and
+    lse of the share form against the reference."""
     q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode, q_lens=[50], cached=[21850], heads=128)
     ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), head_chunk=16, **ref_kw)
     if mode == "fp8-dim-major":
         v = v_to_dim_major(v)
-    plan = _plan(q, k, v, cu_q, cu_kv, mode)
+    # The rule's shares where they pay; forced elsewhere (the share form must stay exact on every path).
+    plan = _plan(q, k, v, cu_q, cu_kv, mode, kv_splits=None if mode in ("bf16", "fp8") else 5)
     assert plan.kv_splits > 1, plan.config
     got, lse = plan.run(q, k, v, return_lse=True, **kw)
     _check(got, lse, ref.to(device), ref_lse.to(device), mode)

@@ -1265,6 +1265,19 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     return kept
 
 
+def _shares_pay(sh: _Shapes, config: triton.Config) -> bool:
+    """Whether key shares speed this path up when its programs are few. Measured on the H200 (128 heads, one
+    50-row chunk over 21,850 cached keys, 5 shares; docs/mla_context.md, "Key shares"): bf16 0.570 -> 0.476 ms
+    and FP8 token-major 0.697 -> 0.555 ms (one program per SM left them short of bandwidth), but FP8 with
+    dim-major V 0.258 -> 0.453 ms and a bf16 q over FP8 K/V (V widened) 0.36 -> 0.39 ms: those already read the
+    cache at about 3.5 TB/s with one program per SM. The Gluon kernel has no share form."""
+    if config.kwargs.get("GLUON", 0):
+        return False
+    if sh.kv_dtype != FP8:
+        return True
+    return sh.q_dtype == FP8 and sh.v_layout == "token_major"
+
+
 def _share_items(items: list[tuple[int, ...]], splits: int, bn: int, align: int, total_q: int) -> list[tuple[int, ...]]:
     """``splits`` key shares of every (cost, q_row0, n_rows, kv_row0, diag0) item, as (cost, the four, output
     row, first block, end block, 0): share c sweeps key blocks [c * per, (c + 1) * per) (block positions, the
@@ -1396,10 +1409,10 @@ class MLAContextPlan:
         align = max(1, 16 // shapes.kv_dtype.itemsize) if shapes.v_layout == "dim_major" else 1
         if kv_splits is None:
             longest = max((-(-(it[0] + it[3] % align) // bn) for it in items), default=0)
-            gluon = bool(config.kwargs.get("GLUON", 0))
             sms = num_sms(dev) if dev.type == "cuda" else 132
             per_split = cu_q[-1] * num_heads * (head_dim_v + 1) * 4
-            kv_splits = 1 if gluon else context_kv_splits(len(items), num_heads, longest, sms, per_split)
+            pays = _shares_pay(shapes, config)
+            kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split) if pays else 1
         if kv_splits > 1:
             items = _share_items(items, kv_splits, bn, align, cu_q[-1])
         # Heaviest first (cost = keys swept); the stable sort keeps request order among equals.
