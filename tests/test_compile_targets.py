@@ -193,12 +193,20 @@ MLA_VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
                                                                       "Q_QUANT": True}),
     "fp8 q/k/v as bytes": ("*u8", "*u8", {**_FP8, "Q_FP8": True, "QK_MODE": 2, "PV_MODE": 3}),
     "bf16 q + fp8 k/v as bytes": ("*bf16", "*u8", {**_FP8, "QK_MODE": 2, "PV_MODE": 3}),
+    # Key shares (SPLIT_KV): 8-int items, fp32 partial outputs; the two paths the planner splits.
+    "bf16, key shares": ("*bf16", "*bf16", {"SPLIT_KV": True}),
+    "fp8 q/k/v token-major, key shares": ("*fp8e4nv", "*fp8e4nv", {**_FP8, "Q_FP8": True, "QK_MODE": 1,
+                                                                   "PV_MODE": 1, "SPLIT_KV": True}),
+    "fp8 q/k/v as bytes, key shares": ("*u8", "*u8", {**_FP8, "Q_FP8": True, "QK_MODE": 2, "PV_MODE": 3,
+                                                      "SPLIT_KV": True}),
 }  # fmt: skip
 # Which variants each architecture runs (kvforge.kernels.mla_context._launch picks the same way).
 MLA_BY_ARCH = {
-    80: ["bf16", "fp8 q/k/v as bytes", "bf16 q + fp8 k/v as bytes"],
-    **{a: ["bf16", "fp8 q/k/v, dim-major V", "bf16 q + fp8 k/v, Q quantised, V widened"] for a in (89, 90, 100, 120)},
-}
+    80: ["bf16", "fp8 q/k/v as bytes", "bf16 q + fp8 k/v as bytes", "bf16, key shares",
+         "fp8 q/k/v as bytes, key shares"],
+    **{a: ["bf16", "fp8 q/k/v, dim-major V", "bf16 q + fp8 k/v, Q quantised, V widened", "bf16, key shares",
+           "fp8 q/k/v token-major, key shares"] for a in (89, 90, 100, 120)},
+}  # fmt: skip
 
 
 # name -> (mode, V dim-major, ring stages, consumers take turns, keys reordered); mode: "fp8" (FP8 Q/K/V),
@@ -278,7 +286,8 @@ def _compile_all(arch: int) -> list[dict[str, object]]:
             continue
         for variant in MLA_BY_ARCH[arch]:
             q_t, kv_t, over = MLA_VARIANTS[variant]
-            types = {"Q": q_t, "K": kv_t, "V": kv_t, "O": "*bf16", "LSE": "*fp32", "Qd_a": q_t, "Qd_b": q_t,
+            o_t = "*fp32" if over.get("SPLIT_KV") else "*bf16"  # shares write fp32 partials
+            types = {"Q": q_t, "K": kv_t, "V": kv_t, "O": o_t, "LSE": "*fp32", "Qd_a": q_t, "Qd_b": q_t,
                      "Kd_a": kv_t, "Kd_b": kv_t, "Vd": kv_t, "Work": "*i32", "n_items": "i32", "scale_ptr": "*fp32",
                      "softmax_scale": "fp32", "kv_scale": "fp32", "q_scale_ptr": "*fp32",
                      "q_scale": "fp32"}  # fmt: skip
