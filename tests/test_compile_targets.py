@@ -221,6 +221,10 @@ GLUON_VARIANTS: dict[str, tuple[str, bool, int, bool, bool]] = {
 }
 
 
+GLUON_SHARE_FORMS = ("token-major V, 3 stages, ping-pong, keys reordered", "dim-major V, 2 stages",
+                     "bf16 q + fp8 k/v, V widened, ping-pong", "bf16 q/k/v, 2 stages")  # fmt: skip
+
+
 def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], int, dict[str, object]]]:
     """(label, kernel, types, constexprs, num_warps, extra options) of the sm_90 Gluon kernel; [] without Gluon."""
     from kvforge.kernels import mla_context_gluon as mg
@@ -251,6 +255,10 @@ def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], 
             consts["P_OFFSET"] = 0.0
         jobs.append((f"_mla_context_gluon_kernel [{label}]", mg._mla_context_gluon_kernel, types, consts,
                      4, {"maxnreg": mg._MAXNREG}))  # fmt: skip
+        if label in GLUON_SHARE_FORMS:  # the key-share form: 8-int items, fp32 partial rows
+            jobs.append((f"_mla_context_gluon_kernel [{label}, key shares]", mg._mla_context_gluon_kernel,
+                         {**types, "O": "*fp32"}, {**consts, "SPLIT_KV": True}, 4,
+                         {"maxnreg": mg._MAXNREG}))  # fmt: skip
     return jobs
 
 
@@ -327,7 +335,7 @@ def test_kernels_compile_offline(arch: int):
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, f"sm_{arch}: " + "\n".join(failed)
     n_gluon = sum("_mla_context_gluon_kernel" in str(r["name"]) for r in records)
-    assert n_gluon in ((len(GLUON_VARIANTS), 0) if arch == 90 else (0,)), n_gluon
+    assert n_gluon in ((len(GLUON_VARIANTS) + len(GLUON_SHARE_FORMS), 0) if arch == 90 else (0,)), n_gluon
     assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch]) + n_gluon + (arch >= 89)
 
 

@@ -9,7 +9,6 @@ the ``gpu`` cases repeat them at serving sizes and inside a CUDA graph on the H2
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -83,21 +82,32 @@ def test_rule_splits_only_few_programs():
     assert context_kv_splits(1, 16, 10_000, 132) == mc.KV_SPLIT_MAX
     assert context_kv_splits(1, 16, 10_000, 132, mc.KV_SPLIT_SCRATCH_BYTES // 3) == 3
     assert context_kv_splits(0, 16, 0, 132) == 1
+    assert context_kv_splits(1, 32, 10_000, 132, 0, 2) == 9  # the Gluon target: 2 per SM, ceil(264 / 32)
 
 
 @pytest.mark.parametrize(
     "args",
-    [(-1, 2, 3, 4), (1, 0, 3, 4), (1, 2, -3, 4), (1, 2, 3, 0), (1.0, 2, 3, 4), (True, 2, 3, 4), (1, 2, 3, 4, -1)],
+    [
+        (-1, 2, 3, 4),
+        (1, 0, 3, 4),
+        (1, 2, -3, 4),
+        (1, 2, 3, 0),
+        (1.0, 2, 3, 4),
+        (True, 2, 3, 4),
+        (1, 2, 3, 4, -1),
+        (1, 2, 3, 4, 0, 0),
+    ],
 )
 def test_rule_refuses_bad_arguments(args):
     with pytest.raises(ValueError, match=r"expected an int"):
         context_kv_splits(*args)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_shares_cover_every_block_once(seed):
-    """Random items: the shares of an item partition its key blocks [0, blocks) in order, the last one open-ended,
-    each writing its own partial rows."""
+@pytest.mark.parametrize("seed", range(8))
+def test_shares_cover_every_key_once(seed):
+    """Random items: mapped back to the item's key indices, the shares' key ranges (below ``min(diag0' + rows,
+    cap)`` of their rebased base) tile [0, diag0 + rows) in order; a rebased share starts on an aligned token
+    (no head block); each share writes its own partial rows; the costs add up to the item's blocks."""
     rng = random.Random(seed)
     bn, align, total_q = rng.choice([16, 64, 128]), rng.choice([1, 8, 16]), 500
     items = []
@@ -110,12 +120,20 @@ def test_shares_cover_every_block_once(seed):
     for i, (_c, q0, n, k0, d0) in enumerate(items):
         mine = shares[i * splits : (i + 1) * splits]
         blocks = -(-(d0 + n + k0 % align) // bn)
-        assert [s[1:5] for s in mine] == [(q0, n, k0, d0)] * splits
+        assert all(s[1:3] == (q0, n) and s[7:] == (0, 0) for s in mine)
         assert [s[5] for s in mine] == [c * total_q + q0 for c in range(splits)]
-        assert mine[0][6] == 0 and mine[-1][7] >= blocks * bn
-        for a, b in itertools.pairwise(mine):
-            assert a[7] == b[6] and a[6] <= a[7] and a[6] % bn == 0
-        assert sum(s[0] for s in mine) == blocks * bn  # the costs: keys swept, every block once
+        assert mine[0][3:5] == (k0, d0)
+        start = 0
+        for c, (_keys, _q, _n, k, d, _row, cap, *_rest) in enumerate(mine):
+            if c > 0:
+                assert k % align == 0 and k - k0 == d0 - d
+            end = max(0, min(d + n, cap))  # keys the share sweeps, in its own indices
+            lo, hi = (k - k0) + 0, (k - k0) + end  # in the item's indices
+            if end > 0:
+                assert lo == start, (c, lo, start)
+                start = hi
+        assert start == d0 + n
+        assert sum(s[0] for s in mine) == blocks * bn
 
 
 def test_bad_kv_splits_refused(gen, device):
@@ -149,7 +167,8 @@ def test_split_plan_equals_reference(gen, device, mode, splits):
 
 def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):
     """Automatic: one 3-row request over 2000 cached keys on 2 heads is 2 programs, far below the GPU; the plan
-    takes ``context_kv_splits``'s shares and still equals the reference. A Gluon config plans one share."""
+    takes ``context_kv_splits``'s shares and still equals the reference. A Gluon config takes them too (two
+    programs leave the GPU idle), aiming at ``KV_SPLIT_TARGET_GLUON`` per SM."""
     q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[2000])
     plan = _plan(q, k, v, cu_q, cu_kv, "bf16")
     bn = int(plan.config.kwargs["BLOCK_N"])
@@ -159,18 +178,30 @@ def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):
     ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
     _check(plan.run(q, k, v), None, ref, None, "bf16")
     gl = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True)
-    assert _plan(q, k, v, cu_q, cu_kv, "bf16", config=gl).kv_splits == 1
+    want_gl = context_kv_splits(1, 2, -(-2003 // 128), sms, 3 * 2 * 129 * 4, mc.KV_SPLIT_TARGET_GLUON)
+    assert _plan(q, k, v, cu_q, cu_kv, "bf16", config=gl).kv_splits == want_gl > 1
 
 
 @pytest.mark.parametrize("mode,split", [("bf16", True), ("fp8", True), ("fp8-dim-major", False), ("fp8kv", False)])
-def test_rule_only_where_shares_paid(gen, device, mode, split):
-    """The paths whose unsplit kernel already reads the cache at bandwidth with one program per SM (FP8 with
-    dim-major V, a 16-bit q over FP8 K/V) plan one share; bf16 and FP8 token-major take the rule's shares."""
-    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, mode, q_lens=[3], cached=[2000])
-    if mode == "fp8-dim-major":
-        v = v_to_dim_major(v)
-    plan = _plan(q, k, v, cu_q, cu_kv, mode)
-    assert (plan.kv_splits > 1) == split, plan.kv_splits
+def test_rule_only_where_shares_paid(device, mode, split):
+    """Between half and two programs per SM (96 heads x one 3-row tile on 132 SMs, a portable config): the
+    paths whose unsplit kernel already reads the cache at bandwidth there (FP8 with dim-major V, a 16-bit q over
+    FP8 K/V) plan one share; bf16 and FP8 token-major take the rule's shares. Below half the SMs every path does."""
+    q_dt = torch.bfloat16 if mode in ("bf16", "fp8kv") else mc.FP8
+    kv_dt = torch.bfloat16 if mode == "bf16" else mc.FP8
+    layout = "dim_major" if mode == "fp8-dim-major" else "token_major"
+    cfg = mc._cfg(block_m=64, block_n=64, warps=4, stages=2)
+    sms = mc.num_sms(device) if device.type == "cuda" else 132
+
+    def plan(heads: int) -> MLAContextPlan:
+        return MLAContextPlan.plan(
+            _cu([3]).to(device), _cu([2003]).to(device), num_heads=heads, num_kv_heads=heads, head_dim_qk=192,
+            head_dim_v=128, q_dtype=q_dt, kv_dtype=kv_dt, v_layout=layout, config=cfg,
+        )  # fmt: skip
+
+    heads = sms * 3 // 4  # 0.75 programs per SM
+    assert (plan(heads).kv_splits > 1) == split, plan(heads).kv_splits
+    assert plan(sms // 4).kv_splits > 1  # a quarter of the SMs busy: shares on every path
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -187,6 +218,21 @@ def test_gpu_split_plan_serving_size(gen, device, mode):
         v = v_to_dim_major(v)
     # The rule's shares where they pay; forced elsewhere (the share form must stay exact on every path).
     plan = _plan(q, k, v, cu_q, cu_kv, mode, kv_splits=None if mode in ("bf16", "fp8") else 5)
+    assert plan.kv_splits > 1, plan.config
+    got, lse = plan.run(q, k, v, return_lse=True, **kw)
+    _check(got, lse, ref.to(device), ref_lse.to(device), mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_gluon_share_form(gen, device, mode):
+    """16 heads, one 109-row tile over 23,601 cached keys (seed 5151's r19): 16 programs of the Gluon kernel,
+    which now takes key shares (the GPU otherwise idles); output and lse against the reference."""
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode, q_lens=[109], cached=[23601], heads=16)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
+    if mode == "fp8-dim-major":
+        v = v_to_dim_major(v)
+    plan = _plan(q, k, v, cu_q, cu_kv, mode)
     assert plan.kv_splits > 1, plan.config
     got, lse = plan.run(q, k, v, return_lse=True, **kw)
     _check(got, lse, ref.to(device), ref_lse.to(device), mode)

@@ -406,10 +406,10 @@ def _mla_context_fwd_kernel(
     request, keys every row sees - 1): 0 rows is an empty item; rows with no keys to sweep (an invalid request of
     a device-built table: ``diag0 = -rows``) come out as NaN (0 / 0), never as another request's data.
 
-    ``SPLIT_KV``: items of 8 ints, (the four above, output row, first block, end block, 0): the item sweeps only
-    key blocks [first, end) (block positions, multiples of BLOCK_N) and writes its partial output and lse to row
-    ``output row`` of ``O`` / ``LSE`` (fp32 scratch); a share with no keys writes 0 and lse -inf, so that
-    ``merge_attention_states`` drops it."""
+    ``SPLIT_KV``: items of 8 ints, (the four above, output row, key cap, 0, 0): a key share, rebased so that its
+    first key block is the item's (``_share_items``); it sweeps keys below ``min(cap, diag0 + rows)`` only and
+    writes its partial output and lse to row ``output row`` of ``O`` / ``LSE`` (fp32 scratch); rows with no keys
+    write 0 and lse -inf, so that ``merge_attention_states`` drops them."""
     pid = tl.program_id(0)
     if HEADS_OUTER:
         # Consecutive programs are tiles of one head: the programs resident at once read the same few heads'
@@ -422,8 +422,7 @@ def _mla_context_fwd_kernel(
     if SPLIT_KV:
         w = Work + item.to(tl.int64) * 8
         out_row0 = tl.load(w + 4)
-        blk_lo = tl.load(w + 5)
-        blk_hi = tl.load(w + 6)
+        cap = tl.load(w + 5)
     else:
         w = Work + item.to(tl.int64) * 4
     q_row0 = tl.load(w)
@@ -495,6 +494,8 @@ def _mla_context_fwd_kernel(
     acc = tl.zeros((BLOCK_M, DV), dtype=tl.float32)
     key_limit = diag0 + offs_m
     n_end = diag0 + n_rows  # one past the last key the tile's last real row sees (<= kv_len)
+    if SPLIT_KV:
+        n_end = tl.minimum(n_end, cap)
     # In block positions (key + shift), four sweeps, each a multiple of BLOCK_N long:
     #   [0, head_end)        the aligned head (dim-major V, shift > 0): keys < 0 belong to the previous request;
     #   [head_end, n_full)   keys every row of the tile sees: no masks at all (almost every block);
@@ -503,29 +504,20 @@ def _mla_context_fwd_kernel(
     head_end = tl.where(shift > 0, BLOCK_N, 0)
     n_full = tl.maximum(((diag0 + shift + 1) // BLOCK_N) * BLOCK_N, 0)
     pos_end = n_end + shift
-    diag_lo = tl.maximum(n_full, head_end)
     in_end = ((n_end + shift) // BLOCK_N) * BLOCK_N
+    if SPLIT_KV:  # a capped share ends before keys every row sees can: no unmasked block past its end
+        n_full = tl.minimum(n_full, in_end)
+    diag_lo = tl.maximum(n_full, head_end)
     tail_lo = tl.maximum(diag_lo, in_end)
-    head_lo = 0
-    full_lo = head_end
-    if SPLIT_KV:  # this share's blocks only: every sweep clipped to [blk_lo, blk_hi), its masks unchanged
-        head_lo = blk_lo
-        full_lo = tl.maximum(head_end, blk_lo)
-        diag_lo = tl.maximum(diag_lo, blk_lo)
-        tail_lo = tl.maximum(tail_lo, blk_lo)
-        head_end = tl.minimum(head_end, blk_hi)
-        n_full = tl.minimum(n_full, blk_hi)
-        in_end = tl.minimum(in_end, blk_hi)
-        pos_end = tl.minimum(pos_end, blk_hi)
     CARRIED: tl.constexpr = PIPE_QK == 2
     # The four sweeps, as (lo, hi, CAUSAL, BOUNDS, CARRIED); the rest of the arguments are the same.
     acc, m_i, l_i = _sweep(
-        acc, m_i, l_i, head_lo, head_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        acc, m_i, l_i, 0, head_end, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
         v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, True, True, False, D_A, D_B, QK_MODE,
         PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     acc, m_i, l_i = _sweep(
-        acc, m_i, l_i, full_lo, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
+        acc, m_i, l_i, head_end, n_full, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, Kd_a, Kd_b, Vd, kv_tok0, shift, k_col,
         v_col, key_limit, n_end, offs_n, stride_kt, stride_vt, qk_scale, False, False, CARRIED, D_A, D_B, QK_MODE,
         PV_MODE, V_DIM_MAJOR, UPCAST, NATIVE_FP8, EXP_POLY, Q_QUANT, USE_TMA, P_OFFSET, BLOCK_M, BLOCK_N,
     )  # fmt: skip
@@ -749,30 +741,36 @@ SHORT_Q_ROWS = 64
 # Key shares (split-KV) of a host-planned batch whose (item, head) programs are too few to fill the GPU: a few
 # short query tiles over a long cached prefix (a chunk of a long prompt, a new turn of a long conversation) would
 # otherwise run one program per SM, each sweeping every key alone. Each share writes an fp32 partial output and
-# lse; ``merge_attention_states`` merges them. Shares are for the portable kernel (the Gluon kernel has no share
-# form: a Gluon config plans one share).
+# lse; ``merge_attention_states`` merges them (both kernels have the share form).
 KV_SPLIT_MAX_PROGRAMS = 2  # split only below this many programs per SM
-KV_SPLIT_TARGET = 4  # programs per SM the shares aim for
+KV_SPLIT_TARGET = 4  # programs per SM the shares aim for (the portable kernel: several resident per SM)
+KV_SPLIT_TARGET_GLUON = 2  # the Gluon kernel: one resident per SM, two waves
 KV_SPLIT_MIN_BLOCKS = 8  # key blocks a share sweeps at least
 KV_SPLIT_MAX = 16
 KV_SPLIT_SCRATCH_BYTES = 1 << 29  # the partials' scratch stays under this
 
 
 def context_kv_splits(
-    n_items: int, num_heads: int, longest_blocks: int, sms: int, scratch_bytes_per_split: int = 0
+    n_items: int,
+    num_heads: int,
+    longest_blocks: int,
+    sms: int,
+    scratch_bytes_per_split: int = 0,
+    target: int = KV_SPLIT_TARGET,
 ) -> int:
     """Key shares per work item for a host-planned batch: 1 when ``n_items x num_heads`` programs reach
-    ``KV_SPLIT_MAX_PROGRAMS`` per SM, else enough shares for ``KV_SPLIT_TARGET`` programs per SM, each share at
-    least ``KV_SPLIT_MIN_BLOCKS`` key blocks of the longest item, at most ``KV_SPLIT_MAX``, and the fp32 partials
+    ``KV_SPLIT_MAX_PROGRAMS`` per SM, else enough shares for ``target`` programs per SM, each share at least
+    ``KV_SPLIT_MIN_BLOCKS`` key blocks of the longest item, at most ``KV_SPLIT_MAX``, and the fp32 partials
     (``scratch_bytes_per_split`` each) under ``KV_SPLIT_SCRATCH_BYTES``."""
     for name, v, lo in (("n_items", n_items, 0), ("num_heads", num_heads, 1), ("longest_blocks", longest_blocks, 0),
-                        ("sms", sms, 1), ("scratch_bytes_per_split", scratch_bytes_per_split, 0)):  # fmt: skip
+                        ("sms", sms, 1), ("scratch_bytes_per_split", scratch_bytes_per_split, 0),
+                        ("target", target, 1)):  # fmt: skip
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
     programs = n_items * num_heads
     if programs == 0 or programs >= KV_SPLIT_MAX_PROGRAMS * sms:
         return 1
-    want = -(-KV_SPLIT_TARGET * sms // programs)
+    want = -(-target * sms // programs)
     by_keys = longest_blocks // KV_SPLIT_MIN_BLOCKS
     by_scratch = KV_SPLIT_SCRATCH_BYTES // scratch_bytes_per_split if scratch_bytes_per_split else KV_SPLIT_MAX
     return max(1, min(want, by_keys, by_scratch, KV_SPLIT_MAX))
@@ -1270,7 +1268,8 @@ def _shares_pay(sh: _Shapes, config: triton.Config) -> bool:
     50-row chunk over 21,850 cached keys, 5 shares; docs/mla_context.md, "Key shares"): bf16 0.570 -> 0.476 ms
     and FP8 token-major 0.697 -> 0.555 ms (one program per SM left them short of bandwidth), but FP8 with
     dim-major V 0.258 -> 0.453 ms and a bf16 q over FP8 K/V (V widened) 0.36 -> 0.39 ms: those already read the
-    cache at about 3.5 TB/s with one program per SM. The Gluon kernel has no share form."""
+    cache at about 3.5 TB/s with one program per SM. The Gluon kernel (one program per SM, warp-specialised)
+    takes shares only where more than half the SMs would idle (the planner's other condition)."""
     if config.kwargs.get("GLUON", 0):
         return False
     if sh.kv_dtype != FP8:
@@ -1279,18 +1278,28 @@ def _shares_pay(sh: _Shapes, config: triton.Config) -> bool:
 
 
 def _share_items(items: list[tuple[int, ...]], splits: int, bn: int, align: int, total_q: int) -> list[tuple[int, ...]]:
-    """``splits`` key shares of every (cost, q_row0, n_rows, kv_row0, diag0) item, as (cost, the four, output
-    row, first block, end block, 0): share c sweeps key blocks [c * per, (c + 1) * per) (block positions, the
-    last open-ended), ``per`` the item's blocks / ``splits`` rounded up, and writes partial row
-    ``c * total_q + q_row0``. An item shorter than ``splits`` blocks leaves its last shares empty."""
+    """``splits`` key shares of every (cost, q_row0, n_rows, kv_row0, diag0) item, as (keys swept, q_row0, n_rows,
+    kv_row0', diag0', output row, key cap, 0, 0). The item's ``blocks`` key blocks (block positions: keys plus
+    dim-major V's ``shift``) go ``per = ceil(blocks / splits)`` to a share; share c writes partial rows from
+    ``c * total_q + q_row0``. Share 0 is the item with its keys capped at the end of its blocks; a later share is
+    rebased to its first block (``kv_row0'`` that block's first token, aligned, so no head block; ``diag0'``
+    shifted by as many keys), its cap the length of its blocks. The last share has no cap; shares past an item
+    shorter than ``splits`` blocks sweep nothing (cap 0)."""
     out: list[tuple[int, ...]] = []
     for _cost, q0, n, k0, d0 in items:
-        blocks = -(-(d0 + n + k0 % align) // bn)
+        shift = k0 % align
+        blocks = -(-(d0 + n + shift) // bn)
         per = max(1, -(-blocks // splits))
         for c in range(splits):
-            lo, hi = c * per, (c + 1) * per
-            keys = max(0, min(hi, blocks) - lo) * bn
-            out.append((keys, q0, n, k0, d0, c * total_q + q0, lo * bn, hi * bn if c < splits - 1 else 1 << 30, 0))
+            b0, b1 = min(c * per, blocks), min((c + 1) * per, blocks)
+            last = c == splits - 1
+            if c == 0:
+                k, d, cap = k0, d0, (1 << 30) if last else b1 * bn - shift
+            else:
+                base = b0 * bn - shift  # keys before the share's first block
+                k, d = k0 + base, d0 - base
+                cap = (1 << 30) if last else (b1 - b0) * bn
+            out.append(((b1 - b0) * bn, q0, n, k, d, c * total_q + q0, cap, 0, 0))
     return out
 
 
@@ -1366,8 +1375,8 @@ class MLAContextPlan:
         """Validate one batch's lengths and build its work table (heaviest (request, q-tile) first).
 
         ``device`` defaults to that of ``cu_seqlens_q``; ``config`` overrides the per-SM table (tests, sweeps).
-        ``kv_splits``: key shares per item (None: ``context_kv_splits`` decides; more than 1 runs the portable
-        kernel and merges the shares).
+        ``kv_splits``: key shares per item (None: ``context_kv_splits`` decides, on the paths ``_shares_pay``
+        names or where more than half the SMs would idle; more than 1 merges the shares' partials).
         """
         dev = torch.device(device) if device is not None else _tensor_device("cu_seqlens_q", cu_seqlens_q)
         if dev.type == "meta":
@@ -1411,8 +1420,12 @@ class MLAContextPlan:
             longest = max((-(-(it[0] + it[3] % align) // bn) for it in items), default=0)
             sms = num_sms(dev) if dev.type == "cuda" else 132
             per_split = cu_q[-1] * num_heads * (head_dim_v + 1) * 4
-            pays = _shares_pay(shapes, config)
-            kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split) if pays else 1
+            gluon = bool(config.kwargs.get("GLUON", 0))
+            target = KV_SPLIT_TARGET_GLUON if gluon else KV_SPLIT_TARGET
+            # More than half the SMs idle: shares on every path; else only where they measured faster.
+            idle = 2 * len(items) * num_heads <= sms
+            pays = idle or _shares_pay(shapes, config)
+            kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split, target) if pays else 1
         if kv_splits > 1:
             items = _share_items(items, kv_splits, bn, align, cu_q[-1])
         # Heaviest first (cost = keys swept); the stable sort keeps request order among equals.
@@ -1650,7 +1663,7 @@ class MLAContextPlan:
         # model's 32 + 16) takes the byte path, which widens FP8 to 16 bits on chip (any part >= 16).
         narrow = min(d_a, d_b or d_a) < 32
         fp8_bytes = kv_fp8 and (bool(kw.pop("FP8_BYTES", 0)) or not cap.fp8_mma or narrow)
-        if kw.pop("GLUON", 0) and self._partials is None:
+        if kw.pop("GLUON", 0):
             gl_launch = self._launch_gluon(
                 q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr, kw, fp8_bytes
             )
@@ -1741,7 +1754,7 @@ class MLAContextPlan:
             scale_ptr=scale_ptr, q_scale_val=q_scale_val, q_scale_ptr=q_scale_ptr,
             block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
             heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
-            key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen,
+            key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen, split_kv=self._partials is not None,
         )  # fmt: skip
 
 

@@ -364,19 +364,20 @@ if gluon is not None:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _gl_rows(Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+    def _gl_rows(Q, O, LSE, q_row0, out_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                  stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, qa_smem, qb_smem, k_ready, k_empty, vt_ready, v_empty,
                  n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn_mine, turn_other, PINGPONG: gl.constexpr,
                  KEY_PERM: gl.constexpr, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr,
                  D_B: gl.constexpr, DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr,
                  P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV16: gl.constexpr,
-                 V_WIDEN: gl.constexpr, Q_QUANT: gl.constexpr):  # fmt: skip
+                 V_WIDEN: gl.constexpr, Q_QUANT: gl.constexpr, SPLIT_KV: gl.constexpr):  # fmt: skip
         """One consumer warpgroup as its own partition: query rows [ROW_OFF, ROW_OFF + ROWS) of the tile, from
         the Q load to the output store. Two of these run side by side without synchronising with each other
         (each frees a ring slot by its own arrival; the slot barriers count two), so one warpgroup's softmax
         overlaps the other's matrix work. Q: FP8 in registers; a 16-bit Q with FP8 K (``Q_QUANT``) quantised
         here to e4m3 with one scale per row (amax / 448, folded into the row's score multiplier); with a 16-bit
-        P (``KV16``, ``V_WIDEN``) kept in shared memory as the A operand."""
+        P (``KV16``, ``V_WIDEN``) kept in shared memory as the A operand. Output rows from ``out_row0`` (a key
+        share's fp32 partial rows with ``SPLIT_KV``, where rows with no keys write 0 and lse -inf)."""
         if KV16:
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -427,15 +428,20 @@ if gluon is not None:
             P_OFFSET, BLOCK_N, NUM_STAGES, PINGPONG, KEY_PERM, KV16, V_WIDEN, Q_QUANT,
         )  # fmt: skip
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o = acc * (kv_scale / l_o)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+        if SPLIT_KV:  # a share may hold no keys for some rows: 0 with lse -inf, which the merge drops
+            o = acc * (kv_scale / gl.where(l_o > 0, l_o, 1.0))[:, None]
+            empty = float("-inf")
+        else:
+            o = acc * (kv_scale / l_o)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
+            empty = float("nan")
         o_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         o_cols = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = O + (q_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
+        o_ptrs = O + (out_row0 + o_rows).to(gl.int64)[:, None] * stride_ot + head.to(gl.int64) * stride_oh
         gl.store(o_ptrs + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < n_rows)[:, None])
         if WRITE_LSE:
             l_rows = ROW_OFF + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, float("nan"))
-            gl.store(LSE + (q_row0 + l_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
+            lse = gl.where(l_i > 0, (m_i - P_OFFSET + gl.log2(l_i)) * 0.6931471805599453, empty)
+            gl.store(LSE + (out_row0 + l_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
                      mask=l_rows < n_rows)  # fmt: skip
 
     @gluon.jit(do_not_specialize=["n_items"])
@@ -447,9 +453,10 @@ if gluon is not None:
         WRITE_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
         C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr, KEY_PERM: gl.constexpr,
-        KV16: gl.constexpr, Q_QUANT: gl.constexpr, V_WIDEN: gl.constexpr,
+        KV16: gl.constexpr, Q_QUANT: gl.constexpr, V_WIDEN: gl.constexpr, SPLIT_KV: gl.constexpr = False,
     ):  # fmt: skip
-        """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel``. Launched
+        """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel`` (``SPLIT_KV``:
+        its 8-int key shares, keys capped, fp32 partial rows). Launched
         with 4 warps (the first consumer warpgroup); the partitions add 4 + 1 + 4 warps. ``KV16``: 16-bit Q, K
         and V; ``Q_QUANT``: 16-bit Q, FP8 K/V; ``V_WIDEN``: FP8 token-major V widened to fp16 for P·V."""
         BM: gl.constexpr = 128
@@ -460,11 +467,17 @@ if gluon is not None:
         else:
             item = pid // H
             head = pid % H
-        w = Work + item.to(gl.int64) * 4
+        w = Work + item.to(gl.int64) * (8 if SPLIT_KV else 4)
         q_row0 = gl.load(w)
         n_rows = gl.load(w + 1)
         kv_row0 = gl.load(w + 2)
         diag0 = gl.load(w + 3)
+        n_end = diag0 + n_rows
+        if SPLIT_KV:
+            out_row0 = gl.load(w + 4)
+            n_end = gl.minimum(n_end, gl.load(w + 5))
+        else:
+            out_row0 = q_row0
         kvh = head // GROUP
         if SCALE_FROM_PTR:
             kv_scale = gl.load(scale_ptr).to(gl.float32)
@@ -479,7 +492,6 @@ if gluon is not None:
             qk_scale = softmax_scale * 1.4426950408889634 * kv_scale * q_scale  # log2 e, s_k, s_q
         shift = kv_row0 % KV_ALIGN
         kv_tok0 = kv_row0 - shift
-        n_end = diag0 + n_rows
         pos_end = gl.maximum(n_end + shift, 0)
         n_blocks = (pos_end + BLOCK_N - 1) // BLOCK_N
 
@@ -550,16 +562,18 @@ if gluon is not None:
         # into tensors (Triton 3.6 and 3.9).
         gl.warp_specialize(
             [
-                (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                (_gl_rows, (Q, O, LSE, q_row0, out_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, qa0, qb0, k_ready, k_empty,
                             vt_ready, pv_free, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(0),
                             turn.index(1), PINGPONG, KEY_PERM, 0, BM // 2, D_A, D_B, DV,
-                            V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES, KV16, V_WIDEN, Q_QUANT)),
-                (_gl_rows, (Q, O, LSE, q_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                            V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES, KV16, V_WIDEN, Q_QUANT,
+                            SPLIT_KV)),
+                (_gl_rows, (Q, O, LSE, q_row0, out_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, qa1, qb1, k_ready, k_empty,
                             vt_ready, pv_free, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(1),
                             turn.index(0), PINGPONG, KEY_PERM, BM // 2, BM // 2, D_A,
-                            D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES, KV16, V_WIDEN, Q_QUANT)),
+                            D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES, KV16, V_WIDEN, Q_QUANT,
+                            SPLIT_KV)),
                 (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
                               v_empty, kv_tok0, k_col, v_col, n_blocks, vt_bufs, vt_ready, vt_empty, shift, n_end,
                               D_B, DV, V_DIM_MAJOR, BLOCK_N, NUM_STAGES, KEY_PERM)),
@@ -660,7 +674,7 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, **kw):
 def gluon_launch_args(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
                       softmax_scale, scale_val, scale_ptr, q_scale_val=None, q_scale_ptr=None,
                       block_n=128, num_stages=2, heads_outer=True,
-                      pingpong=False, key_perm=False, v_widen=False):  # fmt: skip
+                      pingpong=False, key_perm=False, v_widen=False, split_kv=False):  # fmt: skip
     """``(kernel, grid, args, consts, options)`` of ``mla_context_gluon_fwd``'s launch, for ``launch_jit``."""
     kv16 = k.dtype != torch.float8_e4m3fn
     q_quant = not kv16 and q.dtype != torch.float8_e4m3fn
@@ -681,6 +695,6 @@ def gluon_launch_args(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a
         WRITE_LSE=lse is not None,
         P_OFFSET=8.0 if fp8_p else 0.0, BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1,
         HEADS_OUTER=heads_outer, C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, KEY_PERM=key_perm and fp8_p,
-        KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16,
+        KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16, SPLIT_KV=bool(split_kv),
     )  # fmt: skip
     return _mla_context_gluon_kernel, grid, args, consts, {"num_warps": 4, "maxnreg": _MAXNREG}
