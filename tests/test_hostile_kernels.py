@@ -96,6 +96,23 @@ def _decode(**over):
     return mla_decode_attention(a.pop("q"), a.pop("kv_cache"), a.pop("block_table"), a.pop("seq_lens"), **a)
 
 
+def _ctx_plan(**over):
+    """MLAContextPlan.plan for a valid tiny batch (2 requests, 2 heads), with ``over`` replacing arguments."""
+    from kvforge.kernels.mla_context import MLAContextPlan
+
+    a = dict(cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+             cu_seqlens_kv=torch.tensor([0, 4, 9], dtype=torch.int32), num_heads=2, num_kv_heads=2, head_dim_qk=32,
+             head_dim_v=16)  # fmt: skip
+    a.update(over)
+    return MLAContextPlan.plan(a.pop("cu_seqlens_q"), a.pop("cu_seqlens_kv"), **a)
+
+
+def _kv_splits(*args):
+    from kvforge.kernels.mla_context import context_kv_splits
+
+    return context_kv_splits(*args)
+
+
 def _ctx(**over):
     """mla_context_attention on a valid tiny FP8 batch (2 requests, 2 heads), with ``over`` replacing arguments."""
     from kvforge.kernels.mla_context import mla_context_attention
@@ -679,6 +696,17 @@ CASES = [
          lambda: (lambda o: _ctx(out=o, error_flag=o.view(torch.int32).view(-1)[:1]))(
              torch.zeros(5, 2, 16, dtype=torch.bfloat16)),
          ValueError, "overlaps"),
+    # ---- key shares (split-KV): the plan's kv_splits and the rule's arguments
+    Case("mla_context", "type", "kv_splits a float", lambda: _ctx_plan(kv_splits=2.0), TypeError, "kv_splits"),
+    Case("mla_context", "type", "kv_splits a bool", lambda: _ctx_plan(kv_splits=True), TypeError, "kv_splits"),
+    Case("mla_context", "value", "kv_splits 0", lambda: _ctx_plan(kv_splits=0), ValueError, "kv_splits"),
+    Case("mla_context", "value", "kv_splits over the maximum", lambda: _ctx_plan(kv_splits=1 << 20), ValueError,
+         "kv_splits"),
+    Case("mla_context", "type", "context_kv_splits sms a str", lambda: _kv_splits(1, 2, 3, "132"), TypeError, "sms"),
+    Case("mla_context", "value", "context_kv_splits negative items", lambda: _kv_splits(-1, 2, 3, 132), ValueError,
+         "n_items"),
+    Case("mla_context", "value", "context_kv_splits target 0", lambda: _kv_splits(1, 2, 3, 132, 0, 0), ValueError,
+         "target"),
     Case("mla_decode", "type", "kv scale a str", lambda: _decode(kv_cache=torch.randn(6, 4, 48).to(torch.float8_e4m3fn),
                                                                q=torch.randn(2, 3, 48).bfloat16(),
                                                                kv_scale_quant_orig="2"), TypeError, "kv_scale"),

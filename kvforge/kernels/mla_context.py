@@ -40,7 +40,14 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels import _runtime as _rt
-from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
+from kvforge.kernels._checks import (
+    FP8,
+    check_int,
+    check_launch_device,
+    check_no_overlap,
+    check_tensor,
+    same_device,
+)
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, native_fp8_cast
 from kvforge.kernels._runtime import (
     ConfigTable,
@@ -57,6 +64,7 @@ from kvforge.kernels.capability import capability_for, gpu_capability
 
 __all__ = [
     "MLAContextPlan",
+    "context_kv_splits",
     "mla_context_attention",
     "mla_context_attention_ref",
     "mla_context_paths",
@@ -765,8 +773,7 @@ def context_kv_splits(
     for name, v, lo in (("n_items", n_items, 0), ("num_heads", num_heads, 1), ("longest_blocks", longest_blocks, 0),
                         ("sms", sms, 1), ("scratch_bytes_per_split", scratch_bytes_per_split, 0),
                         ("target", target, 1)):  # fmt: skip
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+        check_int(name, v, lo)
     programs = n_items * num_heads
     if programs == 0 or programs >= KV_SPLIT_MAX_PROGRAMS * sms:
         return 1
@@ -1401,9 +1408,8 @@ class MLAContextPlan:
             raise ValueError(f"max_seqlen_q: {max_seqlen_q} is below the longest query length {max(q_lens)}")
         if max_seqlen_kv is not None and kv_lens and max(kv_lens) > max_seqlen_kv:
             raise ValueError(f"max_seqlen_kv: {max_seqlen_kv} is below the longest KV length {max(kv_lens)}")
-        if kv_splits is not None and (isinstance(kv_splits, bool) or not isinstance(kv_splits, int)
-                                      or not 1 <= kv_splits <= KV_SPLIT_MAX):  # fmt: skip
-            raise ValueError(f"kv_splits: expected None or an int in [1, {KV_SPLIT_MAX}], got {kv_splits!r}")
+        if kv_splits is not None:
+            check_int("kv_splits", kv_splits, 1, KV_SPLIT_MAX)
         if config is None:
             config = _choose_config(shapes, dev, bool(q_lens) and 0 < max(q_lens) <= SHORT_Q_ROWS)
         bm = int(config.kwargs["BLOCK_M"])
