@@ -1320,7 +1320,9 @@ class MLAContextPlan:
     of the two ``cu_seqlens``), picks the launch configuration for this GPU and uploads a table of
     (request, query-tile) items ordered heaviest first. ``run(q, k, v, out=..., lse_out=...)`` checks shapes,
     dtypes and devices (host metadata only: no device sync, no allocation when the buffers are given) and
-    launches once, so it can be captured in a CUDA graph.
+    launches once, so it can be captured in a CUDA graph. A plan with key shares (``kv_splits > 1``) launches
+    twice (the shares, then their merge) through fp32 partials it owns: its runs on different streams must not
+    overlap, and a graph that captured a run needs the plan kept alive (as it needs its work table).
     """
 
     def __init__(
@@ -1679,8 +1681,8 @@ class MLAContextPlan:
                 fn, grid, args, consts, options = gl_launch
                 return launch_jit(fn, grid, args, consts, **options)
         if self.config.kwargs.get("GLUON", 0):
-            # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read, key
-            # shares): the portable kernel with the same tiles, a 16-bit Q quantised on chip and token-major V
+            # The Gluon path cannot run here (no Gluon, not sm_90, a 16-bit Q, a layout TMA cannot read): the
+            # portable kernel with the same tiles (and share items), a 16-bit Q quantised on chip and token-major V
             # widened.
             kw.pop("GLUON_PP", None)
             kw.pop("GLUON_KP", None)
