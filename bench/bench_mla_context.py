@@ -29,6 +29,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -154,6 +155,8 @@ def cfg_str(cfg) -> str:
     flags = [n.lower() for n in names if k.get(n)]
     if k.get("PIPE_QK"):
         flags.append(f"pipe{k['PIPE_QK']}")
+    if k.get("KV_SPLITS", 1) > 1:  # the plan's key shares (a label only: not a kernel argument)
+        flags.append(f"shares{k['KV_SPLITS']}")
     return f"{k['BLOCK_M']}x{k['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}" + "".join("+" + f for f in flags)
 
 
@@ -262,7 +265,10 @@ def kvforge_provider(inp: Inputs, path: str, config=None):
         inp.cu_q, inp.cu_kv, num_heads=inp.heads, num_kv_heads=inp.heads, head_dim_qk=DQK, head_dim_v=DV,
         q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=layout, config=config,
     )  # fmt: skip
-    return (lambda: plan.run(q, k, v, kv_scale_quant_orig=scale, out=out)), plan.config
+    # What the row's note shows: the config, and the plan's key shares.
+    label = SimpleNamespace(kwargs={**plan.config.kwargs, "KV_SPLITS": plan.kv_splits},
+                            num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)  # fmt: skip
+    return (lambda: plan.run(q, k, v, kv_scale_quant_orig=scale, out=out)), label
 
 
 def pin_untuned_keys() -> None:
