@@ -161,11 +161,77 @@ def test_split_plan_equals_reference(gen, device, mode, splits):
     assert plan.kv_splits == splits and plan.n_items == splits * items and plan.work.shape == (splits * items, 8)
     out = poisoned((q.shape[0], q.shape[1], 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], q.shape[1]), torch.float32, device)
+    for t in plan._partials:  # every partial row a share owns must be written (NaN would survive the merge)
+        t.fill_(float("nan"))
     got, got_lse = plan.run(q, k, v, out=out, lse_out=lse, **kw)
     assert got is out and got_lse is lse
     _check(got, got_lse, ref, ref_lse, mode)
     again = plan.run(q, k, v, **kw)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mode", ["bf16", "fp8-dim-major"])
+def test_random_batches_with_shares_equal_the_reference(device, mode, seed):
+    """Seeded random batches (2-3 requests, so a request's first key is rarely 16-aligned: dim-major V's
+    ``shift``), random share counts and kernel forms (carried score product, heads outer, polynomial exp2),
+    partials NaN-filled first: the merged output and lse equal the reference."""
+    rng = random.Random(1000 * seed + len(mode))
+    n = rng.randint(2, 3)
+    q_lens, cached = [rng.randint(1, 40) for _ in range(n)], [rng.randint(0, 200) for _ in range(n)]
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode, q_lens=q_lens, cached=cached)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
+    if mode == "fp8-dim-major":
+        v = v_to_dim_major(v)
+    bm, bn = (16, 16) if device.type == "cpu" else (64, 64)
+    cfg = mc._cfg(block_m=bm, block_n=bn, warps=4, stages=2, pipe_qk=rng.choice([0, 2]),
+                  heads_outer=rng.random() < 0.5, exp_poly=rng.random() < 0.5)  # fmt: skip
+    plan = _plan(q, k, v, cu_q, cu_kv, mode, config=cfg, kv_splits=rng.randint(2, 6))
+    for t in plan._partials:
+        t.fill_(float("nan"))
+    got, lse = plan.run(q, k, v, return_lse=True, **kw)
+    _check(got, lse, ref.to(device), ref_lse.to(device), mode)
+
+
+def test_strict_call_takes_no_shares(gen, device):
+    """``strict=True`` only adds host checks: on a batch the host rule would split (one 3-row tile over 600
+    cached keys, 2 heads), it equals the device-table call bit for bit."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[600])
+    assert _plan(q, k, v, cu_q, cu_kv, "bf16").kv_splits > 1
+    strict, strict_lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True, strict=True)
+    dev, dev_lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True)
+    assert torch.equal(strict, dev) and torch.equal(strict_lse, dev_lse)
+
+
+def test_shares_refuse_oversized_scratch_and_mismatched_tables(gen, device, monkeypatch):
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16")
+    monkeypatch.setattr(mc, "KV_SPLIT_SCRATCH_BYTES", 1024)
+    with pytest.raises(ValueError, match="kv_splits: 2 shares"):
+        _plan(q, k, v, cu_q, cu_kv, "bf16", kv_splits=2)
+    plan = _plan(q, k, v, cu_q, cu_kv, "bf16", kv_splits=1)
+    with pytest.raises(ValueError, match="work: expected 8-int items"):
+        MLAContextPlan(plan.shapes, plan.device, plan.config, plan.work, plan.n_items, plan.total_q,
+                       plan.total_kv, kv_splits=2)  # fmt: skip
+
+
+def test_no_tuning_inside_a_graph_capture(monkeypatch):
+    """A TunedKernel launched while the stream captures takes its committed or first config without timing
+    candidates (timing synchronises, which breaks the capture) and does not remember it."""
+    from kvforge.kernels import _runtime as rt
+    from kvforge.kernels.merge_states import _MERGE
+
+    monkeypatch.setattr(rt, "_stream_capturing", lambda: True)
+    monkeypatch.setattr(rt.TunedKernel, "_tune", staticmethod(lambda *a: pytest.fail("tuned inside a capture")))
+    key = (12345,)  # no committed config
+    launched = []
+    monkeypatch.setattr(
+        _MERGE, "fn", type("F", (), {"__getitem__": lambda self, g: lambda *a, **k: launched.append(k)})()
+    )
+    _MERGE.launch(lambda meta: (1,), key, 1, 2)
+    assert launched and not any(m[1] == key for m in _MERGE._chosen)
 
 
 def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):
@@ -242,6 +308,21 @@ def test_gpu_gluon_share_form(gen, device, mode):
 
 
 @pytest.mark.gpu
+def test_gpu_gluon_shares_with_unaligned_request_starts(gen, device):
+    """FP8 dim-major V on the Gluon kernel's share form where requests start off a 16-token boundary (``shift``
+    > 0 in the first share, rebased later shares), a short tile and a long one over long prefixes."""
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, "fp8-dim-major", q_lens=[109, 7], cached=[9003, 20001],
+                                               heads=16)  # fmt: skip
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
+    v = v_to_dim_major(v)
+    plan = _plan(q, k, v, cu_q, cu_kv, "fp8-dim-major", kv_splits=7)
+    for t in plan._partials:
+        t.fill_(float("nan"))
+    got, lse = plan.run(q, k, v, return_lse=True, **kw)
+    _check(got, lse, ref.to(device), ref_lse.to(device), "fp8-dim-major")
+
+
+@pytest.mark.gpu
 def test_gpu_split_plan_in_a_cuda_graph(gen, device):
     """Shares and merge captured in a CUDA graph: replays on new inputs (same buffers) equal eager runs."""
     q, k, v, cu_q, cu_kv, kw, _ = _inputs(gen, device, "fp8", q_lens=[40, 7], cached=[9000, 3000], heads=32)
@@ -266,3 +347,19 @@ def test_gpu_split_plan_in_a_cuda_graph(gen, device):
         torch.cuda.synchronize()
         torch.testing.assert_close(out, want, atol=0, rtol=0)
         torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_first_split_run_captured_without_lse(gen, device):
+    """The first run of a share plan inside a capture (the merge's config not yet chosen: no tuning there) and
+    without ``lse_out`` (the plan's own lse sink): replays equal eager runs."""
+    q, k, v, cu_q, cu_kv, kw, _ = _inputs(gen, device, "bf16", q_lens=[33], cached=[7001], heads=8)
+    plan = _plan(q, k, v, cu_q, cu_kv, "bf16", kv_splits=3)
+    out = torch.empty(q.shape[0], 8, 128, dtype=torch.bfloat16, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, k, v, out=out, **kw)
+    graph.replay()
+    want = plan.run(q, k, v, **kw)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, atol=0, rtol=0)

@@ -207,6 +207,11 @@ def _hooks_active() -> bool:
     return False
 
 
+def _stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class TunedKernel:
     """A Triton kernel launched with a per-SM, per-key configuration.
 
@@ -225,7 +230,9 @@ class TunedKernel:
         self._lock = threading.Lock()
         _REGISTRY[name] = self
 
-    def config_for(self, key: ConfigKey, run: Callable[[triton.Config], None] | None = None) -> triton.Config:
+    def config_for(
+        self, key: ConfigKey, run: Callable[[triton.Config], None] | None = None, remember: bool = True
+    ) -> triton.Config:
         cap = device_capability()
         arch = arch_name(cap)
         memo = (arch, key)
@@ -241,8 +248,9 @@ class TunedKernel:
                 cfg = candidates[0]
             else:
                 cfg = self._tune(candidates, run)
-        with self._lock:
-            self._chosen[memo] = cfg
+        if remember:
+            with self._lock:
+                self._chosen[memo] = cfg
         return cfg
 
     @staticmethod
@@ -264,6 +272,8 @@ class TunedKernel:
             meta = {**kwargs, **cfg.kwargs}
             return self.fn[grid(meta)](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+        if _stream_capturing():  # no tuning inside a CUDA graph capture (timing synchronises); not remembered
+            return run(self.config_for(key, None, remember=False))
         cfg = self.config_for(key, run)
         return run(cfg)
 
@@ -311,6 +321,9 @@ class TunedKernel:
             cfg_box.append(cfg)
             return self.fn[grid(meta)](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+        if _stream_capturing():  # as ``launch``: no tuning inside a capture, nothing cached from it
+            run(self.config_for(key, None, remember=False))
+            return
         cfg = self.config_for(key, run)
         kernel = run(cfg)
         if interpreting() or not hasattr(kernel, "packed_metadata"):

@@ -1351,6 +1351,10 @@ class MLAContextPlan:
         self._runs: dict[tuple, _RunFast | None] = {}  # checked calls' launches (None: seen once), for ``run``
         # Key shares per item (``context_kv_splits``); with more than one, ``work`` has 8-int share items and the
         # shares' fp32 partials (output, lse) and the merged lse's sink live as long as the plan (graph-safe).
+        check_int("kv_splits", kv_splits, 1, KV_SPLIT_MAX)
+        if work.dim() != 2 or work.shape[1] != (8 if kv_splits > 1 else 4):
+            raise ValueError(f"work: expected {8 if kv_splits > 1 else 4}-int items for kv_splits={kv_splits}, got "
+                             f"shape {tuple(work.shape)}")  # fmt: skip
         self.kv_splits = kv_splits
         self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if kv_splits > 1:
@@ -1385,7 +1389,8 @@ class MLAContextPlan:
 
         ``device`` defaults to that of ``cu_seqlens_q``; ``config`` overrides the per-SM table (tests, sweeps).
         ``kv_splits``: key shares per item (None: ``context_kv_splits`` decides, on the paths ``_shares_pay``
-        names or where more than half the SMs would idle; more than 1 merges the shares' partials).
+        names or where more than half the SMs would idle; more than 1 merges the shares' fp32 partials, so the
+        output may differ from the one-share plan's by rounding; 1: never split).
         """
         dev = torch.device(device) if device is not None else _tensor_device("cu_seqlens_q", cu_seqlens_q)
         if dev.type == "meta":
@@ -1434,6 +1439,9 @@ class MLAContextPlan:
             idle = 2 * len(items) * num_heads <= sms
             pays = idle or _shares_pay(shapes, config)
             kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split, target) if pays else 1
+        elif kv_splits > 1 and kv_splits * cu_q[-1] * num_heads * (head_dim_v + 1) * 4 > KV_SPLIT_SCRATCH_BYTES:
+            raise ValueError(f"kv_splits: {kv_splits} shares of {cu_q[-1]} rows x {num_heads} heads need more fp32 "
+                             f"partials than KV_SPLIT_SCRATCH_BYTES ({KV_SPLIT_SCRATCH_BYTES} bytes)")  # fmt: skip
         if kv_splits > 1:
             items = _share_items(items, kv_splits, bn, align, cu_q[-1])
         # Heaviest first (cost = keys swept); the stable sort keeps request order among equals.
@@ -1643,8 +1651,9 @@ class MLAContextPlan:
             q_scale_val, q_scale_ptr = scale_val, scale_ptr
         if self._partials is not None:  # key shares: the kernel writes fp32 partials, then one merge launch
             part_o, part_lse, sink = self._partials
+            # Not recorded (``record`` stays empty): a replay of the share kernel alone would skip the merge.
             handle = self._launch_kernel(q, k, v, part_o, part_lse, softmax_scale, scale_val, scale_ptr, q_scale_val,
-                                         q_scale_ptr, record)  # fmt: skip
+                                         q_scale_ptr, None)  # fmt: skip
             from kvforge.kernels.merge_states import merge_attention_states
 
             s_, t_ = self.kv_splits, self.total_q
@@ -1805,7 +1814,7 @@ def _tune_runner(sh: _Shapes, device: torch.device, short_q: bool):
         plan = MLAContextPlan.plan(
             state["cu_q"], state["cu_kv"], num_heads=sh.num_heads, num_kv_heads=sh.num_kv_heads,
             head_dim_qk=sh.head_dim_qk, head_dim_v=sh.head_dim_v, q_dtype=sh.q_dtype, kv_dtype=sh.kv_dtype,
-            v_layout=sh.v_layout, device=device, config=cfg,
+            v_layout=sh.v_layout, device=device, config=cfg, kv_splits=1,  # the config's own kernel, no merge
         )  # fmt: skip
         plan.run(state["q"], state["k"], state["v"])
 
@@ -2166,6 +2175,8 @@ def mla_context_attention(
             device=dev,
             max_seqlen_q=max_q,
             max_seqlen_kv=max_kv,
+            # strict=True only adds host checks: it computes what the device-table call computes (no shares)
+            kv_splits=1 if on_device else None,
         )
         if flag is not None:
             flag.zero_()  # the host checks raised for anything the flag would report
