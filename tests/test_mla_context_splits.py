@@ -10,9 +10,11 @@ the ``gpu`` cases repeat them at serving sizes and inside a CUDA graph on the H2
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 
 import kvforge.kernels.mla_context as mc
 from kvforge.kernels.mla_context import (
@@ -225,13 +227,15 @@ def test_no_tuning_inside_a_graph_capture(monkeypatch):
 
     monkeypatch.setattr(rt, "_stream_capturing", lambda: True)
     monkeypatch.setattr(rt.TunedKernel, "_tune", staticmethod(lambda *a: pytest.fail("tuned inside a capture")))
-    key = (12345,)  # no committed config
+    key = (12345,)  # no committed config; two candidates, so the key would be tuned outside a capture
+    two = [triton.Config({"BLOCK_R": 16, "BLOCK_D": 64}, num_warps=1), triton.Config({"BLOCK_R": 8, "BLOCK_D": 64})]
+    monkeypatch.setattr(_MERGE, "table", SimpleNamespace(candidates=lambda cap, k: two))
     launched = []
     monkeypatch.setattr(
         _MERGE, "fn", type("F", (), {"__getitem__": lambda self, g: lambda *a, **k: launched.append(k)})()
     )
     _MERGE.launch(lambda meta: (1,), key, 1, 2)
-    assert launched and not any(m[1] == key for m in _MERGE._chosen)
+    assert launched and launched[0]["BLOCK_R"] == 16 and not any(m[1] == key for m in _MERGE._chosen)
 
 
 def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):

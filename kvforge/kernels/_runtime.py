@@ -230,9 +230,7 @@ class TunedKernel:
         self._lock = threading.Lock()
         _REGISTRY[name] = self
 
-    def config_for(
-        self, key: ConfigKey, run: Callable[[triton.Config], None] | None = None, remember: bool = True
-    ) -> triton.Config:
+    def config_for(self, key: ConfigKey, run: Callable[[triton.Config], None] | None = None) -> triton.Config:
         cap = device_capability()
         arch = arch_name(cap)
         memo = (arch, key)
@@ -246,11 +244,12 @@ class TunedKernel:
             candidates = self.table.candidates(cap, key)[: self.tune_first]
             if len(candidates) == 1 or run is None:
                 cfg = candidates[0]
+            elif _stream_capturing():  # timing synchronises, which breaks a CUDA graph capture: not remembered
+                return candidates[0]
             else:
                 cfg = self._tune(candidates, run)
-        if remember:
-            with self._lock:
-                self._chosen[memo] = cfg
+        with self._lock:
+            self._chosen[memo] = cfg
         return cfg
 
     @staticmethod
@@ -272,8 +271,6 @@ class TunedKernel:
             meta = {**kwargs, **cfg.kwargs}
             return self.fn[grid(meta)](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-        if _stream_capturing():  # no tuning inside a CUDA graph capture (timing synchronises); not remembered
-            return run(self.config_for(key, None, remember=False))
         cfg = self.config_for(key, run)
         return run(cfg)
 
@@ -321,12 +318,11 @@ class TunedKernel:
             cfg_box.append(cfg)
             return self.fn[grid(meta)](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-        if _stream_capturing():  # as ``launch``: no tuning inside a capture, nothing cached from it
-            run(self.config_for(key, None, remember=False))
-            return
         cfg = self.config_for(key, run)
         kernel = run(cfg)
         if interpreting() or not hasattr(kernel, "packed_metadata"):
+            return
+        if self._chosen.get((arch_name(device_capability()), key)) is not cfg:  # a capture's untimed stand-in
             return
         from triton.runtime import driver
 
