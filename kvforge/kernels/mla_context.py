@@ -1429,17 +1429,17 @@ class MLAContextPlan:
         bn = int(config.kwargs["BLOCK_N"])
         # Dim-major V's blocks start up to KV_ALIGN - 1 keys before the request (the kernel's ``shift``).
         align = max(1, 16 // shapes.kv_dtype.itemsize) if shapes.v_layout == "dim_major" else 1
+        per_split = cu_q[-1] * num_heads * (head_dim_v + 1) * 4  # one share's fp32 partial output and lse
         if kv_splits is None:
             longest = max((-(-(it[0] + it[3] % align) // bn) for it in items), default=0)
             sms = num_sms(dev) if dev.type == "cuda" else 132
-            per_split = cu_q[-1] * num_heads * (head_dim_v + 1) * 4
             gluon = bool(config.kwargs.get("GLUON", 0))
             target = KV_SPLIT_TARGET_GLUON if gluon else KV_SPLIT_TARGET
             # More than half the SMs idle: shares on every path; else only where they measured faster.
             idle = 2 * len(items) * num_heads <= sms
             pays = idle or _shares_pay(shapes, config)
             kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split, target) if pays else 1
-        elif kv_splits > 1 and kv_splits * cu_q[-1] * num_heads * (head_dim_v + 1) * 4 > KV_SPLIT_SCRATCH_BYTES:
+        elif kv_splits > 1 and kv_splits * per_split > KV_SPLIT_SCRATCH_BYTES:
             raise ValueError(f"kv_splits: {kv_splits} shares of {cu_q[-1]} rows x {num_heads} heads need more fp32 "
                              f"partials than KV_SPLIT_SCRATCH_BYTES ({KV_SPLIT_SCRATCH_BYTES} bytes)")  # fmt: skip
         if kv_splits > 1:
