@@ -169,6 +169,41 @@ def test_plan_run_replay_and_changed_arguments(gen, device, monkeypatch):
         assert c.launches == launches, name
 
 
+@pytest.mark.parametrize("lse", ["none", "returned", "given"])
+def test_plan_run_with_key_shares_replays_both_launches(gen, device, monkeypatch, lse):
+    """A plan with key shares records its two launches (the share kernel into the plan's partials, the merge into
+    ``out`` and the lse or the plan's sink) and replays both from the third call: no checks, two launches, the
+    output of the current inputs, whatever the partials held before."""
+    c = _Counter(monkeypatch)
+    q, k, v, cu_q, cu_kv = _case(gen, device)
+    plan = MLAContextPlan.plan(cu_q, cu_kv, num_heads=2, num_kv_heads=2, head_dim_qk=192, head_dim_v=128,
+                               q_dtype=q.dtype, kv_dtype=k.dtype, kv_splits=3)  # fmt: skip
+    out = poisoned((*q.shape[:2], 128), torch.bfloat16, device)
+    lse_out = poisoned(q.shape[:2], torch.float32, device) if lse == "given" else None
+    kw = {"out": out, "lse_out": lse_out, "return_lse": lse == "returned"}
+
+    def call():
+        res = plan.run(q, k, v, **kw)
+        return res if isinstance(res, tuple) else (res, lse_out)
+
+    for _ in range(2):  # noted, then recorded
+        call()
+    assert c.checked == 2 and c.attention == 4
+    ((fast,),) = [[f for f in plan._runs.values() if f is not None]]
+    assert fast.launch is not None and fast.merge is not None
+    q.copy_(torch.randn(q.shape, generator=gen).to(device, q.dtype))
+    for t in plan._partials:
+        t.fill_(float("nan"))
+    out.fill_(float("nan"))
+    got, got_lse = call()
+    assert c.checked == 2 and c.attention == 6, "the third call should replay the share kernel and the merge"
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    assert got is out
+    assert_close(got, ref.to(device), torch.bfloat16)
+    if lse != "none":
+        torch.testing.assert_close(got_lse, ref_lse.to(device), atol=1e-3, rtol=1e-3)
+
+
 def test_replay_state_keeps_no_tensor(gen, device):
     """The one call's replay cache and a plan's replays keep no caller tensor alive."""
     q, k, v, cu_q, cu_kv = _case(gen, device)

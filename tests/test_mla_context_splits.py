@@ -197,11 +197,13 @@ def test_random_batches_with_shares_equal_the_reference(device, mode, seed):
 
 
 def test_strict_call_takes_no_shares(gen, device):
-    """``strict=True`` only adds host checks: on a batch the host rule would split (one 3-row tile over 600
-    cached keys, 2 heads), it equals the device-table call bit for bit."""
+    """``strict=True`` only adds host checks: on a batch the host rule would split (one 3-row tile over many
+    cached keys, 2 heads: 600 for the interpreter's 16-key blocks, 4000 for the GPU's 128), it equals the
+    device-table call bit for bit."""
     from kvforge.kernels.mla_context import mla_context_attention
 
-    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[600])
+    cached = 600 if device.type == "cpu" else 4000
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[cached])
     assert _plan(q, k, v, cu_q, cu_kv, "bf16").kv_splits > 1
     strict, strict_lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True, strict=True)
     dev, dev_lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True)

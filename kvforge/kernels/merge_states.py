@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
-from kvforge.kernels._runtime import ConfigTable, TunedKernel
+from kvforge.kernels._runtime import ConfigTable, TunedKernel, launch_jit
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -163,33 +163,37 @@ def merge_attention_states(
     check_launch_device("out", out)
     check_launch_device("out_lse", out_lse)
     check_no_overlap({"out": out, "out_lse": out_lse}, {"outputs": o, "lses": lse})
-    R = T * H
-    if R == 0:
+    if T * H == 0:
         return out, out_lse
-    key = (triton.next_power_of_2(D),)
-    _MERGE.launch(
-        lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"])),
-        key,
-        o,
-        lse,
-        out,
-        out_lse,
-        S,
-        R,
-        H,
-        D,
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        lse.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out_lse.stride(0),
-        out_lse.stride(1),
-    )
+    fn, grid, args, consts, options = merge_launch_args(o, lse, out, out_lse)
+    launch_jit(fn, grid, args, consts, **options)
     return out, out_lse
+
+
+def merge_launch_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> tuple:
+    """The merge's launch ``(kernel, grid, args, constexprs, options)`` for ``launch_jit`` on checked tensors
+    (``o [S, T, H, D]`` with T * H > 0): callers that record launches for replay (``MLAContextPlan``'s key
+    shares) take it without ``merge_attention_states``' per-call checks. Picks (and on a GPU, first tunes) the
+    config for the key."""
+    S, T, H, D = o.shape
+    R = T * H
+    args = (o, lse, out, out_lse, S, R, H, D, *o.stride()[:3], *lse.stride(), *out.stride()[:2], *out_lse.stride())
+
+    def grid(meta) -> tuple[int, int]:
+        return (triton.cdiv(R, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"]))
+
+    def run(cfg: triton.Config) -> None:
+        launch_jit(_merge_states_kernel, grid(cfg.kwargs), args, cfg.kwargs, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages)  # fmt: skip
+
+    cfg = _MERGE.config_for((triton.next_power_of_2(D),), run)
+    return (
+        _merge_states_kernel,
+        grid(cfg.kwargs),
+        args,
+        dict(cfg.kwargs),
+        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
 
 
 def merge_attention_states_ref(

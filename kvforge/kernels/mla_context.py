@@ -1194,6 +1194,7 @@ class _RunFast(NamedTuple):
     out_dtype: torch.dtype
     want_lse: bool
     v_rows: int | None = None  # a "repack" V: the token rows copied into an aligned buffer first (_repack_v)
+    merge: RecordedLaunch | None = None  # key shares: the merge of the plan-owned partials, after ``launch``
 
 
 _RUNS_PER_PLAN = 64  # distinct (q, k, v, out, ...) layouts replayed per plan; more start the set afresh
@@ -1216,8 +1217,9 @@ def _env() -> tuple:
             mg and mg.gluon_unavailable_reason, mg and mg.gluon_available)  # fmt: skip
 
 
-def _replay_run(fast: _RunFast, device, work, q, k, v, out, lse_out, kv_scale_quant_orig, q_scale):
-    """``MLAContextPlan.run``'s launch, recorded by a checked call with the same tensor metadata and scalars."""
+def _replay_run(fast: _RunFast, device, work, q, k, v, out, lse_out, kv_scale_quant_orig, q_scale, partials=()):
+    """``MLAContextPlan.run``'s launch, recorded by a checked call with the same tensor metadata and scalars
+    (``partials``: the plan's ``_share_tensors``, which a key-share recording's launches read and write)."""
     if out is None:
         out = torch.empty(fast.out_shape, dtype=fast.out_dtype, device=device)
     if lse_out is None and fast.want_lse:
@@ -1227,7 +1229,10 @@ def _replay_run(fast: _RunFast, device, work, q, k, v, out, lse_out, kv_scale_qu
             v = _repack_v(v, fast.v_rows)
         scale_t = kv_scale_quant_orig if isinstance(kv_scale_quant_orig, torch.Tensor) else None
         q_scale_t = q_scale if isinstance(q_scale, torch.Tensor) else (scale_t if q_scale is None else None)
-        fast.launch.launch((q, k, v, out, out if lse_out is None else lse_out, work, scale_t, q_scale_t))
+        tensors = (q, k, v, out, out if lse_out is None else lse_out, work, scale_t, q_scale_t, *partials)
+        fast.launch.launch(tensors)
+        if fast.merge is not None:
+            fast.merge.launch(tensors)
     return (out, lse_out) if fast.want_lse else out
 
 
@@ -1357,6 +1362,9 @@ class MLAContextPlan:
                              f"shape {tuple(work.shape)}")  # fmt: skip
         self.kv_splits = kv_splits
         self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # The partials, the sink, and the merge's [S, T, ...] views of the partials: fixed objects, so that a
+        # recorded run's launches name them as slots of the replay's tensor tuple.
+        self._share_tensors: tuple[torch.Tensor, ...] = ()
         if kv_splits > 1:
             rows = kv_splits * total_q
             h, dv = shapes.num_heads, shapes.head_dim_v
@@ -1365,6 +1373,9 @@ class MLAContextPlan:
                 torch.empty((rows, h), dtype=torch.float32, device=device),
                 torch.empty((total_q, h), dtype=torch.float32, device=device),
             )
+            part_o, part_lse, sink = self._partials
+            self._share_tensors = (part_o, part_lse, sink, part_o.view(kv_splits, total_q, h, dv),
+                                   part_lse.view(kv_splits, total_q, h))  # fmt: skip
 
     @classmethod
     def plan(
@@ -1561,7 +1572,8 @@ class MLAContextPlan:
         self._runs[key] = fast
 
     def _replay(self, fast: _RunFast, q, k, v, out, lse_out, kv_scale_quant_orig, q_scale):
-        return _replay_run(fast, self.device, self.work, q, k, v, out, lse_out, kv_scale_quant_orig, q_scale)
+        return _replay_run(fast, self.device, self.work, q, k, v, out, lse_out, kv_scale_quant_orig, q_scale,
+                           self._share_tensors)  # fmt: skip
 
     def _run_checked(self, q, k, v, kv_scale_quant_orig, q_scale, softmax_scale, out, lse_out, return_lse, key):
         """``run`` with every check; records the launch for replay under ``key`` (None: not recorded)."""
@@ -1600,11 +1612,9 @@ class MLAContextPlan:
             check_no_overlap({"out": out if out_given else None, "lse_out": lse_out}, {"q": q, "k": k, "v": v})
         if lse_out is None and want_lse:
             lse_out = torch.empty((self.total_q, sh.num_heads), dtype=torch.float32, device=self.device)
-        recorded: list | None = (
-            [] if key is not None and type(self)._launch is _LAUNCH and self._partials is None else None
-        )
+        recorded: list | None = [] if key is not None and type(self)._launch is _LAUNCH else None
         env = _env() if recorded is not None else None
-        launch = None
+        launch = merge = None
         v_rows = None
         if self.n_items > 0:
             v_in = v
@@ -1618,13 +1628,19 @@ class MLAContextPlan:
                 self._launch(*args)
             else:
                 self._launch(*args, record=recorded)
-                if len(recorded) == 1:
-                    tensors = (q, k, v, out, out if lse_out is None else lse_out, self.work, scale_ptr, q_scale_ptr)
+                # One launch, or with key shares the share kernel's and the merge's (the merge reads the
+                # partials and writes ``out`` and ``lse_out`` or the plan's sink, all tensors of the tuple).
+                if len(recorded) == (1 if self._partials is None else 2):
+                    tensors = (q, k, v, out, out if lse_out is None else lse_out, self.work, scale_ptr, q_scale_ptr,
+                               *self._share_tensors)  # fmt: skip
                     launch = RecordedLaunch.record(*recorded[0], tensors)
+                    if launch is not None and len(recorded) == 2:
+                        merge = RecordedLaunch.record(*recorded[1], tensors)
+                        launch = None if merge is None else launch
                 if launch is None:
                     recorded = None
         if recorded is not None:
-            self._note(key, _RunFast(env, launch, out.shape, out.dtype, want_lse, v_rows))
+            self._note(key, _RunFast(env, launch, out.shape, out.dtype, want_lse, v_rows, merge))
         if want_lse:
             return out, lse_out
         return out
@@ -1651,14 +1667,16 @@ class MLAContextPlan:
             q_scale_val, q_scale_ptr = scale_val, scale_ptr
         if self._partials is not None:  # key shares: the kernel writes fp32 partials, then one merge launch
             part_o, part_lse, sink = self._partials
-            # Not recorded (``record`` stays empty): a replay of the share kernel alone would skip the merge.
+            sub: list | None = [] if record is not None else None
             handle = self._launch_kernel(q, k, v, part_o, part_lse, softmax_scale, scale_val, scale_ptr, q_scale_val,
-                                         q_scale_ptr, None)  # fmt: skip
-            from kvforge.kernels.merge_states import merge_attention_states
+                                         q_scale_ptr, sub)  # fmt: skip
+            from kvforge.kernels.merge_states import merge_launch_args
 
-            s_, t_ = self.kv_splits, self.total_q
-            merge_attention_states(part_o.view(s_, t_, *part_o.shape[1:]), part_lse.view(s_, t_, -1), out=out,
-                                   out_lse=lse if lse is not None else sink)  # fmt: skip
+            o_s, lse_s = self._share_tensors[3:]
+            merge = merge_launch_args(o_s, lse_s, out, lse if lse is not None else sink)
+            launch_jit(*merge[:4], **merge[4])
+            if record is not None and sub:  # both or neither: a replay of the share kernel alone skips the merge
+                record.extend((sub[0], merge))
             return handle
         return self._launch_kernel(q, k, v, out, lse, softmax_scale, scale_val, scale_ptr, q_scale_val, q_scale_ptr,
                                    record)  # fmt: skip
