@@ -75,16 +75,47 @@ def _check(got, lse, ref, ref_lse, mode):
 
 
 def test_rule_splits_only_few_programs():
+    """The wave model: shares only below two programs per resident slot, the count with the fewest modelled
+    block times (waves x (blocks per share + KV_SPLIT_PROGRAM_COST)), only if that saves 10%."""
     assert context_kv_splits(200, 128, 400, 132) == 1  # 25600 programs: the GPU is full
     assert context_kv_splits(3, 128, 400, 132) == 1  # 384 programs: more than two per SM already
-    assert context_kv_splits(2, 128, 400, 132) == 3  # 256: ceil(528 / 256)
-    assert context_kv_splits(1, 128, 400, 132) == 5  # 128 programs: 4 per SM wanted, ceil(528 / 128)
-    assert context_kv_splits(1, 128, 20, 132) == 2  # 20 blocks: shares of at least 8
-    assert context_kv_splits(1, 128, 7, 132) == 1
-    assert context_kv_splits(1, 16, 10_000, 132) == mc.KV_SPLIT_MAX
-    assert context_kv_splits(1, 16, 10_000, 132, mc.KV_SPLIT_SCRATCH_BYTES // 3) == 3
+    assert context_kv_splits(2, 128, 400, 132) == 1  # 256 programs: two even waves, shares add waves
+    assert context_kv_splits(1, 128, 400, 132) == 1  # 128 programs: one wave already
+    assert context_kv_splits(4, 16, 163, 132) == 2  # 64 programs: 2 shares fill one wave, 3 would need two
+    assert context_kv_splits(1, 16, 185, 132) == 8  # 16 programs: 8 shares, one wave of 128
+    assert context_kv_splits(6, 16, 240, 132) == 4  # 96 programs: 2 shares take 2 waves of half; 4 take 3
+    assert context_kv_splits(1, 2, 20, 132) == 2  # 20 blocks: shares of at least 8
+    assert context_kv_splits(1, 2, 7, 132) == 1
+    assert context_kv_splits(1, 2, 10_000, 132) == mc.KV_SPLIT_MAX
+    assert context_kv_splits(1, 2, 10_000, 132, mc.KV_SPLIT_SCRATCH_BYTES // 3) == 3
     assert context_kv_splits(0, 16, 0, 132) == 1
-    assert context_kv_splits(1, 32, 10_000, 132, 0, 2) == 9  # the Gluon target: 2 per SM, ceil(264 / 32)
+    # Two resident per SM: 200 programs leave 64 of 264 slots idle; 13 shares fill 10 waves to 98%.
+    assert context_kv_splits(1, 200, 10_000, 132, 0, 2) == 13
+    # One resident: 200 programs take two waves, the second half empty; 15 shares fill 23 waves to 99%.
+    assert context_kv_splits(1, 200, 10_000, 132, 0, 1) == 15
+    assert context_kv_splits(1, 200, 100, 132, 0, 1) == 5  # 100 blocks: 8 waves of 22 block times, 14% saved
+    assert context_kv_splits(1, 200, 40, 132, 0, 1) == 1  # 40 blocks: the programs' fixed cost eats the gain
+
+
+def _model(programs: int, blocks: int, slots: int, s: int) -> float:
+    return -(-programs * s // slots) * (blocks / s + mc.KV_SPLIT_PROGRAM_COST)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rule_is_the_best_modelled_count(seed):
+    """Random batches: the chosen count is allowed (share size, cap) and no allowed count models faster."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        items, heads, blocks = rng.randint(1, 40), rng.choice([1, 2, 8, 16, 32, 64, 128]), rng.randint(0, 2000)
+        sms, resident = rng.choice([8, 78, 132]), rng.randint(1, 2)
+        got = context_kv_splits(items, heads, blocks, sms, 0, resident)
+        p, slots = items * heads, sms * resident
+        assert 1 <= got <= mc.KV_SPLIT_MAX
+        if got > 1:
+            assert p < mc.KV_SPLIT_MAX_PROGRAMS * slots and blocks // got >= mc.KV_SPLIT_MIN_BLOCKS
+            assert _model(p, blocks, slots, got) < mc.KV_SPLIT_MIN_GAIN * _model(p, blocks, slots, 1)
+            allowed = range(1, min(blocks // mc.KV_SPLIT_MIN_BLOCKS, mc.KV_SPLIT_MAX) + 1)
+            assert all(_model(p, blocks, slots, got) <= _model(p, blocks, slots, s) for s in allowed)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +129,7 @@ def test_rule_splits_only_few_programs():
         (True, 2, 3, 4),
         (1, 2, 3, 4, -1),
         (1, 2, 3, 4, 0, 0),
+        (1, 2, 3, 4, 0, 1.5),
     ],
 )
 def test_rule_refuses_bad_arguments(args):
@@ -242,41 +274,40 @@ def test_no_tuning_inside_a_graph_capture(monkeypatch):
 
 def test_rule_picks_shares_for_a_short_tile_over_a_long_prefix(gen, device):
     """Automatic: one 3-row request over 2000 cached keys on 2 heads is 2 programs, far below the GPU; the plan
-    takes ``context_kv_splits``'s shares and still equals the reference. A Gluon config takes them too (two
-    programs leave the GPU idle), aiming at ``KV_SPLIT_TARGET_GLUON`` per SM."""
+    takes ``context_kv_splits``'s shares and still equals the reference. A Gluon config takes them too, with
+    one program resident per SM instead of the portable kernel's ``KV_SPLIT_RESIDENT_PORTABLE``."""
     q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[2000])
     plan = _plan(q, k, v, cu_q, cu_kv, "bf16")
     bn = int(plan.config.kwargs["BLOCK_N"])
     sms = mc.num_sms(device) if device.type == "cuda" else 132
-    want = context_kv_splits(1, 2, -(-2003 // bn), sms, 3 * 2 * 129 * 4)
+    resident = 1 if plan.config.kwargs.get("GLUON") else mc.KV_SPLIT_RESIDENT_PORTABLE
+    want = context_kv_splits(1, 2, -(-2003 // bn), sms, 3 * 2 * 129 * 4, resident)
     assert want > 1 and plan.kv_splits == want
     ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
     _check(plan.run(q, k, v), None, ref, None, "bf16")
     gl = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True)
-    want_gl = context_kv_splits(1, 2, -(-2003 // 128), sms, 3 * 2 * 129 * 4, mc.KV_SPLIT_TARGET_GLUON)
+    want_gl = context_kv_splits(1, 2, -(-2003 // 128), sms, 3 * 2 * 129 * 4, 1)
     assert _plan(q, k, v, cu_q, cu_kv, "bf16", config=gl).kv_splits == want_gl > 1
 
 
-@pytest.mark.parametrize("mode,split", [("bf16", True), ("fp8", True), ("fp8-dim-major", False), ("fp8kv", False)])
-def test_rule_only_where_shares_paid(device, mode, split):
-    """Between half and two programs per SM (96 heads x one 3-row tile on 132 SMs, a portable config): the
-    paths whose unsplit kernel already reads the cache at bandwidth there (FP8 with dim-major V, a 16-bit q over
-    FP8 K/V) plan one share; bf16 and FP8 token-major take the rule's shares. Below half the SMs every path does."""
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8-dim-major", "fp8kv"])
+def test_rule_is_the_same_on_every_path(device, mode):
+    """Every input mode plans the wave model's count (the partials are fp32 whatever the inputs): 3-row tiles
+    over 2003 keys on 64-key blocks, at a quarter, three quarters and one and a half programs per slot."""
     q_dt = torch.bfloat16 if mode in ("bf16", "fp8kv") else mc.FP8
     kv_dt = torch.bfloat16 if mode == "bf16" else mc.FP8
     layout = "dim_major" if mode == "fp8-dim-major" else "token_major"
     cfg = mc._cfg(block_m=64, block_n=64, warps=4, stages=2)
     sms = mc.num_sms(device) if device.type == "cuda" else 132
-
-    def plan(heads: int) -> MLAContextPlan:
-        return MLAContextPlan.plan(
+    slots = sms * mc.KV_SPLIT_RESIDENT_PORTABLE
+    # Dim-major V's blocks start up to 15 keys before the request: one block more at most.
+    blocks = -(-(2003 + (15 if layout == "dim_major" else 0)) // 64)
+    for heads in (slots // 4, slots * 3 // 4, slots * 3 // 2):
+        plan = MLAContextPlan.plan(
             _cu([3]).to(device), _cu([2003]).to(device), num_heads=heads, num_kv_heads=heads, head_dim_qk=192,
             head_dim_v=128, q_dtype=q_dt, kv_dtype=kv_dt, v_layout=layout, config=cfg,
         )  # fmt: skip
-
-    heads = sms * 3 // 4  # 0.75 programs per SM
-    assert (plan(heads).kv_splits > 1) == split, plan(heads).kv_splits
-    assert plan(sms // 4).kv_splits > 1  # a quarter of the SMs busy: shares on every path
+        assert plan.kv_splits == context_kv_splits(1, heads, blocks, sms, 3 * heads * 129 * 4, 2), heads
 
 
 # ----------------------------------------------------------------------------------------------------------- GPU
@@ -291,8 +322,8 @@ def test_gpu_split_plan_serving_size(gen, device, mode):
     ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), head_chunk=16, **ref_kw)
     if mode == "fp8-dim-major":
         v = v_to_dim_major(v)
-    # The rule's shares where they pay; forced elsewhere (the share form must stay exact on every path).
-    plan = _plan(q, k, v, cu_q, cu_kv, mode, kv_splits=None if mode in ("bf16", "fp8") else 5)
+    # Forced: 128 programs fill the H200's 132 SMs in one wave, where the rule takes one share.
+    plan = _plan(q, k, v, cu_q, cu_kv, mode, kv_splits=5)
     assert plan.kv_splits > 1, plan.config
     got, lse = plan.run(q, k, v, return_lse=True, **kw)
     _check(got, lse, ref.to(device), ref_lse.to(device), mode)

@@ -750,9 +750,10 @@ SHORT_Q_ROWS = 64
 # short query tiles over a long cached prefix (a chunk of a long prompt, a new turn of a long conversation) would
 # otherwise run one program per SM, each sweeping every key alone. Each share writes an fp32 partial output and
 # lse; ``merge_attention_states`` merges them (both kernels have the share form).
-KV_SPLIT_MAX_PROGRAMS = 2  # split only below this many programs per SM
-KV_SPLIT_TARGET = 4  # programs per SM the shares aim for (the portable kernel: several resident per SM)
-KV_SPLIT_TARGET_GLUON = 2  # the Gluon kernel: one resident per SM, two waves
+KV_SPLIT_MAX_PROGRAMS = 2  # split only below this many programs per resident slot
+KV_SPLIT_PROGRAM_COST = 2  # a program's fixed cost (Q load, pipeline fill, partial store) in key blocks
+KV_SPLIT_MIN_GAIN = 0.9  # shares only when the modelled time drops below this fraction of one share's
+KV_SPLIT_RESIDENT_PORTABLE = 2  # programs of the portable kernel resident per SM (an estimate; the Gluon kernel: 1)
 KV_SPLIT_MIN_BLOCKS = 8  # key blocks a share sweeps at least
 KV_SPLIT_MAX = 16
 KV_SPLIT_SCRATCH_BYTES = 1 << 29  # the partials' scratch stays under this
@@ -764,23 +765,30 @@ def context_kv_splits(
     longest_blocks: int,
     sms: int,
     scratch_bytes_per_split: int = 0,
-    target: int = KV_SPLIT_TARGET,
+    resident: int = 1,
 ) -> int:
-    """Key shares per work item for a host-planned batch: 1 when ``n_items x num_heads`` programs reach
-    ``KV_SPLIT_MAX_PROGRAMS`` per SM, else enough shares for ``target`` programs per SM, each share at least
-    ``KV_SPLIT_MIN_BLOCKS`` key blocks of the longest item, at most ``KV_SPLIT_MAX``, and the fp32 partials
-    (``scratch_bytes_per_split`` each) under ``KV_SPLIT_SCRATCH_BYTES``."""
+    """Key shares per work item for a host-planned batch, from a wave model: ``P = n_items x num_heads`` programs
+    times ``s`` shares run in ``ceil(P s / (sms x resident))`` waves of ``longest_blocks / s +
+    KV_SPLIT_PROGRAM_COST`` block times each; the ``s`` with the fewest modelled block times, if that is under
+    ``KV_SPLIT_MIN_GAIN`` of one share's (else 1). Only below ``KV_SPLIT_MAX_PROGRAMS`` programs per resident slot;
+    each share at least ``KV_SPLIT_MIN_BLOCKS`` key blocks, at most ``KV_SPLIT_MAX`` shares, and the fp32
+    partials (``scratch_bytes_per_split`` each) under ``KV_SPLIT_SCRATCH_BYTES``. Waves matter: on the H200 one
+    16-head 422-row tile run over 20k keys (64 programs) took 157 us in 2 shares (one wave) but 207 us in 3."""
     for name, v, lo in (("n_items", n_items, 0), ("num_heads", num_heads, 1), ("longest_blocks", longest_blocks, 0),
                         ("sms", sms, 1), ("scratch_bytes_per_split", scratch_bytes_per_split, 0),
-                        ("target", target, 1)):  # fmt: skip
+                        ("resident", resident, 1)):  # fmt: skip
         check_int(name, v, lo)
-    programs = n_items * num_heads
-    if programs == 0 or programs >= KV_SPLIT_MAX_PROGRAMS * sms:
+    programs, slots = n_items * num_heads, sms * resident
+    if programs == 0 or programs >= KV_SPLIT_MAX_PROGRAMS * slots:
         return 1
-    want = -(-target * sms // programs)
-    by_keys = longest_blocks // KV_SPLIT_MIN_BLOCKS
     by_scratch = KV_SPLIT_SCRATCH_BYTES // scratch_bytes_per_split if scratch_bytes_per_split else KV_SPLIT_MAX
-    return max(1, min(want, by_keys, by_scratch, KV_SPLIT_MAX))
+    most = min(longest_blocks // KV_SPLIT_MIN_BLOCKS, by_scratch, KV_SPLIT_MAX)
+
+    def cost(s: int) -> float:
+        return -(-programs * s // slots) * (longest_blocks / s + KV_SPLIT_PROGRAM_COST)
+
+    best = min(range(1, max(1, most) + 1), key=cost)  # the first (fewest shares) of equal costs
+    return best if cost(best) < KV_SPLIT_MIN_GAIN * cost(1) else 1
 
 
 _SHORT_Q = "short_q"
@@ -1275,20 +1283,6 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     return kept
 
 
-def _shares_pay(sh: _Shapes, config: triton.Config) -> bool:
-    """Whether key shares speed this path up when its programs are few. Measured on the H200 (128 heads, one
-    50-row chunk over 21,850 cached keys, 5 shares; docs/mla_context.md, "Key shares"): bf16 0.570 -> 0.476 ms
-    and FP8 token-major 0.697 -> 0.555 ms (one program per SM left them short of bandwidth), but FP8 with
-    dim-major V 0.258 -> 0.453 ms and a bf16 q over FP8 K/V (V widened) 0.36 -> 0.39 ms: those already read the
-    cache at about 3.5 TB/s with one program per SM. The Gluon kernel (one program per SM, warp-specialised)
-    takes shares only where more than half the SMs would idle (the planner's other condition)."""
-    if config.kwargs.get("GLUON", 0):
-        return False
-    if sh.kv_dtype != FP8:
-        return True
-    return sh.q_dtype == FP8 and sh.v_layout == "token_major"
-
-
 def _share_items(items: list[tuple[int, ...]], splits: int, bn: int, align: int, total_q: int) -> list[tuple[int, ...]]:
     """``splits`` key shares of every (cost, q_row0, n_rows, kv_row0, diag0) item, as (keys swept, q_row0, n_rows,
     kv_row0', diag0', output row, key cap, 0, 0). The item's ``blocks`` key blocks (block positions: keys plus
@@ -1399,9 +1393,9 @@ class MLAContextPlan:
         """Validate one batch's lengths and build its work table (heaviest (request, q-tile) first).
 
         ``device`` defaults to that of ``cu_seqlens_q``; ``config`` overrides the per-SM table (tests, sweeps).
-        ``kv_splits``: key shares per item (None: ``context_kv_splits`` decides, on the paths ``_shares_pay``
-        names or where more than half the SMs would idle; more than 1 merges the shares' fp32 partials, so the
-        output may differ from the one-share plan's by rounding; 1: never split).
+        ``kv_splits``: key shares per item (None: ``context_kv_splits`` decides, one program resident per SM for
+        the Gluon kernel, ``KV_SPLIT_RESIDENT_PORTABLE`` for the portable one; more than 1 merges the shares' fp32
+        partials, so the output may differ from the one-share plan's by rounding; 1: never split).
         """
         dev = torch.device(device) if device is not None else _tensor_device("cu_seqlens_q", cu_seqlens_q)
         if dev.type == "meta":
@@ -1444,12 +1438,8 @@ class MLAContextPlan:
         if kv_splits is None:
             longest = max((-(-(it[0] + it[3] % align) // bn) for it in items), default=0)
             sms = num_sms(dev) if dev.type == "cuda" else 132
-            gluon = bool(config.kwargs.get("GLUON", 0))
-            target = KV_SPLIT_TARGET_GLUON if gluon else KV_SPLIT_TARGET
-            # More than half the SMs idle: shares on every path; else only where they measured faster.
-            idle = 2 * len(items) * num_heads <= sms
-            pays = idle or _shares_pay(shapes, config)
-            kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split, target) if pays else 1
+            resident = 1 if config.kwargs.get("GLUON", 0) else KV_SPLIT_RESIDENT_PORTABLE
+            kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split, resident)
         elif kv_splits > 1 and kv_splits * per_split > KV_SPLIT_SCRATCH_BYTES:
             raise ValueError(f"kv_splits: {kv_splits} shares of {cu_q[-1]} rows x {num_heads} heads need more fp32 "
                              f"partials than KV_SPLIT_SCRATCH_BYTES ({KV_SPLIT_SCRATCH_BYTES} bytes)")  # fmt: skip
