@@ -260,7 +260,14 @@ def kvforge_provider(inp: Inputs, path: str, config=None):
         def fn():
             return mc.mla_context_attention(q, k, v, inp.cu_q, inp.cu_kv, out=out, v_layout=layout, **kw)
 
-        return fn, cfg
+        # The note shows the shares the device-table call splits its items into on chip (from bounds alone).
+        n_req, tq = len(inp.q_lens), sum(inp.q_lens)
+        slots = mc._device_slots(n_req, tq, inp.max_q if form == "max" else tq, int(cfg.kwargs["BLOCK_M"]))
+        kv_bound = min(inp.max_kv if form == "max" else k.shape[0], k.shape[0])
+        splits = mc._device_kv_splits(sh, q.device, cfg, slots, tq, kv_bound)
+        label = SimpleNamespace(kwargs={**cfg.kwargs, "KV_SPLITS": splits}, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)  # fmt: skip
+        return fn, label
     plan = mc.MLAContextPlan.plan(
         inp.cu_q, inp.cu_kv, num_heads=inp.heads, num_kv_heads=inp.heads, head_dim_qk=DQK, head_dim_v=DV,
         q_dtype=q.dtype, kv_dtype=k.dtype, v_layout=layout, config=config,

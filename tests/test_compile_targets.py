@@ -199,13 +199,15 @@ MLA_VARIANTS: dict[str, tuple[str, str, dict[str, object]]] = {
                                                                    "PV_MODE": 1, "SPLIT_KV": True}),
     "fp8 q/k/v as bytes, key shares": ("*u8", "*u8", {**_FP8, "Q_FP8": True, "QK_MODE": 2, "PV_MODE": 3,
                                                       "SPLIT_KV": True}),
+    # Shares of a device-built table's 4-int items, derived on chip (the one call with device lengths).
+    "bf16, shares on chip": ("*bf16", "*bf16", {"SPLIT_KV": True, "CHIP_SHARES": True}),
 }  # fmt: skip
 # Which variants each architecture runs (kvforge.kernels.mla_context._launch picks the same way).
 MLA_BY_ARCH = {
     80: ["bf16", "fp8 q/k/v as bytes", "bf16 q + fp8 k/v as bytes", "bf16, key shares",
-         "fp8 q/k/v as bytes, key shares"],
+         "fp8 q/k/v as bytes, key shares", "bf16, shares on chip"],
     **{a: ["bf16", "fp8 q/k/v, dim-major V", "bf16 q + fp8 k/v, Q quantised, V widened", "bf16, key shares",
-           "fp8 q/k/v token-major, key shares"] for a in (89, 90, 100, 120)},
+           "fp8 q/k/v token-major, key shares", "bf16, shares on chip"] for a in (89, 90, 100, 120)},
 }  # fmt: skip
 
 
@@ -255,10 +257,11 @@ def _gluon_jobs() -> list[tuple[str, object, dict[str, str], dict[str, object], 
             consts["P_OFFSET"] = 0.0
         jobs.append((f"_mla_context_gluon_kernel [{label}]", mg._mla_context_gluon_kernel, types, consts,
                      4, {"maxnreg": mg._MAXNREG}))  # fmt: skip
-        if label in GLUON_SHARE_FORMS:  # the key-share form: 8-int items, fp32 partial rows
-            jobs.append((f"_mla_context_gluon_kernel [{label}, key shares]", mg._mla_context_gluon_kernel,
-                         {**types, "O": "*fp32"}, {**consts, "SPLIT_KV": True}, 4,
-                         {"maxnreg": mg._MAXNREG}))  # fmt: skip
+        if label in GLUON_SHARE_FORMS:  # the key-share forms: 8-int items, or 4-int split on chip
+            for form, chip in (("key shares", False), ("shares on chip", True)):
+                jobs.append((f"_mla_context_gluon_kernel [{label}, {form}]", mg._mla_context_gluon_kernel,
+                             {**types, "O": "*fp32"}, {**consts, "SPLIT_KV": True, "CHIP_SHARES": chip}, 4,
+                             {"maxnreg": mg._MAXNREG}))  # fmt: skip
     return jobs
 
 
@@ -335,7 +338,7 @@ def test_kernels_compile_offline(arch: int):
     failed = [f"{r['name']}: {r['error']}" for r in records if not r["ok"]]
     assert not failed, f"sm_{arch}: " + "\n".join(failed)
     n_gluon = sum("_mla_context_gluon_kernel" in str(r["name"]) for r in records)
-    assert n_gluon in ((len(GLUON_VARIANTS) + len(GLUON_SHARE_FORMS), 0) if arch == 90 else (0,)), n_gluon
+    assert n_gluon in ((len(GLUON_VARIANTS) + 2 * len(GLUON_SHARE_FORMS), 0) if arch == 90 else (0,)), n_gluon
     assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch]) + n_gluon + (arch >= 89)
 
 

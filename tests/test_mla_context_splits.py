@@ -1,10 +1,12 @@
 """MLA context attention with key shares (split-KV): few (query tile, head) programs over a long cached prefix.
 
 ``MLAContextPlan.plan`` splits each work item's keys into ``kv_splits`` shares when its programs are too few for
-the GPU (``context_kv_splits``); the portable kernel writes fp32 partials and ``merge_attention_states`` merges
-them. CPU (interpreter) cases check the share table, the rule and the merged output against the plain-torch
-reference on awkward lengths (items shorter than their shares, an empty request, dim-major V's aligned head);
-the ``gpu`` cases repeat them at serving sizes and inside a CUDA graph on the H200.
+the GPU (``context_kv_splits``); the kernels write fp32 partials and ``merge_attention_states`` merges them. The
+one call with device lengths splits its device-built items the same way on chip (``_chip_share``), its share
+count from bounds alone. CPU (interpreter) cases check the share table, the rules and the merged output against
+the plain-torch reference on awkward lengths (items shorter than their shares, an empty request, dim-major V's
+aligned head, invalid requests' NaN rows); the ``gpu`` cases repeat them at serving sizes and inside a CUDA
+graph on the H200.
 """
 
 from __future__ import annotations
@@ -228,18 +230,96 @@ def test_random_batches_with_shares_equal_the_reference(device, mode, seed):
     _check(got, lse, ref.to(device), ref_lse.to(device), mode)
 
 
-def test_strict_call_takes_no_shares(gen, device):
-    """``strict=True`` only adds host checks: on a batch the host rule would split (one 3-row tile over many
-    cached keys, 2 heads: 600 for the interpreter's 16-key blocks, 4000 for the GPU's 128), it equals the
-    device-table call bit for bit."""
+def test_strict_call_takes_the_device_calls_shares(gen, device):
+    """``strict=True`` only adds host checks: on a batch the device-table call splits (one 3-row tile over many
+    cached keys, 2 heads: 600 for the interpreter's 16-key blocks, 4000 for the GPU's 128), its host plan takes
+    the same config and share count, so the host-built shares equal the on-chip ones bit for bit."""
     from kvforge.kernels.mla_context import mla_context_attention
 
     cached = 600 if device.type == "cpu" else 4000
     q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[3], cached=[cached])
-    assert _plan(q, k, v, cu_q, cu_kv, "bf16").kv_splits > 1
+    dev_plan = MLAContextPlan._plan_on_device(mc._check_shapes(2, 2, 192, 128, q.dtype, k.dtype, "token_major"),
+                                              cu_q, cu_kv, None, None, 3, k.shape[0])  # fmt: skip
+    assert dev_plan.kv_splits > 1 and dev_plan.chip_shares and dev_plan.work.shape[1] == 4
     strict, strict_lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True, strict=True)
     dev, dev_lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True)
     assert torch.equal(strict, dev) and torch.equal(strict_lse, dev_lse)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    _check(dev, dev_lse, ref.to(device), ref_lse.to(device), "bf16")
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("mode", MODES)
+def test_one_call_shares_on_chip_equal_the_reference(device, monkeypatch, mode, seed):
+    """The one call with device lengths (no host read): its 4-int items split into shares on chip. Random
+    batches, random forced share counts (2-6) and kernel forms, with and without ``max_seqlen_*``: output and
+    lse equal the reference; replays (third call on) reuse their kept scratch and equal the first call."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    rng = random.Random(7000 + 100 * seed + len(mode))
+    n = rng.randint(1, 3)
+    q_lens, cached = [rng.randint(1, 40) for _ in range(n)], [rng.randint(0, 200) for _ in range(n)]
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode, q_lens=q_lens, cached=cached)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
+    layout = "token_major"
+    if mode == "fp8-dim-major":
+        v, layout = v_to_dim_major(v), "dim_major"
+    splits = rng.randint(2, 6)
+    monkeypatch.setattr(mc, "_device_kv_splits", lambda *a: splits)
+    monkeypatch.setattr(mc, "_CALLS", mc.PlanCache(maxsize=8))
+    if device.type == "cpu":
+        cfg = mc._cfg(block_m=16, block_n=16, warps=4, stages=2, pipe_qk=rng.choice([0, 2]),
+                      heads_outer=rng.random() < 0.5, exp_poly=rng.random() < 0.5)  # fmt: skip
+        monkeypatch.setattr(mc, "_device_config", lambda *a: cfg)
+    if rng.random() < 0.5:
+        kw = {**kw, "max_seqlen_q": max(q_lens), "max_seqlen_kv": max(a + b for a, b in zip(q_lens, cached))}
+    out = poisoned((q.shape[0], 2, 128), torch.bfloat16, device)
+    first = None
+    for _ in range(4):  # checked, noted, recorded, replayed
+        out.fill_(float("nan"))
+        got, lse = mla_context_attention(q, k, v, cu_q, cu_kv, out=out, return_lse=True, v_layout=layout, **kw)
+        _check(got, lse, ref.to(device), ref_lse.to(device), mode)
+        if first is None:
+            first = got.clone(), lse.clone()
+        assert torch.equal(got, first[0]) and torch.equal(lse, first[1])
+
+
+@pytest.mark.parametrize("max_seqlen", [False, True])
+def test_one_call_shares_keep_nan_rows_for_a_bad_batch(gen, device, monkeypatch, max_seqlen):
+    """An invalid request of a device-built table (kv_len < q_len, or past k's rows) writes lse NaN in its
+    shares, so the merge gives it NaN rows and lse as the one-share kernel does; valid requests stay exact."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    monkeypatch.setattr(mc, "_device_kv_splits", lambda *a: 3)
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[5, 20, 7, 9], cached=[40, 0, 3, 2])
+    bad = cu_kv.clone()
+    bad[3] = bad[2] + 2  # request 2: kv_len 2 < q_len 7
+    bad[4] = k.shape[0] + 5  # request 3: past k's rows
+    kw = {"max_seqlen_q": 20, "max_seqlen_kv": 64} if max_seqlen else {}
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    out, lse = mla_context_attention(q, k, v, cu_q, bad, error_flag=flag, return_lse=True, **kw)
+    assert int(flag[0]) == 1
+    good, good_lse = mla_context_attention(q, k, v, cu_q, cu_kv, error_flag=flag, return_lse=True, **kw)
+    assert int(flag[0]) == 0
+    cq = cu_q.tolist()
+    assert torch.equal(out[: cq[2]], good[: cq[2]]) and torch.equal(lse[: cq[2]], good_lse[: cq[2]])
+    assert torch.isnan(out[cq[2] :].float()).all() and torch.isnan(lse[cq[2] :]).all()
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    _check(good, good_lse, ref.to(device), ref_lse.to(device), "bf16")
+
+
+def test_device_rule_from_bounds(device):
+    """The device-table call's share count comes from bounds alone: its slot count and ``max_seqlen_kv`` (else
+    every key row), with the wave model of ``context_kv_splits``."""
+    sh = mc._check_shapes(16, 16, 192, 128, torch.bfloat16, torch.bfloat16, "token_major")
+    cfg = mc._cfg(block_m=128, block_n=128, warps=8, stages=2, gluon=True)
+    dev = torch.device("cpu")
+    assert mc._device_kv_splits(sh, dev, cfg, 1, 109, 23710) == context_kv_splits(1, 16, 186, 132, 109 * 16 * 516)
+    assert mc._device_kv_splits(sh, dev, cfg, 1, 109, 23710) == 8
+    assert mc._device_kv_splits(sh, dev, cfg, 200, 25600, 23710) == 1  # 3200 programs: the GPU is full
+    assert mc._device_slots(1, 422, 422, 128) == 4 and mc._device_slots(3, 300, 300, 128) == 5
+    assert mc._device_slots(0, 0, 0, 128) == 0
 
 
 def test_shares_refuse_oversized_scratch_and_mismatched_tables(gen, device, monkeypatch):
@@ -400,3 +480,53 @@ def test_gpu_first_split_run_captured_without_lse(gen, device):
     want = plan.run(q, k, v, **kw)
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_seqlen", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_one_call_shares_serving_size(gen, device, mode, max_seqlen):
+    """The one call with device lengths on seed 5151 r19's kind of row (16 heads, one 109-row request over
+    23,601 cached keys: 16 programs on 132 SMs) splits its items on chip; output and lse equal the reference."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    q, k, v, cu_q, cu_kv, kw, ref_kw = _inputs(gen, device, mode, q_lens=[109], cached=[23601], heads=16)
+    ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), head_chunk=8, **ref_kw)
+    layout = "token_major"
+    if mode == "fp8-dim-major":
+        v, layout = v_to_dim_major(v), "dim_major"
+    if max_seqlen:
+        kw = {**kw, "max_seqlen_q": 109, "max_seqlen_kv": 23710}
+    sh = mc._check_shapes(16, 16, 192, 128, q.dtype, k.dtype, layout)
+    cfg = mc._device_config(sh, device, 1, 109, 109 if max_seqlen else None)
+    assert mc._device_kv_splits(sh, device, cfg, 1, 109, 23710) > 1
+    for _ in range(3):  # checked, recorded, replayed
+        got, lse = mla_context_attention(q, k, v, cu_q, cu_kv, return_lse=True, v_layout=layout, **kw)
+        _check(got, lse, ref.to(device), ref_lse.to(device), mode)
+
+
+@pytest.mark.gpu
+def test_gpu_one_call_shares_in_a_cuda_graph(gen, device):
+    """The one call's table launch, on-chip shares and merge captured in a CUDA graph: replays with new lengths
+    written into the same length buffers (same totals) equal eager calls."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    q, k, v, cu_q, cu_kv, _, _ = _inputs(gen, device, "bf16", q_lens=[40, 7], cached=[9000, 3000], heads=16)
+    out = torch.empty(q.shape[0], 16, 128, dtype=torch.bfloat16, device=device)
+    for _ in range(3):  # compile, note, record outside the capture
+        mla_context_attention(q, k, v, cu_q, cu_kv, out=out)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        mla_context_attention(q, k, v, cu_q, cu_kv, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_context_attention(q, k, v, cu_q, cu_kv, out=out)
+    # Same totals (47 rows, 12047 keys), other split: (7, 40) rows over (4000 + 7, 8000 + 40) keys.
+    cu_q.copy_(torch.tensor([0, 7, 47], dtype=torch.int32))
+    cu_kv.copy_(torch.tensor([0, 4007, 12047], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())
+    _check(out, None, ref.to(device), None, "bf16")

@@ -394,9 +394,25 @@ def _sweep(acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["n_items"])
+@triton.jit
+def _chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Share ``c`` of ``n_shares`` of a 4-int item, as ``_share_items`` computes it on the host: (kv_row0',
+    diag0', key cap). Blocks are ``ceil((diag0 + rows + shift) / BLOCK_N)``, ``ceil(blocks / n_shares)`` a share."""
+    shift = kv_row0 % KV_ALIGN
+    blocks = tl.maximum(diag0 + n_rows + shift + BLOCK_N - 1, 0) // BLOCK_N
+    per = tl.maximum((blocks + n_shares - 1) // n_shares, 1)
+    b0 = tl.minimum(c * per, blocks)
+    b1 = tl.minimum((c + 1) * per, blocks)
+    base = tl.where(c == 0, 0, b0 * BLOCK_N - shift)
+    cap = tl.where(c == 0, b1 * BLOCK_N - shift, (b1 - b0) * BLOCK_N)
+    cap = tl.where(c == n_shares - 1, 1 << 30, cap)
+    return kv_row0 + base, diag0 - base, cap
+
+
+@triton.jit(do_not_specialize=["n_items", "share_rows"])
 def _mla_context_fwd_kernel(
-    Q, K, V, O, LSE, Qd_a, Qd_b, Kd_a, Kd_b, Vd, Work, n_items, scale_ptr, softmax_scale, kv_scale, q_scale_ptr,
+    Q, K, V, O, LSE, Qd_a, Qd_b, Kd_a, Kd_b, Vd, Work, n_items, share_rows, scale_ptr, softmax_scale, kv_scale,
+    q_scale_ptr,
     q_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh,
     stride_lt, stride_lh,
     H: tl.constexpr, GROUP: tl.constexpr, D_A: tl.constexpr, D_B: tl.constexpr, DV: tl.constexpr,
@@ -405,7 +421,7 @@ def _mla_context_fwd_kernel(
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     NATIVE_FP8: tl.constexpr, P_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EXP_POLY: tl.constexpr, USE_TMA: tl.constexpr, KV_ALIGN: tl.constexpr, PIPE_QK: tl.constexpr,
-    HEADS_OUTER: tl.constexpr, SPLIT_KV: tl.constexpr = False,
+    HEADS_OUTER: tl.constexpr, SPLIT_KV: tl.constexpr = False, CHIP_SHARES: tl.constexpr = False,
 ):  # fmt: skip
     """One (query tile, head) per program. With ``USE_TMA`` the ``*d_*`` arguments are 2-D tensor descriptors
     (rows = tokens, columns = head x dim; V dim-major: rows = head x dim) and ``Q``/``K``/``V`` are unused.
@@ -417,8 +433,18 @@ def _mla_context_fwd_kernel(
     ``SPLIT_KV``: items of 8 ints, (the four above, output row, key cap, 0, 0): a key share, rebased so that its
     first key block is the item's (``_share_items``); it sweeps keys below ``min(cap, diag0 + rows)`` only and
     writes its partial output and lse to row ``output row`` of ``O`` / ``LSE`` (fp32 scratch); rows with no keys
-    write 0 and lse -inf, so that ``merge_attention_states`` drops them."""
+    write 0 and lse -inf, so that ``merge_attention_states`` drops them.
+
+    ``CHIP_SHARES`` (with ``SPLIT_KV``): 4-int items of a device-built table, each split into the grid's
+    ``num_programs / (n_items x H)`` shares on chip (``_chip_share``); share c writes partial rows from
+    ``c x share_rows + q_row0``, and an invalid request's item (no keys at all) writes lse NaN, so that the merge
+    makes its rows NaN as the one-share kernel does."""
     pid = tl.program_id(0)
+    if CHIP_SHARES:
+        per_share = n_items * H
+        c = pid // per_share
+        n_shares = tl.num_programs(0) // per_share
+        pid = pid % per_share
     if HEADS_OUTER:
         # Consecutive programs are tiles of one head: the programs resident at once read the same few heads'
         # K/V, which then stay in L2. Heaviest first still holds within each head.
@@ -427,7 +453,7 @@ def _mla_context_fwd_kernel(
     else:
         item = pid // H
         head = pid % H
-    if SPLIT_KV:
+    if SPLIT_KV and not CHIP_SHARES:
         w = Work + item.to(tl.int64) * 8
         out_row0 = tl.load(w + 4)
         cap = tl.load(w + 5)
@@ -437,6 +463,10 @@ def _mla_context_fwd_kernel(
     n_rows = tl.load(w + 1)
     kv_row0 = tl.load(w + 2)
     diag0 = tl.load(w + 3)
+    if CHIP_SHARES:
+        invalid = (n_rows > 0) & (diag0 + n_rows <= 0)
+        kv_row0, diag0, cap = _chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN, BLOCK_N)
+        out_row0 = c * share_rows + q_row0
     kvh = head // GROUP
 
     if SCALE_FROM_PTR:
@@ -543,7 +573,10 @@ def _mla_context_fwd_kernel(
     if SPLIT_KV:  # a share may hold no keys for some rows: 0 with lse -inf, which the merge drops
         o = acc * (out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         o_rows = (out_row0 + offs_m).to(tl.int64)
-        empty = float("-inf")
+        if CHIP_SHARES:  # an invalid request: NaN, which the merge keeps
+            empty = tl.where(invalid, float("nan"), float("-inf"))
+        else:
+            empty = float("-inf")
     else:
         o = acc * (out_scale / l_i)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
         o_rows = q_rows
@@ -1256,7 +1289,18 @@ class _OneCall(NamedTuple):
     tables: tuple[RecordedLaunch, ...]
     zero_flag: bool  # an empty batch: the flag is cleared on the host side of the stream, nothing launched
     run: _RunFast
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    kept: dict[int, tuple[torch.Tensor, ...]]
+    shares: tuple[int, int, int, int] | None = None  # key shares on chip: (shares, total_q, H, d_v) of the scratch
+
+
+def _fresh_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """(buffer, work view, starts view, share scratch...) for one replay: None when the buffer is not 16-byte
+    aligned as the recording's was (the table launches were specialised on it)."""
+    buf = torch.empty((one.buf_len,), dtype=torch.int32, device=device)
+    if buf.data_ptr() % 16 != 0:
+        return None
+    scratch = _share_tensors(*one.shares, device) if one.shares is not None else ()
+    return (buf, buf[: one.n_work].view(-1, 4), buf[one.n_work :], *scratch)
 
 
 _KEPT_STREAMS = 8  # streams a one-call recording keeps a table buffer for; more start the set afresh
@@ -1274,13 +1318,23 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     stream = f[4](f[2]) if f is not None else _rt.current_stream_handle(device)
     kept = one.kept.get(stream)
     if kept is None:
-        buf = torch.empty((one.buf_len,), dtype=torch.int32, device=device)
-        if buf.data_ptr() % 16 != 0:
+        fresh = _fresh_table(one, device)
+        if fresh is None:
             return None
         if len(one.kept) >= _KEPT_STREAMS:
             one.kept.clear()
-        kept = one.kept.setdefault(stream, (buf, buf[: one.n_work].view(-1, 4), buf[one.n_work :]))
+        kept = one.kept.setdefault(stream, fresh)
     return kept
+
+
+def _share_tensors(splits: int, total_q: int, heads: int, dv: int, device) -> tuple[torch.Tensor, ...]:
+    """A share plan's scratch: fp32 partial outputs ``[splits x total_q, H, dv]`` and lse ``[splits x total_q,
+    H]``, the merged lse's sink ``[total_q, H]``, and the merge's ``[splits, total_q, ...]`` views of the two."""
+    rows = splits * total_q
+    part_o = torch.empty((rows, heads, dv), dtype=torch.float32, device=device)
+    part_lse = torch.empty((rows, heads), dtype=torch.float32, device=device)
+    sink = torch.empty((total_q, heads), dtype=torch.float32, device=device)
+    return part_o, part_lse, sink, part_o.view(splits, total_q, heads, dv), part_lse.view(splits, total_q, heads)
 
 
 def _share_items(items: list[tuple[int, ...]], splits: int, bn: int, align: int, total_q: int) -> list[tuple[int, ...]]:
@@ -1336,6 +1390,7 @@ class MLAContextPlan:
         cu_seqlens_q: list[int] | None = None,
         cu_seqlens_kv: list[int] | None = None,
         kv_splits: int = 1,
+        chip_shares: bool = False,
     ) -> None:
         self.shapes = shapes
         self.device = device
@@ -1350,26 +1405,21 @@ class MLAContextPlan:
         self._runs: dict[tuple, _RunFast | None] = {}  # checked calls' launches (None: seen once), for ``run``
         # Key shares per item (``context_kv_splits``); with more than one, ``work`` has 8-int share items and the
         # shares' fp32 partials (output, lse) and the merged lse's sink live as long as the plan (graph-safe).
+        # ``chip_shares``: a device-built table's 4-int items, split into the shares on chip (``_chip_share``).
         check_int("kv_splits", kv_splits, 1, KV_SPLIT_MAX)
-        if work.dim() != 2 or work.shape[1] != (8 if kv_splits > 1 else 4):
-            raise ValueError(f"work: expected {8 if kv_splits > 1 else 4}-int items for kv_splits={kv_splits}, got "
+        width = 8 if kv_splits > 1 and not chip_shares else 4
+        if work.dim() != 2 or work.shape[1] != width:
+            raise ValueError(f"work: expected {width}-int items for kv_splits={kv_splits}, got "
                              f"shape {tuple(work.shape)}")  # fmt: skip
         self.kv_splits = kv_splits
+        self.chip_shares = bool(chip_shares) and kv_splits > 1
         self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # The partials, the sink, and the merge's [S, T, ...] views of the partials: fixed objects, so that a
         # recorded run's launches name them as slots of the replay's tensor tuple.
         self._share_tensors: tuple[torch.Tensor, ...] = ()
         if kv_splits > 1:
-            rows = kv_splits * total_q
-            h, dv = shapes.num_heads, shapes.head_dim_v
-            self._partials = (
-                torch.empty((rows, h, dv), dtype=torch.float32, device=device),
-                torch.empty((rows, h), dtype=torch.float32, device=device),
-                torch.empty((total_q, h), dtype=torch.float32, device=device),
-            )
-            part_o, part_lse, sink = self._partials
-            self._share_tensors = (part_o, part_lse, sink, part_o.view(kv_splits, total_q, h, dv),
-                                   part_lse.view(kv_splits, total_q, h))  # fmt: skip
+            self._share_tensors = _share_tensors(kv_splits, total_q, shapes.num_heads, shapes.head_dim_v, device)
+            self._partials = self._share_tensors[:3]  # type: ignore[assignment]
 
     @classmethod
     def plan(
@@ -1477,15 +1527,11 @@ class MLAContextPlan:
         dev = cu_q.device
         n_req = cu_q.numel() - 1
         if config is None:
-            if max_seqlen_q is not None:
-                short = 0 < max_seqlen_q <= SHORT_Q_ROWS
-            else:
-                short = 0 < total_q <= SHORT_Q_ROWS * max(n_req, 1)
-            config = _choose_config(shapes, dev, short)
+            config = _device_config(shapes, dev, n_req, total_q, max_seqlen_q)
         bm = int(config.kwargs["BLOCK_M"])
         max_q = total_q if max_seqlen_q is None else max_seqlen_q
         max_kv = kv_rows if max_seqlen_kv is None else max_seqlen_kv
-        n_slots = min(n_req * -(-min(max_q, total_q) // bm), (total_q + n_req * (bm - 1)) // bm) if n_req else 0
+        n_slots = _device_slots(n_req, total_q, max_q, bm)
         # One allocation: the table's rows, then the per-request first items (and the item count).
         buf = torch.empty((max(n_slots, 1) * 4 + n_req + 1,), dtype=torch.int32, device=dev)
         work, starts = buf[: max(n_slots, 1) * 4].view(-1, 4), buf[max(n_slots, 1) * 4 :]
@@ -1516,7 +1562,8 @@ class MLAContextPlan:
             launch_jit(fn, grid, args, consts, **options)
         if record is not None:
             record += launches
-        return cls(shapes, dev, config, work, n_slots, total_q, 0)
+        splits = _device_kv_splits(shapes, dev, config, n_slots, total_q, min(max_kv, kv_rows))
+        return cls(shapes, dev, config, work, n_slots, total_q, 0, kv_splits=splits, chip_shares=splits > 1)
 
     def run(
         self,
@@ -1743,10 +1790,11 @@ class MLAContextPlan:
             P_OFFSET=_FP8_P_OFFSET if kv_fp8 else 0.0,
             KV_ALIGN=max(1, 16 // k.element_size()) if sh.v_layout == "dim_major" else 1,
             SPLIT_KV=self._partials is not None,
+            CHIP_SHARES=self.chip_shares,
             **kw,
         )
-        grid = (self.n_items * sh.num_heads,)
-        args = (q, k, v, out, lse_t, *descs, self.work, self.n_items,
+        grid = (self.n_items * sh.num_heads * (self.kv_splits if self.chip_shares else 1),)
+        args = (q, k, v, out, lse_t, *descs, self.work, self.n_items, self.total_q if self.chip_shares else 0,
                 scale_ptr if scale_ptr is not None else self.work, softmax_scale, scale_val,
                 q_scale_ptr if q_scale_ptr is not None else self.work, q_scale_val,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), svt, svh, svd,
@@ -1780,7 +1828,36 @@ class MLAContextPlan:
             block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
             heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
             key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen, split_kv=self._partials is not None,
+            chip_shares=self.kv_splits if self.chip_shares else 0, share_rows=self.total_q if self.chip_shares else 0,
         )  # fmt: skip
+
+
+def _device_config(sh: _Shapes, dev: torch.device, n_req: int, total_q: int, max_seqlen_q: int | None):
+    """A device-built table's config: the short-query key from ``max_seqlen_q``, or without it the mean length."""
+    if max_seqlen_q is not None:
+        short = 0 < max_seqlen_q <= SHORT_Q_ROWS
+    else:
+        short = 0 < total_q <= SHORT_Q_ROWS * max(n_req, 1)
+    return _choose_config(sh, dev, short)
+
+
+def _device_slots(n_req: int, total_q: int, max_q: int, bm: int) -> int:
+    """Items a valid batch can have, from shapes alone: ``total_q`` rows split at ``n_req`` request boundaries,
+    and ``n_req`` times the tiles of ``max_q`` rows."""
+    return min(n_req * -(-min(max_q, total_q) // bm), (total_q + n_req * (bm - 1)) // bm) if n_req else 0
+
+
+def _device_kv_splits(sh: _Shapes, dev: torch.device, config, n_slots: int, total_q: int, max_kv: int) -> int:
+    """``context_kv_splits`` for a device-built table, from bounds alone: ``n_slots`` items, each of at most
+    ``max_kv`` keys (``max_seqlen_kv``, else all the key rows). An item shorter than the bound leaves some of its
+    shares empty (each a program's fixed cost)."""
+    bn = int(config.kwargs["BLOCK_N"])
+    align = max(1, 16 // sh.kv_dtype.itemsize) if sh.v_layout == "dim_major" else 1
+    sms = num_sms(dev) if dev.type == "cuda" else 132
+    resident = 1 if config.kwargs.get("GLUON", 0) else KV_SPLIT_RESIDENT_PORTABLE
+    per_split = total_q * sh.num_heads * (sh.head_dim_v + 1) * 4
+    blocks = -(-(max_kv + align - 1) // bn)
+    return context_kv_splits(n_slots, sh.num_heads, blocks, sms, per_split, resident)
 
 
 # Table slots one sorting program of ``_mla_work_items_kernel`` orders (heaviest first); larger tables (over 2M
@@ -2096,16 +2173,15 @@ def mla_context_attention(
         one: _OneCall = hit[1]
         kept = _kept_table(one, q.device)
         if kept is None:
-            buf = torch.empty((one.buf_len,), dtype=torch.int32, device=q.device)
-            kept = (buf, buf[: one.n_work].view(-1, 4), buf[one.n_work :]) if buf.data_ptr() % 16 == 0 else None
+            kept = _fresh_table(one, q.device)
         if kept is not None:  # aligned as recorded (the table launches were specialised on it)
-            buf, work, starts = kept
+            buf, work, starts = kept[:3]
             tensors = (cu_seqlens_q, cu_seqlens_kv, starts, buf if error_flag is None else error_flag, work)
             for table in one.tables:
                 table.launch(tensors)
             if one.zero_flag:
                 error_flag.zero_()
-            return _replay_run(one.run, q.device, work, q, k, v, out, None, kv_scale_quant_orig, q_scale)
+            return _replay_run(one.run, q.device, work, q, k, v, out, None, kv_scale_quant_orig, q_scale, kept[3:])
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor_device(name, t)
         check_launch_device(name, t)
@@ -2166,7 +2242,8 @@ def mla_context_attention(
             buf = plan.work if plan.work._base is None else plan.work._base
             if run is not None and all(r is not None for r in recs) and buf.data_ptr() % 16 == 0:
                 n_work = plan.work.numel()
-                one = _OneCall(buf.numel(), n_work, tuple(recs), flag is not None and not tables, run, {})
+                shares = (plan.kv_splits, plan.total_q, sh.num_heads, sh.head_dim_v) if plan.kv_splits > 1 else None
+                one = _OneCall(buf.numel(), n_work, tuple(recs), flag is not None and not tables, run, {}, shares)
                 _CALLS.put(key, (env, one))
             return res
     else:
@@ -2183,8 +2260,9 @@ def mla_context_attention(
             device=dev,
             max_seqlen_q=max_q,
             max_seqlen_kv=max_kv,
-            # strict=True only adds host checks: it computes what the device-table call computes (no shares)
-            kv_splits=1 if on_device else None,
+            # strict=True only adds host checks: it computes what the device-table call computes (its config,
+            # its share count from the same bounds; the shares themselves are the same, built on the host)
+            **(_strict_plan_args(q, k, v, v_layout, cu_seqlens_q, max_q, max_kv) if on_device else {}),
         )
         if flag is not None:
             flag.zero_()  # the host checks raised for anything the flag would report
@@ -2192,6 +2270,18 @@ def mla_context_attention(
         q, k, v, kv_scale_quant_orig=kv_scale_quant_orig, q_scale=q_scale, softmax_scale=softmax_scale, out=out,
         return_lse=return_lse,
     )  # fmt: skip
+
+
+def _strict_plan_args(q, k, v, v_layout: str, cu_q: torch.Tensor, max_q: int | None, max_kv: int | None) -> dict:
+    """``config`` and ``kv_splits`` of the device-table call on these shapes, for ``strict=True``'s host plan."""
+    head_dim_v = v.shape[1] if v_layout == "dim_major" else v.shape[2]
+    sh = _check_shapes(q.shape[1], k.shape[1], q.shape[2], head_dim_v, q.dtype, k.dtype, v_layout)
+    n_req, total_q = cu_q.numel() - 1, q.shape[0]
+    kv_rows = min(k.shape[0], v.shape[2] if v_layout == "dim_major" else v.shape[0])
+    config = _device_config(sh, q.device, n_req, total_q, max_q)
+    slots = _device_slots(n_req, total_q, total_q if max_q is None else max_q, int(config.kwargs["BLOCK_M"]))
+    kv = kv_rows if max_kv is None else min(max_kv, kv_rows)
+    return {"config": config, "kv_splits": _device_kv_splits(sh, q.device, config, slots, total_q, kv)}
 
 
 _LAUNCH = MLAContextPlan._launch  # the unpatched launch: only its launches are recorded for replay

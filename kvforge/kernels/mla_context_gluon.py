@@ -366,7 +366,8 @@ if gluon is not None:
     @gluon.jit
     def _gl_rows(Q, O, LSE, q_row0, out_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                  stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, qa_smem, qb_smem, k_ready, k_empty, vt_ready, v_empty,
-                 n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn_mine, turn_other, PINGPONG: gl.constexpr,
+                 n_blocks, shift, diag0, n_end, invalid, qk_scale, kv_scale, turn_mine, turn_other,
+                 PINGPONG: gl.constexpr,
                  KEY_PERM: gl.constexpr, ROW_OFF: gl.constexpr, ROWS: gl.constexpr, D_A: gl.constexpr,
                  D_B: gl.constexpr, DV: gl.constexpr, V_DIM_MAJOR: gl.constexpr, WRITE_LSE: gl.constexpr,
                  P_OFFSET: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV16: gl.constexpr,
@@ -430,7 +431,7 @@ if gluon is not None:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         if SPLIT_KV:  # a share may hold no keys for some rows: 0 with lse -inf, which the merge drops
             o = acc * (kv_scale / gl.where(l_o > 0, l_o, 1.0))[:, None]
-            empty = float("-inf")
+            empty = gl.where(invalid, float("nan"), float("-inf"))  # an invalid request: NaN, which the merge keeps
         else:
             o = acc * (kv_scale / l_o)[:, None]  # 0 / 0 = NaN for rows with no keys (invalid requests)
             empty = float("nan")
@@ -444,9 +445,23 @@ if gluon is not None:
             gl.store(LSE + (out_row0 + l_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
                      mask=l_rows < n_rows)  # fmt: skip
 
-    @gluon.jit(do_not_specialize=["n_items"])
+    @gluon.jit
+    def _gl_chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN: gl.constexpr, BLOCK_N: gl.constexpr):
+        """``mla_context._chip_share`` in Gluon: (kv_row0', diag0', key cap) of share ``c`` of a 4-int item."""
+        shift = kv_row0 % KV_ALIGN
+        blocks = gl.maximum(diag0 + n_rows + shift + BLOCK_N - 1, 0) // BLOCK_N
+        per = gl.maximum((blocks + n_shares - 1) // n_shares, 1)
+        b0 = gl.minimum(c * per, blocks)
+        b1 = gl.minimum((c + 1) * per, blocks)
+        base = gl.where(c == 0, 0, b0 * BLOCK_N - shift)
+        cap = gl.where(c == 0, b1 * BLOCK_N - shift, (b1 - b0) * BLOCK_N)
+        cap = gl.where(c == n_shares - 1, 1 << 30, cap)
+        return kv_row0 + base, diag0 - base, cap
+
+    @gluon.jit(do_not_specialize=["n_items", "share_rows"])
     def _mla_context_gluon_kernel(
-        Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, scale_ptr, softmax_scale, kv_scale, q_scale_ptr,
+        Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, share_rows, scale_ptr, softmax_scale, kv_scale,
+        q_scale_ptr,
         q_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
         H: gl.constexpr, GROUP: gl.constexpr, D_A: gl.constexpr, D_B: gl.constexpr, DV: gl.constexpr,
         V_DIM_MAJOR: gl.constexpr, SCALE_FROM_PTR: gl.constexpr, Q_SCALE_FROM_PTR: gl.constexpr,
@@ -454,6 +469,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, KV_ALIGN: gl.constexpr, HEADS_OUTER: gl.constexpr,
         C_REGS: gl.constexpr, V_REGS: gl.constexpr, PINGPONG: gl.constexpr, KEY_PERM: gl.constexpr,
         KV16: gl.constexpr, Q_QUANT: gl.constexpr, V_WIDEN: gl.constexpr, SPLIT_KV: gl.constexpr = False,
+        CHIP_SHARES: gl.constexpr = False,
     ):  # fmt: skip
         """One (128-row query tile, head) per program; Work items as in ``_mla_context_fwd_kernel`` (``SPLIT_KV``:
         its 8-int key shares, keys capped, fp32 partial rows). Launched
@@ -461,23 +477,36 @@ if gluon is not None:
         and V; ``Q_QUANT``: 16-bit Q, FP8 K/V; ``V_WIDEN``: FP8 token-major V widened to fp16 for P·V."""
         BM: gl.constexpr = 128
         pid = gl.program_id(0)
+        if CHIP_SHARES:  # 4-int items split into the grid's shares on chip (``mla_context._chip_share``)
+            per_share = n_items * H
+            c = pid // per_share
+            n_shares = gl.num_programs(0) // per_share
+            pid = pid % per_share
         if HEADS_OUTER:
             item = pid % n_items
             head = pid // n_items
         else:
             item = pid // H
             head = pid % H
-        w = Work + item.to(gl.int64) * (8 if SPLIT_KV else 4)
+        w = Work + item.to(gl.int64) * (8 if SPLIT_KV and not CHIP_SHARES else 4)
         q_row0 = gl.load(w)
         n_rows = gl.load(w + 1)
         kv_row0 = gl.load(w + 2)
         diag0 = gl.load(w + 3)
-        n_end = diag0 + n_rows
-        if SPLIT_KV:
+        if CHIP_SHARES:
+            # An invalid request's item (no keys at all; device tables only): its shares write lse NaN.
+            invalid = (n_rows > 0) & (diag0 + n_rows <= 0)
+            kv_row0, diag0, cap = _gl_chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN, BLOCK_N)
+            out_row0 = c * share_rows + q_row0
+            n_end = gl.minimum(diag0 + n_rows, cap)
+        elif SPLIT_KV:
             out_row0 = gl.load(w + 4)
-            n_end = gl.minimum(n_end, gl.load(w + 5))
+            n_end = gl.minimum(diag0 + n_rows, gl.load(w + 5))
         else:
             out_row0 = q_row0
+            n_end = diag0 + n_rows
+        if not CHIP_SHARES:
+            invalid = n_rows < 0  # never: host-built items are valid
         kvh = head // GROUP
         if SCALE_FROM_PTR:
             kv_scale = gl.load(scale_ptr).to(gl.float32)
@@ -564,14 +593,14 @@ if gluon is not None:
             [
                 (_gl_rows, (Q, O, LSE, q_row0, out_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, qa0, qb0, k_ready, k_empty,
-                            vt_ready, pv_free, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(0),
-                            turn.index(1), PINGPONG, KEY_PERM, 0, BM // 2, D_A, D_B, DV,
+                            vt_ready, pv_free, n_blocks, shift, diag0, n_end, invalid, qk_scale, kv_scale,
+                            turn.index(0), turn.index(1), PINGPONG, KEY_PERM, 0, BM // 2, D_A, D_B, DV,
                             V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES, KV16, V_WIDEN, Q_QUANT,
                             SPLIT_KV)),
                 (_gl_rows, (Q, O, LSE, q_row0, out_row0, n_rows, head, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_lt, stride_lh, ka_bufs, kb_bufs, v_bufs, vt_bufs, qa1, qb1, k_ready, k_empty,
-                            vt_ready, pv_free, n_blocks, shift, diag0, n_end, qk_scale, kv_scale, turn.index(1),
-                            turn.index(0), PINGPONG, KEY_PERM, BM // 2, BM // 2, D_A,
+                            vt_ready, pv_free, n_blocks, shift, diag0, n_end, invalid, qk_scale, kv_scale,
+                            turn.index(1), turn.index(0), PINGPONG, KEY_PERM, BM // 2, BM // 2, D_A,
                             D_B, DV, V_DIM_MAJOR, WRITE_LSE, P_OFFSET, BLOCK_N, NUM_STAGES, KV16, V_WIDEN, Q_QUANT,
                             SPLIT_KV)),
                 (_gl_loader, (k_desc_a, k_desc_b, v_desc, ka_bufs, kb_bufs, v_bufs, k_ready, k_empty, v_ready,
@@ -674,8 +703,11 @@ def mla_context_gluon_fwd(q, k, v, out, lse, work, n_items, **kw):
 def gluon_launch_args(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a, d_b, dv, dim_major,
                       softmax_scale, scale_val, scale_ptr, q_scale_val=None, q_scale_ptr=None,
                       block_n=128, num_stages=2, heads_outer=True,
-                      pingpong=False, key_perm=False, v_widen=False, split_kv=False):  # fmt: skip
-    """``(kernel, grid, args, consts, options)`` of ``mla_context_gluon_fwd``'s launch, for ``launch_jit``."""
+                      pingpong=False, key_perm=False, v_widen=False, split_kv=False, chip_shares=0,
+                      share_rows=0):  # fmt: skip
+    """``(kernel, grid, args, consts, options)`` of ``mla_context_gluon_fwd``'s launch, for ``launch_jit``.
+    ``chip_shares`` > 1: ``work`` holds 4-int items, each split into that many key shares on chip, share c
+    writing partial rows from ``c x share_rows`` (with ``split_kv``)."""
     kv16 = k.dtype != torch.float8_e4m3fn
     q_quant = not kv16 and q.dtype != torch.float8_e4m3fn
     fp8_p = not kv16 and not v_widen
@@ -684,8 +716,8 @@ def gluon_launch_args(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a
     kd_a, kd_b, vd = gluon_descriptors(k, v, d_a, d_b, dv, k.shape[1], dim_major, block_n)
     lse_t = lse if lse is not None else out
     slt, slh = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-    grid = (n_items * num_heads,)
-    args = (q, out, lse_t, kd_a, kd_b, vd, work, n_items, scale_ptr if scale_ptr is not None else work,
+    grid = (n_items * num_heads * max(1, chip_shares),)
+    args = (q, out, lse_t, kd_a, kd_b, vd, work, n_items, share_rows, scale_ptr if scale_ptr is not None else work,
             float(softmax_scale), float(scale_val), q_scale_ptr if q_scale_ptr is not None else work,
             float(q_scale_val if q_scale_val is not None else 1.0), q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), slt, slh)  # fmt: skip
@@ -696,5 +728,6 @@ def gluon_launch_args(q, k, v, out, lse, work, n_items, *, num_heads, group, d_a
         P_OFFSET=8.0 if fp8_p else 0.0, BLOCK_N=block_n, NUM_STAGES=num_stages, KV_ALIGN=16 if dim_major else 1,
         HEADS_OUTER=heads_outer, C_REGS=_C_REGS, V_REGS=_V_REGS, PINGPONG=pingpong, KEY_PERM=key_perm and fp8_p,
         KV16=kv16, Q_QUANT=q_quant, V_WIDEN=bool(v_widen) and not kv16, SPLIT_KV=bool(split_kv),
+        CHIP_SHARES=chip_shares > 1,
     )  # fmt: skip
     return _mla_context_gluon_kernel, grid, args, consts, {"num_warps": 4, "maxnreg": _MAXNREG}
