@@ -30,6 +30,7 @@ import os
 import torch
 
 from kvforge.kernels._runtime import clone_descriptor, launch_jit
+from kvforge.kernels.mla_context import _chip_share  # a @triton.jit helper of integer arithmetic: Gluon calls it too
 
 try:  # Gluon ships with Triton >= 3.5; its API moves between releases, so every name is checked here
     from triton.experimental import gluon
@@ -445,19 +446,6 @@ if gluon is not None:
             gl.store(LSE + (out_row0 + l_rows).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh, lse,
                      mask=l_rows < n_rows)  # fmt: skip
 
-    @gluon.jit
-    def _gl_chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN: gl.constexpr, BLOCK_N: gl.constexpr):
-        """``mla_context._chip_share`` in Gluon: (kv_row0', diag0', key cap) of share ``c`` of a 4-int item."""
-        shift = kv_row0 % KV_ALIGN
-        blocks = gl.maximum(diag0 + n_rows + shift + BLOCK_N - 1, 0) // BLOCK_N
-        per = gl.maximum((blocks + n_shares - 1) // n_shares, 1)
-        b0 = gl.minimum(c * per, blocks)
-        b1 = gl.minimum((c + 1) * per, blocks)
-        base = gl.where(c == 0, 0, b0 * BLOCK_N - shift)
-        cap = gl.where(c == 0, b1 * BLOCK_N - shift, (b1 - b0) * BLOCK_N)
-        cap = gl.where(c == n_shares - 1, 1 << 30, cap)
-        return kv_row0 + base, diag0 - base, cap
-
     @gluon.jit(do_not_specialize=["n_items", "share_rows"])
     def _mla_context_gluon_kernel(
         Q, O, LSE, k_desc_a, k_desc_b, v_desc, Work, n_items, share_rows, scale_ptr, softmax_scale, kv_scale,
@@ -496,7 +484,7 @@ if gluon is not None:
         if CHIP_SHARES:
             # An invalid request's item (no keys at all; device tables only): its shares write lse NaN.
             invalid = (n_rows > 0) & (diag0 + n_rows <= 0)
-            kv_row0, diag0, cap = _gl_chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN, BLOCK_N)
+            kv_row0, diag0, cap = _chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN, BLOCK_N)
             out_row0 = c * share_rows + q_row0
             n_end = gl.minimum(diag0 + n_rows, cap)
         elif SPLIT_KV:
