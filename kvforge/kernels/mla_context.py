@@ -48,6 +48,7 @@ from kvforge.kernels._checks import (
     check_tensor,
     same_device,
 )
+from kvforge.kernels._chip_share import _chip_share
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, native_fp8_cast
 from kvforge.kernels._runtime import (
     ConfigTable,
@@ -392,21 +393,6 @@ def _sweep(acc, m_i, l_i, lo, hi, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, kd_a, kd_b
                 BLOCK_N,
             )  # fmt: skip
     return acc, m_i, l_i
-
-
-@triton.jit
-def _chip_share(n_rows, kv_row0, diag0, c, n_shares, KV_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Share ``c`` of ``n_shares`` of a 4-int item, as ``_share_items`` computes it on the host: (kv_row0',
-    diag0', key cap). Blocks are ``ceil((diag0 + rows + shift) / BLOCK_N)``, ``ceil(blocks / n_shares)`` a share."""
-    shift = kv_row0 % KV_ALIGN
-    blocks = tl.maximum(diag0 + n_rows + shift + BLOCK_N - 1, 0) // BLOCK_N
-    per = tl.maximum((blocks + n_shares - 1) // n_shares, 1)
-    b0 = tl.minimum(c * per, blocks)
-    b1 = tl.minimum((c + 1) * per, blocks)
-    base = tl.where(c == 0, 0, b0 * BLOCK_N - shift)
-    cap = tl.where(c == 0, b1 * BLOCK_N - shift, (b1 - b0) * BLOCK_N)
-    cap = tl.where(c == n_shares - 1, 1 << 30, cap)
-    return kv_row0 + base, diag0 - base, cap
 
 
 @triton.jit(do_not_specialize=["n_items", "share_rows"])

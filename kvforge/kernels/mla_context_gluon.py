@@ -29,8 +29,8 @@ import os
 
 import torch
 
+from kvforge.kernels._chip_share import _chip_share  # a @triton.jit helper of integer arithmetic: Gluon calls it too
 from kvforge.kernels._runtime import clone_descriptor, launch_jit
-from kvforge.kernels.mla_context import _chip_share  # a @triton.jit helper of integer arithmetic: Gluon calls it too
 
 try:  # Gluon ships with Triton >= 3.5; its API moves between releases, so every name is checked here
     from triton.experimental import gluon
