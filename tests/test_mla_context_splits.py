@@ -285,6 +285,28 @@ def test_one_call_shares_on_chip_equal_the_reference(device, monkeypatch, mode, 
         assert torch.equal(got, first[0]) and torch.equal(lse, first[1])
 
 
+def test_one_call_recordings_share_one_scratch(gen, device, monkeypatch):
+    """Two one-call recordings of the same shapes on other buffers (two layers of a step) replay through one
+    shared share scratch on their stream, not one each, and still compute their own outputs."""
+    from kvforge.kernels.mla_context import mla_context_attention
+
+    monkeypatch.setattr(mc, "_device_kv_splits", lambda *a: 3)
+    monkeypatch.setattr(mc, "_CALLS", mc.PlanCache(maxsize=8))
+    monkeypatch.setattr(mc, "_SCRATCH", {})
+    layers = [_inputs(gen, device, "bf16", q_lens=[5, 9], cached=[40, 3]) for _ in range(2)]
+    for _ in range(3):  # checked, recorded, replayed
+        for q, k, v, cu_q, cu_kv, _, _ in layers:
+            got = mla_context_attention(q, k, v, cu_q, cu_kv)
+            _check(got, None, mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu())[0].to(device), None,
+                   "bf16")  # fmt: skip
+    ones = [e[1] for e in mc._CALLS._plans.values() if e is not None]
+    assert len(ones) == 2 and all(len(one.kept) == 1 for one in ones)
+    (a,), (b,) = (list(one.kept.values()) for one in ones)
+    assert a[0] is not b[0]  # each recording its own table buffer
+    assert len(a) == len(b) == 8 and all(x is y for x, y in zip(a[3:], b[3:]))
+    assert len(mc._SCRATCH) == 1
+
+
 @pytest.mark.parametrize("max_seqlen", [False, True])
 def test_one_call_shares_keep_nan_rows_for_a_bad_batch(gen, device, monkeypatch, max_seqlen):
     """An invalid request of a device-built table (kv_len < q_len, or past k's rows) writes lse NaN in its

@@ -1279,14 +1279,34 @@ class _OneCall(NamedTuple):
     shares: tuple[int, int, int, int] | None = None  # key shares on chip: (shares, total_q, H, d_v) of the scratch
 
 
-def _fresh_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+def _fresh_table(one: _OneCall, device: torch.device, stream: int | None = None) -> tuple[torch.Tensor, ...] | None:
     """(buffer, work view, starts view, share scratch...) for one replay: None when the buffer is not 16-byte
-    aligned as the recording's was (the table launches were specialised on it)."""
+    aligned as the recording's was (the table launches were specialised on it). ``stream``: the scratch is the
+    one this stream's calls of that shape share (``_shared_scratch``); None (a capture): fresh scratch."""
     buf = torch.empty((one.buf_len,), dtype=torch.int32, device=device)
     if buf.data_ptr() % 16 != 0:
         return None
-    scratch = _share_tensors(*one.shares, device) if one.shares is not None else ()
+    scratch: tuple[torch.Tensor, ...] = ()
+    if one.shares is not None:
+        scratch = _share_tensors(*one.shares, device) if stream is None else _shared_scratch(one.shares, device, stream)
     return (buf, buf[: one.n_work].view(-1, 4), buf[one.n_work :], *scratch)
+
+
+# Share scratch of one-call replays, per (stream, device, shares, rows, heads, d_v): the calls of an engine step
+# (one per layer, each its own recording) share one set instead of each keeping its own. Calls on one stream run
+# in order, so they never use it at once; a recording that kept a set keeps it alive past eviction.
+_SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_SCRATCH_SETS = 8
+
+
+def _shared_scratch(shares: tuple[int, int, int, int], device: torch.device, stream: int) -> tuple[torch.Tensor, ...]:
+    key = (stream, str(device), *shares)
+    got = _SCRATCH.get(key)
+    if got is None:
+        if len(_SCRATCH) >= _SCRATCH_SETS:
+            _SCRATCH.clear()
+        got = _SCRATCH.setdefault(key, _share_tensors(*shares, device))
+    return got
 
 
 _KEPT_STREAMS = 8  # streams a one-call recording keeps a table buffer for; more start the set afresh
@@ -1304,7 +1324,7 @@ def _kept_table(one: _OneCall, device: torch.device) -> tuple[torch.Tensor, torc
     stream = f[4](f[2]) if f is not None else _rt.current_stream_handle(device)
     kept = one.kept.get(stream)
     if kept is None:
-        fresh = _fresh_table(one, device)
+        fresh = _fresh_table(one, device, stream)
         if fresh is None:
             return None
         if len(one.kept) >= _KEPT_STREAMS:
