@@ -197,7 +197,7 @@ def test_split_plan_equals_reference(gen, device, mode, splits):
     assert plan.kv_splits == splits and plan.n_items == splits * items and plan.work.shape == (splits * items, 8)
     out = poisoned((q.shape[0], q.shape[1], 128), torch.bfloat16, device)
     lse = poisoned((q.shape[0], q.shape[1]), torch.float32, device)
-    for t in plan._partials:  # every partial row a share owns must be written (NaN would survive the merge)
+    for t in plan._share_tensors[:3]:  # every partial row a share owns must be written (NaN would survive the merge)
         t.fill_(float("nan"))
     got, got_lse = plan.run(q, k, v, out=out, lse_out=lse, **kw)
     assert got is out and got_lse is lse
@@ -224,7 +224,7 @@ def test_random_batches_with_shares_equal_the_reference(device, mode, seed):
     cfg = mc._cfg(block_m=bm, block_n=bn, warps=4, stages=2, pipe_qk=rng.choice([0, 2]),
                   heads_outer=rng.random() < 0.5, exp_poly=rng.random() < 0.5)  # fmt: skip
     plan = _plan(q, k, v, cu_q, cu_kv, mode, config=cfg, kv_splits=rng.randint(2, 6))
-    for t in plan._partials:
+    for t in plan._share_tensors[:3]:
         t.fill_(float("nan"))
     got, lse = plan.run(q, k, v, return_lse=True, **kw)
     _check(got, lse, ref.to(device), ref_lse.to(device), mode)
@@ -455,7 +455,7 @@ def test_gpu_gluon_shares_with_unaligned_request_starts(gen, device):
     ref, ref_lse = mla_context_attention_ref(q, k, v, cu_q.cpu(), cu_kv.cpu(), **ref_kw)
     v = v_to_dim_major(v)
     plan = _plan(q, k, v, cu_q, cu_kv, "fp8-dim-major", kv_splits=7)
-    for t in plan._partials:
+    for t in plan._share_tensors[:3]:
         t.fill_(float("nan"))
     got, lse = plan.run(q, k, v, return_lse=True, **kw)
     _check(got, lse, ref.to(device), ref_lse.to(device), "fp8-dim-major")

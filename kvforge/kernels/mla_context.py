@@ -1136,7 +1136,7 @@ def _copy_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int],
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and _rt._stream_capturing()
 
 
 # A repeat copy (same V tensor metadata, rows and stream) replays its recorded launch into the kept buffer:
@@ -1419,13 +1419,12 @@ class MLAContextPlan:
                              f"shape {tuple(work.shape)}")  # fmt: skip
         self.kv_splits = kv_splits
         self.chip_shares = bool(chip_shares) and kv_splits > 1
-        self._partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # The partials, the sink, and the merge's [S, T, ...] views of the partials: fixed objects, so that a
-        # recorded run's launches name them as slots of the replay's tensor tuple.
+        # The partials, the sink, and the merge's [S, T, ...] views of the partials (``_share_tensors``; none
+        # without shares): fixed objects, so that a recorded run's launches name them as slots of the replay's
+        # tensor tuple.
         self._share_tensors: tuple[torch.Tensor, ...] = ()
         if kv_splits > 1:
             self._share_tensors = _share_tensors(kv_splits, total_q, shapes.num_heads, shapes.head_dim_v, device)
-            self._partials = self._share_tensors[:3]  # type: ignore[assignment]
 
     @classmethod
     def plan(
@@ -1488,14 +1487,11 @@ class MLAContextPlan:
                 n_rows = min(bm, ql - m0)
                 items.append((prefix + m0 + n_rows, cu_q[r] + m0, n_rows, cu_kv[r], prefix + m0))
         bn = int(config.kwargs["BLOCK_N"])
-        # Dim-major V's blocks start up to KV_ALIGN - 1 keys before the request (the kernel's ``shift``).
-        align = max(1, 16 // shapes.kv_dtype.itemsize) if shapes.v_layout == "dim_major" else 1
-        per_split = cu_q[-1] * num_heads * (head_dim_v + 1) * 4  # one share's fp32 partial output and lse
+        align = _kv_align(shapes)
+        per_split = _share_bytes(shapes, cu_q[-1])
         if kv_splits is None:
             longest = max((-(-(it[0] + it[3] % align) // bn) for it in items), default=0)
-            sms = num_sms(dev) if dev.type == "cuda" else 132
-            resident = 1 if config.kwargs.get("GLUON", 0) else KV_SPLIT_RESIDENT_PORTABLE
-            kv_splits = context_kv_splits(len(items), num_heads, longest, sms, per_split, resident)
+            kv_splits = _auto_kv_splits(shapes, dev, config, len(items), cu_q[-1], longest)
         elif kv_splits > 1 and kv_splits * per_split > KV_SPLIT_SCRATCH_BYTES:
             raise ValueError(f"kv_splits: {kv_splits} shares of {cu_q[-1]} rows x {num_heads} heads need more fp32 "
                              f"partials than KV_SPLIT_SCRATCH_BYTES ({KV_SPLIT_SCRATCH_BYTES} bytes)")  # fmt: skip
@@ -1673,7 +1669,7 @@ class MLAContextPlan:
                 self._launch(*args, record=recorded)
                 # One launch, or with key shares the share kernel's and the merge's (the merge reads the
                 # partials and writes ``out`` and ``lse_out`` or the plan's sink, all tensors of the tuple).
-                if len(recorded) == (1 if self._partials is None else 2):
+                if len(recorded) == (2 if self.kv_splits > 1 else 1):
                     tensors = (q, k, v, out, out if lse_out is None else lse_out, self.work, scale_ptr, q_scale_ptr,
                                *self._share_tensors)  # fmt: skip
                     launch = RecordedLaunch.record(*recorded[0], tensors)
@@ -1708,14 +1704,13 @@ class MLAContextPlan:
         ``record``: a list that gets the launch's ``(kernel, grid, args, consts, options)``."""
         if q_scale_val is None and q_scale_ptr is None:
             q_scale_val, q_scale_ptr = scale_val, scale_ptr
-        if self._partials is not None:  # key shares: the kernel writes fp32 partials, then one merge launch
-            part_o, part_lse, sink = self._partials
+        if self.kv_splits > 1:  # key shares: the kernel writes fp32 partials, then one merge launch
+            part_o, part_lse, sink, o_s, lse_s = self._share_tensors
             sub: list | None = [] if record is not None else None
             handle = self._launch_kernel(q, k, v, part_o, part_lse, softmax_scale, scale_val, scale_ptr, q_scale_val,
                                          q_scale_ptr, sub)  # fmt: skip
             from kvforge.kernels.merge_states import merge_launch_args
 
-            o_s, lse_s = self._share_tensors[3:]
             merge = merge_launch_args(o_s, lse_s, out, lse if lse is not None else sink)
             launch_jit(*merge[:4], **merge[4])
             if record is not None and sub:  # both or neither: a replay of the share kernel alone skips the merge
@@ -1794,8 +1789,8 @@ class MLAContextPlan:
             UPCAST=interpreting() and sh.q_dtype in (torch.bfloat16, torch.float16),
             NATIVE_FP8=native_fp8_cast(),
             P_OFFSET=_FP8_P_OFFSET if kv_fp8 else 0.0,
-            KV_ALIGN=max(1, 16 // k.element_size()) if sh.v_layout == "dim_major" else 1,
-            SPLIT_KV=self._partials is not None,
+            KV_ALIGN=_kv_align(sh),
+            SPLIT_KV=self.kv_splits > 1,
             CHIP_SHARES=self.chip_shares,
             **kw,
         )
@@ -1833,7 +1828,7 @@ class MLAContextPlan:
             scale_ptr=scale_ptr, q_scale_val=q_scale_val, q_scale_ptr=q_scale_ptr,
             block_n=kw["BLOCK_N"], num_stages=self.config.num_stages,
             heads_outer=bool(kw.get("HEADS_OUTER", 0)), pingpong=bool(kw.get("GLUON_PP", 0)),
-            key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen, split_kv=self._partials is not None,
+            key_perm=bool(kw.get("GLUON_KP", 0)), v_widen=v_widen, split_kv=self.kv_splits > 1,
             chip_shares=self.kv_splits if self.chip_shares else 0, share_rows=self.total_q if self.chip_shares else 0,
         )  # fmt: skip
 
@@ -1853,17 +1848,30 @@ def _device_slots(n_req: int, total_q: int, max_q: int, bm: int) -> int:
     return min(n_req * -(-min(max_q, total_q) // bm), (total_q + n_req * (bm - 1)) // bm) if n_req else 0
 
 
+def _kv_align(sh: _Shapes) -> int:
+    """Keys a dim-major V's blocks may start before the request (the kernel's ``shift`` < KV_ALIGN); 1 else."""
+    return max(1, 16 // sh.kv_dtype.itemsize) if sh.v_layout == "dim_major" else 1
+
+
+def _share_bytes(sh: _Shapes, total_q: int) -> int:
+    """One key share's fp32 scratch: partial output and lse rows for every query row and head."""
+    return total_q * sh.num_heads * (sh.head_dim_v + 1) * 4
+
+
+def _auto_kv_splits(sh: _Shapes, dev: torch.device, config, n_items: int, total_q: int, longest: int) -> int:
+    """``context_kv_splits`` for ``n_items`` items whose longest spans ``longest`` key blocks, on ``dev``'s SMs
+    with the config's kernel resident once per SM (Gluon) or ``KV_SPLIT_RESIDENT_PORTABLE`` times."""
+    sms = num_sms(dev) if dev.type == "cuda" else 132
+    resident = 1 if config.kwargs.get("GLUON", 0) else KV_SPLIT_RESIDENT_PORTABLE
+    return context_kv_splits(n_items, sh.num_heads, longest, sms, _share_bytes(sh, total_q), resident)
+
+
 def _device_kv_splits(sh: _Shapes, dev: torch.device, config, n_slots: int, total_q: int, max_kv: int) -> int:
     """``context_kv_splits`` for a device-built table, from bounds alone: ``n_slots`` items, each of at most
     ``max_kv`` keys (``max_seqlen_kv``, else all the key rows). An item shorter than the bound leaves some of its
     shares empty (each a program's fixed cost)."""
-    bn = int(config.kwargs["BLOCK_N"])
-    align = max(1, 16 // sh.kv_dtype.itemsize) if sh.v_layout == "dim_major" else 1
-    sms = num_sms(dev) if dev.type == "cuda" else 132
-    resident = 1 if config.kwargs.get("GLUON", 0) else KV_SPLIT_RESIDENT_PORTABLE
-    per_split = total_q * sh.num_heads * (sh.head_dim_v + 1) * 4
-    blocks = -(-(max_kv + align - 1) // bn)
-    return context_kv_splits(n_slots, sh.num_heads, blocks, sms, per_split, resident)
+    blocks = -(-(max_kv + _kv_align(sh) - 1) // int(config.kwargs["BLOCK_N"]))
+    return _auto_kv_splits(sh, dev, config, n_slots, total_q, blocks)
 
 
 # Table slots one sorting program of ``_mla_work_items_kernel`` orders (heaviest first); larger tables (over 2M
