@@ -165,12 +165,12 @@ def merge_attention_states(
     check_no_overlap({"out": out, "out_lse": out_lse}, {"outputs": o, "lses": lse})
     if T * H == 0:
         return out, out_lse
-    fn, grid, args, consts, options = merge_launch_args(o, lse, out, out_lse)
+    fn, grid, args, consts, options = _merge_launch_args(o, lse, out, out_lse)
     launch_jit(fn, grid, args, consts, **options)
     return out, out_lse
 
 
-def merge_launch_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> tuple:
+def _merge_launch_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> tuple:
     """The merge's launch ``(kernel, grid, args, constexprs, options)`` for ``launch_jit`` on checked tensors
     (``o [S, T, H, D]`` with T * H > 0): callers that record launches for replay (``MLAContextPlan``'s key
     shares) take it without ``merge_attention_states``' per-call checks. Picks (and on a GPU, first tunes) the

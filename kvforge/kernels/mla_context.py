@@ -1709,9 +1709,9 @@ class MLAContextPlan:
             sub: list | None = [] if record is not None else None
             handle = self._launch_kernel(q, k, v, part_o, part_lse, softmax_scale, scale_val, scale_ptr, q_scale_val,
                                          q_scale_ptr, sub)  # fmt: skip
-            from kvforge.kernels.merge_states import merge_launch_args
+            from kvforge.kernels.merge_states import _merge_launch_args
 
-            merge = merge_launch_args(o_s, lse_s, out, lse if lse is not None else sink)
+            merge = _merge_launch_args(o_s, lse_s, out, lse if lse is not None else sink)
             launch_jit(*merge[:4], **merge[4])
             if record is not None and sub:  # both or neither: a replay of the share kernel alone skips the merge
                 record.extend((sub[0], merge))
