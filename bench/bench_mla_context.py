@@ -5,7 +5,8 @@ Workloads (d_qk 192, d_v 128, one KV head per query head): the fixed grid (unifo
 workloads drawn from the seed (heads {16, 32, 64, 128}, 1-12 requests, new rows 40-6k and prefixes 0-24k, never
 multiples of 16, so dim-major V strides are unaligned too). Paths: FP8 Q/K/V token-major, FP8 Q/K/V dim-major
 (16-byte-aligned V from ``v_to_dim_major``), FP8 dim-major with a packed (unaligned) V, bf16 Q + FP8 K/V
-token-major, bf16, and op-quantised (bf16 inputs quantised by the call, ``kv_scale_orig_quant``); call forms:
+token-major, bf16, op-quantised (bf16 inputs quantised by the call, ``kv_scale_orig_quant``), and FP8
+token-major transposed (``v_to_dim_major`` into a kept buffer, then the dim-major plan, both timed); call forms:
 ``planned`` (plan once, ``run`` timed), ``max`` (one call with ``max_seqlen_*``), ``nomax`` (one call without).
 The peer is FlashInfer 0.2.14 FA3 bf16 (ragged, planned once). Every output is checked against the fp32
 reference first (two heads; heads are independent); a path that fails is not reported.
@@ -112,6 +113,9 @@ PATHS: dict[str, tuple[str, str, str, str]] = {
     f"{kind} {form}": (*spec, form) for kind, spec in _KINDS.items() for form in ("planned", "max", "nomax")
 }
 PATHS["fp8 dim-major unaligned nomax"] = ("fp8", "fp8", "dim_major_packed", "nomax")
+# Token-major FP8 V transposed by ``v_to_dim_major`` into a kept buffer on every call, then the dim-major plan's run:
+# what a plan that transposes V itself would cost (the FP8 token-major kernel transposes every V tile per program).
+PATHS["fp8 token-major transposed planned"] = ("fp8", "fp8", "dim_major_from_token", "planned")
 PATHS["op-quantised nomax"] = ("opq", "bf16", "token_major", "nomax")
 PATHS["op-quantised max"] = ("opq", "bf16", "token_major", "max")
 PEER = "FlashInfer FA3 bf16"
@@ -275,6 +279,13 @@ def kvforge_provider(inp: Inputs, path: str, config=None):
     # What the row's note shows: the config, and the plan's key shares.
     label = SimpleNamespace(kwargs={**plan.config.kwargs, "KV_SPLITS": plan.kv_splits},
                             num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)  # fmt: skip
+    if PATHS[path][2] == "dim_major_from_token":  # v is token-major: the transpose is part of every timed call
+        buf = mc.v_to_dim_major(v)
+
+        def transposed():
+            return plan.run(q, k, mc.v_to_dim_major(v, out=buf), kv_scale_quant_orig=scale, out=out)
+
+        return transposed, label
     return (lambda: plan.run(q, k, v, kv_scale_quant_orig=scale, out=out)), label
 
 

@@ -97,6 +97,29 @@ def test_multiturn_reuse_on_and_off(model: HybridModel, reuse: bool, fp8: bool) 
     eng.manager.check_invariants()
 
 
+def test_fp8_context_v_layouts_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 context's V quantised straight into the dim-major layout (the default) and kept token-major give
+    the same greedy tokens on the planted model (both quantise V to the same e4m3 values; only the kernel's V
+    layout differs), and the token-major engine holds the reference bound too. A bad layout is refused."""
+    from kvforge.engine import runner
+
+    model = _model("planted")
+    outs = {}
+    real = runner.quantize_v_dim_major
+    for layout in ("dim_major", "token_major"):
+        calls: list[int] = []
+        monkeypatch.setattr(runner, "quantize_v_dim_major", lambda *a, calls=calls: calls.append(1) or real(*a))
+        eng = Engine(model, EngineConfig(context_v_layout=layout), draft_len=1, record_logits=True)
+        prompts = _conversations(eng, 5, turns=2, n_conv=2, new_tokens=4)
+        assert check_against_reference(model, eng, prompts) == 0
+        assert bool(calls) == (layout == "dim_major"), (layout, len(calls))
+        outs[layout] = {rid: eng.outputs[rid] for rid in prompts}
+    assert outs["dim_major"] == outs["token_major"]
+    for bad in ("dim-major", "", None, 1):
+        with pytest.raises(ValueError, match="context_v_layout"):
+            EngineConfig(context_v_layout=bad)  # type: ignore[arg-type]
+
+
 def test_reuse_cut_back_to_a_snapshot(model: HybridModel) -> None:
     """Prompts that share 60 and 70 tokens of an 80-token first one (snapshots every 32 tokens and at 80): the
     attention blocks are cached up to 48 and 64 tokens, the recurrent state only at 32 and 64, so the first

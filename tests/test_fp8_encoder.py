@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, fp32_to_e4m3_bits
+from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3, fp32_to_e4m3_bits, fp32_to_e4m3_byte, native_e4m3_store
 
 
 @triton.jit
@@ -28,6 +28,14 @@ def _native_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0)
     tl.store(y_ptr + offs, fp32_to_e4m3(x, True), mask=m)
+
+
+@triton.jit
+def _byte_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, NATIVE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, fp32_to_e4m3_byte(x, NATIVE), mask=m)
 
 
 def _encode(x: torch.Tensor) -> torch.Tensor:
@@ -99,3 +107,36 @@ def test_encoder_matches_hardware_conversion(device, gen):
     native = torch.empty(x.numel(), dtype=torch.float8_e4m3fn, device=device)
     _native_kernel[(triton.cdiv(x.numel(), 4096),)](x, native, x.numel(), BLOCK=4096)
     assert torch.equal(_encode(x), native.view(torch.uint8))
+
+
+def _bytes_of(x: torch.Tensor, native: bool) -> torch.Tensor:
+    y = torch.full((x.numel(),), 0xAB, dtype=torch.uint8, device=x.device)
+    _byte_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, NATIVE=native)
+    return y
+
+
+def _unclamped_inputs(device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """Every bf16 value (NaN and inf of both signs included, not clamped), random fp32 bit patterns (subnormals,
+    NaN payloads, huge values), and the rounding edges."""
+    raw = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([_all_bf16_values(device), raw.view(torch.float32).to(device), torch.tensor(EDGE, device=device)])
+    return torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan")], device=device)])
+
+
+def test_byte_form_without_native_is_the_encoder(device, gen):
+    """``fp32_to_e4m3_byte``'s integer form stores the encoder's bytes, NaN and inf included; the store gate
+    never takes the native form off a CUDA device."""
+    x = _unclamped_inputs(device, gen)[: 1 << 16]
+    assert torch.equal(_bytes_of(x, False), _encode(x))
+    assert not native_e4m3_store(torch.device("cpu"))
+    assert not native_e4m3_store(torch.device("meta"))
+
+
+@pytest.mark.gpu
+def test_native_byte_form_matches_the_encoder(device, gen):
+    """The hardware form (``quantize_fp8``'s on sm_89+) gives the integer encoder's byte for every input,
+    unclamped: saturation, inf, NaN with its sign, subnormals, random bit patterns."""
+    if not native_e4m3_store(device):
+        pytest.skip("no e4m3 conversion on this GPU")
+    x = _unclamped_inputs(device, gen)
+    assert torch.equal(_bytes_of(x, True), _encode(x))

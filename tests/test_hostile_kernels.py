@@ -725,8 +725,45 @@ CASES = [
     Case("store_latent", "alias", "rows inside the cache",
          lambda: (lambda c: _store(kv_cache=c, rows=c.view(-1, 48)[:3]))(torch.zeros(4, 4, 48)), ValueError,
          "overlaps"),
+    # ---- V layout helpers of context attention (v_to_dim_major, quantize_v_dim_major)
+    Case("v_layout", "type", "v a list", lambda: _vdim(v=[[[0.0]]]), TypeError, "v"),
+    Case("v_layout", "type", "align_bytes a float", lambda: _vdim(align_bytes=16.0), TypeError, "align_bytes"),
+    Case("v_layout", "dtype", "out of another dtype", lambda: _vdim(out=torch.zeros(2, 8, 5, dtype=torch.float64)),
+         TypeError, "out"),
+    Case("v_layout", "shape", "v of 2 dims", lambda: _vdim(v=torch.randn(5, 8)), ValueError, "v"),
+    Case("v_layout", "shape", "out of another shape", lambda: _vdim(out=torch.zeros(2, 8, 6)), ValueError, "out"),
+    Case("v_layout", "value", "align_bytes 0", lambda: _vdim(align_bytes=0), ValueError, "align_bytes"),
+    Case("v_layout", "value", "align_bytes not a multiple of the element size", lambda: _vdim(align_bytes=6),
+         ValueError, "align_bytes"),
+    Case("v_layout", "device", "meta v", lambda: _vdim(v=torch.randn(5, 2, 8, device=META)), ValueError, "meta"),
+    Case("v_layout", "alias", "out over v",
+         lambda: (lambda v: _vdim(v=v, out=v.permute(1, 2, 0)))(torch.randn(5, 2, 8)), ValueError, "out"),
+    Case("v_layout", "alias", "out with overlapping tokens",
+         lambda: _vdim(out=torch.zeros(2, 8, 1).expand(2, 8, 5)), ValueError, "out"),
+    Case("quantize_v", "type", "v a list", lambda: _qvdim(v=[[[0.0]]]), TypeError, "v"),
+    Case("quantize_v", "dtype", "v int32", lambda: _qvdim(v=torch.zeros(5, 2, 8, dtype=torch.int32)), TypeError, "v"),
+    Case("quantize_v", "shape", "v of 4 dims", lambda: _qvdim(v=torch.randn(5, 2, 8, 1)), ValueError, "v"),
+    Case("quantize_v", "value", "NaN scale", lambda: _qvdim(kv_scale_orig_quant=float("nan")), ValueError,
+         "kv_scale_orig_quant"),
+    Case("quantize_v", "device", "meta v", lambda: _qvdim(v=torch.randn(5, 2, 8, device=META)), ValueError, "v"),
 ]
 # fmt: on
+
+
+def _vdim(**over):
+    from kvforge.kernels.mla_context import v_to_dim_major
+
+    a = dict(v=torch.randn(5, 2, 8), align_bytes=16)
+    a.update(over)
+    return v_to_dim_major(a.pop("v"), **a)
+
+
+def _qvdim(**over):
+    from kvforge.kernels.mla_context import quantize_v_dim_major
+
+    a = dict(v=torch.randn(5, 2, 8).bfloat16(), kv_scale_orig_quant=2.0)
+    a.update(over)
+    return quantize_v_dim_major(a.pop("v"), a.pop("kv_scale_orig_quant"))
 
 
 def _store(**over):

@@ -365,6 +365,78 @@ def test_copy_dim_major_rows_refuses_bad_input(device):
     assert (dst == -1.0).all()
 
 
+@pytest.mark.parametrize(("t", "h", "d"), [(1, 1, 1), (37, 3, 128), (130, 2, 96), (5, 4, 8), (9, 1, 576)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8, torch.float32], ids=["bf16", "e4m3", "fp32"])
+def test_v_to_dim_major_transposes_in_one_launch(gen, device, dtype, t, h, d, monkeypatch):
+    """A token-major V (here a slice of a wider projection, so its token and head strides are not its shape's)
+    is transposed by the tiled kernel, not torch's ``copy_``: bit-exact (NaN bytes included), tokens contiguous,
+    the token stride padded to 16 bytes, and the padding columns never written."""
+    wide = torch.randint(0, 256, (t, h, 2 * d * dtype.itemsize), generator=gen, dtype=torch.uint8).to(device)
+    v = wide.view(dtype)[:, :, d:]
+    if dtype == torch.float32:
+        v[0, 0, 0] = float("nan")
+    launches = []
+    real = mc._transpose_launch
+    monkeypatch.setattr(mc, "_transpose_launch", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(mc, "_dim_major_empty", lambda *a, **k: _poisoned_dim_major(*a, **k))
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.Tensor, "copy_", lambda *a, **k: pytest.fail("copy_ called"))
+        out = v_to_dim_major(v)
+    assert launches == [1]
+    assert out.shape == (h, d, t) and out.stride(2) == 1 and (out.stride(1) * out.element_size()) % 16 == 0
+    assert torch.equal(_bytes(out), _bytes(v.permute(1, 2, 0)))
+    pad = out.as_strided((h, d, out.stride(1)), out.stride())[:, :, t:]
+    assert (_bytes(pad) == 0xA5).all()
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elements in row-major order as bytes (a dense copy: any strides, size-1 dims included)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x).view(torch.uint8)
+
+
+def _poisoned_dim_major(h, d, t, dtype, device, align_bytes=16):
+    """``_dim_major_empty`` with every byte (the padding too) set to 0xA5, so unwritten places show."""
+    cap = mc._padded_tokens(t, dtype.itemsize, align_bytes)
+    full = torch.full((h, d, cap * dtype.itemsize), 0xA5, dtype=torch.uint8, device=device)
+    return full.view(dtype)[:, :, :t]
+
+
+def test_v_to_dim_major_other_layouts_and_bad_input(gen, device):
+    """A dim-major V (``permute`` of one) is re-aligned, a V with a strided last dim is copied by torch, a given
+    ``out`` (a window of a larger buffer) is written and nothing around it; all bit-exact. Bad input is refused
+    naming the argument, with ``out`` untouched: not a tensor, a meta tensor, wrong rank, an ``align_bytes`` that
+    is not an int, out of range or not a multiple of the element size, an ``out`` of another type, dtype or
+    shape, with its tokens strided, or overlapping ``v``."""
+    dim_major = torch.randn(2, 16, 41, generator=gen).to(device).to(torch.bfloat16)
+    out = v_to_dim_major(dim_major.permute(2, 0, 1))
+    assert torch.equal(out, dim_major)
+    strided = torch.randn(7, 2, 32, generator=gen).to(device)[:, :, ::2]
+    assert torch.equal(v_to_dim_major(strided, align_bytes=64), strided.permute(1, 2, 0))
+    v = torch.randn(5, 2, 8, device=device)
+    buf = torch.full((2, 8, 24), -1.0, device=device)
+    assert v_to_dim_major(v, out=buf[:, :, 3:8]) is not None  # into a window of a larger buffer
+    assert torch.equal(buf[:, :, 3:8], v.permute(1, 2, 0))
+    assert (buf[:, :, :3] == -1).all() and (buf[:, :, 8:] == -1).all()
+    buf.fill_(-1.0)
+    cases = [
+        (TypeError, "v", lambda: v_to_dim_major(v.tolist())),
+        (TypeError, "out", lambda: v_to_dim_major(v, out=buf.tolist())),
+        (TypeError, "out", lambda: v_to_dim_major(v, out=buf[:, :, :5].double())),
+        (ValueError, "out: expected shape", lambda: v_to_dim_major(v, out=buf[:, :, :6])),
+        (ValueError, "out: expected the token dimension contiguous", lambda: v_to_dim_major(v, out=buf[:, :, :10:2])),
+        (ValueError, "out", lambda: v_to_dim_major(v, out=v.permute(1, 2, 0))),
+        (ValueError, "v: expected a tensor with storage", lambda: v_to_dim_major(v.to("meta"))),
+        (ValueError, "v: expected 3 dimensions", lambda: v_to_dim_major(v[0])),
+        (TypeError, "align_bytes", lambda: v_to_dim_major(v, align_bytes=16.0)),
+        (ValueError, "align_bytes", lambda: v_to_dim_major(v, align_bytes=0)),
+        (ValueError, "align_bytes: expected a multiple", lambda: v_to_dim_major(v, align_bytes=6)),
+    ]
+    for err, match, call in cases:
+        with pytest.raises(err, match=match):
+            call()
+    assert (buf == -1).all()
+
+
 def test_repack_repeat_replays_the_recorded_copy(gen, device, monkeypatch):
     """A repeat repack of the same V (metadata, rows, stream) replays its recorded copy into the kept buffer
     without the checked copy path, and still copies V's current values; evicting a buffer drops the replays."""

@@ -92,7 +92,7 @@ def test_uncollapsible_layout_is_still_exact(device, gen):
     _assert_bits(quantize_fp8(x, 2.0), quantize_fp8_ref(x, 2.0))
 
 
-@pytest.mark.parametrize("shape", [(13, 3, 40), (29, 17), (5,)])
+@pytest.mark.parametrize("shape", [(13, 3, 40), (29, 17), (5,), (32, 2, 16), (33, 24)])  # full and partial token tiles
 def test_token_major_output(shape, device, gen):
     x = _rand(shape, torch.bfloat16, gen, device)
     want = quantize_fp8_ref(x, 1.5, transpose_tokens=True)

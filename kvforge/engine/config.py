@@ -23,6 +23,7 @@ __all__ = ["LATENT_CACHE_DTYPES", "EngineConfig", "ModelConfig", "real", "tiny"]
 
 # "auto": the model dtype (bf16 on a GPU, fp32 on the CPU); "fp8_e4m3": float8_e4m3fn at a per-tensor scale.
 LATENT_CACHE_DTYPES = ("auto", "fp8_e4m3")
+CONTEXT_V_LAYOUTS = ("dim_major", "token_major")
 
 
 def _pos(name: str, v: object, lo: int = 1) -> None:
@@ -199,6 +200,9 @@ class EngineConfig:
     ``context_fp8``: the context (prefill/extend) attention reads Q/K/V quantised to FP8 e4m3 at the model's
     ``kv_scale_orig_quant``; False passes them in 16 bits (bf16 on a GPU, fp16 in the CPU interpreter), the
     mode whose only rounding is the model dtype's (decode reads the latent cache in ``latent_cache_dtype``).
+    ``context_v_layout`` (FP8 context only): ``"dim_major"`` quantises V straight into ``[H, d_v, T]``
+    (``quantize_v_dim_major``: transposed on chip in the same pass), the layout the FP8 context kernel reads
+    without transposing V itself; ``"token_major"`` keeps ``[T, H, d_v]`` (the kernel transposes each V tile).
     ``cuda_graphs``: generation-only steps replay a CUDA graph per batch bucket (:mod:`kvforge.engine.graphs`);
     None turns them on exactly when the model is on CUDA, True on a CPU model is refused by the engine.
     ``latent_cache_dtype``: ``"auto"`` keeps the MLA latent caches (target and drafter) in the model dtype;
@@ -223,6 +227,7 @@ class EngineConfig:
     device: str | None = None
     prefix_wait: bool = True
     context_fp8: bool = True
+    context_v_layout: str = "dim_major"
     cuda_graphs: bool | None = None
     latent_cache_dtype: str = "auto"
     latent_scale: float | None = None
@@ -246,6 +251,8 @@ class EngineConfig:
         for name in ("reuse", "context_fp8", "prefix_wait", "profile_phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.context_v_layout, str) or self.context_v_layout not in CONTEXT_V_LAYOUTS:
+            raise ValueError(f"context_v_layout: expected one of {CONTEXT_V_LAYOUTS}, got {self.context_v_layout!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs: expected a bool or None, got {type(self.cuda_graphs).__name__}")
         if self.device is not None and not isinstance(self.device, str):

@@ -201,6 +201,7 @@ class Engine:
             self.cache,
             record_logits=record_logits,
             context_fp8=config.context_fp8,
+            context_v_layout=config.context_v_layout,
             max_rows=config.max_num_requests,
             verify_width=t,
         )

@@ -8,7 +8,8 @@ Its tokens are laid out flat in that order. Per layer:
   quantised to e4m3 when ``EngineConfig.latent_cache_dtype="fp8_e4m3"``, then dequantised by every reader,
   :meth:`EngineCache.read_latent` and the decode kernel's ``kv_scale_quant_orig``). Context rows then gather their
   whole prefix ``[0, start + n)`` from the pages (through the block table from ``DevicePageTable``),
-  up-project it to K/V, quantise Q, K and V to FP8 at one per-tensor scale (``quantize_fp8``; or pass them in
+  up-project it to K/V, quantise Q, K and V to FP8 at one per-tensor scale (``quantize_fp8``; V into the
+  dim-major layout, ``EngineConfig.context_v_layout``; or pass them in
   16 bits with ``EngineConfig.context_fp8=False``) and run ``mla_context_attention`` over all context rows at
   once. Generation rows (one token, or 1 + draft tokens when verifying) run absorbed-MLA decode
   (:func:`kvforge.engine.ops.decode_attention`), one query row per token with ``seq_len = start + t + 1``.
@@ -47,7 +48,7 @@ from kvforge.kernels.decode_step import (
     decode_inputs_ref,
 )
 from kvforge.kernels.greedy_accept import greedy_accept
-from kvforge.kernels.mla_context import MLAContextPlan
+from kvforge.kernels.mla_context import MLAContextPlan, quantize_v_dim_major
 from kvforge.kernels.quantize_fp8 import quantize_fp8
 from kvforge.kernels.slot_ops import SlotStores
 from kvforge.kernels.state_select import select_accepted_states
@@ -180,6 +181,7 @@ class Runner:
         *,
         record_logits: bool = False,
         context_fp8: bool = True,
+        context_v_layout: str = "dim_major",
         max_rows: int = 1,
         verify_width: int = 1,
     ) -> None:
@@ -187,6 +189,7 @@ class Runner:
         self.cache = cache
         self.record_logits = record_logits
         self.context_fp8 = context_fp8
+        self.context_v_layout = context_v_layout
         # Diagnostics (kvforge.engine.numerics): called after every layer as probe(layer, layout, h, mixer, x).
         self.probe: Callable[[int, _Layout, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         mc = model.config
@@ -247,23 +250,28 @@ class Runner:
         if lay.ctx_kv_rows is not None:
             k, v = model.mla_up(m, cache.read_latent(pool, lay.ctx_kv_rows, model.dtype))
             q_ctx = q[g:]
+            layout = "token_major"
             if self.context_fp8:
-                # Q too, at the K/V scale, and V token-major: both dtype/layout keys (FP8 and 16-bit) have committed
-                # H200 launch configs, so a first prefill does not stop to tune the context kernel.
+                # Q too, at the K/V scale. V dim-major by default (transposed in the quantising pass), else
+                # token-major; every FP8 and 16-bit layout key has committed H200 launch configs, so a first
+                # prefill does not stop to tune the context kernel.
                 s = self.kv_scale_orig_quant
-                q_in, k_in, v_in = (quantize_fp8(x, s) for x in (q_ctx, k, v))
+                q_in, k_in = (quantize_fp8(x, s) for x in (q_ctx, k))
+                layout = self.context_v_layout
+                v_in = quantize_v_dim_major(v, s) if layout == "dim_major" else quantize_fp8(v, s)
                 scale = 1.0 / s
             else:
                 q_in, k_in, v_in = (x.to(self.q_dtype).contiguous() for x in (q_ctx, k, v))
                 scale = 1.0
-            # One plan per step, dtypes and head shapes (every layer has the same lengths): one work-table upload.
-            key = (q_in.dtype, k_in.dtype, *q_in.shape[1:], k_in.shape[1], v_in.shape[2])
+            d_v = v_in.shape[1] if layout == "dim_major" else v_in.shape[2]
+            # One plan per step, dtypes, layout and head shapes (every layer has the same lengths): one upload.
+            key = (q_in.dtype, k_in.dtype, layout, *q_in.shape[1:], k_in.shape[1], d_v)
             plan = lay.context_plans.get(key)
             if plan is None:
                 plan = MLAContextPlan.plan(
                     lay.cu_q, lay.cu_kv, num_heads=q_in.shape[1], num_kv_heads=k_in.shape[1],
-                    head_dim_qk=q_in.shape[2], head_dim_v=v_in.shape[2], q_dtype=q_in.dtype, kv_dtype=k_in.dtype,
-                    device=q_in.device,
+                    head_dim_qk=q_in.shape[2], head_dim_v=d_v, q_dtype=q_in.dtype, kv_dtype=k_in.dtype,
+                    v_layout=layout, device=q_in.device,
                 )  # fmt: skip
                 lay.context_plans[key] = plan
             o = plan.run(q_in, k_in, v_in, kv_scale_quant_orig=scale, softmax_scale=model.softmax_scale)

@@ -3,9 +3,10 @@
 Why our own encoder: the Triton interpreter's fp32 -> float8e4nv cast is wrong for ~5% of values (ties round
 away from even, the mantissa carry into the exponent is lost, no saturation), so a CPU test of a kernel that
 used the cast would test the interpreter, not the kernel. ``fp32_to_e4m3_bits`` uses int32 arithmetic only,
-is exact in the interpreter and matches the GPU's ``cvt.rn.satfinite`` conversion, so it is the one path a
-kernel uses to *store* FP8. Kernels that convert inside a hot loop (attention's P) may take the native cast
-on a GPU via ``native_fp8_cast()``.
+is exact in the interpreter and matches the GPU's ``cvt.rn.satfinite`` conversion, so it is the path every
+kernel that stores FP8 takes in the interpreter; on a GPU with e4m3 conversions (sm_89+) the stores take the
+hardware conversion with the same bytes (``fp32_to_e4m3_byte``, ``native_e4m3_store``). Kernels that convert
+inside a hot loop (attention's P) may take the native cast on a GPU via ``native_fp8_cast()``.
 
 Encoding: clamp |x| to 448 (saturate; inf -> ±448), round to nearest even, NaN -> 0x7F with its sign.
 """
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels._runtime import interpreting
+from kvforge.kernels._runtime import device_capability, interpreting
 
 E4M3_MAX = 448.0
 
@@ -46,6 +47,22 @@ def fp32_to_e4m3_bits(x):
 
 
 @triton.jit
+def fp32_to_e4m3_byte(x, NATIVE: tl.constexpr):
+    """fp32 tensor -> uint8 tensor of e4m3fn bytes, ``fp32_to_e4m3_bits``' bytes either way. NATIVE (a GPU with
+    e4m3 conversions, ``native_e4m3_store``): the hardware's round-to-nearest-even conversion of the value clamped
+    to ±448 (two values per instruction, where the integer encoder spends ~30 integer instructions on each, so a
+    store-bound kernel using it runs at the integer pipes' rate), NaN set apart first (the clamp would turn it
+    into 448) and given the encoder's byte, 0x7F with its sign."""
+    if NATIVE:
+        y = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        nan = ((x.to(tl.int32, bitcast=True) >> 24) | 0x7F).to(tl.uint8)
+        res = tl.where(x != x, nan, y)
+    else:
+        res = fp32_to_e4m3_bits(x).to(tl.uint8)
+    return res
+
+
+@triton.jit
 def fp32_to_e4m3(x, NATIVE: tl.constexpr):
     """fp32 -> float8e4nv values (for tl.dot operands). NATIVE uses the hardware cast (GPU only)."""
     if NATIVE:
@@ -58,6 +75,15 @@ def fp32_to_e4m3(x, NATIVE: tl.constexpr):
 def native_fp8_cast() -> bool:
     """Whether kernels may use the hardware fp32 -> e4m3 conversion (never in the interpreter)."""
     return not interpreting()
+
+
+def native_e4m3_store(device: torch.device) -> bool:
+    """Whether a kernel storing e4m3 on ``device`` takes ``fp32_to_e4m3_byte``'s NATIVE form: a CUDA device of
+    compute capability 8.9 or later (Triton has no e4m3 conversion before), never the interpreter."""
+    if interpreting() or device.type != "cuda":
+        return False
+    cap = device_capability(device)
+    return cap is not None and cap >= (8, 9)
 
 
 def e4m3_ref(x: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,7 @@ __all__ = [
     "mla_context_attention_ref",
     "mla_context_paths",
     "quantize_kv_e4m3",
+    "quantize_v_dim_major",
     "selfcheck",
     "v_to_dim_major",
 ]
@@ -1135,6 +1136,52 @@ def _copy_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int],
     return grid, (src, dst, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, src.data_ptr() % 4, t_h, t_d)
 
 
+@triton.jit(do_not_specialize=["n_tok"])
+def _tokens_to_dims_kernel(src, dst, n_tok, n_dblk, s_t, s_h, t_h, t_d, D: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """``dst[h, dd, t] = src[t, h, dd]`` (element strides: ``s_*`` of src's token and head dims, its last dim
+    contiguous; ``t_*`` of dst's head and dim rows, its tokens contiguous). One program: head ``h``, ``BLOCK_D``
+    of its dims and ``BLOCK_T`` tokens, loaded along the dims (contiguous in src), transposed on chip and stored
+    along the tokens (contiguous in dst), so both sides move whole rows rather than one element per row."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = (tl.program_id(1) // n_dblk).to(tl.int64)
+    dd = (tl.program_id(1) % n_dblk) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mt = t < n_tok
+    md = dd < D
+    x = tl.load(src + h * s_h + t[:, None] * s_t + dd[None, :], mask=mt[:, None] & md[None, :])
+    y = tl.trans(x)
+    out = dst + h * t_h + (dd * t_d)[:, None] + t[None, :]
+    # A mask that varies along the tokens (n_tok is a per-call int of unknown alignment) makes every store a
+    # single element: full tiles store without it (16-byte vectors), only the last one masks each token.
+    if (tl.program_id(0) + 1) * BLOCK_T <= n_tok:
+        tl.store(out, y, mask=md[:, None])
+    else:
+        tl.store(out, y, mask=md[:, None] & mt[None, :])
+
+
+# Tokens x dims per program of the transpose (not yet timed against other tiles on the H200:
+# bench/probe_repack_copy.py --transpose sweeps them).
+_TRANSPOSE_T, _TRANSPOSE_D, _TRANSPOSE_WARPS = 128, 64, 4
+
+
+def _transpose_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int], tuple, dict] | None:
+    """(grid, arguments, constants) of ``_tokens_to_dims_kernel`` for a token-major ``src`` ``[T, H, d]`` (last
+    dim contiguous) into a dim-major ``dst`` ``[H, d, T]`` (tokens contiguous), or None where ``copy_`` does it
+    (nothing to copy, the CPU without the interpreter, more head x dim blocks than one grid axis holds)."""
+    t, h, d = src.shape
+    if t * h * d == 0 or (src.device.type != "cuda" and not interpreting()):
+        return None
+    bd = min(_TRANSPOSE_D, triton.next_power_of_2(d))
+    n_dblk = triton.cdiv(d, bd)
+    if h * n_dblk > 65535:
+        return None
+    if src.element_size() == 1:  # an e4m3 pointer does not compile before sm_89; the kernel only moves bytes
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+    grid = (triton.cdiv(t, _TRANSPOSE_T), h * n_dblk)
+    args = (src, dst, t, n_dblk, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
+    return grid, args, {"D": d, "BLOCK_T": _TRANSPOSE_T, "BLOCK_D": bd}
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and _rt._stream_capturing()
 
@@ -2111,15 +2158,26 @@ def _op_quantise(
         deq = 1.0 / s
     q8 = quantize_fp8(q, s)
     k8 = quantize_fp8(k, s)
-    v_tok = v.permute(2, 0, 1) if v_layout == "dim_major" else v  # [T, H_kv, d_v] view either way
-    t, h, d = v_tok.shape
-    per = 16  # FP8: a 16-byte token stride for tensor descriptors
-    buf = torch.empty((h, d, -(-t // per) * per), dtype=FP8, device=v.device)
-    if v_layout == "dim_major":  # tokens contiguous already: quantise row by row in place of the layout
-        quantize_fp8(v, s, out=buf[:, :, :t])
+    if v_layout == "dim_major":  # tokens contiguous already: quantise row by row into an aligned buffer
+        h, d, t = v.shape
+        v8 = quantize_fp8(v, s, out=_dim_major_empty(h, d, t, FP8, v.device))
     else:
-        quantize_fp8(v_tok, s, out=buf[:, :, :t], transpose_tokens=True)
-    return q8, k8, buf[:, :, :t], deq
+        v8 = quantize_v_dim_major(v, s)
+    return q8, k8, v8, deq
+
+
+def quantize_v_dim_major(v: torch.Tensor, kv_scale_orig_quant: float | torch.Tensor) -> torch.Tensor:
+    """A token-major 16-bit/fp32 V ``[T, H_kv, d_v]`` (last dim contiguous, other strides free) quantised to
+    ``e4m3(v * kv_scale_orig_quant)`` straight into the dim-major layout ``[H_kv, d_v, T]`` with a 16-byte-aligned
+    token stride (``quantize_fp8(..., transpose_tokens=True)``: tiles transposed on chip, one pass over V). The FP8
+    context kernels read this layout without transposing V themselves (``v_layout="dim_major"``). The scale may be
+    a 1-element fp32 device tensor (read on the device). Bad input raises before any launch."""
+    from kvforge.kernels.quantize_fp8 import quantize_fp8
+
+    check_tensor("v", v, dtype=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    check_launch_device("v", v)
+    t, h, d = v.shape
+    return quantize_fp8(v, kv_scale_orig_quant, out=_dim_major_empty(h, d, t, FP8, v.device), transpose_tokens=True)
 
 
 def mla_context_attention(
@@ -2304,15 +2362,40 @@ _LAUNCH = MLAContextPlan._launch  # the unpatched launch: only its launches are 
 # ----------------------------------------------------------------------------------------------------- reference
 
 
-def v_to_dim_major(v: torch.Tensor, align_bytes: int = 16) -> torch.Tensor:
+def v_to_dim_major(v: torch.Tensor, align_bytes: int = 16, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[T, H_kv, d_v]`` -> ``[H_kv, d_v, T]`` (``v_layout="dim_major"``), tokens contiguous, each row's stride
-    padded to ``align_bytes`` so the kernel can read it with tensor descriptors (TMA) at any T."""
+    padded to ``align_bytes`` so the kernel can read it with tensor descriptors (TMA) at any T.
+
+    ``out``: a dim-major buffer to write instead (``[H_kv, d_v, T]``, tokens contiguous, V's dtype and device, not
+    overlapping ``v``; its strides are the caller's, ``align_bytes`` is not used), so repeat calls keep one
+    address (a plan's run then replays, a CUDA graph can capture the copy). On a GPU (and the interpreter) a V
+    whose last dim is contiguous is transposed by one tiled launch (``_tokens_to_dims_kernel``), a V already
+    dim-major (``v.permute(1, 2, 0)`` of one) is re-aligned by the word copy (``copy_dim_major_rows``); anything
+    else, and the CPU, takes torch's ``copy_``. Bad input raises TypeError/ValueError before anything is written."""
+    check_tensor("v", v, ndim=3)
+    if v.device.type == "meta":
+        raise ValueError("v: expected a tensor with storage, got a meta tensor")
+    check_int("align_bytes", align_bytes, 1, 1 << 12)
+    if align_bytes % v.element_size():
+        raise ValueError(f"align_bytes: expected a multiple of v's element size ({v.element_size()}), "
+                         f"got {align_bytes}")  # fmt: skip
     t, h, d = v.shape
-    out = _dim_major_empty(h, d, t, v.dtype, v.device, align_bytes)
+    if out is None:
+        out = _dim_major_empty(h, d, t, v.dtype, v.device, align_bytes)
+    else:
+        check_tensor("out", out, dtype=v.dtype, ndim=3)
+        if tuple(out.shape) != (h, d, t) or not same_device(out.device, v.device):
+            raise ValueError(f"out: expected shape {[h, d, t]} on {v.device}, got {list(out.shape)} on {out.device}")
+        if out.stride(2) != 1 and t > 1:
+            raise ValueError(f"out: expected the token dimension contiguous (stride 1), got strides {out.stride()}")
+        check_no_overlap({"out": out}, {"v": v})
     src = v.permute(1, 2, 0)
-    if src.stride(2) == 1:  # already dim-major (a re-alignment): the word-copy kernel
+    if src.stride(2) == 1 and t > 1:  # already dim-major (a re-alignment): the word-copy kernel
         return copy_dim_major_rows(out, src)
-    out.copy_(src)
+    launch = _transpose_launch(out, v) if v.stride(2) == 1 or d == 1 else None
+    if launch is None:
+        return out.copy_(src)
+    launch_jit(_tokens_to_dims_kernel, launch[0], launch[1], launch[2], num_warps=_TRANSPOSE_WARPS)
     return out
 
 

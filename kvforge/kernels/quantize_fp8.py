@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
-from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3_bits
+from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3_byte, native_e4m3_store
 from kvforge.kernels._runtime import ConfigTable, TunedKernel, kernel_device
 from kvforge.kernels._selfcheck import CheckRow, timed_check
 
@@ -54,24 +54,39 @@ def _quantize_fp8_kernel(
     SCALE_IS_PTR: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NATIVE: tl.constexpr = False,
 ):
     # Axis 0 walks the inner row axis (the one with the smaller output stride), so a tile's rows are
     # contiguous in the output when the output is token-major; axis 1 is the outer row axis, folded because
     # grid axes 1/2 stop at 65,535; axis 2 splits a wide last dimension.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(2).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = (rows < n_inner)[:, None] & (cols < d)[None, :]
+    cmask = (cols < d)[None, :]
     if SCALE_IS_PTR:
         scale = tl.load(scale_ptr).to(tl.float32)
     else:
         scale = scale_val
+    # A transposed output is contiguous along the rows, where a row mask varies at an unknown point (n_inner is a
+    # per-call int), so a store under it goes one byte at a time. Full row tiles take a loop of their own under
+    # the column mask alone (16-byte stores); only the last tile masks each row.
+    if (tl.program_id(0) + 1) * BLOCK_R <= n_inner:
+        _quantize_tiles(x_ptr, out_ptr, scale, rows, cols, cmask, n_outer, sx_outer, sx_inner, so_outer, so_inner,
+                        so_d, NATIVE)  # fmt: skip
+    else:
+        _quantize_tiles(x_ptr, out_ptr, scale, rows, cols, (rows < n_inner)[:, None] & cmask, n_outer, sx_outer,
+                        sx_inner, so_outer, so_inner, so_d, NATIVE)  # fmt: skip
+
+
+@triton.jit
+def _quantize_tiles(x_ptr, out_ptr, scale, rows, cols, mask, n_outer, sx_outer, sx_inner, so_outer, so_inner, so_d,
+                    NATIVE: tl.constexpr):  # fmt: skip
+    """This program's tile at every outer row it owns: load, scale, encode, store under ``mask``."""
     for outer in range(tl.program_id(1), n_outer, tl.num_programs(1)):
         o = tl.cast(outer, tl.int64)
         src = x_ptr + o * sx_outer + rows[:, None] * sx_inner + cols[None, :]
         x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        bits = fp32_to_e4m3_bits(x * scale)
         dst = out_ptr + o * so_outer + rows[:, None] * so_inner + cols[None, :] * so_d
-        tl.store(dst, bits.to(tl.uint8), mask=mask)
+        tl.store(dst, fp32_to_e4m3_byte(x * scale, NATIVE), mask=mask)
 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
@@ -196,6 +211,7 @@ def quantize_fp8(
         spec,
         (x, o8, scale_arg, scale_v, n_inner, n_outer, *ints),
         SCALE_IS_PTR=scale_t is not None,
+        NATIVE=native_e4m3_store(x.device),
     )
     return out
 
