@@ -28,7 +28,9 @@ _NORM_EPS = 1e-12  # F.normalize's default
 _SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x itself above this
 
 
-@triton.jit(do_not_specialize=["sp"])
+# Row strides and sizes are specialised (fixed per model): a multiple of 16 is what lets the loads and
+# stores be 16-byte vectors; per-call strides would make every access a single element.
+@triton.jit
 def _kda_prepare_kernel(
     p_ptr, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, sp, gate_bias,
     H: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,

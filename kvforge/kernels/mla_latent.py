@@ -26,7 +26,9 @@ _INTS = (torch.int32, torch.int64)
 MAX_R = 4096
 
 
-@triton.jit(do_not_specialize=["sk"])
+# Row strides and sizes are specialised (fixed per model): a multiple of 16 is what lets the loads and
+# stores be 16-byte vectors; per-call strides would make every access a single element.
+@triton.jit
 def _mla_latent_kernel(
     kv_ptr, w_ptr, pos_ptr, cs_ptr, pool_ptr, rows_ptr, sk, eps,
     R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,

@@ -24,7 +24,9 @@ _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 MAX_D = 16384
 
 
-@triton.jit(do_not_specialize=["n_rows", "sx", "sr", "so", "ss"])
+# Row strides and sizes are specialised (fixed per model): a multiple of 16 is what lets the loads and
+# stores be 16-byte vectors; per-call strides would make every access a single element.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, n_rows, D, sx, sr, so, ss, eps,
     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -23,7 +23,9 @@ __all__ = ["rotary", "rotary_ref", "rotary_table"]
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@triton.jit(do_not_specialize=["sx_t", "sx_h", "so_t", "so_h"])
+# Row strides and sizes are specialised (fixed per model): a multiple of 16 is what lets the loads and
+# stores be 16-byte vectors; per-call strides would make every access a single element.
+@triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cs_ptr, out_ptr, sx_t, sx_h, so_t, so_h, HALF: tl.constexpr,
                    BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
