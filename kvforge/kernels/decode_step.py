@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_int, check_no_overlap, check_operand, same_device
 from kvforge.kernels.slot_ops import SlotStores
 
@@ -118,7 +119,7 @@ def decode_inputs(
     if n:
         _decode_inputs_kernel[(n,)](
             slots, starts, table, next_new_tokens, *out, table.stride(0), next_new_tokens.stride(0), mb,
-            T=t, TPB=tpb, BLOCK_MB=min(1024, triton.next_power_of_2(max(mb, 1))), num_warps=1,
+            T=t, TPB=tpb, BLOCK_MB=min(1024, _rt.next_pow2(max(mb, 1))), num_warps=1,
         )  # fmt: skip
     return out
 
@@ -178,7 +179,7 @@ def decode_finish(
         _decode_finish_kernel[(b,)](
             best, accepted, drafts if drafts is not None else accepted, slots, st.new_tokens, st.next_new_tokens,
             st.new_token_counts, st.next_draft_tokens, out, st.new_tokens.stride(0), st.next_new_tokens.stride(0),
-            st.next_draft_tokens.stride(0), T=t, BLOCK_T=triton.next_power_of_2(t), HAS_DRAFT=drafts is not None,
+            st.next_draft_tokens.stride(0), T=t, BLOCK_T=_rt.next_pow2(t), HAS_DRAFT=drafts is not None,
             num_warps=1,
         )  # fmt: skip
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["greedy_accept", "greedy_accept_ref"]
@@ -93,7 +94,7 @@ def greedy_accept(
         lim = limits if limits is not None else outs["accepted"]  # a placeholder pointer when there are none
         _greedy_accept_kernel[(b,)](
             logits, tokens, outs["best"], outs["accepted"], lim, v, logits.stride(0), logits.stride(1),
-            tokens.stride(0), T=t, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(v)), LIMITS=limits is not None,
+            tokens.stride(0), T=t, BLOCK_V=min(BLOCK_V, _rt.next_pow2(v)), LIMITS=limits is not None,
             num_warps=4,
         )  # fmt: skip
     return outs["best"], outs["accepted"]

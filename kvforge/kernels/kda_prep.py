@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_int, check_no_overlap, check_operand
 
 __all__ = ["kda_prepare", "kda_prepare_ref"]
@@ -93,7 +94,7 @@ def kda_prepare(
     check_no_overlap({f"out ({n})": o for n, o in zip(names, outs)}, {"proj": proj})
     if t:
         _kda_prepare_kernel[(t, h)](
-            proj, *outs, proj.stride(0), float(gate_bias), H=h, K=kd, BLOCK_K=triton.next_power_of_2(kd),
+            proj, *outs, proj.stride(0), float(gate_bias), H=h, K=kd, BLOCK_K=_rt.next_pow2(kd),
             num_warps=1 if kd <= 128 else 4,
         )  # fmt: skip
     return outs  # type: ignore[return-value]

@@ -1130,7 +1130,7 @@ def _copy_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int],
     t_h, t_d = dst.stride(0) * es, dst.stride(1) * es
     if h * d * t == 0 or (src.device.type != "cuda" and not interpreting()) or dst.data_ptr() % 4 or t_h % 4 or t_d % 4:
         return None
-    grid = (triton.cdiv(h * d, _COPY_ROWS), max(1, triton.cdiv(t * es // 4, _COPY_WORDS)))
+    grid = (_rt.cdiv(h * d, _COPY_ROWS), max(1, _rt.cdiv(t * es // 4, _COPY_WORDS)))
     if es == 1:  # an e4m3 pointer does not compile before sm_89; the kernel reads bytes anyway
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     return grid, (src, dst, h * d, d, t * es, src.stride(0) * es, src.stride(1) * es, src.data_ptr() % 4, t_h, t_d)
@@ -1171,13 +1171,13 @@ def _transpose_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, 
     t, h, d = src.shape
     if t * h * d == 0 or (src.device.type != "cuda" and not interpreting()):
         return None
-    bd = min(_TRANSPOSE_D, triton.next_power_of_2(d))
-    n_dblk = triton.cdiv(d, bd)
+    bd = min(_TRANSPOSE_D, _rt.next_pow2(d))
+    n_dblk = _rt.cdiv(d, bd)
     if h * n_dblk > 65535:
         return None
     if src.element_size() == 1:  # an e4m3 pointer does not compile before sm_89; the kernel only moves bytes
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-    grid = (triton.cdiv(t, _TRANSPOSE_T), h * n_dblk)
+    grid = (_rt.cdiv(t, _TRANSPOSE_T), h * n_dblk)
     args = (src, dst, t, n_dblk, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
     return grid, args, {"D": d, "BLOCK_T": _TRANSPOSE_T, "BLOCK_D": bd}
 
@@ -1602,7 +1602,7 @@ class MLAContextPlan:
             launches.append((_mla_tile_starts_kernel, (1,), (cu_q, cu_kv, starts, flag, n_req, total_q, kv_rows,
                              max_q, max_kv), starts_consts, {"num_warps": 4}))  # fmt: skip
             if n_slots > 0:
-                launches.append((_mla_work_items_kernel, (triton.cdiv(n_slots, n_pad),),
+                launches.append((_mla_work_items_kernel, (_rt.cdiv(n_slots, n_pad),),
                                  (cu_q, cu_kv, starts, work, *table_ints),
                                  {"BLOCK_M": bm, "N_PAD": n_pad, "SORT": False}, options))  # fmt: skip
         elif error_flag is not None:

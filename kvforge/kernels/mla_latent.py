@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["mla_latent_store", "mla_latent_store_ref"]
@@ -97,7 +98,7 @@ def mla_latent_store(
         half = rope // 2
         _mla_latent_kernel[(t,)](
             kv, weight, positions, cos_sin, pool, rows, kv.stride(0), float(eps), R=r, HALF=half,
-            BLOCK_R=triton.next_power_of_2(r), BLOCK_H=triton.next_power_of_2(half), num_warps=4 if r > 1024 else 2,
+            BLOCK_R=_rt.next_pow2(r), BLOCK_H=_rt.next_pow2(half), num_warps=4 if r > 1024 else 2,
         )  # fmt: skip
 
 

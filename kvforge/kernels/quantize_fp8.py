@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3_byte, native_e4m3_store
 from kvforge.kernels._runtime import ConfigTable, TunedKernel, kernel_device
@@ -91,7 +92,7 @@ def _quantize_tiles(x_ptr, out_ptr, scale, rows, cols, mask, n_outer, sx_outer, 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # A tile wider than the padded head dim only masks lanes off.
-    return cfg.kwargs["BLOCK_D"] <= max(16, triton.next_power_of_2(key[1]))
+    return cfg.kwargs["BLOCK_D"] <= max(16, _rt.next_pow2(key[1]))
 
 
 _SM90 = [
@@ -192,7 +193,7 @@ def quantize_fp8(
             raise ValueError(f"out: strides {out.stride()} do not collapse to two row axes; pass a contiguous out")
     (n_outer, sx_outer, so_outer), (n_inner, sx_inner, so_inner) = lead
     so_d = out_x.stride(-1) if d > 1 else 1
-    if triton.cdiv(d, 16) > _MAX_GRID_YZ:
+    if _rt.cdiv(d, 16) > _MAX_GRID_YZ:
         raise ValueError(f"x: last dimension {d} is too wide for one launch (at most {_MAX_GRID_YZ * 16})")
     key = (str(x.dtype), d, bool(transpose_tokens))
     scale_arg = scale_t if scale_t is not None else x
@@ -206,7 +207,7 @@ def quantize_fp8(
         tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in (x, o8, scale_arg)),
     )
     _KERNEL.launch_fast(
-        lambda m: (triton.cdiv(n_inner, m["BLOCK_R"]), min(n_outer, _MAX_GRID_YZ), triton.cdiv(d, m["BLOCK_D"])),
+        lambda m: (_rt.cdiv(n_inner, m["BLOCK_R"]), min(n_outer, _MAX_GRID_YZ), _rt.cdiv(d, m["BLOCK_D"])),
         key,
         spec,
         (x, o8, scale_arg, scale_v, n_inner, n_outer, *ints),

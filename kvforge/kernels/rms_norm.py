@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["rms_norm", "rms_norm_ref"]
@@ -83,7 +84,7 @@ def rms_norm(
         s = sum_out if sum_out is not None else out
         _rms_norm_kernel[(n,)](
             x, r, weight, out, s, n, d, x.stride(0), r.stride(0), out.stride(0), s.stride(0), float(eps),
-            HAS_RES=residual is not None, BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d > 2048 else 4,
+            HAS_RES=residual is not None, BLOCK_D=_rt.next_pow2(d), num_warps=8 if d > 2048 else 4,
         )  # fmt: skip
     return out if residual is None else (out, sum_out)  # type: ignore[return-value]
 

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_operand, check_tensor
 
 __all__ = ["rotary", "rotary_ref", "rotary_table"]
@@ -91,7 +92,7 @@ def rotary(
         half = r // 2
         _rotary_kernel[(t, x3.shape[1])](
             x3, positions, cos_sin, o3, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
-            HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+            HALF=half, BLOCK=_rt.next_pow2(half), num_warps=1,
         )  # fmt: skip
     return out
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor
 
 __all__ = ["select_accepted_states", "select_accepted_states_ref"]
@@ -92,7 +93,7 @@ def select_accepted_states(
         _check_values(pool, live, scratch, accepted)
     if n == 0 or scratch.shape[1] == 0 or row_elems == 0:
         return
-    grid = (n, triton.cdiv(row_elems, BLOCK))
+    grid = (n, _rt.cdiv(row_elems, BLOCK))
     _state_select_kernel[grid](pool, live, scratch, accepted, row_elems, n_scratch, BLOCK=BLOCK, num_warps=4)
 
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_no_overlap, check_operand
 
 __all__ = ["swiglu", "swiglu_ref"]
@@ -45,7 +46,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = N
     check_no_overlap({"out": out}, {"gate": gate, "up": up})
     n, cols = gate.shape
     if n and cols:
-        grid = (n, triton.cdiv(cols, BLOCK))
+        grid = (n, _rt.cdiv(cols, BLOCK))
         _swiglu_kernel[grid](gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0), BLOCK=BLOCK)
     return out
 
