@@ -10,14 +10,16 @@
 #             candidates, quantize_v_dim_major against quantize_fp8 of the same V, and quantize_fp8 with the
 #             hardware e4m3 conversion against the integer encoder (the kernel launched with NATIVE off and on)
 #   grid S    bench/bench_mla_context.py --random 24 --seed S (every path, the transposed one included)
+#   decode S  the decode merge kernel's tests (its partial loads now 16 bytes wide), then
+#             bench/bench_mla_decode_grid.py --random 12 --seed S (eager, graph, e4m3 against FlashInfer fa3)
 #   engine    the FP8-latent graph and fused-form engine tests, then bench_engine.py's prefill with V dim-major
 #             against token-major (needs the .whl folder of bench/device_assets.sh: fla-core, msgspec, pyzmq)
 # Before the first call, on the CPU side: bash bench/device_assets.sh; carry [".whl", ".flashinfer", ".gpu_data"].
 # Logs go to OUT_DIR (default $OUT, else bench/results/pending) as one .tgz per stage plus a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:?stage: tests, probe, grid SEED or engine}
-if [ "$STAGE" = grid ]; then
+STAGE=${1:?stage: tests, probe, grid SEED, decode SEED or engine}
+if [ "$STAGE" = grid ] || [ "$STAGE" = decode ]; then
   SEED=${2:?grid needs a seed}
   OUT_DIR=${3:-${OUT:-bench/results/pending}}
 else
@@ -69,6 +71,13 @@ case "$STAGE" in
       --out "$LOGS" > "$LOGS/grid_$SEED.log" 2>&1 || status=1
     tail -45 "$LOGS/grid_$SEED.log" | tee -a "$SUMMARY"
     ;;
+  decode)
+    run_pytest decode_merge 150 tests/test_mla_decode.py -k merge
+    timeout 400 python3 bench/bench_mla_decode_grid.py --random 12 --seed "$SEED" > "$LOGS/decode_$SEED.log" 2>&1 \
+      || status=1
+    tail -25 "$LOGS/decode_$SEED.log" | tee -a "$SUMMARY"
+    cp bench/results/mla_decode_grid.csv bench/results/mla_decode_grid_random12_seed"$SEED"*.png "$LOGS"/ 2>/dev/null
+    ;;
   engine)
     run_pytest engine_gpu 330 tests/test_engine_gpu.py -k "fp8_latent_greedy_identity_with_cuda_graphs or fused_forms"
     timeout 200 python3 bench/bench_engine.py --budget-s 150 --out "$LOGS" > "$LOGS/engine.log" 2>&1 \
@@ -76,7 +85,7 @@ case "$STAGE" in
     grep -E "^prefill" "$LOGS/engine.log" | tee -a "$SUMMARY"
     ;;
   *)
-    echo "unknown stage $STAGE (tests, probe, grid SEED, engine)" >&2
+    echo "unknown stage $STAGE (tests, probe, grid SEED, decode SEED, engine)" >&2
     exit 2
     ;;
 esac

@@ -540,6 +540,12 @@ def _merge_head(po_ptr, plse_ptr, out_ptr, lse_ptr, b, h, n, s_pob, s_poh, s_pos
     w_all = tl.exp(tl.where(nan, float("-inf"), x) - m_safe)
     den = tl.sum(w_all, 0)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    # The partials are the plan's own [B, H, S, dv] fp32 scratch with dv a power of two >= 32, so their strides are
+    # multiples of 16 elements; written as such (x // 16 * 16 is x for them) the compiler sees it through the
+    # per-call ints and loads 16 bytes at a time (a scalar multiple_of hint is not carried here).
+    s_pob = s_pob // 16 * 16
+    s_poh = s_poh // 16 * 16
+    s_pos = s_pos // 16 * 16
     po = po_ptr + b * s_pob + h * s_poh + cols
     offs_c = tl.arange(0, CH)
     acc = tl.zeros((BLOCK_D,), tl.float32)
