@@ -5,7 +5,8 @@
 #             (test_mla_context_replay), the token-major -> dim-major transpose and the copies
 #             (test_mla_context_nosync -k "dim_major or copy"), quantize_fp8 on the hardware e4m3 conversion
 #             (test_quantize_fp8 -m gpu, test_fp8_encoder -m gpu: every byte equal to the integer encoder's), and
-#             the fused ops with specialised strides (test_fused_ops, GPU sizes)
+#             the fused ops with specialised strides (test_fused_ops, GPU sizes), the latent-row store
+#             (test_mla_decode -k store: specialised row stride, hardware e4m3 conversion)
 #   probe     bench/probe_repack_copy.py --transpose: v_to_dim_major's kernel against torch's copy_, its tile
 #             candidates, quantize_v_dim_major against quantize_fp8 of the same V, and quantize_fp8 with the
 #             hardware e4m3 conversion against the integer encoder (the kernel launched with NATIVE off and on)
@@ -61,6 +62,7 @@ case "$STAGE" in
     run_pytest quantize 60 tests/test_quantize_fp8.py -m gpu
     run_pytest encoder 60 tests/test_fp8_encoder.py -m gpu
     run_pytest fused 120 tests/test_fused_ops.py
+    run_pytest store_latent 100 tests/test_mla_decode.py -k store
     ;;
   probe)
     python3 bench/probe_repack_copy.py --transpose --out "$LOGS" 2>&1 | tee "$LOGS/probe.log" | tail -40 \

@@ -297,7 +297,7 @@ def _compile_all(arch: int) -> list[dict[str, object]]:
         if name == "_mla_decode_split_kernel" and arch >= 89:  # the e4m3 cache widened in place (FP8_PIN)
             fp8 = {**types, "kv_ptr": "*fp8e4nv", "desc_h": "*fp8e4nv", "desc_r": "*fp8e4nv"}
             jobs.append((f"{name} [e4m3 pinned]", fn, fp8, {**consts, "SCALE_MODE": 1, "FP8_PIN": True}, warps, {}))
-        if name == "_quantize_fp8_kernel" and arch >= 89:  # the hardware e4m3 conversion (native_e4m3_store)
+        if name in ("_quantize_fp8_kernel", "_store_latent_kernel") and arch >= 89:  # hardware e4m3 conversion
             jobs.append((f"{name} [native e4m3]", fn, types, {**consts, "NATIVE": True}, warps, {}))
         if name != "_mla_context_fwd_kernel":
             jobs.append((name, fn, types, consts, warps, {}))
@@ -346,7 +346,7 @@ def test_kernels_compile_offline(arch: int):
     assert not failed, f"sm_{arch}: " + "\n".join(failed)
     n_gluon = sum("_mla_context_gluon_kernel" in str(r["name"]) for r in records)
     assert n_gluon in ((len(GLUON_VARIANTS) + 2 * len(GLUON_SHARE_FORMS), 0) if arch == 90 else (0,)), n_gluon
-    assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch]) + n_gluon + 2 * (arch >= 89)
+    assert len(records) == len(SPECS) - 1 + len(MLA_BY_ARCH[arch]) + n_gluon + 3 * (arch >= 89)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from kvforge.kernels._checks import (
     check_tensor,
     same_device,
 )
-from kvforge.kernels._fp8 import fp32_to_e4m3_bits
+from kvforge.kernels._fp8 import fp32_to_e4m3_byte, native_e4m3_store
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
@@ -1595,13 +1595,15 @@ def _show(layout: tuple) -> str:
     return f"{list(shape)} strides {strides} {dtype} on {device}{'' if aligned else ' (unaligned)'}"
 
 
-@triton.jit(do_not_specialize=["n_rows", "n_slots", "s_row", "scale_val"])
+# The rows' stride is specialised (fixed per model): a per-call stride would make every row load one element.
+@triton.jit(do_not_specialize=["n_rows", "n_slots", "scale_val"])
 def _store_latent_kernel(rows_ptr, slot_ptr, cache_ptr, scale_ptr, scale_val, n_rows, n_slots, s_row, s_page,
                          s_tok, PAGE_SIZE: tl.constexpr, D: tl.constexpr, FP8_OUT: tl.constexpr,
-                         SCALE_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                         SCALE_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NATIVE: tl.constexpr = False):  # fmt: skip
     """Row r goes to slot ``slots[r]`` (page ``slot // PAGE_SIZE``, token ``slot % PAGE_SIZE``); a slot outside
-    ``[0, n_slots)`` (-1 marks padding) is skipped. FP8_OUT: ``e4m3(x * scale)`` through the int-only encoder,
-    stored as bytes."""
+    ``[0, n_slots)`` (-1 marks padding) is skipped. FP8_OUT: ``e4m3(x * scale)`` stored as bytes
+    (``fp32_to_e4m3_byte``: the hardware conversion where ``NATIVE``, else the integer encoder; the same bytes)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_rows
     slot = tl.load(slot_ptr + r, mask=rmask, other=-1).to(tl.int64)
@@ -1614,7 +1616,7 @@ def _store_latent_kernel(rows_ptr, slot_ptr, cache_ptr, scale_ptr, scale_val, n_
         m = ok[:, None] & (cols < D)[None, :]
         x = tl.load(rows_ptr + r.to(tl.int64)[:, None] * s_row + cols[None, :], mask=m, other=0.0)
         if FP8_OUT:
-            y = fp32_to_e4m3_bits(x.to(tl.float32) * scale_val).to(tl.uint8)
+            y = fp32_to_e4m3_byte(x.to(tl.float32) * scale_val, NATIVE)
         else:
             y = x.to(cache_ptr.dtype.element_ty)
         tl.store(cache_ptr + dst[:, None] + cols[None, :], y, mask=m)
@@ -1682,6 +1684,7 @@ def store_latent_rows(
         rows, slots, cache, scale_t if scale_t is not None else rows, scale_val, n, P * S, rows.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         PAGE_SIZE=S, D=D, FP8_OUT=fp8, SCALE_IS_PTR=scale_t is not None,
+        NATIVE=fp8 and native_e4m3_store(kv_cache.device),
     )  # fmt: skip
 
 
