@@ -139,10 +139,7 @@ def transpose(lines: list[str], dev: torch.device) -> None:
         say(f"{name}: torch copy_ {ta:.1f} us ({nb / ta / 1e3:.0f} GB/s), v_to_dim_major {tb:.1f} us "
             f"({nb / tb / 1e3:.0f} GB/s), x{ta / tb:.2f}")  # fmt: skip
         for bt, bd, w in TRANSPOSE_TILES:
-            grid, kargs, consts = mc._transpose_launch(b, v)
-            grid = (triton.cdiv(t, bt), h * triton.cdiv(128, bd))
-            kargs = (*kargs[:3], triton.cdiv(128, bd), *kargs[4:])
-            consts = {**consts, "BLOCK_T": bt, "BLOCK_D": bd}
+            grid, kargs, consts = mc._transpose_launch(b, v, bt, bd)
 
             def run(grid=grid, kargs=kargs, consts=consts, w=w):
                 mc._tokens_to_dims_kernel[grid](*kargs, **consts, num_warps=w)

@@ -47,22 +47,6 @@ def fp32_to_e4m3_bits(x):
 
 
 @triton.jit
-def fp32_to_e4m3_byte(x, NATIVE: tl.constexpr):
-    """fp32 tensor -> uint8 tensor of e4m3fn bytes, ``fp32_to_e4m3_bits``' bytes either way. NATIVE (a GPU with
-    e4m3 conversions, ``native_e4m3_store``): the hardware's round-to-nearest-even conversion of the value clamped
-    to ±448 (two values per instruction, where the integer encoder spends ~30 integer instructions on each, so a
-    store-bound kernel using it runs at the integer pipes' rate), NaN set apart first (the clamp would turn it
-    into 448) and given the encoder's byte, 0x7F with its sign."""
-    if NATIVE:
-        y = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        nan = ((x.to(tl.int32, bitcast=True) >> 24) | 0x7F).to(tl.uint8)
-        res = tl.where(x != x, nan, y)
-    else:
-        res = fp32_to_e4m3_bits(x).to(tl.uint8)
-    return res
-
-
-@triton.jit
 def fp32_to_e4m3(x, NATIVE: tl.constexpr):
     """fp32 -> float8e4nv values (for tl.dot operands). NATIVE uses the hardware cast (GPU only)."""
     if NATIVE:
@@ -70,6 +54,22 @@ def fp32_to_e4m3(x, NATIVE: tl.constexpr):
     else:
         y = fp32_to_e4m3_bits(x).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     return y
+
+
+@triton.jit
+def fp32_to_e4m3_byte(x, NATIVE: tl.constexpr):
+    """fp32 tensor -> uint8 tensor of e4m3fn bytes, ``fp32_to_e4m3_bits``' bytes either way. NATIVE (a GPU with
+    e4m3 conversions, ``native_e4m3_store``): the hardware's round-to-nearest-even conversion of the value clamped
+    to ±448 (two values per instruction, where the integer encoder spends ~30 integer instructions on each, so a
+    store-bound kernel using it runs at the integer pipes' rate), NaN set apart first (the clamp would turn it
+    into 448) and given the encoder's byte, 0x7F with its sign."""
+    if NATIVE:
+        y = fp32_to_e4m3(x, True).to(tl.uint8, bitcast=True)
+        nan = ((x.to(tl.int32, bitcast=True) >> 24) | 0x7F).to(tl.uint8)
+        res = tl.where(x != x, nan, y)
+    else:
+        res = fp32_to_e4m3_bits(x).to(tl.uint8)
+    return res
 
 
 def native_fp8_cast() -> bool:

@@ -22,13 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
     PlanCache,
     TunedKernel,
+    cdiv,
     hooks_active,
     interpreting,
     tensor_key,
@@ -375,7 +375,7 @@ def _launch(
     tensors = (pages, copy_index, scales, offsets, out)
 
     def grid_fn(m: object) -> tuple[int, int, int]:
-        return (_rt.cdiv(n_blocks, m["BLOCK"]), min(n_seq, _MAX_GRID_YZ), pools)  # type: ignore[index]
+        return (cdiv(n_blocks, m["BLOCK"]), min(n_seq, _MAX_GRID_YZ), pools)  # type: ignore[index]
 
     _KERNEL.launch_fast(
         grid_fn,

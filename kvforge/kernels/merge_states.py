@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_shape, check_tensor
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, launch_jit
+from kvforge.kernels._runtime import ConfigTable, TunedKernel, cdiv, launch_jit, next_pow2
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -181,13 +180,13 @@ def _merge_launch_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, ou
     args = (o, lse, out, out_lse, S, R, H, D, *o.stride()[:3], *lse.stride(), *out.stride()[:2], *out_lse.stride())
 
     def grid(meta) -> tuple[int, int]:
-        return (_rt.cdiv(R, meta["BLOCK_R"]), _rt.cdiv(D, meta["BLOCK_D"]))
+        return (cdiv(R, meta["BLOCK_R"]), cdiv(D, meta["BLOCK_D"]))
 
     def run(cfg: triton.Config) -> None:
         launch_jit(_merge_states_kernel, grid(cfg.kwargs), args, cfg.kwargs, num_warps=cfg.num_warps,
                    num_stages=cfg.num_stages)  # fmt: skip
 
-    cfg = _MERGE.config_for((_rt.next_pow2(D),), run)
+    cfg = _MERGE.config_for((next_pow2(D),), run)
     return (
         _merge_states_kernel,
         grid(cfg.kwargs),

@@ -1164,22 +1164,25 @@ def _tokens_to_dims_kernel(src, dst, n_tok, n_dblk, s_t, s_h, t_h, t_d, D: tl.co
 _TRANSPOSE_T, _TRANSPOSE_D, _TRANSPOSE_WARPS = 128, 64, 4
 
 
-def _transpose_launch(dst: torch.Tensor, src: torch.Tensor) -> tuple[tuple[int, int], tuple, dict] | None:
+def _transpose_launch(
+    dst: torch.Tensor, src: torch.Tensor, block_t: int = _TRANSPOSE_T, block_d: int = _TRANSPOSE_D
+) -> tuple[tuple[int, int], tuple, dict] | None:
     """(grid, arguments, constants) of ``_tokens_to_dims_kernel`` for a token-major ``src`` ``[T, H, d]`` (last
-    dim contiguous) into a dim-major ``dst`` ``[H, d, T]`` (tokens contiguous), or None where ``copy_`` does it
-    (nothing to copy, the CPU without the interpreter, more head x dim blocks than one grid axis holds)."""
+    dim contiguous) into a dim-major ``dst`` ``[H, d, T]`` (tokens contiguous), tiles of ``block_t`` tokens x at
+    most ``block_d`` dims, or None where ``copy_`` does it (nothing to copy, the CPU without the interpreter, more
+    head x dim blocks than one grid axis holds)."""
     t, h, d = src.shape
     if t * h * d == 0 or (src.device.type != "cuda" and not interpreting()):
         return None
-    bd = min(_TRANSPOSE_D, _rt.next_pow2(d))
+    bd = min(block_d, _rt.next_pow2(d))
     n_dblk = _rt.cdiv(d, bd)
     if h * n_dblk > 65535:
         return None
     if src.element_size() == 1:  # an e4m3 pointer does not compile before sm_89; the kernel only moves bytes
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-    grid = (_rt.cdiv(t, _TRANSPOSE_T), h * n_dblk)
+    grid = (_rt.cdiv(t, block_t), h * n_dblk)
     args = (src, dst, t, n_dblk, src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
-    return grid, args, {"D": d, "BLOCK_T": _TRANSPOSE_T, "BLOCK_D": bd}
+    return grid, args, {"D": d, "BLOCK_T": block_t, "BLOCK_D": bd}
 
 
 def _capturing(device: torch.device) -> bool:
@@ -2395,7 +2398,7 @@ def v_to_dim_major(v: torch.Tensor, align_bytes: int = 16, *, out: torch.Tensor 
     launch = _transpose_launch(out, v) if v.stride(2) == 1 or d == 1 else None
     if launch is None:
         return out.copy_(src)
-    launch_jit(_tokens_to_dims_kernel, launch[0], launch[1], launch[2], num_warps=_TRANSPOSE_WARPS)
+    launch_jit(_tokens_to_dims_kernel, *launch, num_warps=_TRANSPOSE_WARPS)
     return out
 
 

@@ -26,10 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import FP8, check_launch_device, check_no_overlap, check_tensor, same_device
 from kvforge.kernels._fp8 import e4m3_ref, fp32_to_e4m3_byte, native_e4m3_store
-from kvforge.kernels._runtime import ConfigTable, TunedKernel, kernel_device
+from kvforge.kernels._runtime import ConfigTable, TunedKernel, cdiv, kernel_device, next_pow2
 from kvforge.kernels._selfcheck import CheckRow, timed_check
 
 __all__ = ["quantize_fp8", "quantize_fp8_ref", "selfcheck"]
@@ -92,7 +91,7 @@ def _quantize_tiles(x_ptr, out_ptr, scale, rows, cols, mask, n_outer, sx_outer, 
 
 def _keep(cfg: triton.Config, key: tuple) -> bool:
     # A tile wider than the padded head dim only masks lanes off.
-    return cfg.kwargs["BLOCK_D"] <= max(16, _rt.next_pow2(key[1]))
+    return cfg.kwargs["BLOCK_D"] <= max(16, next_pow2(key[1]))
 
 
 _SM90 = [
@@ -193,7 +192,7 @@ def quantize_fp8(
             raise ValueError(f"out: strides {out.stride()} do not collapse to two row axes; pass a contiguous out")
     (n_outer, sx_outer, so_outer), (n_inner, sx_inner, so_inner) = lead
     so_d = out_x.stride(-1) if d > 1 else 1
-    if _rt.cdiv(d, 16) > _MAX_GRID_YZ:
+    if cdiv(d, 16) > _MAX_GRID_YZ:
         raise ValueError(f"x: last dimension {d} is too wide for one launch (at most {_MAX_GRID_YZ * 16})")
     key = (str(x.dtype), d, bool(transpose_tokens))
     scale_arg = scale_t if scale_t is not None else x
@@ -207,7 +206,7 @@ def quantize_fp8(
         tuple((t.dtype, t.device, t.data_ptr() % 16 == 0) for t in (x, o8, scale_arg)),
     )
     _KERNEL.launch_fast(
-        lambda m: (_rt.cdiv(n_inner, m["BLOCK_R"]), min(n_outer, _MAX_GRID_YZ), _rt.cdiv(d, m["BLOCK_D"])),
+        lambda m: (cdiv(n_inner, m["BLOCK_R"]), min(n_outer, _MAX_GRID_YZ), cdiv(d, m["BLOCK_D"])),
         key,
         spec,
         (x, o8, scale_arg, scale_v, n_inner, n_outer, *ints),

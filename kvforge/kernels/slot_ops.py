@@ -25,15 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvforge.kernels import _runtime as _rt
 from kvforge.kernels._checks import check_launch_device, check_no_overlap, check_tensor
 from kvforge.kernels._runtime import (
     ConfigTable,
     DirectLaunch,
     PlanCache,
     TunedKernel,
+    cdiv,
     hooks_active,
     kernel_device,
+    next_pow2,
     tensor_key,
 )
 from kvforge.kernels._selfcheck import CheckRow, timed_check
@@ -432,7 +433,7 @@ def _scatter_args(
 ) -> tuple[tuple, dict[str, int], tuple]:
     """The scatter kernel's runtime arguments (signature order), its layout constants and launch spec."""
     widths = (st.new_tokens.shape[0], st.next_new_tokens.shape[0], st.next_draft_tokens.shape[1])
-    block_w = _rt.next_pow2(max(widths))
+    block_w = next_pow2(max(widths))
     tensors = (slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, *st.tensors())
     layout = {
         "S_SLOT": slot_ids.stride(0),
@@ -487,12 +488,12 @@ def _scatter_launch(
     args, layout, spec = _scatter_args(
         stores, slot_ids, new_tokens, next_new_tokens, new_token_counts, next_draft_tokens, n, row_begin
     )
-    _SCATTER.launch_fast(lambda m: (_rt.cdiv(n, m["BLOCK_R"]),), (layout["BLOCK_W"],), spec, args, **layout)
+    _SCATTER.launch_fast(lambda m: (cdiv(n, m["BLOCK_R"]),), (layout["BLOCK_W"],), spec, args, **layout)
     if plan.direct is None:
         # Every tensor is on the kernel's GPU (checked), so raw addresses stand for them from now on.
         d = _SCATTER.direct(spec)
         if d is not None:
-            plan.grid = _rt.cdiv(n, d.meta["BLOCK_R"])
+            plan.grid = cdiv(n, d.meta["BLOCK_R"])
             plan.direct = d
 
 
@@ -681,8 +682,8 @@ def _gather_layout(st: SlotStores, slot_ids: torch.Tensor, t: int, k: int, out: 
         "S_DRAFT_K": out.draft_tokens.stride(1),
         "S_KV": out.kv_offsets.stride(0),
         "I64": int(_needs_i64((slot_ids, *st.tensors()[1:], *out))),
-        "BLOCK_T": _rt.next_pow2(t),
-        "BLOCK_K": _rt.next_pow2(max(k, 1)),
+        "BLOCK_T": next_pow2(t),
+        "BLOCK_K": next_pow2(max(k, 1)),
     }
 
 
@@ -698,11 +699,11 @@ def _gather_launch(plan: _GatherPlan, stores: SlotStores, slot_ids: torch.Tensor
     n, layout = plan.n, plan.layout
     args = (slot_ids, n, *stores.tensors()[1:], *out)
     key = (layout["BLOCK_T"], layout["BLOCK_K"])
-    _GATHER.launch_fast(lambda m: (_rt.cdiv(n, m["BLOCK_R"]),), key, plan.spec, args, **layout)
+    _GATHER.launch_fast(lambda m: (cdiv(n, m["BLOCK_R"]),), key, plan.spec, args, **layout)
     if plan.direct is None:
         d = _GATHER.direct(plan.spec)
         if d is not None:
-            plan.grid = _rt.cdiv(n, d.meta["BLOCK_R"])
+            plan.grid = cdiv(n, d.meta["BLOCK_R"])
             plan.direct = d
 
 
